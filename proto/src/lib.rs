@@ -1,0 +1,23 @@
+//! The `oomscope.v1` wire format.
+//!
+//! The `.proto` files under `proto/` are the source of truth. The Rust code in
+//! `src/generated/` is generated from them and committed, so building needs no
+//! `protoc` and no build script; `tests/bootstrap.rs` regenerates it and fails
+//! when the committed copy is stale (run `cargo test -p oomscope-proto` and
+//! commit the result).
+
+#[allow(clippy::all, missing_docs)]
+#[rustfmt::skip]
+pub mod v1 {
+    include!("generated/oomscope.v1.rs");
+}
+
+/// The largest message either side accepts, in bytes. A sample is a few KiB
+/// and an OOM event with a snapshot summary a few hundred KiB at most, so 16 MiB
+/// leaves room while bounding what a malformed peer can make us allocate.
+pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Where collectors listen unless told otherwise.
+pub const DEFAULT_COLLECTOR_ADDR: &str = "127.0.0.1:7433";
+/// The URL agents and the CLI use unless `--collector` or `OOMSCOPE_COLLECTOR` says otherwise.
+pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";

@@ -1,1 +1,21 @@
+//! What every oomscope agent shares: probes of each host memory domain, the
+//! flight recorder, and the reporter that streams to the collector.
+//!
+//! Nothing here panics on a missing file, a missing GPU or a missing
+//! collector: each probe reports what it could read and marks the rest absent.
 
+pub mod probe;
+pub mod recorder;
+pub mod reporter;
+pub mod spool;
+pub mod torch;
+
+pub use oomscope_proto::v1 as pb;
+
+/// Nanoseconds since the Unix epoch, the time base of every message.
+pub fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}

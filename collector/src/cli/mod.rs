@@ -1,0 +1,5 @@
+//! Command-line verbs.
+
+pub fn main() -> i32 {
+    0
+}

@@ -1,0 +1,197 @@
+//! One level of the memory cgroup hierarchy, v1 or v2 files.
+
+use std::path::Path;
+
+use super::Version;
+use crate::pb;
+use crate::probe::system::parse_pressure;
+use crate::probe::text::{first_u64, key_values, read_opt};
+
+/// v1 writes PAGE_COUNTER_MAX rounded to pages (9223372036854771712) for
+/// "no limit"; anything this large cannot be a real limit.
+const V1_UNLIMITED_FLOOR: u64 = 1 << 60;
+
+/// Reads the level's files. A missing or garbled required file leaves its
+/// fields 0 and sets `partial`; optional files (peak, swap, memsw, PSI) that
+/// kernels may lack leave fields 0 silently.
+pub fn read_level(dir: &Path, path: &str, version: Version) -> pb::CgroupLevel {
+    let mut files = LevelFiles { dir, partial: false };
+    let mut level = pb::CgroupLevel {
+        path: path.to_string(),
+        version: version.as_str().to_string(),
+        ..Default::default()
+    };
+    match version {
+        Version::V1 => read_v1(&mut files, &mut level),
+        Version::V2 => read_v2(&mut files, &mut level),
+    }
+    level.partial = files.partial;
+    level
+}
+
+struct LevelFiles<'a> {
+    dir: &'a Path,
+    partial: bool,
+}
+
+impl LevelFiles<'_> {
+    fn required(&mut self, name: &str) -> Option<String> {
+        let text = read_opt(&self.dir.join(name));
+        self.partial |= text.is_none();
+        text
+    }
+
+    fn optional(&self, name: &str) -> Option<String> {
+        read_opt(&self.dir.join(name))
+    }
+
+    /// A required single-number file, parsed by `parse`; garbled counts as missing.
+    fn number(&mut self, name: &str, parse: fn(&str) -> Option<u64>) -> u64 {
+        let value = self.required(name).map(|t| parse(&t));
+        match value {
+            Some(Some(v)) => v,
+            Some(None) => {
+                self.partial = true;
+                0
+            }
+            None => 0,
+        }
+    }
+}
+
+fn read_v1(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
+    let limit_raw = files.number("memory.limit_in_bytes", first_u64);
+    level.limit_bytes = v1_limit(limit_raw);
+    level.usage_bytes = files.number("memory.usage_in_bytes", first_u64);
+    level.peak_bytes = files.number("memory.max_usage_in_bytes", first_u64);
+    level.failcnt = files.number("memory.failcnt", first_u64);
+    if let Some(t) = files.required("memory.oom_control") {
+        parse_v1_oom_control(&t, level);
+    }
+    if let Some(t) = files.required("memory.stat") {
+        parse_v1_stat(&t, level);
+    }
+    // memsw files exist only with swap accounting on.
+    if let Some(memsw) = files.optional("memory.memsw.limit_in_bytes").as_deref().and_then(first_u64) {
+        if v1_limit(memsw) != 0 {
+            level.swap_limit_bytes = memsw.saturating_sub(limit_raw);
+        }
+    }
+}
+
+fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
+    level.limit_bytes = files.number("memory.max", parse_v2_max);
+    level.usage_bytes = files.number("memory.current", first_u64);
+    level.high_bytes = files.number("memory.high", parse_v2_max);
+    // memory.peak arrived in Linux 5.19.
+    level.peak_bytes = files.optional("memory.peak").as_deref().and_then(first_u64).unwrap_or(0);
+    if let Some(t) = files.required("memory.events") {
+        parse_v2_events(&t, level);
+    }
+    if let Some(t) = files.required("memory.events.local") {
+        parse_v2_events_local(&t, level);
+    }
+    if let Some(t) = files.required("memory.stat") {
+        parse_v2_stat(&t, level);
+    }
+    // The swap files are absent without swap accounting, PSI without CONFIG_PSI.
+    level.swap_bytes = files.optional("memory.swap.current").as_deref().and_then(first_u64).unwrap_or(0);
+    level.swap_limit_bytes = files.optional("memory.swap.max").as_deref().and_then(parse_v2_max).unwrap_or(0);
+    level.pressure = files.optional("memory.pressure").map(|t| parse_pressure(&t));
+}
+
+/// A v1 limit in bytes, with the "no limit" sentinel mapped to 0.
+pub fn v1_limit(raw: u64) -> u64 {
+    if raw >= V1_UNLIMITED_FLOOR {
+        0
+    } else {
+        raw
+    }
+}
+
+/// A v2 `memory.max`/`memory.high`/`memory.swap.max` value: "max" = 0 (unlimited).
+pub fn parse_v2_max(text: &str) -> Option<u64> {
+    match text.split_whitespace().next()? {
+        "max" => Some(0),
+        v => v.parse().ok(),
+    }
+}
+
+/// v1 `memory.oom_control`: `oom_kill` counts victims in this very cgroup.
+pub fn parse_v1_oom_control(text: &str, level: &mut pb::CgroupLevel) {
+    for (key, value) in key_values(text) {
+        match key {
+            "oom_kill" => level.oom_control_oom_kill = value,
+            "under_oom" => level.under_oom = value != 0,
+            _ => {}
+        }
+    }
+}
+
+/// v1 `memory.stat`. The `total_*` keys are hierarchical like `usage_in_bytes`
+/// (and like v2's memory.stat), so they win over the local keys when present.
+/// v1 calls anonymous memory `rss` and page cache `cache`.
+pub fn parse_v1_stat(text: &str, level: &mut pb::CgroupLevel) {
+    let mut saw_total = std::collections::HashSet::new();
+    for (key, value) in key_values(text) {
+        let (name, is_total) = match key.strip_prefix("total_") {
+            Some(name) => (name, true),
+            None => (key, false),
+        };
+        let field = match name {
+            "rss" => &mut level.anon_bytes,
+            "cache" => &mut level.file_bytes,
+            "shmem" => &mut level.shmem_bytes,
+            "swap" => &mut level.swap_bytes,
+            "workingset_refault_anon" => &mut level.workingset_refault_anon,
+            "workingset_refault_file" => &mut level.workingset_refault_file,
+            "pgmajfault" => &mut level.pgmajfault,
+            _ => continue,
+        };
+        if is_total {
+            saw_total.insert(name);
+            *field = value;
+        } else if !saw_total.contains(name) {
+            *field = value;
+        }
+    }
+}
+
+/// v2 `memory.stat` (hierarchical).
+pub fn parse_v2_stat(text: &str, level: &mut pb::CgroupLevel) {
+    for (key, value) in key_values(text) {
+        match key {
+            "anon" => level.anon_bytes = value,
+            "file" => level.file_bytes = value,
+            "shmem" => level.shmem_bytes = value,
+            "workingset_refault_anon" => level.workingset_refault_anon = value,
+            "workingset_refault_file" => level.workingset_refault_file = value,
+            "pgmajfault" => level.pgmajfault = value,
+            _ => {}
+        }
+    }
+}
+
+/// v2 `memory.events` (hierarchical: counts this level and its descendants).
+pub fn parse_v2_events(text: &str, level: &mut pb::CgroupLevel) {
+    for (key, value) in key_values(text) {
+        match key {
+            "max" => level.events_max = value,
+            "oom" => level.events_oom = value,
+            "oom_kill" => level.events_oom_kill = value,
+            "oom_group_kill" => level.events_oom_group_kill = value,
+            _ => {}
+        }
+    }
+}
+
+/// v2 `memory.events.local` (this level only).
+pub fn parse_v2_events_local(text: &str, level: &mut pb::CgroupLevel) {
+    for (key, value) in key_values(text) {
+        match key {
+            "oom" => level.local_oom = value,
+            "oom_kill" => level.local_oom_kill = value,
+            _ => {}
+        }
+    }
+}

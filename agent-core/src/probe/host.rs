@@ -1,0 +1,89 @@
+//! One probe for one process over every host domain, cheap enough to sample
+//! every second: the cgroup location and NVML are resolved once.
+
+use super::cgroup::{self, MemoryCgroup};
+use super::gpu::GpuProbe;
+use super::{process, processes, system, HostPaths};
+use crate::pb;
+
+#[derive(Debug)]
+pub struct HostProbe {
+    paths: HostPaths,
+    pid: u32,
+    cgroup: Option<MemoryCgroup>,
+    gpu: GpuProbe,
+}
+
+impl HostProbe {
+    /// Locates the pid's memory cgroup and opens NVML (absent without a GPU).
+    pub fn new(paths: HostPaths, pid: u32) -> Self {
+        Self::with_gpu(paths, pid, GpuProbe::open())
+    }
+
+    /// As `new`, with a GPU probe of the caller's choosing (one NVML handle
+    /// shared by several probes, or `GpuProbe::absent()`).
+    pub fn with_gpu(paths: HostPaths, pid: u32, gpu: GpuProbe) -> Self {
+        let cgroup = cgroup::locate(&paths, pid);
+        HostProbe { paths, pid, cgroup, gpu }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn paths(&self) -> &HostPaths {
+        &self.paths
+    }
+
+    pub fn gpu(&self) -> &GpuProbe {
+        &self.gpu
+    }
+
+    /// Where the memory controller is, if there is one.
+    pub fn memory_cgroup(&self) -> Option<&MemoryCgroup> {
+        self.cgroup.as_ref()
+    }
+
+    /// Every host domain now. `process` is None once the pid is gone.
+    pub fn sample(&self) -> pb::Sample {
+        pb::Sample {
+            time_ns: crate::now_ns(),
+            process: process::read(&self.paths, self.pid).ok(),
+            cgroup: self.cgroup_levels(),
+            system: Some(system::read(&self.paths)),
+            gpus: self.gpu.read(),
+            ..Default::default()
+        }
+    }
+
+    /// The counters to compare before and after an exit: cgroup levels and system.
+    pub fn counters(&self) -> pb::HostCounters {
+        pb::HostCounters {
+            time_ns: crate::now_ns(),
+            cgroup: self.cgroup_levels(),
+            system: Some(system::read(&self.paths)),
+        }
+    }
+
+    /// The cgroup and its tightest limit; version "" when no memory controller was found.
+    pub fn cgroup_info(&self) -> pb::CgroupInfo {
+        match &self.cgroup {
+            Some(cg) => cgroup::info(&cgroup::read_levels(&self.paths, cg), cg),
+            None => pb::CgroupInfo::default(),
+        }
+    }
+
+    pub fn rlimits(&self) -> pb::Rlimits {
+        process::rlimits(&self.paths, self.pid)
+    }
+
+    /// The top `n` host processes by RSS and every GPU process: evidence for an
+    /// event, too slow (a full /proc scan) for every sample.
+    pub fn process_list(&self, n: usize) -> pb::ProcessList {
+        processes::list(&self.paths, &self.gpu, n)
+    }
+
+    fn cgroup_levels(&self) -> Vec<pb::CgroupLevel> {
+        self.cgroup.as_ref().map(|cg| cgroup::read_levels(&self.paths, cg)).unwrap_or_default()
+    }
+}

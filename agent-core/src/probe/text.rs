@@ -1,0 +1,37 @@
+//! Small helpers shared by the parsers: tolerant file reads and number parsing.
+
+use std::path::Path;
+
+/// The file's text, or None when it is missing or unreadable (never an error:
+/// the caller marks the reading partial instead).
+pub(crate) fn read_opt(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path).ok()
+}
+
+/// The first whitespace-separated token of `text` as u64.
+pub(crate) fn first_u64(text: &str) -> Option<u64> {
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// Iterates `key value` lines (memory.stat, memory.events, vmstat, oom_control);
+/// lines that do not have that shape are skipped.
+pub(crate) fn key_values(text: &str) -> impl Iterator<Item = (&str, u64)> {
+    text.lines().filter_map(|line| {
+        let mut it = line.split_whitespace();
+        let key = it.next()?;
+        let value = it.next()?.parse().ok()?;
+        Some((key, value))
+    })
+}
+
+/// The value of `Key:   1234 kB` in bytes (meminfo, status). Lines without a
+/// unit are taken as plain counts.
+pub(crate) fn kb_line_bytes(rest: &str) -> Option<u64> {
+    let mut it = rest.split_whitespace();
+    let n: u64 = it.next()?.parse().ok()?;
+    match it.next() {
+        Some(unit) if unit.eq_ignore_ascii_case("kb") => Some(n.saturating_mul(1024)),
+        Some(_) => None,
+        None => Some(n),
+    }
+}

@@ -1,0 +1,179 @@
+//! Host-side causes: a cgroup limit, system RAM, the address-space limit,
+//! strict overcommit, /dev/shm, swap thrash, a kill from outside.
+
+use super::cause;
+use crate::domain::{Domain, DomainVerdict};
+use crate::findings::Findings;
+use crate::pb;
+use crate::units::bytes;
+
+/// At or above this share of /dev/shm in use, a SIGBUS is a full /dev/shm;
+/// below it the SIGBUS may come from a truncated mapped file instead.
+const SHM_FULL_FRACTION: f64 = 0.95;
+
+/// A VmPeak at least this share of RLIMIT_AS means the process itself walked
+/// into the limit; below it, one oversized request did.
+const AS_NEAR_FRACTION: f64 = 0.5;
+
+pub fn cgroup_limit(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
+    let m = f.memcg.as_ref()?;
+    let mut evidence = m.evidence.clone();
+    let owner = f.counters.as_ref().and_then(|c| c.levels().find(|l| l.after.path == m.owner_path));
+    let mut metrics = vec![
+        ("limit_bytes", m.limit_bytes as f64),
+        ("peak_bytes", m.peak_bytes as f64),
+        ("usage_bytes", m.usage_bytes as f64),
+        ("owner_depth", m.owner_depth as f64),
+    ];
+    if let Some(l) = owner {
+        let s = l.after;
+        if s.anon_bytes + s.file_bytes + s.shmem_bytes > 0 {
+            // File and shmem pages count against the limit too; this says which grew.
+            evidence.push(format!(
+                "cgroup {} memory.stat: anon {}, file {}, shmem {}",
+                s.path,
+                bytes(s.anon_bytes),
+                bytes(s.file_bytes),
+                bytes(s.shmem_bytes)
+            ));
+            metrics.extend([
+                ("anon_bytes", s.anon_bytes as f64),
+                ("file_bytes", s.file_bytes as f64),
+                ("shmem_bytes", s.shmem_bytes as f64),
+            ]);
+        }
+    }
+    Some(cause("cgroup_limit", m.confidence, evidence, &metrics))
+}
+
+pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    if v.domain != Domain::HostRam {
+        return None;
+    }
+    let (b, a) = f.global_oom?;
+    let mut evidence = vec![format!("/proc/vmstat oom_kill {b} -> {a} with no cgroup level at its limit")];
+    let mut metrics = vec![("vmstat_oom_kill_delta", (a - b) as f64)];
+    if let Some(s) = f.evidence.last_system().filter(|s| s.mem_total_bytes > 0) {
+        evidence.push(format!(
+            "MemAvailable {} of MemTotal {}",
+            bytes(s.mem_available_bytes),
+            bytes(s.mem_total_bytes)
+        ));
+        metrics.extend([
+            ("mem_total_bytes", s.mem_total_bytes as f64),
+            ("mem_available_bytes", s.mem_available_bytes as f64),
+            ("swap_free_bytes", s.swap_free_bytes as f64),
+        ]);
+    }
+    // vmstat counts kills anywhere on the host: our child's SIGKILL ties it to us.
+    let confidence = if f.signal.is_some_and(|(s, _)| s == 9) { 0.9 } else { 0.6 };
+    Some(cause("host_ram_exhausted", confidence, evidence, &metrics))
+}
+
+pub fn address_space_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    let limit = f.as_limit?;
+    let p = f.evidence.last_process();
+    let vm_peak = p.map_or(0, |p| p.vm_peak_bytes);
+    let vm_size = p.map_or(0, |p| p.vm_size_bytes);
+    let mut evidence = vec![format!(
+        "RLIMIT_AS {}; VmPeak {}; VmSize {}",
+        bytes(limit),
+        bytes(vm_peak),
+        bytes(vm_size)
+    )];
+    let confidence = match v.domain {
+        Domain::AddressSpace if vm_peak as f64 >= limit as f64 * AS_NEAR_FRACTION => 0.9,
+        Domain::AddressSpace => {
+            evidence.push(format!(
+                "VmPeak is under {:.0}% of the limit: one large request was refused",
+                AS_NEAR_FRACTION * 100.0
+            ));
+            0.7
+        }
+        // CUDA error 2 without an allocator OOM event: it may be the host's limit.
+        Domain::GpuVram if f.oom.is_none() => {
+            evidence.push("CUDA error 2 can be a host address-space failure under a finite RLIMIT_AS".to_string());
+            0.3
+        }
+        _ => return None,
+    };
+    if let Some(line) = &f.oom_line {
+        evidence.insert(0, format!("stderr: {line}"));
+    }
+    let metrics =
+        [("limit_bytes", limit as f64), ("vm_peak_bytes", vm_peak as f64), ("vm_size_bytes", vm_size as f64)];
+    Some(cause("address_space_limit", confidence, evidence, &metrics))
+}
+
+pub fn overcommit_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    if v.domain != Domain::AddressSpace {
+        return None;
+    }
+    let (committed, limit) = f.strict_commit?;
+    let evidence = vec![format!(
+        "vm.overcommit_memory = 2: Committed_AS {} of CommitLimit {}",
+        bytes(committed),
+        bytes(limit)
+    )];
+    let metrics = [("committed_as_bytes", committed as f64), ("commit_limit_bytes", limit as f64)];
+    // With a finite RLIMIT_AS as well, either could have refused the request.
+    let confidence = if f.as_limit.is_some() { 0.5 } else { 0.85 };
+    Some(cause("overcommit_limit", confidence, evidence, &metrics))
+}
+
+pub fn shm_full(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    if v.domain != Domain::Shm {
+        return None;
+    }
+    let mut evidence = vec![f.signal_text()];
+    let mut metrics = Vec::new();
+    let mut confidence = 0.6;
+    match f.evidence.last_system().filter(|s| s.shm_total_bytes > 0) {
+        Some(s) => {
+            let share = s.shm_used_bytes as f64 / s.shm_total_bytes as f64;
+            evidence.push(format!(
+                "/dev/shm used {} of {} ({:.1}%)",
+                bytes(s.shm_used_bytes),
+                bytes(s.shm_total_bytes),
+                share * 100.0
+            ));
+            if share >= SHM_FULL_FRACTION {
+                confidence = 0.9;
+            } else {
+                evidence.push("/dev/shm is not full: a truncated memory-mapped file also raises SIGBUS".to_string());
+                confidence = 0.4;
+            }
+            metrics.extend([("shm_used_bytes", s.shm_used_bytes as f64), ("shm_total_bytes", s.shm_total_bytes as f64)]);
+        }
+        None => evidence.push("/dev/shm usage was not read".to_string()),
+    }
+    Some(cause("shm_full", confidence, evidence, &metrics))
+}
+
+pub fn swap_thrash(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    let t = f.thrash.as_ref().filter(|t| t.thrashing)?;
+    let metrics = [
+        ("refaults_per_s", t.refaults_per_s()),
+        ("refault_pages", t.refaults() as f64),
+        ("pswpin_per_s", t.pswpin as f64 / t.window_s),
+        ("pswpout_per_s", t.pswpout as f64 / t.window_s),
+        ("psi_some_avg10", t.some_avg10),
+        ("psi_full_avg10", t.full_avg10),
+        ("psi_some_stall_s", t.some_stall_us as f64 / 1e6),
+        ("window_s", t.window_s),
+    ];
+    let confidence = if v.domain == Domain::SwapThrash { 0.8 } else { 0.4 };
+    Some(cause("swap_thrash", confidence, t.evidence(), &metrics))
+}
+
+pub fn external_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    if v.domain != Domain::ExternalKill {
+        return None;
+    }
+    let evidence = vec![
+        format!("{} and no kernel OOM counter moved", f.signal_text()),
+        "the kill came from outside the kernel's OOM paths: an orchestrator (liveness probe, eviction), a stop timeout, a userspace OOM daemon, or a person".to_string(),
+    ];
+    let runtime_s = f.exit.map_or(0.0, |(_, x)| x.runtime_ns as f64 / 1e9);
+    Some(cause("external_kill", 0.7, evidence, &[("signal", 9.0), ("runtime_s", runtime_s)]))
+}

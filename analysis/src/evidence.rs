@@ -1,0 +1,121 @@
+//! What the analysis is given: one agent's messages around one incident.
+
+use crate::pb;
+use crate::pb::event::Kind;
+
+/// Everything known about one agent around one incident, oldest first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Evidence {
+    pub hello: Option<pb::Hello>,
+    pub samples: Vec<pb::Sample>,
+    pub events: Vec<pb::Event>,
+    pub incident: Option<IncidentRef>,
+}
+
+/// The incident being diagnosed, as the collector recorded it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IncidentRef {
+    pub id: String,
+    /// "oom" | "signal" | "exit_oom_text" | "agent_lost" | "crash_loop"
+    pub kind: String,
+    pub time_ns: i64,
+    pub agent: String,
+}
+
+impl Evidence {
+    /// The child exit the incident is about: the one nearest the incident's
+    /// time, else the last one.
+    pub fn child_exit(&self) -> Option<(i64, &pb::ChildExit)> {
+        self.nearest(|k| match k {
+            Kind::ChildExit(x) => Some(x),
+            _ => None,
+        })
+    }
+
+    /// The device OOM the incident is about (nearest its time, else the last).
+    pub fn oom(&self) -> Option<(i64, &pb::Oom)> {
+        self.nearest(|k| match k {
+            Kind::Oom(x) => Some(x),
+            _ => None,
+        })
+    }
+
+    /// The ChildStart of the given pid, the last one if restarts reused it.
+    pub fn child_start(&self, pid: u32) -> Option<&pb::ChildStart> {
+        self.events.iter().rev().find_map(|e| match &e.kind {
+            Some(Kind::ChildStart(s)) if s.pid == pid => Some(s),
+            _ => None,
+        })
+    }
+
+    /// The newest process list.
+    pub fn process_list(&self) -> Option<&pb::ProcessList> {
+        self.nearest(|k| match k {
+            Kind::ProcessList(x) => Some(x),
+            _ => None,
+        })
+        .map(|(_, p)| p)
+    }
+
+    /// The agent's own pid(s): the supervisor and its child, or the server.
+    pub fn own_pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.hello.iter().map(|h| h.pid).collect();
+        if let Some((_, x)) = self.child_exit() {
+            pids.push(x.pid);
+        }
+        pids.extend(self.samples.iter().filter_map(|s| s.process.as_ref().map(|p| p.pid)));
+        pids.retain(|&p| p != 0);
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// The process reading nearest the end: the child's at its exit, else the last sample's.
+    pub fn last_process(&self) -> Option<&pb::ProcessMemory> {
+        self.child_exit()
+            .and_then(|(_, x)| x.process.as_ref())
+            .or_else(|| self.samples.iter().rev().find_map(|s| s.process.as_ref()))
+    }
+
+    /// The soft RLIMIT_AS in force, if finite: the exiting child's, else the
+    /// last sample's, else the one the agent announced.
+    pub fn address_space_limit(&self) -> Option<u64> {
+        let from_process = self.last_process().map(|p| p.address_space_limit_bytes);
+        let from_hello = self
+            .hello
+            .as_ref()
+            .and_then(|h| h.rlimits.as_ref())
+            .map(|r| r.address_space_bytes);
+        [from_process, from_hello].into_iter().flatten().find(|&b| is_finite_limit(b))
+    }
+
+    /// The newest system reading: at the child's exit, else the last sample.
+    pub fn last_system(&self) -> Option<&pb::SystemMemory> {
+        self.child_exit()
+            .and_then(|(_, x)| x.after.as_ref())
+            .and_then(|c| c.system.as_ref())
+            .or_else(|| self.samples.iter().rev().find_map(|s| s.system.as_ref()))
+    }
+
+    fn nearest<'a, T>(&'a self, pick: impl Fn(&'a Kind) -> Option<&'a T>) -> Option<(i64, &'a T)> {
+        let found = self
+            .events
+            .iter()
+            .filter_map(|e| e.kind.as_ref().and_then(&pick).map(|x| (e.time_ns, x)));
+        match &self.incident {
+            // Ties go to the later event: it is the one nearer the death.
+            Some(inc) => found.fold(None, |best: Option<(i64, &T)>, (t, x)| match best {
+                Some((bt, _)) if t.abs_diff(inc.time_ns) > bt.abs_diff(inc.time_ns) => best,
+                _ => Some((t, x)),
+            }),
+            None => found.last(),
+        }
+    }
+}
+
+/// 0 means unlimited in the proto; RLIM_INFINITY (all ones) and v1's
+/// "unlimited" (PAGE_COUNTER_MAX pages, about 2^63) can still leak through from
+/// a raw reading, so anything at or above 2^62 bytes is treated as no limit.
+pub fn is_finite_limit(bytes: u64) -> bool {
+    bytes > 0 && bytes < (1u64 << 62)
+}

@@ -1,0 +1,140 @@
+//! The measurements a verdict is made of, gathered once from the evidence.
+//! The domain verdict, the causes and the fixes all read these.
+
+use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
+use crate::evidence::Evidence;
+use crate::oom_text::{cuda_oom_line, oom_line};
+use crate::pb;
+use crate::thrash::{read_thrash, ThrashReading};
+use crate::units::{bytes, seconds, signal_name};
+
+pub const SIGBUS: i32 = 7;
+pub const SIGKILL: i32 = 9;
+
+/// Under strict overcommit (mode 2) the kernel refuses a mapping that would
+/// take Committed_AS past CommitLimit; the refused request itself is not
+/// counted, so at the failure Committed_AS sits near, not at, the limit.
+/// 90% leaves room for a request of a tenth of the limit.
+pub const COMMIT_NEAR_FRACTION: f64 = 0.9;
+
+pub struct Findings<'a> {
+    pub evidence: &'a Evidence,
+    pub exit: Option<(i64, &'a pb::ChildExit)>,
+    pub oom: Option<(i64, &'a pb::Oom)>,
+    /// The signal that ended the child, and whether it was read from a shell's
+    /// 128+N exit code rather than from the wait status.
+    pub signal: Option<(i32, bool)>,
+    pub counters: Option<CounterChange>,
+    pub memcg: Option<MemcgOom>,
+    pub global_oom: Option<(u64, u64)>,
+    pub thrash: Option<ThrashReading>,
+    /// The stderr line that reports an allocation failure.
+    pub oom_line: Option<String>,
+    pub cuda_line: Option<String>,
+    pub as_limit: Option<u64>,
+    /// (Committed_AS, CommitLimit) when overcommit is strict and near its limit.
+    pub strict_commit: Option<(u64, u64)>,
+    /// Something failed: a non-clean exit, a device OOM, or an incident with neither.
+    pub failed: bool,
+}
+
+impl<'a> Findings<'a> {
+    pub fn gather(e: &'a Evidence) -> Findings<'a> {
+        let exit = e.child_exit();
+        let oom = e.oom();
+        let signal = exit.and_then(|(_, x)| match (x.signal, x.exit_code) {
+            (Some(s), _) => Some((s, false)),
+            // A shell (or `docker run`) reports a child's death by signal N as 128+N.
+            (None, Some(c)) if (129..=159).contains(&c) => Some((c - 128, true)),
+            _ => None,
+        });
+        let clean_exit = exit.is_some_and(|(_, x)| x.signal.is_none() && x.exit_code.unwrap_or(0) == 0);
+        let failed = oom.is_some() || (exit.is_some() && !clean_exit) || (exit.is_none() && e.incident.is_some());
+        let counters = CounterChange::from_evidence(e);
+        let sigkill = signal.is_some_and(|(s, _)| s == SIGKILL);
+        let memcg = counters.as_ref().and_then(|c| find_memcg_oom(c, sigkill));
+        let global_oom = counters.as_ref().and_then(global_oom_kill);
+        let stderr = exit.map_or("", |(_, x)| x.stderr_tail.as_str());
+        let oom_error = oom.map(|(_, o)| format!("{}: {}", o.error_type, o.error_text)).unwrap_or_default();
+        let cuda_line = cuda_oom_line(stderr).or_else(|| cuda_oom_line(&oom_error));
+        let strict_commit = e.last_system().and_then(|s| {
+            let near = s.overcommit_mode == 2
+                && s.commit_limit_bytes > 0
+                && s.committed_as_bytes as f64 >= s.commit_limit_bytes as f64 * COMMIT_NEAR_FRACTION;
+            near.then_some((s.committed_as_bytes, s.commit_limit_bytes))
+        });
+        Findings {
+            evidence: e,
+            exit,
+            oom,
+            signal,
+            counters,
+            memcg,
+            global_oom,
+            thrash: read_thrash(&e.samples),
+            oom_line: oom_line(stderr),
+            cuda_line,
+            as_limit: e.address_space_limit(),
+            strict_commit,
+            failed,
+        }
+    }
+
+    pub fn is_signal(&self, sig: i32) -> bool {
+        self.signal.is_some_and(|(s, _)| s == sig)
+    }
+
+    pub fn thrashing(&self) -> bool {
+        self.thrash.as_ref().is_some_and(|t| t.thrashing)
+    }
+
+    /// "killed by signal 9 (SIGKILL)" or "exit code 137 (128 + 9, SIGKILL)".
+    pub fn signal_text(&self) -> String {
+        match self.signal {
+            Some((s, false)) => format!("killed by signal {s} ({})", signal_name(s)),
+            Some((s, true)) => format!("exit code {} (128 + {s}, {})", s + 128, signal_name(s)),
+            None => "not killed by a signal".to_string(),
+        }
+    }
+
+    /// How the child ended, for the first evidence line.
+    pub fn exit_line(&self) -> Option<String> {
+        let (_, x) = self.exit?;
+        let how = match (x.signal, x.exit_code) {
+            (Some(s), _) => format!(
+                "killed by signal {s} ({}){}",
+                signal_name(s),
+                if x.core_dumped { ", core dumped" } else { "" }
+            ),
+            (None, Some(c)) => format!("exited with code {c}"),
+            (None, None) => "ended (no exit status recorded)".to_string(),
+        };
+        let mut line = format!("child pid {} {how} after {}", x.pid, seconds(x.runtime_ns as i64));
+        if x.attempt > 0 {
+            line.push_str(&format!(" (restart {})", x.attempt));
+        }
+        if x.crash_loop {
+            line.push_str("; restarts gave up (crash loop)");
+        }
+        Some(line)
+    }
+
+    /// "VmPeak 250.0 MiB (...); VmSize 249.0 MiB (...)" of the last process reading.
+    pub fn vm_line(&self) -> Option<String> {
+        let p = self.evidence.last_process()?;
+        (p.vm_peak_bytes > 0 || p.vm_size_bytes > 0)
+            .then(|| format!("VmPeak {}; VmSize {}", bytes(p.vm_peak_bytes), bytes(p.vm_size_bytes)))
+    }
+
+    /// "no OOM counter moved (child start/exit)" or the counters that did.
+    pub fn counters_line(&self) -> String {
+        match &self.counters {
+            None => "no before/after kernel counters were recorded".to_string(),
+            Some(c) if !c.any_oom_counter_moved() => format!(
+                "no kernel OOM counter moved between the {} readings: cgroup oom_kill/oom/failcnt and /proc/vmstat oom_kill unchanged",
+                c.source
+            ),
+            Some(c) => format!("counters that moved ({}): {}", c.source, c.moved_lines().join("; ")),
+        }
+    }
+}

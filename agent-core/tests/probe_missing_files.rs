@@ -1,0 +1,90 @@
+//! Missing, unreadable or garbled cgroup files make a reading partial, never an error.
+
+use std::fs;
+
+use oomscope_agent_core::probe::cgroup::{self, Version};
+use oomscope_agent_core::probe::{process, system, HostPaths, HostProbe};
+
+#[test]
+fn v2_level_with_only_memory_current_is_partial() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(tmp.path().join("memory.current"), "4096\n").unwrap();
+    let l = cgroup::read_level(tmp.path(), "/x", Version::V2);
+    assert!(l.partial);
+    assert_eq!(l.usage_bytes, 4096, "what exists is still read");
+    assert_eq!(l.limit_bytes, 0);
+    assert_eq!(l.path, "/x");
+    assert_eq!(l.version, "v2");
+}
+
+#[test]
+fn garbled_limit_is_partial() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, text) in [
+        ("memory.max", "lots\n"),
+        ("memory.current", "1\n"),
+        ("memory.high", "max\n"),
+        ("memory.events", ""),
+        ("memory.events.local", ""),
+        ("memory.stat", ""),
+    ] {
+        fs::write(tmp.path().join(name), text).unwrap();
+    }
+    let l = cgroup::read_level(tmp.path(), "/x", Version::V2);
+    assert!(l.partial);
+    assert_eq!(l.limit_bytes, 0);
+    // With a good memory.max it is complete (optional peak/swap/PSI absent is fine).
+    fs::write(tmp.path().join("memory.max"), "1048576\n").unwrap();
+    let l = cgroup::read_level(tmp.path(), "/x", Version::V2);
+    assert!(!l.partial);
+    assert_eq!(l.limit_bytes, 1048576);
+    assert!(l.pressure.is_none());
+}
+
+#[test]
+fn v1_level_without_oom_control_is_partial() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, text) in [
+        ("memory.limit_in_bytes", "67108864\n"),
+        ("memory.usage_in_bytes", "1000\n"),
+        ("memory.max_usage_in_bytes", "2000\n"),
+        ("memory.failcnt", "3\n"),
+        ("memory.stat", "rss 10\ncache 20\n"),
+        ("memory.memsw.limit_in_bytes", "100663296\n"),
+    ] {
+        fs::write(tmp.path().join(name), text).unwrap();
+    }
+    let l = cgroup::read_level(tmp.path(), "/x", Version::V1);
+    assert!(l.partial, "memory.oom_control missing");
+    assert_eq!((l.limit_bytes, l.usage_bytes, l.peak_bytes, l.failcnt), (67108864, 1000, 2000, 3));
+    assert_eq!((l.anon_bytes, l.file_bytes), (10, 20));
+    assert_eq!(l.swap_limit_bytes, 32 * 1024 * 1024, "memsw limit minus memory limit");
+}
+
+#[test]
+fn a_directory_that_is_gone_reads_as_partial_zeros() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gone = tmp.path().join("removed");
+    for version in [Version::V1, Version::V2] {
+        let l = cgroup::read_level(&gone, "/removed", version);
+        assert!(l.partial);
+        assert_eq!((l.usage_bytes, l.limit_bytes), (0, 0));
+    }
+}
+
+#[test]
+fn an_empty_proc_tree_gives_empty_readings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let paths = HostPaths { proc_root: tmp.path().join("proc"), cgroup_root: tmp.path().join("cg") };
+    assert!(cgroup::locate(&paths, 1).is_none());
+    assert!(process::read(&paths, 1).is_err());
+    assert_eq!(process::rlimits(&paths, 1), Default::default());
+    let sys = system::read(&paths);
+    assert_eq!(sys.mem_total_bytes, 0);
+    assert!(sys.pressure.is_none(), "no PSI file: absent, not an error");
+    let probe = HostProbe::with_gpu(paths, 1, oomscope_agent_core::probe::gpu::GpuProbe::absent());
+    let s = probe.sample();
+    assert!(s.process.is_none());
+    assert!(s.cgroup.is_empty());
+    assert!(probe.process_list(5).host_top_rss.is_empty());
+}

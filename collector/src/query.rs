@@ -1,1 +1,146 @@
-//! (in progress)
+//! `QueryService`: what people and tools ask the collector. Thin: resolve the
+//! agent, read the store on a blocking thread, hand evidence to the analysis.
+
+use anyhow::Result;
+use tonic::{Request, Response, Status};
+
+use crate::pb;
+use crate::pb::query_service_server::QueryService;
+use crate::server::Collector;
+use crate::store::{AgentHistory, Store};
+
+pub struct QueryApi {
+    collector: Collector,
+}
+
+impl QueryApi {
+    pub fn new(collector: Collector) -> QueryApi {
+        QueryApi { collector }
+    }
+
+    async fn read<R, F>(&self, f: F) -> Result<R, Status>
+    where
+        F: FnOnce(&mut Store) -> Result<R, Status> + Send + 'static,
+        R: Send + 'static,
+    {
+        // Two layers: the outer error is the store task's, the inner the query's.
+        match self.collector.with_store(move |s| Ok(f(s))).await {
+            Ok(r) => r,
+            Err(e) => Err(internal(e)),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl QueryService for QueryApi {
+    async fn list_agents(
+        &self,
+        _request: Request<pb::ListAgentsRequest>,
+    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        let agents = self.read(|s| s.list_agents().map_err(internal)).await?;
+        Ok(Response::new(pb::ListAgentsResponse { agents }))
+    }
+
+    async fn timeline(
+        &self,
+        request: Request<pb::TimelineRequest>,
+    ) -> Result<Response<pb::TimelineResponse>, Status> {
+        let req = request.into_inner();
+        if req.agent.is_empty() {
+            return Err(Status::invalid_argument("name an agent (its id or name)"));
+        }
+        let timeline = self
+            .read(move |s| {
+                let id = resolve(s, &req.agent)?;
+                s.timeline(&id, req.from_ns, req.to_ns, req.max_points).map_err(internal)
+            })
+            .await?;
+        Ok(Response::new(timeline))
+    }
+
+    async fn incidents(
+        &self,
+        request: Request<pb::IncidentsRequest>,
+    ) -> Result<Response<pb::IncidentsResponse>, Status> {
+        let agent = request.into_inner().agent;
+        let incidents = self
+            .read(move |s| {
+                let id = if agent.is_empty() { None } else { Some(resolve(s, &agent)?) };
+                s.incidents(id.as_deref()).map_err(internal)
+            })
+            .await?;
+        Ok(Response::new(pb::IncidentsResponse { incidents }))
+    }
+
+    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::Diagnosis>, Status> {
+        let req = request.into_inner();
+        let diagnosis = self.read(move |s| diagnose_request(s, &req)).await?;
+        Ok(Response::new(diagnosis))
+    }
+}
+
+/// Picks the evidence a DiagnoseRequest names and diagnoses it:
+/// an incident id; else, with an agent and a range, that range of its
+/// timeline; else the latest incident (of the agent, when named); else, with
+/// an agent that had no incident, its whole timeline (a leak hunt).
+pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::Diagnosis, Status> {
+    let agent = if req.agent.is_empty() { None } else { Some(resolve(store, &req.agent)?) };
+    let incident = if !req.incident.is_empty() {
+        let inc = store.incident(&req.incident).map_err(internal)?.ok_or_else(|| {
+            Status::not_found(format!("no incident {:?}; `oomscope incidents` lists them", req.incident))
+        })?;
+        Some(inc)
+    } else if agent.is_some() && (req.from_ns != 0 || req.to_ns != 0) {
+        None
+    } else {
+        match store.latest_incident(agent.as_deref()).map_err(internal)? {
+            Some(inc) => Some(inc),
+            None if agent.is_some() => None,
+            None => {
+                return Err(Status::not_found(
+                    "no incidents recorded yet; name an agent to diagnose its timeline",
+                ))
+            }
+        }
+    };
+    let (agent_id, from_ns, to_ns) = match &incident {
+        Some(inc) => (inc.agent_id.clone(), i64::MIN, inc.time_ns),
+        None => {
+            let to = if req.to_ns == 0 { i64::MAX } else { req.to_ns };
+            (agent.unwrap_or_default(), req.from_ns, to)
+        }
+    };
+    let history = store.history(&agent_id, from_ns, to_ns).map_err(internal)?;
+    let mut diagnosis = diagnose(&history, incident.as_ref());
+    diagnosis.agent = Some(agent_id);
+    if let Some(inc) = incident {
+        diagnosis.incident = Some(inc.id);
+    }
+    Ok(diagnosis)
+}
+
+/// The analysis's verdict on one agent's history (around `incident`).
+pub fn diagnose(history: &AgentHistory, incident: Option<&pb::Incident>) -> pb::Diagnosis {
+    let _ = (history, incident);
+    // Bridge to oomscope_analysis::diagnose, wired in once it is exported.
+    pb::Diagnosis::default()
+}
+
+/// The domain the analysis blames for what happened by the end of `history`.
+pub fn attribute_domain(history: &AgentHistory) -> String {
+    let _ = history;
+    // Bridge to oomscope_analysis::attribute_domain, wired in once it is exported.
+    String::new()
+}
+
+fn resolve(store: &Store, agent: &str) -> Result<String, Status> {
+    store
+        .resolve_agent(agent)
+        .map_err(internal)?
+        .ok_or_else(|| Status::not_found(format!("no agent with id or name {agent:?}; `oomscope agents` lists them")))
+}
+
+fn internal(e: anyhow::Error) -> Status {
+    tracing::error!("query failed: {e:#}");
+    Status::internal(format!("{e:#}"))
+}

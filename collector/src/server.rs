@@ -1,1 +1,519 @@
-//! (in progress)
+//! The collector's gRPC server: agents stream in (`AgentService.Connect`),
+//! people and tools ask (`QueryService`, in `query.rs`).
+//!
+//! Ingest rule: a batch of messages is written in one durable transaction and
+//! only then acked, so an ack is the agent's licence to forget a message.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::{anyhow, Context, Result};
+use futures::FutureExt;
+use oomscope_proto::MAX_MESSAGE_BYTES;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+use crate::incidents;
+use crate::pb;
+use crate::pb::agent_message::Body;
+use crate::pb::agent_service_server::{AgentService, AgentServiceServer};
+use crate::pb::collector_message::Body as Reply;
+use crate::pb::query_service_server::QueryServiceServer;
+use crate::query::QueryApi;
+use crate::store::{now_ns, Store};
+
+/// At most this many ready messages go into one transaction (and one ack run).
+const MAX_BATCH: usize = 256;
+
+pub struct ServeConfig {
+    pub listen: SocketAddr,
+    pub db: PathBuf,
+    /// How long a stream that broke without a Goodbye may take to reconnect
+    /// before the agent is recorded as lost.
+    pub lost_grace: Duration,
+}
+
+pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
+
+/// Opens the store, binds `cfg.listen` and serves until `shutdown` completes.
+pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let db = cfg.db.clone();
+    let store = tokio::task::spawn_blocking(move || Store::open(&db))
+        .await
+        .map_err(|e| anyhow!("opening the store: {e}"))??;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    serve_with_listener(listener, Collector::new(store, cfg.lost_grace), shutdown).await
+}
+
+/// Serves both services on an already bound listener (tests bind port 0).
+pub async fn serve_with_listener(
+    listener: tokio::net::TcpListener,
+    collector: Collector,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    let addr = listener.local_addr().ok();
+    collector.watch_stale_agents().await;
+    let agents = AgentServiceServer::new(AgentApi { collector: collector.clone() })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let queries = QueryServiceServer::new(QueryApi::new(collector.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    tracing::info!(?addr, "collector serving");
+    let stopping = collector.inner.stopping.clone();
+    // Agent streams never end on their own; tell them to, or a graceful
+    // shutdown would wait for them forever.
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stopping.send(true);
+    };
+    tonic::transport::Server::builder()
+        .add_service(agents)
+        .add_service(queries)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+        .context("the gRPC server failed")
+}
+
+/// The shared state of a running collector: the store, the connected agents
+/// and their directive queues. Cheap to clone.
+#[derive(Clone)]
+pub struct Collector {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Mutex<Store>,
+    lost_grace: Duration,
+    links: Mutex<HashMap<String, Link>>,
+    next_generation: AtomicU64,
+    stopping: watch::Sender<bool>,
+}
+
+/// The newest stream of one agent. `directives` is None once it ended; the
+/// generation stays so that a lost-check can tell whether the agent came back.
+struct Link {
+    generation: u64,
+    directives: Option<mpsc::Sender<pb::Directive>>,
+}
+
+impl Collector {
+    pub fn new(store: Store, lost_grace: Duration) -> Collector {
+        Collector {
+            inner: Arc::new(Inner {
+                store: Mutex::new(store),
+                lost_grace,
+                links: Mutex::new(HashMap::new()),
+                next_generation: AtomicU64::new(1),
+                stopping: watch::channel(false).0,
+            }),
+        }
+    }
+
+    /// Runs `f` on the store on a blocking thread: SQLite calls block.
+    pub async fn with_store<R, F>(&self, f: F) -> Result<R>
+    where
+        F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
+        R: Send + 'static,
+    {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || f(&mut lock(&inner.store)))
+            .await
+            .map_err(|e| anyhow!("a store task failed: {e}"))?
+    }
+
+    /// Queues a directive for a connected agent; never waits.
+    pub fn directive(&self, agent_id: &str, directive: pb::Directive) -> Result<()> {
+        let links = lock(&self.inner.links);
+        let tx = links
+            .get(agent_id)
+            .and_then(|l| l.directives.as_ref())
+            .ok_or_else(|| anyhow!("agent {agent_id:?} is not connected"))?;
+        tx.try_send(directive).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => {
+                anyhow!("agent {agent_id:?} has too many directives queued; try again later")
+            }
+            mpsc::error::TrySendError::Closed(_) => anyhow!("agent {agent_id:?} just disconnected"),
+        })
+    }
+
+    /// Ids of the agents with a live stream now.
+    pub fn connected(&self) -> Vec<String> {
+        let links = lock(&self.inner.links);
+        let mut ids: Vec<String> =
+            links.iter().filter(|(_, l)| l.directives.is_some()).map(|(id, _)| id.clone()).collect();
+        ids.sort();
+        ids
+    }
+
+    fn register(&self, agent_id: &str, directives: mpsc::Sender<pb::Directive>) -> u64 {
+        let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.links)
+            .insert(agent_id.to_string(), Link { generation, directives: Some(directives) });
+        generation
+    }
+
+    fn unregister(&self, agent_id: &str, generation: u64) {
+        if let Some(link) = lock(&self.inner.links).get_mut(agent_id) {
+            if link.generation == generation {
+                link.directives = None;
+            }
+        }
+    }
+
+    /// True when stream `generation` was the agent's last and it has ended.
+    fn still_gone(&self, agent_id: &str, generation: u64) -> bool {
+        lock(&self.inner.links)
+            .get(agent_id)
+            .is_some_and(|l| l.generation == generation && l.directives.is_none())
+    }
+
+    /// After `lost_grace`, records the agent as lost unless a newer stream of
+    /// it exists by then.
+    fn schedule_lost_check(&self, agent_id: String, generation: u64, broke_at_ns: i64) {
+        let collector = self.clone();
+        let grace = self.inner.lost_grace;
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            let c = collector.clone();
+            let id = agent_id.clone();
+            // The check runs under the store lock, and a reconnect registers
+            // before it writes "connected": so either the check sees the new
+            // stream, or its "lost" is overwritten by the reconnect.
+            let outcome = collector
+                .with_store(move |store| {
+                    if !c.still_gone(&id, generation) {
+                        return Ok(None);
+                    }
+                    store.set_state(&id, "lost", now_ns())?;
+                    incidents::record_lost(store, &id, broke_at_ns, grace)
+                })
+                .await;
+            match outcome {
+                Ok(Some(inc)) => {
+                    tracing::warn!(agent_id, incident = inc.id, domain = inc.domain, "{}", inc.summary)
+                }
+                Ok(None) => tracing::debug!(agent_id, "reconnected within the grace period"),
+                Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
+            }
+        });
+    }
+
+    /// Agents the store still calls connected (the collector restarted under
+    /// them) get the same grace to reconnect as a broken stream.
+    async fn watch_stale_agents(&self) {
+        let stale = match self.with_store(|s| s.connected_agents()).await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::error!("listing agents left connected: {e:#}");
+                return;
+            }
+        };
+        for agent_id in stale {
+            let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
+            lock(&self.inner.links)
+                .entry(agent_id.clone())
+                .or_insert(Link { generation, directives: None });
+            self.schedule_lost_check(agent_id, generation, now_ns());
+        }
+    }
+}
+
+/// A poisoned lock only means another thread panicked mid-call; the data
+/// (a connection, a map) is still usable, and the collector must keep serving.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct AgentApi {
+    collector: Collector,
+}
+
+type ReplyTx = mpsc::Sender<Result<pb::CollectorMessage, Status>>;
+
+#[tonic::async_trait]
+impl AgentService for AgentApi {
+    type ConnectStream = ReceiverStream<Result<pb::CollectorMessage, Status>>;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let peer = request.remote_addr();
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(session(self.collector.clone(), request.into_inner(), tx, peer));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// How a session ended.
+enum End {
+    /// The agent closed its side (after a Goodbye, or not).
+    Eof,
+    /// The stream failed: malformed or oversized message, reset, ...
+    Failed(Status),
+    /// The agent stopped listening to our replies.
+    Gone,
+    /// We could not store: the agent must resend later.
+    StoreFailed,
+    Shutdown,
+}
+
+async fn session(
+    collector: Collector,
+    mut inbound: Streaming<pb::AgentMessage>,
+    tx: ReplyTx,
+    peer: Option<SocketAddr>,
+) {
+    let hello = match inbound.message().await {
+        Ok(Some(pb::AgentMessage { body: Some(Body::Hello(h)), .. })) if !h.agent_id.is_empty() => h,
+        Ok(Some(first)) => {
+            let reason = "the first message must be a Hello with an agent_id".to_string();
+            tracing::warn!(?peer, seq = first.seq, "rejected a stream: {reason}");
+            let _ = tx.send(Ok(reject(first.seq, &reason))).await;
+            let _ = tx.send(Err(Status::invalid_argument(reason))).await;
+            return;
+        }
+        Ok(None) => return,
+        Err(status) => {
+            let status = explain(&status, "(before its Hello)", 0);
+            tracing::warn!(?peer, "a stream failed before its Hello: {}", status.message());
+            let _ = tx.send(Err(status)).await;
+            return;
+        }
+    };
+    let agent_id = hello.agent_id.clone();
+    let (dtx, mut directives) = mpsc::channel(16);
+    // Register before writing "connected": see schedule_lost_check.
+    let generation = collector.register(&agent_id, dtx);
+    let stored_hello = hello.clone();
+    if let Err(e) = collector.with_store(move |s| s.upsert_agent(&stored_hello, now_ns())).await {
+        tracing::error!(agent_id, "storing the Hello failed: {e:#}");
+        collector.unregister(&agent_id, generation);
+        let _ = tx.send(Err(Status::unavailable(format!("the collector could not store the Hello: {e:#}")))).await;
+        return;
+    }
+    tracing::info!(agent_id, name = hello.name, ?peer, "agent connected");
+
+    let mut stopping = collector.inner.stopping.subscribe();
+    let mut said_goodbye = false;
+    let mut last_seq = 0u64;
+    let end = loop {
+        tokio::select! {
+            biased;
+            // Map away the guard: it is not Send.
+            _ = stopping.wait_for(|s| *s).map(|_| ()) => break End::Shutdown,
+            Some(d) = directives.recv() => {
+                if tx.send(Ok(pb::CollectorMessage { body: Some(Reply::Directive(d)) })).await.is_err() {
+                    break End::Gone;
+                }
+            }
+            next = inbound.message() => {
+                let first = match next {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break End::Eof,
+                    Err(status) => break End::Failed(status),
+                };
+                let (batch, pending_end) = drain_ready(&mut inbound, first);
+                match ingest(&collector, &hello, batch, &tx).await {
+                    Ok(outcome) => {
+                        said_goodbye |= outcome.goodbye;
+                        last_seq = last_seq.max(outcome.max_seq);
+                        if !outcome.replies_delivered {
+                            break End::Gone;
+                        }
+                    }
+                    Err(()) => break End::StoreFailed,
+                }
+                if let Some(end) = pending_end {
+                    break end;
+                }
+            }
+        }
+    };
+    collector.unregister(&agent_id, generation);
+
+    match &end {
+        End::Failed(status) => {
+            let status = explain(status, &agent_id, last_seq);
+            tracing::warn!(agent_id, code = ?status.code(), "stream failed: {}", status.message());
+            let _ = tx.send(Err(status)).await;
+        }
+        End::Shutdown => {
+            let _ = tx.send(Err(Status::unavailable("the collector is shutting down; reconnect later"))).await;
+        }
+        _ => {}
+    }
+    match end {
+        // State "connected" stays in the store; the next start gives the
+        // agent its grace to come back.
+        End::Shutdown => tracing::info!(agent_id, "stream closed for shutdown"),
+        _ if said_goodbye => tracing::info!(agent_id, "agent disconnected (Goodbye)"),
+        // Our fault, not the agent's: it will reconnect and resend.
+        End::StoreFailed => {}
+        _ => {
+            tracing::info!(agent_id, "stream ended without a Goodbye; waiting {:?} for a reconnect", collector.inner.lost_grace);
+            collector.schedule_lost_check(agent_id, generation, now_ns());
+        }
+    }
+}
+
+/// `first` plus whatever else has already arrived, up to MAX_BATCH, so one
+/// transaction (one fsync) covers a burst. Also returns how the stream ended
+/// if it ended while draining; the messages before that still get stored.
+fn drain_ready(inbound: &mut Streaming<pb::AgentMessage>, first: pb::AgentMessage) -> (Vec<pb::AgentMessage>, Option<End>) {
+    let mut batch = vec![first];
+    while batch.len() < MAX_BATCH {
+        // `message()` keeps its state in the stream, so dropping an unready
+        // future loses nothing.
+        match inbound.message().now_or_never() {
+            None => break,
+            Some(Ok(Some(m))) => batch.push(m),
+            Some(Ok(None)) => return (batch, Some(End::Eof)),
+            Some(Err(status)) => return (batch, Some(End::Failed(status))),
+        }
+    }
+    (batch, None)
+}
+
+struct IngestOutcome {
+    goodbye: bool,
+    max_seq: u64,
+    replies_delivered: bool,
+}
+
+/// Stores one batch, records its incidents, then acks what is stored.
+async fn ingest(
+    collector: &Collector,
+    hello: &pb::Hello,
+    batch: Vec<pb::AgentMessage>,
+    tx: &ReplyTx,
+) -> Result<IngestOutcome, ()> {
+    let agent_id = hello.agent_id.clone();
+    let mut rejects = Vec::new();
+    let mut storable = Vec::with_capacity(batch.len());
+    let mut goodbye = None;
+    let mut rehello = None;
+    for msg in batch {
+        match &msg.body {
+            Some(Body::Hello(h)) if h.agent_id == agent_id => rehello = Some(h.clone()),
+            Some(Body::Hello(h)) => rejects.push(reject(
+                msg.seq,
+                &format!("this stream belongs to agent {agent_id:?}, not {:?}; open a new stream", h.agent_id),
+            )),
+            None => rejects.push(reject(msg.seq, "a message without a body")),
+            Some(Body::Goodbye(g)) => {
+                goodbye = Some(g.clone());
+                if msg.seq > 0 {
+                    storable.push(msg);
+                }
+            }
+            Some(_) if msg.seq == 0 => {
+                rejects.push(reject(0, "samples and events are numbered from seq 1"))
+            }
+            Some(_) => storable.push(msg),
+        }
+    }
+    let max_seq = storable.iter().map(|m| m.seq).max().unwrap_or(0);
+    let has_goodbye = goodbye.is_some();
+    let id = agent_id.clone();
+    let result = collector
+        .with_store(move |store| {
+            if let Some(h) = &rehello {
+                store.upsert_agent(h, now_ns())?;
+            }
+            let outcome = store.insert_batch(&id, &storable)?;
+            // An incident that fails to record must not cost the agent its
+            // ack: the messages are stored, and a resend would retry it.
+            let recorded = incidents::record(store, &id, &storable).unwrap_or_else(|e| {
+                tracing::error!(agent_id = id, "recording incidents failed: {e:#}");
+                Vec::new()
+            });
+            if has_goodbye {
+                store.set_state(&id, "disconnected", now_ns())?;
+            }
+            Ok((outcome, recorded))
+        })
+        .await;
+    let (outcome, recorded) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
+            let _ = tx
+                .send(Err(Status::unavailable(format!(
+                    "the collector could not store your messages ({e:#}); reconnect and resend"
+                ))))
+                .await;
+            return Err(());
+        }
+    };
+    for inc in &recorded {
+        tracing::warn!(agent_id, incident = inc.id, kind = inc.kind, domain = inc.domain, "{}", inc.summary);
+    }
+    if let Some(g) = &goodbye {
+        tracing::info!(agent_id, reason = g.reason, exit_code = g.exit_code, "Goodbye");
+    }
+    let mut delivered = true;
+    let replies = rejects.into_iter().chain(ack_ranges(&outcome.stored).into_iter().map(|(from_seq, to_seq)| {
+        pb::CollectorMessage { body: Some(Reply::Ack(pb::Ack { from_seq, to_seq })) }
+    }));
+    for reply in replies {
+        if tx.send(Ok(reply)).await.is_err() {
+            delivered = false;
+            break;
+        }
+    }
+    Ok(IngestOutcome { goodbye: has_goodbye, max_seq, replies_delivered: delivered })
+}
+
+/// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].
+pub fn ack_ranges(seqs: &[u64]) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for &s in seqs {
+        match ranges.last_mut() {
+            Some((_, to)) if s == *to + 1 => *to = s,
+            Some((_, to)) if s <= *to => {}
+            _ => ranges.push((s, s)),
+        }
+    }
+    ranges
+}
+
+fn reject(seq: u64, reason: &str) -> pb::CollectorMessage {
+    pb::CollectorMessage { body: Some(Reply::Reject(pb::Reject { seq, reason: reason.to_string() })) }
+}
+
+/// Turns tonic's decoding errors into a status that says what the agent did.
+fn explain(status: &Status, agent: &str, last_seq: u64) -> Status {
+    let what = match status.code() {
+        Code::OutOfRange => format!("a message over the collector's limit of {MAX_MESSAGE_BYTES} bytes"),
+        Code::Internal if status.message().contains("decode") => {
+            "a message that is not a valid oomscope.v1.AgentMessage".to_string()
+        }
+        _ => "a broken stream".to_string(),
+    };
+    Status::new(
+        status.code(),
+        format!("agent {agent} sent {what} (after seq {last_seq}): {}", status.message()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ack_ranges;
+
+    #[test]
+    fn ranges_merge_runs() {
+        assert_eq!(ack_ranges(&[1, 2, 3, 7, 8, 10]), vec![(1, 3), (7, 8), (10, 10)]);
+        assert_eq!(ack_ranges(&[]), Vec::<(u64, u64)>::new());
+        assert_eq!(ack_ranges(&[5, 5, 6]), vec![(5, 6)]);
+    }
+}

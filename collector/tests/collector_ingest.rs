@@ -1,0 +1,222 @@
+//! Ingest over real gRPC on loopback into a real SQLite file: acks follow
+//! durable writes, resends are stored once, queries return the numbers sent,
+//! and the data outlives a collector restart.
+
+#[path = "collector_support.rs"]
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use oomscope::pb;
+use oomscope::pb::collector_message::Body as Reply;
+use support::*;
+
+const T0: i64 = 1_700_000_000_000_000_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_samples_are_acked_after_storage_and_queryable() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let mut agent = run.agent(hello("agent-1", "llama-server")).await;
+    for seq in 1..=100u64 {
+        agent.send(sample(seq, T0 + seq as i64 * 1_000_000)).await;
+    }
+    let want: BTreeSet<u64> = (1..=100).collect();
+    let db = run.db.clone();
+    let acks = agent
+        .acks_covering(&want, |ack| {
+            // At the moment an ack arrives, another connection to the file
+            // must already see every seq it covers.
+            let stored: BTreeSet<u64> = stored_seqs(&db, "agent-1").into_iter().collect();
+            for seq in ack.from_seq..=ack.to_seq {
+                assert!(stored.contains(&seq), "seq {seq} acked ({ack:?}) before it was in the file");
+            }
+        })
+        .await;
+    assert!(acks.iter().all(|a| a.from_seq >= 1 && a.to_seq <= 100), "{acks:?}");
+    assert_eq!(stored_seqs(&run.db, "agent-1"), (1..=100).collect::<Vec<_>>());
+
+    let mut q = run.query().await;
+    let tl = q
+        .timeline(pb::TimelineRequest { agent: "agent-1".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(tl.hello.as_ref().unwrap().name, "llama-server");
+    assert_eq!(tl.samples.len(), 100);
+    for (i, ts) in tl.samples.iter().enumerate() {
+        let seq = i as u64 + 1;
+        let s = ts.sample.as_ref().unwrap();
+        assert_eq!(ts.seq, seq);
+        assert_eq!(s.time_ns, T0 + seq as i64 * 1_000_000);
+        assert_eq!(s.process.as_ref().unwrap().vm_rss_bytes, seq * MIB);
+        assert_eq!(s.allocator[0].allocated_bytes, seq * 8 * MIB);
+    }
+
+    // By name (the newest agent of that name), thinned to 10 points, with a range.
+    let thin = q
+        .timeline(pb::TimelineRequest { agent: "llama-server".into(), max_points: 10, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let seqs: Vec<u64> = thin.samples.iter().map(|s| s.seq).collect();
+    assert_eq!(seqs, vec![1, 12, 23, 34, 45, 56, 67, 78, 89, 100]);
+    let ranged = q
+        .timeline(pb::TimelineRequest {
+            agent: "agent-1".into(),
+            from_ns: T0 + 20_000_000,
+            to_ns: T0 + 29_000_000,
+            max_points: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ranged.samples.iter().map(|s| s.seq).collect::<Vec<_>>(), (20..=29).collect::<Vec<_>>());
+
+    let missing = q.timeline(pb::TimelineRequest { agent: "nobody".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound);
+    assert!(missing.message().contains("nobody"), "{}", missing.message());
+
+    let summary = agent_summary(&run, "agent-1").await;
+    assert_eq!(summary.state, "connected");
+    assert_eq!((summary.samples, summary.events, summary.last_seq), (100, 0, 100));
+    assert!(summary.first_seen_ns > 0 && summary.last_seen_ns >= summary.first_seen_ns);
+    assert_eq!(summary.hello.as_ref().unwrap().pid, 4242);
+
+    agent.send(goodbye(101)).await;
+    agent.acks_covering(&BTreeSet::from([101]), |_| {}).await;
+    agent.close();
+    assert_eq!(agent.next().await.unwrap(), None, "the collector ends the stream after we close ours");
+    assert_eq!(agent_summary(&run, "agent-1").await.state, "disconnected");
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resent_seqs_are_acked_again_and_stored_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let mut first = run.agent(hello("agent-r", "svc")).await;
+    for seq in 1..=10u64 {
+        first.send(sample(seq, T0 + seq as i64)).await;
+    }
+    first.acks_covering(&(1..=10).collect(), |_| {}).await;
+    first.close();
+    drop(first);
+
+    // The reconnected agent never saw acks for 5..=10 (say) and resends them,
+    // with different bytes, then goes on with 11..=15.
+    let mut again = run.agent(hello("agent-r", "svc")).await;
+    for seq in 5..=15u64 {
+        let mut msg = sample(seq, T0 + seq as i64);
+        if seq <= 10 {
+            msg = sample(seq + 1000, T0 + seq as i64);
+            msg.seq = seq;
+        }
+        again.send(msg).await;
+    }
+    again.acks_covering(&(5..=15).collect(), |_| {}).await;
+    assert_eq!(stored_seqs(&run.db, "agent-r"), (1..=15).collect::<Vec<_>>());
+
+    let tl = run
+        .query()
+        .await
+        .timeline(pb::TimelineRequest { agent: "agent-r".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(tl.samples.len(), 15);
+    // The first write wins: seq 7 keeps the RSS it was first stored with.
+    let seven = tl.samples.iter().find(|s| s.seq == 7).unwrap();
+    assert_eq!(seven.sample.as_ref().unwrap().process.as_ref().unwrap().vm_rss_bytes, 7 * MIB);
+    assert_eq!(agent_summary(&run, "agent-r").await.last_seq, 15);
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_message_must_be_hello() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let mut client = pb::agent_service_client::AgentServiceClient::new(run.channel().await);
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(sample(1, T0)).await.unwrap();
+    let mut replies = client.connect(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    match replies.message().await {
+        Ok(Some(pb::CollectorMessage { body: Some(Reply::Reject(r)) })) => {
+            assert_eq!(r.seq, 1);
+            assert!(r.reason.contains("Hello"), "{}", r.reason);
+        }
+        other => panic!("expected a Reject, got {other:?}"),
+    }
+    let status = replies.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(run.query().await.list_agents(pb::ListAgentsRequest {}).await.unwrap().into_inner().agents.is_empty());
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn directives_reach_a_connected_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let mut agent = run.agent(hello("agent-d", "svc")).await;
+    agent.send(sample(1, T0)).await;
+    agent.acks_covering(&BTreeSet::from([1]), |_| {}).await;
+    assert_eq!(run.collector.connected(), vec!["agent-d".to_string()]);
+
+    let snap = pb::Directive { kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot { device: 3 })) };
+    run.collector.directive("agent-d", snap.clone()).unwrap();
+    match agent.next().await {
+        Ok(Some(pb::CollectorMessage { body: Some(Reply::Directive(d)) })) => assert_eq!(d, snap),
+        other => panic!("expected the directive, got {other:?}"),
+    }
+    let err = run.collector.directive("agent-x", snap).unwrap_err();
+    assert!(err.to_string().contains("not connected"), "{err}");
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_survives_a_restart_on_the_same_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let run = start(&db, Duration::from_millis(300)).await;
+    let mut agent = run.agent(hello("agent-p", "persist")).await;
+    for seq in 1..=20u64 {
+        agent.send(sample(seq, T0 + seq as i64 * 1000)).await;
+    }
+    agent.send(oom(21, T0 + 21_000)).await;
+    agent.acks_covering(&(1..=21).collect(), |_| {}).await;
+    // The stream is still open: shutdown must end it rather than wait for it.
+    run.stop().await;
+    match agent.next().await {
+        Err(status) => assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}"),
+        Ok(other) => panic!("expected the shutdown status, got {other:?}"),
+    }
+
+    let run = start(&db, Duration::from_millis(300)).await;
+    let summary = agent_summary(&run, "agent-p").await;
+    assert_eq!((summary.samples, summary.events, summary.last_seq), (20, 1, 21));
+    let tl = run
+        .query()
+        .await
+        .timeline(pb::TimelineRequest { agent: "persist".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(tl.samples.len(), 20);
+    assert_eq!(tl.samples[19].sample.as_ref().unwrap().process.as_ref().unwrap().vm_rss_bytes, 20 * MIB);
+    assert_eq!(tl.events.len(), 1);
+    let kinds: Vec<String> = incidents(&run, "agent-p").await.into_iter().map(|i| i.kind).collect();
+    assert_eq!(kinds, vec!["oom"]);
+
+    // It was streaming when the collector went down and never came back:
+    // after the grace it is lost, its samples kept.
+    let lost = eventually(Duration::from_secs(5), || async {
+        incidents(&run, "agent-p").await.into_iter().find(|i| i.kind == "agent_lost")
+    })
+    .await
+    .expect("an agent_lost incident after the restart grace");
+    assert_eq!(lost.seq, 0);
+    assert_eq!(agent_summary(&run, "agent-p").await.state, "lost");
+    assert_eq!(agent_summary(&run, "agent-p").await.samples, 20);
+    run.stop().await;
+}

@@ -1,0 +1,226 @@
+//! Shared by the collector's gRPC tests: a real collector on 127.0.0.1:0 over
+//! a real SQLite file, and an agent that speaks the stream by hand.
+#![allow(dead_code)]
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use oomscope::pb;
+use oomscope::pb::agent_message::Body;
+use oomscope::pb::collector_message::Body as Reply;
+use oomscope::server::{serve_with_listener, Collector};
+use oomscope::store::Store;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Streaming;
+
+pub const MIB: u64 = 1024 * 1024;
+
+pub struct Running {
+    pub addr: SocketAddr,
+    pub db: PathBuf,
+    pub collector: Collector,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Starts a collector on an ephemeral loopback port over `db`.
+pub async fn start(db: &Path, lost_grace: Duration) -> Running {
+    let store = Store::open(db).expect("open store");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    let collector = Collector::new(store, lost_grace);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(serve_with_listener(listener, collector.clone(), async move {
+        let _ = stopped.await;
+    }));
+    Running { addr, db: db.to_path_buf(), collector, stop: Some(stop), task }
+}
+
+impl Running {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Graceful shutdown; fails the test if the server does not stop within 10 s
+    /// (open agent streams must not hold it up).
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("collector did not shut down within 10 s")
+            .expect("server task")
+            .expect("serve returned an error");
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Endpoint::from_shared(self.url()).unwrap().connect().await.expect("connect")
+    }
+
+    pub async fn query(&self) -> pb::query_service_client::QueryServiceClient<Channel> {
+        pb::query_service_client::QueryServiceClient::new(self.channel().await)
+    }
+
+    pub async fn agent(&self, hello: pb::Hello) -> AgentStream {
+        let mut client = pb::agent_service_client::AgentServiceClient::new(self.channel().await)
+            .max_encoding_message_size(usize::MAX);
+        let (tx, rx) = mpsc::channel(1024);
+        tx.send(pb::AgentMessage { seq: 0, body: Some(Body::Hello(hello)) }).await.unwrap();
+        let replies = client.connect(ReceiverStream::new(rx)).await.expect("Connect").into_inner();
+        AgentStream { tx: Some(tx), replies }
+    }
+}
+
+pub struct AgentStream {
+    pub tx: Option<mpsc::Sender<pb::AgentMessage>>,
+    pub replies: Streaming<pb::CollectorMessage>,
+}
+
+impl AgentStream {
+    pub async fn send(&self, msg: pb::AgentMessage) {
+        self.tx.as_ref().unwrap().send(msg).await.expect("send");
+    }
+
+    /// Closes our side without a Goodbye.
+    pub fn close(&mut self) {
+        self.tx = None;
+    }
+
+    /// The next reply, failing the test after 10 s.
+    pub async fn next(&mut self) -> Result<Option<pb::CollectorMessage>, tonic::Status> {
+        tokio::time::timeout(Duration::from_secs(10), self.replies.message())
+            .await
+            .expect("no reply from the collector within 10 s")
+    }
+
+    /// Reads acks until every seq in `want` is covered; calls `on_ack` with
+    /// each ack as it arrives (to check the store at that very moment).
+    pub async fn acks_covering(&mut self, want: &BTreeSet<u64>, mut on_ack: impl FnMut(&pb::Ack)) -> Vec<pb::Ack> {
+        let mut covered = BTreeSet::new();
+        let mut acks = Vec::new();
+        while !want.is_subset(&covered) {
+            match self.next().await {
+                Ok(Some(pb::CollectorMessage { body: Some(Reply::Ack(ack)) })) => {
+                    assert!(ack.from_seq <= ack.to_seq, "inverted ack {ack:?}");
+                    on_ack(&ack);
+                    covered.extend(ack.from_seq..=ack.to_seq);
+                    acks.push(ack);
+                }
+                other => panic!("expected acks for {want:?}, covered {covered:?}, got {other:?}"),
+            }
+        }
+        acks
+    }
+}
+
+pub fn hello(agent_id: &str, name: &str) -> pb::Hello {
+    pb::Hello {
+        agent_id: agent_id.into(),
+        name: name.into(),
+        host: "testhost".into(),
+        pid: 4242,
+        runtime: "pytorch".into(),
+        ..Default::default()
+    }
+}
+
+/// A sample at `time_ns` whose RSS and allocator figures encode `seq`, so a
+/// test can check the numbers that come back.
+pub fn sample(seq: u64, time_ns: i64) -> pb::AgentMessage {
+    pb::AgentMessage {
+        seq,
+        body: Some(Body::Sample(pb::Sample {
+            time_ns,
+            process: Some(pb::ProcessMemory { pid: 4242, vm_rss_bytes: seq * MIB, ..Default::default() }),
+            allocator: vec![pb::AllocatorStats {
+                device: 0,
+                allocated_bytes: seq * 8 * MIB,
+                reserved_bytes: seq * 16 * MIB,
+                ..Default::default()
+            }],
+            step: seq,
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn event(seq: u64, time_ns: i64, kind: pb::event::Kind) -> pb::AgentMessage {
+    pb::AgentMessage { seq, body: Some(Body::Event(pb::Event { time_ns, kind: Some(kind) })) }
+}
+
+/// The fragmentation_oom capture's failure: 96 MiB under a 2 GiB cap with
+/// 800 MiB allocated and 1.17 GiB reserved but unallocated.
+pub fn oom(seq: u64, time_ns: i64) -> pb::AgentMessage {
+    event(
+        seq,
+        time_ns,
+        pb::event::Kind::Oom(pb::Oom {
+            device: 0,
+            requested_bytes: 96 * MIB,
+            observer: Some(pb::OomObserver { device: 0, alloc: (96 * MIB) as i64, device_allocated: (2048 * MIB) as i64, device_free: 0 }),
+            error_type: "torch.OutOfMemoryError".into(),
+            error_text: "CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity of 139.80 GiB \
+                         of which 137.5 GiB is free. Of the allocated memory 800.00 MiB is allocated by PyTorch, and \
+                         1.17 GiB is reserved by PyTorch but unallocated."
+                .into(),
+            stats: Some(pb::AllocatorStats {
+                device: 0,
+                allocated_bytes: 800 * MIB,
+                reserved_bytes: 800 * MIB + 1200 * MIB,
+                inactive_split_bytes: 1200 * MIB,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+    )
+}
+
+pub fn goodbye(seq: u64) -> pb::AgentMessage {
+    pb::AgentMessage { seq, body: Some(Body::Goodbye(pb::Goodbye { reason: "exit".into(), exit_code: 0 })) }
+}
+
+pub async fn incidents(run: &Running, agent: &str) -> Vec<pb::Incident> {
+    run.query()
+        .await
+        .incidents(pb::IncidentsRequest { agent: agent.into() })
+        .await
+        .expect("Incidents")
+        .into_inner()
+        .incidents
+}
+
+pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
+    let agents = run.query().await.list_agents(pb::ListAgentsRequest {}).await.expect("ListAgents").into_inner().agents;
+    agents
+        .into_iter()
+        .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == agent_id))
+        .unwrap_or_else(|| panic!("agent {agent_id} not listed"))
+}
+
+/// Polls `check` every 50 ms until it returns Some, for at most `limit`.
+pub async fn eventually<T, F, Fut>(limit: Duration, mut check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Rows stored for an agent, read through a separate SQLite connection.
+pub fn stored_seqs(db: &Path, agent_id: &str) -> Vec<u64> {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    let mut stmt = conn.prepare("SELECT seq FROM messages WHERE agent_id = ?1 ORDER BY seq").unwrap();
+    stmt.query_map([agent_id], |r| r.get::<_, i64>(0)).unwrap().map(|s| s.unwrap() as u64).collect()
+}

@@ -6,6 +6,8 @@
 
 use anyhow::Result;
 
+use oomscope_analysis::is_oom_text;
+
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
@@ -21,13 +23,18 @@ pub const AGENT_LOST: &str = "agent_lost";
 /// One incident per event: a crash loop's last exit is reported as the crash
 /// loop (its summary still names the signal or exit code).
 pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
-    let Some(Body::Event(event)) = &msg.body else { return None };
+    let Some(Body::Event(event)) = &msg.body else {
+        return None;
+    };
     let (kind, summary) = match event.kind.as_ref()? {
         EventKind::Oom(oom) => (OOM, oom_summary(oom)),
         EventKind::ChildExit(exit) => {
             let how = exit_summary(exit);
             if exit.crash_loop {
-                (CRASH_LOOP, format!("gave up restarting after attempt {}: {how}", exit.attempt))
+                (
+                    CRASH_LOOP,
+                    format!("gave up restarting after attempt {}: {how}", exit.attempt),
+                )
             } else if exit.signal.is_some() {
                 (SIGNAL, how)
             } else if exit.exit_code.unwrap_or(0) != 0 {
@@ -52,15 +59,21 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
 /// Runs on duplicates too, so that a crash between storing a message and
 /// recording its incident heals when the agent resends it; the store keeps
 /// one incident per (agent, seq, kind). Returns the newly recorded ones.
-pub fn record(store: &mut Store, agent_id: &str, messages: &[pb::AgentMessage]) -> Result<Vec<pb::Incident>> {
+pub fn record(
+    store: &mut Store,
+    agent_id: &str,
+    messages: &[pb::AgentMessage],
+) -> Result<Vec<pb::Incident>> {
     let mut recorded = Vec::new();
     for msg in messages {
-        let Some(mut incident) = detect(msg) else { continue };
+        let Some(mut incident) = detect(msg) else {
+            continue;
+        };
         if store.has_incident(agent_id, incident.seq, &incident.kind)? {
             continue;
         }
         incident.agent_id = agent_id.to_string();
-        incident.domain = attribute_domain(store, agent_id, incident.time_ns);
+        incident.domain = attribute_domain(store, agent_id, &incident);
         if let Some(stored) = store.insert_incident(&incident)? {
             recorded.push(stored);
         }
@@ -77,12 +90,11 @@ pub fn record_lost(
     grace: std::time::Duration,
 ) -> Result<Option<pb::Incident>> {
     let name = store.hello(agent_id)?.map(|h| h.name).unwrap_or_default();
-    let incident = pb::Incident {
+    let mut incident = pb::Incident {
         agent_id: agent_id.to_string(),
         agent_name: name.clone(),
         kind: AGENT_LOST.to_string(),
         time_ns: broke_at_ns,
-        domain: attribute_domain(store, agent_id, broke_at_ns),
         summary: format!(
             "agent {name:?} ({agent_id}) stopped streaming without a Goodbye and did not reconnect within {:.1} s",
             grace.as_secs_f64()
@@ -90,24 +102,33 @@ pub fn record_lost(
         seq: 0,
         ..Default::default()
     };
+    incident.domain = attribute_domain(store, agent_id, &incident);
     store.insert_incident(&incident)
 }
 
-/// The memory domain the analysis blames, from the agent's history up to
-/// `time_ns`; "" when it cannot say (no history, or the analysis failed).
-fn attribute_domain(store: &Store, agent_id: &str, time_ns: i64) -> String {
-    let history = match store.history(agent_id, i64::MIN, time_ns) {
+/// The memory domain the analysis blames for `incident`, from the agent's
+/// history up to its time; "" when the history cannot be read.
+fn attribute_domain(store: &Store, agent_id: &str, incident: &pb::Incident) -> String {
+    let history = match store.history(agent_id, i64::MIN, incident.time_ns) {
         Ok(h) => h,
         Err(e) => {
-            tracing::warn!(agent_id, "no domain for the incident: reading its history failed: {e:#}");
+            tracing::warn!(
+                agent_id,
+                "no domain for the incident: reading its history failed: {e:#}"
+            );
             return String::new();
         }
     };
-    crate::query::attribute_domain(&history)
+    let evidence = history.into_evidence(Some(crate::query::incident_ref(incident)));
+    crate::query::attribute_domain(&evidence)
 }
 
 fn oom_summary(oom: &pb::Oom) -> String {
-    let mut s = format!("allocation of {} failed on device {}", bytes(oom.requested_bytes), oom.device);
+    let mut s = format!(
+        "allocation of {} failed on device {}",
+        bytes(oom.requested_bytes),
+        oom.device
+    );
     if !oom.error_type.is_empty() {
         s.push_str(&format!(" ({})", oom.error_type));
     }
@@ -130,7 +151,11 @@ fn exit_summary(exit: &pb::ChildExit) -> String {
     format!(
         "child pid {} {how}{} after {:.1} s",
         exit.pid,
-        if exit.core_dumped { " (core dumped)" } else { "" },
+        if exit.core_dumped {
+            " (core dumped)"
+        } else {
+            ""
+        },
         exit.runtime_ns as f64 / 1e9
     )
 }
@@ -148,26 +173,11 @@ fn signal_name(sig: i32) -> &'static str {
 
 /// The last stderr line that speaks of running out of memory.
 fn oom_line(stderr_tail: &str) -> Option<&str> {
-    stderr_tail.lines().rev().find(|l| is_oom_text(l)).map(str::trim)
-}
-
-// Private stand-in until `oomscope_analysis::is_oom_text` exists.
-// The phrases the common runtimes print when an allocation fails.
-fn is_oom_text(text: &str) -> bool {
-    const PHRASES: &[&str] = &[
-        "out of memory",
-        "outofmemoryerror",
-        "memoryerror",
-        "cannot allocate memory",
-        "bad_alloc",
-        "cuda_error_out_of_memory",
-        "failed to allocate",
-        "oom-kill",
-        "oom killer",
-        "memory allocation failed",
-    ];
-    let lower = text.to_ascii_lowercase();
-    PHRASES.iter().any(|p| lower.contains(p)) || lower.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| w == "oom")
+    stderr_tail
+        .lines()
+        .rev()
+        .find(|l| is_oom_text(l))
+        .map(str::trim)
 }
 
 fn clip(s: &str, max_chars: usize) -> String {
@@ -194,15 +204,32 @@ mod tests {
     fn exit_event(seq: u64, exit: pb::ChildExit) -> pb::AgentMessage {
         pb::AgentMessage {
             seq,
-            body: Some(Body::Event(pb::Event { time_ns: 42, kind: Some(EventKind::ChildExit(exit)) })),
+            body: Some(Body::Event(pb::Event {
+                time_ns: 42,
+                kind: Some(EventKind::ChildExit(exit)),
+            })),
         }
     }
 
     #[test]
     fn exits_are_classified() {
-        let killed = detect(&exit_event(3, pb::ChildExit { signal: Some(9), ..Default::default() })).unwrap();
-        assert_eq!((killed.kind.as_str(), killed.seq, killed.time_ns), (SIGNAL, 3, 42));
-        assert!(killed.summary.contains("signal 9 (SIGKILL)"), "{}", killed.summary);
+        let killed = detect(&exit_event(
+            3,
+            pb::ChildExit {
+                signal: Some(9),
+                ..Default::default()
+            },
+        ))
+        .unwrap();
+        assert_eq!(
+            (killed.kind.as_str(), killed.seq, killed.time_ns),
+            (SIGNAL, 3, 42)
+        );
+        assert!(
+            killed.summary.contains("signal 9 (SIGKILL)"),
+            "{}",
+            killed.summary
+        );
 
         let oom_text = detect(&exit_event(
             4,
@@ -214,29 +241,59 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(oom_text.kind, EXIT_OOM_TEXT);
-        assert!(oom_text.summary.contains("Tried to allocate 96.00 MiB"), "{}", oom_text.summary);
+        assert!(
+            oom_text.summary.contains("Tried to allocate 96.00 MiB"),
+            "{}",
+            oom_text.summary
+        );
 
-        let plain_failure =
-            pb::ChildExit { exit_code: Some(1), stderr_tail: "ValueError: bad zoom room\n".into(), ..Default::default() };
+        let plain_failure = pb::ChildExit {
+            exit_code: Some(1),
+            stderr_tail: "ValueError: bad zoom room\n".into(),
+            ..Default::default()
+        };
         assert!(detect(&exit_event(5, plain_failure)).is_none());
-        assert!(detect(&exit_event(6, pb::ChildExit { exit_code: Some(0), ..Default::default() })).is_none());
+        assert!(detect(&exit_event(
+            6,
+            pb::ChildExit {
+                exit_code: Some(0),
+                ..Default::default()
+            }
+        ))
+        .is_none());
 
-        let looped = pb::ChildExit { signal: Some(9), crash_loop: true, attempt: 3, ..Default::default() };
+        let looped = pb::ChildExit {
+            signal: Some(9),
+            crash_loop: true,
+            attempt: 3,
+            ..Default::default()
+        };
         let inc = detect(&exit_event(7, looped)).unwrap();
         assert_eq!(inc.kind, CRASH_LOOP);
-        assert!(inc.summary.contains("attempt 3") && inc.summary.contains("signal 9"), "{}", inc.summary);
+        assert!(
+            inc.summary.contains("attempt 3") && inc.summary.contains("signal 9"),
+            "{}",
+            inc.summary
+        );
     }
 
     #[test]
     fn duplicate_event_records_one_incident() {
         let mut store = Store::open_in_memory().unwrap();
-        let hello = pb::Hello { agent_id: "a".into(), name: "svc".into(), ..Default::default() };
+        let hello = pb::Hello {
+            agent_id: "a".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
         store.upsert_agent(&hello, 1).unwrap();
         let oom = pb::AgentMessage {
             seq: 1,
             body: Some(Body::Event(pb::Event {
                 time_ns: 10,
-                kind: Some(EventKind::Oom(pb::Oom { requested_bytes: 96 << 20, ..Default::default() })),
+                kind: Some(EventKind::Oom(pb::Oom {
+                    requested_bytes: 96 << 20,
+                    ..Default::default()
+                })),
             })),
         };
         store.insert_batch("a", std::slice::from_ref(&oom)).unwrap();
@@ -244,7 +301,11 @@ mod tests {
         assert_eq!(first.len(), 1);
         assert_eq!(first[0].id, "inc-000001");
         assert_eq!(first[0].agent_name, "svc");
-        assert!(first[0].summary.contains("96.0 MiB"), "{}", first[0].summary);
+        assert!(
+            first[0].summary.contains("96.0 MiB"),
+            "{}",
+            first[0].summary
+        );
         assert!(record(&mut store, "a", &[oom]).unwrap().is_empty());
         assert_eq!(store.incidents(None).unwrap().len(), 1);
     }

@@ -1,13 +1,16 @@
 //! `QueryService`: what people and tools ask the collector. Thin: resolve the
 //! agent, read the store on a blocking thread, hand evidence to the analysis.
 
+use std::panic::AssertUnwindSafe;
+
 use anyhow::Result;
+use oomscope_analysis::{Evidence, IncidentRef};
 use tonic::{Request, Response, Status};
 
 use crate::pb;
 use crate::pb::query_service_server::QueryService;
 use crate::server::Collector;
-use crate::store::{AgentHistory, Store};
+use crate::store::Store;
 
 pub struct QueryApi {
     collector: Collector,
@@ -52,7 +55,8 @@ impl QueryService for QueryApi {
         let timeline = self
             .read(move |s| {
                 let id = resolve(s, &req.agent)?;
-                s.timeline(&id, req.from_ns, req.to_ns, req.max_points).map_err(internal)
+                s.timeline(&id, req.from_ns, req.to_ns, req.max_points)
+                    .map_err(internal)
             })
             .await?;
         Ok(Response::new(timeline))
@@ -65,14 +69,21 @@ impl QueryService for QueryApi {
         let agent = request.into_inner().agent;
         let incidents = self
             .read(move |s| {
-                let id = if agent.is_empty() { None } else { Some(resolve(s, &agent)?) };
+                let id = if agent.is_empty() {
+                    None
+                } else {
+                    Some(resolve(s, &agent)?)
+                };
                 s.incidents(id.as_deref()).map_err(internal)
             })
             .await?;
         Ok(Response::new(pb::IncidentsResponse { incidents }))
     }
 
-    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::Diagnosis>, Status> {
+    async fn diagnose(
+        &self,
+        request: Request<pb::DiagnoseRequest>,
+    ) -> Result<Response<pb::Diagnosis>, Status> {
         let req = request.into_inner();
         let diagnosis = self.read(move |s| diagnose_request(s, &req)).await?;
         Ok(Response::new(diagnosis))
@@ -84,11 +95,21 @@ impl QueryService for QueryApi {
 /// timeline; else the latest incident (of the agent, when named); else, with
 /// an agent that had no incident, its whole timeline (a leak hunt).
 pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::Diagnosis, Status> {
-    let agent = if req.agent.is_empty() { None } else { Some(resolve(store, &req.agent)?) };
+    let agent = if req.agent.is_empty() {
+        None
+    } else {
+        Some(resolve(store, &req.agent)?)
+    };
     let incident = if !req.incident.is_empty() {
-        let inc = store.incident(&req.incident).map_err(internal)?.ok_or_else(|| {
-            Status::not_found(format!("no incident {:?}; `oomscope incidents` lists them", req.incident))
-        })?;
+        let inc = store
+            .incident(&req.incident)
+            .map_err(internal)?
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no incident {:?}; `oomscope incidents` lists them",
+                    req.incident
+                ))
+            })?;
         Some(inc)
     } else if agent.is_some() && (req.from_ns != 0 || req.to_ns != 0) {
         None
@@ -111,7 +132,7 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         }
     };
     let history = store.history(&agent_id, from_ns, to_ns).map_err(internal)?;
-    let mut diagnosis = diagnose(&history, incident.as_ref());
+    let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
     diagnosis.agent = Some(agent_id);
     if let Some(inc) = incident {
         diagnosis.incident = Some(inc.id);
@@ -119,25 +140,52 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     Ok(diagnosis)
 }
 
-/// The analysis's verdict on one agent's history (around `incident`).
-pub fn diagnose(history: &AgentHistory, incident: Option<&pb::Incident>) -> pb::Diagnosis {
-    let _ = (history, incident);
-    // Bridge to oomscope_analysis::diagnose, wired in once it is exported.
-    pb::Diagnosis::default()
+/// The analysis's verdict on some evidence. The analysis is pure code, but a
+/// panic in it must not take a query (or an ingest) down with it.
+pub fn diagnose(evidence: &Evidence) -> Result<pb::Diagnosis, Status> {
+    std::panic::catch_unwind(AssertUnwindSafe(|| oomscope_analysis::diagnose(evidence))).map_err(
+        |_| {
+            tracing::error!("the analysis panicked while diagnosing");
+            Status::internal(
+                "the analysis failed on this evidence (a bug: please report it with the incident)",
+            )
+        },
+    )
 }
 
-/// The domain the analysis blames for what happened by the end of `history`.
-pub fn attribute_domain(history: &AgentHistory) -> String {
-    let _ = history;
-    // Bridge to oomscope_analysis::attribute_domain, wired in once it is exported.
-    String::new()
+/// The domain the analysis blames ("gpu_vram", ..., "unknown"); "" if it
+/// panicked, so that recording the incident still succeeds.
+pub fn attribute_domain(evidence: &Evidence) -> String {
+    std::panic::catch_unwind(AssertUnwindSafe(|| {
+        oomscope_analysis::attribute_domain(evidence)
+            .domain
+            .as_str()
+            .to_string()
+    }))
+    .unwrap_or_else(|_| {
+        tracing::error!("the analysis panicked while attributing a domain");
+        String::new()
+    })
+}
+
+pub fn incident_ref(inc: &pb::Incident) -> IncidentRef {
+    IncidentRef {
+        id: inc.id.clone(),
+        kind: inc.kind.clone(),
+        time_ns: inc.time_ns,
+        agent: inc.agent_id.clone(),
+    }
 }
 
 fn resolve(store: &Store, agent: &str) -> Result<String, Status> {
     store
         .resolve_agent(agent)
         .map_err(internal)?
-        .ok_or_else(|| Status::not_found(format!("no agent with id or name {agent:?}; `oomscope agents` lists them")))
+        .ok_or_else(|| {
+            Status::not_found(format!(
+                "no agent with id or name {agent:?}; `oomscope agents` lists them"
+            ))
+        })
 }
 
 fn internal(e: anyhow::Error) -> Status {

@@ -61,9 +61,11 @@ pub async fn serve_with_listener(
 ) -> Result<()> {
     let addr = listener.local_addr().ok();
     collector.watch_stale_agents().await;
-    let agents = AgentServiceServer::new(AgentApi { collector: collector.clone() })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let agents = AgentServiceServer::new(AgentApi {
+        collector: collector.clone(),
+    })
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let queries = QueryServiceServer::new(QueryApi::new(collector.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -148,16 +150,24 @@ impl Collector {
     /// Ids of the agents with a live stream now.
     pub fn connected(&self) -> Vec<String> {
         let links = lock(&self.inner.links);
-        let mut ids: Vec<String> =
-            links.iter().filter(|(_, l)| l.directives.is_some()).map(|(id, _)| id.clone()).collect();
+        let mut ids: Vec<String> = links
+            .iter()
+            .filter(|(_, l)| l.directives.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
         ids.sort();
         ids
     }
 
     fn register(&self, agent_id: &str, directives: mpsc::Sender<pb::Directive>) -> u64 {
         let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.links)
-            .insert(agent_id.to_string(), Link { generation, directives: Some(directives) });
+        lock(&self.inner.links).insert(
+            agent_id.to_string(),
+            Link {
+                generation,
+                directives: Some(directives),
+            },
+        );
         generation
     }
 
@@ -199,7 +209,13 @@ impl Collector {
                 .await;
             match outcome {
                 Ok(Some(inc)) => {
-                    tracing::warn!(agent_id, incident = inc.id, domain = inc.domain, "{}", inc.summary)
+                    tracing::warn!(
+                        agent_id,
+                        incident = inc.id,
+                        domain = inc.domain,
+                        "{}",
+                        inc.summary
+                    )
                 }
                 Ok(None) => tracing::debug!(agent_id, "reconnected within the grace period"),
                 Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
@@ -221,7 +237,10 @@ impl Collector {
             let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
             lock(&self.inner.links)
                 .entry(agent_id.clone())
-                .or_insert(Link { generation, directives: None });
+                .or_insert(Link {
+                    generation,
+                    directives: None,
+                });
             self.schedule_lost_check(agent_id, generation, now_ns());
         }
     }
@@ -249,7 +268,12 @@ impl AgentService for AgentApi {
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let peer = request.remote_addr();
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(session(self.collector.clone(), request.into_inner(), tx, peer));
+        tokio::spawn(session(
+            self.collector.clone(),
+            request.into_inner(),
+            tx,
+            peer,
+        ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -274,7 +298,10 @@ async fn session(
     peer: Option<SocketAddr>,
 ) {
     let hello = match inbound.message().await {
-        Ok(Some(pb::AgentMessage { body: Some(Body::Hello(h)), .. })) if !h.agent_id.is_empty() => h,
+        Ok(Some(pb::AgentMessage {
+            body: Some(Body::Hello(h)),
+            ..
+        })) if !h.agent_id.is_empty() => h,
         Ok(Some(first)) => {
             let reason = "the first message must be a Hello with an agent_id".to_string();
             tracing::warn!(?peer, seq = first.seq, "rejected a stream: {reason}");
@@ -285,7 +312,11 @@ async fn session(
         Ok(None) => return,
         Err(status) => {
             let status = explain(&status, "(before its Hello)", 0);
-            tracing::warn!(?peer, "a stream failed before its Hello: {}", status.message());
+            tracing::warn!(
+                ?peer,
+                "a stream failed before its Hello: {}",
+                status.message()
+            );
             let _ = tx.send(Err(status)).await;
             return;
         }
@@ -295,10 +326,17 @@ async fn session(
     // Register before writing "connected": see schedule_lost_check.
     let generation = collector.register(&agent_id, dtx);
     let stored_hello = hello.clone();
-    if let Err(e) = collector.with_store(move |s| s.upsert_agent(&stored_hello, now_ns())).await {
+    if let Err(e) = collector
+        .with_store(move |s| s.upsert_agent(&stored_hello, now_ns()))
+        .await
+    {
         tracing::error!(agent_id, "storing the Hello failed: {e:#}");
         collector.unregister(&agent_id, generation);
-        let _ = tx.send(Err(Status::unavailable(format!("the collector could not store the Hello: {e:#}")))).await;
+        let _ = tx
+            .send(Err(Status::unavailable(format!(
+                "the collector could not store the Hello: {e:#}"
+            ))))
+            .await;
         return;
     }
     tracing::info!(agent_id, name = hello.name, ?peer, "agent connected");
@@ -348,7 +386,11 @@ async fn session(
             let _ = tx.send(Err(status)).await;
         }
         End::Shutdown => {
-            let _ = tx.send(Err(Status::unavailable("the collector is shutting down; reconnect later"))).await;
+            let _ = tx
+                .send(Err(Status::unavailable(
+                    "the collector is shutting down; reconnect later",
+                )))
+                .await;
         }
         _ => {}
     }
@@ -360,7 +402,11 @@ async fn session(
         // Our fault, not the agent's: it will reconnect and resend.
         End::StoreFailed => {}
         _ => {
-            tracing::info!(agent_id, "stream ended without a Goodbye; waiting {:?} for a reconnect", collector.inner.lost_grace);
+            tracing::info!(
+                agent_id,
+                "stream ended without a Goodbye; waiting {:?} for a reconnect",
+                collector.inner.lost_grace
+            );
             collector.schedule_lost_check(agent_id, generation, now_ns());
         }
     }
@@ -369,7 +415,10 @@ async fn session(
 /// `first` plus whatever else has already arrived, up to MAX_BATCH, so one
 /// transaction (one fsync) covers a burst. Also returns how the stream ended
 /// if it ended while draining; the messages before that still get stored.
-fn drain_ready(inbound: &mut Streaming<pb::AgentMessage>, first: pb::AgentMessage) -> (Vec<pb::AgentMessage>, Option<End>) {
+fn drain_ready(
+    inbound: &mut Streaming<pb::AgentMessage>,
+    first: pb::AgentMessage,
+) -> (Vec<pb::AgentMessage>, Option<End>) {
     let mut batch = vec![first];
     while batch.len() < MAX_BATCH {
         // `message()` keeps its state in the stream, so dropping an unready
@@ -407,7 +456,10 @@ async fn ingest(
             Some(Body::Hello(h)) if h.agent_id == agent_id => rehello = Some(h.clone()),
             Some(Body::Hello(h)) => rejects.push(reject(
                 msg.seq,
-                &format!("this stream belongs to agent {agent_id:?}, not {:?}; open a new stream", h.agent_id),
+                &format!(
+                    "this stream belongs to agent {agent_id:?}, not {:?}; open a new stream",
+                    h.agent_id
+                ),
             )),
             None => rejects.push(reject(msg.seq, "a message without a body")),
             Some(Body::Goodbye(g)) => {
@@ -456,22 +508,44 @@ async fn ingest(
         }
     };
     for inc in &recorded {
-        tracing::warn!(agent_id, incident = inc.id, kind = inc.kind, domain = inc.domain, "{}", inc.summary);
+        tracing::warn!(
+            agent_id,
+            incident = inc.id,
+            kind = inc.kind,
+            domain = inc.domain,
+            "{}",
+            inc.summary
+        );
     }
     if let Some(g) = &goodbye {
-        tracing::info!(agent_id, reason = g.reason, exit_code = g.exit_code, "Goodbye");
+        tracing::info!(
+            agent_id,
+            reason = g.reason,
+            exit_code = g.exit_code,
+            "Goodbye"
+        );
     }
     let mut delivered = true;
-    let replies = rejects.into_iter().chain(ack_ranges(&outcome.stored).into_iter().map(|(from_seq, to_seq)| {
-        pb::CollectorMessage { body: Some(Reply::Ack(pb::Ack { from_seq, to_seq })) }
-    }));
+    let replies = rejects
+        .into_iter()
+        .chain(
+            ack_ranges(&outcome.stored)
+                .into_iter()
+                .map(|(from_seq, to_seq)| pb::CollectorMessage {
+                    body: Some(Reply::Ack(pb::Ack { from_seq, to_seq })),
+                }),
+        );
     for reply in replies {
         if tx.send(Ok(reply)).await.is_err() {
             delivered = false;
             break;
         }
     }
-    Ok(IngestOutcome { goodbye: has_goodbye, max_seq, replies_delivered: delivered })
+    Ok(IngestOutcome {
+        goodbye: has_goodbye,
+        max_seq,
+        replies_delivered: delivered,
+    })
 }
 
 /// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].
@@ -488,13 +562,20 @@ pub fn ack_ranges(seqs: &[u64]) -> Vec<(u64, u64)> {
 }
 
 fn reject(seq: u64, reason: &str) -> pb::CollectorMessage {
-    pb::CollectorMessage { body: Some(Reply::Reject(pb::Reject { seq, reason: reason.to_string() })) }
+    pb::CollectorMessage {
+        body: Some(Reply::Reject(pb::Reject {
+            seq,
+            reason: reason.to_string(),
+        })),
+    }
 }
 
 /// Turns tonic's decoding errors into a status that says what the agent did.
 fn explain(status: &Status, agent: &str, last_seq: u64) -> Status {
     let what = match status.code() {
-        Code::OutOfRange => format!("a message over the collector's limit of {MAX_MESSAGE_BYTES} bytes"),
+        Code::OutOfRange => {
+            format!("a message over the collector's limit of {MAX_MESSAGE_BYTES} bytes")
+        }
         Code::Internal if status.message().contains("decode") => {
             "a message that is not a valid oomscope.v1.AgentMessage".to_string()
         }
@@ -502,7 +583,10 @@ fn explain(status: &Status, agent: &str, last_seq: u64) -> Status {
     };
     Status::new(
         status.code(),
-        format!("agent {agent} sent {what} (after seq {last_seq}): {}", status.message()),
+        format!(
+            "agent {agent} sent {what} (after seq {last_seq}): {}",
+            status.message()
+        ),
     )
 }
 
@@ -512,7 +596,10 @@ mod tests {
 
     #[test]
     fn ranges_merge_runs() {
-        assert_eq!(ack_ranges(&[1, 2, 3, 7, 8, 10]), vec![(1, 3), (7, 8), (10, 10)]);
+        assert_eq!(
+            ack_ranges(&[1, 2, 3, 7, 8, 10]),
+            vec![(1, 3), (7, 8), (10, 10)]
+        );
         assert_eq!(ack_ranges(&[]), Vec::<(u64, u64)>::new());
         assert_eq!(ack_ranges(&[5, 5, 6]), vec![(5, 6)]);
     }

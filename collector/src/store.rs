@@ -9,6 +9,7 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
+use oomscope_analysis::{Evidence, IncidentRef};
 use prost::Message;
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
@@ -64,12 +65,26 @@ pub struct BatchOutcome {
     pub fresh: Vec<u64>,
 }
 
-/// Everything the analysis needs about one agent up to a moment, oldest first.
+/// One agent's Hello and its samples and events in a time range, oldest
+/// first, each with its seq.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct AgentHistory {
     pub hello: pb::Hello,
     pub samples: Vec<pb::TimedSample>,
     pub events: Vec<pb::TimedEvent>,
+}
+
+impl AgentHistory {
+    /// The analysis's view: the same messages without seqs, plus the
+    /// incident being diagnosed, if any.
+    pub fn into_evidence(self, incident: Option<IncidentRef>) -> Evidence {
+        Evidence {
+            hello: Some(self.hello),
+            samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
+            events: self.events.into_iter().filter_map(|e| e.event).collect(),
+            incident,
+        }
+    }
 }
 
 pub struct Store {
@@ -108,7 +123,9 @@ impl Store {
     }
 
     fn migrate(&mut self) -> Result<()> {
-        let version: i64 = self.conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let version: i64 = self
+            .conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))?;
         if version > SCHEMA_VERSION {
             bail!(
                 "the store has schema version {version}, newer than this oomscope understands \
@@ -160,10 +177,19 @@ impl Store {
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             )?;
             for msg in messages {
-                let Some((kind, event_kind, time_ns)) = classify(msg) else { continue };
+                let Some((kind, event_kind, time_ns)) = classify(msg) else {
+                    continue;
+                };
                 let seq = seq_to_sql(msg.seq)?;
                 let added = insert
-                    .execute(params![agent_id, seq, time_ns, kind, event_kind, msg.encode_to_vec()])
+                    .execute(params![
+                        agent_id,
+                        seq,
+                        time_ns,
+                        kind,
+                        event_kind,
+                        msg.encode_to_vec()
+                    ])
                     .with_context(|| format!("storing seq {} of agent {agent_id}", msg.seq))?;
                 if added > 0 {
                     out.fresh.push(msg.seq);
@@ -179,7 +205,8 @@ impl Store {
                 params![agent_id, seq_to_sql(max_seq)?, now_ns()],
             )?;
         }
-        tx.commit().with_context(|| format!("committing a batch of agent {agent_id}"))?;
+        tx.commit()
+            .with_context(|| format!("committing a batch of agent {agent_id}"))?;
         out.stored.sort_unstable();
         out.stored.dedup();
         out.fresh.sort_unstable();
@@ -202,8 +229,12 @@ impl Store {
     /// Agents the store believes connected; after a collector restart their
     /// streams are gone, so they must reconnect or be declared lost.
     pub fn connected_agents(&self) -> Result<Vec<String>> {
-        let mut stmt = self.conn.prepare("SELECT agent_id FROM agents WHERE state = 'connected'")?;
-        let ids = stmt.query_map([], |r| r.get(0))?.collect::<rusqlite::Result<_>>()?;
+        let mut stmt = self
+            .conn
+            .prepare("SELECT agent_id FROM agents WHERE state = 'connected'")?;
+        let ids = stmt
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
         Ok(ids)
     }
 
@@ -265,7 +296,11 @@ impl Store {
     pub fn resolve_agent(&self, id_or_name: &str) -> Result<Option<String>> {
         let by_id = self
             .conn
-            .query_row("SELECT agent_id FROM agents WHERE agent_id = ?1", [id_or_name], |r| r.get(0))
+            .query_row(
+                "SELECT agent_id FROM agents WHERE agent_id = ?1",
+                [id_or_name],
+                |r| r.get(0),
+            )
             .optional()?;
         if by_id.is_some() {
             return Ok(by_id);
@@ -284,7 +319,11 @@ impl Store {
     pub fn hello(&self, agent_id: &str) -> Result<Option<pb::Hello>> {
         let blob: Option<Vec<u8>> = self
             .conn
-            .query_row("SELECT hello FROM agents WHERE agent_id = ?1", [agent_id], |r| r.get(0))
+            .query_row(
+                "SELECT hello FROM agents WHERE agent_id = ?1",
+                [agent_id],
+                |r| r.get(0),
+            )
             .optional()?;
         blob.map(|b| decode_hello(agent_id, &b)).transpose()
     }
@@ -312,29 +351,50 @@ impl Store {
     /// The agent's Hello with all its samples and events in
     /// `from_ns..=to_ns`, oldest first.
     pub fn history(&self, agent_id: &str, from_ns: i64, to_ns: i64) -> Result<AgentHistory> {
-        let hello = self.hello(agent_id)?.ok_or_else(|| anyhow!("unknown agent {agent_id:?}"))?;
-        let mut history = AgentHistory { hello, ..Default::default() };
+        let hello = self
+            .hello(agent_id)?
+            .ok_or_else(|| anyhow!("unknown agent {agent_id:?}"))?;
+        let mut history = AgentHistory {
+            hello,
+            ..Default::default()
+        };
         let mut stmt = self.conn.prepare_cached(
             "SELECT seq, kind, body FROM messages
              WHERE agent_id = ?1 AND kind IN ('sample', 'event') AND time_ns BETWEEN ?2 AND ?3
              ORDER BY time_ns, seq",
         )?;
         let rows = stmt.query_map(params![agent_id, from_ns, to_ns], |r| {
-            Ok((r.get::<_, i64>(0)? as u64, r.get::<_, String>(1)?, r.get::<_, Vec<u8>>(2)?))
+            Ok((
+                r.get::<_, i64>(0)? as u64,
+                r.get::<_, String>(1)?,
+                r.get::<_, Vec<u8>>(2)?,
+            ))
         })?;
         for row in rows {
             let (seq, _kind, body) = row?;
             match decode_message(agent_id, seq, &body)?.body {
-                Some(Body::Sample(sample)) => {
-                    history.samples.push(pb::TimedSample { seq, sample: Some(sample) })
+                Some(Body::Sample(sample)) => history.samples.push(pb::TimedSample {
+                    seq,
+                    sample: Some(sample),
+                }),
+                Some(Body::Event(event)) => history.events.push(pb::TimedEvent {
+                    seq,
+                    event: Some(event),
+                }),
+                _ => {
+                    bail!("agent {agent_id} seq {seq}: stored row is neither a sample nor an event")
                 }
-                Some(Body::Event(event)) => {
-                    history.events.push(pb::TimedEvent { seq, event: Some(event) })
-                }
-                _ => bail!("agent {agent_id} seq {seq}: stored row is neither a sample nor an event"),
             }
         }
         Ok(history)
+    }
+
+    /// What the analysis needs about an agent: its Hello, samples and events
+    /// up to `to_ns` (all of them when None), oldest first.
+    pub fn evidence(&self, agent_id: &str, to_ns: Option<i64>) -> Result<Evidence> {
+        Ok(self
+            .history(agent_id, i64::MIN, to_ns.unwrap_or(i64::MAX))?
+            .into_evidence(None))
     }
 
     /// All incidents (or one agent's), oldest first.
@@ -349,7 +409,11 @@ impl Store {
     pub fn incident(&self, id: &str) -> Result<Option<pb::Incident>> {
         Ok(self
             .conn
-            .query_row(&format!("{INCIDENT_SELECT} WHERE i.id = ?1"), [id], incident_row)
+            .query_row(
+                &format!("{INCIDENT_SELECT} WHERE i.id = ?1"),
+                [id],
+                incident_row,
+            )
             .optional()?)
     }
 
@@ -404,7 +468,11 @@ fn insert_incident_tx(tx: &Transaction<'_>, inc: &pb::Incident) -> Result<Option
         "INSERT OR IGNORE INTO incidents(id, agent_id, kind, time_ns, domain, summary, seq)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
-            if inc.id.is_empty() { &placeholder } else { &inc.id },
+            if inc.id.is_empty() {
+                &placeholder
+            } else {
+                &inc.id
+            },
             inc.agent_id,
             inc.kind,
             inc.time_ns,
@@ -420,11 +488,18 @@ fn insert_incident_tx(tx: &Transaction<'_>, inc: &pb::Incident) -> Result<Option
     let mut stored = inc.clone();
     if inc.id.is_empty() {
         stored.id = format!("inc-{n:06}");
-        tx.execute("UPDATE incidents SET id = ?1 WHERE n = ?2", params![stored.id, n])?;
+        tx.execute(
+            "UPDATE incidents SET id = ?1 WHERE n = ?2",
+            params![stored.id, n],
+        )?;
     }
     if stored.agent_name.is_empty() {
         stored.agent_name = tx
-            .query_row("SELECT name FROM agents WHERE agent_id = ?1", [&inc.agent_id], |r| r.get(0))
+            .query_row(
+                "SELECT name FROM agents WHERE agent_id = ?1",
+                [&inc.agent_id],
+                |r| r.get(0),
+            )
             .optional()?
             .unwrap_or_default();
     }
@@ -523,7 +598,11 @@ mod tests {
     #[test]
     fn corrupt_blob_names_agent_and_seq() {
         let mut store = Store::open_in_memory().unwrap();
-        let hello = pb::Hello { agent_id: "a1".into(), name: "svc".into(), ..Default::default() };
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
         store.upsert_agent(&hello, 1).unwrap();
         store
             .conn

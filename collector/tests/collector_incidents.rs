@@ -21,53 +21,156 @@ const T0: i64 = 1_700_000_000_000_000_000;
 async fn oom_and_deaths_raise_incidents_and_a_clean_exit_does_not() {
     let dir = tempfile::tempdir().unwrap();
     let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    // One agent hits a device OOM; another supervises children that die.
     let mut agent = run.agent(hello("agent-o", "frag")).await;
     agent.send(sample(1, T0 + 1)).await;
     agent.send(oom(2, T0 + 2)).await;
-    let exit = |seq: u64, x: pb::ChildExit| event(seq, T0 + seq as i64, Kind::ChildExit(x));
-    agent.send(exit(3, pb::ChildExit { pid: 7, signal: Some(9), ..Default::default() })).await;
-    agent
-        .send(exit(
-            4,
-            pb::ChildExit {
-                pid: 8,
-                exit_code: Some(1),
-                stderr_tail: "Traceback...\nMemoryError: Unable to allocate 4.00 GiB\n".into(),
-                ..Default::default()
-            },
-        ))
-        .await;
-    agent.send(exit(5, pb::ChildExit { pid: 9, exit_code: Some(0), ..Default::default() })).await;
-    agent
-        .send(exit(6, pb::ChildExit { pid: 10, exit_code: Some(2), stderr_tail: "usage: bad flag\n".into(), ..Default::default() }))
-        .await;
-    agent.send(exit(7, pb::ChildExit { pid: 11, signal: Some(9), crash_loop: true, attempt: 3, ..Default::default() })).await;
-    agent.acks_covering(&(1..=7).collect(), |_| {}).await;
+    agent.acks_covering(&BTreeSet::from([1, 2]), |_| {}).await;
     // A resend of the OOM must not raise a second incident.
     agent.send(oom(2, T0 + 2)).await;
     agent.acks_covering(&BTreeSet::from([2]), |_| {}).await;
 
-    let incs = incidents(&run, "frag").await;
-    let got: Vec<(&str, u64, i64)> = incs.iter().map(|i| (i.kind.as_str(), i.seq, i.time_ns)).collect();
+    let mut sup = run.agent(hello("agent-x", "supervisor")).await;
+    let exit = |seq: u64, x: pb::ChildExit| event(seq, T0 + seq as i64, Kind::ChildExit(x));
+    sup.send(exit(
+        3,
+        pb::ChildExit {
+            pid: 7,
+            signal: Some(9),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.send(exit(
+        4,
+        pb::ChildExit {
+            pid: 8,
+            exit_code: Some(1),
+            stderr_tail: "Traceback...\nMemoryError: Unable to allocate 4.00 GiB\n".into(),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.send(exit(
+        5,
+        pb::ChildExit {
+            pid: 9,
+            exit_code: Some(0),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.send(exit(
+        6,
+        pb::ChildExit {
+            pid: 10,
+            exit_code: Some(2),
+            stderr_tail: "usage: bad flag\n".into(),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.send(exit(
+        7,
+        pb::ChildExit {
+            pid: 11,
+            signal: Some(9),
+            crash_loop: true,
+            attempt: 3,
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.acks_covering(&(3..=7).collect(), |_| {}).await;
+
+    let oom_incs = incidents(&run, "frag").await;
+    assert_eq!(oom_incs.len(), 1, "{oom_incs:?}");
+    let o = &oom_incs[0];
+    assert_eq!(
+        (o.id.as_str(), o.kind.as_str(), o.seq, o.time_ns),
+        ("inc-000001", "oom", 2, T0 + 2)
+    );
+    assert_eq!(
+        (o.agent_id.as_str(), o.agent_name.as_str()),
+        ("agent-o", "frag")
+    );
+    assert_eq!(
+        o.domain, "gpu_vram",
+        "the analysis blames VRAM for an allocator OOM"
+    );
+    assert!(o.summary.contains("96.0 MiB"), "{}", o.summary);
+
+    let incs = incidents(&run, "supervisor").await;
+    let got: Vec<(&str, &str, u64, i64)> = incs
+        .iter()
+        .map(|i| (i.id.as_str(), i.kind.as_str(), i.seq, i.time_ns))
+        .collect();
     assert_eq!(
         got,
-        vec![("oom", 2, T0 + 2), ("signal", 3, T0 + 3), ("exit_oom_text", 4, T0 + 4), ("crash_loop", 7, T0 + 7)]
+        vec![
+            ("inc-000002", "signal", 3, T0 + 3),
+            ("inc-000003", "exit_oom_text", 4, T0 + 4),
+            ("inc-000004", "crash_loop", 7, T0 + 7)
+        ]
     );
-    assert_eq!(incs.iter().map(|i| i.id.as_str()).collect::<Vec<_>>(), ["inc-000001", "inc-000002", "inc-000003", "inc-000004"]);
-    assert!(incs.iter().all(|i| i.agent_id == "agent-o" && i.agent_name == "frag"));
-    assert!(incs[0].summary.contains("96.0 MiB"), "{}", incs[0].summary);
-    assert!(incs[2].summary.contains("MemoryError"), "{}", incs[2].summary);
+    assert!(incs.iter().all(|i| !i.domain.is_empty()), "{incs:?}");
+    assert!(
+        incs[1]
+            .summary
+            .contains("MemoryError: Unable to allocate 4.00 GiB"),
+        "{}",
+        incs[1].summary
+    );
+    assert_eq!(incidents(&run, "").await.len(), 4);
 
     // Diagnose by id names the incident and agent; an unknown id is NotFound.
     let mut q = run.query().await;
-    let d = q.diagnose(pb::DiagnoseRequest { incident: "inc-000001".into(), ..Default::default() }).await.unwrap().into_inner();
+    let d = q
+        .diagnose(pb::DiagnoseRequest {
+            incident: "inc-000001".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(d.incident.as_deref(), Some("inc-000001"));
     assert_eq!(d.agent.as_deref(), Some("agent-o"));
-    let latest = q.diagnose(pb::DiagnoseRequest::default()).await.unwrap().into_inner();
+    assert_eq!(d.domain.as_deref(), Some("gpu_vram"));
+    assert!(!d.evidence.is_empty(), "{d:?}");
+    assert!(
+        d.evidence.iter().any(|l| l.contains("requested 96.0 MiB")),
+        "{:?}",
+        d.evidence
+    );
+    let by_agent = q
+        .diagnose(pb::DiagnoseRequest {
+            agent: "supervisor".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(by_agent.incident.as_deref(), Some("inc-000004"));
+    assert_eq!(by_agent.exit.as_ref().and_then(|x| x.signal), Some(9));
+    let latest = q
+        .diagnose(pb::DiagnoseRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(latest.incident.as_deref(), Some("inc-000004"));
-    let missing = q.diagnose(pb::DiagnoseRequest { incident: "inc-999999".into(), ..Default::default() }).await.unwrap_err();
+    let missing = q
+        .diagnose(pb::DiagnoseRequest {
+            incident: "inc-999999".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
     assert_eq!(missing.code(), tonic::Code::NotFound);
-    assert!(missing.message().contains("inc-999999"), "{}", missing.message());
+    assert!(
+        missing.message().contains("inc-999999"),
+        "{}",
+        missing.message()
+    );
     run.stop().await;
 }
 
@@ -101,14 +204,25 @@ async fn a_silent_agent_is_lost_after_the_grace_and_a_goodbye_is_not() {
     })
     .await
     .expect("an agent_lost incident for the silent agent");
-    assert_eq!((lost.kind.as_str(), lost.seq, lost.agent_name.as_str()), ("agent_lost", 0, "silent"));
-    assert!(lost.summary.contains("without a Goodbye"), "{}", lost.summary);
+    assert_eq!(
+        (lost.kind.as_str(), lost.seq, lost.agent_name.as_str()),
+        ("agent_lost", 0, "silent")
+    );
+    assert!(
+        lost.summary.contains("without a Goodbye"),
+        "{}",
+        lost.summary
+    );
     // Give the other two the same time to (wrongly) be declared lost.
     tokio::time::sleep(grace * 3).await;
     assert!(incidents(&run, "agent-g").await.is_empty());
     assert!(incidents(&run, "agent-f").await.is_empty());
     assert_eq!(agent_summary(&run, "agent-s").await.state, "lost");
-    assert_eq!(agent_summary(&run, "agent-s").await.samples, 1, "a lost agent keeps its samples");
+    assert_eq!(
+        agent_summary(&run, "agent-s").await.samples,
+        1,
+        "a lost agent keeps its samples"
+    );
     assert_eq!(agent_summary(&run, "agent-g").await.state, "disconnected");
     assert_eq!(agent_summary(&run, "agent-f").await.state, "connected");
     run.stop().await;
@@ -148,14 +262,20 @@ impl Decoder for ReplyDecoder {
     type Item = pb::CollectorMessage;
     type Error = Status;
     fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<pb::CollectorMessage>, Status> {
-        pb::CollectorMessage::decode(src).map(Some).map_err(|e| Status::internal(e.to_string()))
+        pb::CollectorMessage::decode(src)
+            .map(Some)
+            .map_err(|e| Status::internal(e.to_string()))
     }
 }
 
-async fn raw_stream(run: &Running, frames: Vec<Vec<u8>>) -> Result<Vec<pb::CollectorMessage>, Status> {
+async fn raw_stream(
+    run: &Running,
+    frames: Vec<Vec<u8>>,
+) -> Result<Vec<pb::CollectorMessage>, Status> {
     let mut grpc = tonic::client::Grpc::new(run.channel().await);
     grpc.ready().await.unwrap();
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/oomscope.v1.AgentService/Connect");
+    let path =
+        tonic::codegen::http::uri::PathAndQuery::from_static("/oomscope.v1.AgentService/Connect");
     // Keep our side open so that only the collector can end the stream.
     let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(8);
     for f in frames {
@@ -180,7 +300,11 @@ async fn raw_stream(run: &Running, frames: Vec<Vec<u8>>) -> Result<Vec<pb::Colle
 }
 
 fn hello_bytes(agent_id: &str) -> Vec<u8> {
-    pb::AgentMessage { seq: 0, body: Some(Body::Hello(hello(agent_id, "bad"))) }.encode_to_vec()
+    pb::AgentMessage {
+        seq: 0,
+        body: Some(Body::Hello(hello(agent_id, "bad"))),
+    }
+    .encode_to_vec()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,12 +313,21 @@ async fn malformed_and_oversized_messages_get_clear_errors_and_serving_goes_on()
     let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
 
     // An Event field (4) that claims 5 bytes and carries 1.
-    let malformed = raw_stream(&run, vec![hello_bytes("agent-m"), sample(1, T0).encode_to_vec(), vec![0x22, 0x05, 0x01]])
-        .await
-        .expect_err("a malformed message must end the stream with an error");
+    let malformed = raw_stream(
+        &run,
+        vec![
+            hello_bytes("agent-m"),
+            sample(1, T0).encode_to_vec(),
+            vec![0x22, 0x05, 0x01],
+        ],
+    )
+    .await
+    .expect_err("a malformed message must end the stream with an error");
     assert_eq!(malformed.code(), tonic::Code::Internal, "{malformed:?}");
     assert!(
-        malformed.message().contains("not a valid oomscope.v1.AgentMessage")
+        malformed
+            .message()
+            .contains("not a valid oomscope.v1.AgentMessage")
             && malformed.message().contains("agent-m")
             && malformed.message().contains("after seq 1"),
         "{}",
@@ -207,7 +340,11 @@ async fn malformed_and_oversized_messages_get_clear_errors_and_serving_goes_on()
     let mut big = sample(1, T0);
     if let Some(Body::Sample(s)) = &mut big.body {
         s.context = Some(pb::RequestContext {
-            labels: [("blob".to_string(), "x".repeat(oomscope_proto::MAX_MESSAGE_BYTES))].into(),
+            labels: [(
+                "blob".to_string(),
+                "x".repeat(oomscope_proto::MAX_MESSAGE_BYTES),
+            )]
+            .into(),
             ..Default::default()
         });
     }
@@ -216,7 +353,10 @@ async fn malformed_and_oversized_messages_get_clear_errors_and_serving_goes_on()
         .expect_err("an oversized message must end the stream with an error");
     assert_eq!(oversized.code(), tonic::Code::OutOfRange, "{oversized:?}");
     assert!(
-        oversized.message().contains(&format!("limit of {} bytes", oomscope_proto::MAX_MESSAGE_BYTES)),
+        oversized.message().contains(&format!(
+            "limit of {} bytes",
+            oomscope_proto::MAX_MESSAGE_BYTES
+        )),
         "{}",
         oversized.message()
     );

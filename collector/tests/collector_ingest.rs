@@ -30,16 +30,28 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
             // must already see every seq it covers.
             let stored: BTreeSet<u64> = stored_seqs(&db, "agent-1").into_iter().collect();
             for seq in ack.from_seq..=ack.to_seq {
-                assert!(stored.contains(&seq), "seq {seq} acked ({ack:?}) before it was in the file");
+                assert!(
+                    stored.contains(&seq),
+                    "seq {seq} acked ({ack:?}) before it was in the file"
+                );
             }
         })
         .await;
-    assert!(acks.iter().all(|a| a.from_seq >= 1 && a.to_seq <= 100), "{acks:?}");
-    assert_eq!(stored_seqs(&run.db, "agent-1"), (1..=100).collect::<Vec<_>>());
+    assert!(
+        acks.iter().all(|a| a.from_seq >= 1 && a.to_seq <= 100),
+        "{acks:?}"
+    );
+    assert_eq!(
+        stored_seqs(&run.db, "agent-1"),
+        (1..=100).collect::<Vec<_>>()
+    );
 
     let mut q = run.query().await;
     let tl = q
-        .timeline(pb::TimelineRequest { agent: "agent-1".into(), ..Default::default() })
+        .timeline(pb::TimelineRequest {
+            agent: "agent-1".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -56,7 +68,11 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
 
     // By name (the newest agent of that name), thinned to 10 points, with a range.
     let thin = q
-        .timeline(pb::TimelineRequest { agent: "llama-server".into(), max_points: 10, ..Default::default() })
+        .timeline(pb::TimelineRequest {
+            agent: "llama-server".into(),
+            max_points: 10,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -72,22 +88,61 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(ranged.samples.iter().map(|s| s.seq).collect::<Vec<_>>(), (20..=29).collect::<Vec<_>>());
+    assert_eq!(
+        ranged.samples.iter().map(|s| s.seq).collect::<Vec<_>>(),
+        (20..=29).collect::<Vec<_>>()
+    );
 
-    let missing = q.timeline(pb::TimelineRequest { agent: "nobody".into(), ..Default::default() }).await.unwrap_err();
+    let missing = q
+        .timeline(pb::TimelineRequest {
+            agent: "nobody".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
     assert_eq!(missing.code(), tonic::Code::NotFound);
-    assert!(missing.message().contains("nobody"), "{}", missing.message());
+    assert!(
+        missing.message().contains("nobody"),
+        "{}",
+        missing.message()
+    );
+
+    // No incident: a diagnosis of its whole timeline, with nothing failed.
+    let d = q
+        .diagnose(pb::DiagnoseRequest {
+            agent: "agent-1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (d.incident, d.agent.as_deref(), d.domain),
+        (None, Some("agent-1"), None)
+    );
+    let none = q
+        .diagnose(pb::DiagnoseRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(none.code(), tonic::Code::NotFound, "{none:?}");
 
     let summary = agent_summary(&run, "agent-1").await;
     assert_eq!(summary.state, "connected");
-    assert_eq!((summary.samples, summary.events, summary.last_seq), (100, 0, 100));
+    assert_eq!(
+        (summary.samples, summary.events, summary.last_seq),
+        (100, 0, 100)
+    );
     assert!(summary.first_seen_ns > 0 && summary.last_seen_ns >= summary.first_seen_ns);
     assert_eq!(summary.hello.as_ref().unwrap().pid, 4242);
 
     agent.send(goodbye(101)).await;
     agent.acks_covering(&BTreeSet::from([101]), |_| {}).await;
     agent.close();
-    assert_eq!(agent.next().await.unwrap(), None, "the collector ends the stream after we close ours");
+    assert_eq!(
+        agent.next().await.unwrap(),
+        None,
+        "the collector ends the stream after we close ours"
+    );
     assert_eq!(agent_summary(&run, "agent-1").await.state, "disconnected");
     run.stop().await;
 }
@@ -116,19 +171,35 @@ async fn resent_seqs_are_acked_again_and_stored_once() {
         again.send(msg).await;
     }
     again.acks_covering(&(5..=15).collect(), |_| {}).await;
-    assert_eq!(stored_seqs(&run.db, "agent-r"), (1..=15).collect::<Vec<_>>());
+    assert_eq!(
+        stored_seqs(&run.db, "agent-r"),
+        (1..=15).collect::<Vec<_>>()
+    );
 
     let tl = run
         .query()
         .await
-        .timeline(pb::TimelineRequest { agent: "agent-r".into(), ..Default::default() })
+        .timeline(pb::TimelineRequest {
+            agent: "agent-r".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(tl.samples.len(), 15);
     // The first write wins: seq 7 keeps the RSS it was first stored with.
     let seven = tl.samples.iter().find(|s| s.seq == 7).unwrap();
-    assert_eq!(seven.sample.as_ref().unwrap().process.as_ref().unwrap().vm_rss_bytes, 7 * MIB);
+    assert_eq!(
+        seven
+            .sample
+            .as_ref()
+            .unwrap()
+            .process
+            .as_ref()
+            .unwrap()
+            .vm_rss_bytes,
+        7 * MIB
+    );
     assert_eq!(agent_summary(&run, "agent-r").await.last_seq, 15);
     run.stop().await;
 }
@@ -140,9 +211,15 @@ async fn first_message_must_be_hello() {
     let mut client = pb::agent_service_client::AgentServiceClient::new(run.channel().await);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(sample(1, T0)).await.unwrap();
-    let mut replies = client.connect(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut replies = client
+        .connect(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     match replies.message().await {
-        Ok(Some(pb::CollectorMessage { body: Some(Reply::Reject(r)) })) => {
+        Ok(Some(pb::CollectorMessage {
+            body: Some(Reply::Reject(r)),
+        })) => {
             assert_eq!(r.seq, 1);
             assert!(r.reason.contains("Hello"), "{}", r.reason);
         }
@@ -150,7 +227,15 @@ async fn first_message_must_be_hello() {
     }
     let status = replies.message().await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    assert!(run.query().await.list_agents(pb::ListAgentsRequest {}).await.unwrap().into_inner().agents.is_empty());
+    assert!(run
+        .query()
+        .await
+        .list_agents(pb::ListAgentsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .agents
+        .is_empty());
     run.stop().await;
 }
 
@@ -163,10 +248,16 @@ async fn directives_reach_a_connected_agent() {
     agent.acks_covering(&BTreeSet::from([1]), |_| {}).await;
     assert_eq!(run.collector.connected(), vec!["agent-d".to_string()]);
 
-    let snap = pb::Directive { kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot { device: 3 })) };
-    run.collector.directive("agent-d", snap.clone()).unwrap();
+    let snap = pb::Directive {
+        kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot {
+            device: 3,
+        })),
+    };
+    run.collector.directive("agent-d", snap).unwrap();
     match agent.next().await {
-        Ok(Some(pb::CollectorMessage { body: Some(Reply::Directive(d)) })) => assert_eq!(d, snap),
+        Ok(Some(pb::CollectorMessage {
+            body: Some(Reply::Directive(d)),
+        })) => assert_eq!(d, snap),
         other => panic!("expected the directive, got {other:?}"),
     }
     let err = run.collector.directive("agent-x", snap).unwrap_err();
@@ -194,24 +285,47 @@ async fn data_survives_a_restart_on_the_same_file() {
 
     let run = start(&db, Duration::from_millis(300)).await;
     let summary = agent_summary(&run, "agent-p").await;
-    assert_eq!((summary.samples, summary.events, summary.last_seq), (20, 1, 21));
+    assert_eq!(
+        (summary.samples, summary.events, summary.last_seq),
+        (20, 1, 21)
+    );
     let tl = run
         .query()
         .await
-        .timeline(pb::TimelineRequest { agent: "persist".into(), ..Default::default() })
+        .timeline(pb::TimelineRequest {
+            agent: "persist".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(tl.samples.len(), 20);
-    assert_eq!(tl.samples[19].sample.as_ref().unwrap().process.as_ref().unwrap().vm_rss_bytes, 20 * MIB);
+    assert_eq!(
+        tl.samples[19]
+            .sample
+            .as_ref()
+            .unwrap()
+            .process
+            .as_ref()
+            .unwrap()
+            .vm_rss_bytes,
+        20 * MIB
+    );
     assert_eq!(tl.events.len(), 1);
-    let kinds: Vec<String> = incidents(&run, "agent-p").await.into_iter().map(|i| i.kind).collect();
+    let kinds: Vec<String> = incidents(&run, "agent-p")
+        .await
+        .into_iter()
+        .map(|i| i.kind)
+        .collect();
     assert_eq!(kinds, vec!["oom"]);
 
     // It was streaming when the collector went down and never came back:
     // after the grace it is lost, its samples kept.
     let lost = eventually(Duration::from_secs(5), || async {
-        incidents(&run, "agent-p").await.into_iter().find(|i| i.kind == "agent_lost")
+        incidents(&run, "agent-p")
+            .await
+            .into_iter()
+            .find(|i| i.kind == "agent_lost")
     })
     .await
     .expect("an agent_lost incident after the restart grace");

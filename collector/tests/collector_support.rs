@@ -30,14 +30,26 @@ pub struct Running {
 /// Starts a collector on an ephemeral loopback port over `db`.
 pub async fn start(db: &Path, lost_grace: Duration) -> Running {
     let store = Store::open(db).expect("open store");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().unwrap();
     let collector = Collector::new(store, lost_grace);
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(serve_with_listener(listener, collector.clone(), async move {
-        let _ = stopped.await;
-    }));
-    Running { addr, db: db.to_path_buf(), collector, stop: Some(stop), task }
+    let task = tokio::spawn(serve_with_listener(
+        listener,
+        collector.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    Running {
+        addr,
+        db: db.to_path_buf(),
+        collector,
+        stop: Some(stop),
+        task,
+    }
 }
 
 impl Running {
@@ -57,7 +69,11 @@ impl Running {
     }
 
     pub async fn channel(&self) -> Channel {
-        Endpoint::from_shared(self.url()).unwrap().connect().await.expect("connect")
+        Endpoint::from_shared(self.url())
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect")
     }
 
     pub async fn query(&self) -> pb::query_service_client::QueryServiceClient<Channel> {
@@ -68,9 +84,21 @@ impl Running {
         let mut client = pb::agent_service_client::AgentServiceClient::new(self.channel().await)
             .max_encoding_message_size(usize::MAX);
         let (tx, rx) = mpsc::channel(1024);
-        tx.send(pb::AgentMessage { seq: 0, body: Some(Body::Hello(hello)) }).await.unwrap();
-        let replies = client.connect(ReceiverStream::new(rx)).await.expect("Connect").into_inner();
-        AgentStream { tx: Some(tx), replies }
+        tx.send(pb::AgentMessage {
+            seq: 0,
+            body: Some(Body::Hello(hello)),
+        })
+        .await
+        .unwrap();
+        let replies = client
+            .connect(ReceiverStream::new(rx))
+            .await
+            .expect("Connect")
+            .into_inner();
+        AgentStream {
+            tx: Some(tx),
+            replies,
+        }
     }
 }
 
@@ -98,12 +126,18 @@ impl AgentStream {
 
     /// Reads acks until every seq in `want` is covered; calls `on_ack` with
     /// each ack as it arrives (to check the store at that very moment).
-    pub async fn acks_covering(&mut self, want: &BTreeSet<u64>, mut on_ack: impl FnMut(&pb::Ack)) -> Vec<pb::Ack> {
+    pub async fn acks_covering(
+        &mut self,
+        want: &BTreeSet<u64>,
+        mut on_ack: impl FnMut(&pb::Ack),
+    ) -> Vec<pb::Ack> {
         let mut covered = BTreeSet::new();
         let mut acks = Vec::new();
         while !want.is_subset(&covered) {
             match self.next().await {
-                Ok(Some(pb::CollectorMessage { body: Some(Reply::Ack(ack)) })) => {
+                Ok(Some(pb::CollectorMessage {
+                    body: Some(Reply::Ack(ack)),
+                })) => {
                     assert!(ack.from_seq <= ack.to_seq, "inverted ack {ack:?}");
                     on_ack(&ack);
                     covered.extend(ack.from_seq..=ack.to_seq);
@@ -134,7 +168,11 @@ pub fn sample(seq: u64, time_ns: i64) -> pb::AgentMessage {
         seq,
         body: Some(Body::Sample(pb::Sample {
             time_ns,
-            process: Some(pb::ProcessMemory { pid: 4242, vm_rss_bytes: seq * MIB, ..Default::default() }),
+            process: Some(pb::ProcessMemory {
+                pid: 4242,
+                vm_rss_bytes: seq * MIB,
+                ..Default::default()
+            }),
             allocator: vec![pb::AllocatorStats {
                 device: 0,
                 allocated_bytes: seq * 8 * MIB,
@@ -148,7 +186,13 @@ pub fn sample(seq: u64, time_ns: i64) -> pb::AgentMessage {
 }
 
 pub fn event(seq: u64, time_ns: i64, kind: pb::event::Kind) -> pb::AgentMessage {
-    pb::AgentMessage { seq, body: Some(Body::Event(pb::Event { time_ns, kind: Some(kind) })) }
+    pb::AgentMessage {
+        seq,
+        body: Some(Body::Event(pb::Event {
+            time_ns,
+            kind: Some(kind),
+        })),
+    }
 }
 
 /// The fragmentation_oom capture's failure: 96 MiB under a 2 GiB cap with
@@ -179,13 +223,21 @@ pub fn oom(seq: u64, time_ns: i64) -> pb::AgentMessage {
 }
 
 pub fn goodbye(seq: u64) -> pb::AgentMessage {
-    pb::AgentMessage { seq, body: Some(Body::Goodbye(pb::Goodbye { reason: "exit".into(), exit_code: 0 })) }
+    pb::AgentMessage {
+        seq,
+        body: Some(Body::Goodbye(pb::Goodbye {
+            reason: "exit".into(),
+            exit_code: 0,
+        })),
+    }
 }
 
 pub async fn incidents(run: &Running, agent: &str) -> Vec<pb::Incident> {
     run.query()
         .await
-        .incidents(pb::IncidentsRequest { agent: agent.into() })
+        .incidents(pb::IncidentsRequest {
+            agent: agent.into(),
+        })
         .await
         .expect("Incidents")
         .into_inner()
@@ -193,7 +245,14 @@ pub async fn incidents(run: &Running, agent: &str) -> Vec<pb::Incident> {
 }
 
 pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
-    let agents = run.query().await.list_agents(pb::ListAgentsRequest {}).await.expect("ListAgents").into_inner().agents;
+    let agents = run
+        .query()
+        .await
+        .list_agents(pb::ListAgentsRequest {})
+        .await
+        .expect("ListAgents")
+        .into_inner()
+        .agents;
     agents
         .into_iter()
         .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == agent_id))
@@ -221,6 +280,11 @@ where
 /// Rows stored for an agent, read through a separate SQLite connection.
 pub fn stored_seqs(db: &Path, agent_id: &str) -> Vec<u64> {
     let conn = rusqlite::Connection::open(db).unwrap();
-    let mut stmt = conn.prepare("SELECT seq FROM messages WHERE agent_id = ?1 ORDER BY seq").unwrap();
-    stmt.query_map([agent_id], |r| r.get::<_, i64>(0)).unwrap().map(|s| s.unwrap() as u64).collect()
+    let mut stmt = conn
+        .prepare("SELECT seq FROM messages WHERE agent_id = ?1 ORDER BY seq")
+        .unwrap();
+    stmt.query_map([agent_id], |r| r.get::<_, i64>(0))
+        .unwrap()
+        .map(|s| s.unwrap() as u64)
+        .collect()
 }

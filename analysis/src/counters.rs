@@ -30,27 +30,44 @@ impl CounterChange {
                     .before
                     .clone()
                     .map(|b| (b, "child start/exit"))
-                    .or_else(|| e.child_start(exit.pid)?.counters.clone().map(|b| (b, "child start/exit")))
+                    .or_else(|| {
+                        e.child_start(exit.pid)?
+                            .counters
+                            .clone()
+                            .map(|b| (b, "child start/exit"))
+                    })
                     .or_else(|| first_sample.clone().map(|b| (b, "first sample/child exit")));
                 if let Some((before, source)) = before {
-                    return Some(CounterChange { before, after: after.clone(), source });
+                    return Some(CounterChange {
+                        before,
+                        after: after.clone(),
+                        source,
+                    });
                 }
             }
         }
         if e.samples.len() >= 2 {
             let last = e.samples.last().map(sample_counters)?;
-            return Some(CounterChange { before: first_sample?, after: last, source: "first/last sample" });
+            return Some(CounterChange {
+                before: first_sample?,
+                after: last,
+                source: "first/last sample",
+            });
         }
         None
     }
 
     /// Each level of the "after" reading (own first) with its "before" twin.
     pub fn levels(&self) -> impl Iterator<Item = LevelChange<'_>> {
-        self.after.cgroup.iter().enumerate().map(|(depth, after)| LevelChange {
-            before: self.before.cgroup.iter().find(|b| b.path == after.path),
-            after,
-            depth,
-        })
+        self.after
+            .cgroup
+            .iter()
+            .enumerate()
+            .map(|(depth, after)| LevelChange {
+                before: self.before.cgroup.iter().find(|b| b.path == after.path),
+                after,
+                depth,
+            })
     }
 
     /// /proc/vmstat oom_kill growth; None when either reading lacks it.
@@ -77,7 +94,11 @@ impl CounterChange {
 }
 
 fn sample_counters(s: &pb::Sample) -> pb::HostCounters {
-    pb::HostCounters { time_ns: s.time_ns, cgroup: s.cgroup.clone(), system: s.system }
+    pb::HostCounters {
+        time_ns: s.time_ns,
+        cgroup: s.cgroup.clone(),
+        system: s.system,
+    }
 }
 
 /// One cgroup level's two readings.
@@ -122,7 +143,9 @@ impl LevelChange<'_> {
     }
 
     pub fn oom_kill_rose(&self) -> bool {
-        self.rose(|l| l.oom_control_oom_kill) || self.rose(|l| l.local_oom_kill) || self.rose(|l| l.events_oom_kill)
+        self.rose(|l| l.oom_control_oom_kill)
+            || self.rose(|l| l.local_oom_kill)
+            || self.rose(|l| l.events_oom_kill)
     }
 
     pub fn limit(&self) -> Option<u64> {
@@ -131,8 +154,10 @@ impl LevelChange<'_> {
 
     /// The level's peak (max_usage_in_bytes / memory.peak) reached its limit.
     pub fn peak_at_limit(&self) -> bool {
-        self.limit()
-            .is_some_and(|l| self.after.peak_bytes > 0 && self.after.peak_bytes >= l.saturating_sub(LIMIT_SLACK_BYTES))
+        self.limit().is_some_and(|l| {
+            self.after.peak_bytes > 0
+                && self.after.peak_bytes >= l.saturating_sub(LIMIT_SLACK_BYTES)
+        })
     }
 
     /// "memory.failcnt 3 -> 250"-style lines for each counter that rose.
@@ -149,7 +174,9 @@ impl LevelChange<'_> {
 
     /// "limit 64.0 MiB (67108864 bytes); peak 64.0 MiB (67108864 bytes)".
     pub fn limit_and_peak(&self) -> String {
-        let limit = self.limit().map_or_else(|| "no limit".to_string(), |l| format!("limit {}", bytes(l)));
+        let limit = self
+            .limit()
+            .map_or_else(|| "no limit".to_string(), |l| format!("limit {}", bytes(l)));
         let peak = if self.after.peak_bytes > 0 {
             format!("peak {}", bytes(self.after.peak_bytes))
         } else {
@@ -195,18 +222,31 @@ pub struct MemcgOom {
 pub fn find_memcg_oom(change: &CounterChange, sigkill: bool) -> Option<MemcgOom> {
     let levels: Vec<LevelChange> = change.levels().collect();
     let own_path = levels.first()?.after.path.clone();
-    let killed = levels.iter().any(|l| l.oom_kill_rose() || l.after.under_oom) || sigkill;
+    let killed = levels
+        .iter()
+        .any(|l| l.oom_kill_rose() || l.after.under_oom)
+        || sigkill;
     let victim = levels.iter().find(|l| l.oom_kill_rose());
 
-    let (owner, confidence, reason) = if let Some(l) = levels.iter().find(|l| l.rose(|c| c.local_oom)) {
+    let (owner, confidence, reason) = if let Some(l) =
+        levels.iter().find(|l| l.rose(|c| c.local_oom))
+    {
         let (b, a) = l.pair(|c| c.local_oom);
-        (*l, 0.95, format!("memory.events.local oom {b} -> {a} (the limit was hit at this level)"))
+        (
+            *l,
+            0.95,
+            format!("memory.events.local oom {b} -> {a} (the limit was hit at this level)"),
+        )
     } else if let Some(l) = levels.iter().find(|l| l.rose(|c| c.events_oom)) {
         let (b, a) = l.pair(|c| c.events_oom);
-        (*l, 0.9, format!("memory.events oom {b} -> {a} (the deepest level where it rose)"))
-    } else if let Some(l) =
-        levels.iter().find(|l| killed && l.peak_at_limit() && (l.rose(|c| c.failcnt) || l.rose(|c| c.events_max)))
-    {
+        (
+            *l,
+            0.9,
+            format!("memory.events oom {b} -> {a} (the deepest level where it rose)"),
+        )
+    } else if let Some(l) = levels.iter().find(|l| {
+        killed && l.peak_at_limit() && (l.rose(|c| c.failcnt) || l.rose(|c| c.events_max))
+    }) {
         let line = if l.rose(|c| c.failcnt) {
             let (b, a) = l.pair(|c| c.failcnt);
             format!("memory.failcnt {b} -> {a} (the nearest level at its limit)")
@@ -215,7 +255,8 @@ pub fn find_memcg_oom(change: &CounterChange, sigkill: bool) -> Option<MemcgOom>
             format!("memory.events max {b} -> {a} (the nearest level at its limit)")
         };
         (*l, 0.9, line)
-    } else if let (Some(v), false) = (victim, change.vmstat_oom_kill().is_some_and(|(b, a)| a > b)) {
+    } else if let (Some(v), false) = (victim, change.vmstat_oom_kill().is_some_and(|(b, a)| a > b))
+    {
         // A cgroup kill without a global one and no level visibly at its limit
         // (a missing peak file, say): the nearest limit is the likely owner.
         let l = levels.iter().find(|l| l.limit().is_some())?;
@@ -243,10 +284,16 @@ pub fn find_memcg_oom(change: &CounterChange, sigkill: bool) -> Option<MemcgOom>
         }
     }
     // v1's telling detail: the owner's own oom_kill stays put while the victim's rises.
-    if let Some(v) = victim.filter(|v| v.depth != owner.depth) {
-        let (b, a) = owner.pair(|c| c.oom_control_oom_kill.max(c.events_oom_kill));
+    let v1_victim = levels.iter().find(|l| l.rose(|c| c.oom_control_oom_kill));
+    if let Some(v) = v1_victim.filter(|v| v.depth != owner.depth) {
+        let (b, a) = owner.pair(|c| c.oom_control_oom_kill);
+        let owner_kills = if a == b {
+            format!("stays at {a}")
+        } else {
+            format!("{b} -> {a}")
+        };
         evidence.push(format!(
-            "the victim lives in {} below the owner; the owner's own oom_kill stays {b} -> {a}",
+            "the victim lives in {} below the owner; the owner's own memory.oom_control oom_kill {owner_kills}",
             v.after.path
         ));
     }

@@ -15,15 +15,28 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let f = Findings::gather(e);
     let verdict = decide(&f);
     let causes = causes::analyze(&f, &verdict);
-    let fixes = if verdict.failed { fixes::rank(&f, &verdict, &causes) } else { Vec::new() };
+    let fixes = if verdict.failed {
+        fixes::rank(&f, &verdict, &causes)
+    } else {
+        Vec::new()
+    };
     let agent = e
         .incident
         .as_ref()
         .map(|i| i.agent.clone())
         .filter(|a| !a.is_empty())
-        .or_else(|| e.hello.as_ref().map(|h| h.agent_id.clone()).filter(|a| !a.is_empty()));
+        .or_else(|| {
+            e.hello
+                .as_ref()
+                .map(|h| h.agent_id.clone())
+                .filter(|a| !a.is_empty())
+        });
     pb::Diagnosis {
-        incident: e.incident.as_ref().map(|i| i.id.clone()).filter(|i| !i.is_empty()),
+        incident: e
+            .incident
+            .as_ref()
+            .map(|i| i.id.clone())
+            .filter(|i| !i.is_empty()),
         agent,
         domain: verdict.failed.then(|| verdict.domain.as_str().to_string()),
         trigger: None,
@@ -31,7 +44,10 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         fixes,
         capacity_json: String::new(),
         evidence: verdict.evidence,
-        exit: f.exit.map(|(_, x)| pb::ExitStatus { code: x.exit_code, signal: x.signal }),
+        exit: f.exit.map(|(_, x)| pb::ExitStatus {
+            code: x.exit_code,
+            signal: x.signal,
+        }),
         cgroup: verdict.cgroup,
     }
 }

@@ -55,7 +55,12 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     let verdict = |domain, mut ev: Vec<String>, lines: &mut Vec<String>| {
         lines.append(&mut ev);
         lines.extend(lost.clone());
-        DomainVerdict { domain, failed: true, evidence: std::mem::take(lines), cgroup: None }
+        DomainVerdict {
+            domain,
+            failed: true,
+            evidence: std::mem::take(lines),
+            cgroup: None,
+        }
     };
 
     if !f.failed {
@@ -71,12 +76,20 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
         if let Some(t) = &f.thrash {
             lines.extend(t.evidence());
         }
-        return DomainVerdict { domain: Domain::Unknown, failed: false, evidence: lines, cgroup: None };
+        return DomainVerdict {
+            domain: Domain::Unknown,
+            failed: false,
+            evidence: lines,
+            cgroup: None,
+        };
     }
 
     // SIGBUS is how a full /dev/shm (tmpfs) answers a page fault; no OOM counter moves.
     if f.is_signal(SIGBUS) {
-        let mut ev = vec![format!("{}: a page fault on shared memory that could not be backed", f.signal_text())];
+        let mut ev = vec![format!(
+            "{}: a page fault on shared memory that could not be backed",
+            f.signal_text()
+        )];
         ev.push(shm_line(f));
         ev.push(f.counters_line());
         return verdict(Domain::Shm, ev, &mut lines);
@@ -85,9 +98,12 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     // A cgroup limit: decided by the counters of the level that owns it.
     if let Some(m) = &f.memcg {
         let mut ev = m.evidence.clone();
-        if f.signal.is_some() {
-            ev.push(f.signal_text());
+        if let Some((b, a)) = f.global_oom {
+            ev.push(format!(
+                "/proc/vmstat oom_kill {b} -> {a} (it counts cgroup kills too)"
+            ));
         }
+        ev.extend(code_signal_line(f));
         let mut v = verdict(Domain::Cgroup, ev, &mut lines);
         v.cgroup = Some(pb::CgroupVerdict {
             path: m.own_path.clone(),
@@ -99,12 +115,12 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
 
     // The global OOM killer ran and no cgroup level was at its limit.
     if let Some((b, a)) = f.global_oom {
-        let mut ev = vec![format!("/proc/vmstat oom_kill {b} -> {a}: the global OOM killer ran")];
+        let mut ev = vec![format!(
+            "/proc/vmstat oom_kill {b} -> {a}: the global OOM killer ran"
+        )];
         ev.push(no_level_at_limit_line(f));
         ev.extend(ram_line(f));
-        if f.signal.is_some() {
-            ev.push(f.signal_text());
-        }
+        ev.extend(code_signal_line(f));
         return verdict(Domain::HostRam, ev, &mut lines);
     }
 
@@ -163,9 +179,20 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     verdict(Domain::Unknown, ev, &mut lines)
 }
 
+/// A signal read from a shell's 128+N exit code, which the exit line does not spell out.
+fn code_signal_line(f: &Findings) -> Option<String> {
+    f.signal
+        .filter(|(_, via_code)| *via_code)
+        .map(|_| f.signal_text())
+}
+
 /// For a lost agent: when it was last heard from.
 fn lost_line(f: &Findings) -> Option<String> {
-    let inc = f.evidence.incident.as_ref().filter(|i| i.kind == "agent_lost")?;
+    let inc = f
+        .evidence
+        .incident
+        .as_ref()
+        .filter(|i| i.kind == "agent_lost")?;
     Some(match f.evidence.samples.last() {
         Some(s) => format!(
             "last sample at {} ({} before the stream broke at {})",
@@ -173,7 +200,10 @@ fn lost_line(f: &Findings) -> Option<String> {
             seconds(inc.time_ns - s.time_ns),
             time(inc.time_ns)
         ),
-        None => format!("no sample received before the stream broke at {}", time(inc.time_ns)),
+        None => format!(
+            "no sample received before the stream broke at {}",
+            time(inc.time_ns)
+        ),
     })
 }
 
@@ -190,7 +220,9 @@ fn shm_line(f: &Findings) -> String {
 }
 
 fn no_level_at_limit_line(f: &Findings) -> String {
-    let Some(c) = &f.counters else { return "no cgroup readings".to_string() };
+    let Some(c) = &f.counters else {
+        return "no cgroup readings".to_string();
+    };
     let limited: Vec<String> = c
         .levels()
         .filter(|l| l.limit().is_some())
@@ -219,7 +251,9 @@ fn ram_line(f: &Findings) -> Option<String> {
 fn address_space_lines(f: &Findings) -> Vec<String> {
     let mut ev = Vec::new();
     if let Some(limit) = f.as_limit {
-        let vm = f.vm_line().unwrap_or_else(|| "VmPeak/VmSize not read".to_string());
+        let vm = f
+            .vm_line()
+            .unwrap_or_else(|| "VmPeak/VmSize not read".to_string());
         ev.push(format!("RLIMIT_AS {}; {vm}", bytes(limit)));
     }
     if let Some((committed, limit)) = f.strict_commit {
@@ -238,10 +272,18 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
     let mut device = None;
     if let Some((_, o)) = f.oom {
         device = Some(o.device);
-        ev.push(format!("device OOM on GPU {}: requested {}", o.device, bytes(o.requested_bytes)));
+        ev.push(format!(
+            "device OOM on GPU {}: requested {}",
+            o.device,
+            bytes(o.requested_bytes)
+        ));
         if !o.error_text.is_empty() {
             let first = o.error_text.lines().next().unwrap_or_default();
-            ev.push(format!("{}: {}", o.error_type, first.chars().take(300).collect::<String>()));
+            ev.push(format!(
+                "{}: {}",
+                o.error_type,
+                first.chars().take(300).collect::<String>()
+            ));
         }
         if let Some(obs) = &o.observer {
             // The observer's third argument is the device total or the cap, not allocated bytes.
@@ -278,9 +320,12 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
 
 /// The newest NVML reading of the failing device (or the first device).
 fn nvml_line(f: &Findings, device: Option<i32>) -> Option<String> {
-    let gpu = f.evidence.samples.iter().rev().find_map(|s| {
-        s.gpus.iter().find(|g| device.is_none_or(|d| g.index == d))
-    })?;
+    let gpu = f
+        .evidence
+        .samples
+        .iter()
+        .rev()
+        .find_map(|s| s.gpus.iter().find(|g| device.is_none_or(|d| g.index == d)))?;
     let mut line = format!(
         "NVML GPU {} ({}): used {} of {}, free {}",
         gpu.index,
@@ -290,8 +335,11 @@ fn nvml_line(f: &Findings, device: Option<i32>) -> Option<String> {
         bytes(gpu.free_bytes)
     );
     if !gpu.processes.is_empty() {
-        let procs: Vec<String> =
-            gpu.processes.iter().map(|p| format!("pid {} {}", p.pid, bytes_short(p.used_bytes))).collect();
+        let procs: Vec<String> = gpu
+            .processes
+            .iter()
+            .map(|p| format!("pid {} {}", p.pid, bytes_short(p.used_bytes)))
+            .collect();
         line.push_str(&format!("; processes: {}", procs.join(", ")));
     }
     Some(line)

@@ -63,7 +63,11 @@ impl Evidence {
         if let Some((_, x)) = self.child_exit() {
             pids.push(x.pid);
         }
-        pids.extend(self.samples.iter().filter_map(|s| s.process.as_ref().map(|p| p.pid)));
+        pids.extend(
+            self.samples
+                .iter()
+                .filter_map(|s| s.process.as_ref().map(|p| p.pid)),
+        );
         pids.retain(|&p| p != 0);
         pids.sort_unstable();
         pids.dedup();
@@ -86,7 +90,10 @@ impl Evidence {
             .as_ref()
             .and_then(|h| h.rlimits.as_ref())
             .map(|r| r.address_space_bytes);
-        [from_process, from_hello].into_iter().flatten().find(|&b| is_finite_limit(b))
+        [from_process, from_hello]
+            .into_iter()
+            .flatten()
+            .find(|&b| is_finite_limit(b))
     }
 
     /// The newest system reading: at the child's exit, else the last sample.

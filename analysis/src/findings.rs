@@ -48,19 +48,25 @@ impl<'a> Findings<'a> {
             (None, Some(c)) if (129..=159).contains(&c) => Some((c - 128, true)),
             _ => None,
         });
-        let clean_exit = exit.is_some_and(|(_, x)| x.signal.is_none() && x.exit_code.unwrap_or(0) == 0);
-        let failed = oom.is_some() || (exit.is_some() && !clean_exit) || (exit.is_none() && e.incident.is_some());
+        let clean_exit =
+            exit.is_some_and(|(_, x)| x.signal.is_none() && x.exit_code.unwrap_or(0) == 0);
+        let failed = oom.is_some()
+            || (exit.is_some() && !clean_exit)
+            || (exit.is_none() && e.incident.is_some());
         let counters = CounterChange::from_evidence(e);
         let sigkill = signal.is_some_and(|(s, _)| s == SIGKILL);
         let memcg = counters.as_ref().and_then(|c| find_memcg_oom(c, sigkill));
         let global_oom = counters.as_ref().and_then(global_oom_kill);
         let stderr = exit.map_or("", |(_, x)| x.stderr_tail.as_str());
-        let oom_error = oom.map(|(_, o)| format!("{}: {}", o.error_type, o.error_text)).unwrap_or_default();
+        let oom_error = oom
+            .map(|(_, o)| format!("{}: {}", o.error_type, o.error_text))
+            .unwrap_or_default();
         let cuda_line = cuda_oom_line(stderr).or_else(|| cuda_oom_line(&oom_error));
         let strict_commit = e.last_system().and_then(|s| {
             let near = s.overcommit_mode == 2
                 && s.commit_limit_bytes > 0
-                && s.committed_as_bytes as f64 >= s.commit_limit_bytes as f64 * COMMIT_NEAR_FRACTION;
+                && s.committed_as_bytes as f64
+                    >= s.commit_limit_bytes as f64 * COMMIT_NEAR_FRACTION;
             near.then_some((s.committed_as_bytes, s.commit_limit_bytes))
         });
         Findings {
@@ -109,7 +115,11 @@ impl<'a> Findings<'a> {
             (None, Some(c)) => format!("exited with code {c}"),
             (None, None) => "ended (no exit status recorded)".to_string(),
         };
-        let mut line = format!("child pid {} {how} after {}", x.pid, seconds(x.runtime_ns as i64));
+        let mut line = format!(
+            "child pid {} {how} after {}",
+            x.pid,
+            seconds(x.runtime_ns as i64)
+        );
         if x.attempt > 0 {
             line.push_str(&format!(" (restart {})", x.attempt));
         }
@@ -122,8 +132,13 @@ impl<'a> Findings<'a> {
     /// "VmPeak 250.0 MiB (...); VmSize 249.0 MiB (...)" of the last process reading.
     pub fn vm_line(&self) -> Option<String> {
         let p = self.evidence.last_process()?;
-        (p.vm_peak_bytes > 0 || p.vm_size_bytes > 0)
-            .then(|| format!("VmPeak {}; VmSize {}", bytes(p.vm_peak_bytes), bytes(p.vm_size_bytes)))
+        (p.vm_peak_bytes > 0 || p.vm_size_bytes > 0).then(|| {
+            format!(
+                "VmPeak {}; VmSize {}",
+                bytes(p.vm_peak_bytes),
+                bytes(p.vm_size_bytes)
+            )
+        })
     }
 
     /// "no OOM counter moved (child start/exit)" or the counters that did.

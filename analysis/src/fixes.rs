@@ -7,8 +7,18 @@ use crate::findings::Findings;
 use crate::pb;
 use crate::units::bytes_short;
 
-fn fix(action: impl Into<String>, risk: &str, retest: impl Into<String>, caveat: Option<&str>) -> pb::Fix {
-    pb::Fix { action: action.into(), risk: risk.to_string(), retest: retest.into(), caveat: caveat.map(str::to_string) }
+fn fix(
+    action: impl Into<String>,
+    risk: &str,
+    retest: impl Into<String>,
+    caveat: Option<&str>,
+) -> pb::Fix {
+    pb::Fix {
+        action: action.into(),
+        risk: risk.to_string(),
+        retest: retest.into(),
+        caveat: caveat.map(str::to_string),
+    }
 }
 
 fn risk_rank(risk: &str) -> u8 {
@@ -23,7 +33,8 @@ fn metric(c: &pb::Cause, name: &str) -> u64 {
     c.metrics.get(name).copied().unwrap_or(0.0).max(0.0) as u64
 }
 
-const SAME_WORKLOAD: &str = "rerun the same failing workload (same requests, same concurrency) and compare";
+const SAME_WORKLOAD: &str =
+    "rerun the same failing workload (same requests, same concurrency) and compare";
 
 /// Fixes for the causes found (most likely cause first), then for the domain
 /// where no cause gave any; ranked least risky first, duplicates dropped.

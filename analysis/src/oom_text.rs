@@ -67,7 +67,10 @@ fn has_word(line: &str, word: &str) -> bool {
     let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
     line.match_indices(word).any(|(i, _)| {
         let before_ok = line[..i].chars().next_back().is_none_or(|c| !is_ident(c));
-        let after_ok = line[i + word.len()..].chars().next().is_none_or(|c| !is_ident(c));
+        let after_ok = line[i + word.len()..]
+            .chars()
+            .next()
+            .is_none_or(|c| !is_ident(c));
         before_ok && after_ok
     })
 }
@@ -87,19 +90,25 @@ mod tests {
 
     #[test]
     fn host_allocation_failures_are_recognised() {
-        assert!(is_oom_text("Traceback (most recent call last):\nMemoryError\n"));
+        assert!(is_oom_text(
+            "Traceback (most recent call last):\nMemoryError\n"
+        ));
         assert!(is_oom_text("terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc"));
         assert!(is_oom_text("mmap failed: ENOMEM"));
         assert!(is_oom_text("OSError: [Errno 12] Cannot allocate memory"));
         assert!(is_oom_text("fatal: Out Of Memory"));
-        assert!(is_oom_text("runtime: out of memory: cannot allocate 1073741824-byte block"));
+        assert!(is_oom_text(
+            "runtime: out of memory: cannot allocate 1073741824-byte block"
+        ));
     }
 
     #[test]
     fn cuda_failures_are_recognised() {
         let torch = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity of 139.81 GiB";
         assert!(is_oom_text(torch) && is_cuda_oom_text(torch));
-        assert!(is_cuda_oom_text("cuMemAlloc_v2 failed: CUDA_ERROR_OUT_OF_MEMORY"));
+        assert!(is_cuda_oom_text(
+            "cuMemAlloc_v2 failed: CUDA_ERROR_OUT_OF_MEMORY"
+        ));
         assert!(is_cuda_oom_text("DriverError: CUDA error 2"));
         assert!(is_cuda_oom_text("CUDA error: out of memory"));
         assert!(!is_cuda_oom_text("MemoryError"));

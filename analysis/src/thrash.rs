@@ -99,19 +99,32 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
     let cg_anon = grow(&|s| own(s).map(|l| l.workingset_refault_anon));
     let sys_file = grow(&|s| s.system.map(|m| m.vmstat_workingset_refault_file));
     let sys_anon = grow(&|s| s.system.map(|m| m.vmstat_workingset_refault_anon));
-    let own_path = last.cgroup.first().map(|l| l.path.clone()).unwrap_or_default();
-    let (refault_scope, refault_file, refault_anon) = if cg_file + cg_anon >= sys_file + sys_anon && cg_file + cg_anon > 0 {
-        (format!("cgroup {own_path}"), cg_file, cg_anon)
-    } else {
-        ("system".to_string(), sys_file, sys_anon)
-    };
+    let own_path = last
+        .cgroup
+        .first()
+        .map(|l| l.path.clone())
+        .unwrap_or_default();
+    let (refault_scope, refault_file, refault_anon) =
+        if cg_file + cg_anon >= sys_file + sys_anon && cg_file + cg_anon > 0 {
+            (format!("cgroup {own_path}"), cg_file, cg_anon)
+        } else {
+            ("system".to_string(), sys_file, sys_anon)
+        };
 
     let pressure_of = |s: &pb::Sample, cgroup: bool| -> Option<pb::Pressure> {
-        if cgroup { own(s).and_then(|l| l.pressure) } else { s.system.and_then(|m| m.pressure) }
+        if cgroup {
+            own(s).and_then(|l| l.pressure)
+        } else {
+            s.system.and_then(|m| m.pressure)
+        }
     };
     // Prefer the cgroup's PSI when it has any, else the system's.
-    let cgroup_psi = samples.iter().any(|s| pressure_of(s, true).is_some_and(|p| p.some_total_us > 0));
-    let system_psi = samples.iter().any(|s| pressure_of(s, false).is_some_and(|p| p.some_total_us > 0 || p.some_avg10 > 0.0));
+    let cgroup_psi = samples
+        .iter()
+        .any(|s| pressure_of(s, true).is_some_and(|p| p.some_total_us > 0));
+    let system_psi = samples
+        .iter()
+        .any(|s| pressure_of(s, false).is_some_and(|p| p.some_total_us > 0 || p.some_avg10 > 0.0));
     let (psi_scope, use_cgroup) = if cgroup_psi {
         (format!("cgroup {own_path}"), true)
     } else if system_psi {
@@ -119,7 +132,8 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
     } else {
         (String::new(), false)
     };
-    let (mut some_avg10, mut full_avg10, mut some_stall_us, mut full_stall_us) = (0.0f64, 0.0f64, 0, 0);
+    let (mut some_avg10, mut full_avg10, mut some_stall_us, mut full_stall_us) =
+        (0.0f64, 0.0f64, 0, 0);
     if !psi_scope.is_empty() {
         for p in samples.iter().filter_map(|s| pressure_of(s, use_cgroup)) {
             some_avg10 = some_avg10.max(p.some_avg10);

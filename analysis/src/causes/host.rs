@@ -18,7 +18,10 @@ const AS_NEAR_FRACTION: f64 = 0.5;
 pub fn cgroup_limit(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     let m = f.memcg.as_ref()?;
     let mut evidence = m.evidence.clone();
-    let owner = f.counters.as_ref().and_then(|c| c.levels().find(|l| l.after.path == m.owner_path));
+    let owner = f
+        .counters
+        .as_ref()
+        .and_then(|c| c.levels().find(|l| l.after.path == m.owner_path));
     let mut metrics = vec![
         ("limit_bytes", m.limit_bytes as f64),
         ("peak_bytes", m.peak_bytes as f64),
@@ -51,7 +54,9 @@ pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
         return None;
     }
     let (b, a) = f.global_oom?;
-    let mut evidence = vec![format!("/proc/vmstat oom_kill {b} -> {a} with no cgroup level at its limit")];
+    let mut evidence = vec![format!(
+        "/proc/vmstat oom_kill {b} -> {a} with no cgroup level at its limit"
+    )];
     let mut metrics = vec![("vmstat_oom_kill_delta", (a - b) as f64)];
     if let Some(s) = f.evidence.last_system().filter(|s| s.mem_total_bytes > 0) {
         evidence.push(format!(
@@ -66,7 +71,11 @@ pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
         ]);
     }
     // vmstat counts kills anywhere on the host: our child's SIGKILL ties it to us.
-    let confidence = if f.signal.is_some_and(|(s, _)| s == 9) { 0.9 } else { 0.6 };
+    let confidence = if f.signal.is_some_and(|(s, _)| s == 9) {
+        0.9
+    } else {
+        0.6
+    };
     Some(cause("host_ram_exhausted", confidence, evidence, &metrics))
 }
 
@@ -92,7 +101,10 @@ pub fn address_space_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         }
         // CUDA error 2 without an allocator OOM event: it may be the host's limit.
         Domain::GpuVram if f.oom.is_none() => {
-            evidence.push("CUDA error 2 can be a host address-space failure under a finite RLIMIT_AS".to_string());
+            evidence.push(
+                "CUDA error 2 can be a host address-space failure under a finite RLIMIT_AS"
+                    .to_string(),
+            );
             0.3
         }
         _ => return None,
@@ -100,8 +112,11 @@ pub fn address_space_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
     if let Some(line) = &f.oom_line {
         evidence.insert(0, format!("stderr: {line}"));
     }
-    let metrics =
-        [("limit_bytes", limit as f64), ("vm_peak_bytes", vm_peak as f64), ("vm_size_bytes", vm_size as f64)];
+    let metrics = [
+        ("limit_bytes", limit as f64),
+        ("vm_peak_bytes", vm_peak as f64),
+        ("vm_size_bytes", vm_size as f64),
+    ];
     Some(cause("address_space_limit", confidence, evidence, &metrics))
 }
 
@@ -115,7 +130,10 @@ pub fn overcommit_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         bytes(committed),
         bytes(limit)
     )];
-    let metrics = [("committed_as_bytes", committed as f64), ("commit_limit_bytes", limit as f64)];
+    let metrics = [
+        ("committed_as_bytes", committed as f64),
+        ("commit_limit_bytes", limit as f64),
+    ];
     // With a finite RLIMIT_AS as well, either could have refused the request.
     let confidence = if f.as_limit.is_some() { 0.5 } else { 0.85 };
     Some(cause("overcommit_limit", confidence, evidence, &metrics))
@@ -140,10 +158,16 @@ pub fn shm_full(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
             if share >= SHM_FULL_FRACTION {
                 confidence = 0.9;
             } else {
-                evidence.push("/dev/shm is not full: a truncated memory-mapped file also raises SIGBUS".to_string());
+                evidence.push(
+                    "/dev/shm is not full: a truncated memory-mapped file also raises SIGBUS"
+                        .to_string(),
+                );
                 confidence = 0.4;
             }
-            metrics.extend([("shm_used_bytes", s.shm_used_bytes as f64), ("shm_total_bytes", s.shm_total_bytes as f64)]);
+            metrics.extend([
+                ("shm_used_bytes", s.shm_used_bytes as f64),
+                ("shm_total_bytes", s.shm_total_bytes as f64),
+            ]);
         }
         None => evidence.push("/dev/shm usage was not read".to_string()),
     }
@@ -162,7 +186,11 @@ pub fn swap_thrash(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         ("psi_some_stall_s", t.some_stall_us as f64 / 1e6),
         ("window_s", t.window_s),
     ];
-    let confidence = if v.domain == Domain::SwapThrash { 0.8 } else { 0.4 };
+    let confidence = if v.domain == Domain::SwapThrash {
+        0.8
+    } else {
+        0.4
+    };
     Some(cause("swap_thrash", confidence, t.evidence(), &metrics))
 }
 
@@ -175,5 +203,10 @@ pub fn external_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         "the kill came from outside the kernel's OOM paths: an orchestrator (liveness probe, eviction), a stop timeout, a userspace OOM daemon, or a person".to_string(),
     ];
     let runtime_s = f.exit.map_or(0.0, |(_, x)| x.runtime_ns as f64 / 1e9);
-    Some(cause("external_kill", 0.7, evidence, &[("signal", 9.0), ("runtime_s", runtime_s)]))
+    Some(cause(
+        "external_kill",
+        0.7,
+        evidence,
+        &[("signal", 9.0), ("runtime_s", runtime_s)],
+    ))
 }

@@ -38,12 +38,20 @@ pub fn analyze(f: &Findings, v: &DomainVerdict) -> Vec<pb::Cause> {
 }
 
 /// A cause from its parts; metrics are named with their unit (`_bytes`, `_per_s`).
-pub(crate) fn cause(kind: &str, confidence: f64, evidence: Vec<String>, metrics: &[(&str, f64)]) -> pb::Cause {
+pub(crate) fn cause(
+    kind: &str,
+    confidence: f64,
+    evidence: Vec<String>,
+    metrics: &[(&str, f64)],
+) -> pb::Cause {
     pb::Cause {
         kind: kind.to_string(),
         confidence,
         evidence,
-        metrics: metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect::<HashMap<_, _>>(),
+        metrics: metrics
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect::<HashMap<_, _>>(),
         processes: Vec::new(),
     }
 }

@@ -28,16 +28,26 @@ pub fn other_process(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         _ => return None,
     };
     let own = f.evidence.own_pids();
-    let threshold = if total > 0 { (total as f64 * MIN_SHARE) as u64 } else { MIN_BYTES_UNKNOWN_TOTAL };
-    let mut big: Vec<Holder> =
-        holders.into_iter().filter(|h| !own.contains(&h.pid) && h.pid != 0 && h.bytes >= threshold).collect();
+    let threshold = if total > 0 {
+        (total as f64 * MIN_SHARE) as u64
+    } else {
+        MIN_BYTES_UNKNOWN_TOTAL
+    };
+    let mut big: Vec<Holder> = holders
+        .into_iter()
+        .filter(|h| !own.contains(&h.pid) && h.pid != 0 && h.bytes >= threshold)
+        .collect();
     if big.is_empty() {
         return None;
     }
     big.sort_by_key(|h| std::cmp::Reverse(h.bytes));
     big.truncate(MAX_NAMED);
     let held: u64 = big.iter().map(|h| h.bytes).sum();
-    let share = if total > 0 { held as f64 / total as f64 } else { 0.0 };
+    let share = if total > 0 {
+        held as f64 / total as f64
+    } else {
+        0.0
+    };
 
     let mut evidence: Vec<String> = big
         .iter()
@@ -49,21 +59,40 @@ pub fn other_process(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
                 (true, true) => String::new(),
             };
             let of_total = if total > 0 {
-                format!(": {:.1}% of {}", 100.0 * h.bytes as f64 / total as f64, bytes_short(total))
+                format!(
+                    ": {:.1}% of {}",
+                    100.0 * h.bytes as f64 / total as f64,
+                    bytes_short(total)
+                )
             } else {
                 String::new()
             };
-            format!("pid {}{who} holds {} {place}{of_total}", h.pid, bytes(h.bytes))
+            format!(
+                "pid {}{who} holds {} {place}{of_total}",
+                h.pid,
+                bytes(h.bytes)
+            )
         })
         .collect();
-    evidence.push("not this agent's processes: coordinate with their owners; never kill unknown processes".to_string());
+    evidence.push(
+        "not this agent's processes: coordinate with their owners; never kill unknown processes"
+            .to_string(),
+    );
     // Unknown total: the processes are big in absolute terms but their weight is unclear.
-    let confidence = if total > 0 { (0.2 + share).min(0.85) } else { 0.3 };
+    let confidence = if total > 0 {
+        (0.2 + share).min(0.85)
+    } else {
+        0.3
+    };
     let mut c = cause(
         "other_process",
         confidence,
         evidence,
-        &[("other_bytes", held as f64), ("total_bytes", total as f64), ("other_share", share)],
+        &[
+            ("other_bytes", held as f64),
+            ("total_bytes", total as f64),
+            ("other_share", share),
+        ],
     );
     c.processes = big
         .into_iter()
@@ -83,7 +112,12 @@ fn host_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
     let holders = list
         .host_top_rss
         .iter()
-        .map(|p| Holder { pid: p.pid, bytes: p.rss_bytes, user: p.user.clone(), command: p.command.clone() })
+        .map(|p| Holder {
+            pid: p.pid,
+            bytes: p.rss_bytes,
+            user: p.user.clone(),
+            command: p.command.clone(),
+        })
         .collect();
     Some(("of host RAM (RSS)".to_string(), total, holders))
 }
@@ -92,10 +126,18 @@ fn host_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
 fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
     let device = f.oom.map(|(_, o)| o.device);
     let on_device = |d: i32| device.is_none_or(|want| want == d);
-    let nvml = f.evidence.samples.iter().rev().find_map(|s| s.gpus.iter().find(|g| on_device(g.index)));
+    let nvml = f
+        .evidence
+        .samples
+        .iter()
+        .rev()
+        .find_map(|s| s.gpus.iter().find(|g| on_device(g.index)));
     let total = nvml.map(|g| g.total_bytes).filter(|&t| t > 0).or_else(|| {
         let h = f.evidence.hello.as_ref()?;
-        h.gpus.iter().find(|g| on_device(g.index)).map(|g| g.total_bytes)
+        h.gpus
+            .iter()
+            .find(|g| on_device(g.index))
+            .map(|g| g.total_bytes)
     });
     let listed: Vec<Holder> = f
         .evidence
@@ -104,7 +146,12 @@ fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
             l.gpu
                 .iter()
                 .filter(|p| on_device(p.device))
-                .map(|p| Holder { pid: p.pid, bytes: p.used_bytes, user: p.user.clone(), command: p.command.clone() })
+                .map(|p| Holder {
+                    pid: p.pid,
+                    bytes: p.used_bytes,
+                    user: p.user.clone(),
+                    command: p.command.clone(),
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -112,7 +159,12 @@ fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
         nvml?
             .processes
             .iter()
-            .map(|p| Holder { pid: p.pid, bytes: p.used_bytes, user: String::new(), command: String::new() })
+            .map(|p| Holder {
+                pid: p.pid,
+                bytes: p.used_bytes,
+                user: String::new(),
+                command: String::new(),
+            })
             .collect()
     } else {
         listed

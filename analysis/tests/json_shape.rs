@@ -1,0 +1,159 @@
+//! The `oomscope diagnose --json` shape: every key present, with its type.
+
+mod common;
+
+use common::*;
+use oomscope_analysis::{diagnose, pb, to_json};
+use serde_json::Value;
+
+const KEYS: [&str; 10] = [
+    "incident", "agent", "domain", "trigger", "causes", "fixes", "capacity", "evidence", "exit",
+    "cgroup",
+];
+
+fn check_top_level(j: &Value) {
+    let obj = j.as_object().expect("an object");
+    let mut got: Vec<&str> = obj.keys().map(String::as_str).collect();
+    got.sort();
+    let mut sorted = KEYS.to_vec();
+    sorted.sort();
+    assert_eq!(got, sorted, "exactly the documented keys");
+    for k in ["incident", "agent", "domain", "trigger"] {
+        assert!(j[k].is_string() || j[k].is_null(), "{k}: {}", j[k]);
+    }
+    assert!(j["causes"].is_array() && j["fixes"].is_array() && j["evidence"].is_array());
+    assert!(j["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(Value::is_string));
+    assert!(j["capacity"].is_object() || j["capacity"].is_null());
+    for c in j["causes"].as_array().unwrap() {
+        let mut keys: Vec<&String> = c.as_object().unwrap().keys().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            ["confidence", "evidence", "kind", "metrics", "processes"]
+        );
+        assert!(c["kind"].is_string() && c["confidence"].is_f64());
+        assert!(c["evidence"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(Value::is_string));
+        assert!(c["metrics"]
+            .as_object()
+            .unwrap()
+            .values()
+            .all(Value::is_number));
+        for p in c["processes"].as_array().unwrap() {
+            assert!(p["pid"].is_u64() && p["bytes"].is_u64());
+            assert!(p["user"].is_string() || p["user"].is_null());
+            assert!(p["command"].is_string() || p["command"].is_null());
+            assert_eq!(p.as_object().unwrap().len(), 4);
+        }
+    }
+    for f in j["fixes"].as_array().unwrap() {
+        assert_eq!(f.as_object().unwrap().len(), 4);
+        assert!(f["action"].is_string() && f["retest"].is_string());
+        assert!(["low", "medium", "high"].contains(&f["risk"].as_str().unwrap()));
+        assert!(f["caveat"].is_string() || f["caveat"].is_null());
+    }
+    if !j["exit"].is_null() {
+        assert_eq!(j["exit"].as_object().unwrap().len(), 2);
+        assert!(j["exit"]["code"].is_i64() || j["exit"]["code"].is_null());
+        assert!(j["exit"]["signal"].is_i64() || j["exit"]["signal"].is_null());
+    }
+    if !j["cgroup"].is_null() {
+        assert_eq!(j["cgroup"].as_object().unwrap().len(), 3);
+        assert!(j["cgroup"]["path"].is_string() && j["cgroup"]["owner_level"].is_string());
+        assert!(j["cgroup"]["limit_bytes"].is_u64());
+    }
+}
+
+fn cgroup_kill() -> pb::Diagnosis {
+    let own = "/oomtest/child";
+    let before = counters(
+        T0,
+        vec![v1(own, 64 * MIB, MIB, 2 * MIB, 0, 0)],
+        system(10, 12 * GIB),
+    );
+    let after = counters(
+        T0 + 3 * SEC,
+        vec![v1(own, 64 * MIB, 66_973_696, 67_108_864, 312, 1)],
+        system(11, 12 * GIB),
+    );
+    diagnose(&supervised(
+        exit(None, Some(9), "", before, after, None),
+        "signal",
+    ))
+}
+
+#[test]
+fn a_cgroup_verdict_has_every_key_with_its_type() {
+    let j = to_json(&cgroup_kill());
+    check_top_level(&j);
+    assert_eq!(j["incident"], "inc-1");
+    assert_eq!(j["agent"], "agent-7f3a");
+    assert_eq!(j["domain"], "cgroup");
+    assert!(j["trigger"].is_null());
+    assert!(j["capacity"].is_null());
+    assert_eq!(j["exit"], serde_json::json!({"code": null, "signal": 9}));
+    assert_eq!(
+        j["cgroup"],
+        serde_json::json!({"path": "/oomtest/child", "limit_bytes": 67108864u64, "owner_level": "/oomtest/child"})
+    );
+    let c = &j["causes"][0];
+    assert_eq!(c["kind"], "cgroup_limit");
+    // Whole byte counts print as integers, not 67108864.0.
+    assert!(c["metrics"]["limit_bytes"].is_u64(), "{}", c["metrics"]);
+    assert_eq!(c["metrics"]["limit_bytes"].as_u64(), Some(67_108_864));
+    assert!(j.to_string().contains("\"limit_bytes\":67108864,"));
+    assert!(!j["fixes"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn a_clean_exit_prints_nulls_not_missing_keys() {
+    let own = "/oomtest/child";
+    let levels = vec![v1(own, 64 * MIB, MIB, 2 * MIB, 0, 0)];
+    let mut e = supervised(
+        exit(
+            Some(0),
+            None,
+            "",
+            counters(T0, levels.clone(), system(1, GIB)),
+            counters(T0, levels, system(1, GIB)),
+            None,
+        ),
+        "signal",
+    );
+    e.incident = None;
+    let j = to_json(&diagnose(&e));
+    check_top_level(&j);
+    assert!(j["incident"].is_null() && j["domain"].is_null() && j["cgroup"].is_null());
+    assert_eq!(j["agent"], "agent-7f3a");
+    assert_eq!(j["exit"], serde_json::json!({"code": 0, "signal": null}));
+    assert_eq!(j["causes"], serde_json::json!([]));
+}
+
+#[test]
+fn capacity_and_fractional_metrics() {
+    let mut d = cgroup_kill();
+    d.capacity_json = r#"{"max_concurrent_sequences": 3, "bytes_per_token": 131072}"#.into();
+    d.causes[0].metrics.insert("refaults_per_s".into(), 966.5);
+    d.causes[0].metrics.insert("bad".into(), f64::NAN);
+    let j = to_json(&d);
+    check_top_level(&j);
+    assert_eq!(j["capacity"]["bytes_per_token"], 131072);
+    assert_eq!(
+        j["causes"][0]["metrics"]["refaults_per_s"].as_f64(),
+        Some(966.5)
+    );
+    assert!(
+        j["causes"][0]["metrics"].get("bad").is_none(),
+        "NaN is not a JSON number"
+    );
+
+    d.capacity_json = "not json".into();
+    assert!(to_json(&d)["capacity"].is_null());
+}

@@ -46,13 +46,15 @@ pub fn json_i64(v: &Value) -> Option<i64> {
     }
     let f = n.as_f64()?;
     // -2^63 is exact in f64; 2^63 is the first value out of range.
-    (f.is_finite() && f.fract() == 0.0 && f >= -9.223_372_036_854_775_808e18 && f < 9.223_372_036_854_775_808e18)
-        .then_some(f as i64)
+    const LIMIT: f64 = 9_223_372_036_854_775_808.0;
+    (f.is_finite() && f.fract() == 0.0 && (-LIMIT..LIMIT).contains(&f)).then_some(f as i64)
 }
 
 /// A JSON value as a byte count: integers and integral floats >= 0.
 fn json_u64(v: &Value) -> Option<u64> {
-    json_i64(v).and_then(|i| u64::try_from(i).ok()).or_else(|| v.as_u64())
+    json_i64(v)
+        .and_then(|i| u64::try_from(i).ok())
+        .or_else(|| v.as_u64())
 }
 
 fn field_u64(m: &Map<String, Value>, key: &str) -> u64 {
@@ -85,7 +87,11 @@ pub fn allocator_stats(
     mem_get_info: Option<(u64, u64)>,
 ) -> pb::AllocatorStats {
     // Negative counters do not exist in PyTorch; treat one as absent.
-    let get = |key: &str| memory_stats.get(key).map_or(0, |v| u64::try_from(*v).unwrap_or(0));
+    let get = |key: &str| {
+        memory_stats
+            .get(key)
+            .map_or(0, |v| u64::try_from(*v).unwrap_or(0))
+    };
     let (driver_free_bytes, driver_total_bytes) = mem_get_info.unwrap_or((0, 0));
     pb::AllocatorStats {
         device,
@@ -121,7 +127,10 @@ pub fn allocator_stats_from_json(
     mem_get_info: Option<&Value>,
 ) -> pb::AllocatorStats {
     let info = mem_get_info.and_then(Value::as_object).and_then(|m| {
-        Some((m.get("free").and_then(json_u64)?, m.get("total").and_then(json_u64)?))
+        Some((
+            m.get("free").and_then(json_u64)?,
+            m.get("total").and_then(json_u64)?,
+        ))
     });
     allocator_stats(device, &stats_map(memory_stats), info)
 }
@@ -134,7 +143,8 @@ pub fn allocator_stats_from_json(
 pub fn allocator_settings(v: &Value) -> pb::AllocatorSettings {
     let mut s = pb::AllocatorSettings::default();
     let Some(m) = v.as_object() else { return s };
-    let (mut has_expandable, mut has_split, mut has_gc, mut has_backend) = (false, false, false, false);
+    let (mut has_expandable, mut has_split, mut has_gc, mut has_backend) =
+        (false, false, false, false);
     for (key, val) in m {
         match key.as_str() {
             "PYTORCH_CUDA_ALLOC_CONF" | "alloc_conf" => s.alloc_conf = json_text(val),
@@ -182,7 +192,10 @@ pub fn allocator_settings(v: &Value) -> pb::AllocatorSettings {
 /// `"expandable_segments:True,max_split_size_mb:128"`. Unknown options go into
 /// `other`; malformed ones are kept there verbatim.
 pub fn alloc_conf_settings(conf: &str) -> pb::AllocatorSettings {
-    let mut s = pb::AllocatorSettings { alloc_conf: conf.to_string(), ..Default::default() };
+    let mut s = pb::AllocatorSettings {
+        alloc_conf: conf.to_string(),
+        ..Default::default()
+    };
     for option in conf.split(',').map(str::trim).filter(|o| !o.is_empty()) {
         let (key, value) = option.split_once(':').unwrap_or((option, ""));
         let (key, value) = (key.trim(), value.trim());
@@ -244,7 +257,10 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
         .and_then(|d| traces?.get(d))
         .and_then(Value::as_array);
 
-    let mut summary = pb::SnapshotSummary { device, ..Default::default() };
+    let mut summary = pb::SnapshotSummary {
+        device,
+        ..Default::default()
+    };
     if let Some(settings) = settings {
         summary.settings = Some(allocator_settings(settings));
     }
@@ -264,13 +280,19 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
         summary.segments += 1;
         let total = field_u64(seg, "total_size");
         summary.reserved_bytes = summary.reserved_bytes.saturating_add(total);
-        expandable |= seg.get("is_expandable").and_then(json_bool).unwrap_or(false);
+        expandable |= seg
+            .get("is_expandable")
+            .and_then(json_bool)
+            .unwrap_or(false);
 
         let (mut allocated, mut requested, mut largest_free) = (0u64, 0u64, 0u64);
         match seg.get("blocks").and_then(Value::as_array) {
             Some(blocks) => {
                 for block in blocks.iter().filter_map(Value::as_object) {
-                    let state = block.get("state").and_then(Value::as_str).unwrap_or("unknown");
+                    let state = block
+                        .get("state")
+                        .and_then(Value::as_str)
+                        .unwrap_or("unknown");
                     let size = field_u64(block, "size");
                     let entry = by_state.entry(state.to_string()).or_default();
                     entry.0 += 1;
@@ -278,10 +300,13 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
                     match state {
                         "active_allocated" => {
                             allocated = allocated.saturating_add(size);
-                            requested = requested.saturating_add(field_u64(block, "requested_size"));
+                            requested =
+                                requested.saturating_add(field_u64(block, "requested_size"));
                             add_site(&mut sites, block_site(block), size);
                             let address = field_u64(block, "address");
-                            if let Some(tag) = block_tag(block).or_else(|| tag_by_address.get(&address).cloned()) {
+                            if let Some(tag) =
+                                block_tag(block).or_else(|| tag_by_address.get(&address).cloned())
+                            {
                                 add_site(&mut tags, tag, size);
                             }
                         }
@@ -313,20 +338,34 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
     segments_free.sort_by(|a, b| {
         b.largest_free_block_bytes
             .cmp(&a.largest_free_block_bytes)
-            .then((b.total_bytes - b.allocated_bytes.min(b.total_bytes)).cmp(&(a.total_bytes - a.allocated_bytes.min(a.total_bytes))))
+            .then(
+                (b.total_bytes - b.allocated_bytes.min(b.total_bytes))
+                    .cmp(&(a.total_bytes - a.allocated_bytes.min(a.total_bytes))),
+            )
             .then(a.address.cmp(&b.address))
     });
     segments_free.truncate(MAX_SEGMENTS_FREE);
     summary.segments_free = segments_free;
     summary.blocks = by_state
         .into_iter()
-        .map(|(state, (count, bytes))| pb::BlockStateCount { state, count, bytes })
+        .map(|(state, (count, bytes))| pb::BlockStateCount {
+            state,
+            count,
+            bytes,
+        })
         .collect();
     summary.live_by_site = top_sites(sites);
     summary.live_by_tag = top_sites(tags);
-    summary.expandable_segments =
-        expandable || summary.settings.as_ref().is_some_and(|s| s.expandable_segments);
-    for action in trace.into_iter().flatten().filter_map(|e| e.get("action")?.as_str()) {
+    summary.expandable_segments = expandable
+        || summary
+            .settings
+            .as_ref()
+            .is_some_and(|s| s.expandable_segments);
+    for action in trace
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.get("action")?.as_str())
+    {
         *summary.trace_actions.entry(action.to_string()).or_default() += 1;
     }
     summary
@@ -342,7 +381,11 @@ fn add_site(map: &mut HashMap<String, (u64, u64)>, site: String, bytes: u64) {
 fn top_sites(map: HashMap<String, (u64, u64)>) -> Vec<pb::SiteBytes> {
     let mut list: Vec<pb::SiteBytes> = map
         .into_iter()
-        .map(|(site, (bytes, blocks))| pb::SiteBytes { site, bytes, blocks })
+        .map(|(site, (bytes, blocks))| pb::SiteBytes {
+            site,
+            bytes,
+            blocks,
+        })
         .collect();
     list.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.site.cmp(&b.site)));
     if list.len() > MAX_SITES {
@@ -365,7 +408,12 @@ fn block_site(block: &Map<String, Value>) -> String {
         .and_then(Value::as_array)
         .map(|f| f.iter().filter_map(Value::as_object).collect())
         .unwrap_or_default();
-    let filename = |f: &Map<String, Value>| f.get("filename").and_then(Value::as_str).unwrap_or("").to_string();
+    let filename = |f: &Map<String, Value>| {
+        f.get("filename")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
     let chosen = frames
         .iter()
         .find(|f| !is_torch_internal(&filename(f)))
@@ -407,8 +455,14 @@ fn alloc_tags(trace: &[Value]) -> HashMap<u64, String> {
         if entry.get("action").and_then(Value::as_str) != Some("alloc") {
             continue;
         }
-        let Some(address) = entry.get("addr").and_then(json_u64) else { continue };
-        match entry.get("user_metadata").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+        let Some(address) = entry.get("addr").and_then(json_u64) else {
+            continue;
+        };
+        match entry
+            .get("user_metadata")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+        {
             Some(tag) => tags.insert(address, tag.to_string()),
             None => tags.remove(&address),
         };
@@ -470,7 +524,11 @@ pub fn oom_event(
 /// caching allocator's own "CUDA out of memory. Tried to allocate" is not a
 /// driver error.
 pub fn driver_error(text: &str) -> i32 {
-    const MARKERS: [&str; 3] = ["CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation", "CUDA error: out of memory"];
+    const MARKERS: [&str; 3] = [
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "cudaErrorMemoryAllocation",
+        "CUDA error: out of memory",
+    ];
     if MARKERS.iter().any(|m| text.contains(m)) {
         CUDA_ERROR_OUT_OF_MEMORY
     } else {
@@ -485,7 +543,7 @@ pub fn tried_to_allocate(text: &str) -> Option<u64> {
     let rest = &text[text.find(MARK)? + MARK.len()..];
     let mut words = rest.split_whitespace();
     let number: f64 = words.next()?.parse().ok()?;
-    let unit = words.next()?.trim_end_matches(|c: char| c == '.' || c == ';' || c == ',');
+    let unit = words.next()?.trim_end_matches(['.', ';', ',']);
     let scale: f64 = match unit {
         "B" | "byte" | "bytes" => 1.0,
         "KiB" | "KB" => 1024.0,

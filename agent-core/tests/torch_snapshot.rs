@@ -18,7 +18,9 @@ fn fixture(name: &str) -> Value {
     } else {
         let mut s = String::new();
         let gz = std::fs::read(dir.join(format!("{name}.json.gz"))).unwrap();
-        flate2::read::GzDecoder::new(&gz[..]).read_to_string(&mut s).unwrap();
+        flate2::read::GzDecoder::new(&gz[..])
+            .read_to_string(&mut s)
+            .unwrap();
         s
     };
     serde_json::from_str(&text).unwrap()
@@ -39,7 +41,10 @@ fn expected(snapshot: &Value) -> Expected {
     let mut e = Expected {
         segments: segs.len() as u64,
         reserved: segs.iter().map(|s| s["total_size"].as_u64().unwrap()).sum(),
-        allocated: segs.iter().map(|s| s["allocated_size"].as_u64().unwrap()).sum(),
+        allocated: segs
+            .iter()
+            .map(|s| s["allocated_size"].as_u64().unwrap())
+            .sum(),
         largest_free: 0,
         by_state: BTreeMap::new(),
         actions: BTreeMap::new(),
@@ -55,7 +60,9 @@ fn expected(snapshot: &Value) -> Expected {
         entry.1 += size;
     }
     for t in snapshot["device_traces"][0].as_array().unwrap() {
-        *e.actions.entry(t["action"].as_str().unwrap().to_string()).or_default() += 1;
+        *e.actions
+            .entry(t["action"].as_str().unwrap().to_string())
+            .or_default() += 1;
     }
     e
 }
@@ -66,22 +73,48 @@ fn check_against_json(name: &str, snapshot: &Value) -> oomscope_agent_core::pb::
     assert_eq!(s.segments, e.segments, "{name} segments");
     assert_eq!(s.reserved_bytes, e.reserved, "{name} reserved");
     assert_eq!(s.allocated_bytes, e.allocated, "{name} allocated");
-    assert_eq!(s.largest_free_block_bytes, e.largest_free, "{name} largest free block");
-    let by_state: BTreeMap<String, (u64, u64)> =
-        s.blocks.iter().map(|b| (b.state.clone(), (b.count, b.bytes))).collect();
+    assert_eq!(
+        s.largest_free_block_bytes, e.largest_free,
+        "{name} largest free block"
+    );
+    let by_state: BTreeMap<String, (u64, u64)> = s
+        .blocks
+        .iter()
+        .map(|b| (b.state.clone(), (b.count, b.bytes)))
+        .collect();
     assert_eq!(by_state, e.by_state, "{name} blocks by state");
-    let actions: BTreeMap<String, u64> = s.trace_actions.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let actions: BTreeMap<String, u64> = s
+        .trace_actions
+        .iter()
+        .map(|(k, v)| (k.clone(), *v))
+        .collect();
     assert_eq!(actions, e.actions, "{name} trace actions");
     // Live bytes by site add up to the allocated bytes, caps included.
     assert!(s.live_by_site.len() <= torch::MAX_SITES + 1, "{name}");
-    assert_eq!(s.live_by_site.iter().map(|x| x.bytes).sum::<u64>(), s.allocated_bytes, "{name} sites");
-    assert_eq!(s.live_by_site.iter().map(|x| x.blocks).sum::<u64>(), e.by_state.get("active_allocated").map_or(0, |b| b.0));
-    assert!(s.live_by_site.windows(2).all(|w| w[0].bytes >= w[1].bytes || w[1].site == torch::OTHER_SITES));
+    assert_eq!(
+        s.live_by_site.iter().map(|x| x.bytes).sum::<u64>(),
+        s.allocated_bytes,
+        "{name} sites"
+    );
+    assert_eq!(
+        s.live_by_site.iter().map(|x| x.blocks).sum::<u64>(),
+        e.by_state.get("active_allocated").map_or(0, |b| b.0)
+    );
+    assert!(s
+        .live_by_site
+        .windows(2)
+        .all(|w| w[0].bytes >= w[1].bytes || w[1].site == torch::OTHER_SITES));
     // Largest free first, capped, and the head is the overall largest.
     assert!(s.segments_free.len() <= torch::MAX_SEGMENTS_FREE, "{name}");
-    assert!(s.segments_free.windows(2).all(|w| w[0].largest_free_block_bytes >= w[1].largest_free_block_bytes));
+    assert!(s
+        .segments_free
+        .windows(2)
+        .all(|w| w[0].largest_free_block_bytes >= w[1].largest_free_block_bytes));
     if e.largest_free > 0 {
-        assert_eq!(s.segments_free[0].largest_free_block_bytes, e.largest_free, "{name}");
+        assert_eq!(
+            s.segments_free[0].largest_free_block_bytes, e.largest_free,
+            "{name}"
+        );
     }
     s
 }
@@ -97,19 +130,40 @@ fn fragmentation_oom_snapshot_shows_the_fragments() {
     assert_eq!(request, 96 * MIB);
     assert_eq!(s.reserved_bytes - s.allocated_bytes, 1200 * MIB);
     assert_eq!(s.allocated_bytes, 800 * MIB);
-    assert!(s.largest_free_block_bytes < request, "largest free {} must not fit the request", s.largest_free_block_bytes);
+    assert!(
+        s.largest_free_block_bytes < request,
+        "largest free {} must not fit the request",
+        s.largest_free_block_bytes
+    );
     assert!(s.reserved_bytes - s.allocated_bytes > request);
     // Cross-check with the allocator's own counters at the failure.
     let last = capture["timeline"].as_array().unwrap().last().unwrap();
-    assert_eq!(s.reserved_bytes, last["memory_stats"]["reserved_bytes.all.current"].as_u64().unwrap());
-    assert_eq!(s.allocated_bytes, last["memory_stats"]["allocated_bytes.all.current"].as_u64().unwrap());
+    assert_eq!(
+        s.reserved_bytes,
+        last["memory_stats"]["reserved_bytes.all.current"]
+            .as_u64()
+            .unwrap()
+    );
+    assert_eq!(
+        s.allocated_bytes,
+        last["memory_stats"]["allocated_bytes.all.current"]
+            .as_u64()
+            .unwrap()
+    );
     assert_eq!(s.trace_actions.get("oom"), Some(&1));
     assert!(!s.expandable_segments);
     assert_eq!(s.settings.as_ref().unwrap().max_split_size_bytes, -1);
-    assert_eq!(s.segments_free.len(), torch::MAX_SEGMENTS_FREE, "100 fragmented segments, capped");
+    assert_eq!(
+        s.segments_free.len(),
+        torch::MAX_SEGMENTS_FREE,
+        "100 fragmented segments, capped"
+    );
     assert_eq!(s.segments_free[0].pool, "large");
     // Every live block was made by the scenario's own line.
-    assert_eq!(s.live_by_site[0].site, "capture_torch_fixtures.py:132 _fragment");
+    assert_eq!(
+        s.live_by_site[0].site,
+        "capture_torch_fixtures.py:132 _fragment"
+    );
     assert_eq!(s.live_by_site[0].bytes, 800 * MIB);
     assert!(s.live_by_tag.is_empty(), "no tags in this capture");
 }
@@ -117,7 +171,10 @@ fn fragmentation_oom_snapshot_shows_the_fragments() {
 #[test]
 fn fragmentation_expandable_snapshot_is_expandable() {
     let capture = fixture("fragmentation_expandable");
-    let s = check_against_json("fragmentation_expandable", &capture["oom"]["snapshot_at_oom"]);
+    let s = check_against_json(
+        "fragmentation_expandable",
+        &capture["oom"]["snapshot_at_oom"],
+    );
     assert!(s.expandable_segments);
     assert_eq!(s.settings.unwrap().alloc_conf, "expandable_segments:True");
     assert_eq!(s.reserved_bytes - s.allocated_bytes, 1000 * MIB);
@@ -127,9 +184,18 @@ fn fragmentation_expandable_snapshot_is_expandable() {
 #[test]
 fn every_fixture_snapshot_matches_its_json() {
     for name in [
-        "cache_no_leak", "cycle_retention", "fragmentation_expandable", "fragmentation_oom", "hf_concurrency",
-        "hf_leak_scores", "hf_varied_no_leak", "kv_concurrency_oom", "leak_retained", "long_context_single",
-        "other_process_shared", "weights_too_large",
+        "cache_no_leak",
+        "cycle_retention",
+        "fragmentation_expandable",
+        "fragmentation_oom",
+        "hf_concurrency",
+        "hf_leak_scores",
+        "hf_varied_no_leak",
+        "kv_concurrency_oom",
+        "leak_retained",
+        "long_context_single",
+        "other_process_shared",
+        "weights_too_large",
     ] {
         let capture = fixture(name);
         check_against_json(name, &capture["final_snapshot"]);
@@ -144,11 +210,16 @@ fn hf_sites_name_the_model_code_not_torch() {
     let capture = fixture("hf_concurrency");
     let s = check_against_json("hf_concurrency", &capture["oom"]["snapshot_at_oom"]);
     assert!(
-        s.live_by_site.iter().any(|x| x.site == "transformers/models/llama/modeling_llama.py:317 forward"),
+        s.live_by_site
+            .iter()
+            .any(|x| x.site == "transformers/models/llama/modeling_llama.py:317 forward"),
         "sites: {:?}",
         s.live_by_site.iter().map(|x| &x.site).collect::<Vec<_>>()
     );
-    assert!(s.live_by_site.iter().all(|x| !x.site.starts_with("torch/")), "torch internals are skipped");
+    assert!(
+        s.live_by_site.iter().all(|x| !x.site.starts_with("torch/")),
+        "torch internals are skipped"
+    );
 }
 
 #[test]
@@ -169,15 +240,30 @@ fn tags_come_from_blocks_or_the_trace() {
         ]]
     });
     let s = torch::snapshot_summary(&snap, 0);
-    assert_eq!((s.segments, s.reserved_bytes, s.allocated_bytes, s.requested_bytes), (1, 300, 250, 240));
-    let tags: BTreeMap<_, _> = s.live_by_tag.iter().map(|t| (t.site.as_str(), t.bytes)).collect();
+    assert_eq!(
+        (
+            s.segments,
+            s.reserved_bytes,
+            s.allocated_bytes,
+            s.requested_bytes
+        ),
+        (1, 300, 250, 240)
+    );
+    let tags: BTreeMap<_, _> = s
+        .live_by_tag
+        .iter()
+        .map(|t| (t.site.as_str(), t.bytes))
+        .collect();
     assert_eq!(tags, BTreeMap::from([("kv", 100), ("weights", 150)]));
     assert_eq!(s.live_by_site[0].site, torch::NO_STACK);
     assert_eq!(s.trace_actions.len(), 2);
     assert_eq!(s.segments_free[0].largest_free_block_bytes, 50);
     // Device 1 sees only its own segment.
     let d1 = torch::snapshot_summary(&snap, 1);
-    assert_eq!((d1.segments, d1.reserved_bytes, d1.largest_free_block_bytes), (1, 1000, 0));
+    assert_eq!(
+        (d1.segments, d1.reserved_bytes, d1.largest_free_block_bytes),
+        (1, 1000, 0)
+    );
     assert!(d1.trace_actions.is_empty());
 }
 
@@ -198,6 +284,9 @@ fn broken_snapshots_give_empty_summaries() {
     // The older list form (torch.cuda.memory_snapshot()) is a list of segments.
     let list = json!([{"device": 0, "total_size": 64, "allocated_size": 32}]);
     let s = torch::snapshot_summary(&list, 0);
-    assert_eq!((s.segments, s.reserved_bytes, s.allocated_bytes), (1, 64, 32));
+    assert_eq!(
+        (s.segments, s.reserved_bytes, s.allocated_bytes),
+        (1, 64, 32)
+    );
     assert_eq!(torch::snapshot_summary(&list, -1).segments, 0);
 }

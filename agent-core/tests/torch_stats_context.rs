@@ -18,7 +18,9 @@ fn fixtures() -> Vec<(String, Value)> {
         let bytes = std::fs::read(&path).unwrap();
         let text = if name.ends_with(".gz") {
             let mut s = String::new();
-            flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut s).unwrap();
+            flate2::read::GzDecoder::new(&bytes[..])
+                .read_to_string(&mut s)
+                .unwrap();
             s
         } else {
             String::from_utf8(bytes).unwrap()
@@ -26,12 +28,19 @@ fn fixtures() -> Vec<(String, Value)> {
         out.push((name, serde_json::from_str(&text).unwrap()));
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(out.len() >= 14, "expected every fixture, found {}", out.len());
+    assert!(
+        out.len() >= 14,
+        "expected every fixture, found {}",
+        out.len()
+    );
     out
 }
 
 fn timeline(v: &Value) -> &[Value] {
-    v.get("timeline").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[])
+    v.get("timeline")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
 }
 
 #[test]
@@ -49,8 +58,14 @@ fn allocator_stats_match_every_fixture_sample() {
                 (stats.reserved_peak_bytes, "reserved_bytes.all.peak"),
                 (stats.active_bytes, "active_bytes.all.current"),
                 (stats.active_peak_bytes, "active_bytes.all.peak"),
-                (stats.inactive_split_bytes, "inactive_split_bytes.all.current"),
-                (stats.inactive_split_peak_bytes, "inactive_split_bytes.all.peak"),
+                (
+                    stats.inactive_split_bytes,
+                    "inactive_split_bytes.all.current",
+                ),
+                (
+                    stats.inactive_split_peak_bytes,
+                    "inactive_split_bytes.all.peak",
+                ),
                 (stats.requested_bytes, "requested_bytes.all.current"),
                 (stats.requested_peak_bytes, "requested_bytes.all.peak"),
                 (stats.num_alloc_retries, "num_alloc_retries"),
@@ -71,8 +86,14 @@ fn allocator_stats_match_every_fixture_sample() {
                 assert_eq!(stats.raw.get(k).copied(), v.as_i64(), "{name}[{i}] raw {k}");
             }
             assert_eq!(stats.raw["max_split_size"], -1);
-            assert_eq!(stats.driver_free_bytes, entry["mem_get_info"]["free"].as_u64().unwrap());
-            assert_eq!(stats.driver_total_bytes, entry["mem_get_info"]["total"].as_u64().unwrap());
+            assert_eq!(
+                stats.driver_free_bytes,
+                entry["mem_get_info"]["free"].as_u64().unwrap()
+            );
+            assert_eq!(
+                stats.driver_total_bytes,
+                entry["mem_get_info"]["total"].as_u64().unwrap()
+            );
             checked += 1;
         }
     }
@@ -90,7 +111,8 @@ fn allocator_stats_tolerate_odd_numbers() {
         "max_split_size": 1.0e20,                   // out of i64 range: skipped
         "flag": true,
     });
-    let stats = torch::allocator_stats_from_json(3, ms.as_object().unwrap(), Some(&json!({"free": "x"})));
+    let stats =
+        torch::allocator_stats_from_json(3, ms.as_object().unwrap(), Some(&json!({"free": "x"})));
     assert_eq!(stats.device, 3);
     assert_eq!(stats.allocated_bytes, 1 << 20);
     assert_eq!(stats.reserved_bytes, 0);
@@ -101,12 +123,22 @@ fn allocator_stats_tolerate_odd_numbers() {
     let raw: BTreeMap<_, _> = stats.raw.into_iter().collect();
     assert_eq!(
         raw,
-        BTreeMap::from([("allocated_bytes.all.current".to_string(), 1 << 20), ("num_alloc_retries".to_string(), -4)])
+        BTreeMap::from([
+            ("allocated_bytes.all.current".to_string(), 1 << 20),
+            ("num_alloc_retries".to_string(), -4)
+        ])
     );
     // The int-map form the Python extension uses gives the same shape.
     let ints = BTreeMap::from([("num_ooms".to_string(), 2i64)]);
     let stats = torch::allocator_stats(0, &ints, Some((5, 9)));
-    assert_eq!((stats.num_ooms, stats.driver_free_bytes, stats.driver_total_bytes), (2, 5, 9));
+    assert_eq!(
+        (
+            stats.num_ooms,
+            stats.driver_free_bytes,
+            stats.driver_total_bytes
+        ),
+        (2, 5, 9)
+    );
 }
 
 /// Where a context key must land: its field (same value), `numbers` or `labels`.
@@ -133,7 +165,7 @@ fn assert_lands(ctx: &pb::RequestContext, key: &str, val: &Value, origin: &str) 
         return;
     }
     if let (Some(f), Some(want)) = (field.as_ref().and_then(Value::as_f64), val.as_f64()) {
-        if f == want && ctx.numbers.get(key).is_none() {
+        if f == want && !ctx.numbers.contains_key(key) {
             return;
         }
     }
@@ -145,7 +177,11 @@ fn assert_lands(ctx: &pb::RequestContext, key: &str, val: &Value, origin: &str) 
         Value::String(s) => s.clone(),
         v => v.to_string(),
     };
-    assert_eq!(ctx.labels.get(key), Some(&text), "{origin}: context key {key} = {val} landed nowhere");
+    assert_eq!(
+        ctx.labels.get(key),
+        Some(&text),
+        "{origin}: context key {key} = {val} landed nowhere"
+    );
 }
 
 #[test]
@@ -162,7 +198,15 @@ fn every_fixture_context_key_lands_somewhere() {
         }
     }
     // The fixtures exercise fields, numbers and labels alike.
-    for k in ["phase", "kv_bytes", "active_tokens", "model", "model_bytes", "layers_loaded", "last_batch"] {
+    for k in [
+        "phase",
+        "kv_bytes",
+        "active_tokens",
+        "model",
+        "model_bytes",
+        "layers_loaded",
+        "last_batch",
+    ] {
         assert!(keys.contains(k), "no fixture has context key {k}");
     }
 }
@@ -196,14 +240,18 @@ fn request_context_fields_numbers_and_labels() {
     for (k, v) in raw {
         assert_lands(&ctx, k, v, "hand-made");
     }
-    assert_eq!(torch::request_context(&Map::new()), pb::RequestContext::default());
+    assert_eq!(
+        torch::request_context(&Map::new()),
+        pb::RequestContext::default()
+    );
 }
 
 #[test]
 fn tried_to_allocate_reads_every_fixture_error_text() {
     let mut checked = 0;
     for (name, capture) in fixtures() {
-        let (Some(oom), Some(error)) = (capture["oom"].as_object(), capture["error"].as_object()) else {
+        let (Some(oom), Some(error)) = (capture["oom"].as_object(), capture["error"].as_object())
+        else {
             continue;
         };
         let text = error["message"].as_str().unwrap();
@@ -212,16 +260,34 @@ fn tried_to_allocate_reads_every_fixture_error_text() {
         // Without the observer the text gives the same size.
         let from_text = torch::oom_event(None, "OutOfMemoryError", text, None, None, None);
         assert_eq!(from_text.requested_bytes, alloc, "{name}");
-        assert_eq!(from_text.driver_error, 0, "{name}: the caching allocator's text is not a driver error");
+        assert_eq!(
+            from_text.driver_error, 0,
+            "{name}: the caching allocator's text is not a driver error"
+        );
         checked += 1;
     }
     assert_eq!(checked, 7);
-    assert_eq!(torch::tried_to_allocate("Tried to allocate 1.50 GiB."), Some(1610612736));
-    assert_eq!(torch::tried_to_allocate("Tried to allocate 20.00 KiB"), Some(20480));
-    assert_eq!(torch::tried_to_allocate("Tried to allocate 512 bytes"), Some(512));
+    assert_eq!(
+        torch::tried_to_allocate("Tried to allocate 1.50 GiB."),
+        Some(1610612736)
+    );
+    assert_eq!(
+        torch::tried_to_allocate("Tried to allocate 20.00 KiB"),
+        Some(20480)
+    );
+    assert_eq!(
+        torch::tried_to_allocate("Tried to allocate 512 bytes"),
+        Some(512)
+    );
     assert_eq!(torch::tried_to_allocate("Tried to allocate "), None);
-    assert_eq!(torch::tried_to_allocate("Tried to allocate lots of MiB"), None);
-    assert_eq!(torch::tried_to_allocate("Tried to allocate 5 parsecs"), None);
+    assert_eq!(
+        torch::tried_to_allocate("Tried to allocate lots of MiB"),
+        None
+    );
+    assert_eq!(
+        torch::tried_to_allocate("Tried to allocate 5 parsecs"),
+        None
+    );
     assert_eq!(torch::tried_to_allocate("Tried to allocate -5 MiB"), None);
     assert_eq!(torch::tried_to_allocate("out of memory"), None);
 }
@@ -229,18 +295,46 @@ fn tried_to_allocate_reads_every_fixture_error_text() {
 #[test]
 fn oom_event_prefers_the_observer_and_keeps_the_text() {
     let observer = torch::oom_observer(&json!({"device": 0, "alloc": 100663296, "device_allocated": 2147483648u64, "device_free": 147460325376u64})).unwrap();
-    let stats = pb::AllocatorStats { device: 0, allocated_bytes: 838860800, ..Default::default() };
+    let stats = pb::AllocatorStats {
+        device: 0,
+        allocated_bytes: 838860800,
+        ..Default::default()
+    };
     let text = "CUDA out of memory. Tried to allocate 50.00 MiB.";
-    let oom = torch::oom_event(Some(observer), "OutOfMemoryError", text, Some(stats.clone()), None, None);
-    assert_eq!(oom.requested_bytes, 100663296, "the observer's alloc wins over the text");
+    let oom = torch::oom_event(
+        Some(observer),
+        "OutOfMemoryError",
+        text,
+        Some(stats.clone()),
+        None,
+        None,
+    );
+    assert_eq!(
+        oom.requested_bytes, 100663296,
+        "the observer's alloc wins over the text"
+    );
     assert_eq!(oom.observer.unwrap().device_allocated, 2147483648);
     assert_eq!(oom.error_type, "OutOfMemoryError");
     assert_eq!(oom.error_text, text);
     assert_eq!(oom.stats, Some(stats));
 
-    let driver = torch::oom_event(None, "RuntimeError", "cuMemAlloc_v2 failed: CUDA_ERROR_OUT_OF_MEMORY", None, None, None);
+    let driver = torch::oom_event(
+        None,
+        "RuntimeError",
+        "cuMemAlloc_v2 failed: CUDA_ERROR_OUT_OF_MEMORY",
+        None,
+        None,
+        None,
+    );
     assert_eq!((driver.driver_error, driver.requested_bytes), (2, 0));
-    let runtime = torch::oom_event(None, "RuntimeError", "CUDA error: out of memory", None, None, None);
+    let runtime = torch::oom_event(
+        None,
+        "RuntimeError",
+        "CUDA error: out of memory",
+        None,
+        None,
+        None,
+    );
     assert_eq!(runtime.driver_error, 2);
     assert!(torch::oom_observer(&json!("nope")).is_none());
 }
@@ -248,16 +342,32 @@ fn oom_event_prefers_the_observer_and_keeps_the_text() {
 #[test]
 fn allocator_settings_from_snapshots_and_conf_strings() {
     for (name, capture) in fixtures() {
-        let Some(raw) = capture.get("final_snapshot").and_then(|s| s.get("allocator_settings")) else { continue };
+        let Some(raw) = capture
+            .get("final_snapshot")
+            .and_then(|s| s.get("allocator_settings"))
+        else {
+            continue;
+        };
         let s = torch::allocator_settings(raw);
         let conf = capture["notes"]["alloc_conf"].as_str().unwrap_or("");
         assert_eq!(s.alloc_conf, conf, "{name}");
-        assert_eq!(s.expandable_segments, raw["expandable_segments"].as_bool().unwrap(), "{name}");
-        assert_eq!(s.expandable_segments, conf.contains("expandable_segments:True"), "{name}");
+        assert_eq!(
+            s.expandable_segments,
+            raw["expandable_segments"].as_bool().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            s.expandable_segments,
+            conf.contains("expandable_segments:True"),
+            "{name}"
+        );
         assert_eq!(s.max_split_size_bytes, -1, "{name}: PyTorch's 'no limit'");
         assert_eq!(s.garbage_collection_threshold, 0.0);
         assert_eq!(s.other["pinned_num_register_threads"], "1");
-        assert!(s.other["roundup_power2_divisions"].starts_with('{'), "{name}");
+        assert!(
+            s.other["roundup_power2_divisions"].starts_with('{'),
+            "{name}"
+        );
         // Every key lands: four fields (three settings and the conf) plus `other`.
         assert_eq!(s.other.len() + 4, raw.as_object().unwrap().len(), "{name}");
     }
@@ -268,8 +378,13 @@ fn allocator_settings_from_snapshots_and_conf_strings() {
     assert_eq!(s.other["roundup_power2_divisions"], "4");
     assert_eq!(s.other["bad"], "");
     // A dict that only carries the conf string still yields its settings.
-    let s = torch::allocator_settings(&json!({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:x"}));
+    let s = torch::allocator_settings(
+        &json!({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:x"}),
+    );
     assert_eq!(s.backend, "cudaMallocAsync");
     assert_eq!(s.other["max_split_size_mb"], "x");
-    assert_eq!(torch::allocator_settings(&json!([1, 2])), pb::AllocatorSettings::default());
+    assert_eq!(
+        torch::allocator_settings(&json!([1, 2])),
+        pb::AllocatorSettings::default()
+    );
 }

@@ -31,6 +31,7 @@ struct Expected {
     segments: u64,
     reserved: u64,
     allocated: u64,
+    requested: u64,
     largest_free: u64,
     by_state: BTreeMap<String, (u64, u64)>,
     actions: BTreeMap<String, u64>,
@@ -44,6 +45,10 @@ fn expected(snapshot: &Value) -> Expected {
         allocated: segs
             .iter()
             .map(|s| s["allocated_size"].as_u64().unwrap())
+            .sum(),
+        requested: segs
+            .iter()
+            .map(|s| s["requested_size"].as_u64().unwrap())
             .sum(),
         largest_free: 0,
         by_state: BTreeMap::new(),
@@ -73,6 +78,7 @@ fn check_against_json(name: &str, snapshot: &Value) -> oomscope_agent_core::pb::
     assert_eq!(s.segments, e.segments, "{name} segments");
     assert_eq!(s.reserved_bytes, e.reserved, "{name} reserved");
     assert_eq!(s.allocated_bytes, e.allocated, "{name} allocated");
+    assert_eq!(s.requested_bytes, e.requested, "{name} requested");
     assert_eq!(
         s.largest_free_block_bytes, e.largest_free,
         "{name} largest free block"

@@ -303,7 +303,11 @@ impl Reporter {
 
     fn enqueue(&self, body: Body) -> bool {
         if self.forked() {
-            self.inner.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            self.inner
+                .shared
+                .counters
+                .dropped
+                .fetch_add(1, Ordering::Relaxed);
             return false;
         }
         let mut intake = lock(&self.inner.intake);
@@ -315,7 +319,11 @@ impl Reporter {
             intake.next_seq += 1;
             true
         } else {
-            self.inner.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            self.inner
+                .shared
+                .counters
+                .dropped
+                .fetch_add(1, Ordering::Relaxed);
             false
         }
     }
@@ -359,15 +367,25 @@ impl Reporter {
             let mut intake = lock(&self.inner.intake);
             let seq = intake.next_seq;
             intake.next_seq += 1;
-            pb::AgentMessage { seq, body: Some(body) }
+            pb::AgentMessage {
+                seq,
+                body: Some(body),
+            }
         };
         let seq = message.seq;
         let spooled = match (&self.inner.shared.spool, sync) {
             (Some(spool), true) => {
                 let mut spool = lock(spool);
-                match spool.append(&message).and_then(|lost| spool.sync().map(|()| lost)) {
+                match spool
+                    .append(&message)
+                    .and_then(|lost| spool.sync().map(|()| lost))
+                {
                     Ok(lost) => {
-                        self.inner.shared.counters.spooled.fetch_add(1, Ordering::Relaxed);
+                        self.inner
+                            .shared
+                            .counters
+                            .spooled
+                            .fetch_add(1, Ordering::Relaxed);
                         Some(lost)
                     }
                     Err(e) => {
@@ -426,7 +444,11 @@ impl Reporter {
             }
             None => false,
         };
-        self.inner.stop_worker(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(50)));
+        self.inner.stop_worker(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(50)),
+        );
         flushed
     }
 
@@ -486,7 +508,9 @@ impl Handle {
         }
         match worker.exited.recv_timeout(wait) {
             Err(std_mpsc::RecvTimeoutError::Timeout) => {
-                tracing::warn!("oomscope reporter: worker did not stop in time; leaving it to finish");
+                tracing::warn!(
+                    "oomscope reporter: worker did not stop in time; leaving it to finish"
+                );
             }
             _ => {
                 let _ = worker.thread.join();
@@ -551,7 +575,10 @@ enum SessionEnd {
 }
 
 fn run_worker(mut state: State, mut inputs: Inputs) {
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(error = %e, "oomscope reporter: cannot build its runtime; nothing will be sent");
@@ -600,7 +627,10 @@ impl State {
             match self.session(inputs).await {
                 SessionEnd::Stopped => return,
                 SessionEnd::Failed { acked, error } => {
-                    self.shared.counters.connected.store(false, Ordering::Relaxed);
+                    self.shared
+                        .counters
+                        .connected
+                        .store(false, Ordering::Relaxed);
                     if acked {
                         backoff = self.cfg.backoff_initial;
                     }
@@ -613,7 +643,11 @@ impl State {
                     self.shared.set_error(error);
                 }
             }
-            if self.offline(inputs, tokio::time::sleep(backoff)).await.is_none() {
+            if self
+                .offline(inputs, tokio::time::sleep(backoff))
+                .await
+                .is_none()
+            {
                 return;
             }
             backoff = (backoff * 2).min(self.cfg.backoff_max.max(self.cfg.backoff_initial));
@@ -623,7 +657,11 @@ impl State {
     /// Runs `fut` while still accepting messages: urgent ones always, queued
     /// ones only when a spool can hold them (without one, the bounded queue
     /// is the buffer while offline). `None` when asked to stop.
-    async fn offline<F: std::future::Future>(&mut self, inputs: &mut Inputs, fut: F) -> Option<F::Output> {
+    async fn offline<F: std::future::Future>(
+        &mut self,
+        inputs: &mut Inputs,
+        fut: F,
+    ) -> Option<F::Output> {
         tokio::pin!(fut);
         let spooling = self.shared.spool.is_some();
         loop {
@@ -643,7 +681,10 @@ impl State {
     /// One connection: Hello, the backlog, then live traffic, until the
     /// stream fails or the reporter stops.
     async fn session(&mut self, inputs: &mut Inputs) -> SessionEnd {
-        let failed = |error: String| SessionEnd::Failed { acked: false, error };
+        let failed = |error: String| SessionEnd::Failed {
+            acked: false,
+            error,
+        };
         let endpoint = match Endpoint::from_shared(self.cfg.collector_url.clone()) {
             Ok(e) => e
                 .connect_timeout(self.cfg.connect_timeout)
@@ -651,13 +692,25 @@ impl State {
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(KEEPALIVE_TIMEOUT)
                 .keep_alive_while_idle(true),
-            Err(e) => return failed(format!("bad collector url {:?}: {e}", self.cfg.collector_url)),
+            Err(e) => {
+                return failed(format!(
+                    "bad collector url {:?}: {e}",
+                    self.cfg.collector_url
+                ))
+            }
         };
         let timeout = self.cfg.connect_timeout;
-        let channel = match self.offline(inputs, tokio::time::timeout(timeout, endpoint.connect())).await {
+        let channel = match self
+            .offline(inputs, tokio::time::timeout(timeout, endpoint.connect()))
+            .await
+        {
             None => return SessionEnd::Stopped,
-            Some(Err(_)) => return self.connect_failed(format!("connecting timed out after {timeout:?}")),
-            Some(Ok(Err(e))) => return self.connect_failed(format!("cannot connect: {}", error_chain(&e))),
+            Some(Err(_)) => {
+                return self.connect_failed(format!("connecting timed out after {timeout:?}"))
+            }
+            Some(Ok(Err(e))) => {
+                return self.connect_failed(format!("cannot connect: {}", error_chain(&e)))
+            }
             Some(Ok(Ok(channel))) => channel,
         };
         let (out_tx, out_rx) = mpsc::channel(OUTBOUND_BUFFER);
@@ -672,16 +725,27 @@ impl State {
         let opened = tokio::time::timeout(timeout, client.connect(ReceiverStream::new(out_rx)));
         let mut inbound = match self.offline(inputs, opened).await {
             None => return SessionEnd::Stopped,
-            Some(Err(_)) => return self.connect_failed(format!("opening the stream timed out after {timeout:?}")),
-            Some(Ok(Err(status))) => return self.connect_failed(format!("collector refused the stream: {status}")),
+            Some(Err(_)) => {
+                return self
+                    .connect_failed(format!("opening the stream timed out after {timeout:?}"))
+            }
+            Some(Ok(Err(status))) => {
+                return self.connect_failed(format!("collector refused the stream: {status}"))
+            }
             Some(Ok(Ok(response))) => response.into_inner(),
         };
 
         self.sessions += 1;
         if self.sessions > 1 {
-            self.shared.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .reconnects
+                .fetch_add(1, Ordering::Relaxed);
         }
-        self.shared.counters.connected.store(true, Ordering::Relaxed);
+        self.shared
+            .counters
+            .connected
+            .store(true, Ordering::Relaxed);
         if self.failing {
             tracing::info!(collector = %self.cfg.collector_url, "oomscope reporter: connected again");
             self.failing = false;
@@ -716,8 +780,14 @@ impl State {
     }
 
     fn connect_failed(&mut self, error: String) -> SessionEnd {
-        self.shared.counters.connect_failures.fetch_add(1, Ordering::Relaxed);
-        SessionEnd::Failed { acked: false, error }
+        self.shared
+            .counters
+            .connect_failures
+            .fetch_add(1, Ordering::Relaxed);
+        SessionEnd::Failed {
+            acked: false,
+            error,
+        }
     }
 
     /// Puts what the previous run left in the spool at the front of the
@@ -735,7 +805,10 @@ impl State {
             }
         };
         if !pending.is_empty() {
-            tracing::info!(messages = pending.len(), "oomscope reporter: resending what a previous run left unacked");
+            tracing::info!(
+                messages = pending.len(),
+                "oomscope reporter: resending what a previous run left unacked"
+            );
         }
         for message in pending {
             let bytes = message.encoded_len();
@@ -858,7 +931,10 @@ impl State {
     fn settle_lost(&mut self, seq: u64, in_memory_only: bool) {
         self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
         if in_memory_only {
-            tracing::debug!(seq, "oomscope reporter: unacked memory over its bound and no spool; dropped the oldest");
+            tracing::debug!(
+                seq,
+                "oomscope reporter: unacked memory over its bound and no spool; dropped the oldest"
+            );
         }
         lock(&self.shared.progress).urgent.insert(seq, false);
     }
@@ -877,7 +953,10 @@ impl State {
                 None => self.reload(seq),
             };
             let Some(message) = message else {
-                tracing::warn!(seq, "oomscope reporter: message missing from the spool, dropped");
+                tracing::warn!(
+                    seq,
+                    "oomscope reporter: message missing from the spool, dropped"
+                );
                 self.unacked.remove(&seq);
                 self.settle_lost(seq, false);
                 self.publish();
@@ -907,7 +986,10 @@ impl State {
         let budget = (self.cfg.unacked_max_bytes / 4).max(RELOAD_MIN_BYTES);
         let mut bytes = 0;
         for m in pending.into_iter().filter(|m| m.seq >= seq) {
-            let wanted = self.unacked.get(&m.seq).is_some_and(|e| e.message.is_none());
+            let wanted = self
+                .unacked
+                .get(&m.seq)
+                .is_some_and(|e| e.message.is_none());
             if !wanted {
                 continue;
             }
@@ -925,10 +1007,18 @@ impl State {
         match reply.body {
             Some(Reply::Ack(ack)) => {
                 if ack.from_seq > ack.to_seq {
-                    tracing::debug!(from = ack.from_seq, to = ack.to_seq, "oomscope reporter: ignoring an inverted ack");
+                    tracing::debug!(
+                        from = ack.from_seq,
+                        to = ack.to_seq,
+                        "oomscope reporter: ignoring an inverted ack"
+                    );
                     return false;
                 }
-                let seqs: Vec<u64> = self.unacked.range(ack.from_seq..=ack.to_seq).map(|(&s, _)| s).collect();
+                let seqs: Vec<u64> = self
+                    .unacked
+                    .range(ack.from_seq..=ack.to_seq)
+                    .map(|(&s, _)| s)
+                    .collect();
                 let mut progress_urgent = Vec::new();
                 for seq in &seqs {
                     if let Some(entry) = self.unacked.remove(seq) {
@@ -940,7 +1030,10 @@ impl State {
                         }
                     }
                 }
-                self.shared.counters.acked.fetch_add(seqs.len() as u64, Ordering::Relaxed);
+                self.shared
+                    .counters
+                    .acked
+                    .fetch_add(seqs.len() as u64, Ordering::Relaxed);
                 if !progress_urgent.is_empty() {
                     let mut progress = lock(&self.shared.progress);
                     for seq in progress_urgent {
@@ -952,18 +1045,26 @@ impl State {
             }
             Some(Reply::Directive(directive)) => {
                 if self.directives.try_send(directive).is_err() {
-                    tracing::debug!("oomscope reporter: directive buffer full or unread; dropped one");
+                    tracing::debug!(
+                        "oomscope reporter: directive buffer full or unread; dropped one"
+                    );
                 }
                 false
             }
             Some(Reply::Reject(reject)) => {
                 tracing::warn!(seq = reject.seq, reason = %reject.reason, "oomscope reporter: collector rejected a message");
-                self.shared.set_error(format!("collector rejected seq {}: {}", reject.seq, reject.reason));
+                self.shared.set_error(format!(
+                    "collector rejected seq {}: {}",
+                    reject.seq, reject.reason
+                ));
                 if let Some(entry) = self.unacked.remove(&reject.seq) {
                     if entry.message.is_some() {
                         self.memory_bytes -= entry.bytes;
                     }
-                    self.shared.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .counters
+                        .rejected
+                        .fetch_add(1, Ordering::Relaxed);
                     lock(&self.shared.progress).urgent.insert(reject.seq, false);
                     self.publish();
                 }
@@ -1008,7 +1109,10 @@ impl State {
     }
 
     fn exit(&mut self) {
-        self.shared.counters.connected.store(false, Ordering::Relaxed);
+        self.shared
+            .counters
+            .connected
+            .store(false, Ordering::Relaxed);
         lock(&self.shared.progress).worker_exited = true;
         self.shared.progress_changed.notify_all();
     }

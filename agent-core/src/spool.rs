@@ -67,7 +67,13 @@ pub struct SpoolProblem {
 
 impl std::fmt::Display for SpoolProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} at byte {}: {}", self.path.display(), self.offset, self.reason)
+        write!(
+            f,
+            "{} at byte {}: {}",
+            self.path.display(),
+            self.offset,
+            self.reason
+        )
     }
 }
 
@@ -223,7 +229,10 @@ impl Spool {
         record.extend_from_slice(&crc32(&payload).to_le_bytes());
         record.extend_from_slice(&payload);
 
-        let rollover = self.segments.last().is_none_or(|s| s.bytes >= self.segment_bytes);
+        let rollover = self
+            .segments
+            .last()
+            .is_none_or(|s| s.bytes >= self.segment_bytes);
         if self.current.is_none() || rollover {
             self.start_segment()?;
         }
@@ -301,7 +310,10 @@ impl Spool {
 
     /// Segment files in number order; anything else in the directory is
     /// reported as foreign and left alone.
-    fn segment_files(&self, problems: &mut Vec<SpoolProblem>) -> Result<Vec<(u64, PathBuf)>, SpoolError> {
+    fn segment_files(
+        &self,
+        problems: &mut Vec<SpoolProblem>,
+    ) -> Result<Vec<(u64, PathBuf)>, SpoolError> {
         let mut files = Vec::new();
         for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
             let entry = entry.map_err(io_err(&self.dir))?;
@@ -347,7 +359,12 @@ impl Spool {
         let mut dropped = Vec::new();
         while self.total_bytes() > self.max_bytes && self.segments.len() > 1 {
             let oldest = self.segments.remove(0);
-            let lost: Vec<u64> = oldest.seqs.iter().copied().filter(|&s| s > self.floor).collect();
+            let lost: Vec<u64> = oldest
+                .seqs
+                .iter()
+                .copied()
+                .filter(|&s| s > self.floor)
+                .collect();
             tracing::warn!(
                 path = %oldest.path.display(),
                 records = lost.len(),
@@ -437,7 +454,9 @@ fn lock_dir(dir: &Path) -> Result<File, SpoolError> {
     if rc != 0 {
         let err = io::Error::last_os_error();
         return Err(if err.kind() == io::ErrorKind::WouldBlock {
-            SpoolError::Locked { path: dir.to_path_buf() }
+            SpoolError::Locked {
+                path: dir.to_path_buf(),
+            }
         } else {
             SpoolError::Io { path, source: err }
         });
@@ -451,13 +470,27 @@ fn read_state(path: &Path) -> (u64, u64, Option<SpoolProblem>) {
     let bytes = match fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return (0, 0, None),
-        Err(e) => return (0, 0, Some(problem(path, 0, format!("cannot read state: {e}")))),
+        Err(e) => {
+            return (
+                0,
+                0,
+                Some(problem(path, 0, format!("cannot read state: {e}"))),
+            )
+        }
     };
     let ok = bytes.len() == 24
         && &bytes[..4] == STATE_MAGIC
         && crc32(&bytes[..20]).to_le_bytes() == bytes[20..24];
     if !ok {
-        return (0, 0, Some(problem(path, 0, "damaged state file, ack floor reset to 0".into())));
+        return (
+            0,
+            0,
+            Some(problem(
+                path,
+                0,
+                "damaged state file, ack floor reset to 0".into(),
+            )),
+        );
     }
     let floor = u64::from_le_bytes(bytes[4..12].try_into().unwrap_or_default());
     let high = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
@@ -480,7 +513,11 @@ fn read_segment(path: &Path) -> (u64, Vec<pb::AgentMessage>, Vec<SpoolProblem>) 
             let (records, problems) = parse_segment(path, &bytes);
             (bytes.len() as u64, records, problems)
         }
-        Err(e) => (0, Vec::new(), vec![problem(path, 0, format!("cannot read: {e}"))]),
+        Err(e) => (
+            0,
+            Vec::new(),
+            vec![problem(path, 0, format!("cannot read: {e}"))],
+        ),
     }
 }
 
@@ -490,7 +527,11 @@ fn parse_segment(path: &Path, bytes: &[u8]) -> (Vec<pb::AgentMessage>, Vec<Spool
     let mut pos = if bytes.starts_with(SEGMENT_MAGIC) {
         SEGMENT_MAGIC.len()
     } else {
-        problems.push(problem(path, 0, "missing segment header (not written by oomscope?)".into()));
+        problems.push(problem(
+            path,
+            0,
+            "missing segment header (not written by oomscope?)".into(),
+        ));
         0
     };
     while pos < bytes.len() {
@@ -519,7 +560,10 @@ fn parse_record(rest: &[u8]) -> Result<(pb::AgentMessage, usize), String> {
         return Err("no record marker".into());
     }
     if rest.len() < RECORD_HEADER_BYTES {
-        return Err(format!("truncated record header ({} of {RECORD_HEADER_BYTES} bytes)", rest.len()));
+        return Err(format!(
+            "truncated record header ({} of {RECORD_HEADER_BYTES} bytes)",
+            rest.len()
+        ));
     }
     let len = u32::from_le_bytes([rest[4], rest[5], rest[6], rest[7]]) as usize;
     let crc = u32::from_le_bytes([rest[8], rest[9], rest[10], rest[11]]);
@@ -534,7 +578,8 @@ fn parse_record(rest: &[u8]) -> Result<(pb::AgentMessage, usize), String> {
     if crc32(payload) != crc {
         return Err("checksum mismatch".into());
     }
-    let message = pb::AgentMessage::decode(payload).map_err(|e| format!("checksum ok but not a message: {e}"))?;
+    let message = pb::AgentMessage::decode(payload)
+        .map_err(|e| format!("checksum ok but not a message: {e}"))?;
     Ok((message, RECORD_HEADER_BYTES + len))
 }
 
@@ -543,7 +588,10 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 fn parse_segment_name(name: &str) -> Option<u64> {
-    name.strip_prefix("seg-")?.strip_suffix(".log")?.parse().ok()
+    name.strip_prefix("seg-")?
+        .strip_suffix(".log")?
+        .parse()
+        .ok()
 }
 
 /// Agent ids become directory names: safe bytes kept, the rest `%XX`, so
@@ -600,7 +648,11 @@ const CRC_TABLE: [u32; 256] = {
         let mut c = i as u32;
         let mut k = 0;
         while k < 8 {
-            c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
             k += 1;
         }
         table[i] = c;

@@ -34,7 +34,11 @@ struct Store {
 impl Store {
     fn seqs(&self, agent: &str) -> Vec<u64> {
         let stored = self.stored.lock().unwrap();
-        stored.keys().filter(|(a, _)| a == agent).map(|(_, s)| *s).collect()
+        stored
+            .keys()
+            .filter(|(a, _)| a == agent)
+            .map(|(_, s)| *s)
+            .collect()
     }
     fn len(&self) -> usize {
         self.stored.lock().unwrap().len()
@@ -81,7 +85,12 @@ impl AgentService for TestCollector {
                                 tokio::time::sleep(delay).await;
                             }
                             let key = (agent.clone(), message.seq);
-                            let fresh = store.stored.lock().unwrap().insert(key, message.clone()).is_none();
+                            let fresh = store
+                                .stored
+                                .lock()
+                                .unwrap()
+                                .insert(key, message.clone())
+                                .is_none();
                             if fresh {
                                 store.arrivals.lock().unwrap().push(message.seq);
                             } else {
@@ -95,7 +104,11 @@ impl AgentService for TestCollector {
                     },
                 };
                 if let Some(body) = reply {
-                    if tx.send(Ok(pb::CollectorMessage { body: Some(body) })).await.is_err() {
+                    if tx
+                        .send(Ok(pb::CollectorMessage { body: Some(body) }))
+                        .await
+                        .is_err()
+                    {
                         break;
                     }
                 }
@@ -138,7 +151,9 @@ impl Collector {
                 .await
                 .unwrap();
         });
-        Collector { runtime: Some(runtime) }
+        Collector {
+            runtime: Some(runtime),
+        }
     }
 
     fn kill(mut self) {
@@ -234,7 +249,9 @@ fn five_hundred_samples_are_all_acked_exactly_once() {
     let store = Arc::new(Store::default());
     let addr = reserved_port();
     let directive = pb::Directive {
-        kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot { device: 3 })),
+        kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot {
+            device: 3,
+        })),
     };
     let _collector = Collector::start(
         addr,
@@ -250,9 +267,16 @@ fn five_hundred_samples_are_all_acked_exactly_once() {
     assert!(reporter.directives().is_none());
 
     for step in 1..=500 {
-        assert!(reporter.send_sample(sample(step)), "queue of 4096 refused sample {step}");
+        assert!(
+            reporter.send_sample(sample(step)),
+            "queue of 4096 refused sample {step}"
+        );
     }
-    assert!(reporter.flush(Duration::from_secs(30)), "flush: {:?}", reporter.stats());
+    assert!(
+        reporter.flush(Duration::from_secs(30)),
+        "flush: {:?}",
+        reporter.stats()
+    );
 
     assert_eq!(store.seqs("steady"), (1..=500).collect::<Vec<_>>());
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
@@ -264,7 +288,9 @@ fn five_hundred_samples_are_all_acked_exactly_once() {
     assert_eq!(stats.reconnects, 0);
     assert!(stats.connected);
     assert_eq!(
-        directives.recv_timeout(Duration::from_secs(5)).expect("the collector's directive"),
+        directives
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the collector's directive"),
         directive
     );
 
@@ -276,8 +302,15 @@ fn five_hundred_samples_are_all_acked_exactly_once() {
         },
         Duration::from_secs(10)
     ));
-    let goodbye = store.stored.lock().unwrap().get(&("steady".to_string(), 501)).cloned();
-    assert!(matches!(goodbye.and_then(|m| m.body), Some(Body::Goodbye(g)) if g.reason == "test over"));
+    let goodbye = store
+        .stored
+        .lock()
+        .unwrap()
+        .get(&("steady".to_string(), 501))
+        .cloned();
+    assert!(
+        matches!(goodbye.and_then(|m| m.body), Some(Body::Goodbye(g)) if g.reason == "test over")
+    );
 }
 
 #[test]
@@ -290,13 +323,22 @@ fn collector_down_at_start_then_up_gets_everything_in_order() {
     }
     // Nothing is listening: flush cannot succeed, and says so in time.
     assert!(!reporter.flush(Duration::from_millis(300)));
-    wait_until("a failed connect", Duration::from_secs(10), || reporter.stats().connect_failures > 0);
+    wait_until("a failed connect", Duration::from_secs(10), || {
+        reporter.stats().connect_failures > 0
+    });
     assert!(reporter.stats().last_error.is_some());
 
     let _collector = Collector::start(addr, service(&store));
-    assert!(reporter.flush(Duration::from_secs(30)), "flush: {:?}", reporter.stats());
+    assert!(
+        reporter.flush(Duration::from_secs(30)),
+        "flush: {:?}",
+        reporter.stats()
+    );
     // Exactly once, and in seq order: the first stream carried them all.
-    assert_eq!(*store.arrivals.lock().unwrap(), (1..=200).collect::<Vec<_>>());
+    assert_eq!(
+        *store.arrivals.lock().unwrap(),
+        (1..=200).collect::<Vec<_>>()
+    );
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
     assert_contents(&store, "late");
     let stats = reporter.stats();
@@ -316,18 +358,29 @@ fn collector_killed_mid_stream_and_restarted_loses_nothing() {
     for step in 1..=300 {
         assert!(reporter.send_sample(sample(step)));
     }
-    wait_until("some acks", Duration::from_secs(20), || reporter.stats().acked >= 50);
+    wait_until("some acks", Duration::from_secs(20), || {
+        reporter.stats().acked >= 50
+    });
     collector.kill();
     let acked_before = reporter.stats().acked;
-    assert!(acked_before < 300, "the kill came too late to test anything");
+    assert!(
+        acked_before < 300,
+        "the kill came too late to test anything"
+    );
     // More traffic while the collector is dead.
     for step in 301..=400 {
         assert!(reporter.send_sample(sample(step)));
     }
-    wait_until("the reporter to notice", Duration::from_secs(20), || !reporter.stats().connected);
+    wait_until("the reporter to notice", Duration::from_secs(20), || {
+        !reporter.stats().connected
+    });
 
     let _collector = Collector::start(addr, slow(&store));
-    assert!(reporter.flush(Duration::from_secs(60)), "flush: {:?}", reporter.stats());
+    assert!(
+        reporter.flush(Duration::from_secs(60)),
+        "flush: {:?}",
+        reporter.stats()
+    );
     assert_eq!(store.seqs("bumpy"), (1..=400).collect::<Vec<_>>());
     assert_contents(&store, "bumpy");
     let stats = reporter.stats();
@@ -335,9 +388,15 @@ fn collector_killed_mid_stream_and_restarted_loses_nothing() {
     // resent and acked again, but counted once.
     assert_eq!(stats.acked, 400);
     assert!(stats.reconnects >= 1, "{stats:?}");
-    assert!(stats.resent > 0, "messages in flight at the kill must be resent: {stats:?}");
+    assert!(
+        stats.resent > 0,
+        "messages in flight at the kill must be resent: {stats:?}"
+    );
     assert_eq!(stats.dropped, 0);
-    assert!(store.hellos.load(Ordering::SeqCst) >= 2, "Hello again on reconnect");
+    assert!(
+        store.hellos.load(Ordering::SeqCst) >= 2,
+        "Hello again on reconnect"
+    );
 }
 
 #[test]
@@ -350,7 +409,9 @@ fn a_full_queue_refuses_at_once_and_counts_the_drops() {
         },
         hello("crowded"),
     );
-    let results: Vec<bool> = (1..=100).map(|step| reporter.send_sample(sample(step))).collect();
+    let results: Vec<bool> = (1..=100)
+        .map(|step| reporter.send_sample(sample(step)))
+        .collect();
     let accepted = results.iter().filter(|&&ok| ok).count();
     let refused = 100 - accepted;
     // Without a spool, queued messages wait in the queue while the
@@ -374,7 +435,9 @@ fn a_crashed_agents_spool_is_resent_by_the_next_run() {
         for step in 1..=50 {
             assert!(first.send_sample(sample(step)));
         }
-        wait_until("50 spooled", Duration::from_secs(10), || first.stats().spooled == 50);
+        wait_until("50 spooled", Duration::from_secs(10), || {
+            first.stats().spooled == 50
+        });
         assert_eq!(first.stats().acked, 0);
         // Dropped without flush or Goodbye, as a crash would leave it.
     }
@@ -387,14 +450,19 @@ fn a_crashed_agents_spool_is_resent_by_the_next_run() {
     for step in 51..=60 {
         assert!(second.send_sample(sample(step)));
     }
-    assert!(second.flush(Duration::from_secs(30)), "flush: {:?}", second.stats());
+    assert!(
+        second.flush(Duration::from_secs(30)),
+        "flush: {:?}",
+        second.stats()
+    );
     assert_eq!(store.seqs("phoenix"), (1..=60).collect::<Vec<_>>());
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
     assert_contents(&store, "phoenix");
     assert!(second.shutdown(pb::Goodbye::default(), Duration::from_secs(10)));
 
     // Everything was acked, so the spool holds nothing for a third run.
-    let mut reopened = oomscope_agent_core::spool::Spool::open(spool.path(), "phoenix", 1 << 20).unwrap();
+    let mut reopened =
+        oomscope_agent_core::spool::Spool::open(spool.path(), "phoenix", 1 << 20).unwrap();
     assert!(reopened.pending().unwrap().is_empty());
     assert_eq!(reopened.next_seq(), 62);
 }
@@ -420,8 +488,17 @@ fn an_urgent_oom_event_is_spooled_and_acked() {
             ..Default::default()
         })),
     };
-    assert!(reporter.send_urgent(oom.clone(), Duration::from_secs(20)), "{:?}", reporter.stats());
-    let stored = store.stored.lock().unwrap().get(&("urgent".to_string(), 1)).cloned();
+    assert!(
+        reporter.send_urgent(oom.clone(), Duration::from_secs(20)),
+        "{:?}",
+        reporter.stats()
+    );
+    let stored = store
+        .stored
+        .lock()
+        .unwrap()
+        .get(&("urgent".to_string(), 1))
+        .cloned();
     assert_eq!(stored.and_then(|m| m.body), Some(Body::Event(oom)));
     assert_eq!(store.len(), 1);
 }
@@ -430,7 +507,9 @@ fn an_urgent_oom_event_is_spooled_and_acked() {
 fn a_bad_collector_url_is_an_error_in_stats_not_a_panic() {
     let reporter = Reporter::start(ReporterConfig::new("not a url"), hello("typo"));
     assert!(reporter.send_sample(sample(1)));
-    wait_until("the error", Duration::from_secs(10), || reporter.stats().last_error.is_some());
+    wait_until("the error", Duration::from_secs(10), || {
+        reporter.stats().last_error.is_some()
+    });
     assert!(reporter.stats().last_error.unwrap().contains("not a url"));
     assert!(!reporter.shutdown(pb::Goodbye::default(), Duration::from_millis(200)));
 }
@@ -451,11 +530,20 @@ fn over_the_memory_bound_the_backlog_is_reread_from_the_spool() {
     for step in 1..=300 {
         assert!(reporter.send_sample(bulky_sample(step)));
     }
-    wait_until("300 spooled", Duration::from_secs(10), || reporter.stats().spooled == 300);
+    wait_until("300 spooled", Duration::from_secs(10), || {
+        reporter.stats().spooled == 300
+    });
     let store = Arc::new(Store::default());
     let _collector = Collector::start(addr, service(&store));
-    assert!(reporter.flush(Duration::from_secs(30)), "flush: {:?}", reporter.stats());
-    assert_eq!(*store.arrivals.lock().unwrap(), (1..=300).collect::<Vec<_>>());
+    assert!(
+        reporter.flush(Duration::from_secs(30)),
+        "flush: {:?}",
+        reporter.stats()
+    );
+    assert_eq!(
+        *store.arrivals.lock().unwrap(),
+        (1..=300).collect::<Vec<_>>()
+    );
     assert_contents(&store, "thrifty");
     let stats = reporter.stats();
     assert_eq!((stats.acked, stats.dropped), (300, 0));
@@ -477,10 +565,16 @@ fn over_the_spool_bound_the_oldest_are_dropped_and_counted() {
     for step in 1..=1000 {
         assert!(reporter.send_sample(bulky_sample(step)));
     }
-    wait_until("1000 spooled", Duration::from_secs(20), || reporter.stats().spooled == 1000);
+    wait_until("1000 spooled", Duration::from_secs(20), || {
+        reporter.stats().spooled == 1000
+    });
     let store = Arc::new(Store::default());
     let _collector = Collector::start(addr, service(&store));
-    assert!(reporter.flush(Duration::from_secs(30)), "flush: {:?}", reporter.stats());
+    assert!(
+        reporter.flush(Duration::from_secs(30)),
+        "flush: {:?}",
+        reporter.stats()
+    );
     let stats = reporter.stats();
     let stored = store.seqs("squeezed");
     // 1000 x ~250 bytes cannot fit in 64 KiB: the oldest went, the newest
@@ -510,16 +604,26 @@ fn without_a_spool_the_memory_bound_drops_the_oldest_and_counts_them() {
         },
         hello("forgetful"),
     );
-    wait_until("connected", Duration::from_secs(10), || reporter.stats().connected);
+    wait_until("connected", Duration::from_secs(10), || {
+        reporter.stats().connected
+    });
     for step in 1..=300 {
         assert!(reporter.send_sample(bulky_sample(step)));
     }
-    assert!(reporter.flush(Duration::from_secs(30)), "flush: {:?}", reporter.stats());
+    assert!(
+        reporter.flush(Duration::from_secs(30)),
+        "flush: {:?}",
+        reporter.stats()
+    );
     let stats = reporter.stats();
     let stored = store.seqs("forgetful");
     assert!(stats.dropped > 0, "{stats:?}");
     // A dropped message may still have been on the wire and stored.
-    assert!(stored.len() as u64 + stats.dropped >= 300, "{} + {stats:?}", stored.len());
+    assert!(
+        stored.len() as u64 + stats.dropped >= 300,
+        "{} + {stats:?}",
+        stored.len()
+    );
     assert_eq!(stored.last(), Some(&300), "the newest must arrive");
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
 }

@@ -75,8 +75,14 @@ fn ack_deletes_fully_acked_segments_and_the_floor_survives_a_restart() {
         assert!(before >= 3, "expected several segments, got {before}");
         spool.ack(200).unwrap();
         let after = segments(&dir).len();
-        assert!(after < before, "acked segments must go: {before} -> {after}");
-        assert_eq!(seqs(&spool.pending().unwrap()), (201..=300).collect::<Vec<_>>());
+        assert!(
+            after < before,
+            "acked segments must go: {before} -> {after}"
+        );
+        assert_eq!(
+            seqs(&spool.pending().unwrap()),
+            (201..=300).collect::<Vec<_>>()
+        );
         spool.ack(300).unwrap();
         assert!(segments(&dir).is_empty(), "all acked: {:?}", segments(&dir));
         assert_eq!(spool.stats().dropped_records, 0);
@@ -100,12 +106,22 @@ fn over_the_disk_bound_the_oldest_segment_goes_and_is_counted() {
     let pending = seqs(&spool.pending().unwrap());
     assert!(!dropped.is_empty());
     assert_eq!(stats.dropped_records, dropped.len() as u64);
-    assert!(stats.bytes <= max, "{} bytes on disk, bound {max}", stats.bytes);
+    assert!(
+        stats.bytes <= max,
+        "{} bytes on disk, bound {max}",
+        stats.bytes
+    );
     // What is left is exactly the newest tail, nothing lost silently.
     assert_eq!(dropped.len() + pending.len(), 2000);
     assert_eq!(dropped, (1..=dropped.len() as u64).collect::<Vec<_>>());
-    assert_eq!(pending, (dropped.len() as u64 + 1..=2000).collect::<Vec<_>>());
-    let on_disk: u64 = segments(spool.dir()).iter().map(|p| fs::metadata(p).unwrap().len()).sum();
+    assert_eq!(
+        pending,
+        (dropped.len() as u64 + 1..=2000).collect::<Vec<_>>()
+    );
+    let on_disk: u64 = segments(spool.dir())
+        .iter()
+        .map(|p| fs::metadata(p).unwrap().len())
+        .sum();
     assert_eq!(on_disk, stats.bytes);
 }
 
@@ -136,9 +152,14 @@ fn garbage_files_torn_and_flipped_records_are_reported_and_good_records_kept() {
     bytes.extend_from_slice(&full[SEGMENT_MAGIC.len()..full.len() - 30]);
     fs::write(&good[0], &bytes).unwrap();
     // A file named like a segment holding garbage, and a foreign file.
-    let garbage: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let garbage: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     fs::write(dir.join("seg-0000000000000099.log"), garbage).unwrap();
-    fs::File::create(dir.join("notes.txt")).unwrap().write_all(b"hello").unwrap();
+    fs::File::create(dir.join("notes.txt"))
+        .unwrap()
+        .write_all(b"hello")
+        .unwrap();
 
     let mut spool = Spool::open(root.path(), "damaged", 1 << 20).unwrap();
     let scan = spool.scan().unwrap();
@@ -149,12 +170,22 @@ fn garbage_files_torn_and_flipped_records_are_reported_and_good_records_kept() {
     assert!(has("truncated record"), "{reasons:#?}");
     assert!(has("missing segment header"), "{reasons:#?}");
     assert!(has("notes.txt") && has("foreign file"), "{reasons:#?}");
-    let checksum = scan.problems.iter().find(|p| p.reason.contains("checksum")).unwrap();
-    assert_eq!(checksum.offset, (SEGMENT_MAGIC.len() + 4 * record_len) as u64);
+    let checksum = scan
+        .problems
+        .iter()
+        .find(|p| p.reason.contains("checksum"))
+        .unwrap();
+    assert_eq!(
+        checksum.offset,
+        (SEGMENT_MAGIC.len() + 4 * record_len) as u64
+    );
 
     // pending() gives the same good records and counts the bad ones.
     let before = spool.stats().problems;
-    assert_eq!(seqs(&spool.pending().unwrap()), vec![1, 2, 3, 4, 6, 7, 8, 9, 10]);
+    assert_eq!(
+        seqs(&spool.pending().unwrap()),
+        vec![1, 2, 3, 4, 6, 7, 8, 9, 10]
+    );
     assert_eq!(spool.stats().problems, before + scan.problems.len() as u64);
     // New appends after the damage are readable too.
     assert!(spool.next_seq() >= 11);

@@ -255,6 +255,18 @@ pub fn find_memcg_oom(change: &CounterChange, sigkill: bool) -> Option<MemcgOom>
             format!("memory.events max {b} -> {a} (the nearest level at its limit)")
         };
         (*l, 0.9, line)
+    } else if let Some(l) = levels
+        .iter()
+        .find(|l| victim.is_some() && l.peak_at_limit())
+    {
+        // Seen on kernel 6.18 (v1): with memory.memsw.limit_in_bytes equal to
+        // the limit, the memsw counter fails the charge first and
+        // memory.failcnt stays 0; an OOM kill plus a peak at the limit decides.
+        (
+            *l,
+            0.85,
+            "an OOM kill with this level's peak at its limit (the nearest such level)".to_string(),
+        )
     } else if let (Some(v), false) = (victim, change.vmstat_oom_kill().is_some_and(|(b, a)| a > b))
     {
         // A cgroup kill without a global one and no level visibly at its limit

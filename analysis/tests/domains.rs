@@ -857,3 +857,33 @@ fn v2_global_oom_raises_oom_kill_but_no_oom_anywhere() {
         (64 * MIB) as f64
     );
 }
+
+#[test]
+fn v1_memsw_limit_leaves_failcnt_at_zero_but_peak_and_kill_decide() {
+    // Recorded on kernel 6.18 (v1): memory.memsw.limit_in_bytes equal to the
+    // limit makes the memsw counter fail the charge, so memory.failcnt stays
+    // 0; vmstat oom_kill rises for this cgroup kill as for a global one.
+    let before = counters(
+        T0,
+        vec![
+            v1(OWN, 64 * MIB, MIB, 2 * MIB, 0, 0),
+            v1("/oomtest", V1_UNLIMITED, MIB, 2 * MIB, 0, 0),
+        ],
+        system(3, 12 * GIB),
+    );
+    let after = counters(
+        T0 + SEC,
+        vec![
+            v1(OWN, 64 * MIB, 3 * MIB, 67_108_864, 0, 1),
+            v1("/oomtest", V1_UNLIMITED, 3 * MIB, 67_108_864, 0, 0),
+        ],
+        system(4, 12 * GIB),
+    );
+    let d = diagnose(&supervised(exit(None, Some(9), "", before, after, None), "signal"));
+    assert_eq!(d.domain.as_deref(), Some("cgroup"), "{:#?}", d.evidence);
+    let cg = d.cgroup.as_ref().unwrap();
+    assert_eq!((cg.limit_bytes, cg.owner_level.as_str()), (67_108_864, OWN));
+    has(&d.evidence, "peak 64.0 MiB (67108864 bytes)");
+    has(&d.evidence, "memory.oom_control oom_kill 0 -> 1");
+    has(&d.evidence, "/proc/vmstat oom_kill 3 -> 4 (it counts cgroup kills too)");
+}

@@ -1,0 +1,203 @@
+//! Shared harness for the end-to-end tests: a real collector process on a
+//! loopback port with a real SQLite file, the real `oomscope` binary, and real
+//! memory cgroups (we are root).
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_oomscope")
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub struct Collector {
+    pub child: Option<Child>,
+    pub port: u16,
+    pub db: PathBuf,
+    pub url: String,
+}
+
+impl Collector {
+    pub fn start(db: &Path) -> Collector {
+        Self::start_on(db, free_port())
+    }
+
+    pub fn start_on(db: &Path, port: u16) -> Collector {
+        let child = Command::new(bin())
+            .args(["collector", "--listen", &format!("127.0.0.1:{port}"), "--db"])
+            .arg(db)
+            .args(["--lost-grace", "1s"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start collector");
+        let c = Collector { child: Some(child), port, db: db.to_path_buf(), url: format!("http://127.0.0.1:{port}") };
+        c.wait_ready();
+        c
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("collector on port {} never became ready", self.port);
+    }
+
+    /// SIGKILL: the collector gets no chance to flush anything.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Runs an `oomscope` query verb against this collector and parses its --json output.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let out = Command::new(bin()).args(args).args(["--collector", &self.url, "--json"]).output().unwrap();
+        assert!(out.status.success(), "oomscope {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("oomscope {args:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    }
+
+    pub fn text(&self, args: &[&str]) -> String {
+        let out = Command::new(bin()).args(args).args(["--collector", &self.url]).output().unwrap();
+        assert!(out.status.success(), "oomscope {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Incidents of one agent name, waiting up to `wait` for at least `min` of them.
+    pub fn incidents_of(&self, name: &str, min: usize, wait: Duration) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let all = self.json(&["incidents"]);
+            let mine: Vec<_> = all.as_array().unwrap().iter().filter(|i| i["agent"] == name).cloned().collect();
+            if mine.len() >= min || Instant::now() > deadline {
+                return mine;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `oomscope run` with the given args before `--` and the command after it.
+pub fn run(url: &str, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
+    Command::new(bin())
+        .args(["run", "--collector", url, "--name", name, "--interval", "50ms"])
+        .args(extra)
+        .arg("--")
+        .args(cmd)
+        .output()
+        .expect("oomscope run")
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// A memory cgroup made for one test under the test's own memory cgroup, and
+/// removed afterwards (after its processes have ended).
+pub struct TestCgroup {
+    pub dir: PathBuf,
+    /// The path as /proc/<pid>/cgroup names it.
+    pub path: String,
+    pub version: &'static str,
+}
+
+impl TestCgroup {
+    /// Our own memory cgroup: (directory, path, version). None without a memory controller.
+    pub fn own() -> Option<(PathBuf, String, &'static str)> {
+        let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        for line in text.lines() {
+            let mut f = line.splitn(3, ':');
+            let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+            if ctrls.split(',').any(|c| c == "memory") {
+                let dir = PathBuf::from("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+                return dir.exists().then(|| (dir, path.to_string(), "v1"));
+            }
+        }
+        // Pure v2: the 0:: line, where the root lists the memory controller.
+        let controllers = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").ok()?;
+        if !controllers.split_whitespace().any(|c| c == "memory") {
+            return None;
+        }
+        let path = text.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
+        Some((PathBuf::from("/sys/fs/cgroup").join(path.trim_start_matches('/')), path, "v2"))
+    }
+
+    /// A child of `parent` (or of our own cgroup) with an optional limit.
+    pub fn create(parent: Option<&TestCgroup>, name: &str, limit: Option<u64>) -> TestCgroup {
+        let (pdir, ppath, version) = match parent {
+            Some(p) => (p.dir.clone(), p.path.clone(), p.version),
+            None => {
+                let (d, p, v) = Self::own().expect("this test needs a memory cgroup controller");
+                if v == "v2" {
+                    // v2 forbids processes in inner nodes, so test cgroups hang off the root.
+                    let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+memory");
+                    (PathBuf::from("/sys/fs/cgroup"), "/".to_string(), v)
+                } else {
+                    (d, p, v)
+                }
+            }
+        };
+        let unique = format!("{name}-{}", std::process::id());
+        let dir = pdir.join(&unique);
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
+        let path = format!("{}/{unique}", ppath.trim_end_matches('/'));
+        if version == "v2" {
+            let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+memory");
+        }
+        let cg = TestCgroup { dir, path, version };
+        if let Some(l) = limit {
+            let (file, swapfile) = if version == "v1" {
+                ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+            } else {
+                ("memory.max", "memory.swap.max")
+            };
+            std::fs::write(cg.dir.join(file), l.to_string()).unwrap();
+            // No swap escape hatch: the limit must bite (ignored where swap accounting is off).
+            let _ = std::fs::write(cg.dir.join(swapfile), if version == "v1" { l.to_string() } else { "0".into() });
+        }
+        cg
+    }
+
+    /// `sh -c` that moves itself into this cgroup, then execs `argv`.
+    pub fn command(&self, argv: &[&str]) -> Command {
+        let mut c = Command::new("sh");
+        c.arg("-c")
+            .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", self.dir.display()))
+            .arg("sh")
+            .args(argv);
+        c
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        // Processes may take a moment to leave after they were killed.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("warning: could not remove test cgroup {}", self.dir.display());
+    }
+}

@@ -39,6 +39,7 @@ use tonic::transport::Endpoint;
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::collector_message::Body as Reply;
+use crate::recorder::FlightRecorder;
 use crate::spool::Spool;
 
 /// Messages the hot path may queue before it starts dropping: about an hour
@@ -82,6 +83,11 @@ pub struct ReporterConfig {
     pub connect_timeout: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
+    /// The flight recorder's span and memory bound: the last `flight_window`
+    /// of what was sent, at most `flight_max_bytes`, readable locally with
+    /// [`Reporter::recent`] whether or not a collector ever acked it.
+    pub flight_window: Duration,
+    pub flight_max_bytes: usize,
 }
 
 impl ReporterConfig {
@@ -96,6 +102,8 @@ impl ReporterConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
+            flight_window: crate::recorder::DEFAULT_WINDOW,
+            flight_max_bytes: crate::recorder::DEFAULT_MAX_BYTES,
         }
     }
 }
@@ -168,6 +176,8 @@ struct Shared {
     progress: Mutex<Progress>,
     progress_changed: Condvar,
     spool: Option<Mutex<Spool>>,
+    /// Filled by the worker, never by the caller's hot path.
+    recorder: Mutex<FlightRecorder>,
 }
 
 #[derive(Default)]
@@ -242,6 +252,7 @@ impl Reporter {
             }),
             progress_changed: Condvar::new(),
             spool: spool.map(Mutex::new),
+            recorder: Mutex::new(FlightRecorder::new(cfg.flight_window, cfg.flight_max_bytes)),
         });
         let (queue_tx, queue_rx) = mpsc::channel(cfg.queue_capacity.max(1));
         let (urgent_tx, urgent_rx) = mpsc::unbounded_channel();
@@ -473,6 +484,15 @@ impl Reporter {
     /// directives are kept; later ones are dropped.
     pub fn directives(&self) -> Option<std_mpsc::Receiver<pb::Directive>> {
         lock(&self.inner.directives).take()
+    }
+
+    /// The flight recorder: what this agent sent in the last
+    /// `flight_window` (bounded by `flight_max_bytes`), oldest first. A
+    /// message enters it when the worker takes it from the queue: at once
+    /// with a spool; without one, while the collector is down, messages wait
+    /// in the bounded queue and enter it when a connection drains them.
+    pub fn recent(&self) -> Vec<pb::AgentMessage> {
+        lock(&self.inner.shared.recorder).snapshot()
     }
 
     pub fn agent_id(&self) -> &str {
@@ -836,6 +856,7 @@ impl State {
     /// did), keep it until acked, and queue it for the current stream.
     fn take(&mut self, message: pb::AgentMessage, urgent: bool, spooled: Option<Vec<u64>>) {
         let seq = message.seq;
+        lock(&self.shared.recorder).push(message.clone());
         self.evict_from = self.evict_from.min(seq);
         if seq == self.taken_upto + 1 {
             self.taken_upto = seq;

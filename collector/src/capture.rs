@@ -21,6 +21,8 @@ use crate::pb;
 /// A decompressed capture larger than this is refused rather than read.
 pub const MAX_CAPTURE_BYTES: u64 = 1 << 30;
 
+/// The phase of the sample made from a capture's `final` reading.
+pub const FINAL_PHASE: &str = "final";
 /// Context phases that mean "loading weights" (`load_start`, `load`,
 /// `loading`, ...): entering and leaving them gives `Phase` events.
 pub const LOAD_PHASE_PREFIX: &str = "load";
@@ -299,8 +301,29 @@ pub fn from_json(v: &Value, origin: &str, base_ns: i64) -> Result<Capture> {
         }
     }
 
+    // `final`: the allocator after the scenario ended (after the OOM, after
+    // gc or empty_cache), as one last sample marked with phase "final".
+    let end = builder.items.iter().map(|(t, _)| *t).fold(last_t, f64::max);
+    if let Some(fin) = optional_object(top, "final", origin)? {
+        if let Some(memory_stats) = fin.get("memory_stats").and_then(Value::as_object) {
+            let entry = Entry {
+                t_s: end,
+                step: entries.last().map_or(0, |e| e.step + 1),
+                context: None,
+                memory_stats,
+                mem_get_info: fin.get("mem_get_info"),
+                host: None,
+            };
+            let mut sample = builder.sample(&entry);
+            sample.context = Some(pb::RequestContext {
+                phase: FINAL_PHASE.into(),
+                ..Default::default()
+            });
+            builder.push(end, CaptureItem::Sample(sample));
+        }
+    }
+
     if let Some(snapshot) = top.get("final_snapshot").filter(|s| !s.is_null()) {
-        let end = builder.items.iter().map(|(t, _)| *t).fold(last_t, f64::max);
         builder.event(
             end,
             pb::event::Kind::Snapshot(torch::snapshot_summary(snapshot, 0)),

@@ -59,7 +59,13 @@ fn every_capture_replays_with_its_numbers_intact() {
 
         let t = rt.block_on(timeline(&col.url, &scenario));
         let expected = file["timeline"].as_array().map(|a| a.len()).unwrap_or(0);
-        assert_eq!(t.samples.len(), expected, "{scenario}: one sample per timeline entry");
+        let has_final = file["final"]["memory_stats"].is_object();
+        assert_eq!(t.samples.len(), expected + usize::from(has_final), "{scenario}: one sample per timeline entry, and the final reading");
+        if has_final {
+            let last = t.samples.last().unwrap().sample.as_ref().unwrap();
+            assert_eq!(last.context.as_ref().unwrap().phase, "final");
+            assert_eq!(last.allocator[0].allocated_bytes, file["final"]["memory_stats"]["allocated_bytes.all.current"].as_u64().unwrap(), "{scenario}: final");
+        }
         for (i, (s, f)) in t.samples.iter().zip(file["timeline"].as_array().into_iter().flatten()).enumerate() {
             let a = &s.sample.as_ref().unwrap().allocator[0];
             let ms = &f["memory_stats"];

@@ -20,10 +20,13 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     } else {
         Vec::new()
     };
+    // The agent's name, as `incidents` and `--agent` use it; its id when it has none.
     let agent = e
-        .incident
+        .hello
         .as_ref()
-        .map(|i| i.agent.clone())
+        .map(|h| h.name.clone())
+        .filter(|n| !n.is_empty())
+        .or_else(|| e.incident.as_ref().map(|i| i.agent.clone()))
         .filter(|a| !a.is_empty())
         .or_else(|| {
             e.hello

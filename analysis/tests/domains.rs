@@ -751,7 +751,7 @@ fn lost_agent_with_quiet_samples_is_unknown_with_the_last_sample_time() {
     let d = diagnose(&e);
     assert_eq!(d.domain.as_deref(), Some("unknown"));
     has(&d.evidence, "last sample at 2026-11-03T10:00:05.000Z (30.0 s before the stream broke at 2026-11-03T10:00:35.000Z)");
-    assert_eq!(d.agent.as_deref(), Some("agent-7f3a"));
+    assert_eq!(d.agent.as_deref(), Some("oomtest"), "the agent by its name");
 }
 
 #[test]

@@ -94,7 +94,7 @@ fn a_cgroup_verdict_has_every_key_with_its_type() {
     let j = to_json(&cgroup_kill());
     check_top_level(&j);
     assert_eq!(j["incident"], "inc-1");
-    assert_eq!(j["agent"], "agent-7f3a");
+    assert_eq!(j["agent"], "oomtest");
     assert_eq!(j["domain"], "cgroup");
     assert!(j["trigger"].is_null());
     assert!(j["capacity"].is_null());
@@ -131,7 +131,7 @@ fn a_clean_exit_prints_nulls_not_missing_keys() {
     let j = to_json(&diagnose(&e));
     check_top_level(&j);
     assert!(j["incident"].is_null() && j["domain"].is_null() && j["cgroup"].is_null());
-    assert_eq!(j["agent"], "agent-7f3a");
+    assert_eq!(j["agent"], "oomtest");
     assert_eq!(j["exit"], serde_json::json!({"code": 0, "signal": null}));
     assert_eq!(j["causes"], serde_json::json!([]));
 }

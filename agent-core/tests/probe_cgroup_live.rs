@@ -16,7 +16,10 @@ fn own_memory_path() -> Option<String> {
     text.lines().find_map(|l| {
         let mut parts = l.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        controllers.split(',').any(|c| c == "memory").then(|| path.to_string())
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| path.to_string())
     })
 }
 
@@ -44,7 +47,10 @@ impl Drop for CgroupDirs {
 fn own_v1() -> Option<MemoryCgroup> {
     let cg = cgroup::locate(&HostPaths::system(), std::process::id())?;
     if cg.version != Version::V1 {
-        eprintln!("skipping: this host's memory controller is {:?}, these checks need v1", cg.version);
+        eprintln!(
+            "skipping: this host's memory controller is {:?}, these checks need v1",
+            cg.version
+        );
         return None;
     }
     Some(cg)
@@ -72,11 +78,18 @@ fn locates_own_cgroup_and_reads_its_levels() {
 
     let levels = cgroup::read_levels(&paths, &cg);
     assert_eq!(levels[0].path, cg.path);
-    assert!(levels[0].usage_bytes > 0, "our own cgroup charges our memory");
+    assert!(
+        levels[0].usage_bytes > 0,
+        "our own cgroup charges our memory"
+    );
     assert!(!levels[0].partial);
     assert_eq!(levels.last().unwrap().path, "/");
     let depth = cg.path.split('/').filter(|c| !c.is_empty()).count();
-    assert_eq!(levels.len(), depth + 1, "own level, each ancestor, the root");
+    assert_eq!(
+        levels.len(),
+        depth + 1,
+        "own level, each ancestor, the root"
+    );
 }
 
 #[test]
@@ -86,7 +99,11 @@ fn a_child_limit_below_the_parent_owns_the_limit() {
     let name = format!("oomscope-probe-test-{}", std::process::id());
     let mut dirs = CgroupDirs(Vec::new());
     let child_dir = dirs.create(own.dir.join(&name));
-    fs::write(child_dir.join("memory.limit_in_bytes"), LIMIT_64_MIB.to_string()).unwrap();
+    fs::write(
+        child_dir.join("memory.limit_in_bytes"),
+        LIMIT_64_MIB.to_string(),
+    )
+    .unwrap();
 
     let child = child_of(&own, &name, &child_dir);
     let level = cgroup::read_level(&child.dir, &child.path, Version::V1);
@@ -96,7 +113,11 @@ fn a_child_limit_below_the_parent_owns_the_limit() {
 
     let levels = cgroup::read_levels(&paths, &child);
     assert_eq!(levels.len(), cgroup::read_levels(&paths, &own).len() + 1);
-    let tightest_above = levels[1..].iter().map(|l| l.limit_bytes).filter(|&l| l > 0).min();
+    let tightest_above = levels[1..]
+        .iter()
+        .map(|l| l.limit_bytes)
+        .filter(|&l| l > 0)
+        .min();
     let info = cgroup::info(&levels, &child);
     if tightest_above.is_none_or(|l| l >= LIMIT_64_MIB) {
         assert_eq!(info.limit_bytes, LIMIT_64_MIB);
@@ -115,7 +136,11 @@ fn a_parent_limit_is_owned_by_the_parent() {
     let parent_name = format!("oomscope-probe-test-{}-parent", std::process::id());
     let mut dirs = CgroupDirs(Vec::new());
     let parent_dir = dirs.create(own.dir.join(&parent_name));
-    fs::write(parent_dir.join("memory.limit_in_bytes"), LIMIT_64_MIB.to_string()).unwrap();
+    fs::write(
+        parent_dir.join("memory.limit_in_bytes"),
+        LIMIT_64_MIB.to_string(),
+    )
+    .unwrap();
     let child_dir = dirs.create(parent_dir.join("child"));
 
     let parent = child_of(&own, &parent_name, &parent_dir);

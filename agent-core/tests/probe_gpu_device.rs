@@ -15,7 +15,10 @@ fn nvml_reads_each_device() {
         return;
     }
     let gpu = GpuProbe::open();
-    assert!(gpu.is_present(), "NVML should open where /dev/nvidiactl exists");
+    assert!(
+        gpu.is_present(),
+        "NVML should open where /dev/nvidiactl exists"
+    );
     let devices = gpu.read();
     assert!(!devices.is_empty());
     for (i, d) in devices.iter().enumerate() {
@@ -24,7 +27,11 @@ fn nvml_reads_each_device() {
             d.index, d.uuid, d.name, d.total_bytes, d.free_bytes, d.used_bytes, d.processes
         );
         assert_eq!(d.index, i as i32);
-        assert!(d.uuid.starts_with("GPU-") || d.uuid.starts_with("MIG-"), "{}", d.uuid);
+        assert!(
+            d.uuid.starts_with("GPU-") || d.uuid.starts_with("MIG-"),
+            "{}",
+            d.uuid
+        );
         assert!(!d.name.is_empty());
         assert!(d.total_bytes > 1 << 30);
         assert!(d.free_bytes <= d.total_bytes && d.used_bytes <= d.total_bytes);

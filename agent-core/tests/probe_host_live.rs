@@ -46,10 +46,17 @@ fn host_probe_samples_every_domain() {
 
 #[test]
 fn rlimits_match_getrlimit() {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit writes into the struct we own.
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_STACK, &mut lim) }, 0);
-    let expected = if lim.rlim_cur == libc::RLIM_INFINITY { 0 } else { lim.rlim_cur };
+    let expected = if lim.rlim_cur == libc::RLIM_INFINITY {
+        0
+    } else {
+        lim.rlim_cur
+    };
     let rl = process::rlimits(&HostPaths::system(), std::process::id());
     assert_eq!(rl.stack_bytes, expected);
 }
@@ -62,7 +69,11 @@ fn major_faults_and_overcommit_are_read() {
     let majflt_now = process::parse_stat_major_faults(&stat).unwrap();
     assert!(p.major_faults <= majflt_now, "counter only grows");
     let sys = system::read(&paths);
-    let mode: i32 = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap().trim().parse().unwrap();
+    let mode: i32 = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     assert_eq!(sys.overcommit_mode, mode);
 }
 
@@ -71,17 +82,27 @@ fn top_processes_by_rss_include_us() {
     let paths = HostPaths::system();
     let top = processes::top_by_rss(&paths, 3);
     assert!(!top.is_empty() && top.len() <= 3);
-    assert!(top.windows(2).all(|w| w[0].rss_bytes >= w[1].rss_bytes), "largest first");
+    assert!(
+        top.windows(2).all(|w| w[0].rss_bytes >= w[1].rss_bytes),
+        "largest first"
+    );
     assert!(top.iter().all(|p| p.rss_bytes > 0 && !p.command.is_empty()));
 
     let all = processes::list(&paths, &GpuProbe::absent(), usize::MAX);
-    let me = all.host_top_rss.iter().find(|p| p.pid == std::process::id()).expect("we are on the list");
+    let me = all
+        .host_top_rss
+        .iter()
+        .find(|p| p.pid == std::process::id())
+        .expect("we are on the list");
     // SAFETY: getuid has no preconditions.
     if unsafe { libc::getuid() } == 0 {
         assert_eq!(me.user, "root");
     }
     assert!(me.command.contains("probe_host_live"), "{}", me.command);
-    assert_eq!(me.cgroup, processes::memory_cgroup_path(&std::fs::read_to_string("/proc/self/cgroup").unwrap()));
+    assert_eq!(
+        me.cgroup,
+        processes::memory_cgroup_path(&std::fs::read_to_string("/proc/self/cgroup").unwrap())
+    );
     assert!(all.gpu.is_empty());
     assert!(processes::top_by_rss(&paths, 0).is_empty());
 }
@@ -91,6 +112,8 @@ fn host_probe_can_move_to_a_sampling_thread() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<HostProbe>();
     let probe = HostProbe::new(HostPaths::system(), std::process::id());
-    let rss = std::thread::spawn(move || probe.sample().process.map(|p| p.vm_rss_bytes)).join().unwrap();
+    let rss = std::thread::spawn(move || probe.sample().process.map(|p| p.vm_rss_bytes))
+        .join()
+        .unwrap();
     assert!(rss.unwrap_or(0) > 0);
 }

@@ -56,9 +56,16 @@ fn v1_level_without_oom_control_is_partial() {
     }
     let l = cgroup::read_level(tmp.path(), "/x", Version::V1);
     assert!(l.partial, "memory.oom_control missing");
-    assert_eq!((l.limit_bytes, l.usage_bytes, l.peak_bytes, l.failcnt), (67108864, 1000, 2000, 3));
+    assert_eq!(
+        (l.limit_bytes, l.usage_bytes, l.peak_bytes, l.failcnt),
+        (67108864, 1000, 2000, 3)
+    );
     assert_eq!((l.anon_bytes, l.file_bytes), (10, 20));
-    assert_eq!(l.swap_limit_bytes, 32 * 1024 * 1024, "memsw limit minus memory limit");
+    assert_eq!(
+        l.swap_limit_bytes,
+        32 * 1024 * 1024,
+        "memsw limit minus memory limit"
+    );
 }
 
 #[test]
@@ -75,14 +82,21 @@ fn a_directory_that_is_gone_reads_as_partial_zeros() {
 #[test]
 fn an_empty_proc_tree_gives_empty_readings() {
     let tmp = tempfile::tempdir().unwrap();
-    let paths = HostPaths { proc_root: tmp.path().join("proc"), cgroup_root: tmp.path().join("cg") };
+    let paths = HostPaths {
+        proc_root: tmp.path().join("proc"),
+        cgroup_root: tmp.path().join("cg"),
+    };
     assert!(cgroup::locate(&paths, 1).is_none());
     assert!(process::read(&paths, 1).is_err());
     assert_eq!(process::rlimits(&paths, 1), Default::default());
     let sys = system::read(&paths);
     assert_eq!(sys.mem_total_bytes, 0);
     assert!(sys.pressure.is_none(), "no PSI file: absent, not an error");
-    let probe = HostProbe::with_gpu(paths, 1, oomscope_agent_core::probe::gpu::GpuProbe::absent());
+    let probe = HostProbe::with_gpu(
+        paths,
+        1,
+        oomscope_agent_core::probe::gpu::GpuProbe::absent(),
+    );
     let s = probe.sample();
     assert!(s.process.is_none());
     assert!(s.cgroup.is_empty());

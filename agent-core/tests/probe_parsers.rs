@@ -26,7 +26,8 @@ fn status_fills_vm_lines_in_bytes_and_skips_garbage() {
     assert_eq!(empty, pb::ProcessMemory::default());
 }
 
-const LIMITS: &str = "Limit                     Soft Limit           Hard Limit           Units     \n\
+const LIMITS: &str =
+    "Limit                     Soft Limit           Hard Limit           Units     \n\
 Max data size             1073741824           unlimited            bytes     \n\
 Max stack size            8388608              unlimited            bytes     \n\
 Max resident set          unlimited            unlimited            bytes     \n\
@@ -74,7 +75,11 @@ fn meminfo_in_bytes() {
     assert_eq!(s.swap_total_bytes, 2048 * KIB);
     assert_eq!(s.swap_free_bytes, 1024 * KIB);
     assert_eq!(s.commit_limit_bytes, 9000 * KIB);
-    assert_eq!(s.committed_as_bytes, 12000 * KIB, "overcommitted: Committed_AS above CommitLimit");
+    assert_eq!(
+        s.committed_as_bytes,
+        12000 * KIB,
+        "overcommitted: Committed_AS above CommitLimit"
+    );
 }
 
 #[test]
@@ -86,7 +91,13 @@ fn vmstat_counters() {
     assert_eq!(s.vmstat_oom_kill, 3);
     assert_eq!((s.vmstat_pswpin, s.vmstat_pswpout), (10, 20));
     assert_eq!(s.vmstat_pgmajfault, 398);
-    assert_eq!((s.vmstat_workingset_refault_anon, s.vmstat_workingset_refault_file), (7, 8));
+    assert_eq!(
+        (
+            s.vmstat_workingset_refault_anon,
+            s.vmstat_workingset_refault_file
+        ),
+        (7, 8)
+    );
 }
 
 #[test]
@@ -101,26 +112,38 @@ fn pressure_some_and_full() {
 
     // Older kernels have no `full` line; garbage stays 0.
     let p = system::parse_pressure("some avg10=oops total=12\nweird\nfull avg10\n");
-    assert_eq!((p.some_avg10, p.some_total_us, p.full_avg10, p.full_total_us), (0.0, 12, 0.0, 0));
+    assert_eq!(
+        (p.some_avg10, p.some_total_us, p.full_avg10, p.full_total_us),
+        (0.0, 12, 0.0, 0)
+    );
     assert_eq!(system::parse_pressure(""), pb::Pressure::default());
 }
 
 #[test]
 fn proc_cgroup_lines_of_a_hybrid_host() {
-    let lines = cgroup::parse_proc_cgroup("9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu,cpuacct:/x\n0::/\nbad\n");
+    let lines = cgroup::parse_proc_cgroup(
+        "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu,cpuacct:/x\n0::/\nbad\n",
+    );
     assert_eq!(lines.len(), 4);
     assert_eq!(lines[1].controllers, ["memory"]);
     assert_eq!(lines[1].path, "/process_api/abc");
     assert_eq!(lines[2].controllers, ["cpu", "cpuacct"]);
     assert!(lines[3].controllers.is_empty());
-    assert_eq!(processes::memory_cgroup_path("4:memory:/process_api/abc\n0::/\n"), "/process_api/abc");
-    assert_eq!(processes::memory_cgroup_path("0::/app.slice/x\n"), "/app.slice/x");
+    assert_eq!(
+        processes::memory_cgroup_path("4:memory:/process_api/abc\n0::/\n"),
+        "/process_api/abc"
+    );
+    assert_eq!(
+        processes::memory_cgroup_path("0::/app.slice/x\n"),
+        "/app.slice/x"
+    );
     assert_eq!(processes::memory_cgroup_path(""), "");
 }
 
 #[test]
 fn mountinfo_keeps_the_root_field_and_unescapes() {
-    let text = "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
+    let text =
+        "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
                 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw\n\
                 50 31 0:40 / /mnt/with\\040space rw - cgroup2 cgroup2 rw\n\
                 22 1 0:21 / /proc rw - proc proc rw\ngarbage line\n";
@@ -132,7 +155,9 @@ fn mountinfo_keeps_the_root_field_and_unescapes() {
     assert_eq!(mounts[1].fstype, "cgroup2");
     assert_eq!(mounts[2].mount_point.to_str(), Some("/mnt/with space"));
 
-    let m = cgroup::parse_mounts("cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\nproc /proc proc rw 0 0\n");
+    let m = cgroup::parse_mounts(
+        "cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\nproc /proc proc rw 0 0\n",
+    );
     assert_eq!(m.len(), 1);
     assert_eq!(m[0].root, "/");
 }
@@ -151,7 +176,10 @@ fn limit_sentinels() {
 fn v1_stat_prefers_hierarchical_totals() {
     let mut l = pb::CgroupLevel::default();
     // The totals may come before or after the local keys.
-    cgroup::parse_v1_stat("total_rss 900\ncache 10\nrss 100\nshmem 5\nswap 3\npgmajfault 2\ntotal_cache 20\n", &mut l);
+    cgroup::parse_v1_stat(
+        "total_rss 900\ncache 10\nrss 100\nshmem 5\nswap 3\npgmajfault 2\ntotal_cache 20\n",
+        &mut l,
+    );
     assert_eq!(l.anon_bytes, 900);
     assert_eq!(l.file_bytes, 20);
     assert_eq!((l.shmem_bytes, l.swap_bytes, l.pgmajfault), (5, 3, 2));
@@ -165,22 +193,43 @@ fn v1_stat_prefers_hierarchical_totals() {
 #[test]
 fn v2_events_hierarchical_and_local() {
     let mut l = pb::CgroupLevel::default();
-    cgroup::parse_v2_events("low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n", &mut l);
+    cgroup::parse_v2_events(
+        "low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n",
+        &mut l,
+    );
     cgroup::parse_v2_events_local("low 0\nhigh 0\nmax 0\noom 1\noom_kill 1\n", &mut l);
-    assert_eq!((l.events_max, l.events_oom, l.events_oom_kill, l.events_oom_group_kill), (12, 2, 1, 0));
+    assert_eq!(
+        (
+            l.events_max,
+            l.events_oom,
+            l.events_oom_kill,
+            l.events_oom_group_kill
+        ),
+        (12, 2, 1, 0)
+    );
     assert_eq!((l.local_oom, l.local_oom_kill), (1, 1));
 }
 
 #[test]
 fn passwd_and_cmdline() {
-    let users = processes::parse_passwd("root:x:0:0:root:/root:/bin/bash\nbad\nsvc:x:999:999::/:/bin/false\n:x:5:5\n");
+    let users = processes::parse_passwd(
+        "root:x:0:0:root:/root:/bin/bash\nbad\nsvc:x:999:999::/:/bin/false\n:x:5:5\n",
+    );
     assert_eq!(users.get(&0).map(String::as_str), Some("root"));
     assert_eq!(users.get(&999).map(String::as_str), Some("svc"));
     assert_eq!(users.len(), 2);
-    assert_eq!(processes::command_line("python3\0-m\0vllm\0"), "python3 -m vllm");
+    assert_eq!(
+        processes::command_line("python3\0-m\0vllm\0"),
+        "python3 -m vllm"
+    );
     assert_eq!(processes::command_line(""), "");
-    let f = processes::parse_status_fields("Name:\tworker\nUid:\t1000\t1000\t1000\t1000\nVmRSS:\t 10 kB\n");
-    assert_eq!((f.name.as_str(), f.uid, f.rss_bytes), ("worker", Some(1000), 10 * KIB));
+    let f = processes::parse_status_fields(
+        "Name:\tworker\nUid:\t1000\t1000\t1000\t1000\nVmRSS:\t 10 kB\n",
+    );
+    assert_eq!(
+        (f.name.as_str(), f.uid, f.rss_bytes),
+        ("worker", Some(1000), 10 * KIB)
+    );
 }
 
 #[test]

@@ -12,8 +12,12 @@ const PID: u32 = 422;
 const KIB: u64 = 1024;
 
 fn fixture() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/host-v2/host_cgroup_v2.json");
-    serde_json::from_str(&fs::read_to_string(path).expect("fixture present")).expect("fixture is JSON")
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/host-v2/host_cgroup_v2.json"
+    );
+    serde_json::from_str(&fs::read_to_string(path).expect("fixture present"))
+        .expect("fixture is JSON")
 }
 
 fn write(path: &Path, text: &str) {
@@ -24,7 +28,10 @@ fn write(path: &Path, text: &str) {
 /// Materialises the fixture; returns the tempdir guard and the paths.
 fn fake_tree(fx: &Value) -> (tempfile::TempDir, HostPaths) {
     let tmp = tempfile::tempdir().unwrap();
-    let paths = HostPaths { proc_root: tmp.path().join("proc"), cgroup_root: tmp.path().join("sys/fs/cgroup") };
+    let paths = HostPaths {
+        proc_root: tmp.path().join("proc"),
+        cgroup_root: tmp.path().join("sys/fs/cgroup"),
+    };
     for (name, text) in fx["files"].as_object().unwrap() {
         let text = text.as_str().unwrap();
         // memory.reclaim is write-only: the capture recorded the read error.
@@ -35,13 +42,30 @@ fn fake_tree(fx: &Value) -> (tempfile::TempDir, HostPaths) {
         write(&paths.cgroup_root.join(rel), text);
     }
     let pid_dir = paths.proc_root.join(PID.to_string());
-    write(&pid_dir.join("cgroup"), fx["proc_self_cgroup"].as_str().unwrap());
-    let mounts: String = fx["mounts"].as_array().unwrap().iter().map(|m| m.as_str().unwrap()).collect();
+    write(
+        &pid_dir.join("cgroup"),
+        fx["proc_self_cgroup"].as_str().unwrap(),
+    );
+    let mounts: String = fx["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap())
+        .collect();
     write(&pid_dir.join("mounts"), &mounts);
-    write(&pid_dir.join("status"), fx["/proc/self/status"].as_str().unwrap());
-    write(&pid_dir.join("limits"), fx["/proc/self/limits"].as_str().unwrap());
+    write(
+        &pid_dir.join("status"),
+        fx["/proc/self/status"].as_str().unwrap(),
+    );
+    write(
+        &pid_dir.join("limits"),
+        fx["/proc/self/limits"].as_str().unwrap(),
+    );
     for name in ["meminfo", "vmstat", "pressure/memory"] {
-        write(&paths.proc_root.join(name), fx[format!("/proc/{name}").as_str()].as_str().unwrap());
+        write(
+            &paths.proc_root.join(name),
+            fx[format!("/proc/{name}").as_str()].as_str().unwrap(),
+        );
     }
     (tmp, paths)
 }
@@ -49,14 +73,25 @@ fn fake_tree(fx: &Value) -> (tempfile::TempDir, HostPaths) {
 /// The value of `key` in a `key value` file of the fixture, read independently of the probe.
 fn stat_value(fx: &Value, file: &str, key: &str) -> u64 {
     let text = fx["files"][file].as_str().unwrap();
-    let line = text.lines().find(|l| l.split_whitespace().next() == Some(key)).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(key))
+        .unwrap();
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 /// `Key:  N kB` of a fixture text, in bytes.
 fn kb_value(text: &str, key: &str) -> u64 {
-    let line = text.lines().find(|l| l.starts_with(&format!("{key}:"))).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * KIB
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{key}:")))
+        .unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * KIB
 }
 
 const OWN: &str = "/sys/fs/cgroup/app.slice/inference-server";
@@ -79,11 +114,17 @@ fn reads_own_level_numbers_as_the_files_say() {
     let cg = cgroup::locate(&paths, PID).unwrap();
     let levels = cgroup::read_levels(&paths, &cg);
     let paths_seen: Vec<&str> = levels.iter().map(|l| l.path.as_str()).collect();
-    assert_eq!(paths_seen, ["/app.slice/inference-server", "/app.slice", "/"]);
+    assert_eq!(
+        paths_seen,
+        ["/app.slice/inference-server", "/app.slice", "/"]
+    );
 
     let own = &levels[0];
     assert_eq!(own.version, "v2");
-    assert!(!own.partial, "every required file of the own level is in the fixture");
+    assert!(
+        !own.partial,
+        "every required file of the own level is in the fixture"
+    );
     assert_eq!(own.usage_bytes, 15224832);
     assert_eq!(own.peak_bytes, 15224832);
     assert_eq!(own.limit_bytes, 0, "memory.max = max means unlimited");
@@ -95,7 +136,10 @@ fn reads_own_level_numbers_as_the_files_say() {
     assert_eq!(own.file_bytes, stat_value(&fx, &stat, "file"));
     assert_eq!(own.shmem_bytes, stat_value(&fx, &stat, "shmem"));
     assert_eq!(own.pgmajfault, stat_value(&fx, &stat, "pgmajfault"));
-    assert_eq!(own.events_oom_kill, stat_value(&fx, &format!("{OWN}/memory.events"), "oom_kill"));
+    assert_eq!(
+        own.events_oom_kill,
+        stat_value(&fx, &format!("{OWN}/memory.events"), "oom_kill")
+    );
     assert_eq!(own.local_oom, 0);
     assert!(own.pressure.is_some());
 
@@ -106,7 +150,10 @@ fn reads_own_level_numbers_as_the_files_say() {
     // The v2 root has memory.stat but no memory.max/current.
     let root = &levels[2];
     assert!(root.partial);
-    assert_eq!(root.anon_bytes, stat_value(&fx, "/sys/fs/cgroup/memory.stat", "anon"));
+    assert_eq!(
+        root.anon_bytes,
+        stat_value(&fx, "/sys/fs/cgroup/memory.stat", "anon")
+    );
     assert_eq!(root.shmem_bytes, 7544832);
 
     let info = cgroup::info(&levels, &cg);
@@ -120,8 +167,17 @@ fn a_limit_on_the_slice_is_owned_by_the_slice() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
     // Give the own cgroup a loose limit and the slice a tight one.
-    fs::write(paths.cgroup_root.join("app.slice/inference-server/memory.max"), "4294967296\n").unwrap();
-    write(&paths.cgroup_root.join("app.slice/memory.max"), "1073741824\n");
+    fs::write(
+        paths
+            .cgroup_root
+            .join("app.slice/inference-server/memory.max"),
+        "4294967296\n",
+    )
+    .unwrap();
+    write(
+        &paths.cgroup_root.join("app.slice/memory.max"),
+        "1073741824\n",
+    );
     let cg = cgroup::locate(&paths, PID).unwrap();
     let levels = cgroup::read_levels(&paths, &cg);
     assert_eq!(levels[0].limit_bytes, 4294967296);
@@ -168,16 +224,26 @@ fn process_status_and_limits() {
 
     let rl = process::rlimits(&paths, PID);
     assert_eq!(rl.stack_bytes, 8388608);
-    assert_eq!((rl.address_space_bytes, rl.data_bytes, rl.rss_bytes), (0, 0, 0));
+    assert_eq!(
+        (rl.address_space_bytes, rl.data_bytes, rl.rss_bytes),
+        (0, 0, 0)
+    );
 
-    assert!(process::read(&paths, PID + 1).is_err(), "a pid with no status is an error");
+    assert!(
+        process::read(&paths, PID + 1).is_err(),
+        "a pid with no status is an error"
+    );
 }
 
 #[test]
 fn host_probe_over_the_fake_tree() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
-    let probe = HostProbe::with_gpu(paths, PID, oomscope_agent_core::probe::gpu::GpuProbe::absent());
+    let probe = HostProbe::with_gpu(
+        paths,
+        PID,
+        oomscope_agent_core::probe::gpu::GpuProbe::absent(),
+    );
     let s = probe.sample();
     assert!(s.time_ns > 0);
     assert_eq!(s.process.unwrap().vm_rss_bytes, 17664 * KIB);
@@ -192,9 +258,17 @@ fn no_memory_controller_means_none() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
     // The same host, but the cgroup2 mount without the memory controller.
-    fs::write(paths.cgroup_root.join("cgroup.controllers"), "cpuset cpu io pids\n").unwrap();
+    fs::write(
+        paths.cgroup_root.join("cgroup.controllers"),
+        "cpuset cpu io pids\n",
+    )
+    .unwrap();
     assert!(cgroup::locate(&paths, PID).is_none());
-    let probe = HostProbe::with_gpu(paths, PID, oomscope_agent_core::probe::gpu::GpuProbe::absent());
+    let probe = HostProbe::with_gpu(
+        paths,
+        PID,
+        oomscope_agent_core::probe::gpu::GpuProbe::absent(),
+    );
     assert!(probe.sample().cgroup.is_empty());
     assert_eq!(probe.cgroup_info().version, "");
 }

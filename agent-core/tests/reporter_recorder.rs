@@ -7,13 +7,21 @@ use oomscope_agent_core::pb;
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 
 fn sample(i: u64) -> pb::Sample {
-    pb::Sample { time_ns: oomscope_agent_core::now_ns(), step: i, ..Default::default() }
+    pb::Sample {
+        time_ns: oomscope_agent_core::now_ns(),
+        step: i,
+        ..Default::default()
+    }
 }
 
 #[test]
 fn recent_holds_what_was_sent_without_a_collector_and_stays_bounded() {
     // Nothing listens on this port.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let spool = tempfile::tempdir().unwrap();
     let mut cfg = ReporterConfig::new(format!("http://127.0.0.1:{port}"));
     // With a spool the worker takes messages while the collector is down
@@ -24,7 +32,10 @@ fn recent_holds_what_was_sent_without_a_collector_and_stays_bounded() {
         body: Some(pb::agent_message::Body::Sample(sample(1))),
     });
     cfg.flight_max_bytes = one * 20;
-    let hello = pb::Hello { agent_id: format!("flight-{port}"), ..Default::default() };
+    let hello = pb::Hello {
+        agent_id: format!("flight-{port}"),
+        ..Default::default()
+    };
     let r = Reporter::start(cfg, hello);
     for i in 0..50 {
         assert!(r.send_sample(sample(i)));
@@ -37,8 +48,16 @@ fn recent_holds_what_was_sent_without_a_collector_and_stays_bounded() {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    assert_eq!(recent.last().unwrap().seq, 50, "the newest message is recorded");
-    assert!(recent.len() <= 20 && recent.len() >= 15, "bounded by bytes: {} kept", recent.len());
+    assert_eq!(
+        recent.last().unwrap().seq,
+        50,
+        "the newest message is recorded"
+    );
+    assert!(
+        recent.len() <= 20 && recent.len() >= 15,
+        "bounded by bytes: {} kept",
+        recent.len()
+    );
     let seqs: Vec<u64> = recent.iter().map(|m| m.seq).collect();
     let mut sorted = seqs.clone();
     sorted.sort();

@@ -879,11 +879,17 @@ fn v1_memsw_limit_leaves_failcnt_at_zero_but_peak_and_kill_decide() {
         ],
         system(4, 12 * GIB),
     );
-    let d = diagnose(&supervised(exit(None, Some(9), "", before, after, None), "signal"));
+    let d = diagnose(&supervised(
+        exit(None, Some(9), "", before, after, None),
+        "signal",
+    ));
     assert_eq!(d.domain.as_deref(), Some("cgroup"), "{:#?}", d.evidence);
     let cg = d.cgroup.as_ref().unwrap();
     assert_eq!((cg.limit_bytes, cg.owner_level.as_str()), (67_108_864, OWN));
     has(&d.evidence, "peak 64.0 MiB (67108864 bytes)");
     has(&d.evidence, "memory.oom_control oom_kill 0 -> 1");
-    has(&d.evidence, "/proc/vmstat oom_kill 3 -> 4 (it counts cgroup kills too)");
+    has(
+        &d.evidence,
+        "/proc/vmstat oom_kill 3 -> 4 (it counts cgroup kills too)",
+    );
 }

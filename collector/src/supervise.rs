@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use oomscope_agent_core::probe::{process, processes, HostPaths, HostProbe};
+use oomscope_agent_core::probe::{process, HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
 
@@ -85,11 +85,20 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
         hello,
     );
     let agent_id = reporter.agent_id().to_string();
+    let directives = reporter.directives();
+    let mut interval = cfg.interval;
 
     let mut attempt = 0u32;
     let ending = loop {
         let last_try = attempt >= cfg.restart;
-        let ending = run_once(&cfg, &paths, &reporter, &agent_id, attempt, last_try)?;
+        let ctx = Supervision {
+            cfg: &cfg,
+            paths: &paths,
+            reporter: &reporter,
+            agent_id: &agent_id,
+            directives: directives.as_ref(),
+        };
+        let ending = run_once(&ctx, attempt, last_try, &mut interval)?;
         if ending.is_clean() || last_try {
             if !ending.is_clean() && cfg.restart > 0 {
                 eprintln!(
@@ -114,7 +123,10 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
         attempt += 1;
     };
 
-    let goodbye = pb::Goodbye { reason: format!("child {}", describe(ending)), exit_code: ending.shell_status() };
+    let goodbye = pb::Goodbye {
+        reason: format!("child {}", describe(ending)),
+        exit_code: ending.shell_status(),
+    };
     if !reporter.shutdown(goodbye, cfg.flush_timeout) {
         eprintln!(
             "oomscope: the collector at {} did not ack everything within {:.1} s; \
@@ -155,7 +167,10 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
     let start = now_ns();
     let host = hostname();
     let mut versions = std::collections::HashMap::new();
-    versions.insert("oomscope".to_string(), env!("CARGO_PKG_VERSION").to_string());
+    versions.insert(
+        "oomscope".to_string(),
+        env!("CARGO_PKG_VERSION").to_string(),
+    );
     pb::Hello {
         agent_id: format!("{}-{}-{:x}", host, std::process::id(), start),
         name: cfg.name.clone(),
@@ -167,7 +182,7 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
         runtime: "supervisor".into(),
         versions,
         models: vec![],
-        gpus: vec![],
+        gpus: me.gpu().placements(),
         cgroup: Some(me.cgroup_info()),
         rlimits: Some(me.rlimits()),
         allocator_settings: None,
@@ -183,18 +198,35 @@ pub fn hostname() -> String {
 }
 
 fn event(kind: pb::event::Kind) -> pb::Event {
-    pb::Event { time_ns: now_ns(), kind: Some(kind) }
+    pb::Event {
+        time_ns: now_ns(),
+        kind: Some(kind),
+    }
+}
+
+/// What stays the same across restarts of the child.
+struct Supervision<'a> {
+    cfg: &'a RunConfig,
+    paths: &'a HostPaths,
+    reporter: &'a Reporter,
+    agent_id: &'a str,
+    directives: Option<&'a std::sync::mpsc::Receiver<pb::Directive>>,
 }
 
 /// Spawns the child once, samples it until it ends, reports its end.
 fn run_once(
-    cfg: &RunConfig,
-    paths: &HostPaths,
-    reporter: &Reporter,
-    agent_id: &str,
+    ctx: &Supervision,
     attempt: u32,
     last_try: bool,
+    interval: &mut Duration,
 ) -> anyhow::Result<Ending> {
+    let Supervision {
+        cfg,
+        paths,
+        reporter,
+        agent_id,
+        directives,
+    } = *ctx;
     let started = Instant::now();
     let mut cmd = Command::new(&cfg.command[0]);
     cmd.args(&cfg.command[1..])
@@ -208,7 +240,11 @@ fn run_once(
         Ok(c) => c,
         Err(e) => {
             // As a shell would: 127 for "not found", 126 for "cannot execute".
-            let code = if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 };
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
             eprintln!("oomscope: cannot start `{}`: {e}", cfg.command[0]);
             return Ok(Ending::Exited(code));
         }
@@ -221,7 +257,7 @@ fn run_once(
         pid,
         command: cfg.command.clone(),
         counters: Some(before.clone()),
-        process: last_process.clone(),
+        process: last_process,
     })));
 
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(cfg.stderr_tail_bytes)));
@@ -245,13 +281,16 @@ fn run_once(
                 break;
             }
         }
+        for d in directives.into_iter().flat_map(|rx| rx.try_iter()) {
+            apply_directive(d, interval);
+        }
         if Instant::now() >= next_sample {
             let s = probe.sample();
             if let Some(p) = &s.process {
-                last_process = Some(merge_process(last_process.take(), p.clone()));
+                last_process = Some(merge_process(last_process.take(), *p));
             }
             reporter.send_sample(s);
-            next_sample += cfg.interval;
+            next_sample += *interval;
         }
         std::thread::sleep(EXIT_POLL);
     }
@@ -262,8 +301,7 @@ fn run_once(
         Ok(p) => merge_process(last_process, p),
         Err(_) => last_process.unwrap_or_default(),
     };
-    let gpu = oomscope_agent_core::probe::gpu::GpuProbe::open();
-    let plist = processes::list(paths, &gpu, TOP_PROCESSES);
+    let plist = probe.process_list(TOP_PROCESSES);
 
     let status = child.wait().context("reaping the child")?;
     let ending = match (status.code(), status.signal()) {
@@ -304,6 +342,23 @@ fn run_once(
     Ok(ending)
 }
 
+/// The supervisor sees the child from outside: it can change how often it
+/// samples, but has no allocator to snapshot and no heap to census.
+fn apply_directive(d: pb::Directive, interval: &mut Duration) {
+    match d.kind {
+        Some(pb::directive::Kind::SetSampleInterval(s)) if s.interval_ms > 0 => {
+            *interval = Duration::from_millis(s.interval_ms);
+            tracing::info!(
+                interval_ms = s.interval_ms,
+                "sample interval changed by the collector"
+            );
+        }
+        other => {
+            tracing::info!(directive = ?other, "directive not applicable to a supervisor; ignored")
+        }
+    }
+}
+
 /// True once `pid` has exited, without reaping it.
 fn wait_exited_nowait(pid: u32) -> std::io::Result<bool> {
     // SAFETY: waitid writes into a zeroed siginfo_t that we own.
@@ -335,7 +390,10 @@ fn merge_process(earlier: Option<pb::ProcessMemory>, late: pb::ProcessMemory) ->
         vm_peak_bytes: late.vm_peak_bytes.max(e.vm_peak_bytes),
         vm_swap_bytes: pick(late.vm_swap_bytes, e.vm_swap_bytes),
         major_faults: late.major_faults.max(e.major_faults),
-        address_space_limit_bytes: pick(late.address_space_limit_bytes, e.address_space_limit_bytes),
+        address_space_limit_bytes: pick(
+            late.address_space_limit_bytes,
+            e.address_space_limit_bytes,
+        ),
         data_limit_bytes: pick(late.data_limit_bytes, e.data_limit_bytes),
         rss_anon_bytes: pick(late.rss_anon_bytes, e.rss_anon_bytes),
         rss_shmem_bytes: pick(late.rss_shmem_bytes, e.rss_shmem_bytes),
@@ -383,6 +441,27 @@ mod tests {
         let m = Duration::from_millis(1000);
         let d: Vec<_> = (0..6).map(|a| backoff(i, m, a).as_millis()).collect();
         assert_eq!(d, vec![100, 200, 400, 800, 1000, 1000]);
+    }
+
+    #[test]
+    fn only_a_positive_interval_directive_changes_the_interval() {
+        let mut i = Duration::from_millis(250);
+        let set = |ms| pb::Directive {
+            kind: Some(pb::directive::Kind::SetSampleInterval(
+                pb::SetSampleInterval { interval_ms: ms },
+            )),
+        };
+        apply_directive(set(0), &mut i);
+        assert_eq!(i, Duration::from_millis(250));
+        apply_directive(set(1000), &mut i);
+        assert_eq!(i, Duration::from_secs(1));
+        let snap = pb::Directive {
+            kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot {
+                device: 0,
+            })),
+        };
+        apply_directive(snap, &mut i);
+        assert_eq!(i, Duration::from_secs(1));
     }
 
     #[test]

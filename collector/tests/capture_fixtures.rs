@@ -174,11 +174,26 @@ fn every_capture_replays_sample_for_sample() {
         );
         // The `final` reading is one last sample, after every timeline entry.
         let fin = &raw["final"]["memory_stats"];
-        assert_eq!(finals.len(), usize::from(fin.is_object()), "{name}: the final reading");
+        assert_eq!(
+            finals.len(),
+            usize::from(fin.is_object()),
+            "{name}: the final reading"
+        );
         if let Some(f) = finals.first() {
-            assert_eq!(f.allocator[0].allocated_bytes, u(&fin["allocated_bytes.all.current"]), "{name}: final");
-            assert_eq!(f.allocator[0].reserved_bytes, u(&fin["reserved_bytes.all.current"]), "{name}: final");
-            assert!(std::ptr::eq(*f, cap.samples().last().unwrap()), "{name}: final comes last");
+            assert_eq!(
+                f.allocator[0].allocated_bytes,
+                u(&fin["allocated_bytes.all.current"]),
+                "{name}: final"
+            );
+            assert_eq!(
+                f.allocator[0].reserved_bytes,
+                u(&fin["reserved_bytes.all.current"]),
+                "{name}: final"
+            );
+            assert!(
+                std::ptr::eq(*f, cap.samples().last().unwrap()),
+                "{name}: final comes last"
+            );
         }
         for (i, (s, e)) in samples.iter().zip(timeline).enumerate() {
             let ms = &e["memory_stats"];

@@ -13,7 +13,13 @@ fn seqs(col: &Collector, name: &str) -> Vec<u64> {
     let t = col.json(&["timeline", name, "--max-points", "0"]);
     let mut s: Vec<u64> = ["samples", "events"]
         .iter()
-        .flat_map(|k| t[*k].as_array().unwrap().iter().map(|x: &Value| x["seq"].as_u64().unwrap()))
+        .flat_map(|k| {
+            t[*k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x: &Value| x["seq"].as_u64().unwrap())
+        })
         .collect();
     s.sort();
     s
@@ -22,7 +28,11 @@ fn seqs(col: &Collector, name: &str) -> Vec<u64> {
 fn assert_contiguous(s: &[u64], min_len: usize) {
     assert!(s.len() >= min_len, "only {} messages: {s:?}", s.len());
     let want: Vec<u64> = (1..=s.len() as u64).collect();
-    assert_eq!(s, want.as_slice(), "seqs must be exactly 1..=n: none lost, none duplicated");
+    assert_eq!(
+        s,
+        want.as_slice(),
+        "seqs must be exactly 1..=n: none lost, none duplicated"
+    );
 }
 
 #[test]
@@ -34,16 +44,30 @@ fn collector_down_then_up_receives_everything_once() {
     let spool_arg = spool.to_str().unwrap().to_string();
     let u = url.clone();
     let runner = std::thread::spawn(move || {
-        run(&u, "late", &["--flush-timeout", "30s", "--spool", &spool_arg], &["sleep", "2"])
+        run(
+            &u,
+            "late",
+            &["--flush-timeout", "30s", "--spool", &spool_arg],
+            &["sleep", "2"],
+        )
     });
     std::thread::sleep(Duration::from_millis(1200));
     let col = Collector::start_on(&tmp.path().join("db"), port);
     let out = runner.join().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // 2 s at 50 ms: about 40 samples, plus start/exit events.
     assert_contiguous(&seqs(&col, "late"), 25);
     let agents = col.json(&["agents"]);
-    let a = agents.as_array().unwrap().iter().find(|a| a["name"] == "late").unwrap();
+    let a = agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "late")
+        .unwrap();
     assert_eq!(a["state"], "disconnected", "the Goodbye arrived too");
 }
 
@@ -54,13 +78,19 @@ fn collector_sigkilled_mid_stream_loses_nothing_acked() {
     let port = free_port();
     let mut col = Collector::start_on(&db, port);
     let u = col.url.clone();
-    let runner = std::thread::spawn(move || run(&u, "midkill", &["--flush-timeout", "30s"], &["sleep", "3"]));
+    let runner = std::thread::spawn(move || {
+        run(&u, "midkill", &["--flush-timeout", "30s"], &["sleep", "3"])
+    });
     std::thread::sleep(Duration::from_millis(1000));
     col.kill();
     std::thread::sleep(Duration::from_millis(700));
     let col2 = Collector::start_on(&db, port);
     let out = runner.join().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_contiguous(&seqs(&col2, "midkill"), 40);
 }
 
@@ -70,7 +100,10 @@ fn garbage_on_the_wire_does_not_stop_the_collector() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     // Not HTTP/2 at all, then an HTTP/2 preface followed by junk.
-    for junk in [&b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxx"[..], &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\xff\xff\xff\xff\xff\xff\xff\xff\xff"[..]] {
+    for junk in [
+        &b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxx"[..],
+        &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\xff\xff\xff\xff\xff\xff\xff\xff\xff"[..],
+    ] {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", col.port)).unwrap();
         let _ = s.write_all(junk);
         std::thread::sleep(Duration::from_millis(100));
@@ -78,5 +111,12 @@ fn garbage_on_the_wire_does_not_stop_the_collector() {
     let out = run(&col.url, "after-junk", &[], &["true"]);
     assert!(out.status.success());
     let agents = col.json(&["agents"]);
-    assert!(agents.as_array().unwrap().iter().any(|a| a["name"] == "after-junk"), "{agents:#}");
+    assert!(
+        agents
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "after-junk"),
+        "{agents:#}"
+    );
 }

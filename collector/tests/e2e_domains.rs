@@ -12,9 +12,20 @@ use serde_json::Value;
 const MIB: u64 = 1 << 20;
 
 fn evidence_text(d: &Value) -> String {
-    let mut all: Vec<String> = d["evidence"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()).collect();
+    let mut all: Vec<String> = d["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap().to_string())
+        .collect();
     for c in d["causes"].as_array().unwrap() {
-        all.extend(c["evidence"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()));
+        all.extend(
+            c["evidence"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e.as_str().unwrap().to_string()),
+        );
     }
     all.join("\n")
 }
@@ -27,8 +38,23 @@ fn diagnose_only(col: &Collector, name: &str) -> Value {
     col.json(&["diagnose", &id])
 }
 
-fn run_in_cgroup(col: &Collector, cg: &TestCgroup, name: &str, cmd: &[&str]) -> std::process::Output {
-    let mut argv = vec![bin(), "run", "--collector", &col.url, "--name", name, "--interval", "50ms", "--"];
+fn run_in_cgroup(
+    col: &Collector,
+    cg: &TestCgroup,
+    name: &str,
+    cmd: &[&str],
+) -> std::process::Output {
+    let mut argv = vec![
+        bin(),
+        "run",
+        "--collector",
+        &col.url,
+        "--name",
+        name,
+        "--interval",
+        "50ms",
+        "--",
+    ];
     argv.extend_from_slice(cmd);
     cg.command(&argv).output().unwrap()
 }
@@ -38,8 +64,18 @@ fn cgroup_limit_on_own_level() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     let cg = TestCgroup::create(None, "oomscope-own", Some(64 * MIB));
-    let out = run_in_cgroup(&col, &cg, "cg-own", &["python3", "-c", "bytearray(200<<20)"]);
-    assert_eq!(out.status.code(), Some(137), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let out = run_in_cgroup(
+        &col,
+        &cg,
+        "cg-own",
+        &["python3", "-c", "bytearray(200<<20)"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(137),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let d = diagnose_only(&col, "cg-own");
     assert_eq!(d["domain"], "cgroup", "{d:#}");
@@ -48,13 +84,25 @@ fn cgroup_limit_on_own_level() {
     assert_eq!(d["cgroup"]["owner_level"], cg.path.as_str());
     let ev = evidence_text(&d);
     assert!(ev.contains("peak"), "evidence names the peak: {ev}");
-    assert!(ev.contains("oom_kill"), "evidence names the oom_kill increase: {ev}");
-    assert!(ev.contains("67108864") || ev.contains("64.0"), "evidence shows the limit: {ev}");
+    assert!(
+        ev.contains("oom_kill"),
+        "evidence names the oom_kill increase: {ev}"
+    );
+    assert!(
+        ev.contains("67108864") || ev.contains("64.0"),
+        "evidence shows the limit: {ev}"
+    );
 
     // People read the text form.
-    let id = col.incidents_of("cg-own", 1, Duration::ZERO)[0]["id"].as_str().unwrap().to_string();
+    let id = col.incidents_of("cg-own", 1, Duration::ZERO)[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let text = col.text(&["diagnose", &id]);
-    assert!(text.contains("cgroup") && text.contains("64.00 MiB") && text.contains("SIGKILL"), "{text}");
+    assert!(
+        text.contains("cgroup") && text.contains("64.00 MiB") && text.contains("SIGKILL"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -63,13 +111,27 @@ fn cgroup_limit_on_parent_level() {
     let col = Collector::start(&tmp.path().join("db"));
     let parent = TestCgroup::create(None, "oomscope-parent", Some(64 * MIB));
     let child = TestCgroup::create(Some(&parent), "leaf", None);
-    let out = run_in_cgroup(&col, &child, "cg-parent", &["python3", "-c", "bytearray(200<<20)"]);
-    assert_eq!(out.status.code(), Some(137), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let out = run_in_cgroup(
+        &col,
+        &child,
+        "cg-parent",
+        &["python3", "-c", "bytearray(200<<20)"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(137),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let d = diagnose_only(&col, "cg-parent");
     assert_eq!(d["domain"], "cgroup", "{d:#}");
     assert_eq!(d["cgroup"]["limit_bytes"], 67108864);
-    assert_eq!(d["cgroup"]["owner_level"], parent.path.as_str(), "the parent owns the limit: {d:#}");
+    assert_eq!(
+        d["cgroup"]["owner_level"],
+        parent.path.as_str(),
+        "the parent owns the limit: {d:#}"
+    );
     assert_eq!(d["cgroup"]["path"], child.path.as_str());
     drop(child);
 }
@@ -78,15 +140,32 @@ fn cgroup_limit_on_parent_level() {
 fn address_space_limit() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let out = run(&col.url, "as-limit", &[], &["prlimit", "--as=268435456", "python3", "-c", "bytearray(300<<20)"]);
+    let out = run(
+        &col.url,
+        "as-limit",
+        &[],
+        &[
+            "prlimit",
+            "--as=268435456",
+            "python3",
+            "-c",
+            "bytearray(300<<20)",
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("MemoryError"), "stderr passes through");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("MemoryError"),
+        "stderr passes through"
+    );
 
     let d = diagnose_only(&col, "as-limit");
     assert_eq!(d["domain"], "address_space", "{d:#}");
     assert_eq!(d["exit"]["code"], 1);
     let ev = evidence_text(&d);
-    assert!(ev.contains("268435456") || ev.contains("256.0 MiB"), "evidence shows the 256 MiB limit: {ev}");
+    assert!(
+        ev.contains("268435456") || ev.contains("256.0 MiB"),
+        "evidence shows the 256 MiB limit: {ev}"
+    );
 }
 
 #[test]
@@ -114,7 +193,12 @@ fn shm_full_is_sigbus() {
         mnt.display()
     );
     let out = run(&col.url, "shm", &[], &["python3", "-c", &script]);
-    assert_eq!(out.status.code(), Some(128 + 7), "SIGBUS: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(128 + 7),
+        "SIGBUS: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let d = diagnose_only(&col, "shm");
     assert_eq!(d["domain"], "shm", "{d:#}");
     assert_eq!(d["exit"]["signal"], 7);
@@ -129,7 +213,10 @@ fn external_kill_is_not_a_memory_verdict() {
     let url = col.url.clone();
     let runner = std::thread::spawn(move || run(&url, "ext-kill", &[], &["sh", "-c", &script]));
     let pid = loop {
-        if let Some(p) = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
+        if let Some(p) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+        {
             break p;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -142,7 +229,10 @@ fn external_kill_is_not_a_memory_verdict() {
     let d = diagnose_only(&col, "ext-kill");
     assert_eq!(d["domain"], "external_kill", "{d:#}");
     assert_eq!(d["exit"]["signal"], 9);
-    assert!(d["cgroup"].is_null(), "no cgroup verdict for an external kill: {d:#}");
+    assert!(
+        d["cgroup"].is_null(),
+        "no cgroup verdict for an external kill: {d:#}"
+    );
 }
 
 #[test]
@@ -151,11 +241,24 @@ fn clean_exit_is_no_incident() {
     let col = Collector::start(&tmp.path().join("db"));
     let out = run(&col.url, "clean", &[], &["python3", "-c", "print('fine')"]);
     assert_eq!(out.status.code(), Some(0));
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "fine\n", "stdout passes through unchanged");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "fine\n",
+        "stdout passes through unchanged"
+    );
     // The agent is known (so the stream arrived), but nothing is an incident.
     let agents = col.json(&["agents"]);
-    assert!(agents.as_array().unwrap().iter().any(|a| a["name"] == "clean" && a["state"] == "disconnected"), "{agents:#}");
-    assert!(col.incidents_of("clean", 1, Duration::from_millis(1500)).is_empty());
+    assert!(
+        agents
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "clean" && a["state"] == "disconnected"),
+        "{agents:#}"
+    );
+    assert!(col
+        .incidents_of("clean", 1, Duration::from_millis(1500))
+        .is_empty());
 }
 
 #[test]
@@ -163,16 +266,32 @@ fn crash_loop_is_bounded_and_reported() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     let t0 = std::time::Instant::now();
-    let out = run(&col.url, "looper", &["--restart", "3", "--backoff", "100ms"], &["sh", "-c", "echo boom >&2; exit 3"]);
+    let out = run(
+        &col.url,
+        "looper",
+        &["--restart", "3", "--backoff", "100ms"],
+        &["sh", "-c", "echo boom >&2; exit 3"],
+    );
     let took = t0.elapsed();
     assert_eq!(out.status.code(), Some(3));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.lines().filter(|l| *l == "boom").count(), 4, "1 run + 3 restarts: {stderr}");
+    assert_eq!(
+        stderr.lines().filter(|l| *l == "boom").count(),
+        4,
+        "1 run + 3 restarts: {stderr}"
+    );
     // Growing delays: 0.1 + 0.2 + 0.4 s.
-    for d in ["restart 1/3 in 0.1 s", "restart 2/3 in 0.2 s", "restart 3/3 in 0.4 s"] {
+    for d in [
+        "restart 1/3 in 0.1 s",
+        "restart 2/3 in 0.2 s",
+        "restart 3/3 in 0.4 s",
+    ] {
         assert!(stderr.contains(d), "missing `{d}` in {stderr}");
     }
-    assert!(took >= Duration::from_millis(700), "the delays were slept: {took:?}");
+    assert!(
+        took >= Duration::from_millis(700),
+        "the delays were slept: {took:?}"
+    );
     assert!(stderr.contains("crash loop"), "{stderr}");
     let incs = col.incidents_of("looper", 1, Duration::from_secs(5));
     assert!(incs.iter().any(|i| i["kind"] == "crash_loop"), "{incs:#?}");

@@ -17,7 +17,9 @@ fn fixtures() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
-        .filter(|p| p.to_string_lossy().ends_with(".json") || p.to_string_lossy().ends_with(".json.gz"))
+        .filter(|p| {
+            p.to_string_lossy().ends_with(".json") || p.to_string_lossy().ends_with(".json.gz")
+        })
         .collect();
     v.sort();
     assert!(v.len() >= 14, "all 14 captures are in the repo");
@@ -28,7 +30,9 @@ fn read_json(p: &Path) -> Value {
     let raw = std::fs::read(p).unwrap();
     let text = if p.extension().is_some_and(|e| e == "gz") {
         let mut s = String::new();
-        flate2::read::GzDecoder::new(&raw[..]).read_to_string(&mut s).unwrap();
+        flate2::read::GzDecoder::new(&raw[..])
+            .read_to_string(&mut s)
+            .unwrap();
         s
     } else {
         String::from_utf8(raw).unwrap()
@@ -37,10 +41,19 @@ fn read_json(p: &Path) -> Value {
 }
 
 async fn timeline(url: &str, agent: &str) -> pb::TimelineResponse {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string()).unwrap().connect().await.unwrap();
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     pb::query_service_client::QueryServiceClient::new(ch)
         .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
-        .timeline(pb::TimelineRequest { agent: agent.into(), from_ns: 0, to_ns: 0, max_points: 0 })
+        .timeline(pb::TimelineRequest {
+            agent: agent.into(),
+            from_ns: 0,
+            to_ns: 0,
+            max_points: 0,
+        })
         .await
         .unwrap()
         .into_inner()
@@ -50,29 +63,73 @@ async fn timeline(url: &str, agent: &str) -> pb::TimelineResponse {
 fn every_capture_replays_with_its_numbers_intact() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     for path in fixtures() {
         let file = read_json(&path);
         let scenario = file["scenario"].as_str().unwrap().to_string();
-        let out = Command::new(bin()).arg("replay").arg(&path).args(["--collector", &col.url, "--name", &scenario]).output().unwrap();
-        assert!(out.status.success(), "replay {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(bin())
+            .arg("replay")
+            .arg(&path)
+            .args(["--collector", &col.url, "--name", &scenario])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "replay {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
 
         let t = rt.block_on(timeline(&col.url, &scenario));
         let expected = file["timeline"].as_array().map(|a| a.len()).unwrap_or(0);
         let has_final = file["final"]["memory_stats"].is_object();
-        assert_eq!(t.samples.len(), expected + usize::from(has_final), "{scenario}: one sample per timeline entry, and the final reading");
+        assert_eq!(
+            t.samples.len(),
+            expected + usize::from(has_final),
+            "{scenario}: one sample per timeline entry, and the final reading"
+        );
         if has_final {
             let last = t.samples.last().unwrap().sample.as_ref().unwrap();
             assert_eq!(last.context.as_ref().unwrap().phase, "final");
-            assert_eq!(last.allocator[0].allocated_bytes, file["final"]["memory_stats"]["allocated_bytes.all.current"].as_u64().unwrap(), "{scenario}: final");
+            assert_eq!(
+                last.allocator[0].allocated_bytes,
+                file["final"]["memory_stats"]["allocated_bytes.all.current"]
+                    .as_u64()
+                    .unwrap(),
+                "{scenario}: final"
+            );
         }
-        for (i, (s, f)) in t.samples.iter().zip(file["timeline"].as_array().into_iter().flatten()).enumerate() {
+        for (i, (s, f)) in t
+            .samples
+            .iter()
+            .zip(file["timeline"].as_array().into_iter().flatten())
+            .enumerate()
+        {
             let a = &s.sample.as_ref().unwrap().allocator[0];
             let ms = &f["memory_stats"];
-            assert_eq!(a.allocated_bytes, ms["allocated_bytes.all.current"].as_u64().unwrap(), "{scenario} sample {i}");
-            assert_eq!(a.reserved_bytes, ms["reserved_bytes.all.current"].as_u64().unwrap(), "{scenario} sample {i}");
-            assert_eq!(a.inactive_split_bytes, ms["inactive_split_bytes.all.current"].as_u64().unwrap(), "{scenario} sample {i}");
-            assert_eq!(a.raw.len(), ms.as_object().unwrap().len(), "{scenario}: every memory_stats key kept");
+            assert_eq!(
+                a.allocated_bytes,
+                ms["allocated_bytes.all.current"].as_u64().unwrap(),
+                "{scenario} sample {i}"
+            );
+            assert_eq!(
+                a.reserved_bytes,
+                ms["reserved_bytes.all.current"].as_u64().unwrap(),
+                "{scenario} sample {i}"
+            );
+            assert_eq!(
+                a.inactive_split_bytes,
+                ms["inactive_split_bytes.all.current"].as_u64().unwrap(),
+                "{scenario} sample {i}"
+            );
+            assert_eq!(
+                a.raw.len(),
+                ms.as_object().unwrap().len(),
+                "{scenario}: every memory_stats key kept"
+            );
         }
         let ooms: Vec<&pb::Oom> = t
             .events
@@ -85,18 +142,41 @@ fn every_capture_replays_with_its_numbers_intact() {
         if file["oom"].is_object() {
             assert_eq!(ooms.len(), 1, "{scenario}: the OOM event");
             let o = ooms[0];
-            assert_eq!(o.requested_bytes, file["oom"]["observer"]["alloc"].as_u64().unwrap(), "{scenario}");
-            assert_eq!(o.error_text, file["error"]["message"].as_str().unwrap(), "{scenario}: error text verbatim");
+            assert_eq!(
+                o.requested_bytes,
+                file["oom"]["observer"]["alloc"].as_u64().unwrap(),
+                "{scenario}"
+            );
+            assert_eq!(
+                o.error_text,
+                file["error"]["message"].as_str().unwrap(),
+                "{scenario}: error text verbatim"
+            );
             let snap = o.snapshot.as_ref().expect("snapshot summary at the OOM");
-            let segs = file["oom"]["snapshot_at_oom"]["segments"].as_array().unwrap();
-            let reserved: u64 = segs.iter().filter(|s| s["device"] == 0).map(|s| s["total_size"].as_u64().unwrap()).sum();
-            assert_eq!(snap.reserved_bytes, reserved, "{scenario}: snapshot reserved bytes");
+            let segs = file["oom"]["snapshot_at_oom"]["segments"]
+                .as_array()
+                .unwrap();
+            let reserved: u64 = segs
+                .iter()
+                .filter(|s| s["device"] == 0)
+                .map(|s| s["total_size"].as_u64().unwrap())
+                .sum();
+            assert_eq!(
+                snap.reserved_bytes, reserved,
+                "{scenario}: snapshot reserved bytes"
+            );
         } else {
-            assert!(ooms.is_empty(), "{scenario}: no OOM in the file, none stored");
+            assert!(
+                ooms.is_empty(),
+                "{scenario}: no OOM in the file, none stored"
+            );
         }
         if file["final_snapshot"].is_object() {
             assert!(
-                t.events.iter().any(|e| matches!(e.event.as_ref().and_then(|e| e.kind.as_ref()), Some(pb::event::Kind::Snapshot(_)))),
+                t.events.iter().any(|e| matches!(
+                    e.event.as_ref().and_then(|e| e.kind.as_ref()),
+                    Some(pb::event::Kind::Snapshot(_))
+                )),
                 "{scenario}: the final snapshot summary"
             );
         }
@@ -109,11 +189,28 @@ fn malformed_capture_is_a_clear_error_and_the_collector_keeps_serving() {
     let col = Collector::start(&tmp.path().join("db"));
     let bad = tmp.path().join("bad.json");
     std::fs::write(&bad, b"{\"scenario\": \"x\", \"timeline\": [1, 2").unwrap();
-    let out = Command::new(bin()).arg("replay").arg(&bad).args(["--collector", &col.url]).output().unwrap();
+    let out = Command::new(bin())
+        .arg("replay")
+        .arg(&bad)
+        .args(["--collector", &col.url])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.json"), "the error names the file: {err}");
-    let good = fixtures().into_iter().find(|p| p.ends_with("weights_too_large.json")).unwrap();
-    let out = Command::new(bin()).arg("replay").arg(&good).args(["--collector", &col.url]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let good = fixtures()
+        .into_iter()
+        .find(|p| p.ends_with("weights_too_large.json"))
+        .unwrap();
+    let out = Command::new(bin())
+        .arg("replay")
+        .arg(&good)
+        .args(["--collector", &col.url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

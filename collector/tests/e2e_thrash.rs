@@ -11,7 +11,8 @@ fn file_refault_pressure_is_swap_thrash() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     // On disk, not tmpfs: tmpfs pages could not be evicted without swap.
-    let data = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("thrash-{}", std::process::id()));
+    let data = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("thrash-{}", std::process::id()));
     let cg = TestCgroup::create(None, "oomscope-thrash", Some(32 << 20));
     let script = format!(
         "import mmap,os,time\n\
@@ -24,17 +25,56 @@ fn file_refault_pressure_is_swap_thrash() {
          print('passes done', s>0)\n",
         p = data.display()
     );
-    let argv = [bin(), "run", "--collector", &col.url, "--name", "thrash", "--interval", "250ms", "--", "python3", "-c", &script];
+    let argv = [
+        bin(),
+        "run",
+        "--collector",
+        &col.url,
+        "--name",
+        "thrash",
+        "--interval",
+        "250ms",
+        "--",
+        "python3",
+        "-c",
+        &script,
+    ];
     let out = cg.command(&argv).output().unwrap();
     let _ = std::fs::remove_file(&data);
-    assert_eq!(out.status.code(), Some(0), "no death: {}", String::from_utf8_lossy(&out.stderr));
-    assert!(col.incidents_of("thrash", 1, std::time::Duration::from_millis(500)).is_empty(), "thrash is not an incident");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "no death: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        col.incidents_of("thrash", 1, std::time::Duration::from_millis(500))
+            .is_empty(),
+        "thrash is not an incident"
+    );
 
     let d = col.json(&["diagnose", "--agent", "thrash"]);
     assert_eq!(d["domain"], "swap_thrash", "{d:#}");
-    let ev: String = d["evidence"].as_array().unwrap().iter().map(|e| e.as_str().unwrap()).collect::<Vec<_>>().join("\n");
+    let ev: String = d["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
     assert!(ev.contains("refault"), "refault evidence: {ev}");
-    assert!(ev.to_lowercase().contains("psi") || ev.contains("pressure"), "PSI evidence: {ev}");
-    let thrash = d["causes"].as_array().unwrap().iter().find(|c| c["kind"] == "swap_thrash").expect("a swap_thrash cause");
-    assert!(thrash["metrics"]["refaults_per_s"].as_f64().unwrap() > 100.0, "{thrash:#}");
+    assert!(
+        ev.to_lowercase().contains("psi") || ev.contains("pressure"),
+        "PSI evidence: {ev}"
+    );
+    let thrash = d["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["kind"] == "swap_thrash")
+        .expect("a swap_thrash cause");
+    assert!(
+        thrash["metrics"]["refaults_per_s"].as_f64().unwrap() > 100.0,
+        "{thrash:#}"
+    );
 }

@@ -18,7 +18,9 @@ pub struct GpuProbe {
 
 impl std::fmt::Debug for GpuProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GpuProbe").field("present", &self.is_present()).finish()
+        f.debug_struct("GpuProbe")
+            .field("present", &self.is_present())
+            .finish()
     }
 }
 
@@ -43,7 +45,9 @@ impl GpuProbe {
     /// Every device's memory and compute processes. A device that fails to
     /// answer is skipped; a process whose usage NVML cannot see reads 0 bytes.
     pub fn read(&self) -> Vec<pb::GpuDevice> {
-        let Some(nvml) = &self.nvml else { return Vec::new() };
+        let Some(nvml) = &self.nvml else {
+            return Vec::new();
+        };
         guarded(|| {
             let count = nvml.device_count().ok()?;
             Some((0..count).filter_map(|i| read_device(nvml, i)).collect())

@@ -24,7 +24,12 @@ impl HostProbe {
     /// shared by several probes, or `GpuProbe::absent()`).
     pub fn with_gpu(paths: HostPaths, pid: u32, gpu: GpuProbe) -> Self {
         let cgroup = cgroup::locate(&paths, pid);
-        HostProbe { paths, pid, cgroup, gpu }
+        HostProbe {
+            paths,
+            pid,
+            cgroup,
+            gpu,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -84,6 +89,9 @@ impl HostProbe {
     }
 
     fn cgroup_levels(&self) -> Vec<pb::CgroupLevel> {
-        self.cgroup.as_ref().map(|cg| cgroup::read_levels(&self.paths, cg)).unwrap_or_default()
+        self.cgroup
+            .as_ref()
+            .map(|cg| cgroup::read_levels(&self.paths, cg))
+            .unwrap_or_default()
     }
 }

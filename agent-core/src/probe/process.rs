@@ -10,10 +10,16 @@ use crate::pb;
 /// stat or limits file leaves those fields 0.
 pub fn read(paths: &HostPaths, pid: u32) -> std::io::Result<pb::ProcessMemory> {
     let status = std::fs::read_to_string(paths.pid_file(pid, "status"))?;
-    let mut out = pb::ProcessMemory { pid, ..Default::default() };
+    let mut out = pb::ProcessMemory {
+        pid,
+        ..Default::default()
+    };
     parse_status(&status, &mut out);
     out.pid = pid;
-    if let Some(faults) = read_opt(&paths.pid_file(pid, "stat")).as_deref().and_then(parse_stat_major_faults) {
+    if let Some(faults) = read_opt(&paths.pid_file(pid, "stat"))
+        .as_deref()
+        .and_then(parse_stat_major_faults)
+    {
         out.major_faults = faults;
     }
     if let Some(limits) = read_opt(&paths.pid_file(pid, "limits")) {
@@ -26,7 +32,9 @@ pub fn read(paths: &HostPaths, pid: u32) -> std::io::Result<pb::ProcessMemory> {
 /// Unknown, missing or garbled lines leave their field untouched.
 pub fn parse_status(text: &str, out: &mut pb::ProcessMemory) {
     for line in text.lines() {
-        let Some((key, rest)) = line.split_once(':') else { continue };
+        let Some((key, rest)) = line.split_once(':') else {
+            continue;
+        };
         if key == "Pid" {
             if let Ok(pid) = rest.trim().parse() {
                 out.pid = pid;
@@ -62,7 +70,9 @@ pub fn parse_limits(text: &str, out: &mut pb::ProcessMemory) {
 
 /// The memory rlimits of `pid`; all 0 (unlimited) when the file is unreadable.
 pub fn rlimits(paths: &HostPaths, pid: u32) -> pb::Rlimits {
-    read_opt(&paths.pid_file(pid, "limits")).map(|t| parse_rlimits(&t)).unwrap_or_default()
+    read_opt(&paths.pid_file(pid, "limits"))
+        .map(|t| parse_rlimits(&t))
+        .unwrap_or_default()
 }
 
 /// The memory soft limits of a `/proc/<pid>/limits` text; 0 = unlimited.

@@ -55,12 +55,17 @@ pub fn list(paths: &HostPaths, gpu: &GpuProbe, n: usize) -> pb::ProcessList {
             }
         })
         .collect();
-    pb::ProcessList { host_top_rss: top_by_rss(paths, n), gpu: gpu_processes }
+    pb::ProcessList {
+        host_top_rss: top_by_rss(paths, n),
+        gpu: gpu_processes,
+    }
 }
 
 /// Numeric entries of the proc root.
 fn pids(proc_root: &Path) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir(proc_root) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return Vec::new();
+    };
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect()
@@ -74,12 +79,20 @@ fn describe(paths: &HostPaths, pid: u32, users: &HashMap<u32, String>) -> Option
         .map(|c| command_line(&c))
         .filter(|c| !c.is_empty())
         .unwrap_or_else(|| format!("[{}]", fields.name));
-    let cgroup = read_opt(&paths.pid_file(pid, "cgroup")).map(|t| memory_cgroup_path(&t)).unwrap_or_default();
+    let cgroup = read_opt(&paths.pid_file(pid, "cgroup"))
+        .map(|t| memory_cgroup_path(&t))
+        .unwrap_or_default();
     let user = fields
         .uid
         .map(|uid| users.get(&uid).cloned().unwrap_or_else(|| uid.to_string()))
         .unwrap_or_default();
-    Some(pb::ProcessInfo { pid, user, command, cgroup, rss_bytes: fields.rss_bytes })
+    Some(pb::ProcessInfo {
+        pid,
+        user,
+        command,
+        cgroup,
+        rss_bytes: fields.rss_bytes,
+    })
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -94,7 +107,9 @@ pub struct StatusFields {
 pub fn parse_status_fields(text: &str) -> StatusFields {
     let mut out = StatusFields::default();
     for line in text.lines() {
-        let Some((key, rest)) = line.split_once(':') else { continue };
+        let Some((key, rest)) = line.split_once(':') else {
+            continue;
+        };
         match key {
             "Name" => out.name = rest.trim().to_string(),
             "Uid" => out.uid = rest.split_whitespace().next().and_then(|u| u.parse().ok()),
@@ -107,7 +122,10 @@ pub fn parse_status_fields(text: &str) -> StatusFields {
 
 /// `/proc/<pid>/cmdline` is NUL-separated; show it space-separated.
 pub fn command_line(raw: &str) -> String {
-    raw.split('\0').filter(|a| !a.is_empty()).collect::<Vec<_>>().join(" ")
+    raw.split('\0')
+        .filter(|a| !a.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The memory controller's path from `/proc/<pid>/cgroup`: the v1 line naming
@@ -135,5 +153,7 @@ pub fn parse_passwd(text: &str) -> HashMap<u32, String> {
 }
 
 fn read_users() -> HashMap<u32, String> {
-    read_opt(Path::new(PASSWD_PATH)).map(|t| parse_passwd(&t)).unwrap_or_default()
+    read_opt(Path::new(PASSWD_PATH))
+        .map(|t| parse_passwd(&t))
+        .unwrap_or_default()
 }

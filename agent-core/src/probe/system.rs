@@ -35,7 +35,9 @@ pub fn read(paths: &HostPaths) -> pb::SystemMemory {
 /// Fills totals from `/proc/meminfo` (kB there, bytes here).
 pub fn parse_meminfo(text: &str, out: &mut pb::SystemMemory) {
     for line in text.lines() {
-        let Some((key, rest)) = line.split_once(':') else { continue };
+        let Some((key, rest)) = line.split_once(':') else {
+            continue;
+        };
         let field = match key {
             "MemTotal" => &mut out.mem_total_bytes,
             "MemAvailable" => &mut out.mem_available_bytes,
@@ -74,7 +76,9 @@ pub fn parse_pressure(text: &str) -> pb::Pressure {
         let mut it = line.split_whitespace();
         let kind = it.next();
         for kv in it {
-            let Some((key, value)) = kv.split_once('=') else { continue };
+            let Some((key, value)) = kv.split_once('=') else {
+                continue;
+            };
             match (kind, key) {
                 (Some("some"), "avg10") => out.some_avg10 = value.parse().unwrap_or(0.0),
                 (Some("full"), "avg10") => out.full_avg10 = value.parse().unwrap_or(0.0),

@@ -10,16 +10,28 @@ pub fn run(listen: SocketAddr, db: PathBuf, lost_grace: Duration) -> anyhow::Res
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("install SIGTERM handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("install SIGTERM handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
             }
             tracing::info!("shutting down");
         };
-        eprintln!("oomscope collector listening on {listen}, store {}", db.display());
-        serve(ServeConfig { listen, db, lost_grace }, shutdown).await
+        eprintln!(
+            "oomscope collector listening on {listen}, store {}",
+            db.display()
+        );
+        serve(
+            ServeConfig {
+                listen,
+                db,
+                lost_grace,
+            },
+            shutdown,
+        )
+        .await
     })?;
     Ok(0)
 }

@@ -14,7 +14,11 @@ pub fn bytes(n: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{n} B") } else { format!("{v:.2} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
 }
 
 /// Seconds since the epoch, UTC, to the millisecond: "2026-11-30 00:12:03.123Z".
@@ -33,7 +37,12 @@ pub fn time(ns: i64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{ms:03}Z", sod / 3600, sod % 3600 / 60, sod % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{ms:03}Z",
+        sod / 3600,
+        sod % 3600 / 60,
+        sod % 60
+    )
 }
 
 pub fn agents(agents: &[pb::AgentSummary]) -> String {
@@ -42,10 +51,24 @@ pub fn agents(agents: &[pb::AgentSummary]) -> String {
         out.push_str("no agents yet\n");
         return out;
     }
-    let _ = writeln!(out, "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  last seen", "AGENT", "NAME", "STATE", "SAMPLES", "EVENTS", "PID");
+    let _ = writeln!(
+        out,
+        "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  last seen",
+        "AGENT", "NAME", "STATE", "SAMPLES", "EVENTS", "PID"
+    );
     for a in agents {
         let h = a.hello.clone().unwrap_or_default();
-        let _ = writeln!(out, "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  {}", h.agent_id, h.name, a.state, a.samples, a.events, h.pid, time(a.last_seen_ns));
+        let _ = writeln!(
+            out,
+            "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  {}",
+            h.agent_id,
+            h.name,
+            a.state,
+            a.samples,
+            a.events,
+            h.pid,
+            time(a.last_seen_ns)
+        );
     }
     out
 }
@@ -56,10 +79,23 @@ pub fn incidents(list: &[pb::Incident]) -> String {
         out.push_str("no incidents\n");
         return out;
     }
-    let _ = writeln!(out, "{:<12} {:<24} {:<20} {:<14} {:<14}  summary", "ID", "TIME", "AGENT", "KIND", "DOMAIN");
+    let _ = writeln!(
+        out,
+        "{:<12} {:<24} {:<20} {:<14} {:<14}  summary",
+        "ID", "TIME", "AGENT", "KIND", "DOMAIN"
+    );
     for i in list {
         let domain = if i.domain.is_empty() { "-" } else { &i.domain };
-        let _ = writeln!(out, "{:<12} {:<24} {:<20} {:<14} {:<14}  {}", i.id, time(i.time_ns), i.agent_name, i.kind, domain, i.summary);
+        let _ = writeln!(
+            out,
+            "{:<12} {:<24} {:<20} {:<14} {:<14}  {}",
+            i.id,
+            time(i.time_ns),
+            i.agent_name,
+            i.kind,
+            domain,
+            i.summary
+        );
     }
     out
 }
@@ -67,12 +103,30 @@ pub fn incidents(list: &[pb::Incident]) -> String {
 fn event_label(e: &pb::Event) -> String {
     use pb::event::Kind;
     match &e.kind {
-        Some(Kind::Phase(p)) => format!("phase {} {}", p.name, if p.start { "start" } else { "end" }),
+        Some(Kind::Phase(p)) => {
+            format!("phase {} {}", p.name, if p.start { "start" } else { "end" })
+        }
         Some(Kind::Gc(g)) => format!("gc gen{} collected {}", g.generation, g.collected),
-        Some(Kind::CacheRelease(c)) => format!("empty_cache {} -> {}", bytes(c.reserved_before_bytes), bytes(c.reserved_after_bytes)),
-        Some(Kind::Oom(o)) => format!("OOM requesting {} on device {}", bytes(o.requested_bytes), o.device),
-        Some(Kind::ProcessList(p)) => format!("process list ({} host, {} gpu)", p.host_top_rss.len(), p.gpu.len()),
-        Some(Kind::Snapshot(s)) => format!("snapshot: {} segments, largest free block {}", s.segments, bytes(s.largest_free_block_bytes)),
+        Some(Kind::CacheRelease(c)) => format!(
+            "empty_cache {} -> {}",
+            bytes(c.reserved_before_bytes),
+            bytes(c.reserved_after_bytes)
+        ),
+        Some(Kind::Oom(o)) => format!(
+            "OOM requesting {} on device {}",
+            bytes(o.requested_bytes),
+            o.device
+        ),
+        Some(Kind::ProcessList(p)) => format!(
+            "process list ({} host, {} gpu)",
+            p.host_top_rss.len(),
+            p.gpu.len()
+        ),
+        Some(Kind::Snapshot(s)) => format!(
+            "snapshot: {} segments, largest free block {}",
+            s.segments,
+            bytes(s.largest_free_block_bytes)
+        ),
         Some(Kind::HeapCensus(h)) => format!("heap census: {} types", h.types.len()),
         Some(Kind::ChildStart(c)) => format!("child {} started: {}", c.pid, c.command.join(" ")),
         Some(Kind::ChildExit(c)) => match (c.exit_code, c.signal) {
@@ -80,7 +134,11 @@ fn event_label(e: &pb::Event) -> String {
             (Some(code), _) => format!("child {} exited {code}", c.pid),
             _ => format!("child {} ended", c.pid),
         },
-        Some(Kind::Request(r)) => format!("request {} {}", r.request_id, if r.start { "start" } else { "end" }),
+        Some(Kind::Request(r)) => format!(
+            "request {} {}",
+            r.request_id,
+            if r.start { "start" } else { "end" }
+        ),
         None => "event".into(),
     }
 }
@@ -88,8 +146,16 @@ fn event_label(e: &pb::Event) -> String {
 pub fn timeline(t: &pb::TimelineResponse) -> String {
     let mut out = String::new();
     let h = t.hello.clone().unwrap_or_default();
-    let _ = writeln!(out, "agent {} ({}) on {}, pid {}, runtime {}", h.agent_id, h.name, h.host, h.pid, h.runtime);
-    let _ = writeln!(out, "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}", "TIME", "SEQ", "RSS", "CGROUP", "AVAILABLE", "GPU ALLOC", "GPU RESV");
+    let _ = writeln!(
+        out,
+        "agent {} ({}) on {}, pid {}, runtime {}",
+        h.agent_id, h.name, h.host, h.pid, h.runtime
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
+        "TIME", "SEQ", "RSS", "CGROUP", "AVAILABLE", "GPU ALLOC", "GPU RESV"
+    );
     let mut events = t.events.iter().peekable();
     for s in &t.samples {
         let smp = s.sample.clone().unwrap_or_default();
@@ -98,22 +164,56 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             if ev.time_ns > smp.time_ns {
                 break;
             }
-            let _ = writeln!(out, "{:<24} {:>6}   * {}", time(ev.time_ns), e.seq, event_label(&ev));
+            let _ = writeln!(
+                out,
+                "{:<24} {:>6}   * {}",
+                time(ev.time_ns),
+                e.seq,
+                event_label(&ev)
+            );
             events.next();
         }
-        let rss = smp.process.as_ref().map(|p| bytes(p.vm_rss_bytes)).unwrap_or_else(|| "-".into());
-        let cg = smp.cgroup.first().map(|c| bytes(c.usage_bytes)).unwrap_or_else(|| "-".into());
-        let avail = smp.system.as_ref().map(|m| bytes(m.mem_available_bytes)).unwrap_or_else(|| "-".into());
+        let rss = smp
+            .process
+            .as_ref()
+            .map(|p| bytes(p.vm_rss_bytes))
+            .unwrap_or_else(|| "-".into());
+        let cg = smp
+            .cgroup
+            .first()
+            .map(|c| bytes(c.usage_bytes))
+            .unwrap_or_else(|| "-".into());
+        let avail = smp
+            .system
+            .as_ref()
+            .map(|m| bytes(m.mem_available_bytes))
+            .unwrap_or_else(|| "-".into());
         let (alloc, resv) = smp
             .allocator
             .first()
             .map(|a| (bytes(a.allocated_bytes), bytes(a.reserved_bytes)))
             .unwrap_or_else(|| ("-".into(), "-".into()));
-        let _ = writeln!(out, "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}", time(smp.time_ns), s.seq, rss, cg, avail, alloc, resv);
+        let _ = writeln!(
+            out,
+            "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            time(smp.time_ns),
+            s.seq,
+            rss,
+            cg,
+            avail,
+            alloc,
+            resv
+        );
     }
     for e in events {
         let ev = e.event.clone().unwrap_or_default();
-        let _ = writeln!(out, "{:<24} {:>6}   * {}", time(ev.time_ns), e.seq, event_label(&ev));
+        let _ = writeln!(
+            out,
+            "{:<24} {:>6}   * {}",
+            time(ev.time_ns),
+            e.seq,
+            event_label(&ev)
+        );
     }
     out
 }
@@ -187,7 +287,11 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
     if let Some(e) = &d.exit {
         match (e.code, e.signal) {
             (_, Some(s)) => {
-                let _ = writeln!(out, "Exit: killed by signal {s} ({})", crate::supervise::signal_name(s));
+                let _ = writeln!(
+                    out,
+                    "Exit: killed by signal {s} ({})",
+                    crate::supervise::signal_name(s)
+                );
             }
             (Some(c), _) => {
                 let _ = writeln!(out, "Exit: code {c}");
@@ -196,7 +300,13 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
         }
     }
     if let Some(c) = &d.cgroup {
-        let _ = writeln!(out, "Cgroup: {} (limit {} set on {})", c.path, bytes(c.limit_bytes), c.owner_level);
+        let _ = writeln!(
+            out,
+            "Cgroup: {} (limit {} set on {})",
+            c.path,
+            bytes(c.limit_bytes),
+            c.owner_level
+        );
     }
     if !d.evidence.is_empty() {
         out.push_str("Evidence:\n");
@@ -207,12 +317,24 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
     if !d.causes.is_empty() {
         out.push_str("Causes (most likely first):\n");
         for (i, c) in d.causes.iter().enumerate() {
-            let _ = writeln!(out, "  {}. {} (confidence {:.2})", i + 1, c.kind, c.confidence);
+            let _ = writeln!(
+                out,
+                "  {}. {} (confidence {:.2})",
+                i + 1,
+                c.kind,
+                c.confidence
+            );
             for e in &c.evidence {
                 let _ = writeln!(out, "       {e}");
             }
             for p in &c.processes {
-                let _ = writeln!(out, "       pid {} holds {} ({})", p.pid, bytes(p.bytes), p.command.clone().unwrap_or_default());
+                let _ = writeln!(
+                    out,
+                    "       pid {} holds {} ({})",
+                    p.pid,
+                    bytes(p.bytes),
+                    p.command.clone().unwrap_or_default()
+                );
             }
         }
     }
@@ -244,6 +366,9 @@ mod tests {
     fn time_is_utc() {
         assert_eq!(time(0), "1970-01-01 00:00:00.000Z");
         // 2026-11-30 00:00:00 UTC
-        assert_eq!(time(1_796_000_000_000_000_000 - (1_796_000_000 % 86_400) * 1_000_000_000), "2026-11-30 00:00:00.000Z");
+        assert_eq!(
+            time(1_796_000_000_000_000_000 - (1_796_000_000 % 86_400) * 1_000_000_000),
+            "2026-11-30 00:00:00.000Z"
+        );
     }
 }

@@ -147,7 +147,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         Some(i) => (&s[..i], &s[i..]),
         None => (s, "s"),
     };
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration (try 250ms, 5s, 10m)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration (try 250ms, 5s, 10m)"))?;
     let secs = match unit {
         "ms" => n / 1000.0,
         "s" => n,
@@ -164,7 +166,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OOMSCOPE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,oomscope=info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// Entry point; returns the process exit status.
@@ -172,8 +177,22 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     init_tracing();
     let result = match cli.verb {
-        Verb::Collector { listen, db, lost_grace } => collector::run(listen, db, lost_grace),
-        Verb::Run { collector, name, restart, backoff, backoff_max, interval, flush_timeout, spool, command } => {
+        Verb::Collector {
+            listen,
+            db,
+            lost_grace,
+        } => collector::run(listen, db, lost_grace),
+        Verb::Run {
+            collector,
+            name,
+            restart,
+            backoff,
+            backoff_max,
+            interval,
+            flush_timeout,
+            spool,
+            command,
+        } => {
             let name = name.unwrap_or_else(|| {
                 std::path::Path::new(&command[0])
                     .file_name()
@@ -193,17 +212,33 @@ pub fn main() -> i32 {
                 spool_dir: spool,
             })
         }
-        Verb::Replay { file, collector, name, speed, timeout } => {
-            replay::run(&file, &collector.collector, name, speed, timeout)
-        }
+        Verb::Replay {
+            file,
+            collector,
+            name,
+            speed,
+            timeout,
+        } => replay::run(&file, &collector.collector, name, speed, timeout),
         Verb::Agents { collector, json } => query::agents(&collector.collector, json),
-        Verb::Incidents { collector, agent, json } => query::incidents(&collector.collector, agent, json),
-        Verb::Timeline { agent, collector, since, max_points, json } => {
-            query::timeline(&collector.collector, &agent, since, max_points, json)
-        }
-        Verb::Diagnose { incident, collector, agent, since, json } => {
-            query::diagnose(&collector.collector, incident, agent, since, json)
-        }
+        Verb::Incidents {
+            collector,
+            agent,
+            json,
+        } => query::incidents(&collector.collector, agent, json),
+        Verb::Timeline {
+            agent,
+            collector,
+            since,
+            max_points,
+            json,
+        } => query::timeline(&collector.collector, &agent, since, max_points, json),
+        Verb::Diagnose {
+            incident,
+            collector,
+            agent,
+            since,
+            json,
+        } => query::diagnose(&collector.collector, incident, agent, since, json),
     };
     match result {
         Ok(code) => code,

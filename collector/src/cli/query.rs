@@ -12,18 +12,25 @@ use super::format;
 
 async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Channel>> {
     let channel = Endpoint::from_shared(url.to_string())
-        .with_context(|| format!("`{url}` is not a collector URL (expected e.g. http://127.0.0.1:7433)"))?
+        .with_context(|| {
+            format!("`{url}` is not a collector URL (expected e.g. http://127.0.0.1:7433)")
+        })?
         .connect_timeout(Duration::from_secs(3))
         .connect()
         .await
-        .with_context(|| format!("cannot reach the collector at {url}: is `oomscope collector` running?"))?;
+        .with_context(|| {
+            format!("cannot reach the collector at {url}: is `oomscope collector` running?")
+        })?;
     Ok(QueryServiceClient::new(channel)
         .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES))
 }
 
 fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
-    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(f)
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(f)
 }
 
 fn status_err(s: tonic::Status) -> anyhow::Error {
@@ -32,7 +39,11 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
 
 pub fn agents(url: &str, json: bool) -> anyhow::Result<i32> {
     let resp = block_on(async {
-        client(url).await?.list_agents(pb::ListAgentsRequest {}).await.map_err(status_err)
+        client(url)
+            .await?
+            .list_agents(pb::ListAgentsRequest {})
+            .await
+            .map_err(status_err)
     })?
     .into_inner();
     if json {
@@ -57,7 +68,9 @@ pub fn incidents(url: &str, agent: Option<String>, json: bool) -> anyhow::Result
     let resp = block_on(async {
         client(url)
             .await?
-            .incidents(pb::IncidentsRequest { agent: agent.unwrap_or_default() })
+            .incidents(pb::IncidentsRequest {
+                agent: agent.unwrap_or_default(),
+            })
             .await
             .map_err(status_err)
     })?
@@ -77,18 +90,32 @@ pub fn incidents(url: &str, agent: Option<String>, json: bool) -> anyhow::Result
     Ok(0)
 }
 
-pub fn timeline(url: &str, agent: &str, since: Option<Duration>, max_points: u32, json: bool) -> anyhow::Result<i32> {
+pub fn timeline(
+    url: &str,
+    agent: &str,
+    since: Option<Duration>,
+    max_points: u32,
+    json: bool,
+) -> anyhow::Result<i32> {
     let from_ns = since.map(|d| now_ns() - d.as_nanos() as i64).unwrap_or(0);
     let resp = block_on(async {
         client(url)
             .await?
-            .timeline(pb::TimelineRequest { agent: agent.to_string(), from_ns, to_ns: 0, max_points })
+            .timeline(pb::TimelineRequest {
+                agent: agent.to_string(),
+                from_ns,
+                to_ns: 0,
+                max_points,
+            })
             .await
             .map_err(status_err)
     })?
     .into_inner();
     if json {
-        println!("{}", serde_json::to_string_pretty(&format::timeline_json(&resp))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&format::timeline_json(&resp))?
+        );
     } else {
         print!("{}", format::timeline(&resp));
     }
@@ -117,7 +144,10 @@ pub fn diagnose(
     })?
     .into_inner();
     if json {
-        println!("{}", serde_json::to_string_pretty(&oomscope_analysis::to_json(&d))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&oomscope_analysis::to_json(&d))?
+        );
     } else {
         print!("{}", format::diagnosis(&d));
     }

@@ -9,7 +9,13 @@ use oomscope_agent_core::{now_ns, pb};
 
 use crate::capture::{self, CaptureItem};
 
-pub fn run(file: &Path, collector_url: &str, name: Option<String>, speed: f64, timeout: Duration) -> anyhow::Result<i32> {
+pub fn run(
+    file: &Path,
+    collector_url: &str,
+    name: Option<String>,
+    speed: f64,
+    timeout: Duration,
+) -> anyhow::Result<i32> {
     if !(speed >= 0.0 && speed.is_finite()) {
         anyhow::bail!("--speed must be 0 (as fast as possible) or a positive factor, not {speed}");
     }
@@ -21,7 +27,10 @@ pub fn run(file: &Path, collector_url: &str, name: Option<String>, speed: f64, t
     }
     hello.agent_id = format!("replay-{}-{:x}", hello.name, base_ns);
     let reporter = Reporter::start(
-        ReporterConfig { collector_url: collector_url.to_string(), ..ReporterConfig::default() },
+        ReporterConfig {
+            collector_url: collector_url.to_string(),
+            ..ReporterConfig::default()
+        },
         hello,
     );
 
@@ -57,7 +66,13 @@ pub fn run(file: &Path, collector_url: &str, name: Option<String>, speed: f64, t
     }
     let _ = dropped;
     let agent_id = reporter.agent_id().to_string();
-    let acked = reporter.shutdown(pb::Goodbye { reason: "replay finished".into(), exit_code: 0 }, timeout);
+    let acked = reporter.shutdown(
+        pb::Goodbye {
+            reason: "replay finished".into(),
+            exit_code: 0,
+        },
+        timeout,
+    );
     if !acked {
         eprintln!(
             "oomscope replay: {} was not fully acked by {collector_url} within {:.0} s",
@@ -66,6 +81,10 @@ pub fn run(file: &Path, collector_url: &str, name: Option<String>, speed: f64, t
         );
         return Ok(1);
     }
-    println!("replayed {} ({}): {samples} samples, {events} events as agent {agent_id}", file.display(), cap.scenario);
+    println!(
+        "replayed {} ({}): {samples} samples, {events} events as agent {agent_id}",
+        file.display(),
+        cap.scenario
+    );
     Ok(0)
 }

@@ -14,7 +14,11 @@ pub fn bin() -> &'static str {
 
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub struct Collector {
@@ -31,14 +35,24 @@ impl Collector {
 
     pub fn start_on(db: &Path, port: u16) -> Collector {
         let child = Command::new(bin())
-            .args(["collector", "--listen", &format!("127.0.0.1:{port}"), "--db"])
+            .args([
+                "collector",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--db",
+            ])
             .arg(db)
             .args(["--lost-grace", "1s"])
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start collector");
-        let c = Collector { child: Some(child), port, db: db.to_path_buf(), url: format!("http://127.0.0.1:{port}") };
+        let c = Collector {
+            child: Some(child),
+            port,
+            db: db.to_path_buf(),
+            url: format!("http://127.0.0.1:{port}"),
+        };
         c.wait_ready();
         c
     }
@@ -64,15 +78,35 @@ impl Collector {
 
     /// Runs an `oomscope` query verb against this collector and parses its --json output.
     pub fn json(&self, args: &[&str]) -> serde_json::Value {
-        let out = Command::new(bin()).args(args).args(["--collector", &self.url, "--json"]).output().unwrap();
-        assert!(out.status.success(), "oomscope {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("oomscope {args:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+        let out = Command::new(bin())
+            .args(args)
+            .args(["--collector", &self.url, "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "oomscope {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "oomscope {args:?} printed no JSON ({e}): {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
     }
 
     pub fn text(&self, args: &[&str]) -> String {
-        let out = Command::new(bin()).args(args).args(["--collector", &self.url]).output().unwrap();
-        assert!(out.status.success(), "oomscope {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(bin())
+            .args(args)
+            .args(["--collector", &self.url])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "oomscope {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -81,7 +115,13 @@ impl Collector {
         let deadline = Instant::now() + wait;
         loop {
             let all = self.json(&["incidents"]);
-            let mine: Vec<_> = all.as_array().unwrap().iter().filter(|i| i["agent"] == name).cloned().collect();
+            let mine: Vec<_> = all
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|i| i["agent"] == name)
+                .cloned()
+                .collect();
             if mine.len() >= min || Instant::now() > deadline {
                 return mine;
             }
@@ -99,7 +139,15 @@ impl Drop for Collector {
 /// `oomscope run` with the given args before `--` and the command after it.
 pub fn run(url: &str, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
     Command::new(bin())
-        .args(["run", "--collector", url, "--name", name, "--interval", "50ms"])
+        .args([
+            "run",
+            "--collector",
+            url,
+            "--name",
+            name,
+            "--interval",
+            "50ms",
+        ])
         .args(extra)
         .arg("--")
         .args(cmd)
@@ -137,8 +185,15 @@ impl TestCgroup {
         if !controllers.split_whitespace().any(|c| c == "memory") {
             return None;
         }
-        let path = text.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
-        Some((PathBuf::from("/sys/fs/cgroup").join(path.trim_start_matches('/')), path, "v2"))
+        let path = text
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))?
+            .to_string();
+        Some((
+            PathBuf::from("/sys/fs/cgroup").join(path.trim_start_matches('/')),
+            path,
+            "v2",
+        ))
     }
 
     /// A child of `parent` (or of our own cgroup) with an optional limit.
@@ -173,7 +228,14 @@ impl TestCgroup {
             };
             std::fs::write(cg.dir.join(file), l.to_string()).unwrap();
             // No swap escape hatch: the limit must bite (ignored where swap accounting is off).
-            let _ = std::fs::write(cg.dir.join(swapfile), if version == "v1" { l.to_string() } else { "0".into() });
+            let _ = std::fs::write(
+                cg.dir.join(swapfile),
+                if version == "v1" {
+                    l.to_string()
+                } else {
+                    "0".into()
+                },
+            );
         }
         cg
     }
@@ -182,7 +244,10 @@ impl TestCgroup {
     pub fn command(&self, argv: &[&str]) -> Command {
         let mut c = Command::new("sh");
         c.arg("-c")
-            .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", self.dir.display()))
+            .arg(format!(
+                "echo $$ > {}/cgroup.procs && exec \"$@\"",
+                self.dir.display()
+            ))
             .arg("sh")
             .args(argv);
         c
@@ -198,6 +263,9 @@ impl Drop for TestCgroup {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        eprintln!("warning: could not remove test cgroup {}", self.dir.display());
+        eprintln!(
+            "warning: could not remove test cgroup {}",
+            self.dir.display()
+        );
     }
 }

@@ -15,7 +15,10 @@ const V1_UNLIMITED_FLOOR: u64 = 1 << 60;
 /// fields 0 and sets `partial`; optional files (peak, swap, memsw, PSI) that
 /// kernels may lack leave fields 0 silently.
 pub fn read_level(dir: &Path, path: &str, version: Version) -> pb::CgroupLevel {
-    let mut files = LevelFiles { dir, partial: false };
+    let mut files = LevelFiles {
+        dir,
+        partial: false,
+    };
     let mut level = pb::CgroupLevel {
         path: path.to_string(),
         version: version.as_str().to_string(),
@@ -72,7 +75,11 @@ fn read_v1(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
         parse_v1_stat(&t, level);
     }
     // memsw files exist only with swap accounting on.
-    if let Some(memsw) = files.optional("memory.memsw.limit_in_bytes").as_deref().and_then(first_u64) {
+    if let Some(memsw) = files
+        .optional("memory.memsw.limit_in_bytes")
+        .as_deref()
+        .and_then(first_u64)
+    {
         if v1_limit(memsw) != 0 {
             level.swap_limit_bytes = memsw.saturating_sub(limit_raw);
         }
@@ -84,7 +91,11 @@ fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
     level.usage_bytes = files.number("memory.current", first_u64);
     level.high_bytes = files.number("memory.high", parse_v2_max);
     // memory.peak arrived in Linux 5.19.
-    level.peak_bytes = files.optional("memory.peak").as_deref().and_then(first_u64).unwrap_or(0);
+    level.peak_bytes = files
+        .optional("memory.peak")
+        .as_deref()
+        .and_then(first_u64)
+        .unwrap_or(0);
     if let Some(t) = files.required("memory.events") {
         parse_v2_events(&t, level);
     }
@@ -95,9 +106,19 @@ fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
         parse_v2_stat(&t, level);
     }
     // The swap files are absent without swap accounting, PSI without CONFIG_PSI.
-    level.swap_bytes = files.optional("memory.swap.current").as_deref().and_then(first_u64).unwrap_or(0);
-    level.swap_limit_bytes = files.optional("memory.swap.max").as_deref().and_then(parse_v2_max).unwrap_or(0);
-    level.pressure = files.optional("memory.pressure").map(|t| parse_pressure(&t));
+    level.swap_bytes = files
+        .optional("memory.swap.current")
+        .as_deref()
+        .and_then(first_u64)
+        .unwrap_or(0);
+    level.swap_limit_bytes = files
+        .optional("memory.swap.max")
+        .as_deref()
+        .and_then(parse_v2_max)
+        .unwrap_or(0);
+    level.pressure = files
+        .optional("memory.pressure")
+        .map(|t| parse_pressure(&t));
 }
 
 /// A v1 limit in bytes, with the "no limit" sentinel mapped to 0.

@@ -43,9 +43,16 @@ pub fn parse_proc_cgroup(text: &str) -> Vec<CgroupLine> {
             if hierarchy.is_empty() || path.is_empty() {
                 return None;
             }
-            let controllers =
-                controllers.split(',').filter(|c| !c.is_empty()).map(str::to_string).collect();
-            Some(CgroupLine { hierarchy, controllers, path })
+            let controllers = controllers
+                .split(',')
+                .filter(|c| !c.is_empty())
+                .map(str::to_string)
+                .collect();
+            Some(CgroupLine {
+                hierarchy,
+                controllers,
+                path,
+            })
         })
         .collect()
 }
@@ -64,7 +71,8 @@ pub fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
             }
             let _source = right.next();
             let super_opts = right.next().unwrap_or("");
-            let (root, mount_point, opts) = (left.get(3)?, left.get(4)?, left.get(5).unwrap_or(&""));
+            let (root, mount_point, opts) =
+                (left.get(3)?, left.get(4)?, left.get(5).unwrap_or(&""));
             Some(CgroupMount {
                 fstype: fstype.to_string(),
                 root: unescape(root),
@@ -96,7 +104,9 @@ pub fn parse_mounts(text: &str) -> Vec<CgroupMount> {
 }
 
 fn split_opts(opts: &str) -> impl Iterator<Item = String> + '_ {
-    opts.split(',').filter(|o| !o.is_empty()).map(str::to_string)
+    opts.split(',')
+        .filter(|o| !o.is_empty())
+        .map(str::to_string)
 }
 
 /// Undoes the kernel's octal escapes in mount fields (`\040` for a space).
@@ -105,7 +115,9 @@ fn unescape(field: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let octal = bytes.get(i + 1..i + 4).filter(|o| o.iter().all(|b| (b'0'..=b'7').contains(b)));
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|o| o.iter().all(|b| (b'0'..=b'7').contains(b)));
         if let (b'\\', Some(o)) = (bytes[i], octal) {
             let value = (o[0] - b'0') as u32 * 64 + (o[1] - b'0') as u32 * 8 + (o[2] - b'0') as u32;
             if let Ok(b) = u8::try_from(value) {
@@ -127,14 +139,21 @@ pub fn locate(paths: &HostPaths, pid: u32) -> Option<MemoryCgroup> {
     let mounts = read_mounts(paths, pid);
 
     // v1: the hierarchy that names `memory` wins over the v2 line.
-    if let Some(line) = lines.iter().find(|l| l.hierarchy != "0" && l.controllers.iter().any(|c| c == "memory")) {
-        let mount = mounts.iter().find(|m| m.fstype == "cgroup" && m.options.iter().any(|o| o == "memory"));
+    if let Some(line) = lines
+        .iter()
+        .find(|l| l.hierarchy != "0" && l.controllers.iter().any(|c| c == "memory"))
+    {
+        let mount = mounts
+            .iter()
+            .find(|m| m.fstype == "cgroup" && m.options.iter().any(|o| o == "memory"));
         if let Some(mount) = mount {
             return Some(build(paths, Version::V1, &line.path, mount));
         }
     }
     // v2: only where a cgroup2 mount actually carries the memory controller.
-    let line = lines.iter().find(|l| l.hierarchy == "0" && l.controllers.is_empty())?;
+    let line = lines
+        .iter()
+        .find(|l| l.hierarchy == "0" && l.controllers.is_empty())?;
     mounts
         .iter()
         .filter(|m| m.fstype == "cgroup2")
@@ -178,12 +197,20 @@ fn build(paths: &HostPaths, version: Version, path: &str, mount: &CgroupMount) -
         _ => path,
     };
     let rel = rel.trim_start_matches('/');
-    let dir = if rel.is_empty() { mount_dir.clone() } else { mount_dir.join(rel) };
+    let dir = if rel.is_empty() {
+        mount_dir.clone()
+    } else {
+        mount_dir.join(rel)
+    };
     MemoryCgroup {
         version,
         path: path.to_string(),
         dir,
         mount: mount_dir,
-        mount_root: if root.is_empty() { "/".to_string() } else { root.to_string() },
+        mount_root: if root.is_empty() {
+            "/".to_string()
+        } else {
+            root.to_string()
+        },
     }
 }

@@ -9,7 +9,9 @@ pub use level::{
     parse_v1_oom_control, parse_v1_stat, parse_v2_events, parse_v2_events_local, parse_v2_max,
     parse_v2_stat, read_level, v1_limit,
 };
-pub use locate::{locate, parse_mountinfo, parse_mounts, parse_proc_cgroup, CgroupLine, CgroupMount};
+pub use locate::{
+    locate, parse_mountinfo, parse_mounts, parse_proc_cgroup, CgroupLine, CgroupMount,
+};
 
 use std::path::PathBuf;
 
@@ -88,13 +90,14 @@ fn parent_path(path: &str) -> String {
 /// The version and path of `cg`, the tightest limit among `levels` and the
 /// level that owns it. On a tie the deeper level (earlier in `levels`) owns it.
 pub fn info(levels: &[pb::CgroupLevel], cg: &MemoryCgroup) -> pb::CgroupInfo {
-    let owner = levels
-        .iter()
-        .filter(|l| l.limit_bytes > 0)
-        .fold(None::<&pb::CgroupLevel>, |best, l| match best {
-            Some(b) if b.limit_bytes <= l.limit_bytes => Some(b),
-            _ => Some(l),
-        });
+    let owner =
+        levels
+            .iter()
+            .filter(|l| l.limit_bytes > 0)
+            .fold(None::<&pb::CgroupLevel>, |best, l| match best {
+                Some(b) if b.limit_bytes <= l.limit_bytes => Some(b),
+                _ => Some(l),
+            });
     pb::CgroupInfo {
         version: cg.version.as_str().to_string(),
         path: cg.path.clone(),

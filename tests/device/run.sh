@@ -15,30 +15,47 @@ record() { results+=("$(printf '%-34s %-6s %s' "$1" "$2" "$3")"); }
 [ -x "$BIN" ] || { echo "no binary at $BIN"; exit 2; }
 "$BIN" collector --listen 127.0.0.1:$PORT --db "$OUT/oomscope.db" --lost-grace 1s 2>"$OUT/collector.log" &
 CPID=$!
-trap 'kill $CPID 2>/dev/null; for d in /sys/fs/cgroup/oomscope-dev*/leaf /sys/fs/cgroup/oomscope-dev*; do rmdir $d 2>/dev/null; done' EXIT
+trap 'kill $CPID 2>/dev/null' EXIT
 for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.1; done
 
-latest_json() { "$BIN" diagnose "$("$BIN" incidents --agent "$1" --json --collector $URL | python3 -c 'import json,sys; print(json.load(sys.stdin)[-1]["id"])')" --json --collector $URL; }
-field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval('d'+sys.argv[1]))" "$1"; }
+latest_json() {  # the agent's latest incident, diagnosed; {} when it has none
+    local id; id=$("$BIN" incidents --agent "$1" --json --collector $URL | python3 -c 'import json,sys; l=json.load(sys.stdin); print(l[-1]["id"] if l else "")')
+    if [ -n "$id" ]; then "$BIN" diagnose "$id" --json --collector $URL; else echo '{"domain": "no-incident", "cgroup": {}}'; fi; }
+field() { python3 -c "import json,sys
+d=json.load(sys.stdin)
+try: print(eval('d'+sys.argv[1]))
+except Exception: print('-')" "$1"; }
 
-# 1. cgroup v2 limit on the child's own level (pure v2 with the memory controller).
-echo "+memory" > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null
-mkdir -p /sys/fs/cgroup/oomscope-dev && echo $((64<<20)) > /sys/fs/cgroup/oomscope-dev/memory.max && echo 0 > /sys/fs/cgroup/oomscope-dev/memory.swap.max 2>/dev/null
-sh -c 'echo $$ > /sys/fs/cgroup/oomscope-dev/cgroup.procs; exec "$@"' sh "$BIN" run --collector $URL --name dev-cg --interval 50ms -- python3 -c "bytearray(200<<20)" 2>>"$OUT/run.log"
+# Memory cgroups: pure v2 on the GPU machine (the point of running this there); v1 works too.
+if grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    V=v2; BASE=/sys/fs/cgroup; PREFIX=""
+    echo "+memory" > $BASE/cgroup.subtree_control 2>/dev/null
+    LIMITF=memory.max; SWAPF=memory.swap.max; SWAPV=0
+else
+    V=v1; own=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3}' /proc/self/cgroup); own=${own%/}
+    BASE=/sys/fs/cgroup/memory$own; PREFIX=$own
+    LIMITF=memory.limit_in_bytes; SWAPF=memory.memsw.limit_in_bytes; SWAPV=$((64<<20))
+fi
+CLEAN="$BASE/oomscope-devp/leaf $BASE/oomscope-devp $BASE/oomscope-dev"
+trap 'kill $CPID 2>/dev/null; for d in $CLEAN; do rmdir $d 2>/dev/null; done' EXIT
+mkcg() { mkdir -p "$BASE/$1" || return 1; [ $V = v2 ] && echo "+memory" > "$BASE/$1/cgroup.subtree_control" 2>/dev/null
+         if [ -n "${2:-}" ]; then echo "$2" > "$BASE/$1/$LIMITF"; echo $SWAPV > "$BASE/$1/$SWAPF" 2>/dev/null; fi; return 0; }
+
+# 1. A 64 MiB limit on the child's own cgroup level.
+mkcg oomscope-dev $((64<<20))
+sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$BASE/oomscope-dev" "$BIN" run --collector $URL --name dev-cg --interval 50ms -- python3 -c "bytearray(200<<20)" 2>>"$OUT/run.log"
 rc=$?
 j=$(latest_json dev-cg); echo "$j" > "$OUT/dev-cg.json"
 got="rc=$rc domain=$(echo "$j" | field '["domain"]') limit=$(echo "$j" | field '["cgroup"]["limit_bytes"]') owner=$(echo "$j" | field '["cgroup"]["owner_level"]')"
-[[ $rc == 137 && $got == *"domain=cgroup limit=67108864 owner=/oomscope-dev"* ]] && record "cgroup v2, own level" PASS "$got" || record "cgroup v2, own level" FAIL "$got"
+[[ $rc == 137 && $got == *"domain=cgroup limit=67108864 owner=$PREFIX/oomscope-dev" ]] && record "cgroup $V, own level" PASS "$got" || record "cgroup $V, own level" FAIL "$got"
 
-# 2. cgroup v2 limit on the parent level.
-mkdir -p /sys/fs/cgroup/oomscope-devp && echo "+memory" > /sys/fs/cgroup/oomscope-devp/cgroup.subtree_control
-echo $((64<<20)) > /sys/fs/cgroup/oomscope-devp/memory.max; echo 0 > /sys/fs/cgroup/oomscope-devp/memory.swap.max 2>/dev/null
-mkdir -p /sys/fs/cgroup/oomscope-devp/leaf
-sh -c 'echo $$ > /sys/fs/cgroup/oomscope-devp/leaf/cgroup.procs; exec "$@"' sh "$BIN" run --collector $URL --name dev-cgp --interval 50ms -- python3 -c "bytearray(200<<20)" 2>>"$OUT/run.log"
+# 2. The limit on the parent level.
+mkcg oomscope-devp $((64<<20)); mkcg oomscope-devp/leaf
+sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$BASE/oomscope-devp/leaf" "$BIN" run --collector $URL --name dev-cgp --interval 50ms -- python3 -c "bytearray(200<<20)" 2>>"$OUT/run.log"
 rc=$?
 j=$(latest_json dev-cgp); echo "$j" > "$OUT/dev-cgp.json"
 got="rc=$rc domain=$(echo "$j" | field '["domain"]') owner=$(echo "$j" | field '["cgroup"]["owner_level"]')"
-[[ $rc == 137 && $got == *"domain=cgroup owner=/oomscope-devp" ]] && record "cgroup v2, parent level" PASS "$got" || record "cgroup v2, parent level" FAIL "$got"
+[[ $rc == 137 && $got == *"domain=cgroup owner=$PREFIX/oomscope-devp" ]] && record "cgroup $V, parent level" PASS "$got" || record "cgroup $V, parent level" FAIL "$got"
 
 # 3. Address space (RLIMIT_AS).
 "$BIN" run --collector $URL --name dev-as -- prlimit --as=268435456 python3 -c "bytearray(300<<20)" 2>>"$OUT/run.log"
@@ -56,10 +73,10 @@ rc=$?
 j=$(latest_json dev-gpu); echo "$j" > "$OUT/dev-gpu.json"
 got="rc=$rc domain=$(echo "$j" | field '["domain"]')"
 [[ $got == "rc=1 domain=gpu_vram" ]] && record "CUDA OOM text + NVML" PASS "$got" || record "CUDA OOM text + NVML" FAIL "$got"
+echo "dev-gpu evidence:"; echo "$j" | python3 -c 'import json,sys; [print("  -", l) for l in json.load(sys.stdin)["evidence"]]'
 "$BIN" timeline dev-gpu --json --collector $URL > "$OUT/dev-gpu-timeline.json" 2>/dev/null
 
 echo
 printf '%-34s %-6s %s\n' CHECK RESULT DETAIL
 printf '%s\n' "${results[@]}"
-cp "$OUT/oomscope.db" "$OUT/oomscope.db" 2>/dev/null
 [[ "${results[*]}" != *FAIL* ]]

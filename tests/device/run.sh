@@ -28,8 +28,16 @@ except Exception: print('-')" "$1"; }
 
 # Memory cgroups: pure v2 on the GPU machine (the point of running this there); v1 works too.
 if grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
-    V=v2; BASE=/sys/fs/cgroup; PREFIX=""
-    echo "+memory" > $BASE/cgroup.subtree_control 2>/dev/null
+    # Test cgroups go under our own (moving a process to the root's children is
+    # refused there with EIO). v2 allows no processes in a cgroup that hands the
+    # memory controller to children, so ours move to a leaf first.
+    V=v2; PREFIX=$(sed -n 's/^0:://p' /proc/self/cgroup); PREFIX=${PREFIX%/}; BASE=/sys/fs/cgroup$PREFIX
+    if ! grep -qw memory $BASE/cgroup.subtree_control; then
+        mkdir -p $BASE/oomscope-init
+        for p in $(cat $BASE/cgroup.procs); do echo $p > $BASE/oomscope-init/cgroup.procs 2>/dev/null; done
+        echo "+memory" > $BASE/cgroup.subtree_control
+    fi
+    echo "cgroup v2 at $BASE: subtree_control [$(cat $BASE/cgroup.subtree_control)], procs left [$(cat $BASE/cgroup.procs | tr '\n' ' ')]"
     LIMITF=memory.max; SWAPF=memory.swap.max; SWAPV=0
 else
     V=v1; own=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3}' /proc/self/cgroup); own=${own%/}
@@ -38,11 +46,14 @@ else
 fi
 CLEAN="$BASE/oomscope-devp/leaf $BASE/oomscope-devp $BASE/oomscope-dev"
 trap 'kill $CPID 2>/dev/null; for d in $CLEAN; do rmdir $d 2>/dev/null; done' EXIT
-mkcg() { mkdir -p "$BASE/$1" || return 1; [ $V = v2 ] && echo "+memory" > "$BASE/$1/cgroup.subtree_control" 2>/dev/null
+# mkcg NAME [LIMIT]: a v2 parent hands the memory controller to NAME (a leaf
+# itself must not enable it, or it could hold no processes).
+mkcg() { mkdir -p "$BASE/$1" || return 1; [ $V = v2 ] && [[ $1 == */* ]] && echo "+memory" > "$BASE/${1%/*}/cgroup.subtree_control"
          if [ -n "${2:-}" ]; then echo "$2" > "$BASE/$1/$LIMITF"; echo $SWAPV > "$BASE/$1/$SWAPF" 2>/dev/null; fi; return 0; }
 
 # 1. A 64 MiB limit on the child's own cgroup level.
 mkcg oomscope-dev $((64<<20))
+echo "oomscope-dev: controllers [$(cat $BASE/oomscope-dev/cgroup.controllers)] max [$(cat $BASE/oomscope-dev/$LIMITF)] type [$(cat $BASE/oomscope-dev/cgroup.type 2>/dev/null)]"
 sh -c 'echo $$ > "$0/cgroup.procs"; exec "$@"' "$BASE/oomscope-dev" "$BIN" run --collector $URL --name dev-cg --interval 50ms -- python3 -c "bytearray(200<<20)" 2>>"$OUT/run.log"
 rc=$?
 j=$(latest_json dev-cg); echo "$j" > "$OUT/dev-cg.json"

@@ -203,9 +203,8 @@ impl TestCgroup {
             None => {
                 let (d, p, v) = Self::own().expect("this test needs a memory cgroup controller");
                 if v == "v2" {
-                    // v2 forbids processes in inner nodes, so test cgroups hang off the root.
-                    let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+memory");
-                    (PathBuf::from("/sys/fs/cgroup"), "/".to_string(), v)
+                    delegate_v2(&d);
+                    (d, p, v)
                 } else {
                     (d, p, v)
                 }
@@ -216,8 +215,10 @@ impl TestCgroup {
         let _ = std::fs::remove_dir(&dir);
         std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
         let path = format!("{}/{unique}", ppath.trim_end_matches('/'));
-        if version == "v2" {
-            let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+memory");
+        if version == "v2" && parent.is_some() {
+            // A v2 parent hands the controller down; a leaf must not enable it
+            // for its own children, or it could hold no processes.
+            std::fs::write(pdir.join("cgroup.subtree_control"), "+memory").unwrap();
         }
         let cg = TestCgroup { dir, path, version };
         if let Some(l) = limit {
@@ -252,6 +253,22 @@ impl TestCgroup {
             .args(argv);
         c
     }
+}
+
+/// v2 allows no processes in a cgroup that hands the memory controller to its
+/// children: move ours into a leaf, then enable the controller below our own
+/// cgroup (creating test cgroups under the root is refused in some containers).
+fn delegate_v2(own: &std::path::Path) {
+    let enabled = std::fs::read_to_string(own.join("cgroup.subtree_control")).unwrap_or_default();
+    if enabled.split_whitespace().any(|c| c == "memory") {
+        return;
+    }
+    let leaf = own.join("oomscope-init");
+    let _ = std::fs::create_dir(&leaf);
+    for pid in std::fs::read_to_string(own.join("cgroup.procs")).unwrap_or_default().lines() {
+        let _ = std::fs::write(leaf.join("cgroup.procs"), pid);
+    }
+    std::fs::write(own.join("cgroup.subtree_control"), "+memory").expect("enable the memory controller for test cgroups");
 }
 
 impl Drop for TestCgroup {

@@ -1,0 +1,1 @@
+//! (in progress) A tracking caching pool over cudarc.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-machine suite. That machine has no Rust toolchain: build here with
 #   cargo build --release -p oomscope && mkdir -p .device && cp target/release/oomscope .device/
-# and carry `.device` (and, once the Python agent exists, its abi3 wheel in .device/).
+# (plus what each *.part.sh names: release binaries, the abi3 wheel) and carry `.device`.
 # It prints a short table of checks and writes details to $OUT (when set).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,6 +86,14 @@ got="rc=$rc domain=$(echo "$j" | field '["domain"]')"
 [[ $got == "rc=1 domain=gpu_vram" ]] && record "CUDA OOM text + NVML" PASS "$got" || record "CUDA OOM text + NVML" FAIL "$got"
 echo "dev-gpu evidence:"; echo "$j" | python3 -c 'import json,sys; [print("  -", l) for l in json.load(sys.stdin)["evidence"]]'
 "$BIN" timeline dev-gpu --json --collector $URL > "$OUT/dev-gpu-timeline.json" 2>/dev/null
+
+# Each component adds its GPU checks as tests/device/<component>.part.sh, sourced
+# here with $BIN, $URL, $OUT, record() and latest_json() in scope.
+for part in tests/device/*.part.sh; do
+    [ -e "$part" ] || continue
+    echo "== $part"
+    . "$part"
+done
 
 echo
 printf '%-34s %-6s %s\n' CHECK RESULT DETAIL

@@ -156,6 +156,26 @@ struct Handle {
     directives: Mutex<Option<std_mpsc::Receiver<pb::Directive>>>,
     agent_id: String,
     pid: u32,
+    fork_generation: u64,
+}
+
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+static AT_FORK: std::sync::Once = std::sync::Once::new();
+
+extern "C" fn bump_fork_generation() {
+    // Async-signal-safe: one atomic add in the child right after fork().
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many forks lie between the first reporter's process and this one.
+fn fork_generation() -> u64 {
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a plain function that only touches an atomic.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(bump_fork_generation));
+        }
+    });
+    FORK_GENERATION.load(Ordering::Relaxed)
 }
 
 struct Intake {
@@ -296,6 +316,7 @@ impl Reporter {
                 directives: Mutex::new(Some(directive_rx)),
                 agent_id,
                 pid: std::process::id(),
+                fork_generation: fork_generation(),
             }),
         }
     }
@@ -508,7 +529,9 @@ impl Reporter {
     /// True in a forked child: it has no worker, so sending is pointless
     /// and taking the parent's locks could deadlock.
     fn forked(&self) -> bool {
-        std::process::id() != self.inner.pid
+        // A counter bumped in every forked child, instead of getpid() (a real
+        // syscall per send since glibc 2.25 stopped caching it).
+        fork_generation() != self.inner.fork_generation
     }
 }
 

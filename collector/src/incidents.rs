@@ -106,10 +106,18 @@ pub fn record_lost(
     store.insert_incident(&incident)
 }
 
+/// How much history before an incident the ingest path reads to name its
+/// domain. The domain rests on the failure itself and the counters around it,
+/// so the flight recorder's window is enough, and it keeps the ingest path
+/// (which acks only after this) from reading days of samples of a long-lived
+/// agent. `oomscope diagnose` still reads everything.
+pub const INGEST_EVIDENCE_WINDOW_NS: i64 = 10 * 60 * 1_000_000_000;
+
 /// The memory domain the analysis blames for `incident`, from the agent's
-/// history up to its time; "" when the history cannot be read.
+/// recent history; "" when the history cannot be read.
 fn attribute_domain(store: &Store, agent_id: &str, incident: &pb::Incident) -> String {
-    let history = match store.history(agent_id, i64::MIN, incident.time_ns) {
+    let from = incident.time_ns.saturating_sub(INGEST_EVIDENCE_WINDOW_NS);
+    let history = match store.history(agent_id, from, incident.time_ns) {
         Ok(h) => h,
         Err(e) => {
             tracing::warn!(

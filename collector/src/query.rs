@@ -133,7 +133,9 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     };
     let history = store.history(&agent_id, from_ns, to_ns).map_err(internal)?;
     let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
-    diagnosis.agent = Some(agent_id);
+    if diagnosis.agent.is_none() {
+        diagnosis.agent = Some(agent_id);
+    }
     if let Some(inc) = incident {
         diagnosis.incident = Some(inc.id);
     }

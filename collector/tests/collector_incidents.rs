@@ -134,7 +134,7 @@ async fn oom_and_deaths_raise_incidents_and_a_clean_exit_does_not() {
         .unwrap()
         .into_inner();
     assert_eq!(d.incident.as_deref(), Some("inc-000001"));
-    assert_eq!(d.agent.as_deref(), Some("agent-o"));
+    assert_eq!(d.agent.as_deref(), Some("frag"), "the agent by its name");
     assert_eq!(d.domain.as_deref(), Some("gpu_vram"));
     assert!(!d.evidence.is_empty(), "{d:?}");
     assert!(

@@ -11,6 +11,7 @@ use oomscope_analysis::is_oom_text;
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
+use crate::fleet::{self, FleetPolicy};
 use crate::store::Store;
 
 pub const OOM: &str = "oom";
@@ -18,6 +19,8 @@ pub const SIGNAL: &str = "signal";
 pub const EXIT_OOM_TEXT: &str = "exit_oom_text";
 pub const CRASH_LOOP: &str = "crash_loop";
 pub const AGENT_LOST: &str = "agent_lost";
+/// Many agents of one service restarting together, then a request burst.
+pub const RESTART_STORM: &str = "restart_storm";
 
 /// The incident a message raises, if any, without agent or domain filled in.
 /// One incident per event: a crash loop's last exit is reported as the crash
@@ -317,4 +320,58 @@ mod tests {
         assert!(record(&mut store, "a", &[oom]).unwrap().is_empty());
         assert_eq!(store.incidents(None).unwrap().len(), 1);
     }
+}
+
+/// Checks the fleet-level patterns for the service (agent name) of
+/// `agent_id` after something happened to it at `now_ns`, and records a
+/// crash loop or a restart storm once per window. The evidence lines go into
+/// the incident's summary, which is all an incident row carries.
+pub fn check_fleet(
+    store: &mut Store,
+    agent_id: &str,
+    policy: &FleetPolicy,
+    now_ns: i64,
+) -> Result<Vec<pb::Incident>> {
+    let Some(name) = store.hello(agent_id)?.map(|h| h.name).filter(|n| !n.is_empty()) else {
+        return Ok(Vec::new());
+    };
+    let mut recorded = Vec::new();
+    let loop_since = now_ns - policy.crash_loop_window.as_nanos() as i64;
+    if !store.has_incident_of_name(&name, CRASH_LOOP, loop_since)? {
+        let deaths = store.deaths_of(&name, loop_since)?;
+        if let Some(f) = fleet::crash_loop(&name, &deaths, policy) {
+            recorded.extend(record_finding(store, agent_id, &name, CRASH_LOOP, f)?);
+        }
+    }
+    let storm_span = (policy.storm_window + policy.burst_window).as_nanos() as i64;
+    if !store.has_incident_of_name(&name, RESTART_STORM, now_ns - storm_span)? {
+        let starts = store.starts_of(&name, now_ns - storm_span)?;
+        if starts.len() >= policy.storm_agents {
+            let from = starts[0].time_ns - policy.baseline_window.as_nanos() as i64;
+            let requests = store.request_starts_of(&name, from, now_ns + 1)?;
+            if let Some(f) = fleet::restart_storm(&name, &starts, &requests, policy) {
+                recorded.extend(record_finding(store, agent_id, &name, RESTART_STORM, f)?);
+            }
+        }
+    }
+    Ok(recorded)
+}
+
+fn record_finding(
+    store: &mut Store,
+    agent_id: &str,
+    name: &str,
+    kind: &str,
+    f: fleet::Finding,
+) -> Result<Option<pb::Incident>> {
+    let incident = pb::Incident {
+        agent_id: agent_id.to_string(),
+        agent_name: name.to_string(),
+        kind: kind.to_string(),
+        time_ns: f.time_ns,
+        summary: format!("{}: {}", f.summary, f.evidence.join("; ")),
+        seq: 0,
+        ..Default::default()
+    };
+    store.insert_incident(&incident)
 }

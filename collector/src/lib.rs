@@ -2,6 +2,7 @@
 //! supervisor (`oomscope run`), the replayer and the query CLI.
 
 pub mod capture;
+pub mod fleet;
 pub mod cli;
 pub mod incidents;
 pub mod query;

@@ -95,6 +95,7 @@ pub struct Collector {
 struct Inner {
     store: Mutex<Store>,
     lost_grace: Duration,
+    fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
     next_generation: AtomicU64,
     stopping: watch::Sender<bool>,
@@ -109,10 +110,16 @@ struct Link {
 
 impl Collector {
     pub fn new(store: Store, lost_grace: Duration) -> Collector {
+        Self::with_fleet_policy(store, lost_grace, crate::fleet::FleetPolicy::default())
+    }
+
+    /// A collector whose crash-loop and restart-storm detectors use `fleet`.
+    pub fn with_fleet_policy(store: Store, lost_grace: Duration, fleet: crate::fleet::FleetPolicy) -> Collector {
         Collector {
             inner: Arc::new(Inner {
                 store: Mutex::new(store),
                 lost_grace,
+                fleet,
                 links: Mutex::new(HashMap::new()),
                 next_generation: AtomicU64::new(1),
                 stopping: watch::channel(false).0,
@@ -204,7 +211,11 @@ impl Collector {
                         return Ok(None);
                     }
                     store.set_state(&id, "lost", now_ns())?;
-                    incidents::record_lost(store, &id, broke_at_ns, grace)
+                    let lost = incidents::record_lost(store, &id, broke_at_ns, grace)?;
+                    for inc in incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())? {
+                        tracing::warn!(agent_id = inc.agent_id, incident = inc.id, kind = inc.kind, "{}", inc.summary);
+                    }
+                    Ok(lost)
                 })
                 .await;
             match outcome {
@@ -477,6 +488,7 @@ async fn ingest(
     let max_seq = storable.iter().map(|m| m.seq).max().unwrap_or(0);
     let has_goodbye = goodbye.is_some();
     let id = agent_id.clone();
+    let fleet = collector.inner.fleet.clone();
     let result = collector
         .with_store(move |store| {
             if let Some(h) = &rehello {
@@ -485,10 +497,17 @@ async fn ingest(
             let outcome = store.insert_batch(&id, &storable)?;
             // An incident that fails to record must not cost the agent its
             // ack: the messages are stored, and a resend would retry it.
-            let recorded = incidents::record(store, &id, &storable).unwrap_or_else(|e| {
+            let mut recorded = incidents::record(store, &id, &storable).unwrap_or_else(|e| {
                 tracing::error!(agent_id = id, "recording incidents failed: {e:#}");
                 Vec::new()
             });
+            // A death or a request may complete a fleet pattern (crash loop, restart storm).
+            if recorded.iter().any(|i| i.kind != incidents::OOM) || storable.iter().any(is_request_event) {
+                match incidents::check_fleet(store, &id, &fleet, now_ns()) {
+                    Ok(found) => recorded.extend(found),
+                    Err(e) => tracing::error!(agent_id = id, "checking fleet patterns failed: {e:#}"),
+                }
+            }
             if has_goodbye {
                 store.set_state(&id, "disconnected", now_ns())?;
             }
@@ -549,6 +568,10 @@ async fn ingest(
 }
 
 /// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].
+fn is_request_event(m: &pb::AgentMessage) -> bool {
+    matches!(&m.body, Some(Body::Event(pb::Event { kind: Some(pb::event::Kind::Request(_)), .. })))
+}
+
 pub fn ack_ranges(seqs: &[u64]) -> Vec<(u64, u64)> {
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for &s in seqs {

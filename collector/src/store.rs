@@ -443,6 +443,72 @@ impl Store {
     }
 }
 
+/// What the fleet detectors need: one service's (agent name's) starts,
+/// deaths and requests over a time range.
+impl Store {
+    /// When each agent named `name` first said Hello, from `since_ns` on (collector clock).
+    pub fn starts_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Start>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT agent_id, first_seen_ns FROM agents WHERE name = ?1 AND first_seen_ns >= ?2 ORDER BY first_seen_ns",
+        )?;
+        let rows = stmt.query_map(params![name, since_ns], |r| {
+            Ok(crate::fleet::Start { agent_id: r.get(0)?, time_ns: r.get(1)? })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The incidents that ended an agent named `name` (a death by signal, a
+    /// failed exit with OOM text, a lost stream), from `since_ns` on.
+    pub fn deaths_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Death>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT i.agent_id, i.time_ns, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
+             WHERE a.name = ?1 AND i.time_ns >= ?2 AND i.kind IN ('signal', 'exit_oom_text', 'agent_lost')
+             ORDER BY i.time_ns",
+        )?;
+        let rows = stmt.query_map(params![name, since_ns], |r| {
+            Ok(crate::fleet::Death { agent_id: r.get(0)?, time_ns: r.get(1)?, kind: r.get(2)? })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The times of request starts (`RequestBoundary` with `start`) sent by
+    /// any agent named `name` within [from_ns, to_ns).
+    pub fn request_starts_of(&self, name: &str, from_ns: i64, to_ns: i64) -> Result<Vec<i64>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT m.agent_id, m.seq, m.body FROM messages m JOIN agents a ON a.agent_id = m.agent_id
+             WHERE a.name = ?1 AND m.kind = 'event' AND m.event_kind = 'request' AND m.time_ns >= ?2 AND m.time_ns < ?3",
+        )?;
+        let rows = stmt.query_map(params![name, from_ns, to_ns], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, Vec<u8>>(2)?))
+        })?;
+        let mut times = Vec::new();
+        for row in rows {
+            let (agent_id, seq, body) = row?;
+            if let Some(Body::Event(e)) = decode_message(&agent_id, seq, &body)?.body {
+                if matches!(&e.kind, Some(EventKind::Request(r)) if r.start) {
+                    times.push(e.time_ns);
+                }
+            }
+        }
+        times.sort_unstable();
+        Ok(times)
+    }
+
+    /// Whether an incident of `kind` was recorded for any agent named `name` at or after `since_ns`.
+    pub fn has_incident_of_name(&self, name: &str, kind: &str, since_ns: i64) -> Result<bool> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT 1 FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
+                 WHERE a.name = ?1 AND i.kind = ?2 AND i.time_ns >= ?3 LIMIT 1",
+                params![name, kind, since_ns],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some())
+    }
+}
+
 const INCIDENT_SELECT: &str = "
     SELECT i.id, i.agent_id, coalesce(a.name, ''), i.kind, i.time_ns, i.domain, i.summary, i.seq
     FROM incidents i LEFT JOIN agents a ON a.agent_id = i.agent_id";

@@ -29,12 +29,17 @@ pub struct Running {
 
 /// Starts a collector on an ephemeral loopback port over `db`.
 pub async fn start(db: &Path, lost_grace: Duration) -> Running {
+    start_with(db, lost_grace, oomscope::fleet::FleetPolicy::default()).await
+}
+
+/// The same, with the fleet detectors' windows set by the test.
+pub async fn start_with(db: &Path, lost_grace: Duration, fleet: oomscope::fleet::FleetPolicy) -> Running {
     let store = Store::open(db).expect("open store");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().unwrap();
-    let collector = Collector::new(store, lost_grace);
+    let collector = Collector::with_fleet_policy(store, lost_grace, fleet);
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(serve_with_listener(
         listener,

@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-
 /// The defaults, each with its reason.
 #[derive(Clone, Debug)]
 pub struct FleetPolicy {
@@ -90,7 +89,8 @@ pub fn crash_loop(service: &str, deaths: &[Death], p: &FleetPolicy) -> Option<Fi
     if span > p.crash_loop_window.as_nanos() as i64 {
         return None;
     }
-    let agents: std::collections::BTreeSet<&str> = recent.iter().map(|x| x.agent_id.as_str()).collect();
+    let agents: std::collections::BTreeSet<&str> =
+        recent.iter().map(|x| x.agent_id.as_str()).collect();
     let mut evidence = vec![format!(
         "{n} deaths of service {service:?} within {:.1} s (window {:.0} s), across {} agent(s)",
         secs(span),
@@ -98,12 +98,22 @@ pub fn crash_loop(service: &str, deaths: &[Death], p: &FleetPolicy) -> Option<Fi
         agents.len()
     )];
     evidence.extend(recent.iter().map(|x| {
-        format!("{} ended: {} at +{:.1} s", x.agent_id, x.kind, secs(x.time_ns - recent[0].time_ns))
+        format!(
+            "{} ended: {} at +{:.1} s",
+            x.agent_id,
+            x.kind,
+            secs(x.time_ns - recent[0].time_ns)
+        )
     }));
-    evidence.push("whatever restarts it keeps it failing: bound the restarts and fix the cause first".into());
+    evidence.push(
+        "whatever restarts it keeps it failing: bound the restarts and fix the cause first".into(),
+    );
     Some(Finding {
         time_ns: recent[n - 1].time_ns,
-        summary: format!("crash loop: service {service:?} died {n} times in {:.1} s", secs(span)),
+        summary: format!(
+            "crash loop: service {service:?} died {n} times in {:.1} s",
+            secs(span)
+        ),
         evidence,
     })
 }
@@ -111,7 +121,12 @@ pub fn crash_loop(service: &str, deaths: &[Death], p: &FleetPolicy) -> Option<Fi
 /// A restart storm: `storm_agents` starts within `storm_window`, followed by
 /// a request burst well above the service's rate before them. `requests` are
 /// the times of the service's request starts, from any of its agents.
-pub fn restart_storm(service: &str, starts: &[Start], requests: &[i64], p: &FleetPolicy) -> Option<Finding> {
+pub fn restart_storm(
+    service: &str,
+    starts: &[Start],
+    requests: &[i64],
+    p: &FleetPolicy,
+) -> Option<Finding> {
     let n = p.storm_agents.max(2);
     if starts.len() < n {
         return None;
@@ -129,15 +144,25 @@ pub fn restart_storm(service: &str, starts: &[Start], requests: &[i64], p: &Flee
     let t0 = group[0].time_ns;
     let burst_end = t0 + p.burst_window.as_nanos() as i64;
     let base_start = t0 - p.baseline_window.as_nanos() as i64;
-    let burst = requests.iter().filter(|&&t| t >= t0 && t < burst_end).count();
-    let before = requests.iter().filter(|&&t| t >= base_start && t < t0).count();
+    let burst = requests
+        .iter()
+        .filter(|&&t| t >= t0 && t < burst_end)
+        .count();
+    let before = requests
+        .iter()
+        .filter(|&&t| t >= base_start && t < t0)
+        .count();
     let burst_rate = burst as f64 / p.burst_window.as_secs_f64();
     let base_rate = before as f64 / p.baseline_window.as_secs_f64();
     if burst < p.burst_min_requests || burst_rate < p.burst_factor * base_rate {
         return None;
     }
     let spread = group.last().unwrap().time_ns - t0;
-    let ratio = if base_rate > 0.0 { format!("{:.1}x", burst_rate / base_rate) } else { "from nothing".into() };
+    let ratio = if base_rate > 0.0 {
+        format!("{:.1}x", burst_rate / base_rate)
+    } else {
+        "from nothing".into()
+    };
     Some(Finding {
         time_ns: group.last().unwrap().time_ns,
         summary: format!(
@@ -165,7 +190,15 @@ mod tests {
     const S: i64 = 1_000_000_000;
 
     fn deaths(times: &[i64]) -> Vec<Death> {
-        times.iter().enumerate().map(|(i, &t)| Death { agent_id: format!("a{i}"), time_ns: t * S, kind: "agent_lost".into() }).collect()
+        times
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| Death {
+                agent_id: format!("a{i}"),
+                time_ns: t * S,
+                kind: "agent_lost".into(),
+            })
+            .collect()
     }
 
     #[test]
@@ -182,7 +215,14 @@ mod tests {
     #[test]
     fn a_storm_needs_simultaneous_starts_and_a_burst() {
         let p = FleetPolicy::default();
-        let starts: Vec<Start> = [100, 101, 103].iter().enumerate().map(|(i, &t)| Start { agent_id: format!("a{i}"), time_ns: t * S }).collect();
+        let starts: Vec<Start> = [100, 101, 103]
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| Start {
+                agent_id: format!("a{i}"),
+                time_ns: t * S,
+            })
+            .collect();
         // Steady 1 request / 10 s before, 60 in the 30 s after.
         let mut req: Vec<i64> = (0..10).map(|i| i * 10 * S).collect();
         req.extend((0..60).map(|i| 100 * S + i * S / 2));

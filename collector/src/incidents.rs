@@ -8,10 +8,10 @@ use anyhow::Result;
 
 use oomscope_analysis::is_oom_text;
 
+use crate::fleet::{self, FleetPolicy};
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
-use crate::fleet::{self, FleetPolicy};
 use crate::store::Store;
 
 pub const OOM: &str = "oom";
@@ -332,7 +332,11 @@ pub fn check_fleet(
     policy: &FleetPolicy,
     now_ns: i64,
 ) -> Result<Vec<pb::Incident>> {
-    let Some(name) = store.hello(agent_id)?.map(|h| h.name).filter(|n| !n.is_empty()) else {
+    let Some(name) = store
+        .hello(agent_id)?
+        .map(|h| h.name)
+        .filter(|n| !n.is_empty())
+    else {
         return Ok(Vec::new());
     };
     let mut recorded = Vec::new();

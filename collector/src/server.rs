@@ -114,7 +114,11 @@ impl Collector {
     }
 
     /// A collector whose crash-loop and restart-storm detectors use `fleet`.
-    pub fn with_fleet_policy(store: Store, lost_grace: Duration, fleet: crate::fleet::FleetPolicy) -> Collector {
+    pub fn with_fleet_policy(
+        store: Store,
+        lost_grace: Duration,
+        fleet: crate::fleet::FleetPolicy,
+    ) -> Collector {
         Collector {
             inner: Arc::new(Inner {
                 store: Mutex::new(store),
@@ -213,7 +217,13 @@ impl Collector {
                     store.set_state(&id, "lost", now_ns())?;
                     let lost = incidents::record_lost(store, &id, broke_at_ns, grace)?;
                     for inc in incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())? {
-                        tracing::warn!(agent_id = inc.agent_id, incident = inc.id, kind = inc.kind, "{}", inc.summary);
+                        tracing::warn!(
+                            agent_id = inc.agent_id,
+                            incident = inc.id,
+                            kind = inc.kind,
+                            "{}",
+                            inc.summary
+                        );
                     }
                     Ok(lost)
                 })
@@ -502,10 +512,14 @@ async fn ingest(
                 Vec::new()
             });
             // A death or a request may complete a fleet pattern (crash loop, restart storm).
-            if recorded.iter().any(|i| i.kind != incidents::OOM) || storable.iter().any(is_request_event) {
+            if recorded.iter().any(|i| i.kind != incidents::OOM)
+                || storable.iter().any(is_request_event)
+            {
                 match incidents::check_fleet(store, &id, &fleet, now_ns()) {
                     Ok(found) => recorded.extend(found),
-                    Err(e) => tracing::error!(agent_id = id, "checking fleet patterns failed: {e:#}"),
+                    Err(e) => {
+                        tracing::error!(agent_id = id, "checking fleet patterns failed: {e:#}")
+                    }
                 }
             }
             if has_goodbye {
@@ -569,7 +583,13 @@ async fn ingest(
 
 /// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].
 fn is_request_event(m: &pb::AgentMessage) -> bool {
-    matches!(&m.body, Some(Body::Event(pb::Event { kind: Some(pb::event::Kind::Request(_)), .. })))
+    matches!(
+        &m.body,
+        Some(Body::Event(pb::Event {
+            kind: Some(pb::event::Kind::Request(_)),
+            ..
+        }))
+    )
 }
 
 pub fn ack_ranges(seqs: &[u64]) -> Vec<(u64, u64)> {

@@ -452,7 +452,10 @@ impl Store {
             "SELECT agent_id, first_seen_ns FROM agents WHERE name = ?1 AND first_seen_ns >= ?2 ORDER BY first_seen_ns",
         )?;
         let rows = stmt.query_map(params![name, since_ns], |r| {
-            Ok(crate::fleet::Start { agent_id: r.get(0)?, time_ns: r.get(1)? })
+            Ok(crate::fleet::Start {
+                agent_id: r.get(0)?,
+                time_ns: r.get(1)?,
+            })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
@@ -466,7 +469,11 @@ impl Store {
              ORDER BY i.time_ns",
         )?;
         let rows = stmt.query_map(params![name, since_ns], |r| {
-            Ok(crate::fleet::Death { agent_id: r.get(0)?, time_ns: r.get(1)?, kind: r.get(2)? })
+            Ok(crate::fleet::Death {
+                agent_id: r.get(0)?,
+                time_ns: r.get(1)?,
+                kind: r.get(2)?,
+            })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
@@ -479,7 +486,11 @@ impl Store {
              WHERE a.name = ?1 AND m.kind = 'event' AND m.event_kind = 'request' AND m.time_ns >= ?2 AND m.time_ns < ?3",
         )?;
         let rows = stmt.query_map(params![name, from_ns, to_ns], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, Vec<u8>>(2)?))
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)? as u64,
+                r.get::<_, Vec<u8>>(2)?,
+            ))
         })?;
         let mut times = Vec::new();
         for row in rows {

@@ -18,19 +18,29 @@ fn now() -> i64 {
 }
 
 fn request(seq: u64, id: &str) -> pb::AgentMessage {
-    event(seq, now(), pb::event::Kind::Request(pb::RequestBoundary { request_id: id.into(), start: true, ..Default::default() }))
+    event(
+        seq,
+        now(),
+        pb::event::Kind::Request(pb::RequestBoundary {
+            request_id: id.into(),
+            start: true,
+            ..Default::default()
+        }),
+    )
 }
 
 async fn incidents_of(run: &Running, name: &str) -> Vec<pb::Incident> {
     let mut q = run.query().await;
-    q.incidents(pb::IncidentsRequest { agent: String::new() })
-        .await
-        .unwrap()
-        .into_inner()
-        .incidents
-        .into_iter()
-        .filter(|i| i.agent_name == name)
-        .collect()
+    q.incidents(pb::IncidentsRequest {
+        agent: String::new(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .incidents
+    .into_iter()
+    .filter(|i| i.agent_name == name)
+    .collect()
 }
 
 /// An agent that says Hello, sends one sample (acked), then vanishes without a Goodbye.
@@ -44,7 +54,11 @@ async fn die(run: &Running, id: &str, name: &str) {
 
 async fn wait_for(run: &Running, name: &str, kind: &str) -> Option<pb::Incident> {
     for _ in 0..50 {
-        if let Some(i) = incidents_of(run, name).await.into_iter().find(|i| i.kind == kind) {
+        if let Some(i) = incidents_of(run, name)
+            .await
+            .into_iter()
+            .find(|i| i.kind == kind)
+        {
             return Some(i);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -60,15 +74,30 @@ async fn three_deaths_of_one_service_are_a_crash_loop() {
         die(&run, &format!("svc-{i}"), "svc").await;
         tokio::time::sleep(GRACE * 3).await;
     }
-    let inc = wait_for(&run, "svc", "crash_loop").await.expect("a crash loop incident");
+    let inc = wait_for(&run, "svc", "crash_loop")
+        .await
+        .expect("a crash loop incident");
     assert!(inc.summary.contains("died 3 times"), "{}", inc.summary);
-    assert!(inc.summary.contains("svc-0 ended: agent_lost") && inc.summary.contains("svc-2 ended: agent_lost"), "{}", inc.summary);
-    let lost = incidents_of(&run, "svc").await.iter().filter(|i| i.kind == "agent_lost").count();
+    assert!(
+        inc.summary.contains("svc-0 ended: agent_lost")
+            && inc.summary.contains("svc-2 ended: agent_lost"),
+        "{}",
+        inc.summary
+    );
+    let lost = incidents_of(&run, "svc")
+        .await
+        .iter()
+        .filter(|i| i.kind == "agent_lost")
+        .count();
     assert_eq!(lost, 3);
     // Recorded once per window, not once per further death.
     die(&run, "svc-3", "svc").await;
     tokio::time::sleep(GRACE * 3).await;
-    let loops = incidents_of(&run, "svc").await.iter().filter(|i| i.kind == "crash_loop").count();
+    let loops = incidents_of(&run, "svc")
+        .await
+        .iter()
+        .filter(|i| i.kind == "crash_loop")
+        .count();
     assert_eq!(loops, 1);
     run.stop().await;
 }
@@ -84,7 +113,11 @@ async fn a_single_restart_is_neither_a_loop_nor_a_storm() {
         a.send(request(s, &format!("r{s}"))).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let kinds: Vec<String> = incidents_of(&run, "one").await.into_iter().map(|i| i.kind).collect();
+    let kinds: Vec<String> = incidents_of(&run, "one")
+        .await
+        .into_iter()
+        .map(|i| i.kind)
+        .collect();
     assert_eq!(kinds, vec!["agent_lost".to_string()], "only the one death");
     run.stop().await;
 }
@@ -120,12 +153,40 @@ async fn agents_restarting_together_then_a_burst_is_a_restart_storm() {
         }
         a.acks_covering(&(1..=10).collect(), |_| {}).await;
     }
-    let inc = wait_for(&run, "api", "restart_storm").await.expect("a restart storm incident");
-    assert!(inc.summary.contains("4 agents of service \"api\" started within"), "{}", inc.summary);
-    assert!(inc.summary.contains("vs 3 in the 10 s before"), "the old agent's trickle is the baseline: {}", inc.summary);
-    let burst: usize = inc.summary.split(" requests in the 5 s after").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+    let inc = wait_for(&run, "api", "restart_storm")
+        .await
+        .expect("a restart storm incident");
+    assert!(
+        inc.summary
+            .contains("4 agents of service \"api\" started within"),
+        "{}",
+        inc.summary
+    );
+    assert!(
+        inc.summary.contains("vs 3 in the 10 s before"),
+        "the old agent's trickle is the baseline: {}",
+        inc.summary
+    );
+    let burst: usize = inc
+        .summary
+        .split(" requests in the 5 s after")
+        .next()
+        .unwrap()
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((20..=40).contains(&burst), "{}", inc.summary);
-    assert_eq!(incidents_of(&run, "api").await.iter().filter(|i| i.kind == "restart_storm").count(), 1, "recorded once");
+    assert_eq!(
+        incidents_of(&run, "api")
+            .await
+            .iter()
+            .filter(|i| i.kind == "restart_storm")
+            .count(),
+        1,
+        "recorded once"
+    );
     run.stop().await;
 }
 

@@ -33,7 +33,11 @@ pub async fn start(db: &Path, lost_grace: Duration) -> Running {
 }
 
 /// The same, with the fleet detectors' windows set by the test.
-pub async fn start_with(db: &Path, lost_grace: Duration, fleet: oomscope::fleet::FleetPolicy) -> Running {
+pub async fn start_with(
+    db: &Path,
+    lost_grace: Duration,
+    fleet: oomscope::fleet::FleetPolicy,
+) -> Running {
     let store = Store::open(db).expect("open store");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -126,16 +126,37 @@ fn an_agent_killed_without_a_goodbye_is_recorded_as_lost() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     let mut sup = std::process::Command::new(bin())
-        .args(["run", "--collector", &col.url, "--name", "doomed", "--interval", "50ms", "--", "sleep", "30"])
+        .args([
+            "run",
+            "--collector",
+            &col.url,
+            "--name",
+            "doomed",
+            "--interval",
+            "50ms",
+            "--",
+            "sleep",
+            "30",
+        ])
         .spawn()
         .unwrap();
     // Wait until the collector knows the agent, then SIGKILL the supervisor itself.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !col.json(&["agents"]).as_array().unwrap().iter().any(|a| a["name"] == "doomed" && a["samples"].as_u64() > Some(2)) {
-        assert!(std::time::Instant::now() < deadline, "the agent never streamed");
+    while !col
+        .json(&["agents"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|a| a["name"] == "doomed" && a["samples"].as_u64() > Some(2))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent never streamed"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", sup.id())).unwrap_or_default();
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", sup.id()))
+        .unwrap_or_default();
     sup.kill().unwrap();
     sup.wait().unwrap();
     // The harness runs the collector with a 1 s grace for reconnects.
@@ -143,11 +164,22 @@ fn an_agent_killed_without_a_goodbye_is_recorded_as_lost() {
     assert_eq!(incs.len(), 1, "{incs:#?}");
     assert_eq!(incs[0]["kind"], "agent_lost");
     let agents = col.json(&["agents"]);
-    let a = agents.as_array().unwrap().iter().find(|a| a["name"] == "doomed").unwrap();
+    let a = agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "doomed")
+        .unwrap();
     assert_eq!(a["state"], "lost");
-    assert!(a["samples"].as_u64().unwrap() >= 3, "its last samples are kept: {a}");
+    assert!(
+        a["samples"].as_u64().unwrap() >= 3,
+        "its last samples are kept: {a}"
+    );
     // The orphaned `sleep 30` was the supervisor's child; oomscope never signals it, so the test does.
-    for pid in children.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+    for pid in children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<i32>().ok())
+    {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
 }

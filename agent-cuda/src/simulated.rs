@@ -1,0 +1,94 @@
+//! A device backed by host memory, with a capacity and the CUDA driver's
+//! allocation granularity, failing with the same out-of-memory error.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::device::{DeviceError, DeviceInfo, DeviceMemory};
+
+/// cuMemAlloc hands out (and counts) memory in 2 MiB pages on current GPUs;
+/// the simulated capacity is charged the same way.
+pub const SEGMENT_GRANULARITY: u64 = 2 << 20;
+/// Device allocations are at least 256-byte aligned under CUDA; a page keeps
+/// host-backed blocks aligned for any element type.
+const ALIGN: usize = 4096;
+
+/// Host memory posing as a GPU of `capacity` bytes. Memory is zero-filled
+/// lazily by the OS (calloc), so untouched capacity costs no RAM.
+#[derive(Debug)]
+pub struct Simulated {
+    info: DeviceInfo,
+    used: AtomicU64,
+}
+
+impl Simulated {
+    pub fn new(capacity: u64) -> Simulated {
+        Simulated {
+            info: DeviceInfo {
+                index: 0,
+                name: "oomscope simulated device".into(),
+                uuid: "SIM-00000000".into(),
+                total_bytes: capacity,
+            },
+            used: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes charged against the capacity (whole 2 MiB pages).
+    pub fn used_bytes(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn charge(bytes: u64) -> u64 {
+        bytes.div_ceil(SEGMENT_GRANULARITY).max(1) * SEGMENT_GRANULARITY
+    }
+}
+
+impl DeviceMemory for Simulated {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
+        let charge = Self::charge(bytes);
+        let total = self.info.total_bytes;
+        let oom = |used: u64| DeviceError::OutOfMemory {
+            requested: bytes,
+            free: total.saturating_sub(used),
+            total,
+        };
+        // Reserve the capacity first, so concurrent allocations never overshoot it.
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(charge).filter(|n| *n <= total)
+            })
+            .map_err(oom)?;
+        let layout = Layout::from_size_align(charge as usize, ALIGN).map_err(|_| oom(0))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            self.used.fetch_sub(charge, Ordering::AcqRel);
+            return Err(oom(self.used_bytes()));
+        }
+        Ok(ptr as u64)
+    }
+
+    unsafe fn free(&self, ptr: u64, bytes: u64) -> Result<(), DeviceError> {
+        let charge = Self::charge(bytes);
+        let layout = Layout::from_size_align(charge as usize, ALIGN).map_err(|e| {
+            DeviceError::Driver {
+                code: 1,
+                message: e.to_string(),
+            }
+        })?;
+        // SAFETY: the caller passes a pointer from `alloc(bytes)`, which used this layout.
+        unsafe { dealloc(ptr as *mut u8, layout) };
+        self.used.fetch_sub(charge, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn mem_get_info(&self) -> Result<(u64, u64), DeviceError> {
+        let total = self.info.total_bytes;
+        Ok((total.saturating_sub(self.used_bytes()), total))
+    }
+}

@@ -1,25 +1,35 @@
 //! The whole verdict for one incident.
 
+use crate::capacity;
 use crate::causes;
 use crate::domain::decide;
 use crate::evidence::Evidence;
 use crate::findings::Findings;
 use crate::fixes;
 use crate::pb;
+use crate::trigger;
 
-/// Domain, exit, cgroup, evidence, causes and fixes for one incident.
-///
-/// `trigger` stays unset: telling immediate from size-, concurrency- or
-/// repeat-dependent failures needs the allocator timeline analysis.
+/// Domain, trigger, exit, cgroup, evidence, causes, fixes and capacity for
+/// one incident, or for one agent's timeline without one (a leak hunt: no
+/// domain, but trigger and causes still apply).
 pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let f = Findings::gather(e);
-    let verdict = decide(&f);
+    let mut verdict = decide(&f);
     let causes = causes::analyze(&f, &verdict);
-    let fixes = if verdict.failed {
+    let trigger = trigger::decide(&f);
+    if let Some((t, line)) = &trigger {
+        verdict
+            .evidence
+            .push(format!("trigger {}: {line}", t.as_str()));
+    }
+    let fixes = if verdict.failed || !causes.is_empty() {
         fixes::rank(&f, &verdict, &causes)
     } else {
         Vec::new()
     };
+    let capacity_json = capacity::estimate(e, &f.timeline, f.failure.as_ref())
+        .and_then(|c| serde_json::to_string(&c).ok())
+        .unwrap_or_default();
     // The agent's name, as `incidents` and `--agent` use it; its id when it has none.
     let agent = e
         .hello
@@ -42,10 +52,10 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
             .filter(|i| !i.is_empty()),
         agent,
         domain: verdict.failed.then(|| verdict.domain.as_str().to_string()),
-        trigger: None,
-        causes: if verdict.failed { causes } else { Vec::new() },
+        trigger: trigger.map(|(t, _)| t.as_str().to_string()),
+        causes,
         fixes,
-        capacity_json: String::new(),
+        capacity_json,
         evidence: verdict.evidence,
         exit: f.exit.map(|(_, x)| pb::ExitStatus {
             code: x.exit_code,

@@ -3,9 +3,11 @@
 
 use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
 use crate::evidence::Evidence;
+use crate::failure::{device_limit, AtFailure};
 use crate::oom_text::{cuda_oom_line, oom_line};
 use crate::pb;
 use crate::thrash::{read_thrash, ThrashReading};
+use crate::timeline::Timeline;
 use crate::units::{bytes, seconds, signal_name};
 
 pub const SIGBUS: i32 = 7;
@@ -36,6 +38,12 @@ pub struct Findings<'a> {
     pub strict_commit: Option<(u64, u64)>,
     /// Something failed: a non-clean exit, a device OOM, or an incident with neither.
     pub failed: bool,
+    /// The samples as series to fit.
+    pub timeline: Timeline,
+    /// The device allocator at the failed allocation.
+    pub failure: Option<AtFailure>,
+    /// The device limit: the failure's, else the announced cap or total; 0 if unknown.
+    pub device_limit: u64,
 }
 
 impl<'a> Findings<'a> {
@@ -69,8 +77,18 @@ impl<'a> Findings<'a> {
                     >= s.commit_limit_bytes as f64 * COMMIT_NEAR_FRACTION;
             near.then_some((s.committed_as_bytes, s.commit_limit_bytes))
         });
+        let timeline = Timeline::from_evidence(e);
+        let failure = AtFailure::from_evidence(e, oom, &timeline);
+        let device_limit = failure
+            .as_ref()
+            .map(|f| f.limit_bytes)
+            .filter(|&l| l > 0)
+            .unwrap_or_else(|| device_limit(e));
         Findings {
             evidence: e,
+            timeline,
+            failure,
+            device_limit,
             exit,
             oom,
             signal,

@@ -53,8 +53,189 @@ pub fn rank(f: &Findings, v: &DomainVerdict, causes: &[pb::Cause]) -> Vec<pb::Fi
     }
     let mut seen = std::collections::HashSet::new();
     fixes.retain(|x| seen.insert(x.action.clone()));
-    fixes.sort_by_key(|x| risk_rank(&x.risk));
+    // Stable: within a risk, the most likely cause's fixes come first; more capacity comes last of all.
+    fixes.sort_by_key(|x| (x.action.starts_with(MORE_CAPACITY), risk_rank(&x.risk)));
     fixes
+}
+
+/// Actions that buy hardware start with this; they rank after every other fix.
+const MORE_CAPACITY: &str = "More capacity:";
+
+const ONE_REQUEST: &str = "one passing request does not prove capacity: retest at the peak concurrency and the longest context expected";
+const EMPTY_CACHE: &str = "empty_cache is not a capacity plan: it returns cached blocks, not live tensors, and the cache refills";
+const RESTART_BOUNDED: &str = "containment, not a fix: keep restarts bounded (`oomscope run --restart N`), never an unbounded auto-restart loop";
+const QUALITY: &str =
+    "quality re-evaluation required: rerun the model's accuracy suite at the new precision";
+
+fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
+    match c.kind.as_str() {
+        "kv_growth" => {
+            let cap = crate::capacity::estimate(f.evidence, &f.timeline, f.failure.as_ref());
+            let (seqs, tokens) = cap.as_ref().map_or((String::new(), String::new()), |c| {
+                (format!(" (estimated safe: {})", c.safe_sequences), format!(" (estimated safe: {})", c.safe_active_tokens))
+            });
+            vec![
+                fix(
+                    format!("Cap active sequences{seqs} and total active tokens{tokens}, with a bounded admission queue in front"),
+                    "low",
+                    format!("{SAME_WORKLOAD} live bytes at the cap, then step concurrency up to the expected peak"),
+                    Some(ONE_REQUEST),
+                ),
+                fix(
+                    "Shorten the max context (or retrieve less text per prompt)",
+                    "low",
+                    format!("{SAME_WORKLOAD} bytes_per_token × the new max context"),
+                    None,
+                ),
+                fix(
+                    "Lower the batch size (or max batched tokens)",
+                    "low",
+                    format!("{SAME_WORKLOAD} the peak live bytes"),
+                    None,
+                ),
+                fix(
+                    "Serve fewer resident models on this GPU",
+                    "medium",
+                    format!("{SAME_WORKLOAD} the fixed bytes left for the KV cache"),
+                    None,
+                ),
+                fix(
+                    "Store the KV cache at lower precision (FP8) or quantize it",
+                    "medium",
+                    format!("{SAME_WORKLOAD} bytes_per_token: it should halve"),
+                    Some(QUALITY),
+                ),
+                fix(
+                    format!("{MORE_CAPACITY} a GPU with more memory, or tensor parallelism across GPUs"),
+                    "high",
+                    "rerun the same failing workload on the new placement",
+                    Some(ONE_REQUEST),
+                ),
+            ]
+        }
+        "fragmentation" => {
+            let expandable = c.metrics.get("expandable_segments").is_some_and(|v| *v > 0.0);
+            let mut v = Vec::new();
+            if expandable {
+                v.push(fix(
+                    "expandable_segments is already on and the failure remains: set max_split_size_mb (e.g. 128) so large blocks are not split",
+                    "low",
+                    format!("{SAME_WORKLOAD} reserved − allocated at the failure"),
+                    Some("retest: expandable_segments did not cure this workload"),
+                ));
+            } else {
+                v.push(fix(
+                    "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    "low",
+                    format!("{SAME_WORKLOAD} reserved − allocated at the failure: it is not a cure everywhere, so retest"),
+                    None,
+                ));
+                v.push(fix(
+                    "Set max_split_size_mb (e.g. 128) so large blocks are not split",
+                    "low",
+                    format!("{SAME_WORKLOAD} inactive_split and reserved − allocated at the failure"),
+                    None,
+                ));
+            }
+            v.push(fix(
+                "Allocate fewer distinct sizes: pad or bucket shapes, preallocate long-lived buffers first",
+                "medium",
+                format!("{SAME_WORKLOAD} the largest free block at the failure"),
+                None,
+            ));
+            v.push(fix(
+                "Restart the worker periodically to reset the fragmented cache",
+                "medium",
+                "rerun the same workload and count restarts",
+                Some(RESTART_BOUNDED),
+            ));
+            v.push(fix(
+                format!("{MORE_CAPACITY} a larger per-process cap or GPU"),
+                "high",
+                "rerun the same failing workload",
+                Some(EMPTY_CACHE),
+            ));
+            v
+        }
+        "leak" => vec![
+            fix(
+                "Find the owner of the retained bytes: allocation sites of live blocks (snapshot) and the retained Python type (heap census); drop references after each request",
+                "low",
+                format!("{SAME_WORKLOAD} bytes_per_request between requests: it must fall to 0"),
+                Some(EMPTY_CACHE),
+            ),
+            fix(
+                format!(
+                    "Until it is fixed, restart the worker before the limit (about {} requests at this rate)",
+                    metric(c, "requests_to_limit")
+                ),
+                "medium",
+                "rerun the same workload and confirm the restart comes before the limit",
+                Some(RESTART_BOUNDED),
+            ),
+        ],
+        "gc_retained" => vec![
+            fix(
+                "Break the reference cycles that hold tensors (or call gc.collect() between requests)",
+                "low",
+                format!("{SAME_WORKLOAD} live bytes between requests without the collection"),
+                Some("not a leak: the bytes come back at a collection"),
+            ),
+            fix(
+                "Lower the cycle collector's thresholds (gc.set_threshold) so it runs before the garbage reaches the limit",
+                "low",
+                format!("{SAME_WORKLOAD} the peak live bytes between collections"),
+                None,
+            ),
+        ],
+        "cache_retention" => vec![fix(
+            "Nothing to fix for this process; if other processes share the GPU, give each a per-process cap (torch.cuda.set_per_process_memory_fraction) or set garbage_collection_threshold",
+            "low",
+            format!("{SAME_WORKLOAD} reserved bytes at the plateau"),
+            Some(EMPTY_CACHE),
+        )],
+        "weights_too_large" => vec![
+            fix(
+                "Load fewer resident models on this GPU, or a smaller model",
+                "medium",
+                "rerun the same load and compare loaded bytes with the limit",
+                None,
+            ),
+            fix(
+                "Quantize the weights (8-bit or 4-bit)",
+                "medium",
+                "rerun the same load: the loaded bytes should shrink by the precision ratio",
+                Some(QUALITY),
+            ),
+            fix(
+                format!("{MORE_CAPACITY} tensor parallelism across GPUs, or a GPU with more memory"),
+                "high",
+                "rerun the same load on the new placement",
+                None,
+            ),
+        ],
+        "host_growth" => vec![
+            fix(
+                "Find what the process keeps on the host: a heap census by type, tracemalloc, growing caches or queues",
+                "low",
+                format!("{SAME_WORKLOAD} host RSS between requests: it must plateau"),
+                None,
+            ),
+            fix(
+                "Until it is fixed, restart the worker before the limit",
+                "medium",
+                "rerun the same workload and confirm the restart comes first",
+                Some(RESTART_BOUNDED),
+            ),
+            fix(
+                format!("{MORE_CAPACITY} a larger memory limit or host"),
+                "high",
+                "rerun the same workload",
+                Some("growing swap until the service is unusable is not a fix: the failure only comes slower"),
+            ),
+        ],
+        _ => Vec::new(),
+    }
 }
 
 fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
@@ -201,7 +382,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        _ => Vec::new(),
+        _ => gpu_timeline_fixes(c, f),
     }
 }
 

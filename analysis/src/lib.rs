@@ -4,23 +4,34 @@
 //!
 //! The flow: `Findings` measures everything once (counter movement, the
 //! cgroup that owns a hit limit, thrash over the sample window, limits, error
-//! text); `domain` decides which memory ran out; `causes` says why, each
-//! analyzer on its own; `fixes` ranks what to change, least risky first.
+//! text, the allocator timeline and the state at the failed allocation);
+//! `domain` decides which memory ran out; `trigger` what set it off; `causes`
+//! says why, each analyzer on its own; `fixes` ranks what to change, least
+//! risky first; `capacity` sizes what fits.
 
 pub use oomscope_proto::v1 as pb;
 
+mod capacity;
 mod causes;
 mod counters;
 mod diagnose;
 mod domain;
 mod evidence;
+mod failure;
 mod findings;
 mod fixes;
+mod growth;
 mod json;
+mod kv_fit;
 mod oom_text;
+pub mod stats;
 mod thrash;
+mod timeline;
+mod torch_text;
+mod trigger;
 pub mod units;
 
+pub use capacity::{capacity, Capacity};
 pub use counters::LIMIT_SLACK_BYTES;
 pub use diagnose::diagnose;
 pub use domain::{attribute_domain, Domain, DomainVerdict};
@@ -28,3 +39,4 @@ pub use evidence::{is_finite_limit, Evidence, IncidentRef};
 pub use json::to_json;
 pub use oom_text::{is_cuda_oom_text, is_oom_text};
 pub use thrash::{THRASH_MIN_REFAULT_PAGES, THRASH_MIN_SOME_AVG10, THRASH_MIN_STALL_US};
+pub use trigger::Trigger;

@@ -262,10 +262,13 @@ pub fn from_json(v: &Value, origin: &str, base_ns: i64) -> Result<Capture> {
             .and_then(|o| o.get("snapshot_at_oom"))
             .filter(|s| !s.is_null())
             .map(|s| torch::snapshot_summary(s, device));
-        let (stats, context) = match &last {
+        let (stats, mut context) = match &last {
             Some((_, s)) => (s.allocator.first().cloned(), s.context.clone()),
             None => (None, None),
         };
+        if let Some(at) = notes.get("failed_at").and_then(Value::as_object) {
+            context = Some(failed_at_context(context.unwrap_or_default(), at));
+        }
         let body = torch::oom_event(
             observer,
             &text("type"),
@@ -339,6 +342,27 @@ pub fn from_json(v: &Value, origin: &str, base_ns: i64) -> Result<Capture> {
         items,
         has_timeline: timeline.is_some(),
     })
+}
+
+/// The request context at the failure: the last sample's, with the counts
+/// the capture noted at the failure (`notes.failed_at`: active sequences or
+/// batch, active and prompt tokens), which a live agent's context would hold.
+fn failed_at_context(mut ctx: pb::RequestContext, at: &Map<String, Value>) -> pb::RequestContext {
+    let count = |k: &str| {
+        at.get(k)
+            .and_then(torch::json_i64)
+            .and_then(|v| u64::try_from(v).ok())
+    };
+    if let Some(n) = count("active_sequences").or_else(|| count("batch")) {
+        ctx.active_sequences = n;
+    }
+    if let Some(n) = count("active_tokens") {
+        ctx.active_tokens = n;
+    }
+    if let Some(n) = count("prompt_tokens") {
+        ctx.prompt_tokens = n;
+    }
+    ctx
 }
 
 /// A timeline entry after its shape was checked.

@@ -92,8 +92,9 @@ impl QueryService for QueryApi {
 
 /// Picks the evidence a DiagnoseRequest names and diagnoses it:
 /// an incident id; else, with an agent and a range, that range of its
-/// timeline; else the latest incident (of the agent, when named); else, with
-/// an agent that had no incident, its whole timeline (a leak hunt).
+/// timeline, up to its latest incident when one falls inside the range; else
+/// the latest incident (of the agent, when named); else, with an agent that
+/// had no incident, its whole timeline (a leak hunt).
 pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::Diagnosis, Status> {
     let agent = if req.agent.is_empty() {
         None
@@ -112,7 +113,12 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
             })?;
         Some(inc)
     } else if agent.is_some() && (req.from_ns != 0 || req.to_ns != 0) {
-        None
+        // A range (`--since`): the agent's latest incident inside it, if any.
+        let to = if req.to_ns == 0 { i64::MAX } else { req.to_ns };
+        store
+            .latest_incident(agent.as_deref())
+            .map_err(internal)?
+            .filter(|inc| (req.from_ns..=to).contains(&inc.time_ns))
     } else {
         match store.latest_incident(agent.as_deref()).map_err(internal)? {
             Some(inc) => Some(inc),
@@ -125,6 +131,8 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         }
     };
     let (agent_id, from_ns, to_ns) = match &incident {
+        // From the range's start where one was given, else from the beginning.
+        Some(inc) if req.from_ns != 0 => (inc.agent_id.clone(), req.from_ns, inc.time_ns),
         Some(inc) => (inc.agent_id.clone(), i64::MIN, inc.time_ns),
         None => {
             let to = if req.to_ns == 0 { i64::MAX } else { req.to_ns };

@@ -1,13 +1,19 @@
 //! Causes: why the domain ran out. Each analyzer looks at the findings and
 //! returns at most one cause; `analyze` runs them all and ranks the results.
 //!
-//! This file holds the list. Host-side analyzers live in `host` and
-//! `other_process`; analyzers of GPU allocator timelines (leak,
-//! fragmentation, cache retention, KV growth ...) join the list as modules of
-//! their own, with the same signature.
+//! This file holds the lists. Host-side analyzers of a failure live in `host`;
+//! each timeline analyzer (leak, gc, cache, fragmentation, KV growth, weights,
+//! other processes, host growth) has a module of its own.
 
+mod cache_retention;
+mod fragmentation;
+mod gc_retained;
 mod host;
+mod host_growth;
+mod kv_growth;
+mod leak;
 mod other_process;
+mod weights;
 
 use std::collections::HashMap;
 
@@ -18,7 +24,8 @@ use crate::pb;
 /// One analyzer: a cause or nothing.
 pub type Analyzer = fn(&Findings, &DomainVerdict) -> Option<pb::Cause>;
 
-/// Every analyzer, in no particular order (ranking is by confidence).
+/// Analyzers of a failure: they explain what ran out, so they run only when
+/// something failed. In no particular order (ranking is by confidence).
 pub const ANALYZERS: &[Analyzer] = &[
     host::cgroup_limit,
     host::host_ram_exhausted,
@@ -28,11 +35,28 @@ pub const ANALYZERS: &[Analyzer] = &[
     host::swap_thrash,
     host::external_kill,
     other_process::other_process,
+    fragmentation::fragmentation,
+    kv_growth::kv_growth,
+    weights::weights_too_large,
+];
+
+/// Analyzers of a timeline's growth: they run with or without a failure
+/// (a leak hunt diagnoses a server that has not failed yet).
+pub const TIMELINE_ANALYZERS: &[Analyzer] = &[
+    leak::leak,
+    gc_retained::gc_retained,
+    cache_retention::cache_retention,
+    host_growth::host_growth,
 ];
 
 /// Every cause found, most likely first.
 pub fn analyze(f: &Findings, v: &DomainVerdict) -> Vec<pb::Cause> {
-    let mut causes: Vec<pb::Cause> = ANALYZERS.iter().filter_map(|a| a(f, v)).collect();
+    let failure = if v.failed { ANALYZERS } else { &[] };
+    let mut causes: Vec<pb::Cause> = failure
+        .iter()
+        .chain(TIMELINE_ANALYZERS)
+        .filter_map(|a| a(f, v))
+        .collect();
     causes.sort_by(|a, b| b.confidence.total_cmp(&a.confidence));
     causes
 }

@@ -155,9 +155,22 @@ fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
                 .collect()
         })
         .unwrap_or_default();
-    let holders = if listed.is_empty() {
-        nvml?
-            .processes
+    // PyTorch's message names them too: "Process 444 has 134.79 GiB memory in use".
+    let from_text: Vec<Holder> = f
+        .failure
+        .iter()
+        .flat_map(|x| x.text.others.iter())
+        .map(|&(pid, bytes)| Holder {
+            pid,
+            bytes,
+            user: String::new(),
+            command: String::new(),
+        })
+        .collect();
+    let holders = if !listed.is_empty() {
+        listed
+    } else if let Some(g) = nvml.filter(|g| !g.processes.is_empty()) {
+        g.processes
             .iter()
             .map(|p| Holder {
                 pid: p.pid,
@@ -166,9 +179,12 @@ fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
                 command: String::new(),
             })
             .collect()
+    } else if !from_text.is_empty() {
+        from_text
     } else {
-        listed
+        return None;
     };
+    let total = total.or_else(|| f.failure.as_ref().and_then(|x| x.text.total_bytes));
     let place = match device.or(nvml.map(|g| g.index)) {
         Some(d) => format!("on GPU {d}"),
         None => "on the GPU".to_string(),

@@ -1,0 +1,157 @@
+//! The device allocator at the failed allocation: what was asked, what was
+//! live, what was cached, and the limit it ran into. Each number comes from
+//! the best source at hand: the snapshot taken at the OOM, then the error
+//! text (written at the failure), then the allocator stats the event carries
+//! (which a replay takes from the last sample before the failure).
+
+use crate::evidence::Evidence;
+use crate::pb;
+use crate::pb::event::Kind;
+use crate::timeline::Timeline;
+use crate::torch_text::{self, TorchOomText};
+
+#[derive(Clone, Debug, Default)]
+pub struct AtFailure {
+    pub time_ns: i64,
+    pub requested_bytes: u64,
+    pub allocated_bytes: u64,
+    pub reserved_bytes: u64,
+    pub largest_free_block_bytes: Option<u64>,
+    pub inactive_split_bytes: u64,
+    pub alloc_retries: u64,
+    pub expandable_segments: bool,
+    /// The per-process cap, else the device total; 0 when unknown.
+    pub limit_bytes: u64,
+    /// "a per-process cap of ..." or "the device total".
+    pub limit_source: &'static str,
+    pub context: pb::RequestContext,
+    /// The failure came while loading weights.
+    pub in_load: bool,
+    pub text: TorchOomText,
+}
+
+impl AtFailure {
+    pub fn reserved_unallocated_bytes(&self) -> u64 {
+        self.reserved_bytes.saturating_sub(self.allocated_bytes)
+    }
+
+    pub fn from_evidence(
+        e: &Evidence,
+        oom: Option<(i64, &pb::Oom)>,
+        tl: &Timeline,
+    ) -> Option<AtFailure> {
+        let (time_ns, oom) = oom?;
+        let text = torch_text::parse(&oom.error_text);
+        let stats = oom.stats.clone().unwrap_or_default();
+        let snap = oom.snapshot.as_ref().filter(|s| s.reserved_bytes > 0);
+        let (allocated_bytes, reserved_bytes) = match (snap, text.allocated_bytes) {
+            (Some(s), _) => (s.allocated_bytes, s.reserved_bytes),
+            (None, Some(a)) => (a, a + text.reserved_unallocated_bytes.unwrap_or(0)),
+            (None, None) => (stats.allocated_bytes, stats.reserved_bytes),
+        };
+        let requested_bytes = [
+            oom.requested_bytes,
+            oom.observer.as_ref().map_or(0, |o| o.alloc.max(0) as u64),
+            text.requested_bytes.unwrap_or(0),
+        ]
+        .into_iter()
+        .find(|&b| b > 0)
+        .unwrap_or(0);
+        let settings = |s: Option<&pb::AllocatorSettings>| s.is_some_and(|s| s.expandable_segments);
+        let expandable_segments = snap.is_some_and(|s| s.expandable_segments)
+            || settings(oom.snapshot.as_ref().and_then(|s| s.settings.as_ref()))
+            || settings(e.hello.as_ref().and_then(|h| h.allocator_settings.as_ref()));
+        let (limit_bytes, limit_source) = limit(e, oom, &text);
+        let in_load = in_load(e, time_ns, tl);
+        Some(AtFailure {
+            time_ns,
+            requested_bytes,
+            allocated_bytes,
+            reserved_bytes,
+            largest_free_block_bytes: snap.map(|s| s.largest_free_block_bytes),
+            inactive_split_bytes: stats.inactive_split_bytes,
+            alloc_retries: stats.num_alloc_retries,
+            expandable_segments,
+            limit_bytes,
+            limit_source,
+            context: oom.context.clone().unwrap_or_default(),
+            in_load,
+            text,
+        })
+    }
+}
+
+/// The device limit the process ran into: a per-process cap (announced, or
+/// "X allowed" in the text), else the device total. The observer's
+/// `device_allocated` is the cap or the total, so it serves for either.
+fn limit(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> (u64, &'static str) {
+    let placement = e
+        .hello
+        .as_ref()
+        .and_then(|h| h.gpus.iter().find(|g| g.index == oom.device));
+    if let Some(cap) = placement.map(|g| g.cap_bytes).filter(|&c| c > 0) {
+        return (cap, "the per-process cap");
+    }
+    if let Some(cap) = text.allowed_bytes {
+        return (cap, "the per-process cap");
+    }
+    if let Some(b) = oom
+        .observer
+        .as_ref()
+        .map(|o| o.device_allocated)
+        .filter(|&b| b > 0)
+    {
+        return (b as u64, "the device's limit");
+    }
+    let total = placement
+        .map(|g| g.total_bytes)
+        .filter(|&t| t > 0)
+        .or(text.total_bytes)
+        .or_else(|| {
+            oom.stats
+                .as_ref()
+                .map(|s| s.driver_total_bytes)
+                .filter(|&t| t > 0)
+        })
+        .unwrap_or(0);
+    (total, "the device total")
+}
+
+/// Loading when it failed: a load phase began and had not ended, or the last
+/// sample before the failure was in a load phase.
+fn in_load(e: &Evidence, time_ns: i64, tl: &Timeline) -> bool {
+    let mut open = false;
+    for ev in e.events.iter().filter(|ev| ev.time_ns <= time_ns) {
+        if let Some(Kind::Phase(p)) = &ev.kind {
+            if p.name.starts_with("load") {
+                // An end with the failure's error is the failure closing the load.
+                open = p.start || !p.error.is_empty();
+            }
+        }
+    }
+    let last_sample_loading = tl
+        .points
+        .iter()
+        .rev()
+        .find(|p| p.time_ns <= time_ns)
+        .is_some_and(|p| p.is_load());
+    open || last_sample_loading
+}
+
+/// The device limit for a timeline without a failure: the announced cap,
+/// else the device total (announced, or the driver's).
+pub fn device_limit(e: &Evidence) -> u64 {
+    let placement = e.hello.as_ref().and_then(|h| h.gpus.first());
+    placement
+        .map(|g| g.cap_bytes)
+        .filter(|&c| c > 0)
+        .or_else(|| placement.map(|g| g.total_bytes).filter(|&t| t > 0))
+        .or_else(|| {
+            e.samples
+                .iter()
+                .rev()
+                .find_map(|s| s.allocator.first().map(|a| a.driver_total_bytes))
+                .filter(|&t| t > 0)
+        })
+        .unwrap_or(0)
+}

@@ -1,0 +1,127 @@
+//! Does a series grow with completed requests? The test behind leak,
+//! host_growth, gc_retained and the repeated_requests trigger.
+//!
+//! Growth is a Theil–Sen slope (robust to one request's temporaries caught by
+//! a sample), judged by Mann–Kendall (order only, so allocator steps do not
+//! fool it), and it must persist: the later half of the requests must still
+//! grow at half the overall rate. Warm-up growth that plateaus (caches filling,
+//! first-call workspaces) fails that last check.
+
+use crate::stats::{self, Line};
+use crate::timeline::{Point, Timeline};
+
+/// Fewer between-request readings than this say nothing about a trend: with
+/// 8 points even a perfect rise only just reaches the significance level.
+pub const MIN_TREND_POINTS: usize = 8;
+
+/// One-sided Mann–Kendall significance for "it grows". Small, because a
+/// false leak verdict sends people hunting for nothing: on noise alone about
+/// one timeline in a thousand passes, before the effect-size and persistence
+/// checks cut that further.
+pub const TREND_P_VALUE: f64 = 1e-3;
+
+/// The later half of the requests must grow at least this share of the
+/// overall slope; a warm-up that levels off does not.
+pub const PERSISTENCE: f64 = 0.5;
+
+/// Pairwise statistics are O(n²): longer series are thinned evenly to this
+/// many points first (200k pairs), which keeps a long leak hunt fast and
+/// bounded in memory without moving a robust slope.
+pub const MAX_FIT_POINTS: usize = 640;
+
+/// A fitted trend of bytes against completed requests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Trend {
+    pub points: usize,
+    /// Requests between the first and last reading.
+    pub span: f64,
+    pub line: Line,
+    pub p_value: f64,
+    /// The Theil–Sen slope over the later half of the requests.
+    pub later_slope: f64,
+    pub first_bytes: f64,
+    pub last_bytes: f64,
+}
+
+impl Trend {
+    pub fn bytes_per_request(&self) -> f64 {
+        self.line.slope
+    }
+
+    /// Significant, persistent, and at least the given effect: `min_slope`
+    /// bytes per request and `min_growth` bytes over the window.
+    pub fn grows(&self, min_slope: f64, min_growth: f64) -> bool {
+        self.points >= MIN_TREND_POINTS
+            && self.p_value < TREND_P_VALUE
+            && self.line.slope >= min_slope
+            && self.line.slope * self.span >= min_growth
+            && self.later_slope >= PERSISTENCE * self.line.slope
+    }
+}
+
+/// The trend of `(requests_done, bytes)` points. None with too few distinct
+/// request counts to fit.
+pub fn trend(points: &[(f64, f64)]) -> Option<Trend> {
+    let pts = thin(points, MAX_FIT_POINTS);
+    let line = stats::theil_sen(&pts)?;
+    let mk = stats::mann_kendall(&pts)?;
+    let xs: Vec<f64> = pts.iter().map(|p| p.0).collect();
+    let (lo, hi) = xs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+    let mid = stats::median(&xs)?;
+    let later: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.0 >= mid).collect();
+    let later_slope = stats::theil_sen(&later).map_or(0.0, |l| l.slope);
+    Some(Trend {
+        points: pts.len(),
+        span: hi - lo,
+        line,
+        p_value: mk.p_increasing,
+        later_slope,
+        first_bytes: pts.first()?.1,
+        last_bytes: pts.last()?.1,
+    })
+}
+
+/// Between-request readings of one quantity against completed requests,
+/// stopping at the first collection (what a collection frees is judged by
+/// gc_retained, not here).
+pub fn baseline_series(tl: &Timeline, value: impl Fn(&Point) -> Option<u64>) -> Vec<(f64, f64)> {
+    let stop = first_collection(tl);
+    tl.points
+        .iter()
+        .filter(|p| p.is_baseline() && stop.is_none_or(|t| p.time_ns < t))
+        .filter_map(|p| value(p).map(|v| (p.requests_done as f64, v as f64)))
+        .collect()
+}
+
+/// The live (allocated) bytes between requests.
+pub fn live_baseline(tl: &Timeline) -> Option<Trend> {
+    trend(&baseline_series(tl, |p| {
+        p.has_allocator.then_some(p.allocated)
+    }))
+}
+
+/// When the first garbage collection was seen: a GcCollection event that
+/// collected something, or an `after_gc_collect` reading.
+pub fn first_collection(tl: &Timeline) -> Option<i64> {
+    let from_samples = tl
+        .points
+        .iter()
+        .find(|p| p.is_after_gc())
+        .map(|p| p.time_ns);
+    tl.gc_times.iter().copied().chain(from_samples).min()
+}
+
+/// Every k-th point so at most `max` remain (the last always kept).
+pub fn thin(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
+    if points.len() <= max || max < 2 {
+        return points.to_vec();
+    }
+    let step = points.len().div_ceil(max);
+    let mut out: Vec<(f64, f64)> = points.iter().copied().step_by(step).collect();
+    if out.last() != points.last() {
+        out.push(*points.last().unwrap_or(&(0.0, 0.0)));
+    }
+    out
+}

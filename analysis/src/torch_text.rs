@@ -1,0 +1,134 @@
+//! The numbers in PyTorch's CUDA out-of-memory message, for when the event
+//! lacks them (or to cross-check them):
+//!
+//! "CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total
+//! capacity of 139.80 GiB of which 137.33 GiB is free. Process 444 has 134.79
+//! GiB memory in use. Including non-PyTorch memory, this process has 2.46 GiB
+//! memory in use. 2.00 GiB allowed; Of the allocated memory 800.00 MiB is
+//! allocated by PyTorch, and 1.17 GiB is reserved by PyTorch but unallocated."
+//!
+//! The message rounds to two decimals, so these are approximate.
+
+/// What the message says, each part where present.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TorchOomText {
+    pub requested_bytes: Option<u64>,
+    pub total_bytes: Option<u64>,
+    pub free_bytes: Option<u64>,
+    /// The per-process cap ("X allowed").
+    pub allowed_bytes: Option<u64>,
+    pub allocated_bytes: Option<u64>,
+    pub reserved_unallocated_bytes: Option<u64>,
+    /// This process, non-PyTorch memory included.
+    pub process_bytes: Option<u64>,
+    /// Other processes: (pid, bytes).
+    pub others: Vec<(u32, u64)>,
+}
+
+pub fn parse(text: &str) -> TorchOomText {
+    let mut t = TorchOomText {
+        requested_bytes: size_after(text, "Tried to allocate "),
+        allowed_bytes: size_before(text, " allowed"),
+        allocated_bytes: size_before(text, " is allocated by PyTorch"),
+        reserved_unallocated_bytes: size_before(text, " is reserved by PyTorch but unallocated"),
+        process_bytes: size_after(text, "this process has "),
+        ..Default::default()
+    };
+    if let Some(i) = text.find("total capacity of ") {
+        let rest = &text[i + "total capacity of ".len()..];
+        t.total_bytes = leading_size(rest).map(|(b, _)| b);
+        t.free_bytes = size_after(rest, "of which ");
+    }
+    let mut rest = text;
+    while let Some(i) = rest.find("Process ") {
+        rest = &rest[i + "Process ".len()..];
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        let Ok(pid) = digits.parse::<u32>() else {
+            continue;
+        };
+        if let Some(bytes) = rest[digits.len()..]
+            .strip_prefix(" has ")
+            .and_then(leading_size)
+            .map(|(b, _)| b)
+        {
+            t.others.push((pid, bytes));
+        }
+    }
+    t
+}
+
+fn size_after(text: &str, marker: &str) -> Option<u64> {
+    let i = text.find(marker)?;
+    leading_size(&text[i + marker.len()..]).map(|(b, _)| b)
+}
+
+/// The size that ends right before `marker` ("1.17 GiB" in "1.17 GiB is ...").
+fn size_before(text: &str, marker: &str) -> Option<u64> {
+    let head = &text[..text.find(marker)?];
+    let mut words = head.split_whitespace().rev();
+    let unit = words.next()?;
+    let number = words.next()?.trim_start_matches([';', ',', '(']);
+    leading_size(&format!("{number} {unit}")).map(|(b, _)| b)
+}
+
+/// "96.00 MiB..." -> bytes and the rest after the unit.
+fn leading_size(s: &str) -> Option<(u64, &str)> {
+    let s = s.trim_start();
+    let num_len = s
+        .char_indices()
+        .find(|(_, c)| !(c.is_ascii_digit() || *c == '.'))
+        .map_or(s.len(), |(i, _)| i);
+    let value: f64 = s[..num_len].trim_end_matches('.').parse().ok()?;
+    let rest = s[num_len..].trim_start();
+    let (scale, unit_len) = [
+        ("bytes", 1u64),
+        ("KiB", 1 << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("TiB", 1 << 40),
+        ("B", 1),
+    ]
+    .iter()
+    .find(|(u, _)| rest.starts_with(u))
+    .map(|(u, scale)| (*scale, u.len()))?;
+    Some(((value * scale as f64).round() as u64, &rest[unit_len..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_capped_message_reads_in_full() {
+        let t = parse("CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 137.33 GiB is free. Including non-PyTorch memory, this process has 2.46 GiB memory in use. 2.00 GiB allowed; Of the allocated memory 800.00 MiB is allocated by PyTorch, and 1.17 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF");
+        assert_eq!(t.requested_bytes, Some(96 * MIB));
+        assert_eq!(t.allowed_bytes, Some(2 * GIB));
+        assert_eq!(t.allocated_bytes, Some(800 * MIB));
+        assert_eq!(
+            t.reserved_unallocated_bytes,
+            Some((1.17 * GIB as f64).round() as u64)
+        );
+        assert_eq!(t.total_bytes, Some((139.80 * GIB as f64).round() as u64));
+        assert_eq!(t.free_bytes, Some((137.33 * GIB as f64).round() as u64));
+        assert_eq!(t.process_bytes, Some((2.46 * GIB as f64).round() as u64));
+        assert!(t.others.is_empty());
+    }
+
+    #[test]
+    fn other_processes_and_zero_bytes_are_read() {
+        let t = parse("Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 499.56 MiB is free. Including non-PyTorch memory, this process has 4.51 GiB memory in use. Process 444 has 134.79 GiB memory in use. Of the allocated memory 4.00 GiB is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated.");
+        assert_eq!(t.others, vec![(444, (134.79 * GIB as f64).round() as u64)]);
+        assert_eq!(t.reserved_unallocated_bytes, Some(0));
+        assert_eq!(t.allocated_bytes, Some(4 * GIB));
+        assert_eq!(t.allowed_bytes, None);
+    }
+
+    #[test]
+    fn other_text_reads_as_nothing() {
+        assert_eq!(parse("MemoryError"), TorchOomText::default());
+        assert_eq!(parse("Process abc has 3 GiB"), TorchOomText::default());
+    }
+}

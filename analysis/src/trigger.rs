@@ -1,0 +1,194 @@
+//! What set the failure off, from the pattern of growth before it, tested in
+//! this order: concurrency, size, repeated requests, immediate, unknown.
+//!
+//! Peak stats are cumulative, so growth inside requests is read from the live
+//! bytes of readings taken during them (`decode`); the between-request
+//! readings of a server that frees its KV cache after each request stay flat.
+
+use crate::findings::Findings;
+use crate::growth;
+use crate::stats;
+use crate::timeline::Point;
+use crate::units::bytes_short;
+
+/// Growth smaller than this between the lowest and highest load is noise.
+pub const MIN_RISE_BYTES: f64 = (16u64 << 20) as f64;
+/// Mann–Kendall significance for "bytes rise with the prompt/context".
+pub const SIZE_P_VALUE: f64 = 0.01;
+/// A leak worth naming grows at least this much per request...
+pub const MIN_LEAK_BYTES_PER_REQUEST: f64 = (64u64 << 10) as f64;
+/// ...and at least this much over the readings seen.
+pub const MIN_LEAK_GROWTH_BYTES: f64 = (16u64 << 20) as f64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trigger {
+    Immediate,
+    SizeDependent,
+    ConcurrencyDependent,
+    RepeatedRequests,
+    Unknown,
+}
+
+impl Trigger {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Immediate => "immediate",
+            Trigger::SizeDependent => "size_dependent",
+            Trigger::ConcurrencyDependent => "concurrency_dependent",
+            Trigger::RepeatedRequests => "repeated_requests",
+            Trigger::Unknown => "unknown",
+        }
+    }
+}
+
+/// The trigger and the line that says why. Without a failure only repeated
+/// requests can be read (a leak hunt); no pattern then means no trigger.
+pub fn decide(f: &Findings) -> Option<(Trigger, String)> {
+    let failed = f.failure.is_some();
+    if failed {
+        if let Some(line) = concurrency(f) {
+            return Some((Trigger::ConcurrencyDependent, line));
+        }
+        if let Some(line) = size(f) {
+            return Some((Trigger::SizeDependent, line));
+        }
+    }
+    if let Some(t) = growth::live_baseline(&f.timeline)
+        .filter(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES))
+    {
+        let line = format!(
+            "between requests live bytes grew {} per request over {} requests",
+            bytes_short(t.bytes_per_request() as u64),
+            t.span
+        );
+        return Some((Trigger::RepeatedRequests, line));
+    }
+    let unknown = || {
+        (
+            Trigger::Unknown,
+            "no growth pattern before the failure".to_string(),
+        )
+    };
+    let Some(failure) = f.failure.as_ref() else {
+        return f.failed.then(unknown);
+    };
+    if failure.in_load {
+        return Some((
+            Trigger::Immediate,
+            "the failure came while loading weights, before any request".into(),
+        ));
+    }
+    let before: Vec<&Point> = f
+        .timeline
+        .device()
+        .filter(|p| p.time_ns <= failure.time_ns)
+        .collect();
+    if before.iter().all(|p| p.allocated == 0) {
+        return Some((
+            Trigger::Immediate,
+            "the failure came at the first allocations, with no growth before it".into(),
+        ));
+    }
+    Some(unknown())
+}
+
+/// Live bytes rise with active sequences, and the failure came at (or past)
+/// the highest concurrency seen.
+fn concurrency(f: &Findings) -> Option<String> {
+    let failure = f.failure.as_ref()?;
+    let mut levels: Vec<(u64, u64)> = Vec::new(); // (sequences, max live)
+    for p in f.timeline.active().filter(|p| p.active_sequences > 0) {
+        match levels.iter_mut().find(|(s, _)| *s == p.active_sequences) {
+            Some(l) => l.1 = l.1.max(p.allocated),
+            None => levels.push((p.active_sequences, p.allocated)),
+        }
+    }
+    if levels.len() < 2 {
+        return None;
+    }
+    levels.sort_unstable();
+    let (lo, hi) = (levels[0], levels[levels.len() - 1]);
+    let rising = if levels.len() >= 3 {
+        let pts: Vec<(f64, f64)> = levels.iter().map(|&(s, b)| (s as f64, b as f64)).collect();
+        stats::mann_kendall(&pts).is_some_and(|mk| mk.tau > 0.5)
+    } else {
+        true
+    };
+    if !rising || (hi.1 as f64 - lo.1 as f64) < MIN_RISE_BYTES {
+        return None;
+    }
+    let at = failure.context.active_sequences;
+    let max_live = levels.iter().map(|l| l.1).max().unwrap_or(0);
+    let at_highest = if at > 0 {
+        at >= hi.0
+    } else {
+        // The failure's own context is unknown: it needed more than any load seen.
+        failure.allocated_bytes + failure.requested_bytes > max_live
+    };
+    if !at_highest {
+        return None;
+    }
+    let when = if at > 0 {
+        format!(
+            "the failure came at {at} active sequences (the most seen: {})",
+            hi.0
+        )
+    } else {
+        "the failure came above the live bytes of every load seen".to_string()
+    };
+    Some(format!(
+        "live bytes rose with active sequences: {} at {} sequence(s), {} at {}; {when}",
+        bytes_short(lo.1),
+        lo.0,
+        bytes_short(hi.1),
+        hi.0
+    ))
+}
+
+/// At one sequence, live bytes rise with its tokens (or its prompt), and the
+/// failure came at (or past) the longest seen.
+fn size(f: &Findings) -> Option<String> {
+    let failure = f.failure.as_ref()?;
+    let tokens = |p: &Point| {
+        if p.active_tokens > 0 {
+            p.active_tokens
+        } else {
+            p.prompt_tokens
+        }
+    };
+    let single: Vec<&Point> = f
+        .timeline
+        .device()
+        .filter(|p| p.active_sequences <= 1 && tokens(p) > 0 && !p.is_load())
+        .collect();
+    let pts: Vec<(f64, f64)> = single
+        .iter()
+        .map(|p| (tokens(p) as f64, p.allocated as f64))
+        .collect();
+    let mk = stats::mann_kendall(&pts)?;
+    let line = stats::theil_sen(&pts)?;
+    let (min_t, max_t) = pts
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.0), h.max(p.0)));
+    if mk.p_increasing >= SIZE_P_VALUE || line.slope * (max_t - min_t) < MIN_RISE_BYTES {
+        return None;
+    }
+    let at = if failure.context.active_tokens > 0 {
+        failure.context.active_tokens
+    } else {
+        failure.context.prompt_tokens
+    };
+    let max_live = single.iter().map(|p| p.allocated).max().unwrap_or(0);
+    let at_longest = if at > 0 {
+        at as f64 >= max_t
+    } else {
+        failure.allocated_bytes + failure.requested_bytes > max_live
+    };
+    at_longest.then(|| {
+        format!(
+            "at one sequence live bytes rose {} per token from {min_t} to {max_t} tokens; the failure came at {}",
+            bytes_short(line.slope.max(0.0) as u64),
+            if at > 0 { format!("{at} tokens") } else { "a longer context".to_string() }
+        )
+    })
+}

@@ -1,1 +1,411 @@
-//! (in progress) The oomscope Python extension.
+//! The `oomscope` Python extension: an in-process agent for PyTorch servers.
+//!
+//! This is the native module `oomscope._native`; the package `oomscope`
+//! (agent-python/python/oomscope) is the thin Python surface over it. The
+//! work is done here, in Rust, with agent-core's probes and reporter: host
+//! domains without the GIL on the agent's own thread, the CUDA caching
+//! allocator and the heap census with the GIL, briefly.
+//!
+//! Nothing here raises into user code from a background thread, and no
+//! Rust panic crosses into Python: pyo3 turns a panic in a Python-called
+//! function into an exception, and the background threads catch their own.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use oomscope_agent_core::pb;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pub mod agent;
+pub mod census;
+pub mod config;
+pub mod context;
+pub mod pbjson;
+pub mod pyjson;
+pub mod query;
+pub mod sampler;
+pub mod torchread;
+
+use agent::Agent;
+use config::{Config, Env, ModelSpec};
+
+/// The process's agent. Taken only with the GIL held and never across a
+/// GIL release (see `agent`), so a fork never finds it locked.
+static AGENT: Mutex<Option<Arc<Agent>>> = Mutex::new(None);
+
+fn current() -> Option<Arc<Agent>> {
+    agent::lock(&AGENT).clone()
+}
+
+/// start()'s keyword arguments as text, None and absent alike left out.
+fn given(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    if let Some(kw) = kwargs {
+        for (k, v) in kw.iter() {
+            if v.is_none() {
+                continue;
+            }
+            out.insert(k.extract::<String>()?, v.str()?.to_string());
+        }
+    }
+    Ok(out)
+}
+
+fn default_name(py: Python<'_>) -> String {
+    py.import("sys")
+        .and_then(|s| s.getattr("argv"))
+        .and_then(|a| a.get_item(0))
+        .and_then(|a| a.extract::<String>())
+        .ok()
+        .and_then(|a| {
+            std::path::Path::new(&a)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+        })
+        .filter(|s| !s.is_empty() && s != "-c")
+        .unwrap_or_else(|| "python".into())
+}
+
+/// Starts the agent; a second call while it runs does nothing and returns
+/// False. Settings not given come from `OOMSCOPE_*` variables.
+#[pyfunction]
+#[pyo3(signature = (**kwargs))]
+fn start(py: Python<'_>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<bool> {
+    if current().is_some() {
+        return Ok(false);
+    }
+    let config =
+        Config::resolve(&given(kwargs)?, &Env, &default_name(py)).map_err(PyValueError::new_err)?;
+    let agent = Agent::start(py, config);
+    *agent::lock(&AGENT) = Some(agent);
+    Ok(true)
+}
+
+/// Stops the agent: Goodbye, then waits (GIL released) for the acks.
+/// Returns whether everything was acked; a second call returns False.
+#[pyfunction]
+#[pyo3(signature = (reason = "stop"))]
+fn stop(py: Python<'_>, reason: &str) -> bool {
+    let taken = agent::lock(&AGENT).take();
+    match taken {
+        Some(a) => a.stop(py, reason),
+        None => false,
+    }
+}
+
+#[pyfunction]
+fn is_running() -> bool {
+    current().is_some()
+}
+
+#[pyfunction]
+fn agent_id() -> Option<String> {
+    current().map(|a| a.agent_id.clone())
+}
+
+#[pyfunction]
+#[pyo3(signature = (id, prompt_tokens = 0, max_tokens = 0))]
+fn request_begin(id: &str, prompt_tokens: u64, max_tokens: u64) {
+    if let Some(a) = current() {
+        a.request_begin(id, prompt_tokens, max_tokens);
+    }
+}
+
+#[pyfunction]
+#[pyo3(signature = (id, output_tokens = 0, error = ""))]
+fn request_end(py: Python<'_>, id: &str, output_tokens: u64, error: &str) {
+    if let Some(a) = current() {
+        a.request_end(py, id, output_tokens, error);
+    }
+}
+
+/// One edge of a phase; returns the device bytes allocated now.
+#[pyfunction]
+#[pyo3(signature = (name, start, model = None, revision = None, quantization = None, dtype = None, error = "", before = 0))]
+#[allow(clippy::too_many_arguments)]
+fn phase_edge(
+    py: Python<'_>,
+    name: &str,
+    start: bool,
+    model: Option<String>,
+    revision: Option<String>,
+    quantization: Option<String>,
+    dtype: Option<String>,
+    error: &str,
+    before: u64,
+) -> u64 {
+    let Some(a) = current() else { return 0 };
+    let spec = model.map(|name| ModelSpec {
+        name,
+        revision: revision.unwrap_or_default(),
+        quantization: quantization.unwrap_or_default(),
+        dtype: dtype.unwrap_or_default(),
+    });
+    a.phase_edge(py, name, start, spec, error, before)
+}
+
+/// The runtime's own numbers; None leaves a number as it was.
+#[pyfunction]
+#[pyo3(signature = (**kwargs))]
+fn set_context(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    let Some(a) = current() else { return Ok(()) };
+    let Some(kw) = kwargs else { return Ok(()) };
+    let mut values = Vec::new();
+    for (k, v) in kw.iter() {
+        if v.is_none() {
+            continue;
+        }
+        let key: String = k.extract()?;
+        let n: f64 = v.extract().map_err(|_| {
+            PyValueError::new_err(format!(
+                "oomscope.set_context: {key} must be a number, not {}",
+                v.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        values.push((key, n));
+    }
+    agent::lock(&a.context).runtime.extend(values);
+    Ok(())
+}
+
+fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (v.to_string(),))
+}
+
+/// A snapshot summary of the device (dict), or None without CUDA.
+#[pyfunction]
+#[pyo3(signature = (device = None))]
+fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Option<Bound<'_, PyAny>>> {
+    let summary = match current() {
+        Some(a) => a.snapshot(py, device),
+        None => torchread::snapshot(py, device),
+    };
+    summary
+        .map(|s| json_to_py(py, &pbjson::snapshot(&s)))
+        .transpose()
+}
+
+/// A heap census now (dict). Holds the GIL up to the budget.
+#[pyfunction(name = "census")]
+#[pyo3(signature = (budget_s = None))]
+fn run_census(py: Python<'_>, budget_s: Option<f64>) -> PyResult<Bound<'_, PyAny>> {
+    let a = current();
+    let budget = match budget_s {
+        Some(b) if b.is_finite() && b > 0.0 => Duration::from_secs_f64(b),
+        Some(b) => {
+            return Err(PyValueError::new_err(format!(
+                "oomscope.census: budget_s must be > 0, not {b}"
+            )))
+        }
+        None => a
+            .as_ref()
+            .map_or(config::DEFAULT_CENSUS_BUDGET, |a| a.config.census_budget),
+    };
+    let c = match a {
+        Some(a) => a.census(py, budget)?,
+        None => census::run(py, budget, 0, &mut None)?,
+    };
+    json_to_py(py, &pbjson::census(&c))
+}
+
+#[pyfunction]
+#[pyo3(signature = (generation, collected, uncollectable = 0, duration_ns = 0))]
+fn on_gc(generation: i32, collected: u64, uncollectable: u64, duration_ns: u64) {
+    if let Some(a) = current() {
+        a.send_event(pb::event::Kind::Gc(pb::GcCollection {
+            generation,
+            collected,
+            uncollectable,
+            duration_ns,
+        }));
+    }
+}
+
+#[pyfunction]
+#[pyo3(signature = (device, reserved_before, reserved_after, caller = ""))]
+fn on_cache_release(device: i32, reserved_before: u64, reserved_after: u64, caller: &str) {
+    if let Some(a) = current() {
+        a.send_event(pb::event::Kind::CacheRelease(pb::CacheRelease {
+            device,
+            reserved_before_bytes: reserved_before,
+            reserved_after_bytes: reserved_after,
+            caller: caller.to_string(),
+        }));
+    }
+}
+
+/// torch's OOM observer: `(device, alloc, device_allocated, device_free)`;
+/// the third is the device total or the per-process cap.
+#[pyfunction]
+fn on_oom_observer(
+    py: Python<'_>,
+    device: i64,
+    alloc: i64,
+    device_allocated: i64,
+    device_free: i64,
+) {
+    if let Some(a) = current() {
+        a.oom_observed(
+            py,
+            pb::OomObserver {
+                device,
+                alloc,
+                device_allocated,
+                device_free,
+            },
+        );
+    }
+}
+
+/// An out-of-memory exception on its way up; returns whether the collector
+/// acked the event within `oom_wait_s`.
+#[pyfunction]
+fn on_oom_exception(py: Python<'_>, error_type: &str, error_text: &str) -> bool {
+    current().is_some_and(|a| a.oom_exception(py, error_type, error_text))
+}
+
+/// After `os.fork()`, in the child: the parent's agent has no threads here.
+/// Leave it untouched (its locks may be held forever) and start our own.
+#[pyfunction]
+fn after_fork_child(py: Python<'_>) {
+    let old = agent::lock(&AGENT).take();
+    let Some(old) = old else { return };
+    let mut config = old.config.clone();
+    let rank = old.forks.load(Ordering::Relaxed) + 1;
+    std::mem::forget(old);
+    config.labels.insert(
+        "parent_pid".into(),
+        std::os::unix::process::parent_id().to_string(),
+    );
+    config.role = config.fork_role.clone();
+    config.rank = rank as i32;
+    let agent = Agent::start(py, config);
+    *agent::lock(&AGENT) = Some(agent);
+}
+
+#[pyfunction]
+fn after_fork_parent() {
+    if let Some(a) = current() {
+        a.forks.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Installs the OOM observer and the empty_cache wrapper once CUDA is up.
+pub fn install_torch_hooks(py: Python<'_>, agent: &Agent) {
+    if agent.torch_hooks.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let result = py
+        .import("oomscope._hooks")
+        .and_then(|m| m.call_method1("install_torch", (agent.config.history_max_entries,)));
+    if let Err(e) = result {
+        tracing::warn!(error = %e, "oomscope: cannot hook torch");
+    }
+}
+
+#[pyfunction]
+fn ensure_torch_hooks(py: Python<'_>) {
+    if let Some(a) = current() {
+        if !a.torch_hooks.load(Ordering::Relaxed) && torchread::cuda(py).is_some() {
+            install_torch_hooks(py, &a);
+        }
+    }
+}
+
+/// The reporter's counters, and the agent's own.
+#[pyfunction]
+fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
+    let Some(a) = current() else { return Ok(None) };
+    let s = a.reporter.stats();
+    let v = serde_json::json!({
+        "agent_id": a.agent_id, "pid": a.pid, "sent": s.sent, "acked": s.acked, "dropped": s.dropped,
+        "spooled": s.spooled, "rejected": s.rejected, "connected": s.connected,
+        "connect_failures": s.connect_failures, "last_error": s.last_error,
+        "boundary_dropped": a.boundary_dropped.load(Ordering::Relaxed),
+        "torch_hooks": a.torch_hooks.load(Ordering::Relaxed),
+        "requests_done": agent::lock(&a.context).requests_done,
+    });
+    json_to_py(py, &v).map(Some)
+}
+
+/// Waits (GIL released) until everything sent so far is acked.
+#[pyfunction]
+#[pyo3(signature = (timeout_s = 5.0))]
+fn flush(py: Python<'_>, timeout_s: f64) -> bool {
+    let Some(a) = current() else { return false };
+    let r = a.reporter.clone();
+    let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
+    py.detach(move || r.flush(t))
+}
+
+/// One periodic-style sample taken now on this thread (for benchmarks:
+/// the GIL-held part is what a regular sample costs the server).
+#[pyfunction]
+fn read_allocator(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let v: Vec<serde_json::Value> = torchread::read_all(py)
+        .iter()
+        .map(pbjson::allocator)
+        .collect();
+    json_to_py(py, &serde_json::Value::Array(v))
+}
+
+#[pyfunction]
+#[pyo3(signature = (collector, agent, timeout_s = 10.0))]
+fn query_timeline(
+    py: Python<'_>,
+    collector: String,
+    agent: String,
+    timeout_s: f64,
+) -> PyResult<Bound<'_, PyAny>> {
+    let t = Duration::from_secs_f64(timeout_s.clamp(0.1, 600.0));
+    let v = py
+        .detach(move || query::timeline(&collector, &agent, t))
+        .map_err(PyRuntimeError::new_err)?;
+    json_to_py(py, &v)
+}
+
+#[pyfunction]
+#[pyo3(signature = (collector, timeout_s = 10.0))]
+fn query_agents(py: Python<'_>, collector: String, timeout_s: f64) -> PyResult<Bound<'_, PyAny>> {
+    let t = Duration::from_secs_f64(timeout_s.clamp(0.1, 600.0));
+    let v = py
+        .detach(move || query::agents(&collector, t))
+        .map_err(PyRuntimeError::new_err)?;
+    json_to_py(py, &v)
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(start, m)?)?;
+    m.add_function(wrap_pyfunction!(stop, m)?)?;
+    m.add_function(wrap_pyfunction!(is_running, m)?)?;
+    m.add_function(wrap_pyfunction!(agent_id, m)?)?;
+    m.add_function(wrap_pyfunction!(request_begin, m)?)?;
+    m.add_function(wrap_pyfunction!(request_end, m)?)?;
+    m.add_function(wrap_pyfunction!(phase_edge, m)?)?;
+    m.add_function(wrap_pyfunction!(set_context, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(run_census, m)?)?;
+    m.add_function(wrap_pyfunction!(on_gc, m)?)?;
+    m.add_function(wrap_pyfunction!(on_cache_release, m)?)?;
+    m.add_function(wrap_pyfunction!(on_oom_observer, m)?)?;
+    m.add_function(wrap_pyfunction!(on_oom_exception, m)?)?;
+    m.add_function(wrap_pyfunction!(after_fork_child, m)?)?;
+    m.add_function(wrap_pyfunction!(after_fork_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(ensure_torch_hooks, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(flush, m)?)?;
+    m.add_function(wrap_pyfunction!(read_allocator, m)?)?;
+    m.add_function(wrap_pyfunction!(query_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(query_agents, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,128 @@
+"""oomscope: an in-process memory agent for PyTorch servers.
+
+    import oomscope
+    oomscope.start(collector="http://127.0.0.1:7433", name="my-server")
+
+    with oomscope.phase("load", model="llama-3-8b", dtype="bfloat16"):
+        model = load()
+    with oomscope.request(id=req_id, prompt_tokens=n, max_tokens=m) as r:
+        out = generate(...)
+        r.output_tokens = len(out)
+
+Under ``oomscope run -- python server.py`` no code change is needed: the
+wheel installs ``oomscope-autostart.pth``, which starts the agent at
+interpreter start-up whenever ``OOMSCOPE_COLLECTOR`` is set (set
+``OOMSCOPE_AUTOSTART=0`` to opt out). Every ``start()`` argument can also come
+from ``OOMSCOPE_<NAME>`` (``OOMSCOPE_NAME``, ``OOMSCOPE_INTERVAL_S``, ...).
+
+The work happens in Rust (``oomscope._native``), on the agent's own threads;
+nothing here raises into the server because the collector is away.
+"""
+
+import sys as _sys
+
+from . import _native
+from ._native import __version__, agent_id, flush, is_running, set_context, snapshot, stats
+
+__all__ = [
+    "start", "stop", "request", "phase", "set_context", "snapshot", "census",
+    "is_running", "agent_id", "stats", "flush", "__version__",
+]
+
+
+def start(collector=None, name=None, model=None, revision=None, quantization=None, dtype=None,
+          interval_s=None, role=None, rank=None, spool_dir=None, oom_wait_s=None,
+          census_every=None, census_interval_s=None, census_budget_s=None,
+          history_max_entries=None, exit_flush_s=None):
+    """Starts the agent (a second call does nothing and returns False).
+
+    Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
+    defaults: interval_s 1.0, oom_wait_s 0.2, census_every 100 requests,
+    census_interval_s 300, census_budget_s 0.25, no spool, no memory history.
+    A bad value raises ValueError here, never later.
+    """
+    started = _native.start(
+        collector=collector, name=name, model=model, revision=revision,
+        quantization=quantization, dtype=dtype, interval_s=interval_s, role=role, rank=rank,
+        spool_dir=spool_dir, oom_wait_s=oom_wait_s, census_every=census_every,
+        census_interval_s=census_interval_s, census_budget_s=census_budget_s,
+        history_max_entries=history_max_entries, exit_flush_s=exit_flush_s)
+    if started:
+        from . import _hooks
+        _hooks.install()
+    return started
+
+
+def stop(reason="stop"):
+    """Sends Goodbye and waits briefly for the collector's acks. Harmless twice."""
+    return _native.stop(reason)
+
+
+def census(budget_s=None):
+    """Runs a Python heap census now (holds the GIL up to ``budget_s``) and
+    returns it: ``{"types": [{"type_name", "count", "bytes"}], ...}``."""
+    return _native.census(budget_s)
+
+
+class request:
+    """Marks one request: ``with oomscope.request(id=..., prompt_tokens=...,
+    max_tokens=...) as r: ...; r.output_tokens = n``.
+
+    An out-of-memory error raised inside is reported (observer arguments,
+    allocator stats, snapshot summary, context and the error text), spooled
+    and acked within ``oom_wait_s`` before it propagates.
+    """
+
+    __slots__ = ("id", "prompt_tokens", "max_tokens", "output_tokens")
+    _counter = 0
+
+    def __init__(self, id=None, prompt_tokens=0, max_tokens=0):
+        if id is None:
+            request._counter += 1
+            id = "req-%d" % request._counter
+        self.id = str(id)
+        self.prompt_tokens = int(prompt_tokens or 0)
+        self.max_tokens = int(max_tokens or 0)
+        self.output_tokens = 0
+
+    def __enter__(self):
+        _native.request_begin(self.id, self.prompt_tokens, self.max_tokens)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        error = ""
+        if exc is not None:
+            from . import _hooks
+            _hooks.report_if_oom(exc)
+            error = "%s: %s" % (exc_type.__name__, str(exc)[:500])
+        _native.request_end(self.id, int(self.output_tokens or 0), error)
+        return False
+
+
+class phase:
+    """Marks a phase such as a model load: device and host memory before and
+    after, the model listed as active once loaded, the error if it fails."""
+
+    __slots__ = ("name", "model", "revision", "quantization", "dtype", "_before")
+
+    def __init__(self, name="load", model=None, revision=None, quantization=None, dtype=None):
+        self.name, self.model, self.revision = name, model, revision
+        self.quantization, self.dtype = quantization, (str(dtype) if dtype is not None else None)
+        self._before = 0
+
+    def __enter__(self):
+        _native.ensure_torch_hooks()
+        self._before = _native.phase_edge(self.name, True, self.model, self.revision,
+                                          self.quantization, self.dtype)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        error = ""
+        if exc is not None:
+            from . import _hooks
+            _hooks.report_if_oom(exc)
+            error = "%s: %s" % (exc_type.__name__, str(exc)[:500])
+        _native.ensure_torch_hooks()
+        _native.phase_edge(self.name, False, self.model, self.revision, self.quantization,
+                           self.dtype, error, self._before)
+        return False

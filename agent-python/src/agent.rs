@@ -1,0 +1,384 @@
+//! The running agent: one per process. Its reporter (agent-core) streams to
+//! the collector from its own thread; its sampler thread reads the host
+//! domains without the GIL and the allocator with it, briefly.
+//!
+//! Locking rules, which keep `fork()` safe: the global slot is only taken
+//! with the GIL held and never across a GIL release; the agent's own mutexes
+//! are never held while waiting for the GIL. A forked child never touches the
+//! parent's agent (its mutexes may have been held by a thread that does not
+//! exist in the child): it leaks it and starts its own.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
+use oomscope_agent_core::{now_ns, pb, torch};
+use pyo3::prelude::*;
+
+use crate::census::{self, Baseline};
+use crate::config::Config;
+use crate::context::{self, ContextState};
+use crate::torchread;
+
+/// Jobs waiting for the sampler thread; past this, boundary samples are
+/// dropped (and counted by the caller) rather than queued without bound.
+pub const JOB_QUEUE: usize = 1024;
+/// An OOM observer call with no exception seen this long after it is sent
+/// on its own (the server caught the error itself).
+pub const ORPHAN_OOM_AFTER: Duration = Duration::from_secs(2);
+/// Host processes listed at an OOM: the largest by RSS.
+pub const OOM_TOP_PROCESSES: usize = 10;
+
+pub enum Job {
+    /// A sample at a request boundary: allocator and context as they were
+    /// then; the sampler adds the host domains.
+    Boundary {
+        time_ns: i64,
+        allocator: Vec<pb::AllocatorStats>,
+        context: pb::RequestContext,
+    },
+    Census {
+        budget: Duration,
+    },
+    Snapshot {
+        device: Option<i32>,
+    },
+    ProcessList,
+    Stop,
+}
+
+/// What the OOM observer saw, waiting for the exception's text.
+pub struct PendingOom {
+    pub at: Instant,
+    pub observer: pb::OomObserver,
+    pub stats: Option<pb::AllocatorStats>,
+    pub snapshot: Option<pb::SnapshotSummary>,
+}
+
+pub struct Agent {
+    pub config: Config,
+    pub reporter: Reporter,
+    pub agent_id: String,
+    pub pid: u32,
+    pub context: Mutex<ContextState>,
+    pub pending_oom: Mutex<Option<PendingOom>>,
+    pub baseline: Mutex<Option<Baseline>>,
+    pub interval_ms: AtomicU64,
+    pub torch_hooks: AtomicBool,
+    /// Children forked so far: the next child's rank.
+    pub forks: AtomicU32,
+    pub boundary_dropped: AtomicU64,
+    pub last_census: Mutex<Option<Instant>>,
+    jobs: SyncSender<Job>,
+    sampler: Mutex<Option<JoinHandle<()>>>,
+    paths: HostPaths,
+}
+
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
+}
+
+impl Agent {
+    /// Starts the reporter and the sampler; returns at once whether or not
+    /// a collector is there. Needs the GIL for the Hello's Python facts.
+    pub fn start(py: Python<'_>, config: Config) -> Arc<Agent> {
+        let pid = std::process::id();
+        let start_ns = now_ns();
+        let paths = HostPaths::system();
+        let probe = HostProbe::new(paths.clone(), pid);
+        let agent_id = format!("py-{}-{}-{pid}-{:x}", config.name, hostname(), start_ns);
+        let mut hello = pb::Hello {
+            agent_id: agent_id.clone(),
+            name: config.name.clone(),
+            host: hostname(),
+            pid,
+            start_time_ns: start_ns,
+            role: config.role.clone(),
+            rank: config.rank,
+            runtime: "pytorch".into(),
+            gpus: probe.gpu().placements(),
+            cgroup: Some(probe.cgroup_info()),
+            rlimits: Some(probe.rlimits()),
+            allocator_settings: Some(torchread::settings(py)),
+            labels: config.labels.clone().into_iter().collect(),
+            ..Default::default()
+        };
+        hello
+            .versions
+            .insert("oomscope".into(), env!("CARGO_PKG_VERSION").into());
+        if let Ok(v) = py
+            .import("sys")
+            .and_then(|s| s.getattr("version"))
+            .and_then(|v| v.extract::<String>())
+        {
+            hello.versions.insert(
+                "python".into(),
+                v.split_whitespace().next().unwrap_or("").to_string(),
+            );
+        }
+        hello.versions.extend(torchread::versions(py));
+        if let Ok(argv) = py
+            .import("sys")
+            .and_then(|s| s.getattr("argv"))
+            .and_then(|a| a.extract::<Vec<String>>())
+        {
+            hello.command = argv;
+        }
+        if let Some(m) = &config.model {
+            hello.models.push(context::model_pb(m, 0));
+        }
+        let mut rc = ReporterConfig::new(config.collector.clone());
+        rc.spool_dir = config.spool_dir.clone();
+        let reporter = Reporter::start(rc, hello);
+        let (jobs, rx) = sync_channel(JOB_QUEUE);
+        let agent = Arc::new(Agent {
+            interval_ms: AtomicU64::new(config.interval.as_millis() as u64),
+            config,
+            reporter,
+            agent_id,
+            pid,
+            context: Mutex::new(ContextState::default()),
+            pending_oom: Mutex::new(None),
+            baseline: Mutex::new(None),
+            torch_hooks: AtomicBool::new(false),
+            forks: AtomicU32::new(0),
+            boundary_dropped: AtomicU64::new(0),
+            last_census: Mutex::new(None),
+            jobs,
+            sampler: Mutex::new(None),
+            paths,
+        });
+        let handle = crate::sampler::spawn(agent.clone(), probe, rx);
+        *lock(&agent.sampler) = handle;
+        agent
+    }
+
+    /// Hands a job to the sampler; false when its queue is full.
+    pub fn submit(&self, job: Job) -> bool {
+        match self.jobs.try_send(job) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.boundary_dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    pub fn send_event(&self, kind: pb::event::Kind) -> bool {
+        self.reporter.send_event(pb::Event {
+            time_ns: now_ns(),
+            kind: Some(kind),
+        })
+    }
+
+    pub fn host_rss(&self) -> u64 {
+        oomscope_agent_core::probe::process::read(&self.paths, self.pid)
+            .map_or(0, |p| p.vm_rss_bytes)
+    }
+
+    pub fn request_begin(&self, id: &str, prompt_tokens: u64, max_tokens: u64) {
+        lock(&self.context).begin(id, prompt_tokens, max_tokens);
+        self.send_event(pb::event::Kind::Request(pb::RequestBoundary {
+            request_id: id.to_string(),
+            start: true,
+            prompt_tokens,
+            max_tokens,
+            ..Default::default()
+        }));
+    }
+
+    /// The request's end event and a boundary sample (the allocator read
+    /// here, with the GIL; the host domains on the sampler thread).
+    pub fn request_end(&self, py: Python<'_>, id: &str, output_tokens: u64, error: &str) {
+        let time_ns = now_ns();
+        let allocator = torchread::read_all(py);
+        let (context, done) = {
+            let mut c = lock(&self.context);
+            c.end(id, output_tokens, !error.is_empty());
+            (c.to_pb("after_request"), c.requests_done)
+        };
+        self.send_event(pb::event::Kind::Request(pb::RequestBoundary {
+            request_id: id.to_string(),
+            start: false,
+            output_tokens,
+            error: error.to_string(),
+            ..Default::default()
+        }));
+        self.submit(Job::Boundary {
+            time_ns,
+            allocator,
+            context,
+        });
+        let every = self.config.census_every;
+        if every > 0 && done % every == 0 {
+            self.submit(Job::Census {
+                budget: self.config.census_budget,
+            });
+        }
+    }
+
+    /// A load (or other phase) edge: device and host bytes now. Returns the
+    /// device bytes, so the end can tell how much the load added.
+    pub fn phase_edge(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        start: bool,
+        model: Option<crate::config::ModelSpec>,
+        error: &str,
+        before: u64,
+    ) -> u64 {
+        let allocated = torchread::read_all(py)
+            .first()
+            .map_or(0, |a| a.allocated_bytes);
+        {
+            let mut c = lock(&self.context);
+            c.phase = if start {
+                name.to_string()
+            } else {
+                String::new()
+            };
+            if let (false, true, Some(m)) = (start, error.is_empty(), &model) {
+                c.loaded(m.clone(), allocated.saturating_sub(before));
+            }
+        }
+        let bytes = if start {
+            0
+        } else {
+            allocated.saturating_sub(before)
+        };
+        self.send_event(pb::event::Kind::Phase(pb::Phase {
+            name: name.to_string(),
+            start,
+            model: model.as_ref().map(|m| context::model_pb(m, bytes)),
+            allocated_bytes: allocated,
+            host_rss_bytes: self.host_rss(),
+            error: error.to_string(),
+        }));
+        allocated
+    }
+
+    /// The OOM observer: the allocator as it failed, kept until the
+    /// exception's text arrives (or sent alone, see [`ORPHAN_OOM_AFTER`]).
+    pub fn oom_observed(&self, py: Python<'_>, observer: pb::OomObserver) {
+        let device = i32::try_from(observer.device).ok();
+        let stats =
+            torchread::cuda(py).and_then(|c| torchread::allocator_stats(&c, device.unwrap_or(0)));
+        let snapshot = torchread::snapshot(py, device);
+        *lock(&self.pending_oom) = Some(PendingOom {
+            at: Instant::now(),
+            observer,
+            stats,
+            snapshot,
+        });
+    }
+
+    /// An out-of-memory exception on its way up: everything known about it,
+    /// spooled and acked (bounded by `oom_wait`) before it propagates.
+    pub fn oom_exception(&self, py: Python<'_>, error_type: &str, error_text: &str) -> bool {
+        let pending = lock(&self.pending_oom)
+            .take()
+            .filter(|p| p.at.elapsed() < Duration::from_secs(30));
+        let (observer, mut stats, mut snapshot) = match pending {
+            Some(p) => (Some(p.observer), p.stats, p.snapshot),
+            None => (None, None, None),
+        };
+        if stats.is_none() {
+            stats = torchread::read_all(py).into_iter().next();
+        }
+        if snapshot.is_none() {
+            snapshot = torchread::snapshot(py, stats.as_ref().map(|s| s.device));
+        }
+        let context = lock(&self.context).to_pb("oom");
+        let oom = torch::oom_event(
+            observer,
+            error_type,
+            error_text,
+            stats,
+            snapshot,
+            Some(context),
+        );
+        self.deliver_oom(py, oom)
+    }
+
+    /// An observer call that no exception followed.
+    pub fn orphan_oom(&self, py: Python<'_>) {
+        let stale = {
+            let mut p = lock(&self.pending_oom);
+            if p.as_ref()
+                .is_some_and(|p| p.at.elapsed() >= ORPHAN_OOM_AFTER)
+            {
+                p.take()
+            } else {
+                None
+            }
+        };
+        if let Some(p) = stale {
+            let context = lock(&self.context).to_pb("oom");
+            let oom =
+                torch::oom_event(Some(p.observer), "", "", p.stats, p.snapshot, Some(context));
+            self.deliver_oom(py, oom);
+        }
+    }
+
+    fn deliver_oom(&self, py: Python<'_>, oom: pb::Oom) -> bool {
+        let event = pb::Event {
+            time_ns: now_ns(),
+            kind: Some(pb::event::Kind::Oom(oom)),
+        };
+        let wait = self.config.oom_wait;
+        let reporter = self.reporter.clone();
+        let acked = py.detach(move || reporter.send_urgent(event, wait));
+        self.submit(Job::ProcessList);
+        acked
+    }
+
+    /// A heap census now, on this thread (GIL held), sent as an event.
+    pub fn census(&self, py: Python<'_>, budget: Duration) -> PyResult<pb::HeapCensus> {
+        let done = lock(&self.context).requests_done;
+        let mut baseline = lock(&self.baseline).take();
+        let result = census::run(py, budget, done, &mut baseline);
+        *lock(&self.baseline) = baseline;
+        *lock(&self.last_census) = Some(Instant::now());
+        let c = result?;
+        self.send_event(pb::event::Kind::HeapCensus(c.clone()));
+        Ok(c)
+    }
+
+    pub fn snapshot(&self, py: Python<'_>, device: Option<i32>) -> Option<pb::SnapshotSummary> {
+        let s = torchread::snapshot(py, device)?;
+        self.send_event(pb::event::Kind::Snapshot(s.clone()));
+        Some(s)
+    }
+
+    /// Stops the sampler, sends the Goodbye and waits (GIL released) up to
+    /// `exit_flush` for the collector's acks.
+    pub fn stop(&self, py: Python<'_>, reason: &str) -> bool {
+        let handle = lock(&self.sampler).take();
+        let jobs = self.jobs.clone();
+        let reporter = self.reporter.clone();
+        let goodbye = pb::Goodbye {
+            reason: reason.to_string(),
+            exit_code: 0,
+        };
+        let wait = self.config.exit_flush;
+        py.detach(move || {
+            if let Some(h) = handle {
+                // Blocks only while the queue is full; the sampler drains it.
+                let _ = jobs.send(Job::Stop);
+                let _ = h.join();
+            }
+            reporter.shutdown(goodbye, wait)
+        })
+    }
+}

@@ -1,0 +1,569 @@
+//! The Python heap census: objects and bytes by type, from one
+//! `gc.get_objects()` scan (plus the untracked bytes/arrays those objects
+//! hold), under a time budget, with growth per completed request against the
+//! previous census and one referrer chain for the top grower.
+//!
+//! It holds the GIL for its whole run (up to the budget, plus one referrer
+//! walk), so it runs on the agent's own thread or on demand, never on a
+//! request path.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use oomscope_agent_core::pb;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple, PyType};
+
+/// Types reported by bytes, by count and by growth (each up to this many):
+/// a torch process has thousands of types, the interesting ones are few.
+pub const TOP_TYPES: usize = 64;
+/// How far the referrer chain walks up from the top grower.
+pub const MAX_CHAIN: usize = 8;
+/// Objects scanned between two looks at the clock.
+const CLOCK_EVERY: usize = 512;
+/// `gc.get_referents` takes this many objects per call.
+const REFERENTS_CHUNK: usize = 2048;
+
+/// The counts of one census, kept to measure the next one's growth.
+#[derive(Debug, Default, Clone)]
+pub struct Baseline {
+    pub by_type: HashMap<String, (u64, u64)>,
+    pub requests_done: u64,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Tensor,
+    Ndarray,
+    /// bytes/bytearray: the length is the payload.
+    Buffer,
+    /// list/dict/set: `__sizeof__` includes their tables.
+    Container,
+    Plain,
+}
+
+struct TypeInfo {
+    name: String,
+    kind: Kind,
+    basicsize: u64,
+}
+
+/// The name a census gives a type: `module.qualname`, builtins bare.
+pub fn type_name(ty: &Bound<'_, PyType>) -> String {
+    let qual = ty
+        .getattr("__qualname__")
+        .and_then(|q| q.extract::<String>())
+        .unwrap_or_else(|_| "?".into());
+    match ty.getattr("__module__").and_then(|m| m.extract::<String>()) {
+        Ok(m) if m != "builtins" => format!("{m}.{qual}"),
+        _ => qual,
+    }
+}
+
+struct Scanner<'py> {
+    py: Python<'py>,
+    tensor: Option<Bound<'py, PyAny>>,
+    ndarray: Option<Bound<'py, PyAny>>,
+    types: HashMap<usize, TypeInfo>,
+    /// Count, bytes and the last instance seen (for the referrer chain),
+    /// by type object, and for tensors by device.
+    plain: HashMap<usize, (u64, u64, Bound<'py, PyAny>)>,
+    tensors: HashMap<String, (u64, u64, Bound<'py, PyAny>)>,
+    storages: HashSet<(String, usize)>,
+    seen_untracked: HashSet<usize>,
+    scanned: u64,
+}
+
+impl<'py> Scanner<'py> {
+    fn info(&mut self, obj: &Bound<'py, PyAny>) -> &TypeInfo {
+        let ty = obj.get_type();
+        let key = ty.as_ptr() as usize;
+        if !self.types.contains_key(&key) {
+            let sub = |base: &Option<Bound<'py, PyAny>>| {
+                base.as_ref().is_some_and(|b| {
+                    b.cast::<PyType>()
+                        .is_ok_and(|b| ty.is_subclass(b).unwrap_or(false))
+                })
+            };
+            let kind = if sub(&self.tensor) {
+                Kind::Tensor
+            } else if sub(&self.ndarray) {
+                Kind::Ndarray
+            } else if ty.is(&self.py.get_type::<PyBytes>())
+                || ty.is(&self.py.get_type::<PyByteArray>())
+            {
+                Kind::Buffer
+            } else if ty.is(&self.py.get_type::<PyList>()) || ty.is(&self.py.get_type::<PyDict>()) {
+                Kind::Container
+            } else {
+                Kind::Plain
+            };
+            let basicsize = ty
+                .getattr("__basicsize__")
+                .and_then(|b| b.extract::<u64>())
+                .unwrap_or(0);
+            self.types.insert(
+                key,
+                TypeInfo {
+                    name: type_name(&ty),
+                    kind,
+                    basicsize,
+                },
+            );
+        }
+        &self.types[&key]
+    }
+
+    /// Counts one object; `tracked` tells whether it came from gc.get_objects.
+    fn count(&mut self, obj: &Bound<'py, PyAny>, tracked: bool) {
+        let key = obj.get_type().as_ptr() as usize;
+        let (kind, basicsize) = {
+            let i = self.info(obj);
+            (i.kind, i.basicsize)
+        };
+        if !tracked && !matches!(kind, Kind::Buffer | Kind::Ndarray) {
+            return;
+        }
+        if matches!(kind, Kind::Buffer | Kind::Ndarray)
+            && !self.seen_untracked.insert(obj.as_ptr() as usize)
+        {
+            return;
+        }
+        self.scanned += 1;
+        let bytes = match kind {
+            Kind::Tensor => {
+                let (name, bytes) = self.tensor_bytes(obj);
+                let e = self
+                    .tensors
+                    .entry(name)
+                    .or_insert_with(|| (0, 0, obj.clone()));
+                e.0 += 1;
+                e.1 = e.1.saturating_add(bytes);
+                e.2 = obj.clone();
+                return;
+            }
+            Kind::Ndarray => {
+                // A view shares its base's buffer: count the owner only.
+                let owns = obj.getattr("base").map(|b| b.is_none()).unwrap_or(true);
+                if owns {
+                    obj.getattr("nbytes")
+                        .and_then(|n| n.extract::<u64>())
+                        .unwrap_or(0)
+                } else {
+                    0
+                }
+            }
+            Kind::Buffer => obj.len().map(|n| n as u64).unwrap_or(0),
+            Kind::Container => obj
+                .call_method0("__sizeof__")
+                .and_then(|n| n.extract::<u64>())
+                .unwrap_or(basicsize),
+            Kind::Plain => basicsize,
+        };
+        match self.plain.get_mut(&key) {
+            Some(e) => {
+                e.0 += 1;
+                e.1 = e.1.saturating_add(bytes);
+                e.2 = obj.clone();
+            }
+            None => {
+                self.plain.insert(key, (1, bytes, obj.clone()));
+            }
+        }
+    }
+
+    /// Counts by type name, with one (the last seen) instance of each.
+    fn finish(
+        self,
+    ) -> (
+        HashMap<String, (u64, u64)>,
+        HashMap<String, Bound<'py, PyAny>>,
+    ) {
+        let mut by_type: HashMap<String, (u64, u64)> = HashMap::new();
+        let mut sample = HashMap::new();
+        let named = self
+            .plain
+            .into_iter()
+            .map(|(k, v)| (self.types[&k].name.clone(), v));
+        for (name, (count, bytes, obj)) in named.chain(self.tensors) {
+            // Two type objects may share a name (a class defined twice).
+            let e = by_type.entry(name.clone()).or_default();
+            e.0 += count;
+            e.1 = e.1.saturating_add(bytes);
+            sample.insert(name, obj);
+        }
+        (by_type, sample)
+    }
+
+    /// `torch.Tensor[<device>]` and the bytes of its storage, counted once
+    /// per storage however many tensors view it.
+    fn tensor_bytes(&mut self, t: &Bound<'py, PyAny>) -> (String, u64) {
+        let device = t
+            .getattr("device")
+            .and_then(|d| d.str())
+            .map(|d| d.to_string())
+            .unwrap_or_else(|_| "?".into());
+        let name = format!("torch.Tensor[{device}]");
+        let storage = t.call_method0("untyped_storage").ok();
+        let ptr = storage
+            .as_ref()
+            .and_then(|s| s.call_method0("data_ptr").ok()?.extract::<usize>().ok())
+            .unwrap_or(0);
+        let nbytes = storage
+            .as_ref()
+            .and_then(|s| s.call_method0("nbytes").ok()?.extract::<u64>().ok())
+            .unwrap_or(0);
+        if ptr != 0 && !self.storages.insert((device, ptr)) {
+            return (name, 0);
+        }
+        (name, nbytes)
+    }
+}
+
+fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'py, PyAny>> {
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    modules
+        .cast::<PyDict>()
+        .ok()?
+        .get_item(module)
+        .ok()??
+        .getattr(attr)
+        .ok()
+}
+
+/// Runs a census now. `baseline` is the previous census (updated here);
+/// growth is per completed request since it.
+pub fn run(
+    py: Python<'_>,
+    budget: Duration,
+    requests_done: u64,
+    baseline: &mut Option<Baseline>,
+) -> PyResult<pb::HeapCensus> {
+    let t0 = Instant::now();
+    let deadline = t0 + budget;
+    let gc = py.import("gc")?;
+    let counts: (u64, u64, u64) = gc.call_method0("get_count")?.extract().unwrap_or((0, 0, 0));
+    let garbage = gc.getattr("garbage").and_then(|g| g.len()).unwrap_or(0) as u64;
+    let mut s = Scanner {
+        py,
+        tensor: module_attr(py, "torch", "Tensor"),
+        ndarray: module_attr(py, "numpy", "ndarray"),
+        types: HashMap::new(),
+        plain: HashMap::new(),
+        tensors: HashMap::new(),
+        storages: HashSet::new(),
+        seen_untracked: HashSet::new(),
+        scanned: 0,
+    };
+    let objects = gc.call_method0("get_objects")?.cast_into::<PyList>()?;
+    let mut complete = true;
+    for (i, obj) in objects.iter().enumerate() {
+        if i % CLOCK_EVERY == 0 && Instant::now() > deadline {
+            complete = false;
+            break;
+        }
+        s.count(&obj, true);
+    }
+    // bytes, bytearrays and (in most numpy versions) arrays are not tracked
+    // by gc: find them among what the tracked objects hold.
+    if complete {
+        let n = objects.len();
+        let mut start = 0;
+        while start < n {
+            if Instant::now() > deadline {
+                complete = false;
+                break;
+            }
+            let chunk = objects.get_slice(start, (start + REFERENTS_CHUNK).min(n));
+            let args = PyTuple::new(py, chunk.iter())?;
+            let referents = gc.getattr("get_referents")?.call1(args)?;
+            for r in referents.cast::<PyList>()?.iter() {
+                s.count(&r, false);
+            }
+            start += REFERENTS_CHUNK;
+        }
+    }
+    let objects_ptr = objects.as_ptr() as usize;
+    drop(objects);
+    let scanned = s.scanned;
+    let (by_type, sample) = s.finish();
+
+    let growth = growth_per_request(&by_type, baseline.as_ref(), requests_done);
+    let top = growth.first().map(|(name, _, _)| name.clone());
+    let mut chain = Vec::new();
+    if let Some(obj) = top.as_ref().and_then(|n| sample.get(n)) {
+        chain = referrer_chain(py, obj, deadline + budget, objects_ptr).unwrap_or_default();
+    }
+    let mut census = pb::HeapCensus {
+        types: select_types(&by_type, &growth),
+        gc_gen0: counts.0,
+        gc_gen1: counts.1,
+        gc_gen2: counts.2,
+        garbage,
+        duration_ns: t0.elapsed().as_nanos() as u64,
+        objects_scanned: scanned,
+        referrer_chain: chain,
+    };
+    if !complete {
+        census.referrer_chain.insert(
+            0,
+            format!(
+                "(partial census: the {} ms budget ran out)",
+                budget.as_millis()
+            ),
+        );
+    }
+    drop(sample);
+    *baseline = Some(Baseline {
+        by_type,
+        requests_done,
+    });
+    Ok(census)
+}
+
+/// Types whose bytes (then count) grew since the baseline, as
+/// (name, bytes per request, count per request), largest first. Empty
+/// without a baseline or without a completed request since.
+pub fn growth_per_request(
+    now: &HashMap<String, (u64, u64)>,
+    baseline: Option<&Baseline>,
+    requests_done: u64,
+) -> Vec<(String, f64, f64)> {
+    let Some(base) = baseline else {
+        return Vec::new();
+    };
+    let requests = requests_done.saturating_sub(base.requests_done);
+    if requests == 0 {
+        return Vec::new();
+    }
+    let mut out: Vec<(String, f64, f64)> = now
+        .iter()
+        .filter_map(|(name, (count, bytes))| {
+            let (c0, b0) = base.by_type.get(name).copied().unwrap_or((0, 0));
+            let dc = *count as f64 - c0 as f64;
+            let db = *bytes as f64 - b0 as f64;
+            (dc > 0.0 || db > 0.0)
+                .then(|| (name.clone(), db / requests as f64, dc / requests as f64))
+        })
+        .filter(|(_, db, dc)| *db > 0.0 && *dc >= 0.0 || *dc > 0.0 && *db >= 0.0)
+        .collect();
+    out.sort_by(|a, b| {
+        b.1.total_cmp(&a.1)
+            .then(b.2.total_cmp(&a.2))
+            .then(a.0.cmp(&b.0))
+    });
+    out
+}
+
+/// The largest types by bytes, by count, and the top growers (each up to
+/// [`TOP_TYPES`]), largest bytes first.
+pub fn select_types(
+    by_type: &HashMap<String, (u64, u64)>,
+    growth: &[(String, f64, f64)],
+) -> Vec<pb::TypeCount> {
+    let mut all: Vec<(&String, &(u64, u64))> = by_type.iter().collect();
+    let mut keep: HashSet<&str> = HashSet::new();
+    all.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(b.0)));
+    keep.extend(all.iter().take(TOP_TYPES).map(|(n, _)| n.as_str()));
+    all.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(b.0)));
+    keep.extend(all.iter().take(TOP_TYPES).map(|(n, _)| n.as_str()));
+    keep.extend(growth.iter().take(TOP_TYPES).map(|(n, _, _)| n.as_str()));
+    keep.extend(
+        by_type
+            .keys()
+            .filter(|n| n.starts_with("torch.Tensor["))
+            .map(String::as_str),
+    );
+    let mut out: Vec<pb::TypeCount> = keep
+        .into_iter()
+        .map(|n| pb::TypeCount {
+            type_name: n.to_string(),
+            count: by_type[n].0,
+            bytes: by_type[n].1,
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        b.bytes
+            .cmp(&a.bytes)
+            .then(b.count.cmp(&a.count))
+            .then(a.type_name.cmp(&b.type_name))
+    });
+    out
+}
+
+/// Who holds `obj`: each step is the first referrer that is not a frame,
+/// not the census's own list and not already on the chain, up to a module's
+/// globals or [`MAX_CHAIN`] steps. Outermost first.
+fn referrer_chain(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    deadline: Instant,
+    skip: usize,
+) -> PyResult<Vec<String>> {
+    let gc = py.import("gc")?;
+    let mut steps = vec![describe_leaf(obj)];
+    let mut on_chain: HashSet<usize> = HashSet::from([obj.as_ptr() as usize, skip]);
+    let mut child = obj.clone();
+    for _ in 0..MAX_CHAIN {
+        if Instant::now() > deadline {
+            break;
+        }
+        let referrers = gc.call_method1("get_referrers", (&child,))?;
+        let referrers = referrers.cast::<PyList>()?;
+        on_chain.insert(referrers.as_ptr() as usize);
+        let next = referrers.iter().find(|r| {
+            !on_chain.contains(&(r.as_ptr() as usize))
+                && !r.get_type().name().map(|n| n == "frame").unwrap_or(false)
+        });
+        let Some(parent) = next else { break };
+        on_chain.insert(parent.as_ptr() as usize);
+        let (text, is_module) = describe_holder(&parent, &child);
+        steps.push(text);
+        if is_module {
+            break;
+        }
+        child = parent;
+    }
+    steps.reverse();
+    Ok(steps)
+}
+
+fn describe_leaf(obj: &Bound<'_, PyAny>) -> String {
+    let name = type_name(&obj.get_type());
+    match obj.getattr("shape").and_then(|s| s.str()) {
+        Ok(shape) if name.starts_with("torch") || name.starts_with("numpy") => {
+            format!("{name} {shape}")
+        }
+        _ => name,
+    }
+}
+
+/// How `holder` holds `child`, and whether `holder` is a module's globals.
+fn describe_holder(holder: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> (String, bool) {
+    let short = |o: &Bound<'_, PyAny>| -> String {
+        let t = o.repr().map(|r| r.to_string()).unwrap_or_default();
+        if t.chars().count() > 40 {
+            format!("{}...", t.chars().take(40).collect::<String>())
+        } else {
+            t
+        }
+    };
+    if let Ok(d) = holder.cast::<PyDict>() {
+        let key = d.iter().find(|(_, v)| v.is(child)).map(|(k, _)| k);
+        let module = d
+            .get_item("__name__")
+            .ok()
+            .flatten()
+            .filter(|_| d.contains("__builtins__").unwrap_or(false));
+        return match (module, key) {
+            (Some(m), Some(k)) => (
+                format!(
+                    "module {} global {}",
+                    m.str().map(|s| s.to_string()).unwrap_or_default(),
+                    k.str().map(|s| s.to_string()).unwrap_or_default()
+                ),
+                true,
+            ),
+            (Some(m), None) => (
+                format!(
+                    "module {} globals",
+                    m.str().map(|s| s.to_string()).unwrap_or_default()
+                ),
+                true,
+            ),
+            (None, Some(k)) => (format!("dict[{}] ({} items)", short(&k), d.len()), false),
+            (None, None) => (format!("dict ({} items)", d.len()), false),
+        };
+    }
+    if let Ok(l) = holder.cast::<PyList>() {
+        let i = l.iter().position(|v| v.is(child));
+        return (
+            match i {
+                Some(i) => format!("list[{i}] ({} items)", l.len()),
+                None => format!("list ({} items)", l.len()),
+            },
+            false,
+        );
+    }
+    if let Ok(t) = holder.cast::<PyTuple>() {
+        let i = t
+            .iter()
+            .position(|v| v.is(child))
+            .map_or("?".into(), |i| i.to_string());
+        return (format!("tuple[{i}] ({} items)", t.len()), false);
+    }
+    let name = type_name(&holder.get_type());
+    let attr = holder.getattr("__dict__").ok().and_then(|d| {
+        d.cast::<PyDict>().ok().and_then(|d| {
+            d.iter()
+                .find(|(_, v)| v.is(child))
+                .map(|(k, _)| k.to_string())
+        })
+    });
+    (
+        match attr {
+            Some(a) => format!("{name}.{a}"),
+            None => name,
+        },
+        false,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(pairs: &[(&str, u64, u64)]) -> HashMap<String, (u64, u64)> {
+        pairs
+            .iter()
+            .map(|(n, c, b)| (n.to_string(), (*c, *b)))
+            .collect()
+    }
+
+    #[test]
+    fn growth_is_per_completed_request_and_largest_bytes_first() {
+        let base = Baseline {
+            by_type: counts(&[
+                ("torch.Tensor[cpu]", 10, 1000),
+                ("dict", 500, 50_000),
+                ("Resp", 0, 0),
+            ]),
+            requests_done: 10,
+        };
+        let now = counts(&[
+            ("torch.Tensor[cpu]", 30, 41_000),
+            ("dict", 500, 50_000),
+            ("Resp", 20, 960),
+            ("gone", 1, 1),
+        ]);
+        let g = growth_per_request(&now, Some(&base), 30);
+        assert_eq!(g.len(), 3, "{g:?}");
+        assert_eq!(g[0], ("torch.Tensor[cpu]".to_string(), 2000.0, 1.0));
+        assert_eq!(g[1], ("Resp".to_string(), 48.0, 1.0));
+        assert_eq!(g[2].0, "gone");
+    }
+
+    #[test]
+    fn no_growth_without_a_baseline_or_a_request_since() {
+        let now = counts(&[("a", 5, 5)]);
+        assert!(growth_per_request(&now, None, 10).is_empty());
+        let base = Baseline {
+            by_type: counts(&[("a", 1, 1)]),
+            requests_done: 10,
+        };
+        assert!(growth_per_request(&now, Some(&base), 10).is_empty());
+    }
+
+    #[test]
+    fn selection_keeps_growers_beyond_the_top_lists() {
+        let mut by: HashMap<String, (u64, u64)> = (0..300)
+            .map(|i| (format!("t{i}"), (1000 + i, 10_000 + i)))
+            .collect();
+        by.insert("small_grower".into(), (3, 30));
+        let growth = vec![("small_grower".to_string(), 10.0, 1.0)];
+        let sel = select_types(&by, &growth);
+        assert!(sel.iter().any(|t| t.type_name == "small_grower"));
+        assert!(sel.len() <= 3 * TOP_TYPES + 1);
+        assert!(sel.windows(2).all(|w| w[0].bytes >= w[1].bytes));
+    }
+}

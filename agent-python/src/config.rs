@@ -1,0 +1,219 @@
+//! The agent's settings: `oomscope.start(...)` arguments first, then the
+//! `OOMSCOPE_*` environment (what `oomscope run` passes to its child), then
+//! the defaults below.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// One sample a second: the period of a flight recorder that shows growth
+/// within a minute, at ~200 µs of GIL per sample with CUDA.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+/// The most an OOM may hold up its request thread waiting for the
+/// collector's ack (the event is already synced to the spool, if any).
+pub const DEFAULT_OOM_WAIT: Duration = Duration::from_millis(200);
+/// A heap census every this many completed requests (0 = only on demand or
+/// on a schedule): growth per request needs a few censuses over a run.
+pub const DEFAULT_CENSUS_EVERY: u64 = 100;
+/// And one every this long regardless of traffic (0 = never), so an idle
+/// server's heap is still on record.
+pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(300);
+/// A census holds the GIL; it stops scanning after this long (one scan of
+/// 167k objects took 76 ms on the H200 host).
+pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_millis(250);
+/// At exit, how long the Goodbye may wait for the collector's acks.
+pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub collector: String,
+    pub name: String,
+    pub role: String,
+    pub rank: i32,
+    pub model: Option<ModelSpec>,
+    pub interval: Duration,
+    pub spool_dir: Option<PathBuf>,
+    pub oom_wait: Duration,
+    pub census_every: u64,
+    pub census_interval: Duration,
+    pub census_budget: Duration,
+    pub exit_flush: Duration,
+    /// `torch.cuda.memory._record_memory_history(max_entries=N)`; 0 = off.
+    pub history_max_entries: u64,
+    /// The role a forked child takes.
+    pub fork_role: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ModelSpec {
+    pub name: String,
+    pub revision: String,
+    pub quantization: String,
+    pub dtype: String,
+}
+
+/// Where each setting comes from when `start()` did not give it.
+pub trait Source {
+    fn get(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment: `OOMSCOPE_<KEY>` in upper case.
+pub struct Env;
+
+impl Source for Env {
+    fn get(&self, key: &str) -> Option<String> {
+        std::env::var(format!("OOMSCOPE_{}", key.to_ascii_uppercase()))
+            .ok()
+            .filter(|v| !v.is_empty())
+    }
+}
+
+impl Config {
+    /// `given` holds start()'s arguments as text (None = not given); `env`
+    /// fills the rest. Bad values are errors that name the setting.
+    pub fn resolve(
+        given: &BTreeMap<String, String>,
+        env: &dyn Source,
+        default_name: &str,
+    ) -> Result<Config, String> {
+        let get = |k: &str| given.get(k).cloned().or_else(|| env.get(k));
+        let secs = |k: &str, default: Duration| -> Result<Duration, String> {
+            match get(k) {
+                None => Ok(default),
+                Some(v) => v
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|s| s.is_finite() && *s >= 0.0)
+                    .map(Duration::from_secs_f64)
+                    .ok_or_else(|| {
+                        format!("oomscope: {k} must be a number of seconds >= 0, not {v:?}")
+                    }),
+            }
+        };
+        let count = |k: &str, default: u64| -> Result<u64, String> {
+            match get(k) {
+                None => Ok(default),
+                Some(v) => v
+                    .trim()
+                    .parse::<u64>()
+                    .map_err(|_| format!("oomscope: {k} must be a whole number >= 0, not {v:?}")),
+            }
+        };
+        let interval = secs("interval_s", DEFAULT_INTERVAL)?;
+        if interval < Duration::from_millis(10) {
+            return Err(format!(
+                "oomscope: interval_s must be at least 0.01 s, not {}",
+                interval.as_secs_f64()
+            ));
+        }
+        let rank = match get("rank").or_else(|| std::env::var("RANK").ok()) {
+            None => 0,
+            Some(v) => v
+                .trim()
+                .parse::<i32>()
+                .map_err(|_| format!("oomscope: rank must be an integer, not {v:?}"))?,
+        };
+        let model = get("model").map(|name| ModelSpec {
+            name,
+            revision: get("revision").unwrap_or_default(),
+            quantization: get("quantization").unwrap_or_default(),
+            dtype: get("dtype").unwrap_or_default(),
+        });
+        let mut labels = BTreeMap::new();
+        if let Some(sup) = env.get("supervisor_agent") {
+            labels.insert("supervisor_agent".to_string(), sup);
+        }
+        Ok(Config {
+            collector: get("collector")
+                .unwrap_or_else(|| oomscope_proto::DEFAULT_COLLECTOR_URL.to_string()),
+            name: get("name").unwrap_or_else(|| default_name.to_string()),
+            role: get("role").unwrap_or_else(|| "server".to_string()),
+            rank,
+            model,
+            interval,
+            spool_dir: get("spool").or_else(|| get("spool_dir")).map(PathBuf::from),
+            oom_wait: secs("oom_wait_s", DEFAULT_OOM_WAIT)?,
+            census_every: count("census_every", DEFAULT_CENSUS_EVERY)?,
+            census_interval: secs("census_interval_s", DEFAULT_CENSUS_INTERVAL)?,
+            census_budget: secs("census_budget_s", DEFAULT_CENSUS_BUDGET)?,
+            exit_flush: secs("exit_flush_s", DEFAULT_EXIT_FLUSH)?,
+            history_max_entries: count("history_max_entries", 0)?,
+            fork_role: get("fork_role").unwrap_or_else(|| "worker".to_string()),
+            labels,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fake(BTreeMap<String, String>);
+    impl Source for Fake {
+        fn get(&self, key: &str) -> Option<String> {
+            self.0.get(key).cloned()
+        }
+    }
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn arguments_win_over_the_environment_and_defaults_fill_the_rest() {
+        let env = Fake(map(&[
+            ("collector", "http://env:1"),
+            ("name", "env-name"),
+            ("interval_s", "0.5"),
+        ]));
+        let c = Config::resolve(&map(&[("name", "given")]), &env, "python").unwrap();
+        assert_eq!(c.collector, "http://env:1");
+        assert_eq!(c.name, "given");
+        assert_eq!(c.interval, Duration::from_millis(500));
+        assert_eq!(c.oom_wait, DEFAULT_OOM_WAIT);
+        assert_eq!(c.census_every, DEFAULT_CENSUS_EVERY);
+        assert_eq!(c.role, "server");
+        assert!(c.model.is_none());
+    }
+
+    #[test]
+    fn bad_values_are_errors_that_name_the_setting() {
+        let none = Fake(BTreeMap::new());
+        let e = Config::resolve(&map(&[("interval_s", "fast")]), &none, "p").unwrap_err();
+        assert!(e.contains("interval_s") && e.contains("fast"), "{e}");
+        let e = Config::resolve(&map(&[("interval_s", "0")]), &none, "p").unwrap_err();
+        assert!(e.contains("at least"), "{e}");
+        let e = Config::resolve(&map(&[("census_every", "-3")]), &none, "p").unwrap_err();
+        assert!(e.contains("census_every"), "{e}");
+        let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();
+        assert!(e.contains("oom_wait_s"), "{e}");
+    }
+
+    #[test]
+    fn a_model_carries_its_revision_quantization_and_dtype() {
+        let none = Fake(BTreeMap::new());
+        let c = Config::resolve(
+            &map(&[
+                ("model", "llama"),
+                ("revision", "abc"),
+                ("dtype", "bfloat16"),
+            ]),
+            &none,
+            "p",
+        )
+        .unwrap();
+        assert_eq!(
+            c.model,
+            Some(ModelSpec {
+                name: "llama".into(),
+                revision: "abc".into(),
+                quantization: "".into(),
+                dtype: "bfloat16".into()
+            })
+        );
+    }
+}

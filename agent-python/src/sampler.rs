@@ -1,0 +1,134 @@
+//! The agent's sampler thread: a periodic sample of every domain, the
+//! boundary samples the request path hands over, heap censuses, snapshots
+//! and the collector's directives. Host domains are read without the GIL;
+//! the allocator and the heap with it, and only when the interpreter can be
+//! attached to (never during finalisation).
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use oomscope_agent_core::pb;
+use oomscope_agent_core::probe::HostProbe;
+use pyo3::prelude::*;
+
+use crate::agent::{lock, Agent, Job, OOM_TOP_PROCESSES};
+use crate::torchread;
+
+/// The phase of a sample taken on the clock rather than at a boundary.
+pub const PERIODIC_PHASE: &str = "periodic";
+
+pub fn spawn(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) -> Option<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("oomscope-sampler".into())
+        .spawn(move || run(agent, probe, jobs))
+        .map_err(|e| tracing::error!(error = %e, "oomscope: cannot start the sampler thread"))
+        .ok()
+}
+
+fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
+    let directives = agent.reporter.directives();
+    let mut next_tick = Instant::now();
+    let mut next_census = (agent.config.census_interval > Duration::ZERO)
+        .then(|| Instant::now() + agent.config.census_interval);
+    loop {
+        let wait = next_tick.saturating_duration_since(Instant::now());
+        match jobs.recv_timeout(wait) {
+            Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(Job::Boundary {
+                time_ns,
+                allocator,
+                context,
+            }) => {
+                let mut s = probe.sample();
+                s.time_ns = time_ns;
+                s.allocator = allocator;
+                s.context = Some(context);
+                agent.reporter.send_sample(s);
+            }
+            Ok(Job::Census { budget }) => {
+                Python::try_attach(|py| {
+                    if let Err(e) = agent.census(py, budget) {
+                        tracing::warn!(error = %e, "oomscope: heap census failed");
+                    }
+                });
+            }
+            Ok(Job::Snapshot { device }) => {
+                Python::try_attach(|py| agent.snapshot(py, device));
+            }
+            Ok(Job::ProcessList) => {
+                agent.send_event(pb::event::Kind::ProcessList(
+                    probe.process_list(OOM_TOP_PROCESSES),
+                ));
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                tick(&agent, &probe);
+                let interval =
+                    Duration::from_millis(agent.interval_ms.load(Ordering::Relaxed).max(10));
+                next_tick += interval;
+                if next_tick < Instant::now() {
+                    next_tick = Instant::now() + interval; // fell behind: do not burst
+                }
+                if let Some(rx) = &directives {
+                    while let Ok(d) = rx.try_recv() {
+                        directive(&agent, d);
+                    }
+                }
+                if next_census.is_some_and(|t| Instant::now() >= t) {
+                    next_census = Some(Instant::now() + agent.config.census_interval);
+                    let recent = lock(&agent.last_census)
+                        .is_some_and(|t| t.elapsed() < agent.config.census_interval / 2);
+                    if !recent {
+                        Python::try_attach(|py| agent.census(py, agent.config.census_budget).ok());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One periodic sample: host domains first (no GIL), then the allocator.
+fn tick(agent: &Agent, probe: &HostProbe) {
+    let mut sample = probe.sample();
+    let context = {
+        let c = lock(&agent.context);
+        let phase = if c.phase.is_empty() {
+            PERIODIC_PHASE
+        } else {
+            ""
+        };
+        c.to_pb(phase)
+    };
+    Python::try_attach(|py| {
+        sample.allocator = torchread::read_all(py);
+        if !sample.allocator.is_empty() && !agent.torch_hooks.load(Ordering::Relaxed) {
+            crate::install_torch_hooks(py, agent);
+        }
+        agent.orphan_oom(py);
+    });
+    sample.context = Some(context);
+    agent.reporter.send_sample(sample);
+}
+
+fn directive(agent: &Agent, d: pb::Directive) {
+    use pb::directive::Kind;
+    match d.kind {
+        Some(Kind::TakeSnapshot(t)) => {
+            Python::try_attach(|py| agent.snapshot(py, Some(t.device)));
+        }
+        Some(Kind::RunHeapCensus(c)) => {
+            let budget = if c.time_budget_ms > 0 {
+                Duration::from_millis(u64::from(c.time_budget_ms))
+            } else {
+                agent.config.census_budget
+            };
+            Python::try_attach(|py| agent.census(py, budget).ok());
+        }
+        Some(Kind::SetSampleInterval(s)) if s.interval_ms >= 10 => {
+            agent.interval_ms.store(s.interval_ms, Ordering::Relaxed);
+        }
+        _ => {}
+    }
+}

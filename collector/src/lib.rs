@@ -4,8 +4,11 @@
 pub mod capture;
 pub mod fleet;
 pub mod cli;
+pub mod compare;
 pub mod incidents;
+pub mod probe;
 pub mod query;
+pub mod report;
 pub mod server;
 pub mod store;
 pub mod supervise;

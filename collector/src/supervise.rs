@@ -11,6 +11,7 @@ use std::io::{Read, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,6 +87,7 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     );
     let agent_id = reporter.agent_id().to_string();
     let directives = reporter.directives();
+    install_forwarding();
     let mut interval = cfg.interval;
 
     let mut attempt = 0u32;
@@ -99,6 +101,10 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
             directives: directives.as_ref(),
         };
         let ending = run_once(&ctx, attempt, last_try, &mut interval)?;
+        if stop_requested() {
+            // Someone asked the supervisor to stop: the child got the signal; no restart.
+            break ending;
+        }
         if ending.is_clean() || last_try {
             if !ending.is_clean() && cfg.restart > 0 {
                 eprintln!(
@@ -273,6 +279,16 @@ fn run_once(
     // Sample until the child ends; leave it unreaped so /proc/<pid> stays readable.
     let mut next_sample = Instant::now();
     loop {
+        let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
+        if sig != 0 {
+            // The supervisor started this child: passing a stop signal on is its job.
+            // SAFETY: kill(2) on our own, not yet reaped, child.
+            unsafe { libc::kill(pid as libc::pid_t, sig) };
+            eprintln!(
+                "oomscope: passed signal {sig} ({}) on to the child {pid}",
+                signal_name(sig)
+            );
+        }
         match wait_exited_nowait(pid) {
             Ok(true) => break,
             Ok(false) => {}
@@ -355,6 +371,38 @@ fn apply_directive(d: pb::Directive, interval: &mut Duration) {
         }
         other => {
             tracing::info!(directive = ?other, "directive not applicable to a supervisor; ignored")
+        }
+    }
+}
+
+/// A stop signal (SIGTERM, SIGINT, SIGHUP) the supervisor received and has
+/// yet to pass on to its child; 0 = none.
+static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// Set once any stop signal arrived: the supervisor then restarts nothing.
+static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    // Async-signal-safe: two atomic stores; the sampling loop does the rest.
+    PENDING_SIGNAL.store(sig, Ordering::Relaxed);
+    STOP_REQUESTED.store(true, Ordering::Relaxed);
+}
+
+fn stop_requested() -> bool {
+    STOP_REQUESTED.load(Ordering::Relaxed)
+}
+
+/// `oomscope run` stands in for its child: a stop signal meant for the
+/// service is passed on, the child's end is recorded as usual, and then the
+/// supervisor exits with the child's status instead of restarting it.
+fn install_forwarding() {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: installs a handler that only stores to atomics.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_stop_signal as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
         }
     }
 }

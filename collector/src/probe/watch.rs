@@ -1,0 +1,111 @@
+//! What the probe asks the collector about the server under test: memory at
+//! each step, incidents (the domain that bounds a figure), and verdicts.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use oomscope_agent_core::pb;
+use pb::query_service_client::QueryServiceClient;
+use tonic::transport::{Channel, Endpoint};
+
+use super::report::MemoryAt;
+
+pub struct Watch {
+    rt: tokio::runtime::Runtime,
+    client: QueryServiceClient<Channel>,
+    pub agent: String,
+}
+
+impl Watch {
+    pub fn connect(url: &str, agent: &str) -> Result<Watch> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let channel = rt
+            .block_on(
+                Endpoint::from_shared(url.to_string())
+                    .with_context(|| format!("`{url}` is not a collector URL"))?
+                    .connect_timeout(Duration::from_secs(3))
+                    .connect(),
+            )
+            .with_context(|| format!("cannot reach the collector at {url}"))?;
+        let client = QueryServiceClient::new(channel)
+            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
+        Ok(Watch {
+            rt,
+            client,
+            agent: agent.to_string(),
+        })
+    }
+
+    /// The newest sample of the agent's timeline since `from_ns`, as the memory at a step.
+    pub fn memory(&mut self, from_ns: i64) -> Option<MemoryAt> {
+        let mut c = self.client.clone();
+        let req = pb::TimelineRequest {
+            agent: self.agent.clone(),
+            from_ns,
+            to_ns: 0,
+            max_points: 0,
+        };
+        let t = self.rt.block_on(c.timeline(req)).ok()?.into_inner();
+        // The peak over the step, not the last reading: a step's memory is its high-water mark.
+        let samples: Vec<pb::Sample> = t.samples.into_iter().filter_map(|s| s.sample).collect();
+        if samples.is_empty() {
+            return None;
+        }
+        let max = |f: &dyn Fn(&pb::Sample) -> Option<u64>| samples.iter().filter_map(f).max();
+        Some(MemoryAt {
+            allocated_bytes: max(&|s| s.allocator.first().map(|a| a.allocated_bytes)),
+            reserved_bytes: max(&|s| s.allocator.first().map(|a| a.reserved_bytes)),
+            rss_bytes: max(&|s| s.process.as_ref().map(|p| p.vm_rss_bytes)),
+            cgroup_usage_bytes: max(&|s| s.cgroup.first().map(|c| c.usage_bytes)),
+        })
+    }
+
+    /// Incidents of any agent of this name since `from_ns`, oldest first.
+    pub fn incidents_since(&mut self, from_ns: i64) -> Vec<pb::Incident> {
+        let mut c = self.client.clone();
+        let req = pb::IncidentsRequest {
+            agent: String::new(),
+        };
+        let Ok(r) = self.rt.block_on(c.incidents(req)) else {
+            return Vec::new();
+        };
+        r.into_inner()
+            .incidents
+            .into_iter()
+            .filter(|i| i.agent_name == self.agent && i.time_ns >= from_ns)
+            .collect()
+    }
+
+    /// The diagnosis of the agent's timeline since `from_ns` (leak hunts).
+    pub fn diagnose_since(&mut self, from_ns: i64) -> Option<pb::Diagnosis> {
+        let mut c = self.client.clone();
+        let req = pb::DiagnoseRequest {
+            incident: String::new(),
+            agent: self.agent.clone(),
+            from_ns,
+            to_ns: 0,
+        };
+        self.rt
+            .block_on(c.diagnose(req))
+            .ok()
+            .map(|r| r.into_inner())
+    }
+
+    /// The newest Hello of the agent: what the server is configured with.
+    pub fn hello(&mut self) -> Option<pb::Hello> {
+        let mut c = self.client.clone();
+        let r = self
+            .rt
+            .block_on(c.list_agents(pb::ListAgentsRequest {}))
+            .ok()?
+            .into_inner();
+        r.agents
+            .into_iter()
+            .filter_map(|a| a.hello.map(|h| (a.first_seen_ns, h)))
+            .filter(|(_, h)| h.name == self.agent)
+            .max_by_key(|(t, _)| *t)
+            .map(|(_, h)| h)
+    }
+}

@@ -12,9 +12,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use oomscope_agent_core::now_ns;
 use oomscope_agent_core::probe::{HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
-use oomscope_agent_core::now_ns;
 
 use crate::device::DeviceMemory;
 use crate::pb;
@@ -102,7 +102,10 @@ impl CudaAgent {
     /// Starts reporting `pool`: sends the Hello, installs the pool's OOM
     /// hook, starts the sampler thread. Returns at once whether or not a
     /// collector is reachable.
-    pub fn start<D: DeviceMemory, const TRACK: bool>(cfg: AgentConfig, pool: &Pool<D, TRACK>) -> CudaAgent {
+    pub fn start<D: DeviceMemory, const TRACK: bool>(
+        cfg: AgentConfig,
+        pool: &Pool<D, TRACK>,
+    ) -> CudaAgent {
         let pid = std::process::id();
         let probe = HostProbe::new(HostPaths::system(), pid);
         let info = pool.device().info().clone();
@@ -114,7 +117,10 @@ impl CudaAgent {
             role: cfg.role.clone(),
             runtime: "cudarc".into(),
             versions: [
-                ("oomscope".to_string(), env!("CARGO_PKG_VERSION").to_string()),
+                (
+                    "oomscope".to_string(),
+                    env!("CARGO_PKG_VERSION").to_string(),
+                ),
                 ("cudarc".to_string(), CUDARC_VERSION.to_string()),
             ]
             .into_iter()
@@ -183,7 +189,9 @@ impl CudaAgent {
     /// A boundary sample: the allocator counters and the context. Never
     /// blocks; false when the reporter's queue is full.
     pub fn sample(&self) -> bool {
-        self.inner.reporter.send_sample(self.inner.allocator_sample())
+        self.inner
+            .reporter
+            .send_sample(self.inner.allocator_sample())
     }
 
     /// A phase edge (a weights load: `name` "load"), with the allocated

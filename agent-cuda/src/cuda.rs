@@ -46,8 +46,11 @@ fn driver_error(e: DriverError, requested: u64) -> DeviceError {
 /// cudarc panics in some paths where a driver is half-present; a panic
 /// must never reach the caller (or cross FFI), so it becomes an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, DeviceError>) -> Result<T, DeviceError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-        .unwrap_or_else(|_| Err(DeviceError::Absent(format!("{what}: the CUDA driver panicked"))))
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(DeviceError::Absent(format!(
+            "{what}: the CUDA driver panicked"
+        )))
+    })
 }
 
 impl Cuda {
@@ -58,8 +61,12 @@ impl Cuda {
             return Err(DeviceError::Absent("libcuda.so not found".into()));
         }
         guarded("open", || {
-            let ctx = CudaContext::new(ordinal).map_err(|e| DeviceError::Absent(format!("{e:?}")))?;
-            let uuid = ctx.uuid().map(|u| format_uuid(&u.bytes)).unwrap_or_default();
+            let ctx =
+                CudaContext::new(ordinal).map_err(|e| DeviceError::Absent(format!("{e:?}")))?;
+            let uuid = ctx
+                .uuid()
+                .map(|u| format_uuid(&u.bytes))
+                .unwrap_or_default();
             let info = DeviceInfo {
                 index: ordinal as i32,
                 name: ctx.name().unwrap_or_default(),
@@ -121,7 +128,9 @@ impl DeviceMemory for Cuda {
 
     fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
         guarded("alloc", || {
-            self.ctx.bind_to_thread().map_err(|e| driver_error(e, bytes))?;
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| driver_error(e, bytes))?;
             // SAFETY: a plain cuMemAlloc in a bound context.
             unsafe { result::malloc_sync(bytes as usize) }.map_err(|e| driver_error(e, bytes))
         })

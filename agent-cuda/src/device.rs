@@ -20,7 +20,11 @@ pub struct DeviceInfo {
 pub enum DeviceError {
     /// The driver (or the simulated capacity) refused the allocation.
     #[error("CUDA_ERROR_OUT_OF_MEMORY: out of memory allocating {requested} bytes ({free} of {total} bytes free)")]
-    OutOfMemory { requested: u64, free: u64, total: u64 },
+    OutOfMemory {
+        requested: u64,
+        free: u64,
+        total: u64,
+    },
     /// No usable device: libcuda missing, no GPU, a driver that fails to initialise.
     #[error("no CUDA device: {0}")]
     Absent(String),

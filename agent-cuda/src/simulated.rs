@@ -75,12 +75,11 @@ impl DeviceMemory for Simulated {
 
     unsafe fn free(&self, ptr: u64, bytes: u64) -> Result<(), DeviceError> {
         let charge = Self::charge(bytes);
-        let layout = Layout::from_size_align(charge as usize, ALIGN).map_err(|e| {
-            DeviceError::Driver {
+        let layout =
+            Layout::from_size_align(charge as usize, ALIGN).map_err(|e| DeviceError::Driver {
                 code: 1,
                 message: e.to_string(),
-            }
-        })?;
+            })?;
         // SAFETY: the caller passes a pointer from `alloc(bytes)`, which used this layout.
         unsafe { dealloc(ptr as *mut u8, layout) };
         self.used.fetch_sub(charge, Ordering::AcqRel);

@@ -1,7 +1,9 @@
 //! The pool's mechanics and evidence on the simulated device.
 
 use oomscope_agent_cuda::pool::{round_size, LARGE_BUFFER, SMALL_BUFFER};
-use oomscope_agent_cuda::{libcuda_present, Cuda, DeviceError, PoolError, Simulated, Tag, TrackingPool};
+use oomscope_agent_cuda::{
+    libcuda_present, Cuda, DeviceError, PoolError, Simulated, Tag, TrackingPool,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -11,21 +13,39 @@ fn cached_block_is_reused_and_split_like_pytorch() {
     let a = pool.alloc::<f32>(1000, Tag::Activation).unwrap(); // 4000 B -> 4096, small pool
     assert_eq!(round_size(4000), 4096);
     let s = pool.stats();
-    assert_eq!((s.allocated_bytes, s.requested_bytes, s.reserved_bytes), (4096, 4000, SMALL_BUFFER));
-    assert_eq!(s.inactive_split_bytes, SMALL_BUFFER - 4096, "the rest of the segment is a split free block");
+    assert_eq!(
+        (s.allocated_bytes, s.requested_bytes, s.reserved_bytes),
+        (4096, 4000, SMALL_BUFFER)
+    );
+    assert_eq!(
+        s.inactive_split_bytes,
+        SMALL_BUFFER - 4096,
+        "the rest of the segment is a split free block"
+    );
     let ptr = a.device_ptr();
     drop(a);
     let b = pool.alloc::<u8>(4096, Tag::Workspace).unwrap();
-    assert_eq!(b.device_ptr(), ptr, "a freed block is served from the cache");
+    assert_eq!(
+        b.device_ptr(),
+        ptr,
+        "a freed block is served from the cache"
+    );
     let s = pool.stats();
     assert_eq!((s.num_device_alloc, s.segments), (1, 1));
     // A 3 MiB request comes from a 20 MiB large-pool segment.
     let c = pool.alloc::<u8>(3 << 20, Tag::KvCache).unwrap();
     let s = pool.stats();
     assert_eq!(s.reserved_bytes, SMALL_BUFFER + LARGE_BUFFER);
-    assert_eq!(s.raw["reserved_bytes.large_pool.current"], LARGE_BUFFER as i64);
+    assert_eq!(
+        s.raw["reserved_bytes.large_pool.current"],
+        LARGE_BUFFER as i64
+    );
     drop((b, c));
-    assert_eq!(pool.stats().inactive_split_bytes, 0, "freed blocks merged back into whole segments");
+    assert_eq!(
+        pool.stats().inactive_split_bytes,
+        0,
+        "freed blocks merged back into whole segments"
+    );
     pool.check_invariants().unwrap();
 }
 
@@ -59,14 +79,26 @@ fn fragmentation_oom_has_the_evidence() {
             Err(_) => break,
         }
     }
-    let kept: Vec<_> = all.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, s)| s).collect();
+    let kept: Vec<_> = all
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 0)
+        .map(|(_, s)| s)
+        .collect();
     let request = 16u64 << 20;
-    let err = pool.alloc::<u8>(request as usize, Tag::Workspace).unwrap_err();
-    let PoolError::OutOfMemory(oom) = err else { panic!("expected an OOM, got {err}") };
+    let err = pool
+        .alloc::<u8>(request as usize, Tag::Workspace)
+        .unwrap_err();
+    let PoolError::OutOfMemory(oom) = err else {
+        panic!("expected an OOM, got {err}")
+    };
     let stats = oom.event.stats.clone().unwrap();
     let snap = oom.event.snapshot.clone().unwrap();
     assert_eq!(oom.requested_bytes, request);
-    assert!(stats.reserved_bytes - stats.allocated_bytes >= request, "{stats:?}");
+    assert!(
+        stats.reserved_bytes - stats.allocated_bytes >= request,
+        "{stats:?}"
+    );
     assert!(snap.largest_free_block_bytes < request);
     // 20 MiB segments hold three 6 MiB blocks and a 2 MiB tail; in every
     // other segment a freed block merges with the tail: 8 MiB holes.
@@ -74,15 +106,33 @@ fn fragmentation_oom_has_the_evidence() {
     assert_eq!(stats.num_ooms, 1);
     assert_eq!(stats.allocated_bytes, kept.len() as u64 * (6 << 20));
     assert!(stats.inactive_split_bytes >= request);
-    assert!(oom.message.starts_with("CUDA out of memory. Tried to allocate 16.00 MiB."), "{}", oom.message);
-    assert_eq!(oomscope_agent_core::torch::tried_to_allocate(&oom.message), Some(request));
+    assert!(
+        oom.message
+            .starts_with("CUDA out of memory. Tried to allocate 16.00 MiB."),
+        "{}",
+        oom.message
+    );
+    assert_eq!(
+        oomscope_agent_core::torch::tried_to_allocate(&oom.message),
+        Some(request)
+    );
     assert_eq!(snap.live_by_tag[0].site, "activation");
     assert_eq!(snap.live_by_tag[0].bytes, stats.allocated_bytes);
-    assert!(snap.live_by_site[0].site.contains("pool_behaviour.rs"), "{:?}", snap.live_by_site);
-    let active = snap.blocks.iter().find(|b| b.state == "active_allocated").unwrap();
+    assert!(
+        snap.live_by_site[0].site.contains("pool_behaviour.rs"),
+        "{:?}",
+        snap.live_by_site
+    );
+    let active = snap
+        .blocks
+        .iter()
+        .find(|b| b.state == "active_allocated")
+        .unwrap();
     assert_eq!(active.count, kept.len() as u64);
     assert!(!snap.segments_free.is_empty());
-    let hooked = seen_rx.try_recv().expect("the hook saw the OOM before the error returned");
+    let hooked = seen_rx
+        .try_recv()
+        .expect("the hook saw the OOM before the error returned");
     assert_eq!(hooked.requested_bytes, request);
     assert_eq!(pool.last_oom().unwrap().error_text, oom.message);
     pool.check_invariants().unwrap();
@@ -96,8 +146,20 @@ fn blocks_are_tagged_by_owner() {
     let _r = pool.alloc::<u8>(1 << 20, Tag::Request(7)).unwrap();
     let _l = pool.alloc::<u8>(512, Tag::label("lora")).unwrap();
     let snap = pool.snapshot();
-    let tags: Vec<(&str, u64)> = snap.live_by_tag.iter().map(|t| (t.site.as_str(), t.bytes)).collect();
-    assert_eq!(tags, vec![("weights", 12 << 20), ("kv_cache", 2 << 20), ("request:7", 1 << 20), ("lora", 512)]);
+    let tags: Vec<(&str, u64)> = snap
+        .live_by_tag
+        .iter()
+        .map(|t| (t.site.as_str(), t.bytes))
+        .collect();
+    assert_eq!(
+        tags,
+        vec![
+            ("weights", 12 << 20),
+            ("kv_cache", 2 << 20),
+            ("request:7", 1 << 20),
+            ("lora", 512)
+        ]
+    );
     assert_eq!(snap.settings.unwrap().backend, "oomscope-pool");
 }
 
@@ -108,7 +170,14 @@ fn simulated_device_enforces_capacity_and_granularity() {
     let a = dev.alloc(MIB + 1).unwrap(); // charged 2 MiB
     assert_eq!(dev.mem_get_info().unwrap(), (3 * MIB, 5 * MIB));
     let err = dev.alloc(4 * MIB).unwrap_err();
-    assert_eq!(err, DeviceError::OutOfMemory { requested: 4 * MIB, free: 3 * MIB, total: 5 * MIB });
+    assert_eq!(
+        err,
+        DeviceError::OutOfMemory {
+            requested: 4 * MIB,
+            free: 3 * MIB,
+            total: 5 * MIB
+        }
+    );
     assert_eq!(err.driver_code(), 2);
     unsafe { dev.free(a, MIB + 1).unwrap() };
     assert_eq!(dev.used_bytes(), 0);

@@ -160,7 +160,12 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
 
     /// [`Pool::alloc`] on a given stream.
     #[track_caller]
-    pub fn alloc_on<T>(&self, stream: StreamId, len: usize, tag: Tag) -> Result<TrackedSlice<T>, PoolError> {
+    pub fn alloc_on<T>(
+        &self,
+        stream: StreamId,
+        len: usize,
+        tag: Tag,
+    ) -> Result<TrackedSlice<T>, PoolError> {
         self.alloc_at(stream, len, tag, Location::caller())
     }
 
@@ -174,7 +179,9 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
         site: &'static Location<'static>,
     ) -> Result<TrackedSlice<T>, PoolError> {
         let elem = std::mem::size_of::<T>().max(1);
-        let bytes = len.checked_mul(elem).ok_or(PoolError::TooLarge { len, elem })? as u64;
+        let bytes = len
+            .checked_mul(elem)
+            .ok_or(PoolError::TooLarge { len, elem })? as u64;
         let (block, ptr) = self.alloc_bytes(stream, bytes, tag, site)?;
         let owner: Arc<dyn BlockOwner> = self.inner.clone();
         Ok(TrackedSlice {
@@ -194,7 +201,10 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
                 site: Some(site),
             }
         } else {
-            Owner { tag: None, site: None }
+            Owner {
+                tag: None,
+                site: None,
+            }
         }
     }
 
@@ -249,7 +259,9 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
                     released += size;
                     freed += 1;
                 }
-                Err(e) => tracing::warn!(error = %e, "oomscope pool: releasing a cached segment failed"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "oomscope pool: releasing a cached segment failed")
+                }
             }
         }
         lock(&self.inner.state).counters.num_device_free += freed;
@@ -293,8 +305,11 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
     pub fn stats(&self) -> pb::AllocatorStats {
         let info = self.inner.device.mem_get_info().ok();
         let st = lock(&self.inner.state);
-        st.counters
-            .to_pb(self.inner.device.info().index, info, st.largest_free_block())
+        st.counters.to_pb(
+            self.inner.device.info().index,
+            info,
+            st.largest_free_block(),
+        )
     }
 
     pub fn snapshot(&self) -> pb::SnapshotSummary {
@@ -338,14 +353,22 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
             let mut prev: Option<(u32, bool)> = None;
             for (id, b) in st.segment_blocks(seg_id) {
                 if b.addr != at {
-                    return Err(format!("block {id} at {:#x}, expected {at:#x} (gap or overlap)", b.addr));
+                    return Err(format!(
+                        "block {id} at {:#x}, expected {at:#x} (gap or overlap)",
+                        b.addr
+                    ));
                 }
                 if b.segment != seg_id {
-                    return Err(format!("block {id} names segment {} not {seg_id}", b.segment));
+                    return Err(format!(
+                        "block {id} names segment {} not {seg_id}",
+                        b.segment
+                    ));
                 }
                 if let Some((p, p_alloc)) = prev {
                     if !p_alloc && !b.allocated {
-                        return Err(format!("free blocks {p} and {id} are adjacent but not merged"));
+                        return Err(format!(
+                            "free blocks {p} and {id} are adjacent but not merged"
+                        ));
                     }
                 }
                 at += b.size;
@@ -363,15 +386,24 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
                 prev = Some((id, b.allocated));
             }
             if at != seg.addr + seg.size {
-                return Err(format!("segment {seg_id} blocks end at {at:#x}, not {:#x}", seg.addr + seg.size));
+                return Err(format!(
+                    "segment {seg_id} blocks end at {at:#x}, not {:#x}",
+                    seg.addr + seg.size
+                ));
             }
         }
-        let listed: std::collections::BTreeSet<u32> = st.free_listed().iter().map(|f| f.4).collect();
+        let listed: std::collections::BTreeSet<u32> =
+            st.free_listed().iter().map(|f| f.4).collect();
         if listed != free_blocks {
-            return Err(format!("free lists {listed:?} != free blocks {free_blocks:?}"));
+            return Err(format!(
+                "free lists {listed:?} != free blocks {free_blocks:?}"
+            ));
         }
         for (stream, small, size, addr, id) in st.free_listed() {
-            let b = st.blocks.get(id).ok_or(format!("listed block {id} is gone"))?;
+            let b = st
+                .blocks
+                .get(id)
+                .ok_or(format!("listed block {id} is gone"))?;
             let seg = st.segments.at(b.segment);
             if b.size != size || b.addr != addr || seg.stream != stream || seg.small != small {
                 return Err(format!("free list entry of block {id} is stale"));
@@ -380,13 +412,29 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
         if TRACK {
             let c = &st.counters;
             let checks = [
-                ("allocated_bytes", c.allocated_bytes.all().current, allocated),
+                (
+                    "allocated_bytes",
+                    c.allocated_bytes.all().current,
+                    allocated,
+                ),
                 ("active_bytes", c.active_bytes.all().current, allocated),
-                ("requested_bytes", c.requested_bytes.all().current, requested),
+                (
+                    "requested_bytes",
+                    c.requested_bytes.all().current,
+                    requested,
+                ),
                 ("reserved_bytes", c.reserved_bytes.all().current, reserved),
                 ("allocation", c.allocation.all().current, count),
-                ("segment", c.segment.all().current, st.segments.iter().count() as u64),
-                ("inactive_split_bytes", c.inactive_split_bytes.all().current, split_bytes),
+                (
+                    "segment",
+                    c.segment.all().current,
+                    st.segments.iter().count() as u64,
+                ),
+                (
+                    "inactive_split_bytes",
+                    c.inactive_split_bytes.all().current,
+                    split_bytes,
+                ),
                 ("inactive_split", c.inactive_split.all().current, split_n),
             ];
             for (name, counter, sum) in checks {

@@ -42,7 +42,11 @@ fn capped(map: HashMap<String, (u64, u64)>) -> Vec<pb::SiteBytes> {
     v
 }
 
-pub fn summarize(state: &State, device: i32, settings: pb::AllocatorSettings) -> pb::SnapshotSummary {
+pub fn summarize(
+    state: &State,
+    device: i32,
+    settings: pb::AllocatorSettings,
+) -> pb::SnapshotSummary {
     let mut s = pb::SnapshotSummary {
         device,
         settings: Some(settings),

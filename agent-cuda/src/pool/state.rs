@@ -156,7 +156,9 @@ impl State {
         }
         if let Some((small, size)) = self.split_contribution(id) {
             self.counters.inactive_split.add(small, sign);
-            self.counters.inactive_split_bytes.add(small, sign * size as i64);
+            self.counters
+                .inactive_split_bytes
+                .add(small, sign * size as i64);
         }
     }
 
@@ -205,7 +207,14 @@ impl State {
     /// Marks free block `id` (out of the free lists) allocated for a
     /// request of `requested` bytes rounded to `size`, splitting off the
     /// rest where PyTorch would. Returns the block's address.
-    pub fn allocate(&mut self, id: u32, size: u64, requested: u64, owner: Owner, track: bool) -> u64 {
+    pub fn allocate(
+        &mut self,
+        id: u32,
+        size: u64,
+        requested: u64,
+        owner: Owner,
+        track: bool,
+    ) -> u64 {
         let small = self.segments.at(self.blocks.at(id).segment).small;
         let (addr, bsize, next, segment) = {
             let b = self.blocks.at(id);
@@ -259,7 +268,11 @@ impl State {
             b.allocated = false;
             b.tag = None;
             b.site = None;
-            (small, b.size as i64, std::mem::take(&mut b.requested) as i64)
+            (
+                small,
+                b.size as i64,
+                std::mem::take(&mut b.requested) as i64,
+            )
         };
         if track {
             let c = &mut self.counters;
@@ -319,7 +332,9 @@ impl State {
             let seg = self.segments.remove(b.segment).expect("segment");
             if track {
                 self.counters.segment.add(seg.small, -1);
-                self.counters.reserved_bytes.add(seg.small, -(seg.size as i64));
+                self.counters
+                    .reserved_bytes
+                    .add(seg.small, -(seg.size as i64));
             }
             out.push((seg.addr, seg.size));
         }
@@ -355,9 +370,9 @@ impl State {
         self.free
             .iter()
             .flat_map(|(stream, sets)| {
-                sets.iter().enumerate().flat_map(move |(i, s)| {
-                    s.iter().map(move |k| (*stream, i == 0, k.0, k.1, k.2))
-                })
+                sets.iter()
+                    .enumerate()
+                    .flat_map(move |(i, s)| s.iter().map(move |k| (*stream, i == 0, k.0, k.1, k.2)))
             })
             .collect()
     }

@@ -188,10 +188,16 @@ extern "C" {
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
-fn concurrent(s: &Server, n: usize, prompt: u64, max: u64) -> Vec<(u16, Value)> {
+/// `n` requests, the i-th sent `i * stagger` after the first.
+fn concurrent(s: &Server, n: usize, stagger: Duration, prompt: u64, max: u64) -> Vec<(u16, Value)> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
-            .map(|_| scope.spawn(|| s.generate(prompt, max)))
+            .map(|i| {
+                scope.spawn(move || {
+                    std::thread::sleep(stagger * i as u32);
+                    s.generate(prompt, max)
+                })
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
@@ -212,8 +218,9 @@ fn metric(c: &Value, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no metric {name} in {c:#}"))
 }
 
-/// 256 MiB of weights on a 1 GiB device, 64 KiB of KV per token, 1024-token
-/// sequences (64 MiB each): one at a time is fine, 16 at once is not.
+/// 256 MiB of weights on a 1 GiB device, 64 KiB of KV per token, 2048-token
+/// sequences (128 MiB each, 400 ms long): one at a time is fine; arriving
+/// every 40 ms, concurrency climbs past the six that fit.
 #[test]
 fn kv_concurrency_gets_kv_growth() {
     let c = Collector::start();
@@ -230,10 +237,10 @@ fn kv_concurrency_gets_kv_growth() {
             "50",
         ],
     );
-    let (code, one) = s.generate(256, 768);
+    let (code, one) = s.generate(256, 1792);
     assert_eq!(code, 200, "{one}");
-    assert_eq!(one["kv_bytes"], 64 * MIB);
-    let results = concurrent(&s, 16, 256, 768);
+    assert_eq!(one["kv_bytes"], 128 * MIB);
+    let results = concurrent(&s, 12, Duration::from_millis(40), 256, 1792);
     let failed: Vec<&Value> = results
         .iter()
         .filter(|r| r.0 == 507)
@@ -283,7 +290,7 @@ fn max_active_caps_kv_and_avoids_the_oom() {
             "4",
         ],
     );
-    let results = concurrent(&s, 16, 256, 768);
+    let results = concurrent(&s, 16, Duration::ZERO, 256, 768);
     assert!(results.iter().all(|r| r.0 == 200), "{results:?}");
     let (_, stats) = s.request("GET", "/stats", "");
     assert_eq!(stats["num_ooms"], 0);

@@ -16,13 +16,18 @@ pub const MIN_TREND_POINTS: usize = 8;
 
 /// One-sided Mann–Kendall significance for "it grows". Small, because a
 /// false leak verdict sends people hunting for nothing: on noise alone about
-/// one timeline in a thousand passes, before the effect-size and persistence
-/// checks cut that further.
-pub const TREND_P_VALUE: f64 = 1e-3;
+/// one timeline in two thousand passes, before the effect-size, noise and
+/// persistence checks cut that further.
+pub const TREND_P_VALUE: f64 = 5e-4;
 
 /// The later half of the requests must grow at least this share of the
 /// overall slope; a warm-up that levels off does not.
 pub const PERSISTENCE: f64 = 0.5;
+
+/// The growth over the window must be at least this many times the scatter
+/// of the readings around the line (a robust sigma, from the median absolute
+/// residual): a significant but small drift inside wide noise is no verdict.
+pub const MIN_SIGNAL_TO_NOISE: f64 = 3.0;
 
 /// Pairwise statistics are O(n²): longer series are thinned evenly to this
 /// many points first (200k pairs), which keeps a long leak hunt fast and
@@ -41,6 +46,8 @@ pub struct Trend {
     pub later_slope: f64,
     pub first_bytes: f64,
     pub last_bytes: f64,
+    /// 1.4826 × the median absolute residual: the noise's sigma, robustly.
+    pub residual_sigma: f64,
 }
 
 impl Trend {
@@ -55,6 +62,7 @@ impl Trend {
             && self.p_value < TREND_P_VALUE
             && self.line.slope >= min_slope
             && self.line.slope * self.span >= min_growth
+            && self.line.slope * self.span >= MIN_SIGNAL_TO_NOISE * self.residual_sigma
             && self.later_slope >= PERSISTENCE * self.line.slope
     }
 }
@@ -72,6 +80,9 @@ pub fn trend(points: &[(f64, f64)]) -> Option<Trend> {
     let mid = stats::median(&xs)?;
     let later: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.0 >= mid).collect();
     let later_slope = stats::theil_sen(&later).map_or(0.0, |l| l.slope);
+    let residuals: Vec<f64> = pts.iter().map(|p| (p.1 - line.at(p.0)).abs()).collect();
+    // 1.4826: the median absolute deviation of a normal is 0.6745 sigma.
+    let residual_sigma = 1.4826 * stats::median(&residuals)?;
     Some(Trend {
         points: pts.len(),
         span: hi - lo,
@@ -80,6 +91,7 @@ pub fn trend(points: &[(f64, f64)]) -> Option<Trend> {
         later_slope,
         first_bytes: pts.first()?.1,
         last_bytes: pts.last()?.1,
+        residual_sigma,
     })
 }
 

@@ -17,26 +17,27 @@ pub const MIN_CACHE_GROWTH_BYTES: u64 = 64 << 20;
 pub const CACHE_OVER_LIVE: f64 = 4.0;
 
 pub fn cache_retention(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let live_grows = growth::live_baseline(&f.timeline)
-        .is_some_and(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES));
-    if live_grows {
+    let live = growth::live_baseline(&f.timeline);
+    if live.is_some_and(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES)) {
         return None;
     }
     let base: Vec<_> = f.timeline.baseline().collect();
     let (first, last) = (base.first()?, base.last()?);
     let reserved_peak = base.iter().map(|p| p.reserved).max()?;
-    let live_max = base.iter().map(|p| p.allocated).max()?;
+    let reserved_low = base.iter().map(|p| p.reserved).min()?;
     let live_min = base.iter().map(|p| p.allocated).min()?;
-    let reserved_growth = reserved_peak.saturating_sub(first.reserved);
-    let live_growth = live_max - live_min;
+    let live_max = base.iter().map(|p| p.allocated).max()?;
+    let reserved_growth = reserved_peak - reserved_low;
+    // Live drift by the robust slope: one sample's temporaries must not decide.
+    let live_growth = live.map_or(0.0, |t| (t.line.slope * t.span).max(0.0));
     if reserved_growth < MIN_CACHE_GROWTH_BYTES
-        || (reserved_growth as f64) < CACHE_OVER_LIVE * live_growth as f64
+        || (reserved_growth as f64) < CACHE_OVER_LIVE * live_growth
     {
         return None;
     }
     let mut evidence = vec![format!(
         "between requests reserved grew from {} to {} while live bytes stayed at {}-{}",
-        bytes_short(first.reserved),
+        bytes_short(reserved_low.min(first.reserved)),
         bytes_short(reserved_peak),
         bytes_short(live_min),
         bytes_short(live_max)

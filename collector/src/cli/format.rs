@@ -249,7 +249,7 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
     json!({"agent": h.agent_id, "name": h.name, "samples": samples, "events": events})
 }
 
-fn domain_title(d: &str) -> &'static str {
+pub fn domain_title(d: &str) -> &'static str {
     match d {
         "gpu_vram" => "GPU memory (VRAM)",
         "host_ram" => "system RAM (a global out-of-memory kill)",

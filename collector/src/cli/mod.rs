@@ -2,9 +2,12 @@
 //! (`agents`, `incidents`, `timeline`, `diagnose`) against a running collector.
 
 mod collector;
+mod compare;
 pub mod format;
 mod query;
+mod probe;
 mod replay;
+mod report;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -138,6 +141,36 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// Compare two runs of one workload (incident ids or agent names): what
+    /// changed in their configuration, and whether the failure vanished,
+    /// moved, shrank or stayed the same.
+    Compare {
+        a: String,
+        b: String,
+        #[command(flatten)]
+        collector: CollectorArg,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Probe a live OpenAI-compatible endpoint: a tiny known-good request first,
+    /// then bounded suites, and a safe envelope with the domain bounding each figure.
+    Probe(probe::ProbeArgs),
+    /// Write an incident report (the latest incident by default): a
+    /// self-contained HTML page with charts, or Markdown on stdout.
+    Report {
+        incident: Option<String>,
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Report this agent's latest incident, or its timeline if it had none.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Write the HTML page to this file.
+        #[arg(long, value_name = "OUT.html", required_unless_present = "md")]
+        html: Option<PathBuf>,
+        /// Print Markdown to stdout.
+        #[arg(long, conflicts_with = "html")]
+        md: bool,
+    },
 }
 
 /// Parses "250ms", "5s", "10m", "1h" or a bare number of seconds.
@@ -239,6 +272,20 @@ pub fn main() -> i32 {
             since,
             json,
         } => query::diagnose(&collector.collector, incident, agent, since, json),
+        Verb::Compare {
+            a,
+            b,
+            collector,
+            json,
+        } => compare::run(&collector.collector, &a, &b, json),
+        Verb::Probe(args) => probe::run(args),
+        Verb::Report {
+            incident,
+            collector,
+            agent,
+            html,
+            md,
+        } => report::run(&collector.collector, incident, agent, html.as_deref(), md),
     };
     match result {
         Ok(code) => code,

@@ -10,7 +10,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::format;
 
-async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Channel>> {
+pub(super) async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Channel>> {
     let channel = Endpoint::from_shared(url.to_string())
         .with_context(|| {
             format!("`{url}` is not a collector URL (expected e.g. http://127.0.0.1:7433)")
@@ -26,14 +26,14 @@ async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Channel>> {
         .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES))
 }
 
-fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+pub(super) fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?
         .block_on(f)
 }
 
-fn status_err(s: tonic::Status) -> anyhow::Error {
+pub(super) fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{} ({:?})", s.message(), s.code())
 }
 

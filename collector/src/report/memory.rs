@@ -1,0 +1,460 @@
+//! Where the memory was at three moments of a timeline: before the model
+//! load, after it, and at the failure (or at the last sample when nothing
+//! failed). Shared by `oomscope report` and `oomscope compare`.
+//!
+//! Each value is `None` when the timeline does not say: a table must show
+//! "—" rather than a zero nobody measured.
+
+use crate::pb;
+use crate::pb::event::Kind;
+
+use super::failure::Failure;
+
+/// One row of the memory table: its key (JSON), its title (people) and what
+/// it is made of.
+pub struct Row {
+    pub key: &'static str,
+    pub title: &'static str,
+    pub how: &'static str,
+}
+
+/// The rows, in the order the table shows them. `allocated` and `reserved`
+/// are subtotals, so a reader can check the parts against PyTorch's own counts.
+pub const ROWS: [Row; 11] = [
+    Row {
+        key: "weights",
+        title: "weights",
+        how: "the weight bytes the runtime reported (or loaded so far, during a load), else the allocated bytes when the load phase ended",
+    },
+    Row {
+        key: "kv",
+        title: "KV cache",
+        how: "the KV-cache bytes the runtime reported",
+    },
+    Row {
+        key: "other_live",
+        title: "other live",
+        how: "allocated bytes not counted as weights or KV (activations, workspaces, retained tensors)",
+    },
+    Row {
+        key: "allocated",
+        title: "= PyTorch allocated (live)",
+        how: "the allocator's allocated bytes",
+    },
+    Row {
+        key: "cached",
+        title: "cached",
+        how: "reserved − allocated: held by the caching allocator, not in use",
+    },
+    Row {
+        key: "fragments",
+        title: "fragments (part of cached)",
+        how: "inactive_split: free pieces of split blocks (not counted under expandable segments)",
+    },
+    Row {
+        key: "reserved",
+        title: "= PyTorch reserved",
+        how: "the allocator's reserved bytes",
+    },
+    Row {
+        key: "non_pytorch",
+        title: "non-PyTorch (this process)",
+        how: "driver used − reserved − other processes: CUDA context, libraries, other allocators",
+    },
+    Row {
+        key: "other_processes",
+        title: "other processes (GPU)",
+        how: "device bytes NVML lists for other pids",
+    },
+    Row {
+        key: "host_rss",
+        title: "host RSS",
+        how: "VmRSS of the process",
+    },
+    Row {
+        key: "cgroup_usage",
+        title: "cgroup usage",
+        how: "usage of the process's own memory cgroup",
+    },
+];
+
+/// The three moments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    BeforeLoad,
+    AfterLoad,
+    /// At the failure, or at the last sample when nothing failed.
+    AtFailure,
+}
+
+impl Moment {
+    pub fn key(self) -> &'static str {
+        match self {
+            Moment::BeforeLoad => "before_load",
+            Moment::AfterLoad => "after_load",
+            Moment::AtFailure => "at_failure",
+        }
+    }
+}
+
+/// The memory at one moment; `values[i]` belongs to `ROWS[i]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Point {
+    pub moment: Moment,
+    /// "before load", "after load", "at failure" or "latest".
+    pub title: String,
+    /// The sample's time, or the failure's; None when the moment is unknown.
+    pub time_ns: Option<i64>,
+    pub values: [Option<u64>; ROWS.len()],
+}
+
+impl Point {
+    pub fn get(&self, key: &str) -> Option<u64> {
+        ROWS.iter()
+            .position(|r| r.key == key)
+            .and_then(|i| self.values[i])
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryTable {
+    pub points: [Point; 3],
+    /// Expandable segments were on: inactive_split is not counted.
+    pub expandable_segments: bool,
+    /// Why a moment has no reading, for a footnote.
+    pub notes: Vec<String>,
+}
+
+/// Builds the table from one agent's timeline and its failure, if any.
+pub fn table(t: &pb::TimelineResponse, failure: Option<&Failure>) -> MemoryTable {
+    let hello = t.hello.clone().unwrap_or_default();
+    let samples: Vec<&pb::Sample> = t.samples.iter().filter_map(|s| s.sample.as_ref()).collect();
+    let events: Vec<&pb::Event> = t.events.iter().filter_map(|e| e.event.as_ref()).collect();
+    let expandable = hello
+        .allocator_settings
+        .as_ref()
+        .is_some_and(|s| s.expandable_segments)
+        || failure
+            .and_then(|f| f.oom.as_ref())
+            .and_then(|o| o.snapshot.as_ref())
+            .is_some_and(|s| s.expandable_segments);
+    let device = failure.and_then(|f| f.oom.as_ref()).map_or(0, |o| o.device);
+    let own_pids = own_pids(&hello, &events);
+    let mut notes = Vec::new();
+
+    let load = LoadEdges::find(&samples, &events);
+    let before_idx = match (load.start_ns, load.end_idx) {
+        // The reading at the load's start edge is still before the load.
+        (Some(start), _) => samples.iter().rposition(|s| s.time_ns <= start),
+        (None, Some(end)) => (end > 0).then_some(0),
+        (None, None) => (!samples.is_empty()).then_some(0),
+    };
+    let cutoff = failure.map_or(i64::MAX, |f| f.time_ns);
+    let after_idx = load
+        .end_idx
+        .filter(|&i| samples[i].time_ns <= cutoff && load.failed.is_none());
+    if load.failed.is_some() {
+        notes.push("the model load never finished (its error is the failure's), so there is no after-load reading".into());
+    } else if load.end_idx.is_none() {
+        notes.push("no model load was recorded, so there is no after-load reading".into());
+    }
+
+    let ctx = Ctx {
+        samples: &samples,
+        events: &events,
+        device,
+        expandable,
+        own_pids: &own_pids,
+        load_end_weights: load.weights,
+        load_end_ns: load.end_ns,
+        others_seen: events
+            .iter()
+            .any(|e| matches!(&e.kind, Some(Kind::ProcessList(p)) if !p.gpu.is_empty()))
+            || samples
+                .iter()
+                .any(|s| s.gpus.iter().any(|g| !g.processes.is_empty())),
+    };
+    let before = ctx.point(Moment::BeforeLoad, "before load", before_idx, None);
+    let after = ctx.point(Moment::AfterLoad, "after load", after_idx, None);
+    let last = match failure {
+        Some(f) => {
+            // Strictly before: a reading stamped at the failure's instant
+            // may have been taken after it (a capture's final reading is).
+            let idx = samples.iter().rposition(|s| s.time_ns < f.time_ns);
+            ctx.point(Moment::AtFailure, "at failure", idx, Some(f))
+        }
+        None => {
+            let idx = samples.len().checked_sub(1);
+            ctx.point(Moment::AtFailure, "latest", idx, None)
+        }
+    };
+    if let Some(from) = failure.and_then(|f| f.stats_from_ns.map(|t| (f.time_ns, t))) {
+        notes.push(format!(
+            "the allocator columns at failure are the last reading before it, {} earlier: \
+             no reading was taken at the failure itself",
+            super::gap(from.0 - from.1)
+        ));
+    }
+    if expandable {
+        notes.push(
+            "expandable segments are on: PyTorch does not count inactive_split, so fragments show —; \
+             reserved − allocated (cached) is the measure"
+                .into(),
+        );
+    }
+    MemoryTable {
+        points: [before, after, last],
+        expandable_segments: expandable,
+        notes,
+    }
+}
+
+/// The pids that are this agent's own process(es), not "other processes".
+fn own_pids(hello: &pb::Hello, events: &[&pb::Event]) -> Vec<u32> {
+    let mut pids: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::ChildStart(c)) => Some(c.pid),
+            _ => None,
+        })
+        .collect();
+    if hello.pid != 0 {
+        pids.push(hello.pid);
+    }
+    pids
+}
+
+/// Where the model load began and ended.
+struct LoadEdges {
+    start_ns: Option<i64>,
+    end_ns: Option<i64>,
+    /// The first sample at or after the load's end.
+    end_idx: Option<usize>,
+    /// Allocated bytes when the load ended (the Phase event's reading).
+    weights: Option<u64>,
+    /// The load's error, when it failed.
+    failed: Option<String>,
+}
+
+impl LoadEdges {
+    fn find(samples: &[&pb::Sample], events: &[&pb::Event]) -> LoadEdges {
+        let phase = |start: bool| {
+            events.iter().find_map(|e| match &e.kind {
+                Some(Kind::Phase(p)) if p.name == "load" && p.start == start => {
+                    Some((e.time_ns, p))
+                }
+                _ => None,
+            })
+        };
+        let start_ns = phase(true).map(|(t, _)| t);
+        let end = phase(false).filter(|(t, _)| start_ns.is_none_or(|s| *t >= s));
+        if let Some((t, p)) = end {
+            if !p.error.is_empty() {
+                return LoadEdges {
+                    start_ns,
+                    end_ns: None,
+                    end_idx: None,
+                    weights: None,
+                    failed: Some(p.error.clone()),
+                };
+            }
+            let weights = (p.allocated_bytes > 0).then_some(p.allocated_bytes);
+            return LoadEdges {
+                start_ns,
+                end_ns: Some(t),
+                end_idx: samples.iter().position(|s| s.time_ns >= t),
+                weights,
+                failed: None,
+            };
+        }
+        // No load phase: the first sample that reports its weights is the
+        // first one after the load.
+        let end_idx = samples
+            .iter()
+            .position(|s| s.context.as_ref().is_some_and(|c| c.weight_bytes > 0));
+        LoadEdges {
+            start_ns,
+            end_ns: end_idx.map(|i| samples[i].time_ns),
+            end_idx,
+            weights: None,
+            failed: None,
+        }
+    }
+}
+
+struct Ctx<'a> {
+    samples: &'a [&'a pb::Sample],
+    events: &'a [&'a pb::Event],
+    device: i32,
+    expandable: bool,
+    own_pids: &'a [u32],
+    load_end_weights: Option<u64>,
+    load_end_ns: Option<i64>,
+    /// Other processes' device bytes were read somewhere in the timeline: at
+    /// a moment without that reading, driver used − reserved would count them
+    /// as this process's non-PyTorch memory.
+    others_seen: bool,
+}
+
+impl Ctx<'_> {
+    fn point(
+        &self,
+        moment: Moment,
+        title: &str,
+        idx: Option<usize>,
+        failure: Option<&Failure>,
+    ) -> Point {
+        let mut values = [None; ROWS.len()];
+        let sample = idx.map(|i| self.samples[i]);
+        let time_ns = failure.map(|f| f.time_ns).or(sample.map(|s| s.time_ns));
+        if sample.is_none() && failure.is_none() {
+            return Point {
+                moment,
+                title: title.into(),
+                time_ns: None,
+                values,
+            };
+        }
+        let oom = failure.and_then(|f| f.oom.as_ref());
+        let stats = oom.and_then(|o| o.stats.as_ref()).or_else(|| {
+            sample.and_then(|s| {
+                s.allocator
+                    .iter()
+                    .find(|a| a.device == self.device)
+                    .or(s.allocator.first())
+            })
+        });
+        let context = oom
+            .and_then(|o| o.context.as_ref())
+            .or(sample.and_then(|s| s.context.as_ref()));
+        let at = time_ns.unwrap_or(i64::MAX);
+        let mut set = |key: &str, v: Option<u64>| {
+            if let Some(i) = ROWS.iter().position(|r| r.key == key) {
+                values[i] = v;
+            }
+        };
+
+        let weights = self.weights_at(at);
+        let kv = context.map(|c| c.kv_cache_bytes).filter(|&b| b > 0);
+        let other_gpu = self.other_processes_at(sample, at, failure.is_some());
+        if let Some(a) = stats {
+            let live_parts = weights.unwrap_or(0).saturating_add(kv.unwrap_or(0));
+            set("weights", weights);
+            set("kv", kv);
+            set(
+                "other_live",
+                Some(a.allocated_bytes.saturating_sub(live_parts)),
+            );
+            set("allocated", Some(a.allocated_bytes));
+            set(
+                "cached",
+                Some(a.reserved_bytes.saturating_sub(a.allocated_bytes)),
+            );
+            set(
+                "fragments",
+                (!self.expandable).then_some(a.inactive_split_bytes),
+            );
+            set("reserved", Some(a.reserved_bytes));
+            if a.driver_total_bytes > 0 && (other_gpu.is_some() || !self.others_seen) {
+                let used = a.driver_total_bytes.saturating_sub(a.driver_free_bytes);
+                let non_pytorch = used
+                    .saturating_sub(a.reserved_bytes)
+                    .saturating_sub(other_gpu.unwrap_or(0));
+                set("non_pytorch", Some(non_pytorch));
+            }
+        } else {
+            set("weights", weights);
+            set("kv", kv);
+        }
+        set("other_processes", other_gpu);
+        if let Some(s) = sample {
+            set(
+                "host_rss",
+                s.process
+                    .as_ref()
+                    .map(|p| p.vm_rss_bytes)
+                    .filter(|&b| b > 0),
+            );
+            set("cgroup_usage", s.cgroup.first().map(|c| c.usage_bytes));
+        }
+        Point {
+            moment,
+            title: title.into(),
+            time_ns,
+            values,
+        }
+    }
+
+    /// Weights stay resident once loaded: the latest report at or before `at`.
+    fn weights_at(&self, at: i64) -> Option<u64> {
+        let reported = self
+            .samples
+            .iter()
+            .take_while(|s| s.time_ns <= at)
+            .filter_map(|s| {
+                let c = s.context.as_ref()?;
+                // During a load, the bytes loaded so far are the weights.
+                Some(if c.weight_bytes > 0 {
+                    c.weight_bytes
+                } else {
+                    c.loaded_bytes
+                })
+            })
+            .filter(|&b| b > 0)
+            .last();
+        reported.or_else(|| {
+            self.load_end_ns
+                .filter(|&t| t <= at)
+                .and(self.load_end_weights)
+        })
+    }
+
+    /// Device bytes of other pids: from the sample's NVML reading, or (at a
+    /// failure) from the process list taken then.
+    fn other_processes_at(
+        &self,
+        sample: Option<&pb::Sample>,
+        at: i64,
+        failing: bool,
+    ) -> Option<u64> {
+        let own = |pid: u32| self.own_pids.contains(&pid);
+        if let Some(s) = sample {
+            let procs: Vec<&pb::GpuProcessUsage> = s
+                .gpus
+                .iter()
+                .filter(|g| g.index == self.device)
+                .flat_map(|g| g.processes.iter())
+                .collect();
+            if !procs.is_empty() {
+                return Some(
+                    procs
+                        .iter()
+                        .filter(|p| !own(p.pid))
+                        .map(|p| p.used_bytes)
+                        .sum(),
+                );
+            }
+        }
+        if !failing {
+            return None;
+        }
+        // The list taken at the failure (a capture's NVML list lands at the
+        // OOM's instant; a live agent's follows it within moments).
+        const AFTER_FAILURE_NS: i64 = 5_000_000_000;
+        self.events
+            .iter()
+            .filter(|e| e.time_ns <= at.saturating_add(AFTER_FAILURE_NS))
+            .filter_map(|e| match &e.kind {
+                Some(Kind::ProcessList(p)) if !p.gpu.is_empty() => Some(p),
+                _ => None,
+            })
+            .next_back()
+            .map(|p| {
+                p.gpu
+                    .iter()
+                    .filter(|g| g.device == self.device && !own(g.pid))
+                    .map(|g| g.used_bytes)
+                    .sum()
+            })
+    }
+}

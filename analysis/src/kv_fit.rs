@@ -85,7 +85,9 @@ pub fn fit(tl: &Timeline) -> Option<TokenFit> {
             .filter(|(_, p)| sequences(p) == *level)
             .map(|(pt, _)| *pt)
             .collect();
-        slopes.extend(stats::pairwise_slopes(&thin(&group, MAX_FIT_POINTS / 2)));
+        // Bounded in all: the groups share the budget of one fit.
+        let per_group = (MAX_FIT_POINTS / levels.len()).max(16);
+        slopes.extend(stats::pairwise_slopes(&thin(&group, per_group)));
     }
     if slopes.len() < MIN_FIT_POINTS {
         slopes = stats::pairwise_slopes(&thin(&pts, MAX_FIT_POINTS));

@@ -165,6 +165,7 @@ fn size(f: &Findings) -> Option<String> {
         .iter()
         .map(|p| (tokens(p) as f64, p.allocated as f64))
         .collect();
+    let pts = growth::thin(&pts, growth::MAX_FIT_POINTS);
     let mk = stats::mann_kendall(&pts)?;
     let line = stats::theil_sen(&pts)?;
     let (min_t, max_t) = pts

@@ -531,3 +531,273 @@ pub fn to_text(c: &Comparison) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::event::Kind;
+
+    const MIB: u64 = 1 << 20;
+
+    /// One run: a Hello with `conf`, two samples, and (when `fail`) an OOM
+    /// of `request` bytes at `tokens` active tokens in phase `phase`.
+    struct Run {
+        timeline: pb::TimelineResponse,
+        diagnosis: pb::Diagnosis,
+        incident: Option<pb::Incident>,
+    }
+
+    fn run(conf: &str, fail: Option<(u64, u64, &str)>, domain: &str, cause: &str) -> Run {
+        let hello = pb::Hello {
+            agent_id: format!("agent-{conf}"),
+            name: "svc".into(),
+            allocator_settings: Some(oomscope_agent_core::torch::alloc_conf_settings(conf)),
+            ..Default::default()
+        };
+        let sample = |t: i64, alloc: u64, tokens: u64, phase: &str| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                allocator: vec![pb::AllocatorStats {
+                    allocated_bytes: alloc,
+                    reserved_bytes: alloc + 10 * MIB,
+                    ..Default::default()
+                }],
+                context: Some(pb::RequestContext {
+                    phase: phase.into(),
+                    active_tokens: tokens,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        let mut timeline = pb::TimelineResponse {
+            hello: Some(hello),
+            samples: vec![
+                sample(1, 0, 0, "idle"),
+                sample(2, 100 * MIB, 1000, "decode"),
+            ],
+            events: vec![],
+        };
+        let mut incident = None;
+        if let Some((request, tokens, phase)) = fail {
+            timeline.samples.push(sample(3, 200 * MIB, tokens, phase));
+            timeline.events.push(pb::TimedEvent {
+                seq: 9,
+                event: Some(pb::Event {
+                    time_ns: 4,
+                    kind: Some(Kind::Oom(pb::Oom {
+                        requested_bytes: request,
+                        ..Default::default()
+                    })),
+                }),
+            });
+            incident = Some(pb::Incident {
+                id: format!("inc-{conf}"),
+                kind: "oom".into(),
+                time_ns: 4,
+                seq: 9,
+                ..Default::default()
+            });
+        }
+        let diagnosis = pb::Diagnosis {
+            domain: incident.as_ref().map(|_| domain.to_string()),
+            causes: if cause.is_empty() {
+                vec![]
+            } else {
+                vec![pb::Cause {
+                    kind: cause.into(),
+                    ..Default::default()
+                }]
+            },
+            ..Default::default()
+        };
+        Run {
+            timeline,
+            diagnosis,
+            incident,
+        }
+    }
+
+    fn cmp(a: &Run, b: &Run) -> Comparison {
+        let side = |r: &Run| -> (pb::TimelineResponse, pb::Diagnosis, Option<pb::Incident>) {
+            (r.timeline.clone(), r.diagnosis.clone(), r.incident.clone())
+        };
+        let (ta, da, ia) = side(a);
+        let (tb, db, ib) = side(b);
+        compare(
+            &Side {
+                timeline: &ta,
+                diagnosis: &da,
+                incident: ia.as_ref(),
+            },
+            &Side {
+                timeline: &tb,
+                diagnosis: &db,
+                incident: ib.as_ref(),
+            },
+        )
+    }
+
+    #[test]
+    fn an_alloc_conf_option_is_one_variable_not_two() {
+        let a = run("", Some((96 * MIB, 0, "x")), "gpu_vram", "fragmentation");
+        let b = run(
+            "expandable_segments:True",
+            Some((96 * MIB, 0, "x")),
+            "gpu_vram",
+            "fragmentation",
+        );
+        let c = cmp(&a, &b);
+        let names: Vec<&str> = c.changed.iter().map(|c| c.setting.as_str()).collect();
+        assert_eq!(names, ["expandable_segments"]);
+        assert!(c.one_variable);
+        assert_eq!(c.outcome, Outcome::Same);
+
+        // An option oomscope does not parse still shows, as the raw string.
+        let b = run(
+            "roundup_power2_divisions:4",
+            Some((96 * MIB, 0, "x")),
+            "gpu_vram",
+            "",
+        );
+        let c = cmp(&a, &b);
+        let names: Vec<&str> = c.changed.iter().map(|c| c.setting.as_str()).collect();
+        assert_eq!(names, ["allocator.roundup_power2_divisions"]);
+
+        let b = run(
+            "expandable_segments:True,max_split_size_mb:128",
+            Some((96 * MIB, 0, "x")),
+            "gpu_vram",
+            "",
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(c.changed.len(), 2);
+        assert!(!c.one_variable);
+        assert!(
+            c.warnings[0].contains("2 settings changed"),
+            "{:?}",
+            c.warnings
+        );
+        let split = c
+            .changed
+            .iter()
+            .find(|c| c.setting == "max_split_size_mb")
+            .unwrap();
+        assert_eq!(
+            (split.a.as_deref(), split.b.as_deref()),
+            (Some("unlimited"), Some("128"))
+        );
+    }
+
+    #[test]
+    fn outcomes_follow_the_failure() {
+        let base = run(
+            "",
+            Some((96 * MIB, 1000, "decode")),
+            "gpu_vram",
+            "kv_growth",
+        );
+        let outcome = |b: &Run| cmp(&base, b).outcome;
+        assert_eq!(outcome(&run("a", None, "", "")), Outcome::Vanished);
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1040, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Same,
+            "4% more tokens is jitter"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 4000, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Shrank,
+            "it failed at four times the load"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((20 * MIB, 1000, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Shrank,
+            "a smaller request fails"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((400 * MIB, 1000, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Moved,
+            "a bigger request fails"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1000, "prefill")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Moved
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1000, "decode")),
+                "host_ram",
+                "kv_growth"
+            )),
+            Outcome::Moved
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1000, "decode")),
+                "gpu_vram",
+                "fragmentation"
+            )),
+            Outcome::Moved
+        );
+        // A cause missing on one side (not assessed) does not count as a move.
+        assert_eq!(
+            outcome(&run("a", Some((96 * MIB, 1000, "decode")), "gpu_vram", "")),
+            Outcome::Same
+        );
+        let ok = run("", None, "", "");
+        assert_eq!(cmp(&ok, &base).outcome, Outcome::Moved, "a new failure");
+        assert_eq!(cmp(&ok, &ok).outcome, Outcome::Same);
+    }
+
+    #[test]
+    fn json_carries_the_sides_and_the_memory_table() {
+        let a = run(
+            "",
+            Some((96 * MIB, 1000, "decode")),
+            "gpu_vram",
+            "kv_growth",
+        );
+        let b = run("", None, "", "");
+        let j = to_json(&cmp(&a, &b));
+        assert_eq!(j["outcome"], "vanished");
+        assert_eq!(j["a"]["requested_bytes"], 96 * MIB);
+        assert_eq!(j["a"]["active_tokens"], 1000);
+        assert_eq!(j["b"]["failed"], false);
+        // A's failure reading is the sample before the OOM; B's latest is its last sample.
+        assert_eq!(j["memory"]["a"]["at_failure"]["allocated"], 200 * MIB);
+        assert_eq!(j["memory"]["a"]["at_failure"]["cached"], 10 * MIB);
+        assert_eq!(j["memory"]["b"]["at_failure"]["title"], "latest");
+        assert_eq!(j["memory"]["b"]["at_failure"]["allocated"], 100 * MIB);
+        assert!(j["memory"]["a"]["at_failure"]["host_rss"].is_null());
+        assert_eq!(j["changed"].as_array().unwrap().len(), 0);
+        assert_eq!(j["one_variable"], false);
+    }
+}

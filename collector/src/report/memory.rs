@@ -458,3 +458,163 @@ impl Ctx<'_> {
             })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn sample(t: i64, alloc: u64, reserved: u64, rss: u64) -> pb::TimedSample {
+        pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                process: Some(pb::ProcessMemory {
+                    vm_rss_bytes: rss,
+                    ..Default::default()
+                }),
+                allocator: vec![pb::AllocatorStats {
+                    allocated_bytes: alloc,
+                    reserved_bytes: reserved,
+                    inactive_split_bytes: reserved - alloc,
+                    driver_total_bytes: 10_000 * MIB,
+                    driver_free_bytes: 10_000 * MIB - reserved - 500 * MIB - 300 * MIB,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn event(t: i64, kind: Kind) -> pb::TimedEvent {
+        pb::TimedEvent {
+            seq: 100 + t as u64,
+            event: Some(pb::Event {
+                time_ns: t,
+                kind: Some(kind),
+            }),
+        }
+    }
+
+    fn phase(start: bool, allocated: u64) -> Kind {
+        Kind::Phase(pb::Phase {
+            name: "load".into(),
+            start,
+            allocated_bytes: allocated,
+            ..Default::default()
+        })
+    }
+
+    /// A server that loads 1 GiB of weights, serves, and fails at t=40, while
+    /// pid 77 holds 300 MiB of the device (seen only in the failure's list).
+    fn timeline() -> pb::TimelineResponse {
+        pb::TimelineResponse {
+            hello: Some(pb::Hello {
+                pid: 10,
+                ..Default::default()
+            }),
+            samples: vec![
+                sample(5, 0, 0, 400 * MIB),
+                sample(20, 1024 * MIB, 1100 * MIB, 900 * MIB),
+                sample(30, 1500 * MIB, 2000 * MIB, 950 * MIB),
+            ],
+            events: vec![
+                event(10, phase(true, 0)),
+                event(20, phase(false, 1024 * MIB)),
+                event(
+                    40,
+                    Kind::ProcessList(pb::ProcessList {
+                        host_top_rss: vec![],
+                        gpu: vec![
+                            pb::GpuProcess {
+                                pid: 10,
+                                used_bytes: 2500 * MIB,
+                                ..Default::default()
+                            },
+                            pb::GpuProcess {
+                                pid: 77,
+                                used_bytes: 300 * MIB,
+                                ..Default::default()
+                            },
+                        ],
+                    }),
+                ),
+            ],
+        }
+    }
+
+    fn failure(t: &pb::TimelineResponse) -> Failure {
+        Failure::find(
+            t,
+            &pb::Incident {
+                id: "inc-1".into(),
+                kind: "signal".into(),
+                time_ns: 40,
+                ..Default::default()
+            },
+        )
+    }
+
+    #[test]
+    fn three_moments_from_load_phases() {
+        let t = timeline();
+        let f = failure(&t);
+        let m = table(&t, Some(&f));
+        let [before, after, at] = &m.points;
+        assert_eq!(before.time_ns, Some(5));
+        assert_eq!(before.get("allocated"), Some(0));
+        assert_eq!(before.get("weights"), None, "no weights before the load");
+        assert_eq!(after.time_ns, Some(20));
+        assert_eq!(
+            after.get("weights"),
+            Some(1024 * MIB),
+            "the load's end reading"
+        );
+        assert_eq!(after.get("other_live"), Some(0));
+        assert_eq!(at.title, "at failure");
+        assert_eq!(at.time_ns, Some(40));
+        assert_eq!(at.get("weights"), Some(1024 * MIB), "weights stay resident");
+        assert_eq!(at.get("other_live"), Some(476 * MIB));
+        assert_eq!(at.get("cached"), Some(500 * MIB));
+        assert_eq!(at.get("fragments"), Some(500 * MIB));
+        assert_eq!(at.get("host_rss"), Some(950 * MIB));
+        assert_eq!(at.get("other_processes"), Some(300 * MIB));
+        assert_eq!(
+            at.get("non_pytorch"),
+            Some(500 * MIB),
+            "driver used − reserved − pid 77"
+        );
+        // Other processes were seen at the failure only: earlier, driver used
+        // − reserved would blame their bytes on this process.
+        assert_eq!(after.get("non_pytorch"), None);
+        assert_eq!(at.get("cgroup_usage"), None);
+    }
+
+    #[test]
+    fn a_failed_load_has_no_after_load_reading() {
+        let mut t = timeline();
+        t.events[1] = event(
+            20,
+            Kind::Phase(pb::Phase {
+                name: "load".into(),
+                start: false,
+                error: "CUDA out of memory".into(),
+                ..Default::default()
+            }),
+        );
+        let m = table(&t, Some(&failure(&t)));
+        assert_eq!(m.points[1].time_ns, None);
+        assert!(m.points[1].values.iter().all(Option::is_none));
+        assert!(m.notes.iter().any(|n| n.contains("never finished")));
+    }
+
+    #[test]
+    fn an_empty_timeline_gives_an_empty_table() {
+        let m = table(&pb::TimelineResponse::default(), None);
+        assert!(m
+            .points
+            .iter()
+            .all(|p| p.time_ns.is_none() && p.values.iter().all(Option::is_none)));
+    }
+}

@@ -207,3 +207,61 @@ pub fn html(input: &ReportInput) -> String {
 pub fn markdown(input: &ReportInput) -> String {
     markdown::render(&View::new(input))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_input_renders_without_failure() {
+        let t = pb::TimelineResponse::default();
+        let d = pb::Diagnosis::default();
+        let input = ReportInput {
+            timeline: &t,
+            diagnosis: &d,
+            incident: None,
+        };
+        let page = html(&input);
+        assert!(page.contains(r#"<html lang="en" data-domain="" data-cause="">"#));
+        assert!(page.contains("no samples to chart"));
+        assert!(page.ends_with("</html>\n"));
+        let md = markdown(&input);
+        assert!(md.contains("none: nothing failed"));
+    }
+
+    #[test]
+    fn analysis_text_is_escaped_in_both_forms() {
+        let t = pb::TimelineResponse::default();
+        let d = pb::Diagnosis {
+            domain: Some("gpu_vram\"><script>".into()),
+            causes: vec![pb::Cause {
+                kind: "leak<i>".into(),
+                evidence: vec!["<img src=x onerror=alert(1)> | pipe".into()],
+                ..Default::default()
+            }],
+            fixes: vec![pb::Fix {
+                action: "cap **tokens**".into(),
+                risk: "low".into(),
+                retest: "`rerun`".into(),
+                caveat: None,
+            }],
+            ..Default::default()
+        };
+        let input = ReportInput {
+            timeline: &t,
+            diagnosis: &d,
+            incident: None,
+        };
+        let page = html(&input);
+        assert!(!page.contains("<script>") && !page.contains("<img") && !page.contains("<i>"));
+        assert!(page.contains(r#"data-domain="gpu_vram&quot;&gt;&lt;script&gt;""#));
+        assert!(page.contains("&lt;img src=x onerror=alert(1)&gt;"));
+        let md = markdown(&input);
+        assert!(
+            md.contains(r"\<img src=x onerror=alert(1)\> \| pipe"),
+            "{md}"
+        );
+        assert!(md.contains(r"cap \*\*tokens\*\*"));
+        assert!(md.contains(r"\`rerun\`"));
+    }
+}

@@ -33,6 +33,9 @@ pub const ORPHAN_OOM_AFTER: Duration = Duration::from_secs(2);
 /// Host processes listed at an OOM: the largest by RSS.
 pub const OOM_TOP_PROCESSES: usize = 10;
 
+/// The context phase of the sample sent just before each heap census.
+pub const CENSUS_PHASE: &str = "census";
+
 pub enum Job {
     /// A sample at a request boundary: allocator and context as they were
     /// then; the sampler adds the host domains.
@@ -344,8 +347,20 @@ impl Agent {
     }
 
     /// A heap census now, on this thread (GIL held), sent as an event.
+    /// A sample with the context goes first, so the census's place in the
+    /// request count is on record (the census message has no field for it).
     pub fn census(&self, py: Python<'_>, budget: Duration) -> PyResult<pb::HeapCensus> {
-        let done = lock(&self.context).requests_done;
+        let (done, context) = {
+            let c = lock(&self.context);
+            (c.requests_done, c.to_pb(CENSUS_PHASE))
+        };
+        self.reporter.send_sample(pb::Sample {
+            time_ns: now_ns(),
+            process: oomscope_agent_core::probe::process::read(&self.paths, self.pid).ok(),
+            allocator: torchread::read_all(py),
+            context: Some(context),
+            ..Default::default()
+        });
         let mut baseline = lock(&self.baseline).take();
         let result = census::run(py, budget, done, &mut baseline);
         *lock(&self.baseline) = baseline;

@@ -29,6 +29,10 @@ const REFERENTS_CHUNK: usize = 2048;
 pub struct Baseline {
     pub by_type: HashMap<String, (u64, u64)>,
     pub requests_done: u64,
+    /// Addresses of the tracked objects it saw: the next census starts its
+    /// referrer chain at an object that is new since (8 bytes an object,
+    /// bounded by the heap itself).
+    pub addresses: HashSet<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -65,13 +69,17 @@ struct Scanner<'py> {
     tensor: Option<Bound<'py, PyAny>>,
     ndarray: Option<Bound<'py, PyAny>>,
     types: HashMap<usize, TypeInfo>,
-    /// Count, bytes and the last instance seen (for the referrer chain),
-    /// by type object, and for tensors by device.
-    plain: HashMap<usize, (u64, u64, Bound<'py, PyAny>)>,
-    tensors: HashMap<String, (u64, u64, Bound<'py, PyAny>)>,
+    /// Count, bytes and one instance new since the previous census (for
+    /// the referrer chain), by type object, and for tensors by device.
+    /// Untracked objects (bytes, arrays) keep none: their holders are
+    /// tracked and grow with them.
+    plain: HashMap<usize, (u64, u64, Option<Bound<'py, PyAny>>)>,
+    tensors: HashMap<String, (u64, u64, Option<Bound<'py, PyAny>>)>,
     storages: HashSet<(String, usize)>,
     seen_untracked: HashSet<usize>,
     scanned: u64,
+    previous: Option<HashSet<usize>>,
+    addresses: HashSet<usize>,
 }
 
 impl<'py> Scanner<'py> {
@@ -114,9 +122,18 @@ impl<'py> Scanner<'py> {
         &self.types[&key]
     }
 
+    /// Whether `obj` may stand for its type on the referrer chain: a
+    /// tracked object the previous census did not see (any, without one).
+    fn is_new(&mut self, obj: &Bound<'py, PyAny>) -> bool {
+        let address = obj.as_ptr() as usize;
+        self.addresses.insert(address);
+        self.previous.as_ref().is_none_or(|p| !p.contains(&address))
+    }
+
     /// Counts one object; `tracked` tells whether it came from gc.get_objects.
     fn count(&mut self, obj: &Bound<'py, PyAny>, tracked: bool) {
         let key = obj.get_type().as_ptr() as usize;
+        let new = tracked && self.is_new(obj);
         let (kind, basicsize) = {
             let i = self.info(obj);
             (i.kind, i.basicsize)
@@ -133,13 +150,12 @@ impl<'py> Scanner<'py> {
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                let e = self
-                    .tensors
-                    .entry(name)
-                    .or_insert_with(|| (0, 0, obj.clone()));
+                let e = self.tensors.entry(name).or_insert((0, 0, None));
                 e.0 += 1;
                 e.1 = e.1.saturating_add(bytes);
-                e.2 = obj.clone();
+                if new && e.2.is_none() {
+                    e.2 = Some(obj.clone());
+                }
                 return;
             }
             Kind::Ndarray => {
@@ -164,15 +180,17 @@ impl<'py> Scanner<'py> {
             Some(e) => {
                 e.0 += 1;
                 e.1 = e.1.saturating_add(bytes);
-                e.2 = obj.clone();
+                if new && e.2.is_none() {
+                    e.2 = Some(obj.clone());
+                }
             }
             None => {
-                self.plain.insert(key, (1, bytes, obj.clone()));
+                self.plain.insert(key, (1, bytes, new.then(|| obj.clone())));
             }
         }
     }
 
-    /// Counts by type name, with one (the last seen) instance of each.
+    /// Counts by type name, with one new instance of each where there is one.
     fn finish(
         self,
     ) -> (
@@ -190,7 +208,9 @@ impl<'py> Scanner<'py> {
             let e = by_type.entry(name.clone()).or_default();
             e.0 += count;
             e.1 = e.1.saturating_add(bytes);
-            sample.insert(name, obj);
+            if let Some(obj) = obj {
+                sample.insert(name, obj);
+            }
         }
         (by_type, sample)
     }
@@ -254,6 +274,8 @@ pub fn run(
         storages: HashSet::new(),
         seen_untracked: HashSet::new(),
         scanned: 0,
+        previous: baseline.as_mut().map(|b| std::mem::take(&mut b.addresses)),
+        addresses: HashSet::new(),
     };
     let objects = gc.call_method0("get_objects")?.cast_into::<PyList>()?;
     let mut complete = true;
@@ -286,13 +308,26 @@ pub fn run(
     let objects_ptr = objects.as_ptr() as usize;
     drop(objects);
     let scanned = s.scanned;
+    let addresses = std::mem::take(&mut s.addresses);
+    s.previous = None;
     let (by_type, sample) = s.finish();
 
     let growth = growth_per_request(&by_type, baseline.as_ref(), requests_done);
-    let top = growth.first().map(|(name, _, _)| name.clone());
+    // The chain starts at the top grower that has an instance on record.
+    let top = growth
+        .iter()
+        .find(|(name, _, _)| sample.contains_key(name))
+        .map(|(name, _, _)| name.clone());
     let mut chain = Vec::new();
     if let Some(obj) = top.as_ref().and_then(|n| sample.get(n)) {
-        chain = referrer_chain(py, obj, deadline + budget, objects_ptr).unwrap_or_default();
+        chain = referrer_chain(
+            py,
+            top.as_deref().unwrap_or(""),
+            obj,
+            deadline + budget,
+            objects_ptr,
+        )
+        .unwrap_or_default();
     }
     let mut census = pb::HeapCensus {
         types: select_types(&by_type, &growth),
@@ -317,6 +352,7 @@ pub fn run(
     *baseline = Some(Baseline {
         by_type,
         requests_done,
+        addresses,
     });
     Ok(census)
 }
@@ -396,12 +432,13 @@ pub fn select_types(
 /// globals or [`MAX_CHAIN`] steps. Outermost first.
 fn referrer_chain(
     py: Python<'_>,
+    census_name: &str,
     obj: &Bound<'_, PyAny>,
     deadline: Instant,
     skip: usize,
 ) -> PyResult<Vec<String>> {
     let gc = py.import("gc")?;
-    let mut steps = vec![describe_leaf(obj)];
+    let mut steps = vec![describe_leaf(census_name, obj)];
     let mut on_chain: HashSet<usize> = HashSet::from([obj.as_ptr() as usize, skip]);
     let mut child = obj.clone();
     for _ in 0..MAX_CHAIN {
@@ -428,13 +465,14 @@ fn referrer_chain(
     Ok(steps)
 }
 
-fn describe_leaf(obj: &Bound<'_, PyAny>) -> String {
-    let name = type_name(&obj.get_type());
+fn describe_leaf(census_name: &str, obj: &Bound<'_, PyAny>) -> String {
+    // The census's own name (`torch.Tensor[cpu]`), so the chain and the
+    // type counts agree; arrays and tensors also give their shape.
     match obj.getattr("shape").and_then(|s| s.str()) {
-        Ok(shape) if name.starts_with("torch") || name.starts_with("numpy") => {
-            format!("{name} {shape}")
+        Ok(shape) if census_name.starts_with("torch") || census_name.starts_with("numpy") => {
+            format!("{census_name} {shape}")
         }
-        _ => name,
+        _ => census_name.to_string(),
     }
 }
 
@@ -529,6 +567,7 @@ mod tests {
                 ("Resp", 0, 0),
             ]),
             requests_done: 10,
+            addresses: HashSet::new(),
         };
         let now = counts(&[
             ("torch.Tensor[cpu]", 30, 41_000),
@@ -550,6 +589,7 @@ mod tests {
         let base = Baseline {
             by_type: counts(&[("a", 1, 1)]),
             requests_done: 10,
+            addresses: HashSet::new(),
         };
         assert!(growth_per_request(&now, Some(&base), 10).is_empty());
     }

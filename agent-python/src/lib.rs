@@ -356,6 +356,33 @@ fn read_allocator(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     json_to_py(py, &serde_json::Value::Array(v))
 }
 
+/// The live agent's conversion of a `memory_stats()` dict (what each sample
+/// carries), for comparing with what `oomscope replay` sends.
+#[pyfunction]
+#[pyo3(signature = (memory_stats, device = 0, mem_get_info = None))]
+fn convert_memory_stats<'py>(
+    py: Python<'py>,
+    memory_stats: &Bound<'py, PyAny>,
+    device: i32,
+    mem_get_info: Option<(u64, u64)>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    torchread::stats_from_dict(memory_stats, device, mem_get_info)
+        .map(|a| json_to_py(py, &pbjson::allocator(&a)))
+        .transpose()
+}
+
+/// The live agent's summary of a `memory._snapshot()` dict.
+#[pyfunction]
+#[pyo3(signature = (snapshot, device = 0))]
+fn summarize_snapshot<'py>(
+    py: Python<'py>,
+    snapshot: &Bound<'py, PyAny>,
+    device: i32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let s = oomscope_agent_core::torch::snapshot_summary(&pyjson::to_json(snapshot), device);
+    json_to_py(py, &pbjson::snapshot(&s))
+}
+
 #[pyfunction]
 #[pyo3(signature = (collector, agent, timeout_s = 10.0))]
 fn query_timeline(
@@ -406,6 +433,8 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flush, m)?)?;
     m.add_function(wrap_pyfunction!(read_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(query_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(convert_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(summarize_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(query_agents, m)?)?;
     Ok(())
 }

@@ -31,6 +31,20 @@ pub fn current_device(cuda: &Bound<'_, PyAny>) -> i32 {
 /// through the same function `oomscope replay` uses.
 pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::AllocatorStats> {
     let stats = cuda.call_method1("memory_stats", (device,)).ok()?;
+    let info = cuda
+        .call_method1("mem_get_info", (device,))
+        .and_then(|t| t.extract::<(u64, u64)>())
+        .ok();
+    stats_from_dict(&stats, device, info)
+}
+
+/// A `memory_stats()` dict (and `mem_get_info()`) as AllocatorStats: the
+/// live path, also reachable from Python to compare with a replay.
+pub fn stats_from_dict(
+    stats: &Bound<'_, PyAny>,
+    device: i32,
+    info: Option<(u64, u64)>,
+) -> Option<pb::AllocatorStats> {
     let dict = stats.cast::<PyDict>().ok()?;
     let mut map = BTreeMap::new();
     for (k, v) in dict.iter() {
@@ -41,10 +55,6 @@ pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::Alloc
             map.insert(k, v);
         }
     }
-    let info = cuda
-        .call_method1("mem_get_info", (device,))
-        .and_then(|t| t.extract::<(u64, u64)>())
-        .ok();
     Some(torch::allocator_stats(device, &map, info))
 }
 

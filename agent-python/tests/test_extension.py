@@ -1,0 +1,219 @@
+"""The extension in real processes with torch imported (no GPU here): it
+starts, streams and stops; it never raises into user code when the collector
+is away, spools, and delivers once the collector starts; OOM evidence is
+acked before the exception propagates; fork; autostart."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import Collector, events, free_port, oomscope_bin, wait_for
+
+
+def run_py(code, env=None, timeout=120):
+    e = dict(os.environ, OOMSCOPE_AUTOSTART="0")
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       env=e, timeout=timeout)
+    assert r.returncode == 0, "script failed (%d):\n%s\n%s" % (r.returncode, r.stdout, r.stderr)
+    return r.stdout
+
+
+def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
+    col = Collector(tmp_path)  # not started yet
+    out = run_py("""
+        import sys, time, torch, oomscope
+        ok = oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05, spool_dir=%r,
+                            exit_flush_s=0.3)
+        assert ok and oomscope.start() is False  # twice is harmless
+        for i in range(5):
+            with oomscope.request(id="r%%d" %% i, prompt_tokens=10 + i, max_tokens=4) as r:
+                x = torch.ones(1000) * i
+                r.output_tokens = 4
+        time.sleep(0.3)
+        s = oomscope.stats()
+        assert s["acked"] == 0 and s["spooled"] > 0 and not s["connected"], s
+        print("stopped", oomscope.stop(), oomscope.stop())
+        """ % (col.url, str(tmp_path / "spool")))
+    assert "stopped False False" in out, out
+    # A second process with the same spool root is another agent; the first
+    # one's messages stay in its spool. Start the collector, and a process that
+    # comes back with the collector present delivers live:
+    col.start()
+    try:
+        out = run_py("""
+            import time, torch, oomscope
+            oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05)
+            for i in range(3):
+                with oomscope.request(id="q%%d" %% i, prompt_tokens=7, max_tokens=2) as r:
+                    r.output_tokens = 2
+            assert oomscope.flush(10), oomscope.stats()
+            print("agent", oomscope.agent_id())
+            """ % col.url)
+        agent = out.split("agent ")[1].strip()
+        t = col.timeline(agent)
+        boundary = [s for s in t["samples"] if s["context"]["phase"] == "after_request"]
+        assert [s["context"]["requests_done"] for s in boundary] == [1, 2, 3]
+        assert all(s["process"]["vm_rss_bytes"] > 0 for s in boundary)
+        assert all(s["allocator"] == [] for s in t["samples"])  # no CUDA: absent, not zero
+        reqs = events(t, "request")
+        assert [(r["request_id"], r["start"]) for r in reqs][:2] == [("q0", True), ("q0", False)]
+        h = t["hello"]
+        assert h["runtime"] == "pytorch" and h["role"] == "server" and "torch" in h["versions"]
+    finally:
+        col.stop()
+
+
+def test_samples_queued_while_the_collector_is_down_arrive_when_it_starts(tmp_path):
+    col = Collector(tmp_path)
+    code = """
+        import os, time, torch, oomscope
+        oomscope.start(collector=%r, name="late-collector", interval_s=0.05)
+        for i in range(4):
+            with oomscope.request(id="r%%d" %% i) as r:
+                pass
+        open(%r, "w").write(oomscope.agent_id())
+        while not os.path.exists(%r):
+            time.sleep(0.05)
+        assert oomscope.flush(20), oomscope.stats()
+        """ % (col.url, str(tmp_path / "id"), str(tmp_path / "go"))
+    e = dict(os.environ, OOMSCOPE_AUTOSTART="0")
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=e)
+    try:
+        assert wait_for(lambda: os.path.exists(tmp_path / "id"), 60)
+        time.sleep(0.5)
+        col.start()
+        open(tmp_path / "go", "w").close()
+        assert p.wait(60) == 0
+        t = col.timeline(open(tmp_path / "id").read())
+        done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
+        assert done == [1, 2, 3, 4]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        col.stop()
+
+
+def test_bad_settings_are_clear_errors():
+    out = run_py("""
+        import oomscope
+        for kw in ({"interval_s": "fast"}, {"census_every": -1}, {"oom_wait_s": float("nan")}):
+            try:
+                oomscope.start(collector="http://127.0.0.1:9", **kw)
+            except ValueError as e:
+                print("ERR", e)
+        assert not oomscope.is_running()
+        """)
+    assert "interval_s" in out and "census_every" in out and "oom_wait_s" in out, out
+
+
+def test_oom_evidence_is_acked_before_the_exception_propagates(collector):
+    out = run_py("""
+        import torch, oomscope, oomscope.query
+        oomscope.start(collector=%r, name="oom-cpu", interval_s=0.5)
+        with oomscope.phase("load", model="tiny", revision="r1", dtype="float32"):
+            w = torch.ones(1 << 16)
+        try:
+            with oomscope.request(id="big", prompt_tokens=4096, max_tokens=512):
+                raise MemoryError("Tried to allocate 96.00 MiB on the host")
+        except MemoryError:
+            # No flush: the OOM event must already be stored.
+            t = oomscope.query.timeline(%r, oomscope.agent_id())
+            ooms = [e["oom"] for e in t["events"] if e["kind"] == "oom"]
+            print("OOM", ooms[0]["error_type"], ooms[0]["context"]["request_id"],
+                  ooms[0]["context"]["prompt_tokens"], ooms[0]["requested_bytes"],
+                  ooms[0]["context"]["labels"].get("active_models"))
+        """ % (collector.url, collector.url))
+    assert "OOM MemoryError big 4096 100663296 tiny@r1 (float32)" in out, out
+    inc = collector.cli("incidents", "--agent", "oom-cpu", "--json")
+    assert [i["kind"] for i in inc] == ["oom"], inc
+
+
+def test_phase_gc_and_census_events(collector):
+    out = run_py("""
+        import gc, numpy as np, torch, oomscope
+        oomscope.start(collector=%r, name="events", interval_s=0.5, census_every=0)
+
+        class Retained:
+            def __init__(self, i):
+                self.payload = bytes(10_000)
+                self.array = np.zeros(1000)          # 8000 bytes
+                self.t = torch.zeros(250)            # 1000 bytes
+                self.view = self.t[10:20]            # same storage: not counted again
+
+        with oomscope.phase("load", model="m"):
+            keep = []
+        first = oomscope.census()
+        for i in range(20):
+            with oomscope.request(id=str(i)):
+                keep.append(Retained(i))
+        c = oomscope.census()
+        by = {t["type_name"]: t for t in c["types"]}
+        print("RET", by["__main__.Retained"]["count"])
+        before = {t["type_name"]: t["bytes"] for t in first["types"]}.get("torch.Tensor[cpu]", 0)
+        print("TENSOR", by["torch.Tensor[cpu]"]["bytes"] - before)
+        print("CHAIN", " <- ".join(c["referrer_chain"]))
+        gc.collect()
+        assert oomscope.flush(10)
+        """ % collector.url)
+    assert "RET 20" in out, out
+    assert "TENSOR 20000" in out, out  # 20 x 1000 bytes, views counted once
+    chain = out.split("CHAIN ")[1].splitlines()[0]
+    assert chain.startswith("module __main__ global keep"), chain
+    assert "__main__.Retained" in chain and "torch.Tensor[cpu]" in chain, chain
+    t = collector.timeline("events")
+    phases = events(t, "phase")
+    assert [(p["name"], p["start"]) for p in phases] == [("load", True), ("load", False)]
+    assert phases[1]["model"]["name"] == "m" and phases[0]["host_rss_bytes"] > 0
+    assert any(g["generation"] == 2 for g in events(t, "gc"))
+    censuses = events(t, "heap_census")
+    assert len(censuses) == 2 and censuses[1]["objects_scanned"] > 10_000
+
+
+def test_fork_keeps_reporting_from_both_processes(collector):
+    out = run_py("""
+        import os, sys, torch, oomscope
+        oomscope.start(collector=%r, name="forker", interval_s=0.05)
+        pid = os.fork()
+        if pid == 0:
+            with oomscope.request(id="child-req"):
+                pass
+            ok = oomscope.flush(10)
+            oomscope.stop()
+            os._exit(0 if ok else 3)
+        with oomscope.request(id="parent-req"):
+            pass
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status), pid)
+        assert oomscope.flush(10)
+        """ % collector.url, timeout=60)
+    assert "CHILD 0" in out, out
+    child = int(out.split("CHILD 0 ")[1].split()[0])
+    agents = [a["hello"] for a in collector.agents() if a["hello"]["name"] == "forker"]
+    roles = {(h["role"], h["rank"], h["pid"] == child) for h in agents}
+    assert roles == {("server", 0, False), ("worker", 1, True)}, agents
+    for h in agents:
+        t = collector.timeline(h["agent_id"])
+        ids = [r["request_id"] for r in events(t, "request")]
+        assert ids == (["child-req"] * 2 if h["pid"] == child else ["parent-req"] * 2), ids
+        assert t["samples"], "no samples from %s" % h["role"]
+
+
+def test_oomscope_run_starts_the_agent_with_no_code_change(collector):
+    code = "import time, torch; [torch.ones(10) for _ in range(3)]; time.sleep(0.5)"
+    env = dict(os.environ)
+    env.pop("OOMSCOPE_AUTOSTART", None)
+    env["OOMSCOPE_INTERVAL_S"] = "0.1"
+    r = subprocess.run([oomscope_bin(), "run", "--collector", collector.url, "--name", "wrapped", "--",
+                        sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    agents = [a for a in collector.agents() if a["hello"]["name"] == "wrapped"]
+    runtimes = sorted(a["hello"]["runtime"] for a in agents)
+    assert runtimes == ["pytorch", "supervisor"], agents
+    py = next(a for a in agents if a["hello"]["runtime"] == "pytorch")
+    assert py["state"] == "disconnected" and py["samples"] >= 2, py  # Goodbye at exit
+    assert py["hello"]["labels"].get("supervisor_agent"), py["hello"]["labels"]

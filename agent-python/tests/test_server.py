@@ -1,0 +1,150 @@
+"""The reference server with its switches, driven with 40 requests over
+HTTP (CPU tensors here): what the collector holds (samples, heap censuses,
+gc events), then its verdict. Census every 10 requests."""
+
+import pytest
+
+from conftest import events, wait_for
+
+REQUESTS = 40
+CENSUS_EVERY = 10
+PROMPT, MAX_TOKENS, VOCAB = 16, 8, 8000
+#: One response's logits: MAX_TOKENS rows of VOCAB float32 scores.
+LOGITS_BYTES = MAX_TOKENS * VOCAB * 4
+ENV = {"OOMSCOPE_CENSUS_EVERY": str(CENSUS_EVERY), "OOMSCOPE_INTERVAL_S": "0.2",
+       "OOMSCOPE_CENSUS_BUDGET_S": "2", "OOMSCOPE_CENSUS_INTERVAL_S": "0"}
+
+
+def run_scenario(collector, server_factory, name, *flags):
+    s = server_factory(name, *flags, env=ENV)
+    r = s.drive(REQUESTS, prompt=PROMPT, max_tokens=MAX_TOKENS, prefix=name)
+    assert r["statuses"] == {200: REQUESTS}, r
+    censuses = wait_for(lambda: len(events(collector.timeline(name), "heap_census")) >= REQUESTS // CENSUS_EVERY
+                        and events(collector.timeline(name), "heap_census"), 60)
+    assert censuses, "no censuses from %s" % name
+    return s, collector.timeline(name)
+
+
+def by_type(census):
+    return {t["type_name"]: t for t in census["types"]}
+
+
+def growth(first, last, name):
+    a, b = by_type(first).get(name, {}), by_type(last).get(name, {})
+    return b.get("count", 0) - a.get("count", 0), b.get("bytes", 0) - a.get("bytes", 0)
+
+
+def census_points(timeline):
+    """(requests_done, census) for each census: the agent sends a sample
+    with phase "census" just before each one."""
+    out, done = [], None
+    items = sorted([(s["seq"], s) for s in timeline["samples"]] + [(e["seq"], e) for e in timeline["events"]],
+                   key=lambda x: x[0])
+    for _, item in items:
+        if "kind" not in item:
+            if item["context"] and item["context"]["phase"] == "census":
+                done = item["context"]["requests_done"]
+        elif item["kind"] == "heap_census":
+            out.append((done, item["heap_census"]))
+    return out
+
+
+def span(timeline):
+    """The second and last censuses (the first has no baseline, so it lists
+    only the largest types) and the requests completed between them."""
+    points = census_points(timeline)
+    (n0, first), (n1, last) = points[1], points[-1]
+    assert n1 - n0 >= 15, points
+    return first, last, n1 - n0
+
+
+def test_leak_responses_grow_per_request_and_the_type_is_named(collector, server_factory):
+    _, t = run_scenario(collector, server_factory, "leaky", "--leak-responses")
+    first, last, n = span(t)
+    dc, db = growth(first, last, "__main__.Completion")
+    assert dc == n, (dc, db, n)  # one kept response per request
+    dc, db = growth(first, last, "torch.Tensor[cpu]")
+    assert dc >= n and db == pytest.approx(n * LOGITS_BYTES, rel=0.02), (dc, db, n)
+    chain = last["referrer_chain"]
+    assert chain[0] == "module __main__ global RESPONSE_LOG", chain
+    assert any(step.startswith("__main__.Completion.logits") for step in chain), chain
+    assert chain[-1].startswith("torch.Tensor[cpu]"), chain
+
+
+def test_without_a_switch_nothing_grows(collector, server_factory):
+    _, t = run_scenario(collector, server_factory, "clean")
+    first, last, n = span(t)
+    dc, db = growth(first, last, "torch.Tensor[cpu]")
+    assert db < LOGITS_BYTES, (dc, db, n)  # not even one response's worth
+    assert growth(first, last, "__main__.Completion")[0] == 0
+
+
+def test_gc_cycles_grow_until_the_cycle_collector_runs(collector, server_factory):
+    s, t = run_scenario(collector, server_factory, "cycles", "--gc-cycles")
+    c = events(t, "heap_census")
+    first, last, n = span(t)
+    dc, db = growth(first, last, "__main__.Completion")
+    assert dc == n, (dc, db, n)
+    status, body = s.post("/admin/gc")
+    assert status == 200 and body["collected"] > 0, body
+    t = wait_for(lambda: (lambda t: len(events(t, "heap_census")) > len(c) and t)(collector.timeline("cycles")), 30)
+    assert t, "no census after gc"
+    gcs = [g for g in events(t, "gc") if g["generation"] == 2]
+    assert gcs and max(g["collected"] for g in gcs) >= REQUESTS, gcs
+    after = events(t, "heap_census")[-1]
+    assert by_type(after).get("__main__.Completion", {}).get("count", 0) == 0
+
+
+def test_host_leak_grows_rss_and_names_the_retaining_type(collector, server_factory):
+    _, t = run_scenario(collector, server_factory, "hostleak", "--host-leak")
+    first, last, n = span(t)
+    dc, db = growth(first, last, "torch.Tensor[cpu]")
+    # The count may catch a few of the engine's temporaries mid-step; the
+    # bytes are the copies.
+    assert abs(dc - n) <= 3 and db == pytest.approx(n * LOGITS_BYTES, rel=0.02), (dc, db, n)
+    assert last["referrer_chain"][0] == "module __main__ global HOST_COPIES", last["referrer_chain"]
+    rss = [(s["context"]["requests_done"], s["process"]["vm_rss_bytes"]) for s in t["samples"]
+           if s["context"] and s["context"]["phase"] == "after_request"]
+    (n0, r0), (n1, r1) = rss[9], rss[-1]
+    assert (r1 - r0) / (n1 - n0) >= 0.5 * LOGITS_BYTES, rss
+
+
+# Verdicts: the diagnostician (analysis/) names leak, gc_retained and
+# host_growth with `bytes_per_request`; these hold it to the live evidence.
+
+def diagnose(collector, name):
+    return collector.cli("diagnose", "--agent", name, "--json")
+
+
+def causes(d):
+    return {c["kind"]: c for c in d["causes"]}
+
+
+def test_verdict_leak_names_the_type(collector, server_factory):
+    run_scenario(collector, server_factory, "leaky-v", "--leak-responses")
+    d = causes(diagnose(collector, "leaky-v"))
+    assert "leak" in d, d
+    leak = d["leak"]
+    assert any("torch.Tensor[cpu]" in e or "Completion" in e for e in leak["evidence"]), leak
+    assert leak["metrics"]["bytes_per_request"] == pytest.approx(LOGITS_BYTES, rel=0.1), leak
+
+
+def test_verdict_no_leak_without_a_switch(collector, server_factory):
+    run_scenario(collector, server_factory, "clean-v")
+    d = causes(diagnose(collector, "clean-v"))
+    assert "leak" not in d and "gc_retained" not in d, d
+
+
+def test_verdict_gc_cycles_are_gc_retained_not_a_leak(collector, server_factory):
+    s, _ = run_scenario(collector, server_factory, "cycles-v", "--gc-cycles")
+    s.post("/admin/gc")
+    wait_for(lambda: any(g["generation"] == 2 for g in events(collector.timeline("cycles-v"), "gc")), 30)
+    d = causes(diagnose(collector, "cycles-v"))
+    assert "gc_retained" in d and "leak" not in d, d
+
+
+def test_verdict_host_leak_is_host_growth(collector, server_factory):
+    run_scenario(collector, server_factory, "hostleak-v", "--host-leak")
+    d = causes(diagnose(collector, "hostleak-v"))
+    assert "host_growth" in d, d
+    assert any("torch.Tensor[cpu]" in e for e in d["host_growth"]["evidence"]), d["host_growth"]

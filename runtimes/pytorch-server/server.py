@@ -1,0 +1,320 @@
+"""The oomscope reference PyTorch inference server.
+
+A small HTTP server around a tiny decoder-only transformer (random weights;
+on the GPU when there is one), with real batching of concurrent requests and a
+KV cache per sequence. Switches reproduce the incidents of the design:
+
+  --leak-responses   keep every response object (its logits tensor inside)
+  --host-leak        keep a CPU copy of every response's logits
+  --gc-cycles        leave each response in a reference cycle, with automatic
+                     gc off (as latency-tuned servers run); POST /admin/gc
+                     collects
+  --fragment         interleave long- and short-lived tensors of mixed sizes
+  --max-active N     cap active sequences (the rest queue)
+  --max-context N    refuse requests longer than N tokens
+  --memory-cap BYTES torch.cuda.set_per_process_memory_fraction, so a GPU OOM
+                     comes early and safely
+
+HTTP: POST /generate {"id", "prompt_tokens", "max_tokens"} ->
+{"id", "output_tokens", "latency_ms"} (507 on out-of-memory, 400 on a bad
+request); GET /health; GET /admin/stats; POST /admin/gc; POST /admin/census.
+
+    python server.py --port 8000 [--collector http://127.0.0.1:7433] [--no-agent]
+"""
+
+import argparse
+import collections
+import gc
+import json
+import os
+import random
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import TinyDecoder, cache_bytes  # noqa: E402
+
+try:
+    import oomscope
+except ImportError:  # the server runs without the agent too
+    oomscope = None
+
+#: What --leak-responses and --host-leak keep: module globals, as a careless
+#: app keeps a response log.
+RESPONSE_LOG = []
+HOST_COPIES = []
+
+
+class Completion:
+    """A finished generation, as an app might keep it: tokens and scores."""
+
+    def __init__(self, request_id, tokens, logits):
+        self.request_id = request_id
+        self.tokens = tokens
+        self.logits = logits
+
+
+class Sequence:
+    def __init__(self, request_id, prompt, max_tokens):
+        self.id = request_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.cache = {}
+        self.out = []
+        self.logits = []
+        self.done = threading.Event()
+        self.error = None
+
+
+class Engine:
+    """The scheduler: admits queued sequences (up to --max-active), prefills
+    each, then decodes all active sequences together, one token a step."""
+
+    def __init__(self, model, args):
+        self.model, self.args = model, args
+        self.device = next(model.parameters()).device
+        self.queue = collections.deque()
+        self.active = []
+        self.cv = threading.Condition()
+        self.long_lived = collections.deque(maxlen=args.fragment_keep)
+        self.rng = random.Random(0)
+        threading.Thread(target=self._run, name="engine", daemon=True).start()
+
+    def submit(self, seq):
+        with self.cv:
+            self.queue.append(seq)
+            self.cv.notify()
+
+    def _run(self):
+        while True:
+            with self.cv:
+                while not self.queue and not self.active:
+                    self.cv.wait()
+                cap = self.args.max_active or 1 << 30
+                new = []
+                while self.queue and len(self.active) + len(new) < cap:
+                    new.append(self.queue.popleft())
+                queued = len(self.queue)
+            try:
+                with torch.no_grad():
+                    for seq in new:
+                        self._step([seq], prefill=True)
+                        self.active.append(seq)
+                    if self.active:
+                        self._step(self.active, prefill=False)
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                for seq in new + self.active:
+                    if not seq.done.is_set():
+                        seq.error = e
+                        seq.cache = {}
+                        seq.done.set()
+                self.active = [s for s in self.active if not s.done.is_set()]
+                continue
+            finished = [s for s in self.active if len(s.out) >= s.max_tokens]
+            self.active = [s for s in self.active if len(s.out) < s.max_tokens]
+            self._report(queued)
+            for seq in finished:
+                self._finish(seq)
+
+    def _step(self, seqs, prefill):
+        if prefill:
+            tokens = torch.tensor([seqs[0].prompt], device=self.device)
+        else:
+            tokens = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
+        logits = self.model(tokens, [s.cache for s in seqs])[:, -1, :]
+        nxt = logits.float().argmax(-1).tolist()
+        for s, t, row in zip(seqs, nxt, logits):
+            if prefill or len(s.out) < s.max_tokens:
+                s.out.append(int(t))
+                s.logits.append(row)
+        if self.args.fragment:
+            self._fragment()
+
+    def _fragment(self):
+        """Mixed sizes, every other one kept for a while: cached free blocks
+        end up split between long-lived neighbours."""
+        unit = self.args.fragment_kib * 1024
+        for i in range(4):
+            t = torch.empty(unit * self.rng.randint(1, 16), dtype=torch.uint8, device=self.device)
+            if i % 2 == 0:
+                self.long_lived.append(t)
+
+    def _report(self, queued):
+        if oomscope is None:
+            return
+        kv = sum(cache_bytes(s.cache) for s in self.active)
+        oomscope.set_context(
+            active_sequences=len(self.active), queued=queued, batch_size=len(self.active),
+            active_tokens=sum(len(s.prompt) + len(s.out) for s in self.active), kv_cache_bytes=kv)
+
+    def _finish(self, seq):
+        logits = torch.stack(seq.logits)
+        completion = Completion(seq.id, list(seq.out), logits)
+        if self.args.leak_responses:
+            RESPONSE_LOG.append(completion)
+        if self.args.host_leak:
+            HOST_COPIES.append(logits.detach().to("cpu", copy=True))
+        if self.args.gc_cycles:
+            completion.self_ref = completion  # garbage only the cycle collector frees
+        seq.cache, seq.logits = {}, []
+        seq.done.set()
+
+
+def make_handler(engine, args):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def _reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._reply(200, {"ok": True, "device": str(engine.device)})
+            elif self.path == "/admin/stats":
+                self._reply(200, {"agent": oomscope.stats() if oomscope else None,
+                                  "response_log": len(RESPONSE_LOG), "host_copies": len(HOST_COPIES)})
+            else:
+                self._reply(404, {"error": "no such path"})
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(n) or b"{}")
+            except ValueError as e:
+                return self._reply(400, {"error": "bad JSON: %s" % e})
+            if self.path == "/generate":
+                return self._generate(body)
+            if self.path == "/admin/gc":
+                collected = gc.collect()
+                census = oomscope.census() if oomscope and oomscope.is_running() else None
+                return self._reply(200, {"collected": collected, "census": census is not None})
+            if self.path == "/admin/census":
+                census = oomscope.census() if oomscope and oomscope.is_running() else None
+                return self._reply(200, {"census": census})
+            self._reply(404, {"error": "no such path"})
+
+        def _generate(self, body):
+            try:
+                rid = str(body.get("id") or "req-%d" % time.monotonic_ns())
+                prompt_tokens = int(body.get("prompt_tokens", 16))
+                max_tokens = int(body.get("max_tokens", 8))
+            except (TypeError, ValueError) as e:
+                return self._reply(400, {"error": "bad request: %s" % e})
+            if prompt_tokens < 1 or max_tokens < 1:
+                return self._reply(400, {"error": "prompt_tokens and max_tokens must be >= 1"})
+            if args.max_context and prompt_tokens + max_tokens > args.max_context:
+                return self._reply(400, {"error": "context %d > --max-context %d" % (
+                    prompt_tokens + max_tokens, args.max_context)})
+            rng = random.Random(rid)
+            prompt = [rng.randrange(engine.model.vocab) for _ in range(prompt_tokens)]
+            seq = Sequence(rid, prompt, max_tokens)
+            t0 = time.perf_counter()
+            try:
+                with _request(rid, prompt_tokens, max_tokens) as r:
+                    engine.submit(seq)
+                    seq.done.wait()
+                    if seq.error is not None:
+                        raise seq.error
+                    if r is not None:
+                        r.output_tokens = len(seq.out)
+            except Exception as e:  # noqa: BLE001
+                oom = "out of memory" in str(e) or isinstance(e, MemoryError)
+                return self._reply(507 if oom else 500, {"id": rid, "error": "%s: %s" % (type(e).__name__, e)})
+            self._reply(200, {"id": rid, "output_tokens": len(seq.out),
+                              "latency_ms": (time.perf_counter() - t0) * 1e3})
+
+    return Handler
+
+
+class _NoAgent:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _request(rid, prompt_tokens, max_tokens):
+    if oomscope is None or not oomscope.is_running():
+        return _NoAgent()
+    return oomscope.request(id=rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port-file", help="write the port here once listening")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or float16/bfloat16 (GPU default bfloat16)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--leak-responses", action="store_true")
+    p.add_argument("--host-leak", action="store_true")
+    p.add_argument("--gc-cycles", action="store_true")
+    p.add_argument("--fragment", action="store_true")
+    p.add_argument("--fragment-kib", type=int, default=1024, help="size unit of --fragment tensors")
+    p.add_argument("--fragment-keep", type=int, default=64, help="long-lived --fragment tensors kept")
+    p.add_argument("--max-active", type=int, default=0)
+    p.add_argument("--max-context", type=int, default=0)
+    p.add_argument("--memory-cap", type=int, default=0, help="bytes; needs CUDA")
+    p.add_argument("--no-agent", action="store_true", help="do not start oomscope (for overhead runs)")
+    p.add_argument("--collector", default=None, help="else OOMSCOPE_COLLECTOR")
+    p.add_argument("--name", default=None, help="agent name, else OOMSCOPE_NAME or pytorch-server")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    global oomscope
+    if args.no_agent:
+        oomscope = None
+    elif oomscope is not None:
+        oomscope.start(collector=args.collector,
+                       name=args.name or os.environ.get("OOMSCOPE_NAME") or "pytorch-server")
+    if args.gc_cycles:
+        gc.disable()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.memory_cap:
+        if device.type != "cuda":
+            sys.exit("--memory-cap needs a CUDA device")
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap / total), device)
+    name = "tiny-decoder-d%d-l%d" % (args.d_model, args.layers)
+    load = (oomscope.phase("load", model=name, revision="random-init", dtype=str(dtype).replace("torch.", ""))
+            if oomscope else _NoAgent())
+    with load:
+        torch.manual_seed(0)
+        model = TinyDecoder(args.vocab, args.d_model, args.layers, args.heads, dtype, device).eval()
+    engine = Engine(model, args)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(engine, args))
+    server.daemon_threads = True
+    port = server.server_address[1]
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    print("pytorch-server listening on 127.0.0.1:%d (%s, %s)" % (port, device, name), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Overhead of the oomscope agent on the reference server.
+
+  1. Request latency p50/p99 with and without the agent (same server, same
+     requests, runs interleaved: off, on, off, on).
+  2. GIL held per regular sample: the part of a sample that runs with the
+     GIL (the allocator read; host domains are read without it), and the
+     request-path cost of `with oomscope.request(): ...`.
+
+    python bench_overhead.py --oomscope-bin ../../target/release/oomscope [--requests 200] [--device cuda]
+Prints one JSON object.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import drive  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server(args, tmp, collector_url, agent, tag):
+    port_file = os.path.join(tmp, tag + ".port")
+    cmd = [sys.executable, os.path.join(HERE, "server.py"), "--port", "0", "--port-file", port_file,
+           "--collector", collector_url, "--name", "bench-" + tag, "--device", args.device]
+    if not agent:
+        cmd.append("--no-agent")
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(os.environ, OOMSCOPE_AUTOSTART="0"))
+    while not os.path.exists(port_file):
+        if p.poll() is not None:
+            sys.exit("server failed to start")
+        time.sleep(0.1)
+    return p, int(open(port_file).read())
+
+
+def gil_cost(n):
+    import torch  # noqa: F401 - the agent reads torch's allocator when CUDA is up
+    import oomscope
+    from oomscope import _native
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")  # initialise CUDA, as a server has
+    oomscope.start(collector="http://127.0.0.1:9", name="bench-gil", census_every=0, census_interval_s=0)
+    _native.read_allocator()
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        _native.read_allocator()
+    sample_us = (time.perf_counter_ns() - t0) / n / 1e3
+    t0 = time.perf_counter_ns()
+    for i in range(n):
+        with oomscope.request(id=str(i), prompt_tokens=16, max_tokens=8) as r:
+            r.output_tokens = 8
+    request_us = (time.perf_counter_ns() - t0) / n / 1e3
+    c0 = time.perf_counter_ns()
+    census = oomscope.census(budget_s=5)
+    census_ms = (time.perf_counter_ns() - c0) / 1e6
+    oomscope.stop()
+    return {"gil_per_sample_us": sample_us, "request_context_us": request_us, "census_ms": census_ms,
+            "census_objects": census["objects_scanned"], "cuda": torch.cuda.is_available()}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--oomscope-bin", required=True)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    out = {"gil": gil_cost(1000)}
+    tmp = tempfile.mkdtemp()
+    port = free_port()
+    col = subprocess.Popen([args.oomscope_bin, "collector", "--listen", "127.0.0.1:%d" % port, "--db",
+                            os.path.join(tmp, "bench.db")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = "http://127.0.0.1:%d" % port
+    runs = {"off": [], "on": []}
+    try:
+        for i, agent in enumerate([False, True, False, True]):
+            tag = ("on" if agent else "off") + str(i)
+            srv, sport = server(args, tmp, url, agent, tag)
+            try:
+                drive.drive(sport, 10, prefix="warm")
+                r = drive.drive(sport, args.requests, prefix=tag)
+                runs["on" if agent else "off"].append(r)
+            finally:
+                srv.terminate()
+                srv.wait()
+    finally:
+        col.terminate()
+        col.wait()
+    for k, rs in runs.items():
+        out[k] = {"p50_ms": sorted(r["p50_ms"] for r in rs)[0], "p99_ms": sorted(r["p99_ms"] for r in rs)[0],
+                  "runs": [(round(r["p50_ms"], 3), round(r["p99_ms"], 3)) for r in rs]}
+    out["p50_overhead_pct"] = 100 * (out["on"]["p50_ms"] / out["off"]["p50_ms"] - 1)
+    out["p99_overhead_pct"] = 100 * (out["on"]["p99_ms"] / out["off"]["p99_ms"] - 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

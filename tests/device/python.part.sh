@@ -1,0 +1,26 @@
+# agent-python on the GPU: the reference PyTorch server with the oomscope
+# wheel. Sourced by tests/device/run.sh ($BIN, $URL, $OUT, record, latest_json).
+# Build here first (the GPU machine has no Rust), then carry `.device`:
+#   scripts/setup-python && mkdir -p .device && cp .whl/oomscope-*.whl .device/
+#   cargo build --release -p oomscope && cp target/release/oomscope .device/
+PYWHEEL=$(ls .device/oomscope-*.whl 2>/dev/null | head -1)
+if [ -z "$PYWHEEL" ]; then
+    record "py: wheel" FAIL "no .device/oomscope-*.whl (see the top of $BASH_SOURCE)"
+else
+    rm -rf /tmp/oomscope-py
+    if pip install -q --no-index --no-deps --target /tmp/oomscope-py "$PYWHEEL" >"$OUT/py-install.log" 2>&1; then
+        record "py: wheel" PASS "$(basename "$PYWHEEL") into $(python3 --version 2>&1)"
+        mkdir -p "$OUT/python"
+        PYTHONPATH=/tmp/oomscope-py${PYTHONPATH:+:$PYTHONPATH} timeout 540 python3 runtimes/pytorch-server/device_checks.py \
+            --bin "$BIN" --collector "$URL" --out "$OUT/python" > "$OUT/python/checks.jsonl" 2>"$OUT/python/checks.err"
+        while IFS= read -r line; do
+            name=$(echo "$line" | python3 -c 'import json,sys; print(json.load(sys.stdin)["check"])' 2>/dev/null) || continue
+            res=$(echo "$line" | python3 -c 'import json,sys; print("PASS" if json.load(sys.stdin)["pass"] else "FAIL")')
+            detail=$(echo "$line" | python3 -c 'import json,sys; print(json.load(sys.stdin)["detail"])')
+            record "$name" "$res" "$detail"
+        done < "$OUT/python/checks.jsonl"
+        [ -s "$OUT/python/checks.jsonl" ] || record "py: device checks" FAIL "no output: $(tail -c 300 "$OUT/python/checks.err")"
+    else
+        record "py: wheel" FAIL "pip install failed: $(tail -c 300 "$OUT/py-install.log")"
+    fi
+fi

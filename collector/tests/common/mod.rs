@@ -265,10 +265,14 @@ fn delegate_v2(own: &std::path::Path) {
     }
     let leaf = own.join("oomscope-init");
     let _ = std::fs::create_dir(&leaf);
-    for pid in std::fs::read_to_string(own.join("cgroup.procs")).unwrap_or_default().lines() {
+    for pid in std::fs::read_to_string(own.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+    {
         let _ = std::fs::write(leaf.join("cgroup.procs"), pid);
     }
-    std::fs::write(own.join("cgroup.subtree_control"), "+memory").expect("enable the memory controller for test cgroups");
+    std::fs::write(own.join("cgroup.subtree_control"), "+memory")
+        .expect("enable the memory controller for test cgroups");
 }
 
 impl Drop for TestCgroup {

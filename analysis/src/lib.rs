@@ -13,6 +13,7 @@ pub use oomscope_proto::v1 as pb;
 
 mod capacity;
 mod causes;
+mod census;
 mod counters;
 mod diagnose;
 mod domain;

@@ -5,6 +5,7 @@
 //! bytes of readings taken during them (`decode`); the between-request
 //! readings of a server that frees its KV cache after each request stay flat.
 
+use crate::census::{self, HeapVerdict};
 use crate::findings::Findings;
 use crate::growth;
 use crate::stats;
@@ -61,6 +62,9 @@ pub fn decide(f: &Findings) -> Option<(Trigger, String)> {
             bytes_short(t.bytes_per_request() as u64),
             t.span
         );
+        return Some((Trigger::RepeatedRequests, line));
+    }
+    if let Some(line) = heap_growth(f) {
         return Some((Trigger::RepeatedRequests, line));
     }
     let unknown = || {
@@ -192,4 +196,23 @@ fn size(f: &Findings) -> Option<String> {
             if at > 0 { format!("{at} tokens") } else { "a longer context".to_string() }
         )
     })
+}
+
+/// Without a device allocator, the heap census is the live baseline: growth
+/// of a retained type across censuses (collected later or not) is growth
+/// across repeated requests.
+fn heap_growth(f: &Findings) -> Option<String> {
+    if f.timeline.device().next().is_some() {
+        return None;
+    }
+    let g = match census::verdict(f)? {
+        HeapVerdict::Growing(g) => g,
+        HeapVerdict::Retained(r) => r.growth,
+    };
+    Some(format!(
+        "between requests the Python heap's {} grew {} per request over {} requests",
+        g.top.name,
+        bytes_short(g.top.bytes_per_request().max(0.0) as u64),
+        g.requests()
+    ))
 }

@@ -1,8 +1,14 @@
 //! Garbage awaiting the cycle collector: live bytes climb between requests and
 //! fall back when a collection runs. Not a leak: the objects are unreachable,
 //! only not yet collected (reference cycles wait for a full collection).
+//!
+//! Without a device allocator the heap census shows it: a retained type
+//! grows between censuses, and the first census after a full collection
+//! finds it gone.
 
 use super::cause;
+use super::leak::{heap_growth_line, significance_line};
+use crate::census::{self, HeapReclaim, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::growth;
@@ -56,6 +62,42 @@ pub fn reclaim(f: &Findings) -> Option<Reclaim> {
 }
 
 pub fn gc_retained(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
+    if f.timeline.device().next().is_some() {
+        return device_gc_retained(f);
+    }
+    match census::verdict(f)? {
+        HeapVerdict::Retained(r) => Some(heap_gc_retained(&r)),
+        HeapVerdict::Growing(_) => None,
+    }
+}
+
+/// From the heap censuses around a full collection.
+fn heap_gc_retained(r: &HeapReclaim) -> pb::Cause {
+    let g = &r.growth;
+    let mut evidence = vec![heap_growth_line(g), significance_line(g), g.objects_line()];
+    evidence.extend(g.chain_line());
+    evidence.push(format!(
+        "a full garbage collection (generation 2, {} objects collected) then dropped {} from {} to {} at the next census: the growth was unreachable objects (reference cycles) awaiting the collector",
+        r.collected,
+        g.top.name,
+        bytes_short(r.before_bytes),
+        bytes_short(r.after_bytes)
+    ));
+    evidence.push(
+        "not a leak: break the cycles, or collect between requests, so the garbage does not pile up to the limit"
+            .to_string(),
+    );
+    let metrics = [
+        ("bytes_per_request", g.top.bytes_per_request().round()),
+        ("reclaimed_bytes", r.freed().max(0.0)),
+        ("growth_bytes", r.gained()),
+        ("collected_objects", r.collected as f64),
+    ];
+    cause("gc_retained", 0.85, evidence, &metrics)
+}
+
+/// From the device allocator's live bytes around the first collection.
+fn device_gc_retained(f: &Findings) -> Option<pb::Cause> {
     let r = reclaim(f).filter(Reclaim::gave_back_growth)?;
     let evidence = vec![
         format!(

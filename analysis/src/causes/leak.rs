@@ -1,7 +1,13 @@
 //! A leak: the between-requests baseline of live bytes rises with completed
 //! requests, persistently, and no collection gives it back.
+//!
+//! Live bytes are the device allocator's where there is one. A process
+//! without one (a CPU server) has only its heap census: there the census's
+//! retained type is the live bytes, and the host readings prove the trend.
 
+use super::host_growth::host_limit;
 use super::{cause, gc_retained};
+use crate::census::{self, HeapGrowth, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::growth::{self, Trend};
@@ -11,6 +17,17 @@ use crate::trigger::{MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES};
 use crate::units::bytes_short;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
+    if f.timeline.device().next().is_some() {
+        return device_leak(f);
+    }
+    match census::verdict(f)? {
+        HeapVerdict::Growing(g) => Some(heap_leak(f, &g)),
+        HeapVerdict::Retained(_) => None,
+    }
+}
+
+/// Live tensors on the device, between requests.
+fn device_leak(f: &Findings) -> Option<pb::Cause> {
     let t = growth::live_baseline(&f.timeline)
         .filter(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES))?;
     // Growth that a collection gave back is gc_retained, not a leak.
@@ -51,6 +68,86 @@ pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     );
     let confidence = if t.p_value < 1e-6 { 0.9 } else { 0.75 };
     Some(cause("leak", confidence, evidence, &metrics))
+}
+
+/// Live Python objects on the host, from the heap censuses.
+fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
+    let per_request = g.top.bytes_per_request();
+    let mut evidence = vec![heap_growth_line(g), significance_line(g), g.objects_line()];
+    evidence.extend(g.chain_line());
+    let mut metrics = vec![
+        ("bytes_per_request", per_request.round()),
+        ("p_value", g.significance.p_value),
+        ("requests_seen", g.requests()),
+        ("retained_type_bytes_per_request", per_request.round()),
+        ("retained_objects_per_request", g.top.objects_per_request()),
+    ];
+    if let Some((limit, name, used)) = host_limit(f)
+        .zip(last_host_usage(f))
+        .map(|((l, n), u)| (l, n, u))
+    {
+        let left = limit.saturating_sub(used) as f64 / per_request;
+        evidence.push(format!(
+            "at this rate {name} ({}) is reached in about {} more requests",
+            bytes_short(limit),
+            left.floor()
+        ));
+        metrics.push(("requests_to_limit", left.floor()));
+        metrics.push(("limit_bytes", limit as f64));
+    }
+    evidence.push(
+        "no device allocator here: these are live Python objects on the host that no collection freed; drop the references after each request (the chain shows who holds them)"
+            .to_string(),
+    );
+    let confidence = if g.significance.p_value < 1e-6 {
+        0.9
+    } else {
+        0.75
+    };
+    cause("leak", confidence, evidence, &metrics)
+}
+
+/// The process's latest host reading: RSS, else its cgroup's usage.
+fn last_host_usage(f: &Findings) -> Option<u64> {
+    let pts = &f.timeline.points;
+    pts.iter()
+        .rev()
+        .find_map(|p| p.rss)
+        .or_else(|| pts.iter().rev().find_map(|p| p.cgroup_usage))
+}
+
+/// "between requests the Python heap's torch.Tensor[cpu] rose from ..."
+pub(crate) fn heap_growth_line(g: &HeapGrowth) -> String {
+    let t = &g.top.bytes;
+    format!(
+        "between requests the Python heap's {} rose from {} to {} over {} requests: {} per request (Theil–Sen over {} heap censuses, requests {} to {}; still rising in the later half)",
+        g.top.name,
+        bytes_short(t.first_bytes.max(0.0) as u64),
+        bytes_short(t.last_bytes.max(0.0) as u64),
+        t.span,
+        bytes_short(g.top.bytes_per_request().max(0.0).round() as u64),
+        g.censuses(),
+        g.first.requests_done,
+        g.last.requests_done,
+    )
+}
+
+/// Why the census growth is not chance.
+pub(crate) fn significance_line(g: &HeapGrowth) -> String {
+    let s = &g.significance;
+    match s.host_bytes_per_request {
+        Some(host) => format!(
+            "{} between requests rose with it over the same requests: {} per request (Mann–Kendall p = {:.1e} over {} readings)",
+            s.what,
+            bytes_short(host.max(0.0).round() as u64),
+            s.p_value,
+            s.readings
+        ),
+        None => format!(
+            "the rise is significant across {} censuses (Mann–Kendall p = {:.1e})",
+            s.readings, s.p_value
+        ),
+    }
 }
 
 pub(crate) fn growth_line(what: &str, t: &Trend) -> String {

@@ -1,0 +1,418 @@
+//! The Python heap census as a series: each HeapCensus placed at the number
+//! of requests completed when it ran, and each type's bytes fitted against it.
+//!
+//! On a process without a device allocator (a CPU server) the census is the
+//! only count of live bytes there is: what a leak grows and what a collection
+//! gives back. Its bytes are exact (tensor storage nbytes, each storage counted
+//! once), not rounded up to allocator blocks, so a smaller window shows growth
+//! than on a device. But a census is expensive, so there are only a handful;
+//! they cannot reach significance on their own. A verdict therefore also needs
+//! the host's between-request readings (one per request) to rise significantly
+//! over the same requests: the census names and sizes the growth, the host
+//! readings prove it is not chance.
+
+use std::collections::BTreeSet;
+
+use crate::findings::Findings;
+use crate::growth::{self, Trend, MIN_SIGNAL_TO_NOISE, MIN_TREND_POINTS, PERSISTENCE};
+use crate::pb;
+use crate::pb::event::Kind;
+use crate::stats;
+use crate::timeline::{Point, Timeline};
+use crate::trigger::MIN_LEAK_BYTES_PER_REQUEST;
+
+/// The phase of the sample an agent sends just before each census: its
+/// `requests_done` is the census's place in the request count.
+pub const CENSUS_PHASE: &str = "census";
+
+/// Fewer censuses than this cannot show that growth persists (the later half
+/// needs two of them).
+pub const MIN_CENSUSES: usize = 3;
+
+/// A type's growth worth a verdict: the same per-request floor as a device
+/// leak...
+pub const MIN_CENSUS_BYTES_PER_REQUEST: f64 = MIN_LEAK_BYTES_PER_REQUEST;
+
+/// ...and at least this much between the first and last census. Smaller than
+/// the device's window floor because census bytes are exact: there is no
+/// block rounding or cache to hide inside, only real objects.
+pub const MIN_CENSUS_GROWTH_BYTES: f64 = (4u64 << 20) as f64;
+
+/// Kendall's tau of a type's bytes across censuses: most pairs of censuses
+/// must agree that it rose (one census that caught a request's temporaries
+/// may flip a pair or two).
+pub const MIN_CENSUS_TAU: f64 = 0.6;
+
+/// A type named as retained alongside the largest grower gains at least this
+/// many objects per request (one response object per request is 1.0).
+pub const MIN_OBJECTS_PER_REQUEST: f64 = 0.5;
+
+/// At most this many other retained types are named in the evidence.
+pub const MAX_OTHER_TYPES: usize = 3;
+
+/// The generation of a full collection: the only one that collects old
+/// reference cycles, so the only one whose effect on the census is telling.
+pub const FULL_COLLECTION: i32 = 2;
+
+/// One census and the requests completed when it ran.
+#[derive(Clone, Copy, Debug)]
+pub struct CensusPoint<'a> {
+    pub time_ns: i64,
+    pub requests_done: u64,
+    pub census: &'a pb::HeapCensus,
+}
+
+impl CensusPoint<'_> {
+    pub fn get(&self, type_name: &str) -> Option<&pb::TypeCount> {
+        self.census.types.iter().find(|t| t.type_name == type_name)
+    }
+}
+
+/// Every census in time order, each at the requests done by its census-phase
+/// sample (sent just before it), else by the latest reading before it.
+pub fn points<'a>(events: &'a [pb::Event], tl: &Timeline) -> Vec<CensusPoint<'a>> {
+    let mut censuses: Vec<(i64, &pb::HeapCensus)> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::HeapCensus(h)) => Some((e.time_ns, h)),
+            _ => None,
+        })
+        .collect();
+    censuses.sort_by_key(|(t, _)| *t);
+    let mut since = i64::MIN;
+    censuses
+        .into_iter()
+        .map(|(t, census)| {
+            let marked = tl
+                .points
+                .iter()
+                .rev()
+                .find(|p| p.time_ns > since && p.time_ns <= t && p.phase == CENSUS_PHASE);
+            let requests_done = marked.map(|p| p.requests_done).unwrap_or_else(|| {
+                tl.points
+                    .iter()
+                    .filter(|p| p.time_ns <= t)
+                    .map(|p| p.requests_done)
+                    .max()
+                    .unwrap_or(0)
+            });
+            since = t;
+            CensusPoint {
+                time_ns: t,
+                requests_done,
+                census,
+            }
+        })
+        .collect()
+}
+
+/// One type's bytes (and objects) fitted against completed requests, over
+/// the censuses that list it (the first census of a process lists only the
+/// largest types, so an unlisted type is unknown there, not absent).
+#[derive(Clone, Debug)]
+pub struct TypeGrowth {
+    pub name: String,
+    pub bytes: Trend,
+    pub objects: Option<Trend>,
+    pub censuses: usize,
+    /// Kendall's tau of the bytes.
+    pub tau: f64,
+    /// Kendall's tau of the object count.
+    pub objects_tau: f64,
+}
+
+impl TypeGrowth {
+    pub fn bytes_per_request(&self) -> f64 {
+        self.bytes.line.slope
+    }
+
+    pub fn objects_per_request(&self) -> f64 {
+        self.objects.map_or(0.0, |o| o.line.slope)
+    }
+
+    /// Bytes that grow persistently, by at least the minimum effect.
+    pub fn persists(&self) -> bool {
+        let t = &self.bytes;
+        let growth = t.line.slope * t.span;
+        self.censuses >= MIN_CENSUSES
+            && self.tau >= MIN_CENSUS_TAU
+            && t.line.slope >= MIN_CENSUS_BYTES_PER_REQUEST
+            && growth >= MIN_CENSUS_GROWTH_BYTES
+            && growth >= MIN_SIGNAL_TO_NOISE * t.residual_sigma
+            && t.later_slope >= PERSISTENCE * t.line.slope
+    }
+
+    /// Objects that pile up persistently, at least [`MIN_OBJECTS_PER_REQUEST`].
+    pub fn objects_persist(&self) -> bool {
+        self.objects.is_some_and(|o| {
+            self.censuses >= MIN_CENSUSES
+                && self.objects_tau >= MIN_CENSUS_TAU
+                && o.line.slope >= MIN_OBJECTS_PER_REQUEST
+                && o.later_slope >= PERSISTENCE * o.line.slope
+        })
+    }
+}
+
+/// Every type listed in at least [`MIN_CENSUSES`] censuses, largest bytes
+/// per request first.
+pub fn type_growths(pts: &[CensusPoint]) -> Vec<TypeGrowth> {
+    let names: BTreeSet<&str> = pts
+        .iter()
+        .flat_map(|p| p.census.types.iter().map(|t| t.type_name.as_str()))
+        .collect();
+    let mut out: Vec<TypeGrowth> = names
+        .into_iter()
+        .filter_map(|name| {
+            let listed: Vec<(f64, &pb::TypeCount)> = pts
+                .iter()
+                .filter_map(|p| p.get(name).map(|t| (p.requests_done as f64, t)))
+                .collect();
+            if listed.len() < MIN_CENSUSES {
+                return None;
+            }
+            let bytes: Vec<(f64, f64)> = listed.iter().map(|(x, t)| (*x, t.bytes as f64)).collect();
+            let count: Vec<(f64, f64)> = listed.iter().map(|(x, t)| (*x, t.count as f64)).collect();
+            let tau = |s: &[(f64, f64)]| stats::mann_kendall(s).map_or(0.0, |m| m.tau);
+            Some(TypeGrowth {
+                name: name.to_string(),
+                bytes: growth::trend(&bytes)?,
+                objects: growth::trend(&count),
+                censuses: listed.len(),
+                tau: tau(&bytes),
+                objects_tau: tau(&count),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        b.bytes_per_request()
+            .total_cmp(&a.bytes_per_request())
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    out
+}
+
+/// What says the census growth is not chance.
+#[derive(Clone, Copy, Debug)]
+pub struct Significance {
+    /// "host RSS" | "cgroup usage" | "the heap censuses"
+    pub what: &'static str,
+    pub p_value: f64,
+    pub readings: usize,
+    /// The host's own growth per request, when the host readings carried it.
+    pub host_bytes_per_request: Option<f64>,
+}
+
+/// Persistent, significant growth of the Python heap between two censuses.
+#[derive(Clone, Debug)]
+pub struct HeapGrowth<'a> {
+    /// The type whose bytes grew most.
+    pub top: TypeGrowth,
+    /// Other types whose objects pile up (response objects, their dicts).
+    pub others: Vec<TypeGrowth>,
+    pub significance: Significance,
+    pub first: CensusPoint<'a>,
+    pub last: CensusPoint<'a>,
+    /// The agent's referrer chain for its top grower, outermost first.
+    pub chain: &'a [String],
+}
+
+impl HeapGrowth<'_> {
+    pub fn requests(&self) -> f64 {
+        self.top.bytes.span
+    }
+
+    pub fn censuses(&self) -> usize {
+        self.top.censuses
+    }
+
+    /// "torch.Tensor[cpu] +1.0 objects per request; also retained: __main__.Completion +1.0 per request"
+    pub fn objects_line(&self) -> String {
+        let mut line = format!(
+            "{} +{:.1} objects per request",
+            self.top.name,
+            self.top.objects_per_request().max(0.0)
+        );
+        if !self.others.is_empty() {
+            let others: Vec<String> = self
+                .others
+                .iter()
+                .map(|o| format!("{} +{:.1}", o.name, o.objects_per_request()))
+                .collect();
+            line.push_str(&format!(
+                "; also retained per request: {}",
+                others.join(", ")
+            ));
+        }
+        line
+    }
+
+    /// "held by a -> b -> c", when the agent found a chain.
+    pub fn chain_line(&self) -> Option<String> {
+        (!self.chain.is_empty()).then(|| format!("held by {}", self.chain.join(" -> ")))
+    }
+}
+
+/// Heap growth over these censuses: the type with the largest persistent
+/// byte growth, made significant by the host readings over the same requests
+/// (or by the censuses themselves when there are enough of them).
+pub fn growth_over<'a>(pts: &[CensusPoint<'a>], tl: &Timeline) -> Option<HeapGrowth<'a>> {
+    let (first, last) = (*pts.first()?, *pts.last()?);
+    let growths = type_growths(pts);
+    let top = growths.iter().find(|g| g.persists())?.clone();
+    let from_censuses = Significance {
+        what: "the heap censuses",
+        p_value: top.bytes.p_value,
+        readings: top.bytes.points,
+        host_bytes_per_request: None,
+    };
+    let censuses_suffice =
+        top.bytes.points >= MIN_TREND_POINTS && top.bytes.p_value < growth::TREND_P_VALUE;
+    let significance =
+        host_significance(tl, &first, &last).or(censuses_suffice.then_some(from_censuses))?;
+    let others = growths
+        .iter()
+        .filter(|g| g.name != top.name && g.objects_persist())
+        .take(MAX_OTHER_TYPES)
+        .cloned()
+        .collect();
+    let chain = pts
+        .iter()
+        .rev()
+        .map(|p| p.census.referrer_chain.as_slice())
+        .find(|c| !c.is_empty())
+        .unwrap_or(&[]);
+    Some(HeapGrowth {
+        top,
+        others,
+        significance,
+        first,
+        last,
+        chain,
+    })
+}
+
+/// The host's between-request readings from the first census's request count
+/// to the last census: RSS, else the cgroup's usage. Significant when they
+/// rise by Mann–Kendall at the leak's level over enough readings.
+fn host_significance(
+    tl: &Timeline,
+    first: &CensusPoint,
+    last: &CensusPoint,
+) -> Option<Significance> {
+    let series = |v: fn(&Point) -> Option<u64>| -> Vec<(f64, f64)> {
+        tl.points
+            .iter()
+            .filter(|p| {
+                p.is_baseline()
+                    && p.time_ns <= last.time_ns
+                    && (first.requests_done..=last.requests_done).contains(&p.requests_done)
+            })
+            .filter_map(|p| v(p).map(|b| (p.requests_done as f64, b as f64)))
+            .collect()
+    };
+    [
+        ("host RSS", series(|p| p.rss)),
+        ("cgroup usage", series(|p| p.cgroup_usage)),
+    ]
+    .into_iter()
+    .find_map(|(what, s)| {
+        let t = growth::trend(&s)?;
+        (t.points >= MIN_TREND_POINTS && t.p_value < growth::TREND_P_VALUE && t.line.slope > 0.0)
+            .then_some(Significance {
+                what,
+                p_value: t.p_value,
+                readings: t.points,
+                host_bytes_per_request: Some(t.line.slope),
+            })
+    })
+}
+
+/// Growth that a full collection gave back: not a leak.
+#[derive(Clone, Debug)]
+pub struct HeapReclaim<'a> {
+    /// The growth over the censuses before the collection.
+    pub growth: HeapGrowth<'a>,
+    pub collected: u64,
+    /// The top type's bytes at the last census before the collection...
+    pub before_bytes: u64,
+    /// ...and at the first census after it.
+    pub after_bytes: u64,
+}
+
+impl HeapReclaim<'_> {
+    /// What the top type had gained over the censuses before the collection.
+    pub fn gained(&self) -> f64 {
+        self.growth.top.bytes.last_bytes - self.growth.top.bytes.first_bytes
+    }
+
+    pub fn freed(&self) -> f64 {
+        self.before_bytes as f64 - self.after_bytes as f64
+    }
+}
+
+/// The first full collection that took back at least
+/// `share` of the heap growth before it, as the next census shows. A
+/// collection with no census after it yet says nothing either way.
+pub fn reclaim<'a>(
+    pts: &[CensusPoint<'a>],
+    tl: &Timeline,
+    events: &[pb::Event],
+    share: f64,
+) -> Option<HeapReclaim<'a>> {
+    full_collections(events).find_map(|(at, gc)| {
+        let before: Vec<CensusPoint> = pts.iter().copied().filter(|p| p.time_ns < at).collect();
+        let after = pts.iter().find(|p| p.time_ns > at)?;
+        let growth = growth_over(&before, tl)?;
+        let name = growth.top.name.as_str();
+        let before_bytes = before.iter().rev().find_map(|p| p.get(name))?.bytes;
+        // A census lists every type that grew since the last one, every tensor
+        // type and the largest: a grown type missing after the collection
+        // shrank out of those lists.
+        let after_bytes = after.get(name).map_or(0, |t| t.bytes);
+        let r = HeapReclaim {
+            growth,
+            collected: gc.collected,
+            before_bytes,
+            after_bytes,
+        };
+        (r.gained() > 0.0 && r.freed() >= share * r.gained()).then_some(r)
+    })
+}
+
+/// Full collections that collected something, in time order.
+fn full_collections(events: &[pb::Event]) -> impl Iterator<Item = (i64, &pb::GcCollection)> {
+    let mut out: Vec<(i64, &pb::GcCollection)> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Gc(g)) if g.generation >= FULL_COLLECTION && g.collected > 0 => {
+                Some((e.time_ns, g))
+            }
+            _ => None,
+        })
+        .collect();
+    out.sort_by_key(|(t, _)| *t);
+    out.into_iter()
+}
+
+/// The heap's verdicts for one timeline: growth that a collection gave back
+/// (gc_retained), else growth that stays (a leak on the host).
+pub enum HeapVerdict<'a> {
+    Retained(HeapReclaim<'a>),
+    Growing(HeapGrowth<'a>),
+}
+
+pub fn verdict<'a>(f: &Findings<'a>) -> Option<HeapVerdict<'a>> {
+    let pts = points(&f.evidence.events, &f.timeline);
+    if pts.len() < MIN_CENSUSES {
+        return None;
+    }
+    if let Some(r) = reclaim(
+        &pts,
+        &f.timeline,
+        &f.evidence.events,
+        crate::causes::RECLAIMED_SHARE,
+    ) {
+        return Some(HeapVerdict::Retained(r));
+    }
+    growth_over(&pts, &f.timeline).map(HeapVerdict::Growing)
+}

@@ -15,9 +15,21 @@ KV cache per sequence. Switches reproduce the incidents of the design:
   --memory-cap BYTES torch.cuda.set_per_process_memory_fraction, so a GPU OOM
                      comes early and safely
 
+A well-run front door (serving.py), each part with a switch to turn it off
+so that `oomscope probe` can show it catches a server without it:
+
+  --max-active/--max-queue/--max-total-tokens  admission caps: 429 beyond them
+  (off: --no-admission-caps);  readiness: 503 until loaded (off:
+  --no-readiness-gate);  gradual restore over --restore-seconds after
+  readiness (off: --no-gradual-restore);  Idempotency-Key replay from a file
+  that survives restarts (off: --no-idempotency).
+
 HTTP: POST /generate {"id", "prompt_tokens", "max_tokens"} ->
 {"id", "output_tokens", "latency_ms"} (507 on out-of-memory, 400 on a bad
-request); GET /health; GET /admin/stats; POST /admin/gc; POST /admin/census.
+request); OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
+"prompt", "max_tokens"} (one word of the prompt is one token; 500 with the
+error text on out-of-memory); GET /health (200 once ready, else 503);
+GET /admin/stats; POST /admin/gc; POST /admin/census.
 
     python server.py --port 8000 [--collector http://127.0.0.1:7433] [--no-agent]
 """
@@ -28,7 +40,9 @@ import gc
 import json
 import os
 import random
+import signal
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import TinyDecoder, cache_bytes  # noqa: E402
+from serving import Admission, IdempotencyStore, Refusal  # noqa: E402
 
 try:
     import oomscope
@@ -164,27 +179,45 @@ class Engine:
         seq.done.set()
 
 
-def make_handler(engine, args):
+def make_handler(state, args):
+    """`state` holds the engine once the model is loaded (None before), the
+    admission counters, the idempotency store and the served model name."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, *a):
             pass
 
-        def _reply(self, code, body):
+        def _reply(self, code, body, headers=()):
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for k, v in headers:
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
 
+        def _refuse(self, r, openai=False):
+            body = {"error": {"message": r.message, "type": "overloaded" if r.status == 429 else "unavailable",
+                              "code": r.status}} if openai else {"error": r.message}
+            self._reply(r.status, body, [("Retry-After", str(r.retry_after))])
+
         def do_GET(self):
+            engine = state["engine"]
             if self.path == "/health":
-                self._reply(200, {"ok": True, "device": str(engine.device)})
+                if state["admission"].ready():
+                    self._reply(200, {"ok": True, "device": str(engine.device)})
+                else:
+                    self._reply(503, {"ok": False, "loading": True}, [("Retry-After", "1")])
+            elif self.path in ("/v1/models", "/v1/models/"):
+                self._reply(200, {"object": "list", "data": [
+                    {"id": state["model_name"], "object": "model", "owned_by": "oomscope-reference"}]})
             elif self.path == "/admin/stats":
+                adm = state["admission"]
                 self._reply(200, {"agent": oomscope.stats() if oomscope else None,
-                                  "response_log": len(RESPONSE_LOG), "host_copies": len(HOST_COPIES)})
+                                  "response_log": len(RESPONSE_LOG), "host_copies": len(HOST_COPIES),
+                                  "in_flight": adm.in_flight, "in_flight_cap": adm.cap_now(), "ready": adm.ready()})
             else:
                 self._reply(404, {"error": "no such path"})
 
@@ -196,6 +229,8 @@ def make_handler(engine, args):
                 return self._reply(400, {"error": "bad JSON: %s" % e})
             if self.path == "/generate":
                 return self._generate(body)
+            if self.path in ("/v1/completions", "/v1/completions/"):
+                return self._completions(body)
             if self.path == "/admin/gc":
                 collected = gc.collect()
                 census = oomscope.census() if oomscope and oomscope.is_running() else None
@@ -204,6 +239,86 @@ def make_handler(engine, args):
                 census = oomscope.census() if oomscope and oomscope.is_running() else None
                 return self._reply(200, {"census": census})
             self._reply(404, {"error": "no such path"})
+
+        def _admit(self, tokens, openai):
+            """The front door: readiness, then admission. Returns the engine, or None after refusing."""
+            adm = state["admission"]
+            if args.readiness_gate and not adm.ready():
+                self._refuse(Refusal(503, 1, "not ready: the model is still loading"), openai)
+                return None
+            try:
+                adm.enter(tokens)
+            except Refusal as r:
+                self._refuse(r, openai)
+                return None
+            return True
+
+        def _run(self, rid, prompt, max_tokens):
+            """Generates; returns (output tokens, None) or (None, exception)."""
+            engine = state["engine"]
+            if engine is None:
+                # No readiness gate: the request got in before the model exists.
+                return None, RuntimeError("model not loaded yet")
+            seq = Sequence(rid, prompt, max_tokens)
+            try:
+                with _request(rid, len(prompt), max_tokens) as r:
+                    engine.submit(seq)
+                    seq.done.wait()
+                    if seq.error is not None:
+                        raise seq.error
+                    if r is not None:
+                        r.output_tokens = len(seq.out)
+            except Exception as e:  # noqa: BLE001
+                return None, e
+            return list(seq.out), None
+
+        def _completions(self, body):
+            model = body.get("model")
+            if model not in (None, "", state["model_name"]):
+                return self._reply(404, {"error": {"message": "model %r not found; this server serves %r" % (
+                    model, state["model_name"]), "type": "not_found", "code": 404}})
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt = " ".join(prompt)
+            try:
+                max_tokens = int(body.get("max_tokens") or 16)
+            except (TypeError, ValueError):
+                return self._reply(400, {"error": {"message": "max_tokens must be an integer", "type": "invalid_request_error"}})
+            vocab = state["vocab"]
+            ids = ([int(t) % vocab for t in prompt] if isinstance(prompt, list)
+                   else [hash(w) % vocab for w in str(prompt).split()]) or [0]
+            if max_tokens < 1:
+                return self._reply(400, {"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error"}})
+            if args.max_context and len(ids) + max_tokens > args.max_context:
+                return self._reply(400, {"error": {"message": "context %d > --max-context %d" % (
+                    len(ids) + max_tokens, args.max_context), "type": "context_length_exceeded"}})
+            key = self.headers.get("Idempotency-Key") if args.idempotency else None
+            tokens = len(ids) + max_tokens
+            if key:
+                stored, ev = state["idempotency"].begin(key)
+                if stored is not None:
+                    return self._reply(200, stored, [("X-Idempotent-Replay", "true")])
+            response = None
+            try:
+                if self._admit(tokens, openai=True) is None:
+                    return
+                try:
+                    out, err = self._run("cmpl-%x" % time.monotonic_ns(), ids, max_tokens)
+                finally:
+                    state["admission"].leave(tokens)
+                if err is not None:
+                    oom = "out of memory" in str(err) or isinstance(err, MemoryError)
+                    return self._reply(500, {"error": {"message": "%s: %s" % (type(err).__name__, err),
+                                                       "type": "OutOfMemoryError" if oom else "server_error", "code": 500}})
+                response = {"id": "cmpl-%s" % os.urandom(8).hex(), "object": "text_completion", "created": int(time.time()),
+                            "model": state["model_name"],
+                            "choices": [{"index": 0, "text": " ".join("t%d" % t for t in out), "finish_reason": "length",
+                                         "logprobs": None}],
+                            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}
+                self._reply(200, response)
+            finally:
+                if key:
+                    state["idempotency"].finish(key, response)
 
         def _generate(self, body):
             try:
@@ -218,21 +333,19 @@ def make_handler(engine, args):
                 return self._reply(400, {"error": "context %d > --max-context %d" % (
                     prompt_tokens + max_tokens, args.max_context)})
             rng = random.Random(rid)
-            prompt = [rng.randrange(engine.model.vocab) for _ in range(prompt_tokens)]
-            seq = Sequence(rid, prompt, max_tokens)
+            prompt = [rng.randrange(state["vocab"]) for _ in range(prompt_tokens)]
             t0 = time.perf_counter()
+            tokens = prompt_tokens + max_tokens
+            if self._admit(tokens, openai=False) is None:
+                return
             try:
-                with _request(rid, prompt_tokens, max_tokens) as r:
-                    engine.submit(seq)
-                    seq.done.wait()
-                    if seq.error is not None:
-                        raise seq.error
-                    if r is not None:
-                        r.output_tokens = len(seq.out)
-            except Exception as e:  # noqa: BLE001
+                out, e = self._run(rid, prompt, max_tokens)
+            finally:
+                state["admission"].leave(tokens)
+            if e is not None:
                 oom = "out of memory" in str(e) or isinstance(e, MemoryError)
                 return self._reply(507 if oom else 500, {"id": rid, "error": "%s: %s" % (type(e).__name__, e)})
-            self._reply(200, {"id": rid, "output_tokens": len(seq.out),
+            self._reply(200, {"id": rid, "output_tokens": len(out),
                               "latency_ms": (time.perf_counter() - t0) * 1e3})
 
     return Handler
@@ -271,6 +384,21 @@ def parse_args(argv=None):
     p.add_argument("--max-active", type=int, default=0)
     p.add_argument("--max-context", type=int, default=0)
     p.add_argument("--memory-cap", type=int, default=0, help="bytes; needs CUDA")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond --max-active; more get 429 (a bounded queue)")
+    p.add_argument("--max-total-tokens", type=int, default=0, help="tokens in flight (prompt + max_tokens); 0 = no cap")
+    p.add_argument("--no-admission-caps", dest="admission_caps", action="store_false",
+                   help="admit everything: no --max-active, queue or token cap")
+    p.add_argument("--no-readiness-gate", dest="readiness_gate", action="store_false",
+                   help="accept requests before the model is loaded")
+    p.add_argument("--no-gradual-restore", dest="gradual_restore", action="store_false",
+                   help="admit at the full cap as soon as ready")
+    p.add_argument("--restore-seconds", type=float, default=5.0, help="the admission ramp after readiness")
+    p.add_argument("--no-idempotency", dest="idempotency", action="store_false", help="ignore Idempotency-Key")
+    p.add_argument("--idempotency-store", default=None,
+                   help="JSON-lines file of completed responses by key (default: one per port in the temp dir)")
+    p.add_argument("--load-seconds", type=float, default=0.0, help="extra time the model load takes (a big model's)")
+    p.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
     p.add_argument("--no-agent", action="store_true", help="do not start oomscope (for overhead runs)")
     p.add_argument("--collector", default=None, help="else OOMSCOPE_COLLECTOR")
     p.add_argument("--name", default=None, help="agent name, else OOMSCOPE_NAME or pytorch-server")
@@ -295,25 +423,43 @@ def main(argv=None):
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap / total), device)
     name = "tiny-decoder-d%d-l%d" % (args.d_model, args.layers)
+    in_flight = (args.max_active + args.max_queue) if args.max_active else args.max_queue
+    store_path = args.idempotency_store or (
+        os.path.join(tempfile.gettempdir(), "oomscope-ref-idempotency-%d.jsonl" % args.port) if args.port else None)
+    state = {"engine": None, "vocab": args.vocab, "model_name": args.served_model_name or name,
+             "admission": Admission(in_flight, args.max_total_tokens, caps=args.admission_caps,
+                                    gradual=args.gradual_restore, restore_s=args.restore_seconds),
+             "idempotency": IdempotencyStore(store_path if args.idempotency else None)}
+    if not args.admission_caps:
+        args.max_active = 0
+    # Listen first, load second: while loading, /health says 503 and (with the
+    # readiness gate) so does every request.
+    # A listen backlog above a burst: refusing is the admission layer's job
+    # (429/503 with Retry-After), not the kernel's (a reset connection).
+    ThreadingHTTPServer.request_queue_size = 1024
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(state, args))
+    server.daemon_threads = True
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     load = (oomscope.phase("load", model=name, revision="random-init", dtype=str(dtype).replace("torch.", ""))
             if oomscope else _NoAgent())
     with load:
         torch.manual_seed(0)
         model = TinyDecoder(args.vocab, args.d_model, args.layers, args.heads, dtype, device).eval()
-    engine = Engine(model, args)
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(engine, args))
-    server.daemon_threads = True
-    port = server.server_address[1]
+        time.sleep(args.load_seconds)
+    state["engine"] = Engine(model, args)
+    state["admission"].set_ready()
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, args.port_file)
-    print("pytorch-server listening on 127.0.0.1:%d (%s, %s)" % (port, device, name), flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    print("pytorch-server listening on 127.0.0.1:%d (%s, %s), ready" % (port, device, name), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
 
 
 if __name__ == "__main__":

@@ -105,10 +105,71 @@ impl ProbeConfig {
     }
 }
 
+/// Labels that name a process rather than configure it.
+const IDENTITY_LABELS: [&str; 5] = [
+    "supervisor_agent",
+    "parent_pid",
+    "pid",
+    "self_pid",
+    "capture_file",
+];
+/// Flags that say where a server listens or reports, not how it serves.
+const ADDRESS_FLAGS: [&str; 7] = [
+    "port",
+    "port-file",
+    "host",
+    "listen",
+    "collector",
+    "name",
+    "bind",
+];
+
+/// A server command line as settings, one per flag, so that a retest that
+/// changes two flags is seen as two changed variables: `--max-active 4` is
+/// `server.--max-active = 4`, a bare `--no-idempotency` is `= true`, and the
+/// program with its positional arguments is `server.command`.
+pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut positional = Vec::new();
+    let mut i = 0;
+    while i < cmd.len() {
+        let a = &cmd[i];
+        if let Some(flag) = a.strip_prefix("--").filter(|f| !f.is_empty()) {
+            let name = flag.split('=').next().unwrap_or(flag);
+            if ADDRESS_FLAGS.contains(&name) {
+                // Where the server listens or reports is not a variable of the workload.
+                i += if flag.contains('=') || cmd.get(i + 1).is_none_or(|n| n.starts_with("--")) {
+                    1
+                } else {
+                    2
+                };
+                continue;
+            }
+            if let Some((k, v)) = flag.split_once('=') {
+                out.insert(format!("server.--{k}"), v.to_string());
+            } else if cmd.get(i + 1).is_some_and(|n| !n.starts_with("--")) {
+                out.insert(format!("server.--{flag}"), cmd[i + 1].clone());
+                i += 1;
+            } else {
+                out.insert(format!("server.--{flag}"), "true".into());
+            }
+        } else {
+            positional.push(a.clone());
+        }
+        i += 1;
+    }
+    if !positional.is_empty() {
+        out.insert("server.command".into(), positional.join(" "));
+    }
+    out
+}
+
 pub struct Probe {
     pub ep: Endpoint,
     pub cfg: ProbeConfig,
     pub watch: Option<Watch>,
+    /// The server this probe started (--launch), stopped when the run ends.
+    launched: Option<restart::Launched>,
 }
 
 impl Probe {
@@ -123,7 +184,12 @@ impl Probe {
             (Some(url), Some(agent)) => Some(Watch::connect(url, agent)?),
             _ => None,
         };
-        Ok(Probe { ep, cfg, watch })
+        Ok(Probe {
+            ep,
+            cfg,
+            watch,
+            launched: None,
+        })
     }
 
     fn wants(&self, s: &str) -> bool {
@@ -148,7 +214,11 @@ impl Probe {
             s.insert("model".into(), m.clone());
         }
         if let Some(h) = self.watch.as_mut().and_then(|w| w.hello()) {
-            for (k, v) in h.labels {
+            for (k, v) in h
+                .labels
+                .into_iter()
+                .filter(|(k, _)| !IDENTITY_LABELS.contains(&k.as_str()))
+            {
                 s.insert(format!("server.{k}"), v);
             }
             if let Some(a) = h.allocator_settings {
@@ -162,9 +232,7 @@ impl Probe {
                         .to_string(),
                 );
             }
-            if !h.command.is_empty() {
-                s.insert("server.command".into(), h.command.join(" "));
-            }
+            s.extend(command_settings(&h.command));
         }
         s
     }
@@ -172,9 +240,15 @@ impl Probe {
     pub fn run(mut self) -> ProbeReport {
         let started_ns = oomscope_agent_core::now_ns();
         let t = Instant::now();
-        let settings = self.settings();
         let mut suites: Vec<SuiteReport> = Vec::new();
         let mut warnings = Vec::new();
+        if let Some(cmd) = self.cfg.launch.clone() {
+            match self.launch(&cmd) {
+                Ok(l) => self.launched = Some(l),
+                Err(e) => warnings.push(format!("--launch failed: {e:#}")),
+            }
+        }
+        let settings = self.settings();
         if self.watch.is_none() {
             warnings.push("no --collector/--agent: figures are bounded by what the endpoint answered, without memory evidence".into());
         }
@@ -242,6 +316,9 @@ impl Probe {
                 e.max_concurrency_at_typical_context = f;
             }
         }
+        if let Some(l) = self.launched.take() {
+            l.stop();
+        }
         let verdict = if !smoke_ok {
             "environment"
         } else if suites.iter().any(|s| {
@@ -267,5 +344,28 @@ impl Probe {
             envelope,
             warnings,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::command_settings;
+
+    #[test]
+    fn a_command_line_becomes_one_setting_per_flag() {
+        let cmd: Vec<String> = "python server.py --port 8000 --max-active 4 --no-idempotency --restore-seconds=2 --port-file=/x"
+            .split(' ')
+            .map(str::to_string)
+            .collect();
+        let s = command_settings(&cmd);
+        assert_eq!(s["server.command"], "python server.py");
+        assert_eq!(s["server.--max-active"], "4");
+        assert_eq!(s["server.--no-idempotency"], "true");
+        assert_eq!(s["server.--restore-seconds"], "2");
+        assert_eq!(
+            s.len(),
+            4,
+            "--port and --port-file are addresses, not settings: {s:?}"
+        );
     }
 }

@@ -10,7 +10,6 @@
 //!   of a herd than it does in steady state;
 //! - idempotent request ids are not processed twice across the restart.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +36,8 @@ pub struct RestartConfig {
     pub ready_timeout: Duration,
     /// How long the load runs before the kill.
     pub load_before_kill: Duration,
+    /// The longest wait for the server to reach steady admission after a start.
+    pub warm_timeout: Duration,
 }
 
 impl Default for RestartConfig {
@@ -47,12 +48,13 @@ impl Default for RestartConfig {
             keys: 8,
             ready_timeout: Duration::from_secs(120),
             load_before_kill: Duration::from_secs(2),
+            warm_timeout: Duration::from_secs(30),
         }
     }
 }
 
 /// The launched `oomscope run` and the log of the server's output.
-struct Launched {
+pub struct Launched {
     child: Child,
     log: PathBuf,
 }
@@ -70,7 +72,7 @@ impl Launched {
     }
 
     /// SIGTERM to the supervisor (it passes it on to the server), then SIGKILL after 10 s.
-    fn stop(mut self) {
+    pub fn stop(mut self) {
         let pid = self.child.id() as i32;
         // SAFETY: signals a process this probe started.
         unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -89,7 +91,7 @@ impl Launched {
     }
 }
 
-fn ready(ep: &Endpoint, path: &str) -> bool {
+pub fn ready(ep: &Endpoint, path: &str) -> bool {
     let root = Endpoint {
         prefix: String::new(),
         ..ep.clone()
@@ -97,7 +99,7 @@ fn ready(ep: &Endpoint, path: &str) -> bool {
     matches!(request(&root, "GET", path, None, &[], Duration::from_secs(2)), Ok(r) if r.status == 200)
 }
 
-fn wait_ready(ep: &Endpoint, path: &str, timeout: Duration) -> Option<Instant> {
+pub fn wait_ready(ep: &Endpoint, path: &str, timeout: Duration) -> Option<Instant> {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         if ready(ep, path) {
@@ -109,7 +111,17 @@ fn wait_ready(ep: &Endpoint, path: &str, timeout: Duration) -> Option<Instant> {
 }
 
 impl Probe {
-    fn launch(&self, cmd: &[String]) -> anyhow::Result<Launched> {
+    /// Starts `cmd` under `oomscope run --restart` (this probe's own child)
+    /// and waits until it reports ready.
+    pub fn launch(&self, cmd: &[String]) -> anyhow::Result<Launched> {
+        if ready(&self.ep, &self.cfg.ready_path) {
+            anyhow::bail!(
+                "something already answers {} on {}:{}; --launch needs that port for the server it starts",
+                self.cfg.ready_path,
+                self.ep.host,
+                self.ep.port
+            );
+        }
         let exe = std::env::current_exe()?;
         let log =
             std::env::temp_dir().join(format!("oomscope-probe-server-{}.log", std::process::id()));
@@ -134,68 +146,74 @@ impl Probe {
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
-        Ok(Launched {
+        let launched = Launched {
             child: c.spawn()?,
             log,
-        })
+        };
+        if wait_ready(
+            &self.ep,
+            &self.cfg.ready_path,
+            self.cfg.restart_settings.ready_timeout,
+        )
+        .is_none()
+        {
+            let log = launched.log.clone();
+            launched.stop();
+            anyhow::bail!(
+                "the launched server never reported ready on {} within {:.0} s (its output: {})",
+                self.cfg.ready_path,
+                self.cfg.restart_settings.ready_timeout.as_secs_f64(),
+                log.display()
+            );
+        }
+        Ok(launched)
     }
 
     pub fn restart(&mut self) -> SuiteReport {
         let t = Instant::now();
-        let fail = |why: String, findings: serde_json::Value| SuiteReport {
-            suite: "restart".into(),
-            status: Status::Error,
-            verdict: "could not run".into(),
-            reason: Some(why),
-            steps: vec![],
-            findings,
-            duration_s: t.elapsed().as_secs_f64(),
+        let Some(l) = self.launched.take() else {
+            return SuiteReport {
+                suite: "restart".into(),
+                status: Status::Error,
+                verdict: "could not run".into(),
+                reason: Some("the restart suite needs the server launched by the probe: pass --launch \"CMD ARGS\" (it runs under `oomscope run --restart`)".into()),
+                steps: vec![],
+                findings: json!({}),
+                duration_s: 0.0,
+            };
         };
-        let Some(cmd) = self.cfg.launch.clone() else {
-            return fail("the restart suite launches the server itself: pass --launch \"CMD ARGS\" (it runs under `oomscope run --restart`)".into(), json!({}));
-        };
-        if ready(&self.ep, &self.cfg.ready_path) {
-            return fail(format!("something already answers {} on {}:{}; the restart suite needs that port for the server it launches", self.cfg.ready_path, self.ep.host, self.ep.port), json!({}));
-        }
-        let launched = match self.launch(&cmd) {
-            Ok(l) => l,
-            Err(e) => {
-                return fail(
-                    format!("cannot launch `{}`: {e:#}", cmd.join(" ")),
-                    json!({}),
-                )
-            }
-        };
-        let report = self.restart_with(&launched, t);
-        let log = launched.log.clone();
-        launched.stop();
-        let mut report = report;
-        report.findings["server_log"] = json!(log.display().to_string());
+        let mut report = self.restart_with(&l, t);
+        report.findings["server_log"] = json!(l.log.display().to_string());
+        self.launched = Some(l);
         report
     }
 
     fn restart_with(&mut self, l: &Launched, t: Instant) -> SuiteReport {
         let rc = self.cfg.restart_settings.clone();
         let ready_path = self.cfg.ready_path.clone();
-        let mut findings = json!({});
-        let err = |why: String, findings: serde_json::Value| SuiteReport {
+        let err = |why: String| SuiteReport {
             suite: "restart".into(),
             status: Status::Error,
             verdict: "could not run".into(),
             reason: Some(why),
             steps: vec![],
-            findings,
+            findings: json!({}),
             duration_s: t.elapsed().as_secs_f64(),
         };
-        if wait_ready(&self.ep, &ready_path, rc.ready_timeout).is_none() {
-            return err(format!("the launched server never reported ready on {ready_path} within {:.0} s (log: {})", rc.ready_timeout.as_secs_f64(), l.log.display()), findings);
-        }
         let ask = |key: Option<String>, timeout: Duration| Ask {
             model: self.cfg.model.clone(),
             prompt_words: 16,
             max_tokens: 4,
             idempotency_key: key,
             timeout,
+        };
+        let herd = || {
+            burst(
+                &self.ep,
+                (0..rc.herd)
+                    .map(|_| ask(None, self.cfg.request_timeout))
+                    .collect(),
+            )
         };
         // Idempotent requests that complete before the kill.
         let run_id = format!("{:x}", oomscope_agent_core::now_ns());
@@ -210,14 +228,20 @@ impl Probe {
                 (key, c)
             })
             .collect();
-        // Steady state: how much of a herd the server admits when warm.
-        let steady = burst(
-            &self.ep,
-            (0..rc.herd)
-                .map(|_| ask(None, self.cfg.request_timeout))
-                .collect(),
-        );
-        let steady_ok = count(&steady, Outcome::Ok);
+        // Steady state: how much of a herd the server admits when warm. A
+        // server that restores gradually may still be ramping up, so herds
+        // are sent until two in a row are admitted alike.
+        let warm_deadline = Instant::now() + rc.warm_timeout;
+        let mut steady_ok = count(&herd(), Outcome::Ok);
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let again = count(&herd(), Outcome::Ok);
+            if again == steady_ok || Instant::now() > warm_deadline {
+                steady_ok = steady_ok.max(again);
+                break;
+            }
+            steady_ok = again;
+        }
 
         // Background load, then the kill.
         let stop = AtomicBool::new(false);
@@ -231,10 +255,12 @@ impl Probe {
                     while !stop.load(Ordering::Relaxed) {
                         let started = Instant::now();
                         let c = complete(&self.ep, &ask(None, Duration::from_secs(10)), t0);
-                        let refused_fast =
-                            matches!(c.outcome, Outcome::Unreachable | Outcome::Refused);
-                        calls.lock().unwrap().push((started, c));
-                        if refused_fast {
+                        let fast_no = matches!(c.outcome, Outcome::Unreachable | Outcome::Refused);
+                        calls
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((started, c));
+                        if fast_no {
                             std::thread::sleep(Duration::from_millis(20));
                         }
                     }
@@ -252,22 +278,17 @@ impl Probe {
             stop.store(true, Ordering::Relaxed);
         });
         let Some(killed_at) = killed_at else {
-            return err(
-                "could not find the launched server's process to kill".into(),
-                findings,
-            );
+            return err("could not find the launched server's process to kill".into());
         };
         let Some(ready_at) = ready_at else {
-            return err(format!("the server did not come back (ready on {ready_path}) within {:.0} s of the kill (log: {})", rc.ready_timeout.as_secs_f64(), l.log.display()), findings);
+            return err(format!(
+                "the server did not come back (ready on {ready_path}) within {:.0} s of the kill (its output: {})",
+                rc.ready_timeout.as_secs_f64(),
+                l.log.display()
+            ));
         };
         // The herd at readiness: retried work arriving at once.
-        let herd = burst(
-            &self.ep,
-            (0..rc.herd)
-                .map(|_| ask(None, self.cfg.request_timeout))
-                .collect(),
-        );
-        let herd_ok = count(&herd, Outcome::Ok);
+        let herd_ok = count(&herd(), Outcome::Ok);
         // Resend the idempotent requests.
         let mut duplicates = Vec::new();
         let mut resent_ok = 0;
@@ -291,17 +312,15 @@ impl Probe {
             .filter(|(_, c)| c.outcome == Outcome::Ok)
             .count();
 
-        // Admitted before ready: answered (200, or a server error: work was taken on)
-        // by a server that had been killed and had not yet said ready.
-        let calls = calls.into_inner().unwrap();
+        // Admitted before ready: taken on (answered 200, or failed with a
+        // server error) by a killed server that had not yet said ready.
+        let calls = calls.into_inner().unwrap_or_else(|p| p.into_inner());
         let before_ready: Vec<&Call> = calls
             .iter()
             .filter(|(started, c)| {
-                *started > killed_at && matches!(c.outcome, Outcome::Ok | Outcome::ServerError)
-            })
-            .map(|(started, c)| (started, c))
-            .filter(|(started, c)| {
-                **started + Duration::from_secs_f64(c.latency_ms / 1e3) < ready_at
+                *started > killed_at
+                    && matches!(c.outcome, Outcome::Ok | Outcome::ServerError)
+                    && *started + Duration::from_secs_f64(c.latency_ms / 1e3) < ready_at
             })
             .map(|(_, c)| c)
             .collect();
@@ -312,21 +331,21 @@ impl Probe {
                 .filter(|c| c.outcome == Outcome::Ok)
                 .count();
             problems.push(format!(
-                "readiness does not gate traffic: {} requests were admitted before {ready_path} said ready ({ok} answered 200, {} failed)",
+                "readiness does not gate traffic: {} requests were taken on before {ready_path} said ready ({ok} answered 200, {} failed)",
                 before_ready.len(),
                 before_ready.len() - ok
             ));
         }
-        let gradual = herd_ok < steady_ok || (steady_ok == 0 && herd_ok == 0);
+        let gradual = herd_ok < steady_ok || steady_ok == 0;
         if !gradual {
             problems.push(format!(
-                "no gradual restore: right after readiness the server admitted {herd_ok} of a {}-request herd, as many as warm ({steady_ok})",
+                "no gradual restore: right after readiness the server admitted {herd_ok} of a {}-request herd, as many as when warm ({steady_ok})",
                 rc.herd
             ));
         }
         if !duplicates.is_empty() {
             problems.push(format!(
-                "{} of {keyed_ok} idempotent requests were processed again after the restart (new completion ids for the same Idempotency-Key)",
+                "{} of {keyed_ok} idempotent requests were processed again after the restart (a new completion for the same Idempotency-Key)",
                 duplicates.len()
             ));
         }
@@ -334,7 +353,7 @@ impl Probe {
             problems.push("no idempotent request completed before the kill, so duplicates could not be checked".into());
         }
         let recovery_s = ready_at.duration_since(killed_at).as_secs_f64();
-        findings = json!({
+        let findings = json!({
             "recovery_s": recovery_s,
             "admitted_before_ready": before_ready.len(),
             "load_calls": calls.len(),
@@ -346,12 +365,14 @@ impl Probe {
             "idempotent_resent_ok": resent_ok,
             "duplicates": duplicates.len(),
         });
-        let _ = std::io::stderr().flush();
         let (status, verdict) = if problems.is_empty() {
-            (Status::Pass, format!(
-                "back in {recovery_s:.1} s; nothing admitted before ready; restored gradually ({herd_ok} of {} admitted at first vs {steady_ok} warm); no duplicate processing of {keyed_ok} idempotent requests",
-                rc.herd
-            ))
+            (
+                Status::Pass,
+                format!(
+                    "back in {recovery_s:.1} s; nothing taken on before ready; restored gradually ({herd_ok} of {} admitted at first vs {steady_ok} warm); no duplicate processing of {keyed_ok} idempotent requests",
+                    rc.herd
+                ),
+            )
         } else {
             (Status::Fail, problems.join("; "))
         };

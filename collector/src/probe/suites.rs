@@ -512,8 +512,13 @@ impl Probe {
                 self.cfg.overload_timeout.as_secs_f64()
             ));
         }
-        if st.unreachable > 0 || !alive {
-            problems.push("the server stopped answering (it died or dropped connections)".into());
+        if !alive {
+            problems.push("the server stopped answering after the burst (it died)".into());
+        } else if st.unreachable > 0 {
+            problems.push(format!(
+                "{} connections were dropped instead of refused with 429/503",
+                st.unreachable
+            ));
         }
         if st.server_errors > 0 && !oom {
             problems.push(format!("{} requests got a server error", st.server_errors));

@@ -38,18 +38,34 @@ impl Watch {
         })
     }
 
-    /// The newest sample of the agent's timeline since `from_ns`, as the memory at a step.
+    /// The memory at a step that began at `from_ns`: the peak over the
+    /// agent's samples since then (a step's memory is its high-water mark),
+    /// or, for a step shorter than the sample interval, the reading just
+    /// before it (within `RECENT_NS`).
     pub fn memory(&mut self, from_ns: i64) -> Option<MemoryAt> {
+        /// A reading older than this says nothing about the step.
+        const RECENT_NS: i64 = 5_000_000_000;
+        // The agent's reading at the request's end may trail the HTTP answer a little.
+        std::thread::sleep(Duration::from_millis(150));
         let mut c = self.client.clone();
         let req = pb::TimelineRequest {
             agent: self.agent.clone(),
-            from_ns,
+            from_ns: from_ns - RECENT_NS,
             to_ns: 0,
             max_points: 0,
         };
         let t = self.rt.block_on(c.timeline(req)).ok()?.into_inner();
-        // The peak over the step, not the last reading: a step's memory is its high-water mark.
-        let samples: Vec<pb::Sample> = t.samples.into_iter().filter_map(|s| s.sample).collect();
+        let all: Vec<pb::Sample> = t.samples.into_iter().filter_map(|s| s.sample).collect();
+        let during: Vec<pb::Sample> = all
+            .iter()
+            .filter(|s| s.time_ns >= from_ns)
+            .cloned()
+            .collect();
+        let samples = if during.is_empty() {
+            all.last().cloned().into_iter().collect()
+        } else {
+            during
+        };
         if samples.is_empty() {
             return None;
         }

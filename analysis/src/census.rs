@@ -50,6 +50,21 @@ pub const MIN_OBJECTS_PER_REQUEST: f64 = 0.5;
 /// At most this many other retained types are named in the evidence.
 pub const MAX_OTHER_TYPES: usize = 3;
 
+/// The host readings must rise at least this share of the census's bytes per
+/// request: retained CPU objects are resident memory the host is charged for,
+/// though RSS can trail them while the allocator reuses chunks freed earlier.
+/// Census noise (a request's temporaries caught by one scan) moves no RSS.
+pub const MIN_HOST_SHARE: f64 = 0.5;
+
+/// With fewer censuses than a trend test needs, each interval between two
+/// of them must grow within this factor of the fitted rate: retained objects
+/// pile up at the rate requests arrive, while a census that caught a burst of
+/// temporaries makes one interval jump and the next stall. 1.5 leaves room
+/// for responses of different sizes; on seeded noise (four censuses catching
+/// 0 to 32 MiB of temporaries, RSS creeping 256 KiB per request) it keeps false
+/// leaks under one in a thousand (tests/heap_census.rs).
+pub const STEADY_FACTOR: f64 = 1.5;
+
 /// The generation of a full collection: the only one that collects old
 /// reference cycles, so the only one whose effect on the census is telling.
 pub const FULL_COLLECTION: i32 = 2;
@@ -119,6 +134,9 @@ pub struct TypeGrowth {
     pub tau: f64,
     /// Kendall's tau of the object count.
     pub objects_tau: f64,
+    /// The slowest and fastest growth between consecutive censuses, bytes
+    /// per request.
+    pub steps: (f64, f64),
 }
 
 impl TypeGrowth {
@@ -140,6 +158,15 @@ impl TypeGrowth {
             && growth >= MIN_CENSUS_GROWTH_BYTES
             && growth >= MIN_SIGNAL_TO_NOISE * t.residual_sigma
             && t.later_slope >= PERSISTENCE * t.line.slope
+            && (self.censuses >= MIN_TREND_POINTS || self.steady())
+    }
+
+    /// Every interval between censuses grew at the fitted rate within a
+    /// factor of [`STEADY_FACTOR`] either way.
+    fn steady(&self) -> bool {
+        let (slowest, fastest) = self.steps;
+        let rate = self.bytes.line.slope;
+        slowest * STEADY_FACTOR >= rate && fastest <= STEADY_FACTOR * rate
     }
 
     /// Objects that pile up persistently, at least [`MIN_OBJECTS_PER_REQUEST`].
@@ -180,6 +207,7 @@ pub fn type_growths(pts: &[CensusPoint]) -> Vec<TypeGrowth> {
                 censuses: listed.len(),
                 tau: tau(&bytes),
                 objects_tau: tau(&count),
+                steps: steps(&bytes),
             })
         })
         .collect();
@@ -189,6 +217,21 @@ pub fn type_growths(pts: &[CensusPoint]) -> Vec<TypeGrowth> {
             .then_with(|| a.name.cmp(&b.name))
     });
     out
+}
+
+/// The smallest and largest rise per request between consecutive readings.
+/// A few censuses fit a line too easily (Theil–Sen passes through two of
+/// four), so with few of them every interval must show the same growth:
+/// retained objects pile up at a steady rate, while temporaries caught by one
+/// scan make one interval jump and the next fall.
+fn steps(points: &[(f64, f64)]) -> (f64, f64) {
+    points
+        .windows(2)
+        .filter(|w| w[1].0 > w[0].0)
+        .map(|w| (w[1].1 - w[0].1) / (w[1].0 - w[0].0))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), r| {
+            (lo.min(r), hi.max(r))
+        })
 }
 
 /// What says the census growth is not chance.
@@ -267,8 +310,9 @@ pub fn growth_over<'a>(pts: &[CensusPoint<'a>], tl: &Timeline) -> Option<HeapGro
     };
     let censuses_suffice =
         top.bytes.points >= MIN_TREND_POINTS && top.bytes.p_value < growth::TREND_P_VALUE;
-    let significance =
-        host_significance(tl, &first, &last).or(censuses_suffice.then_some(from_censuses))?;
+    let min_host_slope = MIN_HOST_SHARE * top.bytes_per_request();
+    let significance = host_significance(tl, &first, &last, min_host_slope)
+        .or(censuses_suffice.then_some(from_censuses))?;
     let others = growths
         .iter()
         .filter(|g| g.name != top.name && g.objects_persist())
@@ -293,11 +337,13 @@ pub fn growth_over<'a>(pts: &[CensusPoint<'a>], tl: &Timeline) -> Option<HeapGro
 
 /// The host's between-request readings from the first census's request count
 /// to the last census: RSS, else the cgroup's usage. Significant when they
-/// rise by Mann–Kendall at the leak's level over enough readings.
+/// rise by Mann–Kendall at the leak's level over enough readings, by at
+/// least `min_slope` bytes per request.
 fn host_significance(
     tl: &Timeline,
     first: &CensusPoint,
     last: &CensusPoint,
+    min_slope: f64,
 ) -> Option<Significance> {
     let series = |v: fn(&Point) -> Option<u64>| -> Vec<(f64, f64)> {
         tl.points
@@ -317,7 +363,10 @@ fn host_significance(
     .into_iter()
     .find_map(|(what, s)| {
         let t = growth::trend(&s)?;
-        (t.points >= MIN_TREND_POINTS && t.p_value < growth::TREND_P_VALUE && t.line.slope > 0.0)
+        (t.points >= MIN_TREND_POINTS
+            && t.p_value < growth::TREND_P_VALUE
+            && t.line.slope > 0.0
+            && t.line.slope >= min_slope)
             .then_some(Significance {
                 what,
                 p_value: t.p_value,

@@ -37,11 +37,11 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
         let wait = next_tick.saturating_duration_since(Instant::now());
         match jobs.recv_timeout(wait) {
             Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
-            Ok(Job::Boundary {
-                time_ns,
-                allocator,
-                context,
-            }) => {
+            Ok(Job::Boundary { time_ns, context }) => {
+                // Every boundary is a sample (leak evidence lives there); its
+                // allocator reading is taken here, on the agent's thread, a
+                // moment after the request ended rather than on its thread.
+                let allocator = Python::try_attach(torchread::read_all).unwrap_or_default();
                 let mut s = probe.sample();
                 s.time_ns = time_ns;
                 s.allocator = allocator;

@@ -420,8 +420,11 @@ def main(argv=None):
     if args.memory_cap:
         if device.type != "cuda":
             sys.exit("--memory-cap needs a CUDA device")
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap / total), device)
+        # An index, not torch.device("cuda"): set_per_process_memory_fraction refuses
+        # a device without one (seen on the H200 with torch 2.11).
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap / total), index)
     name = "tiny-decoder-d%d-l%d" % (args.d_model, args.layers)
     in_flight = (args.max_active + args.max_queue) if args.max_active else args.max_queue
     store_path = args.idempotency_store or (

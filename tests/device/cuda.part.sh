@@ -23,13 +23,13 @@ else
     # 3. KV concurrency on the real device: weights take most of it, 48 staggered 2 GiB sequences.
     RSPORT=18480
     "$RS" --device cuda --listen 127.0.0.1:$RSPORT --collector $URL --name dev-rs-kv --model-bytes $((total - (12 << 30))) \
-        --kv-bytes-per-token $((1 << 20)) --step-ms 50 >/dev/null 2>>"$OUT/rs.log" &
+        --kv-bytes-per-token $((1 << 20)) --step-ms 10 >/dev/null 2>>"$OUT/rs.log" &
     RSPID=$!
     for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$RSPORT) 2>/dev/null && break; sleep 0.2; done
     for i in $(seq 12); do
-        curl -s -o /dev/null -X POST localhost:$RSPORT/generate -H 'content-type: application/json' -d '{"prompt_tokens":256,"max_tokens":1792}' & sleep 0.04
+        curl -s -m 60 -o /dev/null -X POST localhost:$RSPORT/generate -H 'content-type: application/json' -d '{"prompt_tokens":256,"max_tokens":1792}' & sleep 0.04
     done; wait $(jobs -p | grep -v "^$RSPID$") 2>/dev/null
-    kill $RSPID 2>/dev/null; wait $RSPID 2>/dev/null
+    kill $RSPID 2>/dev/null; timeout 10 tail --pid=$RSPID -f /dev/null; kill -9 $RSPID 2>/dev/null
     j=$(latest_json dev-rs-kv); echo "$j" > "$OUT/dev-rs-kv.json"
     got="domain=$(echo "$j" | field '["domain"]') trigger=$(echo "$j" | field '["trigger"]') cause=$(echo "$j" | field '["causes"][0]["kind"]') bpt=$(echo "$j" | field '["causes"][0]["metrics"]["bytes_per_token"]')"
     [[ $got == "domain=gpu_vram trigger=concurrency_dependent cause=kv_growth bpt=1048576"* ]] && record "cuda: KV concurrency" PASS "$got" || record "cuda: KV concurrency" FAIL "$got"

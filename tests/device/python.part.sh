@@ -11,7 +11,7 @@ else
     if pip install -q --no-index --no-deps --target /tmp/oomscope-py "$PYWHEEL" >"$OUT/py-install.log" 2>&1; then
         record "py: wheel" PASS "$(basename "$PYWHEEL") into $(python3 --version 2>&1)"
         mkdir -p "$OUT/python"
-        PYTHONPATH=/tmp/oomscope-py${PYTHONPATH:+:$PYTHONPATH} timeout 540 python3 runtimes/pytorch-server/device_checks.py \
+        PYTHONPATH=/tmp/oomscope-py${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 runtimes/pytorch-server/device_checks.py \
             --bin "$BIN" --collector "$URL" --out "$OUT/python" > "$OUT/python/checks.jsonl" 2>"$OUT/python/checks.err"
         while IFS= read -r line; do
             name=$(echo "$line" | python3 -c 'import json,sys; print(json.load(sys.stdin)["check"])' 2>/dev/null) || continue

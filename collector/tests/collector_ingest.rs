@@ -118,7 +118,8 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
         .into_inner();
     assert_eq!(
         (d.incident, d.agent.as_deref(), d.domain),
-        (None, Some("agent-1"), None)
+        (None, Some("llama-server"), None),
+        "a diagnosis names the agent by its name"
     );
     let none = q
         .diagnose(pb::DiagnoseRequest::default())

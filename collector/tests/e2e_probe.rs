@@ -317,99 +317,61 @@ fn restart_without_idempotency_processes_retries_twice() {
     );
 }
 
+/// A long-context-only probe of the server on `port`, compared with `baseline` when given.
+fn probe_cmp(col: &Collector, port: u16, baseline: Option<&PathBuf>) -> Value {
+    let mut c = Command::new(bin());
+    c.args([
+        "probe",
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "cmp",
+    ])
+    .args(["--suite", "long-context", "--max-context", "128", "--json"]);
+    if let Some(b) = baseline {
+        c.arg("--compare").arg(b);
+    }
+    serde_json::from_slice(&c.output().unwrap().stdout).unwrap()
+}
+
 #[test]
 fn compare_warns_when_more_than_one_setting_changed() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let run = |name: &str, flags: &str| {
+    let base = tmp.path().join("base.json");
+    {
         let port = free_port();
-        let _srv = Server::start(&col, name, port, flags);
-        let out = Command::new(bin())
-            .args([
-                "probe",
-                "--endpoint",
-                &format!("http://127.0.0.1:{port}/v1"),
-                "--collector",
-                &col.url,
-                "--agent",
-                name,
-            ])
-            .args(["--suite", "long-context", "--max-context", "128", "--json"])
-            .output()
-            .unwrap();
-        let path = tmp.path().join(format!("{name}.json"));
-        std::fs::write(&path, &out.stdout).unwrap();
-        (port, path)
-    };
-    let (_, base) = run("cmp", "--restore-seconds 0");
+        let _srv = Server::start(&col, "cmp", port, "--restore-seconds 0");
+        std::fs::write(
+            &base,
+            serde_json::to_vec(&probe_cmp(&col, port, None)).unwrap(),
+        )
+        .unwrap();
+    }
     // One flag changed: a clean retest.
+    {
+        let port = free_port();
+        let _srv = Server::start(
+            &col,
+            "cmp",
+            port,
+            "--restore-seconds 0 --max-total-tokens 100000",
+        );
+        let c = probe_cmp(&col, port, Some(&base))["comparison"].clone();
+        assert_eq!(c["one_variable"], true, "{c:#}");
+        assert_eq!(c["changed"][0]["setting"], "server.--max-total-tokens");
+    }
+    // Two flags changed: a warning.
     let port = free_port();
-    let srv = Server::start(
+    let _srv = Server::start(
         &col,
         "cmp",
         port,
-        "--restore-seconds 0 --max-total-tokens 100000",
-    );
-    let args = |p: &PathBuf| {
-        let out = Command::new(bin())
-            .args([
-                "probe",
-                "--endpoint",
-                &format!("http://127.0.0.1:{port}/v1"),
-                "--collector",
-                &col.url,
-                "--agent",
-                "cmp",
-            ])
-            .args([
-                "--suite",
-                "long-context",
-                "--max-context",
-                "128",
-                "--json",
-                "--compare",
-            ])
-            .arg(p)
-            .output()
-            .unwrap();
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()
-    };
-    let r = args(&base);
-    let c = &r["comparison"];
-    assert_eq!(c["one_variable"], true, "{c:#}");
-    assert_eq!(c["changed"][0]["setting"], "server.--max-total-tokens");
-    drop(srv);
-    // Two flags changed: a warning.
-    let port2 = free_port();
-    let _srv2 = Server::start(
-        &col,
-        "cmp",
-        port2,
         "--restore-seconds 1 --max-total-tokens 100000",
     );
-    let out = Command::new(bin())
-        .args([
-            "probe",
-            "--endpoint",
-            &format!("http://127.0.0.1:{port2}/v1"),
-            "--collector",
-            &col.url,
-            "--agent",
-            "cmp",
-        ])
-        .args([
-            "--suite",
-            "long-context",
-            "--max-context",
-            "128",
-            "--json",
-            "--compare",
-        ])
-        .arg(&base)
-        .output()
-        .unwrap();
-    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let c = &r["comparison"];
+    let c = probe_cmp(&col, port, Some(&base))["comparison"].clone();
     assert_eq!(c["one_variable"], false, "{c:#}");
     assert!(
         c["warnings"][0]

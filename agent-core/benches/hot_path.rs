@@ -26,7 +26,11 @@ fn per_call(rounds: usize, iters: u32, mut f: impl FnMut()) -> f64 {
 }
 
 fn sample() -> pb::Sample {
-    pb::Sample { time_ns: 1, step: 1, ..Default::default() }
+    pb::Sample {
+        time_ns: 1,
+        step: 1,
+        ..Default::default()
+    }
 }
 
 fn main() {
@@ -35,18 +39,34 @@ fn main() {
     // Both channels are sized past what is sent, so neither fills up or drains.
     let (tx, _rx) = tokio::sync::mpsc::channel::<pb::AgentMessage>(15 * 4096 + 16);
     let raw = per_call(15, 4096, || {
-        let _ = black_box(tx.try_send(pb::AgentMessage { seq: 1, body: Some(pb::agent_message::Body::Sample(sample())) }));
+        let _ = black_box(tx.try_send(pb::AgentMessage {
+            seq: 1,
+            body: Some(pb::agent_message::Body::Sample(sample())),
+        }));
     });
     // A collector that is never there: the reporter's worker takes nothing off the
     // queue without a spool, so drain by sizing the queue past what we send.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut cfg = ReporterConfig::new(format!("http://127.0.0.1:{port}"));
     cfg.queue_capacity = 15 * 4096 + 16;
-    let reporter = Reporter::start(cfg, pb::Hello { agent_id: "bench".into(), ..Default::default() });
+    let reporter = Reporter::start(
+        cfg,
+        pb::Hello {
+            agent_id: "bench".into(),
+            ..Default::default()
+        },
+    );
     let tracked = per_call(15, 4096, || {
         black_box(reporter.send_sample(sample()));
     });
-    println!("send_sample         {tracked:8.1} ns/call   raw try_send {raw:8.1} ns/call   ratio {:.2}", tracked / raw);
+    println!(
+        "send_sample         {tracked:8.1} ns/call   raw try_send {raw:8.1} ns/call   ratio {:.2}",
+        tracked / raw
+    );
 
     // 2. One full host sample (process, cgroup levels, system, PSI) vs one raw
     //    read of /proc/self/status, the cheapest file it reads.

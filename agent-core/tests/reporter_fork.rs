@@ -7,10 +7,17 @@ use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 
 #[test]
 fn a_forked_child_sends_nothing_and_does_not_hang() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let r = Reporter::start(
         ReporterConfig::new(format!("http://127.0.0.1:{port}")),
-        pb::Hello { agent_id: format!("fork-{port}"), ..Default::default() },
+        pb::Hello {
+            agent_id: format!("fork-{port}"),
+            ..Default::default()
+        },
     );
     assert!(r.send_sample(pb::Sample::default()), "the parent can send");
     // SAFETY: the child only calls send_sample (an atomic check) and _exit.
@@ -24,7 +31,18 @@ fn a_forked_child_sends_nothing_and_does_not_hang() {
     // A hang in the child would hang here: the test runner's timeout catches it.
     unsafe { libc::waitpid(pid, &mut status, 0) };
     assert!(libc::WIFEXITED(status), "the child exited normally");
-    assert_eq!(libc::WEXITSTATUS(status), 0, "the child's send returned false");
-    assert!(r.send_sample(pb::Sample::default()), "the parent still sends after the fork");
-    assert_eq!(r.stats().dropped, 0, "the child's refusal is not counted in the parent");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "the child's send returned false"
+    );
+    assert!(
+        r.send_sample(pb::Sample::default()),
+        "the parent still sends after the fork"
+    );
+    assert_eq!(
+        r.stats().dropped,
+        0,
+        "the child's refusal is not counted in the parent"
+    );
 }

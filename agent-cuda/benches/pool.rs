@@ -13,16 +13,25 @@ const BYTES: usize = 1 << 20;
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("alloc_free_1MiB");
-    g.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    g.measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
     let tracked = TrackingPool::new(Simulated::new(1 << 30));
     drop(tracked.alloc::<u8>(BYTES, Tag::Activation).unwrap()); // warm the cache
     g.bench_function("tracking_pool_cache_hit", |b| {
-        b.iter(|| drop(black_box(tracked.alloc::<u8>(BYTES, Tag::Activation).unwrap())))
+        b.iter(|| {
+            drop(black_box(
+                tracked.alloc::<u8>(BYTES, Tag::Activation).unwrap(),
+            ))
+        })
     });
     let untracked = UntrackedPool::new(Simulated::new(1 << 30));
     drop(untracked.alloc::<u8>(BYTES, Tag::Activation).unwrap());
     g.bench_function("untracked_pool_cache_hit", |b| {
-        b.iter(|| drop(black_box(untracked.alloc::<u8>(BYTES, Tag::Activation).unwrap())))
+        b.iter(|| {
+            drop(black_box(
+                untracked.alloc::<u8>(BYTES, Tag::Activation).unwrap(),
+            ))
+        })
     });
     let raw = Simulated::new(1 << 30);
     g.bench_function("raw_simulated_device", |b| {

@@ -42,7 +42,8 @@ pub enum Job {
     /// domains.
     Boundary {
         time_ns: i64,
-        context: pb::RequestContext,
+        // Boxed: the context dwarfs the other jobs queued beside it.
+        context: Box<pb::RequestContext>,
     },
     Census {
         budget: Duration,
@@ -220,7 +221,10 @@ impl Agent {
             error: error.to_string(),
             ..Default::default()
         }));
-        self.submit(Job::Boundary { time_ns, context });
+        self.submit(Job::Boundary {
+            time_ns,
+            context: Box::new(context),
+        });
         let every = self.config.census_every;
         if every > 0 && done % every == 0 {
             self.submit(Job::Census {

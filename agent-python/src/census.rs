@@ -14,6 +14,9 @@ use oomscope_agent_core::pb;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple, PyType};
 
+/// (count, bytes) by type name.
+type Counts = HashMap<String, (u64, u64)>;
+
 /// Types reported by bytes, by count and by growth (each up to this many):
 /// a torch process has thousands of types, the interesting ones are few.
 pub const TOP_TYPES: usize = 64;
@@ -97,11 +100,11 @@ impl<'py> Scanner<'py> {
                 Kind::Tensor
             } else if sub(&self.ndarray) {
                 Kind::Ndarray
-            } else if ty.is(&self.py.get_type::<PyBytes>())
-                || ty.is(&self.py.get_type::<PyByteArray>())
+            } else if ty.is(self.py.get_type::<PyBytes>())
+                || ty.is(self.py.get_type::<PyByteArray>())
             {
                 Kind::Buffer
-            } else if ty.is(&self.py.get_type::<PyList>()) || ty.is(&self.py.get_type::<PyDict>()) {
+            } else if ty.is(self.py.get_type::<PyList>()) || ty.is(self.py.get_type::<PyDict>()) {
                 Kind::Container
             } else {
                 Kind::Plain
@@ -191,12 +194,7 @@ impl<'py> Scanner<'py> {
     }
 
     /// Counts by type name, with one new instance of each where there is one.
-    fn finish(
-        self,
-    ) -> (
-        HashMap<String, (u64, u64)>,
-        HashMap<String, Bound<'py, PyAny>>,
-    ) {
+    fn finish(self) -> (Counts, HashMap<String, Bound<'py, PyAny>>) {
         let mut by_type: HashMap<String, (u64, u64)> = HashMap::new();
         let mut sample = HashMap::new();
         let named = self

@@ -45,7 +45,7 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
                 let mut s = probe.sample();
                 s.time_ns = time_ns;
                 s.allocator = allocator;
-                s.context = Some(context);
+                s.context = Some(*context);
                 agent.reporter.send_sample(s);
             }
             Ok(Job::Census { budget }) => {

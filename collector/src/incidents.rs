@@ -208,6 +208,64 @@ fn bytes(b: u64) -> String {
     }
 }
 
+/// Checks the fleet-level patterns for the service (agent name) of
+/// `agent_id` after something happened to it at `now_ns`, and records a
+/// crash loop or a restart storm once per window. The evidence lines go into
+/// the incident's summary, which is all an incident row carries.
+pub fn check_fleet(
+    store: &mut Store,
+    agent_id: &str,
+    policy: &FleetPolicy,
+    now_ns: i64,
+) -> Result<Vec<pb::Incident>> {
+    let Some(name) = store
+        .hello(agent_id)?
+        .map(|h| h.name)
+        .filter(|n| !n.is_empty())
+    else {
+        return Ok(Vec::new());
+    };
+    let mut recorded = Vec::new();
+    let loop_since = now_ns - policy.crash_loop_window.as_nanos() as i64;
+    if !store.has_incident_of_name(&name, CRASH_LOOP, loop_since)? {
+        let deaths = store.deaths_of(&name, loop_since)?;
+        if let Some(f) = fleet::crash_loop(&name, &deaths, policy) {
+            recorded.extend(record_finding(store, agent_id, &name, CRASH_LOOP, f)?);
+        }
+    }
+    let storm_span = (policy.storm_window + policy.burst_window).as_nanos() as i64;
+    if !store.has_incident_of_name(&name, RESTART_STORM, now_ns - storm_span)? {
+        let starts = store.starts_of(&name, now_ns - storm_span)?;
+        if starts.len() >= policy.storm_agents {
+            let from = starts[0].time_ns - policy.baseline_window.as_nanos() as i64;
+            let requests = store.request_starts_of(&name, from, now_ns + 1)?;
+            if let Some(f) = fleet::restart_storm(&name, &starts, &requests, policy) {
+                recorded.extend(record_finding(store, agent_id, &name, RESTART_STORM, f)?);
+            }
+        }
+    }
+    Ok(recorded)
+}
+
+fn record_finding(
+    store: &mut Store,
+    agent_id: &str,
+    name: &str,
+    kind: &str,
+    f: fleet::Finding,
+) -> Result<Option<pb::Incident>> {
+    let incident = pb::Incident {
+        agent_id: agent_id.to_string(),
+        agent_name: name.to_string(),
+        kind: kind.to_string(),
+        time_ns: f.time_ns,
+        summary: format!("{}: {}", f.summary, f.evidence.join("; ")),
+        seq: 0,
+        ..Default::default()
+    };
+    store.insert_incident(&incident)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,62 +378,4 @@ mod tests {
         assert!(record(&mut store, "a", &[oom]).unwrap().is_empty());
         assert_eq!(store.incidents(None).unwrap().len(), 1);
     }
-}
-
-/// Checks the fleet-level patterns for the service (agent name) of
-/// `agent_id` after something happened to it at `now_ns`, and records a
-/// crash loop or a restart storm once per window. The evidence lines go into
-/// the incident's summary, which is all an incident row carries.
-pub fn check_fleet(
-    store: &mut Store,
-    agent_id: &str,
-    policy: &FleetPolicy,
-    now_ns: i64,
-) -> Result<Vec<pb::Incident>> {
-    let Some(name) = store
-        .hello(agent_id)?
-        .map(|h| h.name)
-        .filter(|n| !n.is_empty())
-    else {
-        return Ok(Vec::new());
-    };
-    let mut recorded = Vec::new();
-    let loop_since = now_ns - policy.crash_loop_window.as_nanos() as i64;
-    if !store.has_incident_of_name(&name, CRASH_LOOP, loop_since)? {
-        let deaths = store.deaths_of(&name, loop_since)?;
-        if let Some(f) = fleet::crash_loop(&name, &deaths, policy) {
-            recorded.extend(record_finding(store, agent_id, &name, CRASH_LOOP, f)?);
-        }
-    }
-    let storm_span = (policy.storm_window + policy.burst_window).as_nanos() as i64;
-    if !store.has_incident_of_name(&name, RESTART_STORM, now_ns - storm_span)? {
-        let starts = store.starts_of(&name, now_ns - storm_span)?;
-        if starts.len() >= policy.storm_agents {
-            let from = starts[0].time_ns - policy.baseline_window.as_nanos() as i64;
-            let requests = store.request_starts_of(&name, from, now_ns + 1)?;
-            if let Some(f) = fleet::restart_storm(&name, &starts, &requests, policy) {
-                recorded.extend(record_finding(store, agent_id, &name, RESTART_STORM, f)?);
-            }
-        }
-    }
-    Ok(recorded)
-}
-
-fn record_finding(
-    store: &mut Store,
-    agent_id: &str,
-    name: &str,
-    kind: &str,
-    f: fleet::Finding,
-) -> Result<Option<pb::Incident>> {
-    let incident = pb::Incident {
-        agent_id: agent_id.to_string(),
-        agent_name: name.to_string(),
-        kind: kind.to_string(),
-        time_ns: f.time_ns,
-        summary: format!("{}: {}", f.summary, f.evidence.join("; ")),
-        seq: 0,
-        ..Default::default()
-    };
-    store.insert_incident(&incident)
 }

@@ -2,9 +2,9 @@
 //! supervisor (`oomscope run`), the replayer and the query CLI.
 
 pub mod capture;
-pub mod fleet;
 pub mod cli;
 pub mod compare;
+pub mod fleet;
 pub mod incidents;
 pub mod probe;
 pub mod query;

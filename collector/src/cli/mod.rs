@@ -4,8 +4,8 @@
 mod collector;
 mod compare;
 pub mod format;
-mod query;
 mod probe;
+mod query;
 mod replay;
 mod report;
 
@@ -154,7 +154,7 @@ enum Verb {
     },
     /// Probe a live OpenAI-compatible endpoint: a tiny known-good request first,
     /// then bounded suites, and a safe envelope with the domain bounding each figure.
-    Probe(probe::ProbeArgs),
+    Probe(Box<probe::ProbeArgs>),
     /// Write an incident report (the latest incident by default): a
     /// self-contained HTML page with charts, or Markdown on stdout.
     Report {
@@ -278,7 +278,7 @@ pub fn main() -> i32 {
             collector,
             json,
         } => compare::run(&collector.collector, &a, &b, json),
-        Verb::Probe(args) => probe::run(args),
+        Verb::Probe(args) => probe::run(*args),
         Verb::Report {
             incident,
             collector,

@@ -26,7 +26,9 @@ pub(super) async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Chann
         .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES))
 }
 
-pub(super) fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+pub(super) fn block_on<T>(
+    f: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?

@@ -41,7 +41,14 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
                 // Every boundary is a sample (leak evidence lives there); its
                 // allocator reading is taken here, on the agent's thread, a
                 // moment after the request ended rather than on its thread.
-                let allocator = Python::try_attach(torchread::read_all).unwrap_or_default();
+                // Only a process with CUDA in use (seen by the periodic tick,
+                // which installs the torch hooks) has an allocator to read; the
+                // rest never take the GIL here.
+                let allocator = if agent.torch_hooks.load(Ordering::Relaxed) {
+                    Python::try_attach(torchread::read_all).unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
                 let mut s = probe.sample();
                 s.time_ns = time_ns;
                 s.allocator = allocator;

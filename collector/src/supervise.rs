@@ -126,6 +126,10 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
             delay.as_secs_f64()
         );
         std::thread::sleep(delay);
+        if stop_requested() {
+            // Asked to stop while waiting to restart: the child is already gone.
+            break ending;
+        }
         attempt += 1;
     };
 
@@ -136,9 +140,14 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     if !reporter.shutdown(goodbye, cfg.flush_timeout) {
         eprintln!(
             "oomscope: the collector at {} did not ack everything within {:.1} s; \
-             unsent evidence stays in the spool",
+             {}",
             cfg.collector_url,
-            cfg.flush_timeout.as_secs_f64()
+            cfg.flush_timeout.as_secs_f64(),
+            match &cfg.spool_dir {
+                Some(d) => format!("the unsent evidence stays in the spool at {}", d.display()),
+                None =>
+                    "the unsent evidence is lost (pass --spool DIR to keep it on disk)".to_string(),
+            }
         );
     }
     Ok(ending.shell_status())

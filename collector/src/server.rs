@@ -401,6 +401,11 @@ async fn session(
     collector.unregister(&agent_id, generation);
 
     match &end {
+        // An agent that said Goodbye may drop the connection without closing
+        // its half of the stream (the HTTP/2 reset is then only noise).
+        End::Failed(status) if said_goodbye => {
+            tracing::debug!(agent_id, code = ?status.code(), "stream reset after Goodbye: {}", status.message());
+        }
         End::Failed(status) => {
             let status = explain(status, &agent_id, last_seq);
             tracing::warn!(agent_id, code = ?status.code(), "stream failed: {}", status.message());

@@ -271,15 +271,26 @@ impl Probe {
                 // SAFETY: the server is a descendant this probe launched.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
                 killed_at = Some(Instant::now());
-                // Poll readiness while the load keeps knocking.
-                std::thread::sleep(Duration::from_millis(100));
-                ready_at = wait_ready(&self.ep, &ready_path, rc.ready_timeout);
+                // Poll readiness while the load keeps knocking, and remember
+                // when the server last said it was NOT ready: an answer that
+                // came before that moment was given while it claimed not to be.
+                let deadline = Instant::now() + rc.ready_timeout;
+                let mut said_not_ready = Instant::now();
+                while Instant::now() < deadline {
+                    if ready(&self.ep, &ready_path) {
+                        ready_at = Some(said_not_ready);
+                        break;
+                    }
+                    said_not_ready = Instant::now();
+                    std::thread::sleep(Duration::from_millis(50));
+                }
             }
             stop.store(true, Ordering::Relaxed);
         });
         let Some(killed_at) = killed_at else {
             return err("could not find the launched server's process to kill".into());
         };
+        // `ready_at` is the last moment the server said it was not ready.
         let Some(ready_at) = ready_at else {
             return err(format!(
                 "the server did not come back (ready on {ready_path}) within {:.0} s of the kill (its output: {})",

@@ -12,6 +12,14 @@ pub mod torch;
 
 pub use oomscope_proto::v1 as pb;
 
+/// This host's name (`/proc/sys/kernel/hostname`), for every agent's Hello;
+/// None where it cannot be read (a non-Linux host).
+pub fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
 /// Nanoseconds since the Unix epoch, the time base of every message.
 pub fn now_ns() -> i64 {
     std::time::SystemTime::now()

@@ -92,12 +92,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
-
 impl CudaAgent {
     /// Starts reporting `pool`: sends the Hello, installs the pool's OOM
     /// hook, starts the sampler thread. Returns at once whether or not a
@@ -111,7 +105,7 @@ impl CudaAgent {
         let info = pool.device().info().clone();
         let hello = pb::Hello {
             name: cfg.name.clone(),
-            host: hostname(),
+            host: oomscope_agent_core::hostname().unwrap_or_default(),
             pid,
             start_time_ns: now_ns(),
             role: cfg.role.clone(),

@@ -86,12 +86,6 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default()
-}
-
 impl Agent {
     /// Starts the reporter and the sampler; returns at once whether or not
     /// a collector is there. Needs the GIL for the Hello's Python facts.
@@ -100,11 +94,12 @@ impl Agent {
         let start_ns = now_ns();
         let paths = HostPaths::system();
         let probe = HostProbe::new(paths.clone(), pid);
-        let agent_id = format!("py-{}-{}-{pid}-{:x}", config.name, hostname(), start_ns);
+        let host = oomscope_agent_core::hostname().unwrap_or_default();
+        let agent_id = format!("py-{}-{host}-{pid}-{:x}", config.name, start_ns);
         let mut hello = pb::Hello {
             agent_id: agent_id.clone(),
             name: config.name.clone(),
-            host: hostname(),
+            host,
             pid,
             start_time_ns: start_ns,
             role: config.role.clone(),

@@ -180,7 +180,7 @@ pub fn signal_name(sig: i32) -> &'static str {
 
 fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
     let start = now_ns();
-    let host = hostname();
+    let host = oomscope_agent_core::hostname().unwrap_or_else(|| "localhost".into());
     let mut versions = std::collections::HashMap::new();
     versions.insert(
         "oomscope".to_string(),
@@ -204,12 +204,6 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
         labels: Default::default(),
         command: cfg.command.clone(),
     }
-}
-
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into())
 }
 
 fn event(kind: pb::event::Kind) -> pb::Event {

@@ -40,33 +40,10 @@ fn read_json(p: &Path) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-async fn timeline(url: &str, agent: &str) -> pb::TimelineResponse {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    pb::query_service_client::QueryServiceClient::new(ch)
-        .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
-        .timeline(pb::TimelineRequest {
-            agent: agent.into(),
-            from_ns: 0,
-            to_ns: 0,
-            max_points: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 #[test]
 fn every_capture_replays_with_its_numbers_intact() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
     for path in fixtures() {
         let file = read_json(&path);
         let scenario = file["scenario"].as_str().unwrap().to_string();
@@ -83,7 +60,7 @@ fn every_capture_replays_with_its_numbers_intact() {
             String::from_utf8_lossy(&out.stderr)
         );
 
-        let t = rt.block_on(timeline(&col.url, &scenario));
+        let t = timeline(&col.url, &scenario);
         let expected = file["timeline"].as_array().map(|a| a.len()).unwrap_or(0);
         let has_final = file["final"]["memory_stats"].is_object();
         assert_eq!(

@@ -41,29 +41,6 @@ fn replay(col: &Collector, file: &Path, name: &str) {
     );
 }
 
-fn timeline(url: &str, agent: &str) -> pb::TimelineResponse {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let ch = tonic::transport::Endpoint::from_shared(url.to_string())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        pb::query_service_client::QueryServiceClient::new(ch)
-            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
-            .timeline(pb::TimelineRequest {
-                agent: agent.into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-    })
-}
-
 fn the_oom(t: &pb::TimelineResponse) -> pb::Oom {
     t.events
         .iter()

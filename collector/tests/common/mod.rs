@@ -155,6 +155,31 @@ pub fn run(url: &str, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
         .expect("oomscope run")
 }
 
+/// One agent's whole timeline (every sample, every event) over the real gRPC QueryService.
+pub fn timeline(url: &str, agent: &str) -> oomscope_proto::v1::TimelineResponse {
+    use oomscope_proto::v1 as pb;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        pb::query_service_client::QueryServiceClient::new(ch)
+            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
+            .timeline(pb::TimelineRequest {
+                agent: agent.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    })
+}
+
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }

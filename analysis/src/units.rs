@@ -8,17 +8,29 @@ pub fn bytes(n: u64) -> String {
 
 /// "64.0 MiB", binary units with one decimal.
 pub fn bytes_short(n: u64) -> String {
+    binary_units(n, 1, "PiB")
+}
+
+/// "64.00 MiB", binary units with two decimals, up to TiB: the command line's
+/// table columns.
+pub fn bytes_table(n: u64) -> String {
+    binary_units(n, 2, "TiB")
+}
+
+/// "n B" below 1 KiB, else the value in the largest binary unit it reaches (no
+/// larger than `top`), with `decimals` places.
+fn binary_units(n: u64, decimals: usize, top: &str) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
     if n < 1024 {
         return format!("{n} B");
     }
     let mut value = n as f64 / 1024.0;
     let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
+    while value >= 1024.0 && UNITS[unit] != top && unit + 1 < UNITS.len() {
         value /= 1024.0;
         unit += 1;
     }
-    format!("{value:.1} {}", UNITS[unit])
+    format!("{value:.decimals$} {}", UNITS[unit])
 }
 
 /// Seconds with one decimal, from nanoseconds.
@@ -28,13 +40,23 @@ pub fn seconds(ns: i64) -> String {
 
 /// Unix epoch nanoseconds as "2026-11-03T10:00:00.123Z" (proleptic Gregorian, UTC).
 pub fn time(ns: i64) -> String {
+    utc(ns, 'T')
+}
+
+/// Unix epoch nanoseconds as "2026-11-03 10:00:00.123Z": [`time`] with a space
+/// between date and time, for the command line's tables.
+pub fn time_table(ns: i64) -> String {
+    utc(ns, ' ')
+}
+
+fn utc(ns: i64, sep: char) -> String {
     let secs = ns.div_euclid(1_000_000_000);
     let millis = ns.rem_euclid(1_000_000_000) / 1_000_000;
     let days = secs.div_euclid(86_400);
     let sod = secs.rem_euclid(86_400);
     let (y, m, d) = civil_from_days(days);
     format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        "{y:04}-{m:02}-{d:02}{sep}{:02}:{:02}:{:02}.{millis:03}Z",
         sod / 3600,
         sod % 3600 / 60,
         sod % 60
@@ -85,6 +107,15 @@ mod tests {
         assert_eq!(bytes_short(512), "512 B");
         assert_eq!(bytes_short(1536), "1.5 KiB");
         assert_eq!(bytes_short(150_100_000_000), "139.8 GiB");
+        assert_eq!(bytes_short(3 << 50), "3.0 PiB");
+    }
+
+    #[test]
+    fn table_bytes_have_two_decimals_up_to_tib() {
+        assert_eq!(bytes_table(512), "512 B");
+        assert_eq!(bytes_table(64 << 20), "64.00 MiB");
+        assert_eq!(bytes_table(1_256_194_048), "1.17 GiB");
+        assert_eq!(bytes_table(3 << 50), "3072.00 TiB");
     }
 
     #[test]
@@ -93,5 +124,9 @@ mod tests {
         // 2026-11-03T10:00:00.250Z
         assert_eq!(time(1_793_700_000_250_000_000), "2026-11-03T10:00:00.250Z");
         assert_eq!(time(951_782_400_000_000_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            time_table(1_793_700_000_250_000_000),
+            "2026-11-03 10:00:00.250Z"
+        );
     }
 }

@@ -5,45 +5,9 @@ use std::fmt::Write;
 use oomscope_agent_core::pb;
 use serde_json::json;
 
-/// "64.0 MiB", "1.17 GiB", "512 B".
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
-
-/// Seconds since the epoch, UTC, to the millisecond: "2026-11-30 00:12:03.123Z".
-pub fn time(ns: i64) -> String {
-    let secs = ns.div_euclid(1_000_000_000);
-    let ms = ns.rem_euclid(1_000_000_000) / 1_000_000;
-    let days = secs.div_euclid(86_400);
-    let sod = secs.rem_euclid(86_400);
-    // Civil-from-days (Howard Hinnant), to avoid a date dependency.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{ms:03}Z",
-        sod / 3600,
-        sod % 3600 / 60,
-        sod % 60
-    )
-}
+/// "64.00 MiB", "1.17 GiB", "512 B" and "2026-11-30 00:12:03.123Z" (UTC, to the
+/// millisecond): the table renderings of the analysis crate's units.
+pub use oomscope_analysis::units::{bytes_table as bytes, time_table as time};
 
 pub fn agents(agents: &[pb::AgentSummary]) -> String {
     let mut out = String::new();

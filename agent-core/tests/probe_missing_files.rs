@@ -63,7 +63,7 @@ fn v1_level_without_oom_control_is_partial() {
     assert_eq!((l.anon_bytes, l.file_bytes), (10, 20));
     assert_eq!(
         l.swap_limit_bytes,
-        32 * 1024 * 1024,
+        Some(32 * 1024 * 1024),
         "memsw limit minus memory limit"
     );
 }
@@ -101,4 +101,37 @@ fn an_empty_proc_tree_gives_empty_readings() {
     assert!(s.process.is_none());
     assert!(s.cgroup.is_empty());
     assert!(probe.process_list(5).host_top_rss.is_empty());
+}
+
+#[test]
+fn swap_limit_tells_unlimited_from_no_swap_allowed() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(tmp.path().join("memory.max"), "1048576\n").unwrap();
+    let read = |swap_max: Option<&str>| {
+        let path = tmp.path().join("memory.swap.max");
+        match swap_max {
+            Some(text) => fs::write(&path, text).unwrap(),
+            None => drop(fs::remove_file(&path)),
+        }
+        cgroup::read_level(tmp.path(), "/x", Version::V2).swap_limit_bytes
+    };
+    assert_eq!(read(Some("max\n")), None, "unlimited");
+    assert_eq!(read(Some("0\n")), Some(0), "swap forbidden");
+    assert_eq!(read(Some("4096\n")), Some(4096));
+    assert_eq!(read(None), None, "no swap accounting");
+
+    // v1: memsw equal to the memory limit leaves no room to swap.
+    let v1 = tempfile::tempdir().unwrap();
+    fs::write(v1.path().join("memory.limit_in_bytes"), "67108864\n").unwrap();
+    fs::write(v1.path().join("memory.memsw.limit_in_bytes"), "67108864\n").unwrap();
+    let l = cgroup::read_level(v1.path(), "/x", Version::V1);
+    assert_eq!(l.swap_limit_bytes, Some(0));
+    // The unlimited sentinel on memsw is no swap limit.
+    fs::write(
+        v1.path().join("memory.memsw.limit_in_bytes"),
+        "9223372036854771712\n",
+    )
+    .unwrap();
+    let l = cgroup::read_level(v1.path(), "/x", Version::V1);
+    assert_eq!(l.swap_limit_bytes, None);
 }

@@ -203,6 +203,7 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
         allocator_settings: None,
         labels: Default::default(),
         command: cfg.command.clone(),
+        recovery: false,
     }
 }
 

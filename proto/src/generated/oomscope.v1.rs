@@ -82,9 +82,10 @@ pub struct CgroupLevel {
     /// memory.swap.current (v2) or memory.stat swap (v1).
     #[prost(uint64, tag = "21")]
     pub swap_bytes: u64,
-    /// memory.swap.max (v2) or memsw limit - limit (v1); 0 = unlimited.
-    #[prost(uint64, tag = "22")]
-    pub swap_limit_bytes: u64,
+    /// memory.swap.max (v2) or memsw limit - limit (v1). Unset: unlimited, or
+    /// no swap accounting; 0: this level may not swap at all.
+    #[prost(uint64, optional, tag = "22")]
+    pub swap_limit_bytes: ::core::option::Option<u64>,
     /// memory.high (v2); 0 = unlimited.
     #[prost(uint64, tag = "23")]
     pub high_bytes: u64,
@@ -493,6 +494,11 @@ pub struct Hello {
     /// For `oomscope run`: the supervised command line.
     #[prost(string, repeated, tag = "16")]
     pub command: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Set on a stream that only delivers what a process of this agent left
+    /// unsent in its spool when it died: the agent is not running, so the
+    /// collector neither marks it connected nor waits for it to come back.
+    #[prost(bool, tag = "17")]
+    pub recovery: bool,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Model {

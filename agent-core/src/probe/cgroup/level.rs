@@ -80,8 +80,10 @@ fn read_v1(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
         .as_deref()
         .and_then(first_u64)
     {
+        // memsw bounds memory plus swap; at the same value as the memory
+        // limit it leaves no room to swap (Some(0), not "unlimited").
         if v1_limit(memsw) != 0 {
-            level.swap_limit_bytes = memsw.saturating_sub(limit_raw);
+            level.swap_limit_bytes = Some(memsw.saturating_sub(limit_raw));
         }
     }
 }
@@ -111,11 +113,11 @@ fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
         .as_deref()
         .and_then(first_u64)
         .unwrap_or(0);
+    // "max" (no number) is unlimited: None; "0" forbids swap: Some(0).
     level.swap_limit_bytes = files
         .optional("memory.swap.max")
         .as_deref()
-        .and_then(parse_v2_max)
-        .unwrap_or(0);
+        .and_then(first_u64);
     level.pressure = files
         .optional("memory.pressure")
         .map(|t| parse_pressure(&t));

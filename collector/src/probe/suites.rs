@@ -63,6 +63,42 @@ fn suite(
     }
 }
 
+/// The knobs that tell one ramp from another.
+struct Ramp {
+    /// The first rung; each next rung doubles it.
+    start: usize,
+    /// The largest rung tried.
+    limit: usize,
+    /// The limit as the user set it, for "no failure up to ...".
+    limit_note: String,
+    /// A passing rung with its p99 over this ends the ramp, bounded by latency.
+    latency_bound: Option<Duration>,
+}
+
+/// A ramp's report: it passes when some rung passed.
+fn ramp_suite(
+    name: &str,
+    verdict: String,
+    steps: Vec<Step>,
+    fig: &Figure,
+    t: Instant,
+) -> SuiteReport {
+    let status = if fig.value.is_some() {
+        Status::Pass
+    } else {
+        Status::Fail
+    };
+    suite(
+        name,
+        status,
+        verdict,
+        None,
+        steps,
+        json!({"figure": fig}),
+        t,
+    )
+}
+
 impl Probe {
     fn ask(&self, words: usize, max_tokens: usize, timeout: Duration) -> Ask {
         Ask {
@@ -205,28 +241,31 @@ impl Probe {
         }
     }
 
-    /// Ramp the prompt at concurrency 1 until a failure or --max-context.
-    pub fn long_context(&mut self) -> (SuiteReport, Figure) {
-        let t = Instant::now();
+    /// The shared ramp: rungs from `start`, each double the last, up to
+    /// `limit` and within the suite budget. Each rung runs its calls, measures
+    /// memory, and either passes (every call answered) or ends the ramp with the
+    /// figure bounded by why it failed; a passing rung slower than the latency
+    /// bound ends it too. Returns the steps and the last rung that passed, with
+    /// its prompt tokens.
+    fn ramp(
+        &mut self,
+        t: Instant,
+        knobs: Ramp,
+        fig: &mut Figure,
+        mut rung: impl FnMut(&mut Self, usize) -> (Step, Vec<Call>),
+    ) -> (Vec<Step>, Option<(usize, Option<u64>)>) {
         let mut steps = Vec::new();
-        let mut words = self.cfg.min_context.max(1);
-        let mut best: Option<(usize, Option<u64>)> = None;
-        let mut fig = Figure {
-            unit: "tokens".into(),
-            concurrency: Some(1),
-            bounded_by: "probe_limit".into(),
-            ..Default::default()
-        };
-        while words <= self.cfg.max_context && t.elapsed() < self.cfg.suite_budget {
+        let mut best = None;
+        let mut x = knobs.start;
+        while x <= knobs.limit && t.elapsed() < self.cfg.suite_budget {
             let since = oomscope_agent_core::now_ns();
-            let calls = vec![complete(
-                &self.ep,
-                &self.ask(words, self.cfg.output_tokens, self.cfg.request_timeout),
-                Instant::now(),
-            )];
-            let mut st = step(format!("prompt {words} words"), words, 1, &calls);
+            let (mut st, calls) = rung(self, x);
             self.measure(&mut st, since);
-            let ok = st.ok == 1;
+            let ok = st.ok == st.calls;
+            let slow = knobs
+                .latency_bound
+                .filter(|b| st.p99_ms.is_some_and(|p| p > b.as_secs_f64() * 1e3));
+            let tokens = st.prompt_tokens;
             steps.push(st);
             if !ok {
                 let (b, ev) = self.bound(&calls, since);
@@ -234,24 +273,53 @@ impl Probe {
                 fig.evidence = ev;
                 break;
             }
-            best = Some((words, calls[0].prompt_tokens));
-            words *= 2;
-        }
-        if let Some((w, tokens)) = best {
-            fig.value = Some(tokens.unwrap_or(w as u64));
-            fig.context_tokens = fig.value;
-            if fig.bounded_by == "probe_limit" {
-                fig.evidence.push(format!(
-                    "no failure up to --max-context {} words",
-                    self.cfg.max_context
-                ));
+            best = Some((x, tokens));
+            if let Some(b) = slow {
+                fig.bounded_by = "latency".into();
+                fig.evidence = vec![format!(
+                    "p99 over the {:.0} s latency bound at {x} {}",
+                    b.as_secs_f64(),
+                    fig.unit
+                )];
+                break;
             }
+            x *= 2;
         }
-        let status = if best.is_some() {
-            Status::Pass
-        } else {
-            Status::Fail
+        if best.is_some() && fig.bounded_by == "probe_limit" {
+            fig.evidence
+                .push(format!("no failure up to {}", knobs.limit_note));
+        }
+        (steps, best)
+    }
+
+    /// Ramp the prompt at concurrency 1 until a failure or --max-context.
+    pub fn long_context(&mut self) -> (SuiteReport, Figure) {
+        let t = Instant::now();
+        let mut fig = Figure {
+            unit: "tokens".into(),
+            concurrency: Some(1),
+            bounded_by: "probe_limit".into(),
+            ..Default::default()
         };
+        let knobs = Ramp {
+            start: self.cfg.min_context.max(1),
+            limit: self.cfg.max_context,
+            limit_note: format!("--max-context {} words", self.cfg.max_context),
+            latency_bound: None,
+        };
+        let (steps, best) = self.ramp(t, knobs, &mut fig, |p, words| {
+            let calls = vec![complete(
+                &p.ep,
+                &p.ask(words, p.cfg.output_tokens, p.cfg.request_timeout),
+                Instant::now(),
+            )];
+            (
+                step(format!("prompt {words} words"), words, 1, &calls),
+                calls,
+            )
+        });
+        fig.value = best.map(|(w, tokens)| tokens.unwrap_or(w as u64));
+        fig.context_tokens = fig.value;
         let verdict = match fig.value {
             Some(v) => format!(
                 "max context at concurrency 1: {v} tokens (bounded by {})",
@@ -262,79 +330,41 @@ impl Probe {
                 self.cfg.min_context, fig.bounded_by
             ),
         };
-        (
-            suite(
-                "long-context",
-                status,
-                verdict,
-                None,
-                steps,
-                json!({"figure": fig}),
-                t,
-            ),
-            fig,
-        )
+        (ramp_suite("long-context", verdict, steps, &fig, t), fig)
     }
 
     /// Ramp concurrent long conversations at `words` until a failure, the
     /// latency bound, or --max-concurrency.
     pub fn concurrency_at(&mut self, name: &str, words: usize) -> (SuiteReport, Figure) {
         let t = Instant::now();
-        let mut steps = Vec::new();
-        let mut n = 1usize;
-        let mut best: Option<usize> = None;
         let mut fig = Figure {
             unit: "sequences".into(),
             context_tokens: Some(words as u64),
             bounded_by: "probe_limit".into(),
             ..Default::default()
         };
-        while n <= self.cfg.max_concurrency && t.elapsed() < self.cfg.suite_budget {
-            let since = oomscope_agent_core::now_ns();
-            let asks = (0..n)
-                .map(|_| self.ask(words, self.cfg.output_tokens, self.cfg.request_timeout))
-                .collect();
-            let calls = burst(&self.ep, asks);
-            let mut st = step(format!("{n} x {words} words"), words, n, &calls);
-            self.measure(&mut st, since);
-            let all_ok = st.ok == n;
-            let slow = st
-                .p99_ms
-                .is_some_and(|p| p > self.cfg.latency_bound.as_secs_f64() * 1e3);
-            if let Some(tok) = st.prompt_tokens {
-                fig.context_tokens = Some(tok);
-            }
-            steps.push(st);
-            if !all_ok {
-                let (b, ev) = self.bound(&calls, since);
-                fig.bounded_by = b;
-                fig.evidence = ev;
-                break;
-            }
-            best = Some(n);
-            if slow {
-                fig.bounded_by = "latency".into();
-                fig.evidence = vec![format!(
-                    "p99 over the {:.0} s latency bound at {n} sequences",
-                    self.cfg.latency_bound.as_secs_f64()
-                )];
-                break;
-            }
-            n *= 2;
-        }
-        fig.value = best.map(|b| b as u64);
-        fig.concurrency = fig.value;
-        if fig.bounded_by == "probe_limit" && best.is_some() {
-            fig.evidence.push(format!(
-                "no failure up to --max-concurrency {}",
-                self.cfg.max_concurrency
-            ));
-        }
-        let status = if best.is_some() {
-            Status::Pass
-        } else {
-            Status::Fail
+        let knobs = Ramp {
+            start: 1,
+            limit: self.cfg.max_concurrency,
+            limit_note: format!("--max-concurrency {}", self.cfg.max_concurrency),
+            latency_bound: Some(self.cfg.latency_bound),
         };
+        let (steps, best) = self.ramp(t, knobs, &mut fig, |p, n| {
+            let asks = (0..n)
+                .map(|_| p.ask(words, p.cfg.output_tokens, p.cfg.request_timeout))
+                .collect();
+            let calls = burst(&p.ep, asks);
+            (
+                step(format!("{n} x {words} words"), words, n, &calls),
+                calls,
+            )
+        });
+        // The context the server counted, from the last step that says.
+        if let Some(tok) = steps.iter().rev().find_map(|s| s.prompt_tokens) {
+            fig.context_tokens = Some(tok);
+        }
+        fig.value = best.map(|(n, _)| n as u64);
+        fig.concurrency = fig.value;
         let verdict = match fig.value {
             Some(v) => format!(
                 "{v} concurrent sequences at {words} words (bounded by {})",
@@ -345,18 +375,7 @@ impl Probe {
                 fig.bounded_by
             ),
         };
-        (
-            suite(
-                name,
-                status,
-                verdict,
-                None,
-                steps,
-                json!({"figure": fig}),
-                t,
-            ),
-            fig,
-        )
+        (ramp_suite(name, verdict, steps, &fig, t), fig)
     }
 
     /// N identical requests at a fixed concurrency; the leak verdict is the collector's.

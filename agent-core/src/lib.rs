@@ -6,6 +6,7 @@
 
 pub mod probe;
 pub mod recorder;
+pub mod recovery;
 pub mod reporter;
 pub mod spool;
 pub mod torch;

@@ -245,20 +245,44 @@ impl Reporter {
     /// collector is reachable. Opens the spool first (local disk only) so
     /// that seqs continue after the previous run's; a spool that cannot be
     /// opened is logged and the reporter runs memory-only.
+    ///
+    /// With a spool, it also delivers (in the background, once connected)
+    /// what dead agents of the same collector left in other spools under
+    /// the same root: see [`crate::recovery`].
     pub fn start(cfg: ReporterConfig, mut hello: pb::Hello) -> Reporter {
         if hello.agent_id.is_empty() {
             hello.agent_id = format!("agent-{}-{:x}", std::process::id(), crate::now_ns());
         }
-        let agent_id = hello.agent_id.clone();
         let mut startup_error = None;
         let spool = cfg.spool_dir.as_ref().and_then(|root| {
-            Spool::open(root, &agent_id, cfg.spool_max_bytes)
+            let origin = crate::spool::Origin {
+                collector_url: cfg.collector_url.clone(),
+                hello: hello.clone(),
+            };
+            Spool::open(root, &hello.agent_id, cfg.spool_max_bytes)
+                .and_then(|mut spool| spool.set_origin(&origin).map(|()| spool))
                 .map_err(|e| {
                     tracing::warn!(error = %e, "oomscope reporter: spool unavailable, keeping unacked messages in memory only");
                     startup_error = Some(format!("spool: {e}"));
                 })
                 .ok()
         });
+        let recover = spool.is_some();
+        let reporter = Self::launch(cfg.clone(), hello, spool, startup_error);
+        if recover {
+            crate::recovery::spawn(cfg, &reporter);
+        }
+        reporter
+    }
+
+    /// Starts the worker over an already opened spool (or none).
+    pub(crate) fn launch(
+        cfg: ReporterConfig,
+        hello: pb::Hello,
+        spool: Option<Spool>,
+        startup_error: Option<String>,
+    ) -> Reporter {
+        let agent_id = hello.agent_id.clone();
         let next_seq = spool.as_ref().map_or(1, Spool::next_seq);
         // What the previous run left unacked lies between the spool's floor
         // and `next_seq`; the worker settles it as it is acked.
@@ -532,6 +556,35 @@ impl Reporter {
         // A counter bumped in every forked child, instead of getpid() (a real
         // syscall per send since glibc 2.25 stopped caching it).
         fork_generation() != self.inner.fork_generation
+    }
+}
+
+/// What another thread may watch of a reporter without keeping it alive.
+pub(crate) struct Liveness {
+    shared: std::sync::Weak<Shared>,
+    stop: watch::Receiver<bool>,
+}
+
+impl Liveness {
+    /// Asked to stop, or every handle is gone.
+    pub(crate) fn stopped(&self) -> bool {
+        *self.stop.borrow() || self.stop.has_changed().is_err()
+    }
+
+    /// A stream to the collector is open now.
+    pub(crate) fn connected(&self) -> bool {
+        self.shared
+            .upgrade()
+            .is_some_and(|s| s.counters.connected.load(Ordering::Relaxed))
+    }
+}
+
+impl Reporter {
+    pub(crate) fn liveness(&self) -> Liveness {
+        Liveness {
+            shared: Arc::downgrade(&self.inner.shared),
+            stop: self.inner.stop.subscribe(),
+        }
     }
 }
 

@@ -2,7 +2,9 @@
 //!
 //! Layout: one directory per agent id under the spool root, holding
 //! append-only segment files `seg-<n>.log`, a `state` file with the ack
-//! floor, and a `lock` file. A segment starts with [`SEGMENT_MAGIC`] and holds
+//! floor, an `origin` file (the agent's Hello and collector, so that another
+//! process can deliver what a dead agent left: see `crate::recovery`), and
+//! a `lock` file. A segment starts with [`SEGMENT_MAGIC`] and holds
 //! records `[b"OSR1"][len: u32 LE][crc32(payload): u32 LE][payload]`, where the
 //! payload is an encoded `AgentMessage`. The record marker lets a reader find
 //! the next good record after a damaged one, so one torn write (a crash
@@ -30,6 +32,8 @@ const RECORD_HEADER_BYTES: usize = 12;
 const STATE_MAGIC: &[u8; 4] = b"OSA1";
 const STATE_FILE: &str = "state";
 const LOCK_FILE: &str = "lock";
+const ORIGIN_MAGIC: &[u8; 4] = b"OSO1";
+const ORIGIN_FILE: &str = "origin";
 
 /// Default disk bound per agent: at a few KiB per sample this is hours of
 /// samples, and small next to the model files on the same machine.
@@ -132,7 +136,16 @@ pub struct Spool {
     /// The highest seq ever appended, kept across runs so seqs never repeat.
     high: u64,
     stats: SpoolStats,
+    /// Set by [`Spool::destroy`]: nothing is left to save on drop.
+    destroyed: bool,
     _lock: File,
+}
+
+/// Who wrote a spool: enough for another process to resend it as that agent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Origin {
+    pub collector_url: String,
+    pub hello: pb::Hello,
 }
 
 impl Spool {
@@ -153,6 +166,7 @@ impl Spool {
             floor,
             high,
             stats: SpoolStats::default(),
+            destroyed: false,
             _lock: lock,
         };
         let mut problems: Vec<SpoolProblem> = state_problem.into_iter().collect();
@@ -204,6 +218,48 @@ impl Spool {
     /// The ack floor: every seq at or below it is done.
     pub fn acked_upto(&self) -> u64 {
         self.floor
+    }
+
+    /// True when everything ever appended is acked (or given up on).
+    pub fn is_settled(&self) -> bool {
+        self.floor >= self.high
+    }
+
+    /// Records who writes this spool (replacing the file atomically).
+    pub fn set_origin(&mut self, origin: &Origin) -> Result<(), SpoolError> {
+        let url = origin.collector_url.as_bytes();
+        let mut buf = Vec::with_capacity(16 + url.len() + origin.hello.encoded_len());
+        buf.extend_from_slice(ORIGIN_MAGIC);
+        buf.extend_from_slice(&(url.len() as u32).to_le_bytes());
+        buf.extend_from_slice(url);
+        origin.hello.encode(&mut buf).unwrap_or_default(); // a Vec never runs out of room
+        buf.extend_from_slice(&crc32(&buf).to_le_bytes());
+        write_atomically(&self.dir, ORIGIN_FILE, &buf)
+    }
+
+    /// Who wrote this spool; `None` when it never said (an older agent, or
+    /// one that died before writing it) or the file is damaged.
+    pub fn origin(&self) -> Option<Origin> {
+        let path = self.dir.join(ORIGIN_FILE);
+        let bytes = fs::read(&path).ok()?;
+        let parsed = parse_origin(&bytes);
+        if parsed.is_none() {
+            tracing::warn!(path = %path.display(), "oomscope spool: damaged origin file, ignored");
+        }
+        parsed
+    }
+
+    /// Deletes the spool's directory (under its lock, so no other process
+    /// is using it). For a spool whose messages are all delivered.
+    pub fn destroy(mut self) -> Result<(), SpoolError> {
+        self.destroyed = true;
+        self.current = None;
+        for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
+            let path = entry.map_err(io_err(&self.dir))?.path();
+            fs::remove_file(&path).map_err(io_err(&path))?;
+        }
+        // Linux lets a locked, open file be unlinked; the lock goes with it.
+        fs::remove_dir(&self.dir).map_err(io_err(&self.dir))
     }
 
     pub fn stats(&self) -> SpoolStats {
@@ -318,7 +374,9 @@ impl Spool {
         for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
             let entry = entry.map_err(io_err(&self.dir))?;
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name == STATE_FILE || name == LOCK_FILE || name.ends_with(".tmp") {
+            if [STATE_FILE, LOCK_FILE, ORIGIN_FILE].contains(&name.as_str())
+                || name.ends_with(".tmp")
+            {
                 continue;
             }
             match parse_segment_name(&name) {
@@ -410,10 +468,7 @@ impl Spool {
         buf.extend_from_slice(&self.floor.to_le_bytes());
         buf.extend_from_slice(&self.high.to_le_bytes());
         buf.extend_from_slice(&crc32(&buf).to_le_bytes());
-        let tmp = self.dir.join(format!("{STATE_FILE}.tmp"));
-        fs::write(&tmp, &buf).map_err(io_err(&tmp))?;
-        let path = self.dir.join(STATE_FILE);
-        fs::rename(&tmp, &path).map_err(io_err(&path))
+        write_atomically(&self.dir, STATE_FILE, &buf)
     }
 
     fn total_bytes(&self) -> u64 {
@@ -428,6 +483,9 @@ impl Spool {
 
 impl Drop for Spool {
     fn drop(&mut self) {
+        if self.destroyed {
+            return;
+        }
         // Best effort: a stale floor only means some acked messages are sent
         // again, which the collector deduplicates.
         if let Err(e) = self.write_state() {
@@ -495,6 +553,34 @@ fn read_state(path: &Path) -> (u64, u64, Option<SpoolProblem>) {
     let floor = u64::from_le_bytes(bytes[4..12].try_into().unwrap_or_default());
     let high = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
     (floor, high, None)
+}
+
+/// Writes `dir/name` through a temporary file and a rename, so a reader sees
+/// the old content or the new, never a torn one.
+fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), SpoolError> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    fs::write(&tmp, bytes).map_err(io_err(&tmp))?;
+    let path = dir.join(name);
+    fs::rename(&tmp, &path).map_err(io_err(&path))
+}
+
+/// `[OSO1][url len: u32 LE][url][Hello][crc32 of all before: u32 LE]`.
+fn parse_origin(bytes: &[u8]) -> Option<Origin> {
+    let (body, crc) = bytes.split_last_chunk::<4>()?;
+    if !body.starts_with(ORIGIN_MAGIC) || crc32(body).to_le_bytes() != *crc {
+        return None;
+    }
+    let rest = &body[ORIGIN_MAGIC.len()..];
+    let (len, rest) = rest.split_first_chunk::<4>()?;
+    let len = u32::from_le_bytes(*len) as usize;
+    if rest.len() < len {
+        return None;
+    }
+    let (url, hello) = rest.split_at(len);
+    Some(Origin {
+        collector_url: String::from_utf8(url.to_vec()).ok()?,
+        hello: pb::Hello::decode(hello).ok()?,
+    })
 }
 
 fn problem(path: &Path, offset: u64, reason: String) -> SpoolProblem {

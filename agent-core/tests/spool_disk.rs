@@ -231,3 +231,52 @@ fn an_unwritable_root_is_an_error_not_a_panic() {
     let err = Spool::open(&file, "x", 1 << 20).unwrap_err();
     assert!(err.to_string().contains("plain-file"), "{err}");
 }
+
+#[test]
+fn origin_round_trips_and_a_damaged_one_reads_as_none() {
+    use oomscope_agent_core::spool::Origin;
+    let root = tempfile::tempdir().unwrap();
+    let origin = Origin {
+        collector_url: "http://collector:7433".into(),
+        hello: pb::Hello {
+            agent_id: "agent/1".into(),
+            name: "server".into(),
+            pid: 42,
+            ..Default::default()
+        },
+    };
+    let mut spool = Spool::open(root.path(), "agent/1", 1 << 20).unwrap();
+    assert_eq!(spool.origin(), None, "never written");
+    spool.set_origin(&origin).unwrap();
+    assert_eq!(spool.origin(), Some(origin.clone()));
+    spool.append(&sample(1)).unwrap();
+    assert_eq!(spool.stats().problems, 0, "the origin file is not foreign");
+    drop(spool);
+
+    let path = root.path().join(encode_agent_id("agent/1")).join("origin");
+    let mut bytes = fs::read(&path).unwrap();
+    let last = bytes.len() - 6;
+    bytes[last] ^= 0x40;
+    fs::write(&path, &bytes).unwrap();
+    let spool = Spool::open(root.path(), "agent/1", 1 << 20).unwrap();
+    assert_eq!(spool.origin(), None, "a flipped byte fails the checksum");
+    fs::write(&path, b"OSO1").unwrap();
+    assert_eq!(spool.origin(), None, "truncated");
+}
+
+#[test]
+fn destroy_removes_the_directory_and_is_refused_while_another_holds_it() {
+    let root = tempfile::tempdir().unwrap();
+    let mut spool = Spool::open(root.path(), "agent/1", 1 << 20).unwrap();
+    spool.append(&sample(1)).unwrap();
+    assert!(!spool.is_settled());
+    spool.ack(1).unwrap();
+    assert!(spool.is_settled());
+    assert!(matches!(
+        Spool::open(root.path(), "agent/1", 1 << 20),
+        Err(SpoolError::Locked { .. })
+    ));
+    spool.destroy().unwrap();
+    assert!(Spool::recover(root.path()).is_empty());
+    assert!(fs::read_dir(root.path()).unwrap().next().is_none());
+}

@@ -12,7 +12,7 @@ use crate::fleet::{self, FleetPolicy};
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
-use crate::store::Store;
+use crate::store::{now_ns, Store};
 
 pub const OOM: &str = "oom";
 pub const SIGNAL: &str = "signal";
@@ -101,6 +101,44 @@ pub fn record_lost(
         summary: format!(
             "agent {name:?} ({agent_id}) stopped streaming without a Goodbye and did not reconnect within {:.1} s",
             grace.as_secs_f64()
+        ),
+        seq: 0,
+        ..Default::default()
+    };
+    incident.domain = attribute_domain(store, agent_id, &incident);
+    store.insert_incident(&incident)
+}
+
+/// After another process delivered a dead agent's spool (a `recovery`
+/// stream): the agent died without a Goodbye, so it gets an agent_lost
+/// incident at its last evidence, unless it already has one, whose domain is
+/// then named again with the evidence that just arrived. Nothing for an
+/// agent whose spool held its Goodbye (it exited cleanly).
+pub fn record_recovered(store: &mut Store, agent_id: &str) -> Result<Option<pb::Incident>> {
+    if store.state(agent_id)?.as_deref() == Some("disconnected") {
+        return Ok(None);
+    }
+    let known = store.incidents(Some(agent_id))?;
+    let lost: Vec<_> = known.iter().filter(|i| i.kind == AGENT_LOST).collect();
+    if !lost.is_empty() {
+        for incident in lost {
+            let domain = attribute_domain(store, agent_id, incident);
+            if domain != incident.domain {
+                store.set_incident_domain(&incident.id, &domain)?;
+            }
+        }
+        return Ok(None);
+    }
+    let died_by = store.last_message_time(agent_id)?.unwrap_or_else(now_ns);
+    store.set_state(agent_id, "lost", now_ns())?;
+    let name = store.hello(agent_id)?.map(|h| h.name).unwrap_or_default();
+    let mut incident = pb::Incident {
+        agent_id: agent_id.to_string(),
+        agent_name: name.clone(),
+        kind: AGENT_LOST.to_string(),
+        time_ns: died_by,
+        summary: format!(
+            "agent {name:?} ({agent_id}) died without a Goodbye; another agent on its host delivered what it had left unsent"
         ),
         seq: 0,
         ..Default::default()

@@ -211,7 +211,11 @@ impl Collector {
             // stream, or its "lost" is overwritten by the reconnect.
             let outcome = collector
                 .with_store(move |store| {
-                    if !c.still_gone(&id, generation) {
+                    // Gone from the links, and not since settled by a
+                    // Goodbye or a delivered spool.
+                    if !c.still_gone(&id, generation)
+                        || store.state(&id)?.as_deref() != Some("connected")
+                    {
                         return Ok(None);
                     }
                     store.set_state(&id, "lost", now_ns())?;
@@ -242,6 +246,25 @@ impl Collector {
                 Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
             }
         });
+    }
+
+    /// A dead agent's spool was delivered: it died without a Goodbye.
+    async fn recovered(&self, agent_id: String) {
+        let id = agent_id.clone();
+        match self
+            .with_store(move |store| incidents::record_recovered(store, &id))
+            .await
+        {
+            Ok(Some(inc)) => tracing::warn!(
+                agent_id,
+                incident = inc.id,
+                domain = inc.domain,
+                "{}",
+                inc.summary
+            ),
+            Ok(None) => tracing::info!(agent_id, "a dead agent's spool was delivered"),
+            Err(e) => tracing::error!(agent_id, "recording a recovered agent failed: {e:#}"),
+        }
     }
 
     /// Agents the store still calls connected (the collector restarted under
@@ -343,16 +366,24 @@ async fn session(
         }
     };
     let agent_id = hello.agent_id.clone();
+    // A dead agent's spool, delivered by another process: no live link (no
+    // directives, no reconnect to wait for).
+    let recovery = hello.recovery;
     let (dtx, mut directives) = mpsc::channel(16);
     // Register before writing "connected": see schedule_lost_check.
-    let generation = collector.register(&agent_id, dtx);
+    let generation = (!recovery).then(|| collector.register(&agent_id, dtx));
     let stored_hello = hello.clone();
     if let Err(e) = collector
-        .with_store(move |s| s.upsert_agent(&stored_hello, now_ns()))
+        .with_store(move |s| match recovery {
+            true => s.record_recovered_agent(&stored_hello, now_ns()),
+            false => s.upsert_agent(&stored_hello, now_ns()),
+        })
         .await
     {
         tracing::error!(agent_id, "storing the Hello failed: {e:#}");
-        collector.unregister(&agent_id, generation);
+        if let Some(generation) = generation {
+            collector.unregister(&agent_id, generation);
+        }
         let _ = tx
             .send(Err(Status::unavailable(format!(
                 "the collector could not store the Hello: {e:#}"
@@ -360,7 +391,15 @@ async fn session(
             .await;
         return;
     }
-    tracing::info!(agent_id, name = hello.name, ?peer, "agent connected");
+    match recovery {
+        true => tracing::info!(
+            agent_id,
+            name = hello.name,
+            ?peer,
+            "receiving a dead agent's spool"
+        ),
+        false => tracing::info!(agent_id, name = hello.name, ?peer, "agent connected"),
+    }
 
     let mut stopping = collector.inner.stopping.subscribe();
     let mut said_goodbye = false;
@@ -398,7 +437,9 @@ async fn session(
             }
         }
     };
-    collector.unregister(&agent_id, generation);
+    if let Some(generation) = generation {
+        collector.unregister(&agent_id, generation);
+    }
 
     match &end {
         // An agent that said Goodbye may drop the connection without closing
@@ -420,14 +461,15 @@ async fn session(
         }
         _ => {}
     }
-    match end {
+    match (end, generation) {
         // State "connected" stays in the store; the next start gives the
         // agent its grace to come back.
-        End::Shutdown => tracing::info!(agent_id, "stream closed for shutdown"),
-        _ if said_goodbye => tracing::info!(agent_id, "agent disconnected (Goodbye)"),
+        (End::Shutdown, _) => tracing::info!(agent_id, "stream closed for shutdown"),
+        (_, _) if said_goodbye => tracing::info!(agent_id, "agent disconnected (Goodbye)"),
         // Our fault, not the agent's: it will reconnect and resend.
-        End::StoreFailed => {}
-        _ => {
+        (End::StoreFailed, _) => {}
+        (_, None) => collector.recovered(agent_id).await,
+        (_, Some(generation)) => {
             tracing::info!(
                 agent_id,
                 "stream ended without a Goodbye; waiting {:?} for a reconnect",
@@ -506,8 +548,10 @@ async fn ingest(
     let fleet = collector.inner.fleet.clone();
     let result = collector
         .with_store(move |store| {
-            if let Some(h) = &rehello {
-                store.upsert_agent(h, now_ns())?;
+            match &rehello {
+                Some(h) if h.recovery => store.record_recovered_agent(h, now_ns())?,
+                Some(h) => store.upsert_agent(h, now_ns())?,
+                None => {}
             }
             let outcome = store.insert_batch(&id, &storable)?;
             // An incident that fails to record must not cost the agent its

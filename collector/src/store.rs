@@ -214,6 +214,58 @@ impl Store {
         Ok(out)
     }
 
+    /// Records the Hello of a dead agent whose spool another process is
+    /// delivering (`Hello.recovery`): an agent the store already knows keeps
+    /// its Hello and state; a new one is stored as "lost", since it is dead.
+    pub fn record_recovered_agent(&mut self, hello: &pb::Hello, now_ns: i64) -> Result<()> {
+        if hello.agent_id.is_empty() {
+            bail!("a Hello without an agent_id");
+        }
+        let hello = pb::Hello {
+            recovery: false,
+            ..hello.clone()
+        };
+        self.conn
+            .execute(
+                "INSERT INTO agents(agent_id, name, hello, state, first_seen_ns, last_seen_ns)
+                 VALUES (?1, ?2, ?3, 'lost', ?4, ?4)
+                 ON CONFLICT(agent_id) DO NOTHING",
+                params![hello.agent_id, hello.name, hello.encode_to_vec(), now_ns],
+            )
+            .with_context(|| format!("storing the Hello of agent {}", hello.agent_id))?;
+        Ok(())
+    }
+
+    /// The agent's state (see [`Store::set_state`]), `None` if unknown.
+    pub fn state(&self, agent_id: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT state FROM agents WHERE agent_id = ?1",
+                [agent_id],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// The agent clock's time of its newest stored sample or event.
+    pub fn last_message_time(&self, agent_id: &str) -> Result<Option<i64>> {
+        Ok(self.conn.query_row(
+            "SELECT max(time_ns) FROM messages WHERE agent_id = ?1 AND kind != 'goodbye'",
+            [agent_id],
+            |r| r.get(0),
+        )?)
+    }
+
+    /// Replaces the domain of a recorded incident (more evidence arrived).
+    pub fn set_incident_domain(&mut self, id: &str, domain: &str) -> Result<()> {
+        self.conn.execute(
+            "UPDATE incidents SET domain = ?2 WHERE id = ?1",
+            params![id, domain],
+        )?;
+        Ok(())
+    }
+
     /// "connected", "disconnected" (said Goodbye) or "lost" (went silent).
     pub fn set_state(&mut self, agent_id: &str, state: &str, now_ns: i64) -> Result<()> {
         let changed = self.conn.execute(

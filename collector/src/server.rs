@@ -630,7 +630,6 @@ async fn ingest(
     })
 }
 
-/// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].
 fn is_request_event(m: &pb::AgentMessage) -> bool {
     matches!(
         &m.body,
@@ -641,6 +640,7 @@ fn is_request_event(m: &pb::AgentMessage) -> bool {
     )
 }
 
+/// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].
 pub fn ack_ranges(seqs: &[u64]) -> Vec<(u64, u64)> {
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for &s in seqs {

@@ -5,7 +5,7 @@ mod collector;
 mod compare;
 pub mod format;
 mod probe;
-mod query;
+pub(crate) mod query;
 mod replay;
 mod report;
 

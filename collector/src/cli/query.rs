@@ -10,7 +10,8 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::format;
 
-pub(super) async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Channel>> {
+/// A QueryService client connected to the collector at `url`.
+pub(crate) async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Channel>> {
     let channel = Endpoint::from_shared(url.to_string())
         .with_context(|| {
             format!("`{url}` is not a collector URL (expected e.g. http://127.0.0.1:7433)")
@@ -26,13 +27,19 @@ pub(super) async fn client(url: &str) -> anyhow::Result<QueryServiceClient<Chann
         .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES))
 }
 
+/// The runtime a query runs on: one thread, IO and timers. A client's
+/// connection lives on the runtime that made it, so a caller with several
+/// queries keeps one.
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
 pub(super) fn block_on<T>(
     f: impl std::future::Future<Output = anyhow::Result<T>>,
 ) -> anyhow::Result<T> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?
-        .block_on(f)
+    runtime()?.block_on(f)
 }
 
 pub(super) fn status_err(s: tonic::Status) -> anyhow::Error {

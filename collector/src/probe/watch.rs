@@ -3,12 +3,13 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use oomscope_agent_core::pb;
 use pb::query_service_client::QueryServiceClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::report::MemoryAt;
+use crate::cli::query;
 
 pub struct Watch {
     rt: tokio::runtime::Runtime,
@@ -18,19 +19,9 @@ pub struct Watch {
 
 impl Watch {
     pub fn connect(url: &str, agent: &str) -> Result<Watch> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let channel = rt
-            .block_on(
-                Endpoint::from_shared(url.to_string())
-                    .with_context(|| format!("`{url}` is not a collector URL"))?
-                    .connect_timeout(Duration::from_secs(3))
-                    .connect(),
-            )
-            .with_context(|| format!("cannot reach the collector at {url}"))?;
-        let client = QueryServiceClient::new(channel)
-            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
+        // The runtime stays with the client: its connection lives there.
+        let rt = query::runtime()?;
+        let client = rt.block_on(query::client(url))?;
         Ok(Watch {
             rt,
             client,

@@ -37,23 +37,35 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
         time.sleep(0.3)
         s = oomscope.stats()
         assert s["acked"] == 0 and s["spooled"] > 0 and not s["connected"], s
+        print("agent", oomscope.agent_id())
         print("stopped", oomscope.stop(), oomscope.stop())
         """ % (col.url, str(tmp_path / "spool")))
     assert "stopped False False" in out, out
-    # A second process with the same spool root is another agent; the first
-    # one's messages stay in its spool. Start the collector, and a process that
-    # comes back with the collector present delivers live:
+    first = out.split("agent ")[1].split()[0]
+    # A second process with the same spool root is another agent: it delivers
+    # live, and it also delivers the first one's spool (whose process is gone),
+    # then deletes it.
     col.start()
     try:
         out = run_py("""
-            import time, torch, oomscope
-            oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05)
+            import os, time, torch, oomscope
+            oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05, spool_dir=%r)
             for i in range(3):
                 with oomscope.request(id="q%%d" %% i, prompt_tokens=7, max_tokens=2) as r:
                     r.output_tokens = 2
             assert oomscope.flush(10), oomscope.stats()
+            deadline = time.monotonic() + 20
+            while len(os.listdir(%r)) > 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            print("spools", len(os.listdir(%r)))
             print("agent", oomscope.agent_id())
-            """ % col.url)
+            """ % (col.url, str(tmp_path / "spool"), str(tmp_path / "spool"), str(tmp_path / "spool")))
+        assert "spools 1" in out, out
+        t = col.timeline(first)
+        done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
+        assert done == [1, 2, 3, 4, 5], "the first process's spooled samples arrived"
+        state = [a["state"] for a in col.cli("agents", "--json") if a["id"] == first]
+        assert state == ["disconnected"], "its spooled Goodbye arrived too: %s" % state
         agent = out.split("agent ")[1].strip()
         t = col.timeline(agent)
         boundary = [s for s in t["samples"] if s["context"]["phase"] == "after_request"]

@@ -20,7 +20,7 @@ const T0: i64 = 1_700_000_000_000_000_000;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oom_and_deaths_raise_incidents_and_a_clean_exit_does_not() {
     let dir = tempfile::tempdir().unwrap();
-    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let run = start_in(&dir).await;
     // One agent hits a device OOM; another supervises children that die.
     let mut agent = run.agent(hello("agent-o", "frag")).await;
     agent.send(sample(1, T0 + 1)).await;
@@ -310,7 +310,7 @@ fn hello_bytes(agent_id: &str) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_messages_get_clear_errors_and_serving_goes_on() {
     let dir = tempfile::tempdir().unwrap();
-    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let run = start_in(&dir).await;
 
     // An Event field (4) that claims 5 bytes and carries 1.
     let malformed = raw_stream(

@@ -17,7 +17,7 @@ const T0: i64 = 1_700_000_000_000_000_000;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_samples_are_acked_after_storage_and_queryable() {
     let dir = tempfile::tempdir().unwrap();
-    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let run = start_in(&dir).await;
     let mut agent = run.agent(hello("agent-1", "llama-server")).await;
     for seq in 1..=100u64 {
         agent.send(sample(seq, T0 + seq as i64 * 1_000_000)).await;
@@ -46,15 +46,7 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
         (1..=100).collect::<Vec<_>>()
     );
 
-    let mut q = run.query().await;
-    let tl = q
-        .timeline(pb::TimelineRequest {
-            agent: "agent-1".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let tl = timeline(&run, "agent-1").await;
     assert_eq!(tl.hello.as_ref().unwrap().name, "llama-server");
     assert_eq!(tl.samples.len(), 100);
     for (i, ts) in tl.samples.iter().enumerate() {
@@ -62,11 +54,12 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
         let s = ts.sample.as_ref().unwrap();
         assert_eq!(ts.seq, seq);
         assert_eq!(s.time_ns, T0 + seq as i64 * 1_000_000);
-        assert_eq!(s.process.as_ref().unwrap().vm_rss_bytes, seq * MIB);
+        assert_eq!(rss(ts), seq * MIB);
         assert_eq!(s.allocator[0].allocated_bytes, seq * 8 * MIB);
     }
 
     // By name (the newest agent of that name), thinned to 10 points, with a range.
+    let mut q = run.query().await;
     let thin = q
         .timeline(pb::TimelineRequest {
             agent: "llama-server".into(),
@@ -151,7 +144,7 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resent_seqs_are_acked_again_and_stored_once() {
     let dir = tempfile::tempdir().unwrap();
-    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let run = start_in(&dir).await;
     let mut first = run.agent(hello("agent-r", "svc")).await;
     for seq in 1..=10u64 {
         first.send(sample(seq, T0 + seq as i64)).await;
@@ -177,30 +170,11 @@ async fn resent_seqs_are_acked_again_and_stored_once() {
         (1..=15).collect::<Vec<_>>()
     );
 
-    let tl = run
-        .query()
-        .await
-        .timeline(pb::TimelineRequest {
-            agent: "agent-r".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let tl = timeline(&run, "agent-r").await;
     assert_eq!(tl.samples.len(), 15);
     // The first write wins: seq 7 keeps the RSS it was first stored with.
     let seven = tl.samples.iter().find(|s| s.seq == 7).unwrap();
-    assert_eq!(
-        seven
-            .sample
-            .as_ref()
-            .unwrap()
-            .process
-            .as_ref()
-            .unwrap()
-            .vm_rss_bytes,
-        7 * MIB
-    );
+    assert_eq!(rss(seven), 7 * MIB);
     assert_eq!(agent_summary(&run, "agent-r").await.last_seq, 15);
     run.stop().await;
 }
@@ -208,7 +182,7 @@ async fn resent_seqs_are_acked_again_and_stored_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_message_must_be_hello() {
     let dir = tempfile::tempdir().unwrap();
-    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let run = start_in(&dir).await;
     let mut client = pb::agent_service_client::AgentServiceClient::new(run.channel().await);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(sample(1, T0)).await.unwrap();
@@ -243,7 +217,7 @@ async fn first_message_must_be_hello() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn directives_reach_a_connected_agent() {
     let dir = tempfile::tempdir().unwrap();
-    let run = start(&dir.path().join("c.db"), Duration::from_secs(5)).await;
+    let run = start_in(&dir).await;
     let mut agent = run.agent(hello("agent-d", "svc")).await;
     agent.send(sample(1, T0)).await;
     agent.acks_covering(&BTreeSet::from([1]), |_| {}).await;
@@ -290,28 +264,9 @@ async fn data_survives_a_restart_on_the_same_file() {
         (summary.samples, summary.events, summary.last_seq),
         (20, 1, 21)
     );
-    let tl = run
-        .query()
-        .await
-        .timeline(pb::TimelineRequest {
-            agent: "persist".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let tl = timeline(&run, "persist").await;
     assert_eq!(tl.samples.len(), 20);
-    assert_eq!(
-        tl.samples[19]
-            .sample
-            .as_ref()
-            .unwrap()
-            .process
-            .as_ref()
-            .unwrap()
-            .vm_rss_bytes,
-        20 * MIB
-    );
+    assert_eq!(rss(&tl.samples[19]), 20 * MIB);
     assert_eq!(tl.events.len(), 1);
     let kinds: Vec<String> = incidents(&run, "agent-p")
         .await

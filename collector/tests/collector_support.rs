@@ -27,6 +27,11 @@ pub struct Running {
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
+/// Starts a collector over a fresh `c.db` in `dir`, with a 5 s lost grace.
+pub async fn start_in(dir: &tempfile::TempDir) -> Running {
+    start(&dir.path().join("c.db"), Duration::from_secs(5)).await
+}
+
 /// Starts a collector on an ephemeral loopback port over `db`.
 pub async fn start(db: &Path, lost_grace: Duration) -> Running {
     start_with(db, lost_grace, oomscope::fleet::FleetPolicy::default()).await
@@ -251,6 +256,28 @@ pub async fn incidents(run: &Running, agent: &str) -> Vec<pb::Incident> {
         .expect("Incidents")
         .into_inner()
         .incidents
+}
+
+/// The whole timeline of an agent (by id, or the newest of a name).
+pub async fn timeline(run: &Running, agent: &str) -> pb::TimelineResponse {
+    run.query()
+        .await
+        .timeline(pb::TimelineRequest {
+            agent: agent.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("Timeline")
+        .into_inner()
+}
+
+/// The RSS a stored sample carries (what [`sample`] encodes its seq in).
+pub fn rss(s: &pb::TimedSample) -> u64 {
+    s.sample
+        .as_ref()
+        .and_then(|s| s.process.as_ref())
+        .expect("a sample with process memory")
+        .vm_rss_bytes
 }
 
 pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {

@@ -179,6 +179,13 @@ fn service(store: &Arc<Store>) -> TestCollector {
     }
 }
 
+/// A plain collector at `addr`, and what it stores.
+fn collector_up(addr: SocketAddr) -> (Arc<Store>, Collector) {
+    let store = Arc::new(Store::default());
+    let collector = Collector::start(addr, service(&store));
+    (store, collector)
+}
+
 /// A loopback port nobody listens on (bound, then released).
 fn reserved_port() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -191,6 +198,14 @@ fn config(addr: SocketAddr) -> ReporterConfig {
         backoff_initial: Duration::from_millis(20),
         backoff_max: Duration::from_millis(200),
         ..ReporterConfig::new(format!("http://{addr}"))
+    }
+}
+
+/// [`config`] with a spool in `dir`.
+fn spooled(addr: SocketAddr, dir: &std::path::Path) -> ReporterConfig {
+    ReporterConfig {
+        spool_dir: Some(dir.to_path_buf()),
+        ..config(addr)
     }
 }
 
@@ -244,6 +259,23 @@ fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Sends `samples` while no collector listens, and waits until the spool
+/// holds them all.
+fn spool_offline(reporter: &Reporter, samples: Vec<pb::Sample>, timeout: Duration) {
+    let n = samples.len() as u64;
+    for s in samples {
+        assert!(reporter.send_sample(s));
+    }
+    wait_until(&format!("{n} spooled"), timeout, || {
+        reporter.stats().spooled == n
+    });
+}
+
+/// Fails the test unless everything sent is acked within `timeout`.
+fn assert_flushes(reporter: &Reporter, timeout: Duration) {
+    assert!(reporter.flush(timeout), "flush: {:?}", reporter.stats());
+}
+
 #[test]
 fn five_hundred_samples_are_all_acked_exactly_once() {
     let store = Arc::new(Store::default());
@@ -272,11 +304,7 @@ fn five_hundred_samples_are_all_acked_exactly_once() {
             "queue of 4096 refused sample {step}"
         );
     }
-    assert!(
-        reporter.flush(Duration::from_secs(30)),
-        "flush: {:?}",
-        reporter.stats()
-    );
+    assert_flushes(&reporter, Duration::from_secs(30));
 
     assert_eq!(store.seqs("steady"), (1..=500).collect::<Vec<_>>());
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
@@ -315,7 +343,6 @@ fn five_hundred_samples_are_all_acked_exactly_once() {
 
 #[test]
 fn collector_down_at_start_then_up_gets_everything_in_order() {
-    let store = Arc::new(Store::default());
     let addr = reserved_port();
     let reporter = Reporter::start(config(addr), hello("late"));
     for step in 1..=200 {
@@ -328,12 +355,8 @@ fn collector_down_at_start_then_up_gets_everything_in_order() {
     });
     assert!(reporter.stats().last_error.is_some());
 
-    let _collector = Collector::start(addr, service(&store));
-    assert!(
-        reporter.flush(Duration::from_secs(30)),
-        "flush: {:?}",
-        reporter.stats()
-    );
+    let (store, _collector) = collector_up(addr);
+    assert_flushes(&reporter, Duration::from_secs(30));
     // Exactly once, and in seq order: the first stream carried them all.
     assert_eq!(
         *store.arrivals.lock().unwrap(),
@@ -376,11 +399,7 @@ fn collector_killed_mid_stream_and_restarted_loses_nothing() {
     });
 
     let _collector = Collector::start(addr, slow(&store));
-    assert!(
-        reporter.flush(Duration::from_secs(60)),
-        "flush: {:?}",
-        reporter.stats()
-    );
+    assert_flushes(&reporter, Duration::from_secs(60));
     assert_eq!(store.seqs("bumpy"), (1..=400).collect::<Vec<_>>());
     assert_contents(&store, "bumpy");
     let stats = reporter.stats();
@@ -426,35 +445,25 @@ fn a_full_queue_refuses_at_once_and_counts_the_drops() {
 fn a_crashed_agents_spool_is_resent_by_the_next_run() {
     let spool = tempfile::tempdir().unwrap();
     let down = reserved_port();
-    let cfg = |addr: SocketAddr| ReporterConfig {
-        spool_dir: Some(spool.path().to_path_buf()),
-        ..config(addr)
-    };
     {
-        let first = Reporter::start(cfg(down), hello("phoenix"));
-        for step in 1..=50 {
-            assert!(first.send_sample(sample(step)));
-        }
-        wait_until("50 spooled", Duration::from_secs(10), || {
-            first.stats().spooled == 50
-        });
+        let first = Reporter::start(spooled(down, spool.path()), hello("phoenix"));
+        spool_offline(
+            &first,
+            (1..=50).map(sample).collect(),
+            Duration::from_secs(10),
+        );
         assert_eq!(first.stats().acked, 0);
         // Dropped without flush or Goodbye, as a crash would leave it.
     }
 
-    let store = Arc::new(Store::default());
     let addr = reserved_port();
-    let _collector = Collector::start(addr, service(&store));
-    let second = Reporter::start(cfg(addr), hello("phoenix"));
+    let (store, _collector) = collector_up(addr);
+    let second = Reporter::start(spooled(addr, spool.path()), hello("phoenix"));
     // The new run continues the sequence after the old one's.
     for step in 51..=60 {
         assert!(second.send_sample(sample(step)));
     }
-    assert!(
-        second.flush(Duration::from_secs(30)),
-        "flush: {:?}",
-        second.stats()
-    );
+    assert_flushes(&second, Duration::from_secs(30));
     assert_eq!(store.seqs("phoenix"), (1..=60).collect::<Vec<_>>());
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
     assert_contents(&store, "phoenix");
@@ -470,16 +479,9 @@ fn a_crashed_agents_spool_is_resent_by_the_next_run() {
 #[test]
 fn an_urgent_oom_event_is_spooled_and_acked() {
     let spool = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::default());
     let addr = reserved_port();
-    let _collector = Collector::start(addr, service(&store));
-    let reporter = Reporter::start(
-        ReporterConfig {
-            spool_dir: Some(spool.path().to_path_buf()),
-            ..config(addr)
-        },
-        hello("urgent"),
-    );
+    let (store, _collector) = collector_up(addr);
+    let reporter = Reporter::start(spooled(addr, spool.path()), hello("urgent"));
     let oom = pb::Event {
         time_ns: 1,
         kind: Some(pb::event::Kind::Oom(pb::Oom {
@@ -520,26 +522,19 @@ fn over_the_memory_bound_the_backlog_is_reread_from_the_spool() {
     let addr = reserved_port();
     let reporter = Reporter::start(
         ReporterConfig {
-            spool_dir: Some(spool.path().to_path_buf()),
             // About 8 messages in memory; the other 292 only on disk.
             unacked_max_bytes: 2048,
-            ..config(addr)
+            ..spooled(addr, spool.path())
         },
         hello("thrifty"),
     );
-    for step in 1..=300 {
-        assert!(reporter.send_sample(bulky_sample(step)));
-    }
-    wait_until("300 spooled", Duration::from_secs(10), || {
-        reporter.stats().spooled == 300
-    });
-    let store = Arc::new(Store::default());
-    let _collector = Collector::start(addr, service(&store));
-    assert!(
-        reporter.flush(Duration::from_secs(30)),
-        "flush: {:?}",
-        reporter.stats()
+    spool_offline(
+        &reporter,
+        (1..=300).map(bulky_sample).collect(),
+        Duration::from_secs(10),
     );
+    let (store, _collector) = collector_up(addr);
+    assert_flushes(&reporter, Duration::from_secs(30));
     assert_eq!(
         *store.arrivals.lock().unwrap(),
         (1..=300).collect::<Vec<_>>()
@@ -555,26 +550,19 @@ fn over_the_spool_bound_the_oldest_are_dropped_and_counted() {
     let addr = reserved_port();
     let reporter = Reporter::start(
         ReporterConfig {
-            spool_dir: Some(spool.path().to_path_buf()),
             spool_max_bytes: 64 * 1024,
             unacked_max_bytes: 2048,
-            ..config(addr)
+            ..spooled(addr, spool.path())
         },
         hello("squeezed"),
     );
-    for step in 1..=1000 {
-        assert!(reporter.send_sample(bulky_sample(step)));
-    }
-    wait_until("1000 spooled", Duration::from_secs(20), || {
-        reporter.stats().spooled == 1000
-    });
-    let store = Arc::new(Store::default());
-    let _collector = Collector::start(addr, service(&store));
-    assert!(
-        reporter.flush(Duration::from_secs(30)),
-        "flush: {:?}",
-        reporter.stats()
+    spool_offline(
+        &reporter,
+        (1..=1000).map(bulky_sample).collect(),
+        Duration::from_secs(20),
     );
+    let (store, _collector) = collector_up(addr);
+    assert_flushes(&reporter, Duration::from_secs(30));
     let stats = reporter.stats();
     let stored = store.seqs("squeezed");
     // 1000 x ~250 bytes cannot fit in 64 KiB: the oldest went, the newest
@@ -610,11 +598,7 @@ fn without_a_spool_the_memory_bound_drops_the_oldest_and_counts_them() {
     for step in 1..=300 {
         assert!(reporter.send_sample(bulky_sample(step)));
     }
-    assert!(
-        reporter.flush(Duration::from_secs(30)),
-        "flush: {:?}",
-        reporter.stats()
-    );
+    assert_flushes(&reporter, Duration::from_secs(30));
     let stats = reporter.stats();
     let stored = store.seqs("forgetful");
     assert!(stats.dropped > 0, "{stats:?}");

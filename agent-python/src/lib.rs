@@ -371,6 +371,18 @@ fn convert_memory_stats<'py>(
         .transpose()
 }
 
+/// Benchmarks only: the mean microseconds of the live path's conversion of
+/// a counters dict (flat or nested) into AllocatorStats, with the GIL held,
+/// as a sample does it (no Python objects made for the result).
+#[pyfunction]
+fn bench_stats_conversion(stats: &Bound<'_, PyAny>, n: u32) -> f64 {
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(torchread::stats_from_dict(stats, 0, Some((1, 2))));
+    }
+    t0.elapsed().as_secs_f64() * 1e6 / f64::from(n.max(1))
+}
+
 /// The live agent's summary of a `memory._snapshot()` dict.
 #[pyfunction]
 #[pyo3(signature = (snapshot, device = 0))]
@@ -434,6 +446,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(query_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(convert_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_stats_conversion, m)?)?;
     m.add_function(wrap_pyfunction!(summarize_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(query_agents, m)?)?;
     Ok(())

@@ -27,10 +27,23 @@ pub fn current_device(cuda: &Bound<'_, PyAny>) -> i32 {
         .unwrap_or(0)
 }
 
-/// `memory_stats(device)` and `mem_get_info(device)` as AllocatorStats,
+/// The allocator's counters and `mem_get_info(device)` as AllocatorStats,
 /// through the same function `oomscope replay` uses.
+///
+/// The counters come from the nested dict torch builds in C++
+/// (`torch._C._cuda_memoryStats`, what `memory_stats()` itself calls),
+/// flattened here: `memory_stats()` flattens and sorts its ~120 entries in
+/// Python, the larger part of a sample's GIL time (66 us of Python on the
+/// CI machine, see BENCHMARKS.md). Falls back to `memory_stats()` should a
+/// torch lack the private call.
 pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::AllocatorStats> {
-    let stats = cuda.call_method1("memory_stats", (device,)).ok()?;
+    let nested = torch_c(cuda.py())
+        .and_then(|c| c.call_method1("_cuda_memoryStats", (device,)).ok())
+        .filter(|d| d.is_instance_of::<PyDict>());
+    let stats = match nested {
+        Some(d) => d,
+        None => cuda.call_method1("memory_stats", (device,)).ok()?,
+    };
     let info = cuda
         .call_method1("mem_get_info", (device,))
         .and_then(|t| t.extract::<(u64, u64)>())
@@ -38,8 +51,16 @@ pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::Alloc
     stats_from_dict(&stats, device, info)
 }
 
-/// A `memory_stats()` dict (and `mem_get_info()`) as AllocatorStats: the
-/// live path, also reachable from Python to compare with a replay.
+/// `torch._C`, when torch is imported.
+fn torch_c(py: Python<'_>) -> Option<Bound<'_, PyAny>> {
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    let torch = modules.cast::<PyDict>().ok()?.get_item("torch").ok()??;
+    torch.getattr("_C").ok()
+}
+
+/// A `memory_stats()` dict, or the nested one torch's C++ returns, (and
+/// `mem_get_info()`) as AllocatorStats: the live path, also reachable from
+/// Python to compare with a replay.
 pub fn stats_from_dict(
     stats: &Bound<'_, PyAny>,
     device: i32,
@@ -47,15 +68,32 @@ pub fn stats_from_dict(
 ) -> Option<pb::AllocatorStats> {
     let dict = stats.cast::<PyDict>().ok()?;
     let mut map = BTreeMap::new();
+    flatten(dict, &mut String::new(), &mut map);
+    Some(torch::allocator_stats(device, &map, info))
+}
+
+/// `{"a": {"b": 1}, "c": 2}` as `a.b = 1, c = 2`, the keys `memory_stats()`
+/// gives; a flat dict comes out as it went in. Non-integer leaves are skipped.
+fn flatten(dict: &Bound<'_, PyDict>, prefix: &mut String, out: &mut BTreeMap<String, i64>) {
+    let len = prefix.len();
     for (k, v) in dict.iter() {
-        let (Ok(k), Ok(v)) = (k.cast::<PyString>(), v.extract::<i64>()) else {
+        let Ok(k) = k.cast::<PyString>() else {
             continue;
         };
-        if let Ok(k) = k.extract::<String>() {
-            map.insert(k, v);
+        let Ok(k) = k.to_cow() else {
+            continue;
+        };
+        if len > 0 {
+            prefix.push('.');
         }
+        prefix.push_str(&k);
+        if let Ok(inner) = v.cast::<PyDict>() {
+            flatten(inner, prefix, out);
+        } else if let Ok(v) = v.extract::<i64>() {
+            out.insert(prefix.clone(), v);
+        }
+        prefix.truncate(len);
     }
-    Some(torch::allocator_stats(device, &map, info))
 }
 
 /// Stats of the current device (one entry, or none without CUDA).

@@ -94,3 +94,39 @@ def test_replay_holds_the_capture_intact(collector, name):
             live_stats = native.convert_memory_stats(ms, 0, (info["free"], info["total"]) if info else None)
             stored = samples[len(timeline) - 1]["allocator"][0]
             assert live_stats == stored
+
+
+def nest(flat):
+    """`memory_stats()`'s dotted keys back into the nested dict torch's C++
+    (`torch._C._cuda_memoryStats`) returns."""
+    nested = {}
+    for key, value in flat.items():
+        *path, leaf = key.split(".")
+        d = nested
+        for p in path:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    return nested
+
+
+def test_the_nested_read_gives_what_memory_stats_gives(monkeypatch):
+    """The live agent flattens torch's nested dict itself (cheaper than
+    `memory_stats()` doing it in Python): the result must be what torch's
+    own `memory_stats()` flattening yields, for every fixture's stats."""
+    import torch.cuda.memory as tcm
+
+    seen = 0
+    for name in FILES:
+        for step in load(name).get("timeline", []):
+            flat = step.get("memory_stats")
+            if not flat:
+                continue
+            nested = nest(flat)
+            monkeypatch.setattr(tcm, "memory_stats_as_nested_dict", lambda device=None, n=nested: n)
+            torch_flat = tcm.memory_stats(0)
+            assert dict(torch_flat) == flat, name
+            ours = native.convert_memory_stats(nested, 0, (1, 2))
+            assert ours == native.convert_memory_stats(torch_flat, 0, (1, 2)), name
+            assert ours["allocated_bytes"] == flat["allocated_bytes.all.current"]
+            seen += 1
+    assert seen >= 20, seen

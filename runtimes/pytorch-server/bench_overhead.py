@@ -62,12 +62,43 @@ def gil_cost(n):
         with oomscope.request(id=str(i), prompt_tokens=16, max_tokens=8) as r:
             r.output_tokens = 8
     request_us = (time.perf_counter_ns() - t0) / n / 1e3
+    convert = stats_conversion_cost(n)
     c0 = time.perf_counter_ns()
     census = oomscope.census(budget_s=5)
     census_ms = (time.perf_counter_ns() - c0) / 1e6
     oomscope.stop()
     return {"gil_per_sample_us": sample_us, "request_context_us": request_us, "census_ms": census_ms,
-            "census_objects": census["objects_scanned"], "cuda": torch.cuda.is_available()}
+            "census_objects": census["objects_scanned"], "cuda": torch.cuda.is_available(), **convert}
+
+
+def stats_conversion_cost(n):
+    """The allocator counters' share of a sample, without a GPU: the nested
+    dict torch's C++ returns (a real H200 capture's counters), turned into
+    AllocatorStats through torch's `memory_stats()` flattening (the old path)
+    or flattened by the agent itself (the live path)."""
+    import torch.cuda.memory as tcm
+    from oomscope import _native
+    path = os.path.join(HERE, "..", "..", "tests", "fixtures", "torch-h200", "kv_concurrency_oom.json")
+    flat = json.load(open(path))["timeline"][-1]["memory_stats"]
+    nested = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        d = nested
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    real = tcm.memory_stats_as_nested_dict
+    tcm.memory_stats_as_nested_dict = lambda device=None: nested
+    try:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            tcm.memory_stats(0)
+        torch_flatten = (time.perf_counter_ns() - t0) / n / 1e3
+    finally:
+        tcm.memory_stats_as_nested_dict = real
+    return {"stats_via_memory_stats_us": torch_flatten + _native.bench_stats_conversion(flat, n),
+            "stats_flattened_by_agent_us": _native.bench_stats_conversion(nested, n),
+            "stats_entries": len(flat)}
 
 
 def main():

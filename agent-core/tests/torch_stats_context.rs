@@ -2,39 +2,14 @@
 //! the real H200 captures in tests/fixtures/torch-h200 and hand-made edge cases.
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::path::PathBuf;
 
 use oomscope_agent_core::pb;
 use oomscope_agent_core::torch;
 use serde_json::{json, Map, Value};
+use torch_h200::assert_context_key;
 
-fn fixtures() -> Vec<(String, Value)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/torch-h200");
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(&dir).expect("fixture folder") {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let bytes = std::fs::read(&path).unwrap();
-        let text = if name.ends_with(".gz") {
-            let mut s = String::new();
-            flate2::read::GzDecoder::new(&bytes[..])
-                .read_to_string(&mut s)
-                .unwrap();
-            s
-        } else {
-            String::from_utf8(bytes).unwrap()
-        };
-        out.push((name, serde_json::from_str(&text).unwrap()));
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(
-        out.len() >= 14,
-        "expected every fixture, found {}",
-        out.len()
-    );
-    out
-}
+#[path = "../../tests/support/torch_h200.rs"]
+mod torch_h200;
 
 fn timeline(v: &Value) -> &[Value] {
     v.get("timeline")
@@ -46,7 +21,7 @@ fn timeline(v: &Value) -> &[Value] {
 #[test]
 fn allocator_stats_match_every_fixture_sample() {
     let mut checked = 0;
-    for (name, capture) in fixtures() {
+    for (name, capture) in torch_h200::captures() {
         for (i, entry) in timeline(&capture).iter().enumerate() {
             let ms = entry["memory_stats"].as_object().unwrap();
             let stats = torch::allocator_stats_from_json(0, ms, entry.get("mem_get_info"));
@@ -141,58 +116,15 @@ fn allocator_stats_tolerate_odd_numbers() {
     );
 }
 
-/// Where a context key must land: its field (same value), `numbers` or `labels`.
-fn assert_lands(ctx: &pb::RequestContext, key: &str, val: &Value, origin: &str) {
-    let field = match key {
-        "phase" => Some(Value::from(ctx.phase.clone())),
-        "request_id" => Some(Value::from(ctx.request_id.clone())),
-        "prompt_tokens" => Some(ctx.prompt_tokens.into()),
-        "output_tokens" => Some(ctx.output_tokens.into()),
-        "active_sequences" => Some(ctx.active_sequences.into()),
-        "active_tokens" => Some(ctx.active_tokens.into()),
-        "queued" => Some(ctx.queued.into()),
-        "batch_size" => Some(ctx.batch_size.into()),
-        "kv_bytes" | "kv_cache_bytes" => Some(ctx.kv_cache_bytes.into()),
-        "kv_cache_capacity_bytes" => Some(ctx.kv_cache_capacity_bytes.into()),
-        "requests_done" => Some(ctx.requests_done.into()),
-        "live_tensors" => Some(ctx.live_tensors.into()),
-        "live_tensor_bytes" => Some(ctx.live_tensor_bytes.into()),
-        "weight_bytes" => Some(ctx.weight_bytes.into()),
-        "loaded_bytes" => Some(ctx.loaded_bytes.into()),
-        _ => None,
-    };
-    if field.as_ref() == Some(val) {
-        return;
-    }
-    if let (Some(f), Some(want)) = (field.as_ref().and_then(Value::as_f64), val.as_f64()) {
-        if f == want && !ctx.numbers.contains_key(key) {
-            return;
-        }
-    }
-    if let (Some(n), Some(want)) = (ctx.numbers.get(key), val.as_f64()) {
-        assert_eq!(*n, want, "{origin}: numbers[{key}]");
-        return;
-    }
-    let text = match val {
-        Value::String(s) => s.clone(),
-        v => v.to_string(),
-    };
-    assert_eq!(
-        ctx.labels.get(key),
-        Some(&text),
-        "{origin}: context key {key} = {val} landed nowhere"
-    );
-}
-
 #[test]
 fn every_fixture_context_key_lands_somewhere() {
     let mut keys = std::collections::BTreeSet::new();
-    for (name, capture) in fixtures() {
+    for (name, capture) in torch_h200::captures() {
         for (i, entry) in timeline(&capture).iter().enumerate() {
             let raw = entry["context"].as_object().unwrap();
             let ctx = torch::request_context(raw);
             for (k, v) in raw {
-                assert_lands(&ctx, k, v, &format!("{name}[{i}]"));
+                assert_context_key(&ctx, k, v, &format!("{name}[{i}]"));
                 keys.insert(k.clone());
             }
         }
@@ -238,7 +170,7 @@ fn request_context_fields_numbers_and_labels() {
     assert_eq!(ctx.labels["flag"], "true");
     assert_eq!(ctx.labels["gone"], "null");
     for (k, v) in raw {
-        assert_lands(&ctx, k, v, "hand-made");
+        assert_context_key(&ctx, k, v, "hand-made");
     }
     assert_eq!(
         torch::request_context(&Map::new()),
@@ -249,7 +181,7 @@ fn request_context_fields_numbers_and_labels() {
 #[test]
 fn tried_to_allocate_reads_every_fixture_error_text() {
     let mut checked = 0;
-    for (name, capture) in fixtures() {
+    for (name, capture) in torch_h200::captures() {
         let (Some(oom), Some(error)) = (capture["oom"].as_object(), capture["error"].as_object())
         else {
             continue;
@@ -341,7 +273,7 @@ fn oom_event_prefers_the_observer_and_keeps_the_text() {
 
 #[test]
 fn allocator_settings_from_snapshots_and_conf_strings() {
-    for (name, capture) in fixtures() {
+    for (name, capture) in torch_h200::captures() {
         let Some(raw) = capture
             .get("final_snapshot")
             .and_then(|s| s.get("allocator_settings"))

@@ -1,61 +1,23 @@
 //! Every real H200 capture read back as an agent's stream, each message checked
 //! against numbers taken straight from the file.
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
-
 use oomscope::capture::{self, Capture, CaptureItem};
 use oomscope::pb;
 use oomscope::pb::event::Kind;
 use serde_json::Value;
 
+#[path = "../../tests/support/torch_h200.rs"]
+mod torch_h200;
+
 const BASE_NS: i64 = 1_790_000_000_000_000_000;
 const MIB: u64 = 1 << 20;
 
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/torch-h200")
-}
-
-fn fixture_paths() -> Vec<PathBuf> {
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(fixture_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    paths.sort();
-    assert_eq!(
-        paths.len(),
-        14,
-        "every capture of tests/fixtures/torch-h200"
-    );
-    paths
-}
-
-fn fixture_path(name: &str) -> PathBuf {
-    let plain = fixture_dir().join(format!("{name}.json"));
-    if plain.exists() {
-        plain
-    } else {
-        fixture_dir().join(format!("{name}.json.gz"))
-    }
-}
-
-/// The file's JSON, read independently of the code under test.
-fn raw_json(path: &Path) -> Value {
-    let bytes = std::fs::read(path).unwrap();
-    let mut text = String::new();
-    if path.extension().is_some_and(|e| e == "gz") {
-        flate2::read::GzDecoder::new(&bytes[..])
-            .read_to_string(&mut text)
-            .unwrap();
-    } else {
-        text = String::from_utf8(bytes).unwrap();
-    }
-    serde_json::from_str(&text).unwrap()
-}
-
 fn load(name: &str) -> (Capture, Value) {
-    let path = fixture_path(name);
-    (capture::load(&path, BASE_NS).unwrap(), raw_json(&path))
+    let path = torch_h200::scenario(name);
+    (
+        capture::load(&path, BASE_NS).unwrap(),
+        torch_h200::read(&path),
+    )
 }
 
 fn ooms(c: &Capture) -> Vec<(f64, &pb::Oom)> {
@@ -88,44 +50,11 @@ fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a u64: {v}"))
 }
 
-/// Where a context key must land: its field (same value), `numbers` or `labels`.
-fn assert_context_key(ctx: &pb::RequestContext, key: &str, val: &Value, origin: &str) {
-    let field: Option<Value> = match key {
-        "phase" => Some(ctx.phase.clone().into()),
-        "request_id" => Some(ctx.request_id.clone().into()),
-        "active_sequences" => Some(ctx.active_sequences.into()),
-        "active_tokens" => Some(ctx.active_tokens.into()),
-        "kv_bytes" => Some(ctx.kv_cache_bytes.into()),
-        "requests_done" => Some(ctx.requests_done.into()),
-        "live_tensors" => Some(ctx.live_tensors.into()),
-        "live_tensor_bytes" => Some(ctx.live_tensor_bytes.into()),
-        "weight_bytes" => Some(ctx.weight_bytes.into()),
-        "loaded_bytes" => Some(ctx.loaded_bytes.into()),
-        _ => None,
-    };
-    if field.as_ref() == Some(val) {
-        return;
-    }
-    if let Some(n) = ctx.numbers.get(key) {
-        assert_eq!(Some(*n), val.as_f64(), "{origin}: numbers[{key}]");
-        return;
-    }
-    let text = val
-        .as_str()
-        .map(str::to_string)
-        .unwrap_or_else(|| val.to_string());
-    assert_eq!(
-        ctx.labels.get(key),
-        Some(&text),
-        "{origin}: context key {key} landed nowhere"
-    );
-}
-
 #[test]
 fn every_capture_replays_sample_for_sample() {
-    for path in fixture_paths() {
+    for path in torch_h200::paths() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let raw = raw_json(&path);
+        let raw = torch_h200::read(&path);
         let cap = capture::load(&path, BASE_NS).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         assert_eq!(cap.scenario, raw["scenario"].as_str().unwrap(), "{name}");
         assert_eq!(cap.hello.name, cap.scenario);
@@ -233,7 +162,7 @@ fn every_capture_replays_sample_for_sample() {
             );
             let ctx = s.context.as_ref().unwrap();
             for (k, v) in e["context"].as_object().unwrap() {
-                assert_context_key(ctx, k, v, &format!("{name}[{i}]"));
+                torch_h200::assert_context_key(ctx, k, v, &format!("{name}[{i}]"));
             }
             match e.get("host") {
                 Some(h) => {
@@ -507,10 +436,10 @@ fn driver_and_nvml_and_perf_anchor_are_facts_not_timelines() {
 fn gzipped_and_plain_captures_read_alike() {
     let dir = tempfile::tempdir().unwrap();
     // A gzipped fixture written out plain, and a plain one gzipped.
-    let gz = fixture_path("hf_concurrency");
+    let gz = torch_h200::scenario("hf_concurrency");
     let plain_copy = dir.path().join("hf_concurrency.json");
-    std::fs::write(&plain_copy, raw_json(&gz).to_string()).unwrap();
-    let plain = fixture_path("fragmentation_oom");
+    std::fs::write(&plain_copy, torch_h200::read(&gz).to_string()).unwrap();
+    let plain = torch_h200::scenario("fragmentation_oom");
     let gz_copy = dir.path().join("fragmentation_oom.json.gz");
     let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     std::io::Write::write_all(&mut enc, &std::fs::read(&plain).unwrap()).unwrap();

@@ -5,32 +5,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::*;
 use oomscope_proto::v1 as pb;
 use serde_json::Value;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/torch-h200")
-        .join(name)
-}
-
-fn replay(col: &Collector, file: &Path, name: &str) {
-    let out = Command::new(bin())
-        .arg("replay")
-        .arg(file)
-        .args(["--collector", &col.url, "--name", name])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "replay {}: {}",
-        file.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// A variant of a capture: `edit` changes its JSON, and it is written to `dir`.
 fn variant(dir: &Path, from: &str, to: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
@@ -227,19 +205,7 @@ fn a_real_cgroup_kill_vanishes_under_a_higher_limit() {
     let alloc = ["python3", "-c", "b = bytearray(200 << 20); print(len(b))"];
     for (name, limit) in [("cg-small", 64u64 << 20), ("cg-large", 1u64 << 30)] {
         let cg = TestCgroup::create(None, name, Some(limit));
-        let mut cmd = cg.command(&[
-            bin(),
-            "run",
-            "--collector",
-            &col.url,
-            "--name",
-            name,
-            "--interval",
-            "50ms",
-            "--",
-        ]);
-        cmd.args(alloc);
-        let out = cmd.output().unwrap();
+        let out = cg.run(&col, name, &alloc);
         assert_eq!(
             out.status.success(),
             name == "cg-large",

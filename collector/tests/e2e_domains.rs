@@ -38,25 +38,17 @@ fn diagnose_only(col: &Collector, name: &str) -> Value {
     col.json(&["diagnose", &id])
 }
 
-fn run_in_cgroup(
-    col: &Collector,
-    cg: &TestCgroup,
-    name: &str,
-    cmd: &[&str],
-) -> std::process::Output {
-    let mut argv = vec![
-        bin(),
-        "run",
-        "--collector",
-        &col.url,
-        "--name",
-        name,
-        "--interval",
-        "50ms",
-        "--",
-    ];
-    argv.extend_from_slice(cmd);
-    cg.command(&argv).output().unwrap()
+/// 200 MiB allocated in `cg` (under a 64 MiB limit on its level or above):
+/// the kernel kills it (exit 137), and its incident is diagnosed.
+fn killed_in_cgroup(col: &Collector, cg: &TestCgroup, name: &str) -> Value {
+    let out = cg.run(col, name, &["python3", "-c", "bytearray(200<<20)"]);
+    assert_eq!(
+        out.status.code(),
+        Some(137),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    diagnose_only(col, name)
 }
 
 #[test]
@@ -64,20 +56,7 @@ fn cgroup_limit_on_own_level() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     let cg = TestCgroup::create(None, "oomscope-own", Some(64 * MIB));
-    let out = run_in_cgroup(
-        &col,
-        &cg,
-        "cg-own",
-        &["python3", "-c", "bytearray(200<<20)"],
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(137),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    let d = diagnose_only(&col, "cg-own");
+    let d = killed_in_cgroup(&col, &cg, "cg-own");
     assert_eq!(d["domain"], "cgroup", "{d:#}");
     assert_eq!(d["exit"]["signal"], 9);
     assert_eq!(d["cgroup"]["limit_bytes"], 67108864);
@@ -111,20 +90,7 @@ fn cgroup_limit_on_parent_level() {
     let col = Collector::start(&tmp.path().join("db"));
     let parent = TestCgroup::create(None, "oomscope-parent", Some(64 * MIB));
     let child = TestCgroup::create(Some(&parent), "leaf", None);
-    let out = run_in_cgroup(
-        &col,
-        &child,
-        "cg-parent",
-        &["python3", "-c", "bytearray(200<<20)"],
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(137),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    let d = diagnose_only(&col, "cg-parent");
+    let d = killed_in_cgroup(&col, &child, "cg-parent");
     assert_eq!(d["domain"], "cgroup", "{d:#}");
     assert_eq!(d["cgroup"]["limit_bytes"], 67108864);
     assert_eq!(

@@ -4,61 +4,19 @@
 
 mod common;
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::*;
 use oomscope_proto::v1 as pb;
-use serde_json::Value;
-
-fn fixtures() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/torch-h200");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.to_string_lossy().ends_with(".json") || p.to_string_lossy().ends_with(".json.gz")
-        })
-        .collect();
-    v.sort();
-    assert!(v.len() >= 14, "all 14 captures are in the repo");
-    v
-}
-
-fn read_json(p: &Path) -> Value {
-    let raw = std::fs::read(p).unwrap();
-    let text = if p.extension().is_some_and(|e| e == "gz") {
-        let mut s = String::new();
-        flate2::read::GzDecoder::new(&raw[..])
-            .read_to_string(&mut s)
-            .unwrap();
-        s
-    } else {
-        String::from_utf8(raw).unwrap()
-    };
-    serde_json::from_str(&text).unwrap()
-}
 
 #[test]
 fn every_capture_replays_with_its_numbers_intact() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    for path in fixtures() {
-        let file = read_json(&path);
+    for path in torch_h200::paths() {
+        let file = torch_h200::read(&path);
         let scenario = file["scenario"].as_str().unwrap().to_string();
-        let out = Command::new(bin())
-            .arg("replay")
-            .arg(&path)
-            .args(["--collector", &col.url, "--name", &scenario])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "replay {}: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        replay(&col, &path, &scenario);
 
         let t = timeline(&col.url, &scenario);
         let expected = file["timeline"].as_array().map(|a| a.len()).unwrap_or(0);
@@ -175,10 +133,7 @@ fn malformed_capture_is_a_clear_error_and_the_collector_keeps_serving() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.json"), "the error names the file: {err}");
-    let good = fixtures()
-        .into_iter()
-        .find(|p| p.ends_with("weights_too_large.json"))
-        .unwrap();
+    let good = fixture("weights_too_large.json");
     let out = Command::new(bin())
         .arg("replay")
         .arg(&good)

@@ -20,27 +20,6 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 const ALLOCATED_RGB: [u8; 3] = [0x1f, 0x77, 0xb4];
 const OOM_RGB: [u8; 3] = [0xd6, 0x27, 0x28];
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/torch-h200")
-        .join(name)
-}
-
-fn replay(col: &Collector, file: &Path, name: &str) {
-    let out = Command::new(bin())
-        .arg("replay")
-        .arg(file)
-        .args(["--collector", &col.url, "--name", name])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "replay {}: {}",
-        file.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn the_oom(t: &pb::TimelineResponse) -> pb::Oom {
     t.events
         .iter()

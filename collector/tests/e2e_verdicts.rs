@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -129,12 +127,6 @@ const EXPECTED: &[Expected] = &[
     },
 ];
 
-fn fixture(file: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/torch-h200")
-        .join(file)
-}
-
 fn scenario(file: &str) -> &str {
     file.trim_end_matches(".gz").trim_end_matches(".json")
 }
@@ -147,17 +139,7 @@ fn every_capture_gets_its_verdict_with_the_numbers_behind_it() {
     let mut failures = Vec::new();
     for exp in EXPECTED {
         let name = scenario(exp.file);
-        let out = Command::new(bin())
-            .arg("replay")
-            .arg(fixture(exp.file))
-            .args(["--collector", &col.url, "--name", name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "replay {name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        replay(&col, &fixture(exp.file), name);
         if exp.domain != "-" {
             let incidents = col.incidents_of(name, 1, Duration::from_secs(10));
             assert!(!incidents.is_empty(), "{name}: the OOM is an incident");
@@ -213,13 +195,7 @@ fn diagnose_since_includes_the_latest_incident_in_range() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     for file in ["kv_concurrency_oom.json", "leak_retained.json"] {
-        let out = Command::new(bin())
-            .arg("replay")
-            .arg(fixture(file))
-            .args(["--collector", &col.url, "--name", scenario(file)])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
+        replay(&col, &fixture(file), scenario(file));
     }
     col.incidents_of("kv_concurrency_oom", 1, Duration::from_secs(10));
     let d = col.json(&["diagnose", "--agent", "kv_concurrency_oom", "--since", "1h"]);

@@ -8,6 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The real H200 captures (shared with agent-core's tests).
+#[path = "../../../tests/support/torch_h200.rs"]
+pub mod torch_h200;
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_oomscope")
 }
@@ -136,23 +140,51 @@ impl Drop for Collector {
     }
 }
 
+/// `oomscope run`'s arguments before its own extra ones: report to `url` as
+/// `name`, sampling every 50 ms.
+fn run_args<'a>(url: &'a str, name: &'a str) -> [&'a str; 7] {
+    [
+        "run",
+        "--collector",
+        url,
+        "--name",
+        name,
+        "--interval",
+        "50ms",
+    ]
+}
+
 /// `oomscope run` with the given args before `--` and the command after it.
 pub fn run(url: &str, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
     Command::new(bin())
-        .args([
-            "run",
-            "--collector",
-            url,
-            "--name",
-            name,
-            "--interval",
-            "50ms",
-        ])
+        .args(run_args(url, name))
         .args(extra)
         .arg("--")
         .args(cmd)
         .output()
         .expect("oomscope run")
+}
+
+/// A capture of tests/fixtures/torch-h200 by its file name.
+pub fn fixture(name: &str) -> PathBuf {
+    torch_h200::file(name)
+}
+
+/// `oomscope replay` of a capture file into `col` as `name`; fails the test
+/// if the replay fails.
+pub fn replay(col: &Collector, file: &Path, name: &str) {
+    let out = Command::new(bin())
+        .arg("replay")
+        .arg(file)
+        .args(["--collector", &col.url, "--name", name])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "replay {}: {}",
+        file.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// One agent's whole timeline (every sample, every event) over the real gRPC QueryService.
@@ -194,31 +226,14 @@ pub struct TestCgroup {
 }
 
 impl TestCgroup {
-    /// Our own memory cgroup: (directory, path, version). None without a memory controller.
+    /// Our own memory cgroup: (directory, path, version), as the agent finds
+    /// it. None without a memory controller.
     pub fn own() -> Option<(PathBuf, String, &'static str)> {
-        let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-        for line in text.lines() {
-            let mut f = line.splitn(3, ':');
-            let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
-            if ctrls.split(',').any(|c| c == "memory") {
-                let dir = PathBuf::from("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
-                return dir.exists().then(|| (dir, path.to_string(), "v1"));
-            }
-        }
-        // Pure v2: the 0:: line, where the root lists the memory controller.
-        let controllers = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").ok()?;
-        if !controllers.split_whitespace().any(|c| c == "memory") {
-            return None;
-        }
-        let path = text
-            .lines()
-            .find_map(|l| l.strip_prefix("0::"))?
-            .to_string();
-        Some((
-            PathBuf::from("/sys/fs/cgroup").join(path.trim_start_matches('/')),
-            path,
-            "v2",
-        ))
+        use oomscope_agent_core::probe::{cgroup, HostPaths};
+        let cg = cgroup::locate(&HostPaths::system(), std::process::id())?;
+        cg.dir
+            .exists()
+            .then(|| (cg.dir, cg.path, cg.version.as_str()))
     }
 
     /// A child of `parent` (or of our own cgroup) with an optional limit.
@@ -264,6 +279,18 @@ impl TestCgroup {
             );
         }
         cg
+    }
+
+    /// [`run`] inside this cgroup: `oomscope run` reporting to `col` as `name`,
+    /// without extra args.
+    pub fn run(&self, col: &Collector, name: &str, cmd: &[&str]) -> Output {
+        let mut argv = vec![bin()];
+        argv.extend(run_args(&col.url, name));
+        argv.push("--");
+        argv.extend_from_slice(cmd);
+        self.command(&argv)
+            .output()
+            .expect("oomscope run in a cgroup")
     }
 
     /// `sh -c` that moves itself into this cgroup, then execs `argv`.

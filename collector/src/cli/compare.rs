@@ -1,7 +1,7 @@
 //! `oomscope compare A B`: two runs of one workload (incident ids or agent
 //! names), fetched from the collector and compared.
 
-use super::query::{block_on, client};
+use super::query::{block_on, client, show};
 use super::report::{fetch, Run, Which};
 use crate::compare::{self, Side};
 
@@ -13,12 +13,7 @@ pub fn run(url: &str, a: &str, b: &str, json: bool) -> anyhow::Result<i32> {
         Ok((ra, rb))
     })?;
     let cmp = compare::compare(&side(&ra), &side(&rb));
-    if json {
-        println!("{}", serde_json::to_string_pretty(&compare::to_json(&cmp))?);
-    } else {
-        print!("{}", compare::to_text(&cmp));
-    }
-    Ok(0)
+    show(json, || compare::to_json(&cmp), || compare::to_text(&cmp))
 }
 
 fn side(r: &Run) -> Side<'_> {

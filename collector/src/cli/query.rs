@@ -46,57 +46,84 @@ pub(super) fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{} ({:?})", s.message(), s.code())
 }
 
-pub fn agents(url: &str, json: bool) -> anyhow::Result<i32> {
-    let resp = block_on(async {
-        client(url)
-            .await?
-            .list_agents(pb::ListAgentsRequest {})
+/// One call to the collector at `url`: connect, `call`, and its answer.
+fn ask<T, Fut>(
+    url: &str,
+    call: impl FnOnce(QueryServiceClient<Channel>) -> Fut,
+) -> anyhow::Result<T>
+where
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    block_on(async {
+        let c = client(url).await?;
+        call(c)
             .await
+            .map(tonic::Response::into_inner)
             .map_err(status_err)
-    })?
-    .into_inner();
+    })
+}
+
+/// `--since`: that long before now, in epoch nanoseconds; 0 (everything) without it.
+fn since_ns(since: Option<Duration>) -> i64 {
+    since.map(|d| now_ns() - d.as_nanos() as i64).unwrap_or(0)
+}
+
+/// Prints the `--json` rendering or the text one.
+pub(super) fn show(
+    json: bool,
+    as_json: impl FnOnce() -> serde_json::Value,
+    as_text: impl FnOnce() -> String,
+) -> anyhow::Result<i32> {
     if json {
-        let v: Vec<_> = resp
-            .agents
-            .iter()
-            .map(|a| {
-                let h = a.hello.clone().unwrap_or_default();
-                json!({"id": h.agent_id, "name": h.name, "host": h.host, "pid": h.pid, "role": h.role,
-                       "runtime": h.runtime, "state": a.state, "first_seen_ns": a.first_seen_ns,
-                       "last_seen_ns": a.last_seen_ns, "samples": a.samples, "events": a.events, "last_seq": a.last_seq})
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        println!("{}", serde_json::to_string_pretty(&as_json())?);
     } else {
-        print!("{}", format::agents(&resp.agents));
+        print!("{}", as_text());
     }
     Ok(0)
 }
 
+pub fn agents(url: &str, json: bool) -> anyhow::Result<i32> {
+    let resp = ask(url, |mut c| async move {
+        c.list_agents(pb::ListAgentsRequest {}).await
+    })?;
+    show(
+        json,
+        || {
+            let v: Vec<_> = resp
+                .agents
+                .iter()
+                .map(|a| {
+                    let h = a.hello.clone().unwrap_or_default();
+                    json!({"id": h.agent_id, "name": h.name, "host": h.host, "pid": h.pid, "role": h.role,
+                           "runtime": h.runtime, "state": a.state, "first_seen_ns": a.first_seen_ns,
+                           "last_seen_ns": a.last_seen_ns, "samples": a.samples, "events": a.events, "last_seq": a.last_seq})
+                })
+                .collect();
+            json!(v)
+        },
+        || format::agents(&resp.agents),
+    )
+}
+
 pub fn incidents(url: &str, agent: Option<String>, json: bool) -> anyhow::Result<i32> {
-    let resp = block_on(async {
-        client(url)
-            .await?
-            .incidents(pb::IncidentsRequest {
-                agent: agent.unwrap_or_default(),
-            })
-            .await
-            .map_err(status_err)
-    })?
-    .into_inner();
-    if json {
-        let v: Vec<_> = resp
-            .incidents
-            .iter()
-            .map(|i| json!({"id": i.id, "agent": i.agent_name, "agent_id": i.agent_id, "kind": i.kind,
-                            "time_ns": i.time_ns, "domain": if i.domain.is_empty() { None } else { Some(&i.domain) },
-                            "summary": i.summary}))
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        print!("{}", format::incidents(&resp.incidents));
-    }
-    Ok(0)
+    let req = pb::IncidentsRequest {
+        agent: agent.unwrap_or_default(),
+    };
+    let resp = ask(url, |mut c| async move { c.incidents(req).await })?;
+    show(
+        json,
+        || {
+            let v: Vec<_> = resp
+                .incidents
+                .iter()
+                .map(|i| json!({"id": i.id, "agent": i.agent_name, "agent_id": i.agent_id, "kind": i.kind,
+                                "time_ns": i.time_ns, "domain": if i.domain.is_empty() { None } else { Some(&i.domain) },
+                                "summary": i.summary}))
+                .collect();
+            json!(v)
+        },
+        || format::incidents(&resp.incidents),
+    )
 }
 
 pub fn timeline(
@@ -106,29 +133,18 @@ pub fn timeline(
     max_points: u32,
     json: bool,
 ) -> anyhow::Result<i32> {
-    let from_ns = since.map(|d| now_ns() - d.as_nanos() as i64).unwrap_or(0);
-    let resp = block_on(async {
-        client(url)
-            .await?
-            .timeline(pb::TimelineRequest {
-                agent: agent.to_string(),
-                from_ns,
-                to_ns: 0,
-                max_points,
-            })
-            .await
-            .map_err(status_err)
-    })?
-    .into_inner();
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&format::timeline_json(&resp))?
-        );
-    } else {
-        print!("{}", format::timeline(&resp));
-    }
-    Ok(0)
+    let req = pb::TimelineRequest {
+        agent: agent.to_string(),
+        from_ns: since_ns(since),
+        to_ns: 0,
+        max_points,
+    };
+    let resp = ask(url, |mut c| async move { c.timeline(req).await })?;
+    show(
+        json,
+        || format::timeline_json(&resp),
+        || format::timeline(&resp),
+    )
 }
 
 pub fn diagnose(
@@ -138,27 +154,16 @@ pub fn diagnose(
     since: Option<Duration>,
     json: bool,
 ) -> anyhow::Result<i32> {
-    let from_ns = since.map(|d| now_ns() - d.as_nanos() as i64).unwrap_or(0);
-    let d = block_on(async {
-        client(url)
-            .await?
-            .diagnose(pb::DiagnoseRequest {
-                incident: incident.unwrap_or_default(),
-                agent: agent.unwrap_or_default(),
-                from_ns,
-                to_ns: 0,
-            })
-            .await
-            .map_err(status_err)
-    })?
-    .into_inner();
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&oomscope_analysis::to_json(&d))?
-        );
-    } else {
-        print!("{}", format::diagnosis(&d));
-    }
-    Ok(0)
+    let req = pb::DiagnoseRequest {
+        incident: incident.unwrap_or_default(),
+        agent: agent.unwrap_or_default(),
+        from_ns: since_ns(since),
+        to_ns: 0,
+    };
+    let d = ask(url, |mut c| async move { c.diagnose(req).await })?;
+    show(
+        json,
+        || oomscope_analysis::to_json(&d),
+        || format::diagnosis(&d),
+    )
 }

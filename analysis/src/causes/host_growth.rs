@@ -4,7 +4,7 @@
 //! bytes also let a smaller growth through than RSS alone would.
 
 use super::cause;
-use super::leak::growth_line;
+use super::leak::{growth_line, runway};
 use crate::census::{
     self, HeapGrowth, HeapVerdict, MIN_CENSUS_BYTES_PER_REQUEST, MIN_CENSUS_GROWTH_BYTES,
 };
@@ -67,15 +67,14 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         ));
     }
     if let Some((limit, name)) = host_limit(f) {
-        let left =
-            limit.saturating_sub(t.last_bytes.max(0.0) as u64) as f64 / t.bytes_per_request();
-        evidence.push(format!(
-            "at this rate {name} ({}) is reached in about {} more requests",
-            bytes_short(limit),
-            left.floor()
-        ));
-        metrics.push(("requests_to_limit", left.floor()));
-        metrics.push(("limit_bytes", limit as f64));
+        let (line, m) = runway(
+            &format!("{name} ({})", bytes_short(limit)),
+            limit,
+            t.last_bytes.max(0.0) as u64,
+            t.bytes_per_request(),
+        );
+        evidence.push(line);
+        metrics.extend(m);
     }
     evidence.push(
         "find what the process keeps on the host (a heap census, tracemalloc, growing Python lists or caches); more swap only slows the failure down"

@@ -44,15 +44,10 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
     ];
     if f.device_limit > 0 {
         let used = last.reserved.max(last.allocated);
-        let left = f.device_limit.saturating_sub(used) as f64 / per_request;
-        evidence.push(format!(
-            "at this rate {} ({}) is reached in about {} more requests",
-            bytes_short(f.device_limit),
-            limit_name(f),
-            left.floor()
-        ));
-        metrics.push(("requests_to_limit", left.floor()));
-        metrics.push(("limit_bytes", f.device_limit as f64));
+        let limit = format!("{} ({})", bytes_short(f.device_limit), limit_name(f));
+        let (line, m) = runway(&limit, f.device_limit, used, per_request);
+        evidence.push(line);
+        metrics.extend(m);
     }
     if let Some(line) = live_tensors_line(f) {
         evidence.push(line.0);
@@ -86,14 +81,14 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         .zip(last_host_usage(f))
         .map(|((l, n), u)| (l, n, u))
     {
-        let left = limit.saturating_sub(used) as f64 / per_request;
-        evidence.push(format!(
-            "at this rate {name} ({}) is reached in about {} more requests",
-            bytes_short(limit),
-            left.floor()
-        ));
-        metrics.push(("requests_to_limit", left.floor()));
-        metrics.push(("limit_bytes", limit as f64));
+        let (line, m) = runway(
+            &format!("{name} ({})", bytes_short(limit)),
+            limit,
+            used,
+            per_request,
+        );
+        evidence.push(line);
+        metrics.extend(m);
     }
     evidence.push(
         "no device allocator here: these are live Python objects on the host that no collection freed; drop the references after each request (the chain shows who holds them)"
@@ -159,6 +154,22 @@ pub(crate) fn growth_line(what: &str, t: &Trend) -> String {
         bytes_short(t.bytes_per_request().max(0.0).round() as u64),
         t.points,
         t.p_value
+    )
+}
+
+/// How far growth at `per_request` from `used` bytes has to go to `limit`:
+/// "at this rate {limit_text} is reached in about N more requests", and the
+/// metrics requests_to_limit and limit_bytes.
+pub(crate) fn runway(
+    limit_text: &str,
+    limit: u64,
+    used: u64,
+    per_request: f64,
+) -> (String, [(&'static str, f64); 2]) {
+    let left = (limit.saturating_sub(used) as f64 / per_request).floor();
+    (
+        format!("at this rate {limit_text} is reached in about {left} more requests"),
+        [("requests_to_limit", left), ("limit_bytes", limit as f64)],
     )
 }
 

@@ -619,6 +619,10 @@ mod tests {
         }
     }
 
+    fn changed_names(c: &Comparison) -> Vec<&str> {
+        c.changed.iter().map(|c| c.setting.as_str()).collect()
+    }
+
     fn cmp(a: &Run, b: &Run) -> Comparison {
         let side = |r: &Run| -> (pb::TimelineResponse, pb::Diagnosis, Option<pb::Incident>) {
             (r.timeline.clone(), r.diagnosis.clone(), r.incident.clone())
@@ -649,8 +653,7 @@ mod tests {
             "fragmentation",
         );
         let c = cmp(&a, &b);
-        let names: Vec<&str> = c.changed.iter().map(|c| c.setting.as_str()).collect();
-        assert_eq!(names, ["expandable_segments"]);
+        assert_eq!(changed_names(&c), ["expandable_segments"]);
         assert!(c.one_variable);
         assert_eq!(c.outcome, Outcome::Same);
 
@@ -662,8 +665,7 @@ mod tests {
             "",
         );
         let c = cmp(&a, &b);
-        let names: Vec<&str> = c.changed.iter().map(|c| c.setting.as_str()).collect();
-        assert_eq!(names, ["allocator.roundup_power2_divisions"]);
+        assert_eq!(changed_names(&c), ["allocator.roundup_power2_divisions"]);
 
         let b = run(
             "expandable_segments:True,max_split_size_mb:128",

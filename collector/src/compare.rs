@@ -27,6 +27,10 @@ const OBSERVATION_SUFFIX: &str = "_at_failure";
 /// The raw allocator configuration string: its options are compared one by
 /// one, so it only counts as a change when none of them explains it.
 const ALLOC_CONF: &str = "PYTORCH_CUDA_ALLOC_CONF";
+/// A capture's raw model description (`notes.model`, kept as a label): the
+/// `models` setting holds what was read from it, so the label only counts as
+/// a change when `models` does not explain it.
+const MODEL_LABEL: &str = "label.model";
 
 /// One run: the agent's timeline, the verdict on it, and its incident.
 pub struct Side<'a> {
@@ -264,6 +268,9 @@ fn changes(a: &BTreeMap<String, String>, b: &BTreeMap<String, String>) -> Vec<Ch
     let option_changed = out.iter().any(|c| is_allocator_option(&c.setting));
     if option_changed {
         out.retain(|c| c.setting != ALLOC_CONF);
+    }
+    if out.iter().any(|c| c.setting == "models") {
+        out.retain(|c| c.setting != MODEL_LABEL);
     }
     out
 }
@@ -690,6 +697,48 @@ mod tests {
             (split.a.as_deref(), split.b.as_deref()),
             (Some("unlimited"), Some("128"))
         );
+    }
+
+    /// A capture's Hello, as `oomscope replay` builds it from `notes`.
+    fn capture_hello(notes: Value) -> pb::Hello {
+        let v = json!({
+            "scenario": "s",
+            "notes": notes,
+            "timeline": [{"t_s": 0.0, "step": 0, "context": {"phase": "idle"}, "memory_stats": {}}],
+        });
+        crate::capture::from_json(&v, "test", 0).unwrap().hello
+    }
+
+    fn with_hello(mut r: Run, hello: pb::Hello) -> Run {
+        r.timeline.hello = Some(hello);
+        r
+    }
+
+    #[test]
+    fn a_captures_model_is_one_variable_not_two() {
+        let model = |dtype: &str, layers: u64| {
+            with_hello(
+                run("", None, "", ""),
+                capture_hello(json!({"model": {"dtype": dtype, "layers": layers}})),
+            )
+        };
+        // notes.model is both the Hello's model and its `model` label.
+        let c = cmp(&model("bfloat16", 8), &model("float16", 8));
+        assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
+        assert!(c.one_variable, "{:?}", c.warnings);
+        let models = &c.changed[0];
+        assert_eq!(
+            (models.a.as_deref(), models.b.as_deref()),
+            (Some("dtype bfloat16"), Some("dtype float16"))
+        );
+        // What the parsed model does not show still counts, once, as the raw notes.
+        let c = cmp(&model("bfloat16", 8), &model("bfloat16", 16));
+        assert_eq!(changed_names(&c), ["label.model"]);
+        assert!(c.one_variable);
+        // A model where there was none is one change too.
+        let none = with_hello(run("", None, "", ""), capture_hello(json!({})));
+        let c = cmp(&none, &model("bfloat16", 8));
+        assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let f = Findings::gather(e);
     let mut verdict = decide(&f);
     let causes = causes::analyze(&f, &verdict);
-    let trigger = trigger::decide(&f);
+    let trigger = trigger::decide(&f, &verdict);
     if let Some((t, line)) = &trigger {
         verdict
             .evidence

@@ -6,6 +6,7 @@
 //! readings of a server that frees its KV cache after each request stay flat.
 
 use crate::census::{self, HeapVerdict};
+use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::growth;
 use crate::stats;
@@ -44,7 +45,9 @@ impl Trigger {
 
 /// The trigger and the line that says why. Without a failure only repeated
 /// requests can be read (a leak hunt); no pattern then means no trigger.
-pub fn decide(f: &Findings) -> Option<(Trigger, String)> {
+/// `v` is the domain verdict: a failure without a device allocator record is
+/// immediate only where memory ran out on the host side.
+pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
     let failed = f.failure.is_some();
     if failed {
         if let Some(line) = concurrency(f) {
@@ -74,7 +77,14 @@ pub fn decide(f: &Findings) -> Option<(Trigger, String)> {
         )
     };
     let Some(failure) = f.failure.as_ref() else {
-        return f.failed.then(unknown);
+        if !f.failed {
+            return None;
+        }
+        return Some(
+            host_immediate(f, v)
+                .map(|line| (Trigger::Immediate, line))
+                .unwrap_or_else(unknown),
+        );
     };
     if failure.in_load {
         return Some((
@@ -94,6 +104,60 @@ pub fn decide(f: &Findings) -> Option<(Trigger, String)> {
         ));
     }
     Some(unknown())
+}
+
+/// A host-side memory failure (no device allocator record of it) is
+/// immediate when nothing before it shows the process growing: no reading at
+/// all (killed before the first sample), or readings that stay within
+/// `MIN_RISE_BYTES` of the first, with no device bytes allocated and no
+/// request done. Readings that do show growth, or none that say anything
+/// about the process's memory, leave it unknown.
+fn host_immediate(f: &Findings, v: &DomainVerdict) -> Option<String> {
+    let memory_ran_out = matches!(
+        v.domain,
+        Domain::HostRam | Domain::Cgroup | Domain::AddressSpace | Domain::Shm
+    );
+    if !memory_ran_out {
+        return None;
+    }
+    let at = f
+        .exit
+        .map(|(t, _)| t)
+        .or_else(|| f.evidence.incident.as_ref().map(|i| i.time_ns))?;
+    let before: Vec<&Point> = f
+        .timeline
+        .points
+        .iter()
+        .filter(|p| p.time_ns <= at)
+        .collect();
+    if before.is_empty() {
+        return Some(
+            "the failure came before any reading of the process, with no growth before it".into(),
+        );
+    }
+    let readings: Vec<&Point> = before
+        .iter()
+        .copied()
+        .filter(|p| p.rss.is_some() || p.cgroup_usage.is_some() || p.has_allocator)
+        .collect();
+    let rose = |v: fn(&Point) -> Option<u64>| {
+        let mut vals = readings.iter().filter_map(|p| v(p));
+        let first = vals.next().unwrap_or(0);
+        vals.any(|b| b as f64 - first as f64 >= MIN_RISE_BYTES)
+    };
+    let grew = readings
+        .iter()
+        .any(|p| (p.has_allocator && p.allocated > 0) || p.requests_done > 0)
+        || rose(|p| p.rss)
+        || rose(|p| p.cgroup_usage);
+    if readings.is_empty() || grew {
+        return None;
+    }
+    Some(format!(
+        "the failure came with no growth before it: the {} reading(s) before it stayed within {} of the first",
+        readings.len(),
+        bytes_short(MIN_RISE_BYTES as u64)
+    ))
 }
 
 /// Live bytes rise with active sequences, and the failure came at (or past)

@@ -313,6 +313,94 @@ fn global_oom_is_host_ram() {
     );
 }
 
+/// A reading of the supervised child: its RSS and its own cgroup's usage.
+fn host_reading(time_ns: i64, rss: u64, usage: u64) -> pb::Sample {
+    pb::Sample {
+        process: Some(pb::ProcessMemory {
+            pid: CHILD_PID,
+            vm_rss_bytes: rss,
+            ..Default::default()
+        }),
+        ..sample(
+            time_ns,
+            vec![v1(OWN, 64 * MIB, usage, usage, 0, 0)],
+            system(10, 12 * GIB),
+        )
+    }
+}
+
+#[test]
+fn a_host_side_kill_before_any_growth_is_immediate() {
+    // The README's demo: 200 MiB asked for under a 64 MiB cgroup limit, killed
+    // within 0.3 s.
+    let before = counters(
+        T0,
+        vec![v1(OWN, 64 * MIB, MIB, 2 * MIB, 0, 0)],
+        system(10, 12 * GIB),
+    );
+    let after = counters(
+        T0 + 3 * SEC,
+        vec![v1(OWN, 64 * MIB, 66_973_696, 67_108_864, 312, 1)],
+        system(11, 12 * GIB),
+    );
+    let mut e = supervised(exit(None, Some(9), "", before, after, None), "signal");
+    let trigger = |e: &Evidence| {
+        let d = diagnose(e);
+        assert_eq!(d.domain.as_deref(), Some("cgroup"), "{:?}", d.evidence);
+        (d.trigger.unwrap_or_default(), d.evidence)
+    };
+
+    // No reading came before the kill.
+    let (t, evidence) = trigger(&e);
+    assert_eq!(t, "immediate");
+    has(
+        &evidence,
+        "trigger immediate: the failure came before any reading of the process, with no growth before it",
+    );
+
+    // Only the reading `oomscope run` takes as it starts the child: nothing grew yet.
+    e.samples = vec![host_reading(T0, MIB, 2 * MIB)];
+    let (t, evidence) = trigger(&e);
+    assert_eq!(t, "immediate");
+    has(
+        &evidence,
+        "trigger immediate: the failure came with no growth before it: the 1 reading(s) before it stayed within 16.0 MiB of the first",
+    );
+
+    // Readings that show the child growing (10 -> 60 MiB) before the kill: the
+    // growth has no pattern to name, but it was there, so not immediate.
+    e.samples = (0..6)
+        .map(|i| {
+            let b = (10 + 10 * i as u64) * MIB;
+            host_reading(T0 + i * SEC / 10, b, b + MIB)
+        })
+        .collect();
+    assert_eq!(trigger(&e).0, "unknown");
+
+    // Growth of the cgroup alone counts too.
+    e.samples = vec![
+        host_reading(T0, 10 * MIB, 11 * MIB),
+        host_reading(T0 + SEC, 10 * MIB, 40 * MIB),
+    ];
+    assert_eq!(trigger(&e).0, "unknown");
+
+    // Readings after the failure say nothing about what came before it.
+    e.samples = vec![
+        host_reading(T0, MIB, 2 * MIB),
+        host_reading(T0 + 4 * SEC, 60 * MIB, 61 * MIB),
+    ];
+    assert_eq!(trigger(&e).0, "immediate");
+}
+
+#[test]
+fn a_kill_that_is_no_memory_failure_is_never_immediate() {
+    let (before, after) = unchanged(vec![v1(OWN, 64 * MIB, 10 * MIB, 12 * MIB, 3, 0)]);
+    let e = supervised(exit(None, Some(9), "", before, after, None), "signal");
+    let d = diagnose(&e);
+    assert_eq!(d.domain.as_deref(), Some("external_kill"));
+    assert_eq!(d.trigger.as_deref(), Some("unknown"));
+}
+
 fn unchanged(levels: Vec<pb::CgroupLevel>) -> (pb::HostCounters, pb::HostCounters) {
     (
         counters(T0, levels.clone(), system(7, 12 * GIB)),

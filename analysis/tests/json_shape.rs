@@ -96,8 +96,8 @@ fn a_cgroup_verdict_has_every_key_with_its_type() {
     assert_eq!(j["incident"], "inc-1");
     assert_eq!(j["agent"], "oomtest");
     assert_eq!(j["domain"], "cgroup");
-    // Something failed, with no allocator timeline to read a growth pattern from.
-    assert_eq!(j["trigger"], "unknown");
+    // Something failed before any reading of the process: nothing grew first.
+    assert_eq!(j["trigger"], "immediate");
     assert!(j["capacity"].is_null());
     assert_eq!(j["exit"], serde_json::json!({"code": null, "signal": 9}));
     assert_eq!(

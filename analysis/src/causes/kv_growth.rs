@@ -13,7 +13,7 @@ use crate::units::bytes_short;
 /// A fit explaining less than this share of the variance is weak evidence.
 const GOOD_FIT_R2: f64 = 0.8;
 
-pub fn kv_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
+pub fn kv_growth(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let x = f.failure.as_ref().filter(|x| !x.in_load)?;
     let fit = kv_fit::fit(&f.timeline)?;
     // Weights flat: the runtime's own count does not move, and nothing grows between requests.
@@ -30,7 +30,7 @@ pub fn kv_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     if !weights_flat || baseline_grows {
         return None;
     }
-    let trig = trigger::decide(f).map(|(t, _)| t);
+    let trig = trigger::decide(f, v).map(|(t, _)| t);
     let rising = matches!(
         trig,
         Some(Trigger::ConcurrencyDependent | Trigger::SizeDependent)

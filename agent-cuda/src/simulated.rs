@@ -1,7 +1,6 @@
 //! A device backed by host memory, with a capacity and the CUDA driver's
 //! allocation granularity, failing with the same out-of-memory error.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::{DeviceError, DeviceInfo, DeviceMemory};
@@ -9,12 +8,10 @@ use crate::device::{DeviceError, DeviceInfo, DeviceMemory};
 /// cuMemAlloc hands out (and counts) memory in 2 MiB pages on current GPUs;
 /// the simulated capacity is charged the same way.
 pub const SEGMENT_GRANULARITY: u64 = 2 << 20;
-/// Device allocations are at least 256-byte aligned under CUDA; a page keeps
-/// host-backed blocks aligned for any element type.
-const ALIGN: usize = 4096;
-
-/// Host memory posing as a GPU of `capacity` bytes. Memory is zero-filled
-/// lazily by the OS (calloc), so untouched capacity costs no RAM.
+/// Host memory posing as a GPU of `capacity` bytes. Each allocation is its
+/// own anonymous mapping: page-aligned (CUDA promises 256 bytes), zeroed
+/// lazily by the OS, so untouched capacity costs no RAM. (`alloc_zeroed`
+/// with page alignment memsets, and would touch every byte.)
 #[derive(Debug)]
 pub struct Simulated {
     info: DeviceInfo,
@@ -63,10 +60,18 @@ impl DeviceMemory for Simulated {
                 used.checked_add(charge).filter(|n| *n <= total)
             })
             .map_err(oom)?;
-        let layout = Layout::from_size_align(charge as usize, ALIGN).map_err(|_| oom(0))?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
+        // SAFETY: a fresh private anonymous mapping; no existing memory is involved.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                charge as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
             self.used.fetch_sub(charge, Ordering::AcqRel);
             return Err(oom(self.used_bytes()));
         }
@@ -75,13 +80,13 @@ impl DeviceMemory for Simulated {
 
     unsafe fn free(&self, ptr: u64, bytes: u64) -> Result<(), DeviceError> {
         let charge = Self::charge(bytes);
-        let layout =
-            Layout::from_size_align(charge as usize, ALIGN).map_err(|e| DeviceError::Driver {
+        // SAFETY: the caller passes a pointer from `alloc(bytes)`, a mapping of `charge` bytes.
+        if unsafe { libc::munmap(ptr as *mut libc::c_void, charge as usize) } != 0 {
+            return Err(DeviceError::Driver {
                 code: 1,
-                message: e.to_string(),
-            })?;
-        // SAFETY: the caller passes a pointer from `alloc(bytes)`, which used this layout.
-        unsafe { dealloc(ptr as *mut u8, layout) };
+                message: format!("munmap: {}", std::io::Error::last_os_error()),
+            });
+        }
         self.used.fetch_sub(charge, Ordering::AcqRel);
         Ok(())
     }

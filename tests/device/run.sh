@@ -18,8 +18,8 @@ CPID=$!
 trap 'kill $CPID 2>/dev/null' EXIT
 for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.1; done
 
-latest_json() {  # the agent's latest incident, diagnosed; {} when it has none
-    local id; id=$("$BIN" incidents --agent "$1" --json --collector $URL | python3 -c 'import json,sys; l=json.load(sys.stdin); print(l[-1]["id"] if l else "")')
+latest_json() {  # NAME [INDEX]: the agent's latest (or INDEX-th, e.g. 0: first) incident, diagnosed
+    local id; id=$("$BIN" incidents --agent "$1" --json --collector $URL | python3 -c 'import json,sys; l=json.load(sys.stdin); print(l[int(sys.argv[1])]["id"] if l else "")' "${2:--1}")
     if [ -n "$id" ]; then "$BIN" diagnose "$id" --json --collector $URL; else echo '{"domain": "no-incident", "cgroup": {}}'; fi; }
 field() { python3 -c "import json,sys
 d=json.load(sys.stdin)
@@ -89,8 +89,10 @@ echo "dev-gpu evidence:"; echo "$j" | python3 -c 'import json,sys; [print("  -",
 
 # Each component adds its GPU checks as tests/device/<component>.part.sh, sourced
 # here with $BIN, $URL, $OUT, record() and latest_json() in scope.
+# OOMSCOPE_DEVICE_PARTS=cuda runs only the parts whose names it matches (a dry run).
 for part in tests/device/*.part.sh; do
     [ -e "$part" ] || continue
+    [[ $part == *"${OOMSCOPE_DEVICE_PARTS:-}"* ]] || continue
     echo "== $part"
     . "$part"
 done

@@ -113,6 +113,15 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
         return v;
     }
 
+    // A process that was not killed failed by itself: its own record (a
+    // device OOM, a refusal under its own limits) beats the machine-wide
+    // counter, which another process's OOM kill moves as well.
+    if f.signal.is_none() {
+        if let Some((domain, ev)) = own_failure(f) {
+            return verdict(domain, ev, &mut lines);
+        }
+    }
+
     // The global OOM killer ran and no cgroup level was at its limit.
     if let Some((b, a)) = f.global_oom {
         let mut ev = vec![format!(
@@ -124,19 +133,8 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
         return verdict(Domain::HostRam, ev, &mut lines);
     }
 
-    // A device allocation failed (the allocator said so, or the error text).
-    if f.oom.is_some() || f.cuda_line.is_some() {
-        return verdict(Domain::GpuVram, gpu_lines(f), &mut lines);
-    }
-
-    // The process's own limits refused an allocation; the kernel counted nothing.
-    if let Some(text) = &f.oom_line {
-        if f.as_limit.is_some() || f.strict_commit.is_some() {
-            let mut ev = vec![format!("stderr: {text}")];
-            ev.extend(address_space_lines(f));
-            ev.push(f.counters_line());
-            return verdict(Domain::AddressSpace, ev, &mut lines);
-        }
+    if let Some((domain, ev)) = own_failure(f) {
+        return verdict(domain, ev, &mut lines);
     }
 
     // Thrash first: a userspace OOM daemon (systemd-oomd, earlyoom) kills on
@@ -187,6 +185,23 @@ fn code_signal_line(f: &Findings) -> Option<String> {
 }
 
 /// For a lost agent: when it was last heard from.
+/// The process's own record of its failure: a device allocation that failed
+/// (the allocator said so, or the error text), or an allocation its own
+/// limits refused (RLIMIT_AS, strict overcommit; the kernel counts nothing).
+fn own_failure(f: &Findings) -> Option<(Domain, Vec<String>)> {
+    if f.oom.is_some() || f.cuda_line.is_some() {
+        return Some((Domain::GpuVram, gpu_lines(f)));
+    }
+    let text = f.oom_line.as_ref()?;
+    if f.as_limit.is_none() && f.strict_commit.is_none() {
+        return None;
+    }
+    let mut ev = vec![format!("stderr: {text}")];
+    ev.extend(address_space_lines(f));
+    ev.push(f.counters_line());
+    Some((Domain::AddressSpace, ev))
+}
+
 fn lost_line(f: &Findings) -> Option<String> {
     let inc = f
         .evidence

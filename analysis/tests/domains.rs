@@ -435,6 +435,59 @@ fn memory_error_under_rlimit_as_is_address_space() {
         .any(|f| f.action.contains("RLIMIT_AS (256.0 MiB)")));
 }
 
+/// Another process's OOM kill moves /proc/vmstat oom_kill during the run.
+fn someone_else_killed(levels: Vec<pb::CgroupLevel>) -> (pb::HostCounters, pb::HostCounters) {
+    (
+        counters(T0, levels.clone(), system(7, 12 * GIB)),
+        counters(T0 + 3 * SEC, levels, system(8, 12 * GIB)),
+    )
+}
+
+#[test]
+fn its_own_refusal_beats_another_processs_oom_kill() {
+    // Seen in CI: an RLIMIT_AS MemoryError while a neighbouring test's
+    // cgroup kill moved the machine-wide counter.
+    let levels = vec![v1(OWN, V1_UNLIMITED, 200 * MIB, 210 * MIB, 0, 0)];
+    let (before, after) = someone_else_killed(levels.clone());
+    let proc_ = process(CHILD_PID, 268_435_456, 251_658_240, 249_561_088);
+    let e = supervised(
+        exit(Some(1), None, "MemoryError\n", before, after, Some(proc_)),
+        "exit_oom_text",
+    );
+    let d = diagnose(&e);
+    assert_eq!(
+        d.domain.as_deref(),
+        Some("address_space"),
+        "{:#?}",
+        d.evidence
+    );
+    has(&d.evidence, "RLIMIT_AS 256.0 MiB (268435456 bytes)");
+
+    // A CUDA OOM that ended the process with code 1: the device, not the host.
+    let (before, after) = someone_else_killed(levels.clone());
+    let e = supervised(
+        exit(
+            Some(1),
+            None,
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n",
+            before,
+            after,
+            None,
+        ),
+        "exit_oom_text",
+    );
+    assert_eq!(diagnose(&e).domain.as_deref(), Some("gpu_vram"));
+
+    // Killed (SIGKILL) while the global OOM killer ran: that kill is the death.
+    let (before, after) = someone_else_killed(levels);
+    let proc_ = process(CHILD_PID, 268_435_456, 251_658_240, 249_561_088);
+    let e = supervised(
+        exit(None, Some(9), "MemoryError\n", before, after, Some(proc_)),
+        "signal",
+    );
+    assert_eq!(diagnose(&e).domain.as_deref(), Some("host_ram"));
+}
+
 #[test]
 fn bad_alloc_abort_under_rlimit_as_is_address_space() {
     let (before, after) = unchanged(vec![v1(OWN, V1_UNLIMITED, 20 * MIB, 20 * MIB, 0, 0)]);

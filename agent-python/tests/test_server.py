@@ -148,3 +148,29 @@ def test_verdict_host_leak_is_host_growth(collector, server_factory):
     d = causes(diagnose(collector, "hostleak-v"))
     assert "host_growth" in d, d
     assert any("torch.Tensor[cpu]" in e for e in d["host_growth"]["evidence"]), d["host_growth"]
+
+
+def test_the_agent_switches_off_and_on_in_a_running_server(collector, server_factory):
+    """POST /admin/agent, which the overhead benchmark uses for its A/B blocks:
+    off, requests are served without a boundary sample; on again, a new agent
+    of the same name streams."""
+    s = server_factory("switch")
+    assert s.drive(3, prefix="a")["statuses"] == {200: 3}
+    assert s.post("/admin/agent", {"on": False}) == (200, {"running": False})
+    assert s.drive(4, prefix="b")["statuses"] == {200: 4}
+    assert s.post("/admin/agent", {"on": True}) == (200, {"running": True})
+    assert s.drive(2, prefix="c")["statuses"] == {200: 2}
+    def switch_agents():
+        mine = [a for a in collector.cli("agents", "--json") if a["name"] == "switch"]
+        return sorted(mine, key=lambda a: a["first_seen_ns"]) if len(mine) == 2 else None
+
+    def served(agent_id):
+        t = collector.timeline(agent_id)
+        return sorted(e["request_id"] for e in events(t, "request") if not e["start"])
+
+    agents = wait_for(switch_agents, 20)
+    assert agents, collector.cli("agents", "--json")
+    first, second = agents
+    assert first["state"] == "disconnected", "switching off says Goodbye"
+    assert served(first["id"]) == ["a-0", "a-1", "a-2"]
+    assert wait_for(lambda: served(second["id"]) == ["c-0", "c-1"], 20), served(second["id"])

@@ -30,7 +30,8 @@ def percentile(values, q):
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def drive(port, requests, concurrency=1, prompt=16, max_tokens=8, prefix="r"):
+def drive(port, requests, concurrency=1, prompt=16, max_tokens=8, prefix="r", keep=False):
+    """With keep, the result also holds every successful request's latency."""
     lock = threading.Lock()
     todo = list(range(requests))
     statuses, latencies, errors = {}, [], []
@@ -57,8 +58,11 @@ def drive(port, requests, concurrency=1, prompt=16, max_tokens=8, prefix="r"):
         t.start()
     for t in threads:
         t.join()
-    return {"statuses": statuses, "p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99),
-            "mean_ms": statistics.fmean(latencies) if latencies else None, "errors": errors[:3]}
+    out = {"statuses": statuses, "p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99),
+           "mean_ms": statistics.fmean(latencies) if latencies else None, "errors": errors[:3]}
+    if keep:
+        out["latencies_ms"] = latencies
+    return out
 
 
 def main():

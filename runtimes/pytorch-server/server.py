@@ -29,7 +29,8 @@ HTTP: POST /generate {"id", "prompt_tokens", "max_tokens"} ->
 request); OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
 "prompt", "max_tokens"} (one word of the prompt is one token; 500 with the
 error text on out-of-memory); GET /health (200 once ready, else 503);
-GET /admin/stats; POST /admin/gc; POST /admin/census.
+GET /admin/stats; POST /admin/gc; POST /admin/census; POST /admin/agent {"on": bool}
+starts or stops the oomscope agent in this process (overhead benchmarks).
 
     python server.py --port 8000 [--collector http://127.0.0.1:7433] [--no-agent]
 """
@@ -238,6 +239,14 @@ def make_handler(state, args):
             if self.path == "/admin/census":
                 census = oomscope.census() if oomscope and oomscope.is_running() else None
                 return self._reply(200, {"census": census})
+            if self.path == "/admin/agent":
+                if oomscope is None:
+                    return self._reply(409, {"error": "started with --no-agent"})
+                if body.get("on") and not oomscope.is_running():
+                    oomscope.start(collector=args.collector, name=agent_name(args))
+                elif not body.get("on") and oomscope.is_running():
+                    oomscope.stop("agent switched off over /admin/agent")
+                return self._reply(200, {"running": oomscope.is_running()})
             self._reply(404, {"error": "no such path"})
 
         def _admit(self, tokens, openai):
@@ -405,14 +414,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def agent_name(args):
+    return args.name or os.environ.get("OOMSCOPE_NAME") or "pytorch-server"
+
+
 def main(argv=None):
     args = parse_args(argv)
     global oomscope
     if args.no_agent:
         oomscope = None
     elif oomscope is not None:
-        oomscope.start(collector=args.collector,
-                       name=args.name or os.environ.get("OOMSCOPE_NAME") or "pytorch-server")
+        oomscope.start(collector=args.collector, name=agent_name(args))
     if args.gc_cycles:
         gc.disable()
     device = torch.device(args.device)

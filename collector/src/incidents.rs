@@ -92,16 +92,28 @@ pub fn record_lost(
     broke_at_ns: i64,
     grace: std::time::Duration,
 ) -> Result<Option<pb::Incident>> {
+    insert_lost(store, agent_id, broke_at_ns, |name| {
+        format!(
+            "agent {name:?} ({agent_id}) stopped streaming without a Goodbye and did not reconnect within {:.1} s",
+            grace.as_secs_f64()
+        )
+    })
+}
+
+/// An agent_lost incident at `time_ns`, its domain named from the history.
+fn insert_lost(
+    store: &mut Store,
+    agent_id: &str,
+    time_ns: i64,
+    summary: impl FnOnce(&str) -> String,
+) -> Result<Option<pb::Incident>> {
     let name = store.hello(agent_id)?.map(|h| h.name).unwrap_or_default();
     let mut incident = pb::Incident {
         agent_id: agent_id.to_string(),
-        agent_name: name.clone(),
+        summary: summary(&name),
+        agent_name: name,
         kind: AGENT_LOST.to_string(),
-        time_ns: broke_at_ns,
-        summary: format!(
-            "agent {name:?} ({agent_id}) stopped streaming without a Goodbye and did not reconnect within {:.1} s",
-            grace.as_secs_f64()
-        ),
+        time_ns,
         seq: 0,
         ..Default::default()
     };
@@ -131,20 +143,11 @@ pub fn record_recovered(store: &mut Store, agent_id: &str) -> Result<Option<pb::
     }
     let died_by = store.last_message_time(agent_id)?.unwrap_or_else(now_ns);
     store.set_state(agent_id, "lost", now_ns())?;
-    let name = store.hello(agent_id)?.map(|h| h.name).unwrap_or_default();
-    let mut incident = pb::Incident {
-        agent_id: agent_id.to_string(),
-        agent_name: name.clone(),
-        kind: AGENT_LOST.to_string(),
-        time_ns: died_by,
-        summary: format!(
+    insert_lost(store, agent_id, died_by, |name| {
+        format!(
             "agent {name:?} ({agent_id}) died without a Goodbye; another agent on its host delivered what it had left unsent"
-        ),
-        seq: 0,
-        ..Default::default()
-    };
-    incident.domain = attribute_domain(store, agent_id, &incident);
-    store.insert_incident(&incident)
+        )
+    })
 }
 
 /// How much history before an incident the ingest path reads to name its

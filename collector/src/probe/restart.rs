@@ -23,6 +23,12 @@ use super::load::{burst, complete, count, Ask, Call, Outcome};
 use super::report::{Status, SuiteReport};
 use super::Probe;
 
+/// A gradual restore admits at most this share of what the warm server
+/// admits of the same herd. A herd's admissions vary by a few requests with
+/// timing (12 warm against 11 to 14 right after a restart without any
+/// ramp, seen here), so "fewer than warm" alone would call noise gradual.
+pub const GRADUAL_AT_MOST: f64 = 0.75;
+
 #[derive(Clone, Debug)]
 pub struct RestartConfig {
     /// Concurrent clients of the background load: enough to be "under load"
@@ -298,7 +304,10 @@ impl Probe {
                 l.log.display()
             ));
         };
-        // The herd at readiness: retried work arriving at once.
+        // The herd at readiness: retried work arriving at once. It leaves
+        // when the load's last requests are answered (the scope above joins
+        // them), which on a busy machine can be a while after readiness.
+        let herd_after_ready_s = ready_at.elapsed().as_secs_f64();
         let herd_ok = count(&herd(), Outcome::Ok);
         // Resend the idempotent requests.
         let mut duplicates = Vec::new();
@@ -347,10 +356,10 @@ impl Probe {
                 before_ready.len() - ok
             ));
         }
-        let gradual = herd_ok < steady_ok || steady_ok == 0;
+        let gradual = (herd_ok as f64) <= GRADUAL_AT_MOST * steady_ok as f64 || steady_ok == 0;
         if !gradual {
             problems.push(format!(
-                "no gradual restore: right after readiness the server admitted {herd_ok} of a {}-request herd, as many as when warm ({steady_ok})",
+                "no gradual restore: {herd_after_ready_s:.1} s after readiness the server admitted {herd_ok} of a {}-request herd, about as many as when warm ({steady_ok})",
                 rc.herd
             ));
         }
@@ -370,6 +379,7 @@ impl Probe {
             "load_calls": calls.len(),
             "steady_herd_admitted": steady_ok,
             "restore_herd_admitted": herd_ok,
+            "herd_after_ready_s": herd_after_ready_s,
             "herd": rc.herd,
             "idempotent_sent": rc.keys,
             "idempotent_completed_before_kill": keyed_ok,

@@ -6,11 +6,12 @@ and the live agent's conversions give the same shapes as replay's."""
 import gzip
 import json
 import os
+import sys
 
 import pytest
 
 import oomscope._native as native
-from conftest import FIXTURES, events
+from conftest import DRIVE_DIR, FIXTURES, events
 
 FILES = sorted(f for f in os.listdir(FIXTURES) if f.endswith((".json", ".json.gz")))
 
@@ -96,24 +97,13 @@ def test_replay_holds_the_capture_intact(collector, name):
             assert live_stats == stored
 
 
-def nest(flat):
-    """`memory_stats()`'s dotted keys back into the nested dict torch's C++
-    (`torch._C._cuda_memoryStats`) returns."""
-    nested = {}
-    for key, value in flat.items():
-        *path, leaf = key.split(".")
-        d = nested
-        for p in path:
-            d = d.setdefault(p, {})
-        d[leaf] = value
-    return nested
-
-
 def test_the_nested_read_gives_what_memory_stats_gives(monkeypatch):
     """The live agent flattens torch's nested dict itself (cheaper than
     `memory_stats()` doing it in Python): the result must be what torch's
     own `memory_stats()` flattening yields, for every fixture's stats."""
     import torch.cuda.memory as tcm
+    sys.path.insert(0, DRIVE_DIR)
+    from bench_overhead import nest
 
     seen = 0
     for name in FILES:

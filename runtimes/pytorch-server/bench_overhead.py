@@ -72,6 +72,19 @@ def gil_cost(n):
             "census_objects": census["objects_scanned"], "cuda": torch.cuda.is_available(), **convert}
 
 
+def nest(flat):
+    """`memory_stats()`'s dotted keys back into the nested dict torch's C++
+    (`torch._C._cuda_memoryStats`) returns."""
+    nested = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        d = nested
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    return nested
+
+
 def stats_conversion_cost(n):
     """The allocator counters' share of a sample, without a GPU: the nested
     dict torch's C++ returns (a real H200 capture's counters), turned into
@@ -81,13 +94,7 @@ def stats_conversion_cost(n):
     from oomscope import _native
     path = os.path.join(HERE, "..", "..", "tests", "fixtures", "torch-h200", "kv_concurrency_oom.json")
     flat = json.load(open(path))["timeline"][-1]["memory_stats"]
-    nested = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        d = nested
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = value
+    nested = nest(flat)
     real = tcm.memory_stats_as_nested_dict
     tcm.memory_stats_as_nested_dict = lambda device=None: nested
     try:

@@ -9,6 +9,7 @@ use crate::census::{self, HeapVerdict};
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::growth;
+use crate::pb;
 use crate::stats;
 use crate::timeline::Point;
 use crate::units::bytes_short;
@@ -186,9 +187,10 @@ fn concurrency(f: &Findings) -> Option<String> {
         return None;
     }
     let at = failure.context.active_sequences;
+    let burst_began_at = burst_start_sequences(f, failure.time_ns);
     let max_live = levels.iter().map(|l| l.1).max().unwrap_or(0);
     let at_highest = if at > 0 {
-        at >= hi.0
+        at >= hi.0 || burst_began_at >= hi.0
     } else {
         // The failure's own context is unknown: it needed more than any load seen.
         failure.allocated_bytes + failure.requested_bytes > max_live
@@ -196,7 +198,12 @@ fn concurrency(f: &Findings) -> Option<String> {
     if !at_highest {
         return None;
     }
-    let when = if at > 0 {
+    let when = if at > 0 && at < hi.0 {
+        format!(
+            "the failure came at {at} active sequences, in a burst of OOMs that began at {burst_began_at} (the most seen: {})",
+            hi.0
+        )
+    } else if at > 0 {
         format!(
             "the failure came at {at} active sequences (the most seen: {})",
             hi.0
@@ -211,6 +218,26 @@ fn concurrency(f: &Findings) -> Option<String> {
         bytes_short(hi.1),
         hi.0
     ))
+}
+
+/// Device OOMs this close before a failure are one burst with it: the
+/// sequences that failed first leave, so later failures in the burst see
+/// fewer active sequences than the load that set it off.
+pub const OOM_BURST_NS: i64 = 30 * 1_000_000_000;
+
+/// The most active sequences at an earlier device OOM of the burst that
+/// ends at `failed_at_ns` (0 when it is the burst's first).
+fn burst_start_sequences(f: &Findings, failed_at_ns: i64) -> u64 {
+    f.evidence
+        .events
+        .iter()
+        .filter(|e| e.time_ns < failed_at_ns && e.time_ns >= failed_at_ns - OOM_BURST_NS)
+        .filter_map(|e| match &e.kind {
+            Some(pb::event::Kind::Oom(o)) => o.context.as_ref().map(|c| c.active_sequences),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// At one sequence, live bytes rise with its tokens (or its prompt), and the

@@ -271,6 +271,55 @@ fn kv_capacity_leaves_out_the_sequence_that_failed() {
     }
 }
 
+/// `kv_batch` plus a second OOM `after_ns` later, with one sequence fewer
+/// active (the first to fail has left), diagnosed as the incident.
+fn second_oom_of_the_burst(seed: u64, after_ns: i64) -> Evidence {
+    let mut e = kv_batch(seed, 3 * GIB, 128 << 10, 4096);
+    let first = e.events[0].clone();
+    let Some(Kind::Oom(mut oom)) = first.kind else {
+        unreachable!("kv_batch ends in an OOM")
+    };
+    let mut ctx = oom.context.clone().unwrap_or_default();
+    ctx.active_sequences -= 1;
+    oom.context = Some(ctx);
+    let t = first.time_ns + after_ns;
+    e.events.push(pb::Event {
+        time_ns: t,
+        kind: Some(Kind::Oom(oom)),
+    });
+    if let Some(i) = e.incident.as_mut() {
+        i.time_ns = t;
+    }
+    e
+}
+
+#[test]
+fn later_ooms_of_a_kv_burst_are_still_concurrency() {
+    for seed in 0..20u64 {
+        let d = diagnose(&second_oom_of_the_burst(seed, 200_000_000));
+        assert_eq!(
+            d.trigger.as_deref(),
+            Some("concurrency_dependent"),
+            "seed {seed}: {:?}",
+            d.evidence
+        );
+        assert!(
+            d.evidence
+                .iter()
+                .any(|l| l.contains("in a burst of OOMs that began at")),
+            "{:?}",
+            d.evidence
+        );
+        // The same failure long after the first is no longer its burst.
+        let d = diagnose(&second_oom_of_the_burst(seed, 60_000_000_000));
+        assert_ne!(
+            d.trigger.as_deref(),
+            Some("concurrency_dependent"),
+            "seed {seed}"
+        );
+    }
+}
+
 #[test]
 fn one_passing_request_never_claims_capacity() {
     let mut e = kv_batch(1, 3 * GIB, 128 << 10, 4096);

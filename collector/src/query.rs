@@ -12,6 +12,12 @@ use crate::pb::query_service_server::QueryService;
 use crate::server::Collector;
 use crate::store::Store;
 
+/// The most samples one diagnosis reads: at ~10 KB decoded per GPU sample
+/// this bounds a query to ~200 MB however long the agent ran, and it is
+/// still hours of 1 s samples, or thousands of requests' boundary samples,
+/// more than any trigger or leak test needs.
+pub const DIAGNOSE_MAX_SAMPLES: u32 = 20_000;
+
 pub struct QueryApi {
     collector: Collector,
 }
@@ -139,8 +145,21 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
             (agent.unwrap_or_default(), req.from_ns, to)
         }
     };
-    let history = store.history(&agent_id, from_ns, to_ns).map_err(internal)?;
+    // A week-long agent holds millions of samples; the analysis reads the
+    // newest DIAGNOSE_MAX_SAMPLES of them (and the events in that span).
+    let window_from = store
+        .window_start(&agent_id, from_ns, to_ns, DIAGNOSE_MAX_SAMPLES)
+        .map_err(internal)?;
+    let history = store
+        .history(&agent_id, window_from, to_ns)
+        .map_err(internal)?;
     let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
+    if window_from > from_ns {
+        diagnosis.evidence.push(format!(
+            "read the newest {DIAGNOSE_MAX_SAMPLES} samples, from {} (earlier ones are in `oomscope timeline`)",
+            oomscope_analysis::units::time(window_from)
+        ));
+    }
     if diagnosis.agent.is_none() {
         diagnosis.agent = Some(agent_id);
     }
@@ -201,4 +220,80 @@ fn resolve(store: &Store, agent: &str) -> Result<String, Status> {
 fn internal(e: anyhow::Error) -> Status {
     tracing::error!("query failed: {e:#}");
     Status::internal(format!("{e:#}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::agent_message::Body;
+
+    /// An agent with `n` samples one second apart (time_ns 1 s, 2 s, ...).
+    fn agent_with_samples(n: u64) -> Store {
+        let mut store = Store::open_in_memory().unwrap();
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "long-lived".into(),
+            ..Default::default()
+        };
+        store.upsert_agent(&hello, 1).unwrap();
+        let batch: Vec<pb::AgentMessage> = (1..=n)
+            .map(|seq| pb::AgentMessage {
+                seq,
+                body: Some(Body::Sample(pb::Sample {
+                    time_ns: seq as i64 * 1_000_000_000,
+                    ..Default::default()
+                })),
+            })
+            .collect();
+        store.insert_batch("a1", &batch).unwrap();
+        store
+    }
+
+    #[test]
+    fn the_window_holds_the_newest_samples() {
+        let store = agent_with_samples(10);
+        let s = |n| store.window_start("a1", i64::MIN, i64::MAX, n).unwrap();
+        assert_eq!(s(3), 8_000_000_000, "samples 8, 9, 10");
+        assert_eq!(s(10), 1_000_000_000);
+        assert_eq!(s(11), i64::MIN, "the range holds fewer: all of it");
+        assert_eq!(
+            store
+                .window_start("a1", 9_500_000_000, i64::MAX, 3)
+                .unwrap(),
+            9_500_000_000,
+            "never before the range asked for"
+        );
+        assert_eq!(
+            store
+                .window_start("a1", i64::MIN, 5_000_000_000, 2)
+                .unwrap(),
+            4_000_000_000,
+            "the newest before the range's end"
+        );
+    }
+
+    #[test]
+    fn a_long_history_is_diagnosed_from_its_newest_samples_and_says_so() {
+        let n = u64::from(DIAGNOSE_MAX_SAMPLES) + 500;
+        let store = agent_with_samples(n);
+        let req = pb::DiagnoseRequest {
+            agent: "long-lived".into(),
+            ..Default::default()
+        };
+        let d = diagnose_request(&store, &req).unwrap();
+        let note = d
+            .evidence
+            .iter()
+            .find(|l| l.starts_with("read the newest"))
+            .unwrap_or_else(|| panic!("{:?}", d.evidence));
+        assert!(note.contains(&DIAGNOSE_MAX_SAMPLES.to_string()), "{note}");
+        assert!(
+            note.contains("1970-01-01T00:08:21"),
+            "sample 501 at 501 s: {note}"
+        );
+
+        let short = agent_with_samples(100);
+        let d = diagnose_request(&short, &req).unwrap();
+        assert!(d.evidence.iter().all(|l| !l.starts_with("read the newest")));
+    }
 }

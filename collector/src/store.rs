@@ -441,6 +441,28 @@ impl Store {
         Ok(history)
     }
 
+    /// The start of the window holding the newest `max_samples` samples in
+    /// `from_ns..=to_ns`: `from_ns` itself when the range holds no more.
+    pub fn window_start(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max_samples: u32,
+    ) -> Result<i64> {
+        let nth: Option<i64> = self
+            .conn
+            .query_row(
+                "SELECT time_ns FROM messages
+                 WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
+                 ORDER BY time_ns DESC LIMIT 1 OFFSET ?4",
+                params![agent_id, from_ns, to_ns, i64::from(max_samples.max(1)) - 1],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(nth.map_or(from_ns, |t| t.max(from_ns)))
+    }
+
     /// What the analysis needs about an agent: its Hello, samples and events
     /// up to `to_ns` (all of them when None), oldest first.
     pub fn evidence(&self, agent_id: &str, to_ns: Option<i64>) -> Result<Evidence> {

@@ -157,19 +157,24 @@ impl Timeline {
             return;
         }
         edges.sort_by_key(|(t, _)| *t);
-        for p in &mut self.points {
-            let upto = edges.iter().take_while(|(t, _)| *t <= p.time_ns);
-            let (starts, ends) =
-                upto.fold(
-                    (0u64, 0u64),
-                    |(s, d), (_, start)| {
-                        if *start {
-                            (s + 1, d)
-                        } else {
-                            (s, d + 1)
-                        }
-                    },
-                );
+        // One sweep over points and edges, both in time order (a point's
+        // counts are those of the edges at or before it).
+        let mut order: Vec<usize> = (0..self.points.len()).collect();
+        order.sort_by_key(|&i| self.points[i].time_ns);
+        let (mut next, mut starts, mut ends) = (0, 0u64, 0u64);
+        for i in order {
+            let p = &mut self.points[i];
+            while let Some(&(t, start)) = edges.get(next) {
+                if t > p.time_ns {
+                    break;
+                }
+                if start {
+                    starts += 1;
+                } else {
+                    ends += 1;
+                }
+                next += 1;
+            }
             p.requests_done = ends;
             if p.active_sequences == 0 {
                 p.active_sequences = starts.saturating_sub(ends);
@@ -212,5 +217,44 @@ fn point(s: &pb::Sample) -> Point {
             .map(|c| c.limit_bytes)
             .filter(|&l| crate::evidence::is_finite_limit(l))
             .min(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::event::Kind;
+
+    #[test]
+    fn requests_are_counted_from_boundaries_when_no_context_says() {
+        let sample = |t: i64| pb::Sample {
+            time_ns: t,
+            ..Default::default()
+        };
+        let edge = |t: i64, start: bool| pb::Event {
+            time_ns: t,
+            kind: Some(Kind::Request(pb::RequestBoundary {
+                start,
+                ..Default::default()
+            })),
+        };
+        let e = Evidence {
+            samples: vec![sample(50), sample(5), sample(25), sample(35)],
+            events: vec![
+                edge(10, true),
+                edge(20, false),
+                edge(30, true),
+                edge(31, true),
+                edge(40, false),
+            ],
+            ..Default::default()
+        };
+        let t = Timeline::from_evidence(&e);
+        let at: Vec<(i64, u64, u64)> = t
+            .points
+            .iter()
+            .map(|p| (p.time_ns, p.requests_done, p.active_sequences))
+            .collect();
+        assert_eq!(at, vec![(5, 0, 0), (25, 1, 0), (35, 1, 2), (50, 2, 1)]);
     }
 }

@@ -21,6 +21,12 @@ pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(300);
 /// A census holds the GIL; it stops scanning after this long (one scan of
 /// 167k objects took 76 ms on the H200 host).
 pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_millis(250);
+/// Request-boundary samples at most this often. Each is a full host reading
+/// (~190 us of CPU) plus the allocator; a request ending sooner after the
+/// last one is folded into the next (which carries the newest context), so
+/// a server at hundreds of requests a second pays 50 readings a second, not
+/// hundreds. 0 samples every boundary.
+pub const DEFAULT_BOUNDARY_MIN_INTERVAL: Duration = Duration::from_millis(20);
 /// At exit, how long the Goodbye may wait for the collector's acks.
 pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);
 
@@ -32,6 +38,7 @@ pub struct Config {
     pub rank: i32,
     pub model: Option<ModelSpec>,
     pub interval: Duration,
+    pub boundary_min_interval: Duration,
     pub spool_dir: Option<PathBuf>,
     pub oom_wait: Duration,
     pub census_every: u64,
@@ -133,6 +140,7 @@ impl Config {
             rank,
             model,
             interval,
+            boundary_min_interval: secs("boundary_min_interval_s", DEFAULT_BOUNDARY_MIN_INTERVAL)?,
             spool_dir: get("spool").or_else(|| get("spool_dir")).map(PathBuf::from),
             oom_wait: secs("oom_wait_s", DEFAULT_OOM_WAIT)?,
             census_every: count("census_every", DEFAULT_CENSUS_EVERY)?,
@@ -176,6 +184,7 @@ mod tests {
         assert_eq!(c.interval, Duration::from_millis(500));
         assert_eq!(c.oom_wait, DEFAULT_OOM_WAIT);
         assert_eq!(c.census_every, DEFAULT_CENSUS_EVERY);
+        assert_eq!(c.boundary_min_interval, DEFAULT_BOUNDARY_MIN_INTERVAL);
         assert_eq!(c.role, "server");
         assert!(c.model.is_none());
     }
@@ -191,6 +200,15 @@ mod tests {
         assert!(e.contains("census_every"), "{e}");
         let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();
         assert!(e.contains("oom_wait_s"), "{e}");
+        let e =
+            Config::resolve(&map(&[("boundary_min_interval_s", "-1")]), &none, "p").unwrap_err();
+        assert!(e.contains("boundary_min_interval_s"), "{e}");
+        let c = Config::resolve(&map(&[("boundary_min_interval_s", "0")]), &none, "p").unwrap();
+        assert_eq!(
+            c.boundary_min_interval,
+            Duration::ZERO,
+            "0 samples every boundary"
+        );
     }
 
     #[test]

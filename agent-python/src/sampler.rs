@@ -28,32 +28,55 @@ pub fn spawn(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) -> Option
         .ok()
 }
 
+/// Request boundaries waiting for their sample: at most one sample per
+/// `boundary_min_interval`; a boundary that comes sooner replaces the one
+/// waiting, so the sample taken carries the newest context (requests_done
+/// only grows) and a burst of requests costs one host reading, not one each.
+struct Boundaries {
+    min_interval: Duration,
+    last: Option<Instant>,
+    waiting: Option<(i64, Box<pb::RequestContext>)>,
+}
+
+impl Boundaries {
+    /// When the waiting boundary is due, if one waits.
+    fn due(&self) -> Option<Instant> {
+        self.waiting.as_ref()?;
+        Some(
+            self.last
+                .map_or_else(Instant::now, |t| t + self.min_interval),
+        )
+    }
+}
+
 fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
     let directives = agent.reporter.directives();
     let mut next_tick = Instant::now();
     let mut next_census = (agent.config.census_interval > Duration::ZERO)
         .then(|| Instant::now() + agent.config.census_interval);
+    let mut boundaries = Boundaries {
+        min_interval: agent.config.boundary_min_interval,
+        last: None,
+        waiting: None,
+    };
     loop {
-        let wait = next_tick.saturating_duration_since(Instant::now());
-        match jobs.recv_timeout(wait) {
-            Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+        let wake = boundaries.due().map_or(next_tick, |d| d.min(next_tick));
+        match jobs.recv_timeout(wake.saturating_duration_since(Instant::now())) {
+            Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => {
+                // The last requests' state is not lost to the spacing.
+                if let Some((time_ns, context)) = boundaries.waiting.take() {
+                    boundary_sample(&agent, &probe, time_ns, *context);
+                }
+                return;
+            }
             Ok(Job::Boundary { time_ns, context }) => {
-                // Every boundary is a sample (leak evidence lives there); its
-                // allocator reading is taken here, on the agent's thread, a
-                // moment after the request ended rather than on its thread.
-                // Only a process with CUDA in use (seen by the periodic tick,
-                // which installs the torch hooks) has an allocator to read; the
-                // rest never take the GIL here.
-                let allocator = if agent.torch_hooks.load(Ordering::Relaxed) {
-                    Python::try_attach(torchread::read_all).unwrap_or_default()
-                } else {
-                    Vec::new()
-                };
-                let mut s = probe.sample();
-                s.time_ns = time_ns;
-                s.allocator = allocator;
-                s.context = Some(*context);
-                agent.reporter.send_sample(s);
+                boundaries.waiting = Some((time_ns, context));
+                if boundaries.due().is_some_and(|d| d <= Instant::now()) {
+                    if let Some((time_ns, context)) = boundaries.waiting.take() {
+                        boundary_sample(&agent, &probe, time_ns, *context);
+                        boundaries.last = Some(Instant::now());
+                    }
+                }
             }
             Ok(Job::Census { budget }) => {
                 Python::try_attach(|py| {
@@ -70,6 +93,15 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
                     probe.process_list(OOM_TOP_PROCESSES),
                 ));
             }
+            Err(RecvTimeoutError::Timeout)
+                if boundaries.due().is_some_and(|d| d <= Instant::now()) =>
+            {
+                if let Some((time_ns, context)) = boundaries.waiting.take() {
+                    boundary_sample(&agent, &probe, time_ns, *context);
+                    boundaries.last = Some(Instant::now());
+                }
+            }
+            Err(RecvTimeoutError::Timeout) if Instant::now() < next_tick => {}
             Err(RecvTimeoutError::Timeout) => {
                 tick(&agent, &probe);
                 let interval =
@@ -94,6 +126,24 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
             }
         }
     }
+}
+
+/// A sample at a request boundary. Its allocator reading is taken here, on
+/// the agent's thread, a moment after the request ended rather than on its
+/// thread. Only a process with CUDA in use (seen by the periodic tick, which
+/// installs the torch hooks) has an allocator to read; the rest never take
+/// the GIL here.
+fn boundary_sample(agent: &Agent, probe: &HostProbe, time_ns: i64, context: pb::RequestContext) {
+    let allocator = if agent.torch_hooks.load(Ordering::Relaxed) {
+        Python::try_attach(torchread::read_all).unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let mut s = probe.sample();
+    s.time_ns = time_ns;
+    s.allocator = allocator;
+    s.context = Some(context);
+    agent.reporter.send_sample(s);
 }
 
 /// One periodic sample: host domains first (no GIL), then the allocator.

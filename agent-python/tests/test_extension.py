@@ -28,7 +28,7 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
     out = run_py("""
         import sys, time, torch, oomscope
         ok = oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05, spool_dir=%r,
-                            exit_flush_s=0.3)
+                            exit_flush_s=0.3, boundary_min_interval_s=0)
         assert ok and oomscope.start() is False  # twice is harmless
         for i in range(5):
             with oomscope.request(id="r%%d" %% i, prompt_tokens=10 + i, max_tokens=4) as r:
@@ -49,7 +49,8 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
     try:
         out = run_py("""
             import os, time, torch, oomscope
-            oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05, spool_dir=%r)
+            oomscope.start(collector=%r, name="absent-then-up", interval_s=0.05, spool_dir=%r,
+                           boundary_min_interval_s=0)
             for i in range(3):
                 with oomscope.request(id="q%%d" %% i, prompt_tokens=7, max_tokens=2) as r:
                     r.output_tokens = 2
@@ -80,11 +81,32 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
         col.stop()
 
 
+def test_boundaries_closer_than_the_spacing_fold_into_one_sample(collector):
+    """50 requests in well under the 5 s spacing: the first request's end
+    is sampled at once, the other 49 fold into one sample that carries the
+    newest context, taken when the spacing allows or, here, at stop."""
+    out = run_py("""
+        import oomscope
+        oomscope.start(collector=%r, name="fold", interval_s=60, boundary_min_interval_s=5,
+                       census_every=0)
+        for i in range(50):
+            with oomscope.request(id="r%%d" %% i, prompt_tokens=4, max_tokens=2) as r:
+                r.output_tokens = 2
+        print("agent", oomscope.agent_id())
+        oomscope.stop()
+        """ % collector.url)
+    t = collector.timeline(out.split("agent ")[1].strip())
+    done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
+    assert done == [1, 50], done
+    ends = [e for e in events(t, "request") if not e["start"]]
+    assert len(ends) == 50, "every request is still an event"
+
+
 def test_samples_queued_while_the_collector_is_down_arrive_when_it_starts(tmp_path):
     col = Collector(tmp_path)
     code = """
         import os, time, torch, oomscope
-        oomscope.start(collector=%r, name="late-collector", interval_s=0.05)
+        oomscope.start(collector=%r, name="late-collector", interval_s=0.05, boundary_min_interval_s=0)
         for i in range(4):
             with oomscope.request(id="r%%d" %% i) as r:
                 pass

@@ -33,12 +33,14 @@ __all__ = [
 def start(collector=None, name=None, model=None, revision=None, quantization=None, dtype=None,
           interval_s=None, role=None, rank=None, spool_dir=None, oom_wait_s=None,
           census_every=None, census_interval_s=None, census_budget_s=None,
-          history_max_entries=None, exit_flush_s=None):
+          history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None):
     """Starts the agent (a second call does nothing and returns False).
 
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
     defaults: interval_s 1.0, oom_wait_s 0.2, census_every 100 requests,
-    census_interval_s 300, census_budget_s 0.25, no spool, no memory history.
+    census_interval_s 300, census_budget_s 0.25, no spool, no memory history,
+    boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
+    a request ending sooner is folded into the next sample).
     A bad value raises ValueError here, never later.
     """
     started = _native.start(
@@ -46,7 +48,8 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
         quantization=quantization, dtype=dtype, interval_s=interval_s, role=role, rank=rank,
         spool_dir=spool_dir, oom_wait_s=oom_wait_s, census_every=census_every,
         census_interval_s=census_interval_s, census_budget_s=census_budget_s,
-        history_max_entries=history_max_entries, exit_flush_s=exit_flush_s)
+        history_max_entries=history_max_entries, exit_flush_s=exit_flush_s,
+        boundary_min_interval_s=boundary_min_interval_s)
     if started:
         from . import _hooks
         _hooks.install()

@@ -19,6 +19,10 @@ use crate::torchread;
 
 /// The phase of a sample taken on the clock rather than at a boundary.
 pub const PERIODIC_PHASE: &str = "periodic";
+/// The longest a census due by request count waits for a moment with no
+/// request in flight; a server that is never idle gets it anyway, and a
+/// few in-flight temporaries in it.
+pub const CENSUS_IDLE_WAIT: Duration = Duration::from_secs(2);
 
 pub fn spawn(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) -> Option<JoinHandle<()>> {
     std::thread::Builder::new()
@@ -59,8 +63,23 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
         last: None,
         waiting: None,
     };
+    // A census asked for by request count, waiting for a quiet moment.
+    let mut census: Option<(Duration, Instant)> = None;
     loop {
-        let wake = boundaries.due().map_or(next_tick, |d| d.min(next_tick));
+        if let Some((budget, until)) = census {
+            if Instant::now() >= until || lock(&agent.context).in_flight.is_empty() {
+                census = None;
+                Python::try_attach(|py| {
+                    if let Err(e) = agent.census(py, budget) {
+                        tracing::warn!(error = %e, "oomscope: heap census failed");
+                    }
+                });
+            }
+        }
+        let mut wake = boundaries.due().map_or(next_tick, |d| d.min(next_tick));
+        if let Some((_, until)) = census {
+            wake = wake.min(until);
+        }
         match jobs.recv_timeout(wake.saturating_duration_since(Instant::now())) {
             Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => {
                 // The last requests' state is not lost to the spacing.
@@ -79,11 +98,10 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
                 }
             }
             Ok(Job::Census { budget }) => {
-                Python::try_attach(|py| {
-                    if let Err(e) = agent.census(py, budget) {
-                        tracing::warn!(error = %e, "oomscope: heap census failed");
-                    }
-                });
+                // Between requests the heap holds what requests left behind,
+                // not the temporaries of one mid-step: wait (a little) for
+                // no request in flight; the next request end wakes us.
+                census.get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT));
             }
             Ok(Job::Snapshot { device }) => {
                 Python::try_attach(|py| agent.snapshot(py, device));

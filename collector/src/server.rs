@@ -221,27 +221,13 @@ impl Collector {
                     store.set_state(&id, "lost", now_ns())?;
                     let lost = incidents::record_lost(store, &id, broke_at_ns, grace)?;
                     for inc in incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())? {
-                        tracing::warn!(
-                            agent_id = inc.agent_id,
-                            incident = inc.id,
-                            kind = inc.kind,
-                            "{}",
-                            inc.summary
-                        );
+                        log_incident(&inc);
                     }
                     Ok(lost)
                 })
                 .await;
             match outcome {
-                Ok(Some(inc)) => {
-                    tracing::warn!(
-                        agent_id,
-                        incident = inc.id,
-                        domain = inc.domain,
-                        "{}",
-                        inc.summary
-                    )
-                }
+                Ok(Some(inc)) => log_incident(&inc),
                 Ok(None) => tracing::debug!(agent_id, "reconnected within the grace period"),
                 Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
             }
@@ -255,13 +241,7 @@ impl Collector {
             .with_store(move |store| incidents::record_recovered(store, &id))
             .await
         {
-            Ok(Some(inc)) => tracing::warn!(
-                agent_id,
-                incident = inc.id,
-                domain = inc.domain,
-                "{}",
-                inc.summary
-            ),
+            Ok(Some(inc)) => log_incident(&inc),
             Ok(None) => tracing::info!(agent_id, "a dead agent's spool was delivered"),
             Err(e) => tracing::error!(agent_id, "recording a recovered agent failed: {e:#}"),
         }
@@ -288,6 +268,18 @@ impl Collector {
             self.schedule_lost_check(agent_id, generation, now_ns());
         }
     }
+}
+
+/// One line per recorded incident, the same wherever it was found.
+fn log_incident(inc: &pb::Incident) {
+    tracing::warn!(
+        agent_id = inc.agent_id,
+        incident = inc.id,
+        kind = inc.kind,
+        domain = inc.domain,
+        "{}",
+        inc.summary
+    );
 }
 
 /// A poisoned lock only means another thread panicked mid-call; the data
@@ -590,14 +582,7 @@ async fn ingest(
         }
     };
     for inc in &recorded {
-        tracing::warn!(
-            agent_id,
-            incident = inc.id,
-            kind = inc.kind,
-            domain = inc.domain,
-            "{}",
-            inc.summary
-        );
+        log_incident(inc);
     }
     if let Some(g) = &goodbye {
         tracing::info!(

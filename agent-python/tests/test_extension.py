@@ -102,6 +102,50 @@ def test_boundaries_closer_than_the_spacing_fold_into_one_sample(collector):
     assert len(ends) == 50, "every request is still an event"
 
 
+def test_a_sigkilled_servers_spool_is_delivered_by_the_next_agent(tmp_path):
+    """The OOM killer's way: SIGKILL while the collector is away. The
+    evidence waits in the dead process's spool; the next agent on that
+    spool root (here after the collector is back) delivers it as the dead
+    agent, and the collector records the death."""
+    col = Collector(tmp_path)
+    spool = str(tmp_path / "spool")
+    code = """
+        import os, signal, oomscope
+        oomscope.start(collector=%r, name="killed", interval_s=0.05, spool_dir=%r,
+                       boundary_min_interval_s=0)
+        for i in range(6):
+            with oomscope.request(id="r%%d" %% i) as r:
+                pass
+        oomscope.flush(0.3)  # lets the agent's thread spool what is queued
+        print("agent", oomscope.agent_id(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """ % (col.url, spool)
+    e = dict(os.environ, OOMSCOPE_AUTOSTART="0")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e,
+                       timeout=120)
+    assert r.returncode == -9, (r.returncode, r.stderr)
+    dead = r.stdout.split("agent ")[1].strip()
+    col.start()
+    try:
+        run_py("""
+            import os, time, oomscope
+            oomscope.start(collector=%r, name="rescuer", spool_dir=%r)
+            deadline = time.monotonic() + 20
+            while len(os.listdir(%r)) > 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            """ % (col.url, spool, spool))
+        t = col.timeline(dead)
+        done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
+        assert done == [1, 2, 3, 4, 5, 6], done
+        state = [a["state"] for a in col.cli("agents", "--json") if a["id"] == dead]
+        assert state == ["lost"], state
+        lost = [i for i in col.cli("incidents", "--json") if i["agent_id"] == dead]
+        assert [i["kind"] for i in lost] == ["agent_lost"], lost
+        assert dead not in os.listdir(spool), "the delivered spool is deleted: %s" % os.listdir(spool)
+    finally:
+        col.stop()
+
+
 def test_samples_queued_while_the_collector_is_down_arrive_when_it_starts(tmp_path):
     col = Collector(tmp_path)
     code = """

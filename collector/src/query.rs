@@ -33,7 +33,7 @@ impl QueryApi {
         R: Send + 'static,
     {
         // Two layers: the outer error is the store task's, the inner the query's.
-        match self.collector.with_store(move |s| Ok(f(s))).await {
+        match self.collector.with_reader_store(move |s| Ok(f(s))).await {
             Ok(r) => r,
             Err(e) => Err(internal(e)),
         }

@@ -44,13 +44,17 @@ pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
 /// Opens the store, binds `cfg.listen` and serves until `shutdown` completes.
 pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let db = cfg.db.clone();
-    let store = tokio::task::spawn_blocking(move || Store::open(&db))
-        .await
-        .map_err(|e| anyhow!("opening the store: {e}"))??;
+    let (store, reader) = tokio::task::spawn_blocking(move || {
+        let store = Store::open(&db)?;
+        Ok::<_, anyhow::Error>((store, Store::open_reader(&db)?))
+    })
+    .await
+    .map_err(|e| anyhow!("opening the store: {e}"))??;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;
-    serve_with_listener(listener, Collector::new(store, cfg.lost_grace), shutdown).await
+    let collector = Collector::new(store, cfg.lost_grace).with_reader(reader);
+    serve_with_listener(listener, collector, shutdown).await
 }
 
 /// Serves both services on an already bound listener (tests bind port 0).
@@ -94,6 +98,10 @@ pub struct Collector {
 
 struct Inner {
     store: Mutex<Store>,
+    /// A second, read-only connection for queries (a file store only): with
+    /// WAL they read while an ingest writes, so a heavy query never holds
+    /// back an agent's acks.
+    reader: Option<Mutex<Store>>,
     lost_grace: Duration,
     fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
@@ -122,6 +130,7 @@ impl Collector {
         Collector {
             inner: Arc::new(Inner {
                 store: Mutex::new(store),
+                reader: None,
                 lost_grace,
                 fleet,
                 links: Mutex::new(HashMap::new()),
@@ -129,6 +138,16 @@ impl Collector {
                 stopping: watch::channel(false).0,
             }),
         }
+    }
+
+    /// Queries go through `reader` (see [`Store::open_reader`]); call before
+    /// the collector is shared.
+    pub fn with_reader(mut self, reader: Store) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.reader = Some(Mutex::new(reader)),
+            None => tracing::warn!("the collector is already shared; queries use the writer"),
+        }
+        self
     }
 
     /// Runs `f` on the store on a blocking thread: SQLite calls block.
@@ -141,6 +160,22 @@ impl Collector {
         tokio::task::spawn_blocking(move || f(&mut lock(&inner.store)))
             .await
             .map_err(|e| anyhow!("a store task failed: {e}"))?
+    }
+
+    /// Like [`Collector::with_store`] for reading: on the read-only
+    /// connection when there is one, else on the writer's.
+    pub async fn with_reader_store<R, F>(&self, f: F) -> Result<R>
+    where
+        F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
+        R: Send + 'static,
+    {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || match &inner.reader {
+            Some(reader) => f(&mut lock(reader)),
+            None => f(&mut lock(&inner.store)),
+        })
+        .await
+        .map_err(|e| anyhow!("a store task failed: {e}"))?
     }
 
     /// Queues a directive for a connected agent; never waits.

@@ -107,6 +107,19 @@ impl Store {
         Self::init(conn).with_context(|| format!("preparing the store {}", path.display()))
     }
 
+    /// A read-only connection to the store at `path`, which [`Store::open`]
+    /// has created. With WAL it reads the last committed state while the
+    /// writer's connection goes on writing; any write through it fails.
+    pub fn open_reader(path: &Path) -> Result<Store> {
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .with_context(|| format!("opening the store {} for reading", path.display()))?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        Ok(Store { conn })
+    }
+
     /// A throwaway store, for tests and `replay` without `--db`.
     pub fn open_in_memory() -> Result<Store> {
         Self::init(Connection::open_in_memory().context("opening an in-memory store")?)
@@ -734,6 +747,31 @@ pub fn now_ns() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_reader_sees_commits_and_refuses_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let mut writer = Store::open(&path).unwrap();
+        let mut reader = Store::open_reader(&path).unwrap();
+        assert!(reader.list_agents().unwrap().is_empty());
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
+        writer.upsert_agent(&hello, 1).unwrap();
+        let agents = reader.list_agents().unwrap();
+        assert_eq!(agents.len(), 1, "a commit is visible to the reader");
+        assert_eq!(agents[0].state, "connected");
+        let err = reader.upsert_agent(&hello, 2).unwrap_err();
+        assert!(format!("{err:#}").contains("readonly"), "{err:#}");
+        // A read in progress does not hold the writer back (WAL).
+        let mut stmt = reader.conn.prepare("SELECT agent_id FROM agents").unwrap();
+        let mut rows = stmt.query([]).unwrap();
+        assert!(rows.next().unwrap().is_some());
+        writer.set_state("a1", "lost", 3).unwrap();
+    }
 
     #[test]
     fn downsample_keeps_ends_and_spreads_evenly() {

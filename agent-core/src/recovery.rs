@@ -7,8 +7,11 @@
 //! watches the other spools under its root. A spool whose lock is free
 //! belongs to a dead process; if it was writing to the same collector, this
 //! thread resends it under the dead agent's own id and Hello (marked
-//! `recovery`, so the collector does not take the agent for alive), then
-//! deletes it once everything is acked. Settled spools are deleted at once.
+//! `recovery`, so the collector does not take the agent for alive). Acked
+//! segments go as usual; the directory stays with its small state file (the
+//! seq high-water mark), so an agent that does come back with the same id
+//! (a caller-chosen one) goes on above its old seqs instead of repeating
+//! them, which the collector would drop as duplicates.
 //! Nothing here touches the caller's threads or the live reporter's queue.
 
 use std::path::{Path, PathBuf};
@@ -29,10 +32,10 @@ const POLL: Duration = Duration::from_millis(200);
 /// What one pass over the spool root did, for logs and tests.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Pass {
-    /// Spools of dead agents resent and then deleted.
+    /// Spools of dead agents resent and acked.
     pub delivered: Vec<String>,
-    /// Spools with nothing left to send, deleted.
-    pub cleaned: Vec<String>,
+    /// Spools with nothing left to send.
+    pub settled: Vec<String>,
     /// Spools left in place: locked by a live process, written for another
     /// collector, without an origin to resend them as, or not delivered in
     /// time.
@@ -63,8 +66,8 @@ fn watch(cfg: &ReporterConfig, root: &Path, own: &str, live: &Liveness) {
             }
         }
         let pass = recover(cfg, root, own, &|| live.stopped());
-        if !pass.delivered.is_empty() || !pass.cleaned.is_empty() {
-            tracing::info!(delivered = ?pass.delivered, cleaned = pass.cleaned.len(), "oomscope: delivered or cleaned the spools of dead agents");
+        if !pass.delivered.is_empty() {
+            tracing::info!(delivered = ?pass.delivered, "oomscope: delivered the spools of dead agents");
         }
         if !sleep(live, RESCAN_INTERVAL) {
             return;
@@ -104,7 +107,7 @@ pub fn recover(cfg: &ReporterConfig, root: &Path, own: &str, stop: &dyn Fn() -> 
         };
         match outcome {
             Outcome::Delivered => pass.delivered.push(id),
-            Outcome::Cleaned => pass.cleaned.push(id),
+            Outcome::Settled => pass.settled.push(id),
             Outcome::Left => pass.left.push(id),
         }
     }
@@ -113,7 +116,7 @@ pub fn recover(cfg: &ReporterConfig, root: &Path, own: &str, stop: &dyn Fn() -> 
 
 enum Outcome {
     Delivered,
-    Cleaned,
+    Settled,
     Left,
 }
 
@@ -130,8 +133,7 @@ fn recover_one(
         Err(e) => return Err(e),
     };
     if spool.is_settled() {
-        spool.destroy()?;
-        return Ok(Outcome::Cleaned);
+        return Ok(Outcome::Settled);
     }
     let origin = match spool.origin() {
         Some(o) if o.collector_url == cfg.collector_url => o,
@@ -155,17 +157,11 @@ fn recover_one(
         }
     };
     // Dropping the last handle stops the worker without a Goodbye (the
-    // agent did not say one) and releases the spool for the check below.
+    // agent did not say one) and releases the spool.
     drop(reporter);
-    if !delivered {
-        return Ok(Outcome::Left);
-    }
-    match Spool::open(root, id, cfg.spool_max_bytes) {
-        Ok(spool) if spool.is_settled() => {
-            spool.destroy()?;
-            Ok(Outcome::Delivered)
-        }
-        Ok(_) | Err(SpoolError::Locked { .. }) => Ok(Outcome::Left),
-        Err(e) => Err(e),
-    }
+    Ok(if delivered {
+        Outcome::Delivered
+    } else {
+        Outcome::Left
+    })
 }

@@ -136,8 +136,6 @@ pub struct Spool {
     /// The highest seq ever appended, kept across runs so seqs never repeat.
     high: u64,
     stats: SpoolStats,
-    /// Set by [`Spool::destroy`]: nothing is left to save on drop.
-    destroyed: bool,
     _lock: File,
 }
 
@@ -166,7 +164,6 @@ impl Spool {
             floor,
             high,
             stats: SpoolStats::default(),
-            destroyed: false,
             _lock: lock,
         };
         let mut problems: Vec<SpoolProblem> = state_problem.into_iter().collect();
@@ -247,19 +244,6 @@ impl Spool {
             tracing::warn!(path = %path.display(), "oomscope spool: damaged origin file, ignored");
         }
         parsed
-    }
-
-    /// Deletes the spool's directory (under its lock, so no other process
-    /// is using it). For a spool whose messages are all delivered.
-    pub fn destroy(mut self) -> Result<(), SpoolError> {
-        self.destroyed = true;
-        self.current = None;
-        for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
-            let path = entry.map_err(io_err(&self.dir))?.path();
-            fs::remove_file(&path).map_err(io_err(&path))?;
-        }
-        // Linux lets a locked, open file be unlinked; the lock goes with it.
-        fs::remove_dir(&self.dir).map_err(io_err(&self.dir))
     }
 
     pub fn stats(&self) -> SpoolStats {
@@ -483,9 +467,6 @@ impl Spool {
 
 impl Drop for Spool {
     fn drop(&mut self) {
-        if self.destroyed {
-            return;
-        }
         // Best effort: a stale floor only means some acked messages are sent
         // again, which the collector deduplicates.
         if let Err(e) = self.write_state() {

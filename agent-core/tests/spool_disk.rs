@@ -265,18 +265,24 @@ fn origin_round_trips_and_a_damaged_one_reads_as_none() {
 }
 
 #[test]
-fn destroy_removes_the_directory_and_is_refused_while_another_holds_it() {
+fn settled_means_everything_appended_is_acked_and_survives_reopen() {
     let root = tempfile::tempdir().unwrap();
     let mut spool = Spool::open(root.path(), "agent/1", 1 << 20).unwrap();
+    assert!(spool.is_settled(), "nothing appended yet");
     spool.append(&sample(1)).unwrap();
+    spool.append(&sample(2)).unwrap();
     assert!(!spool.is_settled());
     spool.ack(1).unwrap();
+    assert!(!spool.is_settled());
+    spool.ack(2).unwrap();
     assert!(spool.is_settled());
     assert!(matches!(
         Spool::open(root.path(), "agent/1", 1 << 20),
         Err(SpoolError::Locked { .. })
     ));
-    spool.destroy().unwrap();
-    assert!(Spool::recover(root.path()).is_empty());
-    assert!(fs::read_dir(root.path()).unwrap().next().is_none());
+    drop(spool);
+    let spool = Spool::open(root.path(), "agent/1", 1 << 20).unwrap();
+    assert!(spool.is_settled());
+    assert_eq!(spool.next_seq(), 3, "seqs go on above the old ones");
+    assert_eq!(spool.stats().segments, 0, "acked segments are gone");
 }

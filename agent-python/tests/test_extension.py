@@ -14,11 +14,26 @@ import pytest
 from conftest import Collector, events, free_port, oomscope_bin, wait_for
 
 
+#: Defined in every run_py script: waits until another agent has delivered
+#: the spool of `agent` under `root` (no segment file left in it).
+WAIT_DELIVERED = """
+def wait_delivered(root, agent, timeout=20):
+    import os, time
+    d = os.path.join(root, agent)
+    deadline = time.monotonic() + timeout
+    while any(f.startswith("seg-") for f in os.listdir(d)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+"""
+
+
 def run_py(code, env=None, timeout=120):
     e = dict(os.environ, OOMSCOPE_AUTOSTART="0")
     e.update(env or {})
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       env=e, timeout=timeout)
+    r = subprocess.run([sys.executable, "-c", WAIT_DELIVERED + textwrap.dedent(code)], capture_output=True,
+                       text=True, env=e, timeout=timeout)
     assert r.returncode == 0, "script failed (%d):\n%s\n%s" % (r.returncode, r.stdout, r.stderr)
     return r.stdout
 
@@ -43,8 +58,7 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
     assert "stopped False False" in out, out
     first = out.split("agent ")[1].split()[0]
     # A second process with the same spool root is another agent: it delivers
-    # live, and it also delivers the first one's spool (whose process is gone),
-    # then deletes it.
+    # live, and it also delivers the first one's spool (whose process is gone).
     col.start()
     try:
         out = run_py("""
@@ -55,13 +69,10 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
                 with oomscope.request(id="q%%d" %% i, prompt_tokens=7, max_tokens=2) as r:
                     r.output_tokens = 2
             assert oomscope.flush(10), oomscope.stats()
-            deadline = time.monotonic() + 20
-            while len(os.listdir(%r)) > 1 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            print("spools", len(os.listdir(%r)))
+            print("delivered", wait_delivered(%r, %r))
             print("agent", oomscope.agent_id())
-            """ % (col.url, str(tmp_path / "spool"), str(tmp_path / "spool"), str(tmp_path / "spool")))
-        assert "spools 1" in out, out
+            """ % (col.url, str(tmp_path / "spool"), str(tmp_path / "spool"), first))
+        assert "delivered True" in out, out
         t = col.timeline(first)
         done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
         assert done == [1, 2, 3, 4, 5], "the first process's spooled samples arrived"
@@ -106,7 +117,7 @@ def test_a_sigkilled_servers_spool_is_delivered_by_the_next_agent(tmp_path):
     """The OOM killer's way: SIGKILL while the collector is away. The
     evidence waits in the dead process's spool; the next agent on that
     spool root (here after the collector is back) delivers it as the dead
-    agent, and the collector records the death."""
+    agent, and the collector records the death. The spool keeps its state."""
     col = Collector(tmp_path)
     spool = str(tmp_path / "spool")
     code = """
@@ -127,13 +138,12 @@ def test_a_sigkilled_servers_spool_is_delivered_by_the_next_agent(tmp_path):
     dead = r.stdout.split("agent ")[1].strip()
     col.start()
     try:
-        run_py("""
-            import os, time, oomscope
+        out = run_py("""
+            import oomscope
             oomscope.start(collector=%r, name="rescuer", spool_dir=%r)
-            deadline = time.monotonic() + 20
-            while len(os.listdir(%r)) > 1 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            """ % (col.url, spool, spool))
+            print("delivered", wait_delivered(%r, %r))
+            """ % (col.url, spool, spool, dead))
+        assert "delivered True" in out, out
         t = col.timeline(dead)
         done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
         assert done == [1, 2, 3, 4, 5, 6], done
@@ -141,7 +151,7 @@ def test_a_sigkilled_servers_spool_is_delivered_by_the_next_agent(tmp_path):
         assert state == ["lost"], state
         lost = [i for i in col.cli("incidents", "--json") if i["agent_id"] == dead]
         assert [i["kind"] for i in lost] == ["agent_lost"], lost
-        assert dead not in os.listdir(spool), "the delivered spool is deleted: %s" % os.listdir(spool)
+        assert dead in os.listdir(spool), "the delivered spool keeps its state (seqs)"
     finally:
         col.stop()
 

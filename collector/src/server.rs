@@ -469,10 +469,11 @@ async fn session(
     }
 
     match &end {
-        // An agent that said Goodbye may drop the connection without closing
-        // its half of the stream (the HTTP/2 reset is then only noise).
-        End::Failed(status) if said_goodbye => {
-            tracing::debug!(agent_id, code = ?status.code(), "stream reset after Goodbye: {}", status.message());
+        // An agent that said Goodbye, or a spool delivery that is done, may
+        // drop the connection without closing its half of the stream (the
+        // HTTP/2 reset is then only noise; what was stored is acked).
+        End::Failed(status) if said_goodbye || recovery => {
+            tracing::debug!(agent_id, code = ?status.code(), "stream reset after Goodbye or delivery: {}", status.message());
         }
         End::Failed(status) => {
             let status = explain(status, &agent_id, last_seq);

@@ -56,10 +56,6 @@ fn orphan(root: &Path, id: &str, collector: Option<&str>, seqs: u64, acked: u64)
     spool.ack(acked).unwrap();
 }
 
-fn spool_ids(root: &Path) -> Vec<String> {
-    Spool::recover(root)
-}
-
 #[test]
 fn a_sigkilled_agents_spool_is_delivered_by_the_next_agent() {
     let tmp = tempdir();
@@ -86,7 +82,7 @@ fn a_sigkilled_agents_spool_is_delivered_by_the_next_agent() {
     victim.kill().unwrap();
     victim.wait().unwrap();
 
-    let ids = spool_ids(&spool);
+    let ids = Spool::recover(&spool);
     assert_eq!(ids.len(), 1, "one spool left behind: {ids:?}");
     let victim_id = ids[0].clone();
     let left = {
@@ -130,15 +126,20 @@ fn a_sigkilled_agents_spool_is_delivered_by_the_next_agent() {
     let summary = incs[0]["summary"].as_str().unwrap();
     assert!(summary.contains("delivered"), "{summary}");
 
-    assert!(
-        !spool_ids(&spool).contains(&victim_id),
-        "the delivered spool is deleted: {:?}",
-        spool_ids(&spool)
-    );
+    assert_settled(&spool, &victim_id, left.last().unwrap().seq);
+}
+
+/// Delivered: nothing pending, no segment left on disk, and the seq
+/// high-water mark kept, so the same id would go on above it.
+fn assert_settled(root: &Path, id: &str, last_seq: u64) {
+    let s = Spool::open(root, id, DEFAULT_SPOOL_MAX_BYTES).unwrap();
+    assert!(s.is_settled(), "{id}: everything acked");
+    assert_eq!(s.stats().segments, 0, "{id}: acked segments are deleted");
+    assert_eq!(s.next_seq(), last_seq + 1, "{id}");
 }
 
 #[test]
-fn one_pass_delivers_the_dead_cleans_the_settled_and_leaves_the_rest() {
+fn one_pass_delivers_the_dead_and_leaves_the_rest() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     let root = tmp.path().join("spool");
@@ -171,20 +172,25 @@ fn one_pass_delivers_the_dead_cleans_the_settled_and_leaves_the_rest() {
     assert_eq!(
         Pass {
             delivered: sorted(pass.delivered),
-            cleaned: sorted(pass.cleaned),
+            settled: sorted(pass.settled),
             left: sorted(pass.left),
         },
         Pass {
             delivered: vec!["dead".into(), "exited".into()],
-            cleaned: vec!["settled".into()],
+            settled: vec!["settled".into()],
             left: vec!["alive".into(), "anonymous".into(), "elsewhere".into()],
         }
     );
-    assert_eq!(
-        spool_ids(&root),
-        vec!["alive", "anonymous", "elsewhere"],
-        "delivered and settled spools are deleted, the rest kept"
-    );
+    assert_settled(&root, "dead", 4);
+    assert_settled(&root, "exited", 3);
+    for (id, pending) in [("anonymous", 2), ("elsewhere", 2)] {
+        let mut s = Spool::open(&root, id, DEFAULT_SPOOL_MAX_BYTES).unwrap();
+        assert_eq!(
+            s.pending().unwrap().len(),
+            pending,
+            "{id} is left as it was"
+        );
+    }
 
     let agents = col.json(&["agents"]);
     assert!(

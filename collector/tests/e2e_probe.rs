@@ -278,8 +278,6 @@ fn overload_without_admission_caps_is_caught() {
 fn restart_run(port: u16, flags: &str) -> Value {
     let launch = server_cmd(
         port,
-        // A restore window long enough that a herd delayed by a busy CI
-        // machine (seconds, seen) still meets a server that is ramping up.
         &format!("--load-seconds 1 --restore-seconds 8 {flags}"),
     )
     .join(" ");
@@ -305,7 +303,7 @@ fn restart_passes_with_gating_restore_and_idempotency() {
     assert_eq!(f["idempotent_completed_before_kill"], 8);
     assert!(
         (f["restore_herd_admitted"].as_f64().unwrap())
-            <= 0.75 * f["steady_herd_admitted"].as_f64().unwrap(),
+            <= 0.5 * f["steady_herd_admitted"].as_f64().unwrap(),
         "{f:#}"
     );
 }
@@ -320,7 +318,7 @@ fn restart_without_gradual_restore_fails_with_the_reason() {
     let f = &s["findings"];
     assert!(
         f["restore_herd_admitted"].as_f64().unwrap()
-            > 0.75 * f["steady_herd_admitted"].as_f64().unwrap(),
+            > 0.5 * f["steady_herd_admitted"].as_f64().unwrap(),
         "{f:#}"
     );
     assert_eq!(f["admitted_before_ready"], 0, "readiness still gates");

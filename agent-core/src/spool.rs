@@ -135,6 +135,10 @@ pub struct Spool {
     floor: u64,
     /// The highest seq ever appended, kept across runs so seqs never repeat.
     high: u64,
+    /// (floor, high) as the state file holds them; None when it is missing
+    /// or damaged. Closing rewrites the file only when they differ, so
+    /// opening a settled spool (every recovery pass does) writes nothing.
+    saved: Option<(u64, u64)>,
     stats: SpoolStats,
     _lock: File,
 }
@@ -154,7 +158,9 @@ impl Spool {
         let dir = root.join(encode_agent_id(agent_id));
         fs::create_dir_all(&dir).map_err(io_err(&dir))?;
         let lock = lock_dir(&dir)?;
-        let (floor, high, state_problem) = read_state(&dir.join(STATE_FILE));
+        let state_path = dir.join(STATE_FILE);
+        let (floor, high, state_problem) = read_state(&state_path);
+        let saved = (state_problem.is_none() && state_path.exists()).then_some((floor, high));
         let mut spool = Spool {
             segment_bytes: (max_bytes / 8).clamp(MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES),
             dir,
@@ -163,6 +169,7 @@ impl Spool {
             current: None,
             floor,
             high,
+            saved,
             stats: SpoolStats::default(),
             _lock: lock,
         };
@@ -446,13 +453,15 @@ impl Spool {
         self.segments = keep;
     }
 
-    fn write_state(&self) -> Result<(), SpoolError> {
+    fn write_state(&mut self) -> Result<(), SpoolError> {
         let mut buf = Vec::with_capacity(24);
         buf.extend_from_slice(STATE_MAGIC);
         buf.extend_from_slice(&self.floor.to_le_bytes());
         buf.extend_from_slice(&self.high.to_le_bytes());
         buf.extend_from_slice(&crc32(&buf).to_le_bytes());
-        write_atomically(&self.dir, STATE_FILE, &buf)
+        write_atomically(&self.dir, STATE_FILE, &buf)?;
+        self.saved = Some((self.floor, self.high));
+        Ok(())
     }
 
     fn total_bytes(&self) -> u64 {
@@ -469,6 +478,9 @@ impl Drop for Spool {
     fn drop(&mut self) {
         // Best effort: a stale floor only means some acked messages are sent
         // again, which the collector deduplicates.
+        if self.saved == Some((self.floor, self.high)) {
+            return;
+        }
         if let Err(e) = self.write_state() {
             tracing::debug!(error = %e, "oomscope spool: could not save state on close");
         }

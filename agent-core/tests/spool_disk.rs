@@ -281,8 +281,17 @@ fn settled_means_everything_appended_is_acked_and_survives_reopen() {
         Err(SpoolError::Locked { .. })
     ));
     drop(spool);
+    let state = root.path().join(encode_agent_id("agent/1")).join("state");
+    let inode = || std::os::unix::fs::MetadataExt::ino(&fs::metadata(&state).unwrap());
+    let written = inode();
     let spool = Spool::open(root.path(), "agent/1", 1 << 20).unwrap();
     assert!(spool.is_settled());
     assert_eq!(spool.next_seq(), 3, "seqs go on above the old ones");
     assert_eq!(spool.stats().segments, 0, "acked segments are gone");
+    drop(spool);
+    assert_eq!(
+        inode(),
+        written,
+        "closing an unchanged spool rewrites nothing"
+    );
 }

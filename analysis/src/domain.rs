@@ -184,7 +184,6 @@ fn code_signal_line(f: &Findings) -> Option<String> {
         .map(|_| f.signal_text())
 }
 
-/// For a lost agent: when it was last heard from.
 /// The process's own record of its failure: a device allocation that failed
 /// (the allocator said so, or the error text), or an allocation its own
 /// limits refused (RLIMIT_AS, strict overcommit; the kernel counts nothing).
@@ -202,6 +201,7 @@ fn own_failure(f: &Findings) -> Option<(Domain, Vec<String>)> {
     Some((Domain::AddressSpace, ev))
 }
 
+/// For a lost agent: when it was last heard from.
 fn lost_line(f: &Findings) -> Option<String> {
     let inc = f
         .evidence

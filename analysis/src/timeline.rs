@@ -157,13 +157,11 @@ impl Timeline {
             return;
         }
         edges.sort_by_key(|(t, _)| *t);
-        // One sweep over points and edges, both in time order (a point's
-        // counts are those of the edges at or before it).
-        let mut order: Vec<usize> = (0..self.points.len()).collect();
-        order.sort_by_key(|&i| self.points[i].time_ns);
+        // One sweep over points and edges, both in time order (the points
+        // were sorted on construction; a point's counts are those of the
+        // edges at or before it).
         let (mut next, mut starts, mut ends) = (0, 0u64, 0u64);
-        for i in order {
-            let p = &mut self.points[i];
+        for p in &mut self.points {
             while let Some(&(t, start)) = edges.get(next) {
                 if t > p.time_ns {
                     break;

@@ -196,14 +196,12 @@ impl Agent {
         }));
     }
 
-    /// The request's end event and a boundary sample (the allocator read
-    /// here, with the GIL; the host domains on the sampler thread).
-    pub fn request_end(&self, py: Python<'_>, id: &str, output_tokens: u64, error: &str) {
-        let _ = py;
+    /// The request's end event, and a boundary sample handed to the sampler
+    /// thread, which reads the allocator and the host domains: the
+    /// allocator read costs ~250 us on a GPU (measured on the H200), which a
+    /// request thread must not pay.
+    pub fn request_end(&self, id: &str, output_tokens: u64, error: &str) {
         let time_ns = now_ns();
-        // The allocator is read on the agent's thread, not here: memory_stats()
-        // and mem_get_info() cost ~250 us on a GPU (measured on the H200),
-        // which a request thread must not pay.
         let (context, done) = {
             let mut c = lock(&self.context);
             c.end(id, output_tokens, !error.is_empty());

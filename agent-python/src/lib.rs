@@ -117,9 +117,9 @@ fn request_begin(id: &str, prompt_tokens: u64, max_tokens: u64) {
 
 #[pyfunction]
 #[pyo3(signature = (id, output_tokens = 0, error = ""))]
-fn request_end(py: Python<'_>, id: &str, output_tokens: u64, error: &str) {
+fn request_end(id: &str, output_tokens: u64, error: &str) {
     if let Some(a) = current() {
-        a.request_end(py, id, output_tokens, error);
+        a.request_end(id, output_tokens, error);
     }
 }
 

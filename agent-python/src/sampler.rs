@@ -51,6 +51,15 @@ impl Boundaries {
                 .map_or_else(Instant::now, |t| t + self.min_interval),
         )
     }
+
+    /// The waiting boundary if it is due now, counted as sampled now.
+    fn take_due(&mut self) -> Option<(i64, Box<pb::RequestContext>)> {
+        if self.due()? > Instant::now() {
+            return None;
+        }
+        self.last = Some(Instant::now());
+        self.waiting.take()
+    }
 }
 
 fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
@@ -90,11 +99,8 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
             }
             Ok(Job::Boundary { time_ns, context }) => {
                 boundaries.waiting = Some((time_ns, context));
-                if boundaries.due().is_some_and(|d| d <= Instant::now()) {
-                    if let Some((time_ns, context)) = boundaries.waiting.take() {
-                        boundary_sample(&agent, &probe, time_ns, *context);
-                        boundaries.last = Some(Instant::now());
-                    }
+                if let Some((time_ns, context)) = boundaries.take_due() {
+                    boundary_sample(&agent, &probe, time_ns, *context);
                 }
             }
             Ok(Job::Census { budget }) => {
@@ -111,15 +117,12 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
                     probe.process_list(OOM_TOP_PROCESSES),
                 ));
             }
-            Err(RecvTimeoutError::Timeout)
-                if boundaries.due().is_some_and(|d| d <= Instant::now()) =>
-            {
-                if let Some((time_ns, context)) = boundaries.waiting.take() {
+            Err(RecvTimeoutError::Timeout) if Instant::now() < next_tick => {
+                // Woken for a waiting boundary (or a census), not the tick.
+                if let Some((time_ns, context)) = boundaries.take_due() {
                     boundary_sample(&agent, &probe, time_ns, *context);
-                    boundaries.last = Some(Instant::now());
                 }
             }
-            Err(RecvTimeoutError::Timeout) if Instant::now() < next_tick => {}
             Err(RecvTimeoutError::Timeout) => {
                 tick(&agent, &probe);
                 let interval =

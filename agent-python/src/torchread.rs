@@ -11,11 +11,15 @@ use pyo3::types::{PyDict, PyString};
 
 use crate::pyjson;
 
+/// The `torch` module, when something has imported it (never imported here).
+fn imported_torch(py: Python<'_>) -> Option<Bound<'_, PyAny>> {
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    modules.cast::<PyDict>().ok()?.get_item("torch").ok()?
+}
+
 /// `torch.cuda`, when torch is imported and CUDA is initialised.
 pub fn cuda<'py>(py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
-    let torch = modules.cast::<PyDict>().ok()?.get_item("torch").ok()??;
-    let cuda = torch.getattr("cuda").ok()?;
+    let cuda = imported_torch(py)?.getattr("cuda").ok()?;
     let ready = cuda.call_method0("is_initialized").ok()?.is_truthy().ok()?;
     ready.then_some(cuda)
 }
@@ -37,7 +41,8 @@ pub fn current_device(cuda: &Bound<'_, PyAny>) -> i32 {
 /// CI machine, see BENCHMARKS.md). Falls back to `memory_stats()` should a
 /// torch lack the private call.
 pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::AllocatorStats> {
-    let nested = torch_c(cuda.py())
+    let nested = imported_torch(cuda.py())
+        .and_then(|t| t.getattr("_C").ok())
         .and_then(|c| c.call_method1("_cuda_memoryStats", (device,)).ok())
         .filter(|d| d.is_instance_of::<PyDict>());
     let stats = match nested {
@@ -49,13 +54,6 @@ pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::Alloc
         .and_then(|t| t.extract::<(u64, u64)>())
         .ok();
     stats_from_dict(&stats, device, info)
-}
-
-/// `torch._C`, when torch is imported.
-fn torch_c(py: Python<'_>) -> Option<Bound<'_, PyAny>> {
-    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
-    let torch = modules.cast::<PyDict>().ok()?.get_item("torch").ok()??;
-    torch.getattr("_C").ok()
 }
 
 /// A `memory_stats()` dict, or the nested one torch's C++ returns, (and
@@ -143,13 +141,7 @@ pub fn settings(py: Python<'_>) -> pb::AllocatorSettings {
 /// `torch.__version__` and `torch.version.cuda`, when torch is imported.
 pub fn versions(py: Python<'_>) -> Vec<(String, String)> {
     let mut out = Vec::new();
-    let Ok(modules) = py.import("sys").and_then(|s| s.getattr("modules")) else {
-        return out;
-    };
-    let Ok(Some(torch)) = modules
-        .cast::<PyDict>()
-        .map(|m| m.get_item("torch").ok().flatten())
-    else {
+    let Some(torch) = imported_torch(py) else {
         return out;
     };
     if let Ok(v) = torch.getattr("__version__").and_then(|v| v.str()) {

@@ -1,7 +1,5 @@
 # agent-cuda / rust-server GPU checks, sourced by tests/device/run.sh ($BIN, $URL, $OUT, record, latest_json).
-# Build here first (the GPU machine has no Rust toolchain):
-#   cargo build --release -p oomscope -p oomscope-rust-server && mkdir -p .device \
-#     && cp target/release/{oomscope,oomscope-rust-server,oomscope-cuda-check} .device/
+# It needs .device/oomscope-rust-server and .device/oomscope-cuda-check: the build command is at the top of run.sh.
 # A dry run here, on the simulated device, checks the script itself before device time is spent:
 #   OOMSCOPE_BIN=target/debug/oomscope OOMSCOPE_DEVICE_PARTS=cuda OOMSCOPE_RS_DIR=target/debug \
 #   OOMSCOPE_RS_DEVICE=sim OOMSCOPE_GPU_BYTES=$((16<<30)) bash tests/device/run.sh

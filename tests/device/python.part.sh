@@ -1,8 +1,6 @@
 # agent-python on the GPU: the reference PyTorch server with the oomscope
 # wheel. Sourced by tests/device/run.sh ($BIN, $URL, $OUT, record, latest_json).
-# Build here first (the GPU machine has no Rust), then carry `.device`:
-#   scripts/setup-python && mkdir -p .device && cp .whl/oomscope-*.whl .device/
-#   cargo build --release -p oomscope && cp target/release/oomscope .device/
+# It needs .device/oomscope-*.whl: the build command is at the top of run.sh.
 PYWHEEL=$(ls .device/oomscope-*.whl 2>/dev/null | head -1)
 if [ -z "$PYWHEEL" ]; then
     record "py: wheel" FAIL "no .device/oomscope-*.whl (see the top of $BASH_SOURCE)"

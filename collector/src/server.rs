@@ -156,10 +156,7 @@ impl Collector {
         F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
         R: Send + 'static,
     {
-        let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || f(&mut lock(&inner.store)))
-            .await
-            .map_err(|e| anyhow!("a store task failed: {e}"))?
+        self.on_store(false, f).await
     }
 
     /// Like [`Collector::with_store`] for reading: on the read-only
@@ -169,10 +166,21 @@ impl Collector {
         F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
         R: Send + 'static,
     {
+        self.on_store(true, f).await
+    }
+
+    async fn on_store<R, F>(&self, read: bool, f: F) -> Result<R>
+    where
+        F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
+        R: Send + 'static,
+    {
         let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || match &inner.reader {
-            Some(reader) => f(&mut lock(reader)),
-            None => f(&mut lock(&inner.store)),
+        tokio::task::spawn_blocking(move || {
+            let store = match (&inner.reader, read) {
+                (Some(reader), true) => reader,
+                _ => &inner.store,
+            };
+            f(&mut lock(store))
         })
         .await
         .map_err(|e| anyhow!("a store task failed: {e}"))?
@@ -401,10 +409,7 @@ async fn session(
     let generation = (!recovery).then(|| collector.register(&agent_id, dtx));
     let stored_hello = hello.clone();
     if let Err(e) = collector
-        .with_store(move |s| match recovery {
-            true => s.record_recovered_agent(&stored_hello, now_ns()),
-            false => s.upsert_agent(&stored_hello, now_ns()),
-        })
+        .with_store(move |s| s.record_hello(&stored_hello, now_ns()))
         .await
     {
         tracing::error!(agent_id, "storing the Hello failed: {e:#}");
@@ -576,10 +581,8 @@ async fn ingest(
     let fleet = collector.inner.fleet.clone();
     let result = collector
         .with_store(move |store| {
-            match &rehello {
-                Some(h) if h.recovery => store.record_recovered_agent(h, now_ns())?,
-                Some(h) => store.upsert_agent(h, now_ns())?,
-                None => {}
+            if let Some(h) = &rehello {
+                store.record_hello(h, now_ns())?;
             }
             let outcome = store.insert_batch(&id, &storable)?;
             // An incident that fails to record must not cost the agent its

@@ -227,6 +227,16 @@ impl Store {
         Ok(out)
     }
 
+    /// Records a Hello as it arrives: a live agent's (see
+    /// [`Store::upsert_agent`]), or a dead one's whose spool another process
+    /// is delivering (`Hello.recovery`, see [`Store::record_recovered_agent`]).
+    pub fn record_hello(&mut self, hello: &pb::Hello, now_ns: i64) -> Result<()> {
+        match hello.recovery {
+            true => self.record_recovered_agent(hello, now_ns),
+            false => self.upsert_agent(hello, now_ns),
+        }
+    }
+
     /// Records the Hello of a dead agent whose spool another process is
     /// delivering (`Hello.recovery`): an agent the store already knows keeps
     /// its Hello and state; a new one is stored as "lost", since it is dead.

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use oomscope::probe::restart::GRADUAL_AT_MOST;
 use serde_json::Value;
 
 /// The reference servers are CPU-bound torch processes on a 2-core machine:
@@ -303,7 +304,7 @@ fn restart_passes_with_gating_restore_and_idempotency() {
     assert_eq!(f["idempotent_completed_before_kill"], 8);
     assert!(
         (f["restore_herd_admitted"].as_f64().unwrap())
-            <= 0.5 * f["steady_herd_admitted"].as_f64().unwrap(),
+            <= GRADUAL_AT_MOST * f["steady_herd_admitted"].as_f64().unwrap(),
         "{f:#}"
     );
 }
@@ -318,7 +319,7 @@ fn restart_without_gradual_restore_fails_with_the_reason() {
     let f = &s["findings"];
     assert!(
         f["restore_herd_admitted"].as_f64().unwrap()
-            > 0.5 * f["steady_herd_admitted"].as_f64().unwrap(),
+            > GRADUAL_AT_MOST * f["steady_herd_admitted"].as_f64().unwrap(),
         "{f:#}"
     );
     assert_eq!(f["admitted_before_ready"], 0, "readiness still gates");

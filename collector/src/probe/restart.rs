@@ -245,7 +245,7 @@ impl Probe {
         // that restores gradually is still ramping up after its start, and
         // two herds in a row can be admitted alike while it ramps (3 and 3,
         // seen in CI, then 16 warm), so herds go out a second apart until
-        // two in a row add nothing to the best count.
+        // WARM_FLAT_HERDS in a row add nothing to the best count.
         let warm_deadline = Instant::now() + rc.warm_timeout;
         let mut steady_ok = count(&herd(), Outcome::Ok);
         let mut flat = 0;

@@ -7,6 +7,10 @@
 use oomscope_analysis::pb::{self, event::Kind};
 use oomscope_analysis::{diagnose, Evidence};
 
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
+
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -404,19 +408,6 @@ fn warm_up_growth_that_levels_off_is_no_leak() {
     }
     let d = diagnose(&evidence(run));
     assert!(cause(&d, "leak").is_none(), "{:?}", kinds(&d));
-}
-
-/// SplitMix64: tiny, seeded, good enough for test noise.
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// A clean CPU server under load: each census catches the in-flight

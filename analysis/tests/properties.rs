@@ -6,33 +6,12 @@
 use oomscope_analysis::pb::{self, event::Kind};
 use oomscope_analysis::{diagnose, Evidence, IncidentRef};
 
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
+
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-
-/// SplitMix64: tiny, seeded, good enough for test noise.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let u = self.unit().max(1e-300);
-        let v = self.unit();
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-    }
-}
 
 fn hello(limit: u64) -> pb::Hello {
     pb::Hello {

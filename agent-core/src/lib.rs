@@ -4,6 +4,7 @@
 //! Nothing here panics on a missing file, a missing GPU or a missing
 //! collector: each probe reports what it could read and marks the rest absent.
 
+pub mod capture;
 pub mod probe;
 pub mod recorder;
 pub mod recovery;
@@ -21,10 +22,4 @@ pub fn hostname() -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// Nanoseconds since the Unix epoch, the time base of every message.
-pub fn now_ns() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
-}
+pub use oomscope_proto::now_ns;

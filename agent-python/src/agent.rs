@@ -34,7 +34,7 @@ pub const ORPHAN_OOM_AFTER: Duration = Duration::from_secs(2);
 pub const OOM_TOP_PROCESSES: usize = 10;
 
 /// The context phase of the sample sent just before each heap census.
-pub const CENSUS_PHASE: &str = "census";
+pub use oomscope_proto::CENSUS_PHASE;
 
 pub enum Job {
     /// A sample at a request boundary: the context as it was then; the

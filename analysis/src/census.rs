@@ -23,7 +23,7 @@ use crate::trigger::MIN_LEAK_BYTES_PER_REQUEST;
 
 /// The phase of the sample an agent sends just before each census: its
 /// `requests_done` is the census's place in the request count.
-pub const CENSUS_PHASE: &str = "census";
+use oomscope_proto::CENSUS_PHASE;
 
 /// Fewer censuses than this cannot show that growth persists (the later half
 /// needs two of them).

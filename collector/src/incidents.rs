@@ -7,12 +7,14 @@
 use anyhow::Result;
 
 use oomscope_analysis::is_oom_text;
+use oomscope_analysis::units::{bytes_short as bytes, signal_name};
 
 use crate::fleet::{self, FleetPolicy};
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 use crate::store::{now_ns, Store};
+use crate::verdict;
 
 pub const OOM: &str = "oom";
 pub const SIGNAL: &str = "signal";
@@ -171,8 +173,8 @@ fn attribute_domain(store: &Store, agent_id: &str, incident: &pb::Incident) -> S
             return String::new();
         }
     };
-    let evidence = history.into_evidence(Some(crate::query::incident_ref(incident)));
-    crate::query::attribute_domain(&evidence)
+    let evidence = history.into_evidence(Some(verdict::incident_ref(incident)));
+    verdict::attribute_domain(&evidence)
 }
 
 fn oom_summary(oom: &pb::Oom) -> String {
@@ -196,7 +198,7 @@ fn oom_summary(oom: &pb::Oom) -> String {
 
 fn exit_summary(exit: &pb::ChildExit) -> String {
     let how = match (exit.signal, exit.exit_code) {
-        (Some(sig), _) => format!("killed by signal {sig}{}", signal_name(sig)),
+        (Some(sig), _) => format!("killed by signal {sig} ({})", signal_name(sig)),
         (None, Some(code)) => format!("exited with code {code}"),
         (None, None) => "ended (no status)".to_string(),
     };
@@ -210,17 +212,6 @@ fn exit_summary(exit: &pb::ChildExit) -> String {
         },
         exit.runtime_ns as f64 / 1e9
     )
-}
-
-fn signal_name(sig: i32) -> &'static str {
-    match sig {
-        6 => " (SIGABRT)",
-        7 => " (SIGBUS)",
-        9 => " (SIGKILL)",
-        11 => " (SIGSEGV)",
-        15 => " (SIGTERM)",
-        _ => "",
-    }
 }
 
 /// The last stderr line that speaks of running out of memory.
@@ -237,15 +228,6 @@ fn clip(s: &str, max_chars: usize) -> String {
         s.to_string()
     } else {
         format!("{}...", s.chars().take(max_chars).collect::<String>())
-    }
-}
-
-fn bytes(b: u64) -> String {
-    const MIB: f64 = 1024.0 * 1024.0;
-    if b as f64 >= 1024.0 * MIB {
-        format!("{:.2} GiB", b as f64 / (1024.0 * MIB))
-    } else {
-        format!("{:.1} MiB", b as f64 / MIB)
     }
 }
 

@@ -1,16 +1,17 @@
-//! The `oomscope` binary's parts: the collector (ingest, store, queries), the
-//! supervisor (`oomscope run`), the replayer and the query CLI.
+//! The oomscope collector: it receives agents' streams (`AgentService`),
+//! stores them durably before acking (`store`, embedded SQLite), records
+//! incidents as evidence arrives (`incidents`, `fleet`), and answers
+//! `QueryService` (`query`) with timelines and the analysis crate's verdicts.
+//!
+//! Its only consumer-facing surface is the two gRPC services: the CLI, the
+//! probe and the Python agent's `oomscope.query` reach it through them.
 
-pub mod capture;
-pub mod cli;
-pub mod compare;
 pub mod fleet;
 pub mod incidents;
-pub mod probe;
 pub mod query;
-pub mod report;
+pub mod serve;
 pub mod server;
 pub mod store;
-pub mod supervise;
+pub mod verdict;
 
 pub use oomscope_proto::v1 as pb;

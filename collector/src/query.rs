@@ -1,16 +1,15 @@
 //! `QueryService`: what people and tools ask the collector. Thin: resolve the
 //! agent, read the store on a blocking thread, hand evidence to the analysis.
 
-use std::panic::AssertUnwindSafe;
 
 use anyhow::Result;
-use oomscope_analysis::{Evidence, IncidentRef};
 use tonic::{Request, Response, Status};
 
 use crate::pb;
 use crate::pb::query_service_server::QueryService;
 use crate::server::Collector;
 use crate::store::Store;
+use crate::verdict::{diagnose, incident_ref};
 
 /// The most samples one diagnosis reads: at ~10 KB decoded per GPU sample
 /// this bounds a query to ~200 MB however long the agent ran, and it is
@@ -167,43 +166,6 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         diagnosis.incident = Some(inc.id);
     }
     Ok(diagnosis)
-}
-
-/// The analysis's verdict on some evidence. The analysis is pure code, but a
-/// panic in it must not take a query (or an ingest) down with it.
-pub fn diagnose(evidence: &Evidence) -> Result<pb::Diagnosis, Status> {
-    std::panic::catch_unwind(AssertUnwindSafe(|| oomscope_analysis::diagnose(evidence))).map_err(
-        |_| {
-            tracing::error!("the analysis panicked while diagnosing");
-            Status::internal(
-                "the analysis failed on this evidence (a bug: please report it with the incident)",
-            )
-        },
-    )
-}
-
-/// The domain the analysis blames ("gpu_vram", ..., "unknown"); "" if it
-/// panicked, so that recording the incident still succeeds.
-pub fn attribute_domain(evidence: &Evidence) -> String {
-    std::panic::catch_unwind(AssertUnwindSafe(|| {
-        oomscope_analysis::attribute_domain(evidence)
-            .domain
-            .as_str()
-            .to_string()
-    }))
-    .unwrap_or_else(|_| {
-        tracing::error!("the analysis panicked while attributing a domain");
-        String::new()
-    })
-}
-
-pub fn incident_ref(inc: &pb::Incident) -> IncidentRef {
-    IncidentRef {
-        id: inc.id.clone(),
-        kind: inc.kind.clone(),
-        time_ns: inc.time_ns,
-        agent: inc.agent_id.clone(),
-    }
 }
 
 fn resolve(store: &Store, agent: &str) -> Result<String, Status> {

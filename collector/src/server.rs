@@ -1,102 +1,40 @@
-//! The collector's gRPC server: agents stream in (`AgentService.Connect`),
-//! people and tools ask (`QueryService`, in `query.rs`).
+//! The collector's shared state and its ingest: agents stream in
+//! (`AgentService.Connect`); `serve.rs` puts this beside `QueryService`.
 //!
 //! Ingest rule: a batch of messages is written in one durable transaction and
 //! only then acked, so an ack is the agent's licence to forget a message.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use futures::FutureExt;
 use oomscope_proto::MAX_MESSAGE_BYTES;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::incidents;
 use crate::pb;
 use crate::pb::agent_message::Body;
-use crate::pb::agent_service_server::{AgentService, AgentServiceServer};
+use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::pb::query_service_server::QueryServiceServer;
-use crate::query::QueryApi;
 use crate::store::{now_ns, Store};
 
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
 
-pub struct ServeConfig {
-    pub listen: SocketAddr,
-    pub db: PathBuf,
-    /// How long a stream that broke without a Goodbye may take to reconnect
-    /// before the agent is recorded as lost.
-    pub lost_grace: Duration,
-}
-
-pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
-
-/// Opens the store, binds `cfg.listen` and serves until `shutdown` completes.
-pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
-    let db = cfg.db.clone();
-    let (store, reader) = tokio::task::spawn_blocking(move || {
-        let store = Store::open(&db)?;
-        Ok::<_, anyhow::Error>((store, Store::open_reader(&db)?))
-    })
-    .await
-    .map_err(|e| anyhow!("opening the store: {e}"))??;
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .with_context(|| format!("listening on {}", cfg.listen))?;
-    let collector = Collector::new(store, cfg.lost_grace).with_reader(reader);
-    serve_with_listener(listener, collector, shutdown).await
-}
-
-/// Serves both services on an already bound listener (tests bind port 0).
-pub async fn serve_with_listener(
-    listener: tokio::net::TcpListener,
-    collector: Collector,
-    shutdown: impl Future<Output = ()>,
-) -> Result<()> {
-    let addr = listener.local_addr().ok();
-    collector.watch_stale_agents().await;
-    let agents = AgentServiceServer::new(AgentApi {
-        collector: collector.clone(),
-    })
-    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-    .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let queries = QueryServiceServer::new(QueryApi::new(collector.clone()))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    tracing::info!(?addr, "collector serving");
-    let stopping = collector.inner.stopping.clone();
-    // Agent streams never end on their own; tell them to, or a graceful
-    // shutdown would wait for them forever.
-    let shutdown = async move {
-        shutdown.await;
-        let _ = stopping.send(true);
-    };
-    tonic::transport::Server::builder()
-        .add_service(agents)
-        .add_service(queries)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await
-        .context("the gRPC server failed")
-}
-
 /// The shared state of a running collector: the store, the connected agents
 /// and their directive queues. Cheap to clone.
 #[derive(Clone)]
 pub struct Collector {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     store: Mutex<Store>,
     /// A second, read-only connection for queries (a file store only): with
     /// WAL they read while an ingest writes, so a heavy query never holds
@@ -106,7 +44,7 @@ struct Inner {
     fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
     next_generation: AtomicU64,
-    stopping: watch::Sender<bool>,
+    pub(crate) stopping: watch::Sender<bool>,
 }
 
 /// The newest stream of one agent. `directives` is None once it ended; the
@@ -292,7 +230,7 @@ impl Collector {
 
     /// Agents the store still calls connected (the collector restarted under
     /// them) get the same grace to reconnect as a broken stream.
-    async fn watch_stale_agents(&self) {
+    pub(crate) async fn watch_stale_agents(&self) {
         let stale = match self.with_store(|s| s.connected_agents()).await {
             Ok(ids) => ids,
             Err(e) => {
@@ -331,8 +269,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-struct AgentApi {
-    collector: Collector,
+pub(crate) struct AgentApi {
+    pub(crate) collector: Collector,
 }
 
 type ReplyTx = mpsc::Sender<Result<pb::CollectorMessage, Status>>;

@@ -747,12 +747,7 @@ fn decode_hello(agent_id: &str, blob: &[u8]) -> Result<pb::Hello> {
         .with_context(|| format!("stored Hello of agent {agent_id} (seq 0) does not decode"))
 }
 
-pub fn now_ns() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos().min(i64::MAX as u128) as i64)
-        .unwrap_or(0)
-}
+pub use oomscope_proto::now_ns;
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,7 @@ mod support;
 
 use std::time::Duration;
 
-use oomscope::pb;
+use oomscope_collector::pb;
 use support::*;
 
 const GRACE: Duration = Duration::from_millis(200);
@@ -126,7 +126,7 @@ async fn a_single_restart_is_neither_a_loop_nor_a_storm() {
 async fn agents_restarting_together_then_a_burst_is_a_restart_storm() {
     let tmp = tempfile::tempdir().unwrap();
     // Windows shrunk from minutes to seconds so the test takes seconds.
-    let policy = oomscope::fleet::FleetPolicy {
+    let policy = oomscope_collector::fleet::FleetPolicy {
         storm_window: Duration::from_secs(1),
         burst_window: Duration::from_secs(5),
         baseline_window: Duration::from_secs(10),

@@ -7,9 +7,9 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use oomscope::pb;
-use oomscope::pb::agent_message::Body;
-use oomscope::pb::event::Kind;
+use oomscope_collector::pb;
+use oomscope_collector::pb::agent_message::Body;
+use oomscope_collector::pb::event::Kind;
 use prost::Message;
 use support::*;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};

@@ -8,8 +8,8 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use oomscope::pb;
-use oomscope::pb::collector_message::Body as Reply;
+use oomscope_collector::pb;
+use oomscope_collector::pb::collector_message::Body as Reply;
 use support::*;
 
 const T0: i64 = 1_700_000_000_000_000_000;

@@ -7,11 +7,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use oomscope::pb;
-use oomscope::pb::agent_message::Body;
-use oomscope::pb::collector_message::Body as Reply;
-use oomscope::server::{serve_with_listener, Collector};
-use oomscope::store::Store;
+use oomscope_collector::pb;
+use oomscope_collector::pb::agent_message::Body;
+use oomscope_collector::pb::collector_message::Body as Reply;
+use oomscope_collector::serve::serve_with_listener;
+use oomscope_collector::server::Collector;
+use oomscope_collector::store::Store;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
@@ -34,14 +35,14 @@ pub async fn start_in(dir: &tempfile::TempDir) -> Running {
 
 /// Starts a collector on an ephemeral loopback port over `db`.
 pub async fn start(db: &Path, lost_grace: Duration) -> Running {
-    start_with(db, lost_grace, oomscope::fleet::FleetPolicy::default()).await
+    start_with(db, lost_grace, oomscope_collector::fleet::FleetPolicy::default()).await
 }
 
 /// The same, with the fleet detectors' windows set by the test.
 pub async fn start_with(
     db: &Path,
     lost_grace: Duration,
-    fleet: oomscope::fleet::FleetPolicy,
+    fleet: oomscope_collector::fleet::FleetPolicy,
 ) -> Running {
     let store = Store::open(db).expect("open store");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -21,3 +21,15 @@ pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_COLLECTOR_ADDR: &str = "127.0.0.1:7433";
 /// The URL agents and the CLI use unless `--collector` or `OOMSCOPE_COLLECTOR` says otherwise.
 pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";
+
+/// The `Sample.phase` of a heap census's sample: the Python agent sends it,
+/// the analysis reads censuses by it.
+pub const CENSUS_PHASE: &str = "census";
+
+/// Nanoseconds since the Unix epoch, the time base of every message.
+pub fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}

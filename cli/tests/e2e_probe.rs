@@ -1,0 +1,421 @@
+//! `oomscope probe` against the real Python reference server (CPU torch, from
+//! the venv that scripts/setup-python builds): each suite produces its report,
+//! and each well-run behaviour, switched off, is caught.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use oomscope_probe::restart::GRADUAL_AT_MOST;
+use serde_json::Value;
+
+/// The reference servers are CPU-bound torch processes on a 2-core machine:
+/// one test at a time, so that timing checks (latency, a herd's admission)
+/// measure the server and not its neighbour.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> String {
+    let p = std::env::var("OOMSCOPE_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join(".venv/bin/python"));
+    assert!(p.exists(), "{} is missing: run scripts/setup-python (the probe tests drive the real PyTorch reference server)", p.display());
+    p.display().to_string()
+}
+
+fn server_cmd(port: u16, flags: &str) -> Vec<String> {
+    let mut v = vec![
+        python(),
+        repo()
+            .join("runtimes/pytorch-server/server.py")
+            .display()
+            .to_string(),
+    ];
+    v.extend(
+        format!("--port {port} --max-active 4 --max-queue 8 {flags}")
+            .split_whitespace()
+            .map(str::to_string),
+    );
+    v
+}
+
+/// The server under `oomscope run` reporting to `col` as `name`, until dropped.
+struct Server(Child);
+
+impl Server {
+    fn start(col: &Collector, name: &str, port: u16, flags: &str) -> Server {
+        let child = Command::new(bin())
+            .args([
+                "run",
+                "--collector",
+                &col.url,
+                "--name",
+                name,
+                "--interval",
+                "100ms",
+                "--",
+            ])
+            .args(server_cmd(port, flags))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::process::Command::new("curl")
+            .args(["-sf", &format!("http://127.0.0.1:{port}/health")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the reference server never became ready"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Server(child)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SIGTERM to the supervisor this test started; it passes it on to the server.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+}
+
+fn probe(args: &[&str]) -> (i32, Value) {
+    let out = Command::new(bin())
+        .arg("probe")
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "probe printed no JSON ({e}): {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), v)
+}
+
+fn suite<'a>(r: &'a Value, name: &str) -> &'a Value {
+    r["suites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["suite"] == name)
+        .unwrap_or_else(|| panic!("no {name} suite in {r:#}"))
+}
+
+#[test]
+fn a_wrong_endpoint_is_the_environment_not_capacity() {
+    let _serial = serial();
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{}/v1", free_port()),
+    ]);
+    assert_eq!(code, 3);
+    assert_eq!(r["schema"], "oomscope.probe/v1");
+    assert_eq!(r["verdict"], "environment");
+    let smoke = suite(&r, "smoke");
+    assert_eq!(smoke["verdict"], "environment");
+    assert!(
+        smoke["reason"]
+            .as_str()
+            .unwrap()
+            .contains("nothing answers"),
+        "{smoke:#}"
+    );
+    assert!(r["envelope"].is_null(), "no capacity claim");
+    for s in ["long-context", "concurrency", "repeated", "overload"] {
+        assert_eq!(suite(&r, s)["status"], "skipped");
+    }
+}
+
+#[test]
+fn every_suite_reports_against_the_reference_server() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    let _srv = Server::start(&col, "ref", port, "--restore-seconds 0");
+    let ep = format!("http://127.0.0.1:{port}/v1");
+    // A wrong prefix on a live server is the environment too.
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v2"),
+        "--suite",
+        "smoke",
+    ]);
+    assert_eq!(
+        (code, r["verdict"].as_str()),
+        (3, Some("environment")),
+        "{r:#}"
+    );
+
+    let (code, r) = probe(&[
+        "--endpoint",
+        &ep,
+        "--collector",
+        &col.url,
+        "--agent",
+        "ref",
+        "--max-context",
+        "512",
+        "--max-concurrency",
+        "4",
+        "--repeat",
+        "20",
+        "--burst",
+        "48",
+        "--overload-context",
+        "512",
+        // The 12 admitted requests finish in seconds; the SLO leaves room for a loaded CI machine.
+        "--overload-timeout",
+        "60s",
+    ]);
+    assert_eq!(code, 0, "{r:#}");
+    assert_eq!(r["verdict"], "ok");
+    for s in [
+        "smoke",
+        "long-context",
+        "concurrency",
+        "concurrency-at-max-context",
+        "repeated",
+        "overload",
+    ] {
+        assert_eq!(suite(&r, s)["status"], "pass", "{s}: {:#}", suite(&r, s));
+    }
+    // Long context ramped 64..512 words; each step carries the collector's memory reading.
+    let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
+    assert_eq!(
+        steps
+            .iter()
+            .map(|s| s["prompt_words"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![64, 128, 256, 512]
+    );
+    assert!(
+        steps
+            .iter()
+            .all(|s| s["memory"]["rss_bytes"].as_u64().unwrap_or(0) > 50 << 20),
+        "{steps:#?}"
+    );
+    let e = &r["envelope"];
+    assert_eq!(e["max_context_at_concurrency_1"]["value"], 512);
+    assert_eq!(
+        e["max_context_at_concurrency_1"]["bounded_by"],
+        "probe_limit"
+    );
+    assert_eq!(e["max_concurrency_at_typical_context"]["value"], 4);
+    assert_eq!(e["max_concurrency_at_max_context"]["context_tokens"], 512);
+    // Repeated: the collector's verdict over those 20 requests names no leak.
+    let rep = suite(&r, "repeated");
+    assert!(
+        rep["findings"]["causes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["kind"] != "leak"),
+        "{rep:#}"
+    );
+    // Overload with admission caps: clean refusals, a bounded queue, and the server alive.
+    let o = &suite(&r, "overload")["findings"];
+    assert!(
+        o["refused"].as_u64().unwrap() > 0 && o["timeouts"] == 0 && o["alive_after"] == true,
+        "{o:#}"
+    );
+    assert!(
+        o["ok"].as_u64().unwrap() + o["refused"].as_u64().unwrap() == 48,
+        "{o:#}"
+    );
+}
+
+#[test]
+fn overload_without_admission_caps_is_caught() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    let _srv = Server::start(&col, "uncapped", port, "--no-admission-caps");
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--suite",
+        "overload",
+        "--burst",
+        "64",
+        "--overload-context",
+        "1024",
+        "--overload-timeout",
+        "5s",
+    ]);
+    assert_eq!(code, 1, "{r:#}");
+    assert_eq!(r["verdict"], "unsafe");
+    let o = suite(&r, "overload");
+    assert_eq!(o["status"], "fail");
+    let f = &o["findings"];
+    assert!(
+        f["timeouts"].as_u64().unwrap() > 0 || f["oom"] == true,
+        "an OOM or a timeout: {o:#}"
+    );
+    assert_eq!(f["refused"], 0, "nothing was refused cleanly: {o:#}");
+}
+
+fn restart_run(port: u16, flags: &str) -> Value {
+    let launch = server_cmd(
+        port,
+        &format!("--load-seconds 1 --restore-seconds 8 {flags}"),
+    )
+    .join(" ");
+    let (_, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--suite",
+        "restart",
+        "--launch",
+        &launch,
+    ]);
+    suite(&r, "restart").clone()
+}
+
+#[test]
+fn restart_passes_with_gating_restore_and_idempotency() {
+    let _serial = serial();
+    let s = restart_run(free_port(), "");
+    assert_eq!(s["status"], "pass", "{s:#}");
+    let f = &s["findings"];
+    assert_eq!(f["admitted_before_ready"], 0);
+    assert_eq!(f["duplicates"], 0);
+    assert_eq!(f["idempotent_completed_before_kill"], 8);
+    assert!(
+        (f["restore_herd_admitted"].as_f64().unwrap())
+            <= GRADUAL_AT_MOST * f["steady_herd_admitted"].as_f64().unwrap(),
+        "{f:#}"
+    );
+}
+
+#[test]
+fn restart_without_gradual_restore_fails_with_the_reason() {
+    let _serial = serial();
+    let s = restart_run(free_port(), "--no-gradual-restore");
+    assert_eq!(s["status"], "fail", "{s:#}");
+    let verdict = s["verdict"].as_str().unwrap();
+    assert!(verdict.contains("no gradual restore"), "{s:#}");
+    let f = &s["findings"];
+    assert!(
+        f["restore_herd_admitted"].as_f64().unwrap()
+            > GRADUAL_AT_MOST * f["steady_herd_admitted"].as_f64().unwrap(),
+        "{f:#}"
+    );
+    assert_eq!(f["admitted_before_ready"], 0, "readiness still gates");
+    assert_eq!(f["duplicates"], 0, "idempotency still on");
+}
+
+#[test]
+fn restart_without_readiness_gating_fails_with_the_reason() {
+    let _serial = serial();
+    let s = restart_run(free_port(), "--no-readiness-gate");
+    assert_eq!(s["status"], "fail", "{s:#}");
+    assert!(
+        s["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("readiness does not gate traffic"),
+        "{s:#}"
+    );
+    assert!(s["findings"]["admitted_before_ready"].as_u64().unwrap() > 0);
+    assert_eq!(s["findings"]["duplicates"], 0, "idempotency still on");
+}
+
+#[test]
+fn restart_without_idempotency_processes_retries_twice() {
+    let _serial = serial();
+    let s = restart_run(free_port(), "--no-idempotency");
+    assert_eq!(s["status"], "fail", "{s:#}");
+    assert_eq!(s["findings"]["duplicates"], 8, "{s:#}");
+    assert!(
+        s["verdict"].as_str().unwrap().contains("processed again"),
+        "{s:#}"
+    );
+}
+
+/// A long-context-only probe of the server on `port`, compared with `baseline` when given.
+fn probe_cmp(col: &Collector, port: u16, baseline: Option<&PathBuf>) -> Value {
+    let mut c = Command::new(bin());
+    c.args([
+        "probe",
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "cmp",
+    ])
+    .args(["--suite", "long-context", "--max-context", "128", "--json"]);
+    if let Some(b) = baseline {
+        c.arg("--compare").arg(b);
+    }
+    serde_json::from_slice(&c.output().unwrap().stdout).unwrap()
+}
+
+#[test]
+fn compare_warns_when_more_than_one_setting_changed() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let base = tmp.path().join("base.json");
+    {
+        let port = free_port();
+        let _srv = Server::start(&col, "cmp", port, "--restore-seconds 0");
+        std::fs::write(
+            &base,
+            serde_json::to_vec(&probe_cmp(&col, port, None)).unwrap(),
+        )
+        .unwrap();
+    }
+    // One flag changed: a clean retest.
+    {
+        let port = free_port();
+        let _srv = Server::start(
+            &col,
+            "cmp",
+            port,
+            "--restore-seconds 0 --max-total-tokens 100000",
+        );
+        let c = probe_cmp(&col, port, Some(&base))["comparison"].clone();
+        assert_eq!(c["one_variable"], true, "{c:#}");
+        assert_eq!(c["changed"][0]["setting"], "server.--max-total-tokens");
+    }
+    // Two flags changed: a warning.
+    let port = free_port();
+    let _srv = Server::start(
+        &col,
+        "cmp",
+        port,
+        "--restore-seconds 1 --max-total-tokens 100000",
+    );
+    let c = probe_cmp(&col, port, Some(&base))["comparison"].clone();
+    assert_eq!(c["one_variable"], false, "{c:#}");
+    assert!(
+        c["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("2 settings changed"),
+        "{c:#}"
+    );
+}

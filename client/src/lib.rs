@@ -1,0 +1,124 @@
+//! A blocking client of the collector's `QueryService`, shared by the CLI's
+//! query verbs, the probe's evidence source and the Python agent's
+//! `oomscope.query`.
+//!
+//! Each `Client` owns a one-thread runtime: a tonic connection lives on the
+//! runtime that made it, so a caller with several queries keeps one client.
+//! Every call has a deadline, so a collector that accepts the connection and
+//! then says nothing cannot hang the caller.
+
+use std::future::Future;
+use std::time::Duration;
+
+use oomscope_proto::v1 as pb;
+use pb::query_service_client::QueryServiceClient;
+use tonic::transport::{Channel, Endpoint};
+
+/// How long connecting may take before the collector counts as unreachable.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long one query may take. Queries read a bounded window of history,
+/// so a minute is a stuck collector, not a slow one.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Why a query got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("`{url}` is not a collector URL (expected e.g. {example}): {reason}", example = oomscope_proto::DEFAULT_COLLECTOR_URL)]
+    BadUrl { url: String, reason: String },
+    #[error("cannot reach the collector at {url}: is `oomscope collector` running? ({reason})")]
+    Unreachable { url: String, reason: String },
+    #[error("the collector did not answer within {} s", .0.as_secs_f64())]
+    Timeout(Duration),
+    #[error("{} ({:?})", .0.message(), .0.code())]
+    Status(#[from] tonic::Status),
+    #[error("cannot start a runtime for the query: {0}")]
+    Runtime(#[from] std::io::Error),
+}
+
+impl Error {
+    /// The collector answered, and the answer was "not found" (no such agent or incident).
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::Status(s) if s.code() == tonic::Code::NotFound)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A connection to one collector's `QueryService`.
+pub struct Client {
+    rt: tokio::runtime::Runtime,
+    inner: QueryServiceClient<Channel>,
+    call_timeout: Duration,
+}
+
+impl Client {
+    /// Connects to the collector at `url` (e.g. `http://127.0.0.1:7433`).
+    pub fn connect(url: &str) -> Result<Client> {
+        Client::connect_with(url, DEFAULT_CONNECT_TIMEOUT, DEFAULT_CALL_TIMEOUT)
+    }
+
+    /// Connects with explicit deadlines for the connection and for each call.
+    pub fn connect_with(url: &str, connect: Duration, call: Duration) -> Result<Client> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let endpoint = Endpoint::from_shared(url.to_string())
+            .map_err(|e| Error::BadUrl {
+                url: url.to_string(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(connect);
+        let channel = rt
+            .block_on(async { tokio::time::timeout(connect, endpoint.connect()).await })
+            .map_err(|_| Error::Unreachable {
+                url: url.to_string(),
+                reason: format!("no connection within {} s", connect.as_secs_f64()),
+            })?
+            .map_err(|e| Error::Unreachable {
+                url: url.to_string(),
+                reason: e.to_string(),
+            })?;
+        let inner = QueryServiceClient::new(channel)
+            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
+        Ok(Client {
+            rt,
+            inner,
+            call_timeout: call,
+        })
+    }
+
+    fn call<T, F, Fut>(&mut self, f: F) -> Result<T>
+    where
+        F: FnOnce(QueryServiceClient<Channel>) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let deadline = self.call_timeout;
+        let fut = f(self.inner.clone());
+        match self.rt.block_on(tokio::time::timeout(deadline, fut)) {
+            Ok(r) => Ok(r?.into_inner()),
+            Err(_) => Err(Error::Timeout(deadline)),
+        }
+    }
+
+    /// Every agent the collector knows.
+    pub fn agents(&mut self) -> Result<pb::ListAgentsResponse> {
+        self.call(|mut c| async move { c.list_agents(pb::ListAgentsRequest {}).await })
+    }
+
+    /// Incidents, all or one agent's.
+    pub fn incidents(&mut self, req: pb::IncidentsRequest) -> Result<pb::IncidentsResponse> {
+        self.call(|mut c| async move { c.incidents(req).await })
+    }
+
+    /// One agent's samples and events.
+    pub fn timeline(&mut self, req: pb::TimelineRequest) -> Result<pb::TimelineResponse> {
+        self.call(|mut c| async move { c.timeline(req).await })
+    }
+
+    /// The verdict on an incident, or on an agent's timeline.
+    pub fn diagnose(&mut self, req: pb::DiagnoseRequest) -> Result<pb::Diagnosis> {
+        self.call(|mut c| async move { c.diagnose(req).await })
+    }
+}

@@ -1,0 +1,826 @@
+//! `oomscope compare A B`: two runs of the same workload, side by side. What
+//! changed in their configuration (a retest should change one variable), and
+//! whether the failure vanished, moved, shrank or stayed the same.
+//!
+//! Pure: two timelines and diagnoses in, a comparison out.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use oomscope_analysis::units::{bytes, bytes_short};
+use serde_json::{json, Map, Value};
+
+use crate::failure::Failure;
+use crate::pb;
+use crate::Run;
+use crate::memory::{self, MemoryTable, ROWS};
+
+/// A request or a load that differs by more than this fraction is clearly
+/// different; below it, two runs of one workload jitter (batching, timing).
+pub const CLEAR_CHANGE: f64 = 0.10;
+
+/// Labels that describe a run's provenance or its outcome, not its
+/// configuration: they differ between any two runs and are no variable.
+const NOT_SETTINGS: [&str; 3] = ["capture_file", "failed_at", "self_pid"];
+/// Label suffix of observations made at the failure (e.g. a capture's
+/// `nvml_memory_at_failure`).
+const OBSERVATION_SUFFIX: &str = "_at_failure";
+/// The raw allocator configuration string: its options are compared one by
+/// one, so it only counts as a change when none of them explains it.
+const ALLOC_CONF: &str = "PYTORCH_CUDA_ALLOC_CONF";
+/// A capture's raw model description (`notes.model`, kept as a label): the
+/// `models` setting holds what was read from it, so the label only counts as
+/// a change when `models` does not explain it.
+const MODEL_LABEL: &str = "label.model";
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Change {
+    pub setting: String,
+    /// None: the run did not report this setting.
+    pub a: Option<String>,
+    pub b: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// A failed, B did not.
+    Vanished,
+    /// Another domain, cause, phase or request size (or a failure where A had none).
+    Moved,
+    /// The same failure at a clearly smaller request or a clearly higher load.
+    Shrank,
+    Same,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Vanished => "vanished",
+            Outcome::Moved => "moved",
+            Outcome::Shrank => "shrank",
+            Outcome::Same => "same",
+        }
+    }
+}
+
+/// What one side says, for the comparison.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SideSummary {
+    pub agent_id: String,
+    pub name: String,
+    pub failure: Option<Failure>,
+    pub domain: Option<String>,
+    pub trigger: Option<String>,
+    /// The first (most likely) cause's kind.
+    pub cause: Option<String>,
+    pub memory: MemoryTable,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Comparison {
+    pub changed: Vec<Change>,
+    pub one_variable: bool,
+    pub warnings: Vec<String>,
+    pub outcome: Outcome,
+    /// Why the outcome is what it is, in a sentence.
+    pub outcome_reason: String,
+    pub a: SideSummary,
+    pub b: SideSummary,
+}
+
+pub fn compare(a: &Run, b: &Run) -> Comparison {
+    let ha = a.timeline.hello.clone().unwrap_or_default();
+    let hb = b.timeline.hello.clone().unwrap_or_default();
+    let changed = changes(&settings(&ha), &settings(&hb));
+    let one_variable = changed.len() == 1;
+    let mut warnings = Vec::new();
+    if changed.len() > 1 {
+        let names: Vec<&str> = changed.iter().map(|c| c.setting.as_str()).collect();
+        warnings.push(format!(
+            "{} settings changed ({}): change one variable at a time, or the outcome cannot be pinned on any one of them",
+            changed.len(),
+            names.join(", ")
+        ));
+    } else if changed.is_empty() {
+        warnings.push(
+            "no configuration difference was recorded: if something was changed, the agents did not report it"
+                .into(),
+        );
+    }
+    let sa = summary(a, &ha);
+    let sb = summary(b, &hb);
+    let (outcome, outcome_reason) = outcome(&sa, &sb);
+    Comparison {
+        changed,
+        one_variable,
+        warnings,
+        outcome,
+        outcome_reason,
+        a: sa,
+        b: sb,
+    }
+}
+
+fn summary(side: &Run, hello: &pb::Hello) -> SideSummary {
+    let failure = side.incident.as_ref().map(|i| Failure::find(&side.timeline, i));
+    let d = &side.diagnosis;
+    SideSummary {
+        agent_id: hello.agent_id.clone(),
+        name: hello.name.clone(),
+        memory: memory::table(&side.timeline, failure.as_ref()),
+        failure,
+        domain: d.domain.clone(),
+        trigger: d.trigger.clone(),
+        cause: d.causes.first().map(|c| c.kind.clone()),
+    }
+}
+
+/// The configuration a Hello reports, as named settings. Allocator options
+/// carry PyTorch's own names (`expandable_segments`, `max_split_size_mb`, ...).
+pub fn settings(h: &pb::Hello) -> BTreeMap<String, String> {
+    let mut s = BTreeMap::new();
+    let mut put = |k: String, v: String| {
+        s.insert(k, v);
+    };
+    if !h.runtime.is_empty() {
+        put("runtime".into(), h.runtime.clone());
+    }
+    if !h.command.is_empty() {
+        put("command".into(), h.command.join(" "));
+    }
+    if let Some(a) = &h.allocator_settings {
+        put(ALLOC_CONF.into(), a.alloc_conf.clone());
+        put(
+            "expandable_segments".into(),
+            a.expandable_segments.to_string(),
+        );
+        put(
+            "max_split_size_mb".into(),
+            if a.max_split_size_bytes > 0 && a.max_split_size_bytes < i64::MAX {
+                format!("{}", a.max_split_size_bytes >> 20)
+            } else {
+                "unlimited".into()
+            },
+        );
+        put(
+            "garbage_collection_threshold".into(),
+            if a.garbage_collection_threshold > 0.0 {
+                a.garbage_collection_threshold.to_string()
+            } else {
+                "off".into()
+            },
+        );
+        if !a.backend.is_empty() {
+            put("backend".into(), a.backend.clone());
+        }
+        for (k, v) in &a.other {
+            put(format!("allocator.{k}"), v.clone());
+        }
+    }
+    if !h.models.is_empty() {
+        let models: Vec<String> = h
+            .models
+            .iter()
+            .map(|m| {
+                let mut parts: Vec<String> = [m.name.clone()]
+                    .into_iter()
+                    .filter(|n| !n.is_empty())
+                    .collect();
+                for (what, v) in [
+                    ("revision", &m.revision),
+                    ("quantization", &m.quantization),
+                    ("dtype", &m.dtype),
+                ] {
+                    if !v.is_empty() {
+                        parts.push(format!("{what} {v}"));
+                    }
+                }
+                if m.bytes > 0 {
+                    parts.push(bytes_short(m.bytes));
+                }
+                parts.join(", ")
+            })
+            .collect();
+        put("models".into(), models.join("; "));
+    }
+    for (k, v) in h.versions.iter().filter(|(k, _)| k.as_str() != "oomscope") {
+        put(format!("version.{k}"), v.clone());
+    }
+    for g in &h.gpus {
+        put(
+            format!("gpu{}", g.index),
+            format!("{} {}", g.name, bytes_short(g.total_bytes))
+                .trim()
+                .to_string(),
+        );
+        put(
+            format!("gpu{}.cap", g.index),
+            if g.cap_bytes > 0 {
+                bytes(g.cap_bytes)
+            } else {
+                "none".into()
+            },
+        );
+    }
+    if let Some(c) = h.cgroup.as_ref().filter(|c| !c.version.is_empty()) {
+        put("cgroup_limit".into(), limit(c.limit_bytes));
+    }
+    if let Some(r) = &h.rlimits {
+        put("rlimit.address_space".into(), limit(r.address_space_bytes));
+        put("rlimit.data".into(), limit(r.data_bytes));
+        put("rlimit.rss".into(), limit(r.rss_bytes));
+        put("rlimit.stack".into(), limit(r.stack_bytes));
+    }
+    for (k, v) in &h.labels {
+        if NOT_SETTINGS.contains(&k.as_str()) || k.ends_with(OBSERVATION_SUFFIX) {
+            continue;
+        }
+        put(format!("label.{k}"), v.clone());
+    }
+    s
+}
+
+fn limit(b: u64) -> String {
+    if oomscope_analysis::is_finite_limit(b) {
+        bytes(b)
+    } else {
+        "unlimited".into()
+    }
+}
+
+fn changes(a: &BTreeMap<String, String>, b: &BTreeMap<String, String>) -> Vec<Change> {
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let mut out: Vec<Change> = keys
+        .into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| Change {
+            setting: k.clone(),
+            a: a.get(k).cloned(),
+            b: b.get(k).cloned(),
+        })
+        .collect();
+    let option_changed = out.iter().any(|c| is_allocator_option(&c.setting));
+    if option_changed {
+        out.retain(|c| c.setting != ALLOC_CONF);
+    }
+    if out.iter().any(|c| c.setting == "models") {
+        out.retain(|c| c.setting != MODEL_LABEL);
+    }
+    out
+}
+
+fn is_allocator_option(setting: &str) -> bool {
+    matches!(
+        setting,
+        "expandable_segments" | "max_split_size_mb" | "garbage_collection_threshold" | "backend"
+    ) || setting.starts_with("allocator.")
+}
+
+fn outcome(a: &SideSummary, b: &SideSummary) -> (Outcome, String) {
+    let (fa, fb) = match (&a.failure, &b.failure) {
+        (None, None) => return (Outcome::Same, "neither run failed".into()),
+        (Some(f), None) => {
+            return (
+                Outcome::Vanished,
+                format!(
+                    "A failed ({}); B ran without an incident",
+                    what(f, a.domain.as_deref())
+                ),
+            )
+        }
+        (None, Some(f)) => {
+            return (
+                Outcome::Moved,
+                format!(
+                    "A did not fail, B did ({}): the change introduced a failure",
+                    what(f, b.domain.as_deref())
+                ),
+            )
+        }
+        (Some(fa), Some(fb)) => (fa, fb),
+    };
+    let differs = |x: &Option<String>, y: &Option<String>| x.is_some() && y.is_some() && x != y;
+    if a.domain != b.domain {
+        return (
+            Outcome::Moved,
+            format!(
+                "the failure moved to another memory domain: {} → {}",
+                a.domain.as_deref().unwrap_or("none"),
+                b.domain.as_deref().unwrap_or("none")
+            ),
+        );
+    }
+    if fa.kind != fb.kind {
+        return (
+            Outcome::Moved,
+            format!("the failure changed kind: {} → {}", fa.kind, fb.kind),
+        );
+    }
+    if differs(&a.cause, &b.cause) {
+        return (
+            Outcome::Moved,
+            format!(
+                "the most likely cause changed: {} → {}",
+                a.cause.as_deref().unwrap_or(""),
+                b.cause.as_deref().unwrap_or("")
+            ),
+        );
+    }
+    if differs(&fa.phase, &fb.phase) {
+        return (
+            Outcome::Moved,
+            format!(
+                "the failure moved to another phase: {} → {}",
+                fa.phase.as_deref().unwrap_or(""),
+                fb.phase.as_deref().unwrap_or("")
+            ),
+        );
+    }
+    if let (Some(ra), Some(rb)) = (fa.requested_bytes, fb.requested_bytes) {
+        if clearly_below(rb, ra) {
+            return (
+                Outcome::Shrank,
+                format!(
+                    "the same failure at a smaller request: {} → {}",
+                    bytes(ra),
+                    bytes(rb)
+                ),
+            );
+        }
+        if clearly_below(ra, rb) {
+            return (
+                Outcome::Moved,
+                format!("the failing request grew: {} → {}", bytes(ra), bytes(rb)),
+            );
+        }
+    }
+    let loads = [
+        ("active tokens", fa.active_tokens, fb.active_tokens),
+        ("active sequences", fa.active_sequences, fb.active_sequences),
+        ("requests done", fa.requests_done, fb.requests_done),
+    ];
+    for (name, la, lb) in loads {
+        if let (Some(la), Some(lb)) = (la, lb) {
+            if clearly_below(la, lb) {
+                return (
+                    Outcome::Shrank,
+                    format!("the same failure at a higher load: {name} {la} → {lb}"),
+                );
+            }
+            if clearly_below(lb, la) {
+                return (
+                    Outcome::Moved,
+                    format!("the failure came at a lower load: {name} {la} → {lb}"),
+                );
+            }
+        }
+    }
+    let request = fb
+        .requested_bytes
+        .map(|r| format!(", request {}", bytes_short(r)))
+        .unwrap_or_default();
+    (
+        Outcome::Same,
+        format!(
+            "the same failure remains: {}{}{request}",
+            what(fb, b.domain.as_deref()),
+            b.cause
+                .as_deref()
+                .map(|c| format!(", cause {c}"))
+                .unwrap_or_default()
+        ),
+    )
+}
+
+/// `x` is clearly smaller than `y`.
+fn clearly_below(x: u64, y: u64) -> bool {
+    (x as f64) < (y as f64) * (1.0 - CLEAR_CHANGE)
+}
+
+fn what(f: &Failure, domain: Option<&str>) -> String {
+    let mut s = format!("{} in {}", f.kind, domain.unwrap_or("an unknown domain"));
+    if let Some(p) = &f.phase {
+        let _ = write!(s, " during {p}");
+    }
+    s
+}
+
+/// The `--json` shape.
+pub fn to_json(c: &Comparison) -> Value {
+    json!({
+        "a": side_json(&c.a),
+        "b": side_json(&c.b),
+        "changed": c.changed.iter().map(|ch| json!({"setting": ch.setting, "a": ch.a, "b": ch.b})).collect::<Vec<_>>(),
+        "one_variable": c.one_variable,
+        "warnings": c.warnings,
+        "outcome": c.outcome.as_str(),
+        "outcome_reason": c.outcome_reason,
+        "memory": {
+            "rows": ROWS.iter().map(|r| r.key).collect::<Vec<_>>(),
+            "a": table_json(&c.a.memory),
+            "b": table_json(&c.b.memory),
+        },
+    })
+}
+
+fn side_json(s: &SideSummary) -> Value {
+    let f = s.failure.as_ref();
+    json!({
+        "agent": s.agent_id,
+        "name": s.name,
+        "incident": f.map(|f| &f.incident_id),
+        "failed": f.is_some(),
+        "kind": f.map(|f| &f.kind),
+        "time_ns": f.map(|f| f.time_ns),
+        "domain": s.domain,
+        "trigger": s.trigger,
+        "cause": s.cause,
+        "requested_bytes": f.and_then(|f| f.requested_bytes),
+        "allocated_bytes": f.and_then(|f| f.allocated_bytes()),
+        "phase": f.and_then(|f| f.phase.clone()),
+        "active_tokens": f.and_then(|f| f.active_tokens),
+        "active_sequences": f.and_then(|f| f.active_sequences),
+        "requests_done": f.and_then(|f| f.requests_done),
+    })
+}
+
+/// `{moment: {"title", "time_ns", row: bytes|null, ...}}`.
+pub fn table_json(t: &MemoryTable) -> Value {
+    let mut out = Map::new();
+    for p in &t.points {
+        let mut m = Map::new();
+        m.insert("title".into(), json!(p.title));
+        m.insert("time_ns".into(), json!(p.time_ns));
+        for (row, v) in ROWS.iter().zip(p.values) {
+            m.insert(row.key.into(), json!(v));
+        }
+        out.insert(p.moment.key().into(), Value::Object(m));
+    }
+    Value::Object(out)
+}
+
+/// The comparison for people.
+pub fn to_text(c: &Comparison) -> String {
+    let mut out = String::new();
+    for (label, s) in [("A", &c.a), ("B", &c.b)] {
+        let state = match &s.failure {
+            Some(f) => {
+                let mut t = format!(
+                    "incident {}: {}",
+                    f.incident_id,
+                    what(f, s.domain.as_deref())
+                );
+                if let Some(r) = f.requested_bytes {
+                    let _ = write!(t, ", requesting {}", bytes_short(r));
+                }
+                if let Some(cause) = &s.cause {
+                    let _ = write!(t, ", cause {cause}");
+                }
+                t
+            }
+            None => "no incident".into(),
+        };
+        let _ = writeln!(out, "{label}: {} ({}): {state}", s.name, s.agent_id);
+    }
+    let _ = writeln!(
+        out,
+        "Changed ({} setting{}{}):",
+        c.changed.len(),
+        if c.changed.len() == 1 { "" } else { "s" },
+        if c.one_variable { ", one variable" } else { "" }
+    );
+    if c.changed.is_empty() {
+        out.push_str("  nothing recorded\n");
+    }
+    for ch in &c.changed {
+        let _ = writeln!(
+            out,
+            "  {}: {} -> {}",
+            ch.setting,
+            ch.a.as_deref().unwrap_or("(not reported)"),
+            ch.b.as_deref().unwrap_or("(not reported)")
+        );
+    }
+    let _ = writeln!(out, "Outcome: {}: {}", c.outcome.as_str(), c.outcome_reason);
+    for w in &c.warnings {
+        let _ = writeln!(out, "Warning: {w}");
+    }
+    out.push_str("Memory:\n");
+    let head: Vec<String> = [("A", &c.a), ("B", &c.b)]
+        .iter()
+        .flat_map(|(l, s)| {
+            s.memory
+                .points
+                .iter()
+                .map(move |p| format!("{l} {}", p.title))
+        })
+        .collect();
+    let _ = write!(out, "  {:<28}", "");
+    for h in &head {
+        let _ = write!(out, " {h:>18}");
+    }
+    out.push('\n');
+    for (i, row) in ROWS.iter().enumerate() {
+        let _ = write!(out, "  {:<28}", row.title);
+        for s in [&c.a, &c.b] {
+            for p in &s.memory.points {
+                let v = p.values[i].map(bytes_short).unwrap_or_else(|| "—".into());
+                let _ = write!(out, " {v:>18}");
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::event::Kind;
+
+    const MIB: u64 = 1 << 20;
+
+    /// One run: a Hello with `conf`, two samples, and (when `fail`) an OOM
+    /// of `request` bytes at `tokens` active tokens in phase `phase`.
+    fn run(conf: &str, fail: Option<(u64, u64, &str)>, domain: &str, cause: &str) -> Run {
+        let hello = pb::Hello {
+            agent_id: format!("agent-{conf}"),
+            name: "svc".into(),
+            allocator_settings: Some(oomscope_agent_core::torch::alloc_conf_settings(conf)),
+            ..Default::default()
+        };
+        let sample = |t: i64, alloc: u64, tokens: u64, phase: &str| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                allocator: vec![pb::AllocatorStats {
+                    allocated_bytes: alloc,
+                    reserved_bytes: alloc + 10 * MIB,
+                    ..Default::default()
+                }],
+                context: Some(pb::RequestContext {
+                    phase: phase.into(),
+                    active_tokens: tokens,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        let mut timeline = pb::TimelineResponse {
+            hello: Some(hello),
+            samples: vec![
+                sample(1, 0, 0, "idle"),
+                sample(2, 100 * MIB, 1000, "decode"),
+            ],
+            events: vec![],
+        };
+        let mut incident = None;
+        if let Some((request, tokens, phase)) = fail {
+            timeline.samples.push(sample(3, 200 * MIB, tokens, phase));
+            timeline.events.push(pb::TimedEvent {
+                seq: 9,
+                event: Some(pb::Event {
+                    time_ns: 4,
+                    kind: Some(Kind::Oom(pb::Oom {
+                        requested_bytes: request,
+                        ..Default::default()
+                    })),
+                }),
+            });
+            incident = Some(pb::Incident {
+                id: format!("inc-{conf}"),
+                kind: "oom".into(),
+                time_ns: 4,
+                seq: 9,
+                ..Default::default()
+            });
+        }
+        let diagnosis = pb::Diagnosis {
+            domain: incident.as_ref().map(|_| domain.to_string()),
+            causes: if cause.is_empty() {
+                vec![]
+            } else {
+                vec![pb::Cause {
+                    kind: cause.into(),
+                    ..Default::default()
+                }]
+            },
+            ..Default::default()
+        };
+        Run {
+            timeline,
+            diagnosis,
+            incident,
+        }
+    }
+
+    fn changed_names(c: &Comparison) -> Vec<&str> {
+        c.changed.iter().map(|c| c.setting.as_str()).collect()
+    }
+
+    fn cmp(a: &Run, b: &Run) -> Comparison {
+        compare(a, b)
+    }
+
+    #[test]
+    fn an_alloc_conf_option_is_one_variable_not_two() {
+        let a = run("", Some((96 * MIB, 0, "x")), "gpu_vram", "fragmentation");
+        let b = run(
+            "expandable_segments:True",
+            Some((96 * MIB, 0, "x")),
+            "gpu_vram",
+            "fragmentation",
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(changed_names(&c), ["expandable_segments"]);
+        assert!(c.one_variable);
+        assert_eq!(c.outcome, Outcome::Same);
+
+        // An option oomscope does not parse still shows, as the raw string.
+        let b = run(
+            "roundup_power2_divisions:4",
+            Some((96 * MIB, 0, "x")),
+            "gpu_vram",
+            "",
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(changed_names(&c), ["allocator.roundup_power2_divisions"]);
+
+        let b = run(
+            "expandable_segments:True,max_split_size_mb:128",
+            Some((96 * MIB, 0, "x")),
+            "gpu_vram",
+            "",
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(c.changed.len(), 2);
+        assert!(!c.one_variable);
+        assert!(
+            c.warnings[0].contains("2 settings changed"),
+            "{:?}",
+            c.warnings
+        );
+        let split = c
+            .changed
+            .iter()
+            .find(|c| c.setting == "max_split_size_mb")
+            .unwrap();
+        assert_eq!(
+            (split.a.as_deref(), split.b.as_deref()),
+            (Some("unlimited"), Some("128"))
+        );
+    }
+
+    /// A capture's Hello, as `oomscope replay` builds it from `notes`.
+    fn capture_hello(notes: Value) -> pb::Hello {
+        let v = json!({
+            "scenario": "s",
+            "notes": notes,
+            "timeline": [{"t_s": 0.0, "step": 0, "context": {"phase": "idle"}, "memory_stats": {}}],
+        });
+        oomscope_agent_core::capture::from_json(&v, "test", 0).unwrap().hello
+    }
+
+    fn with_hello(mut r: Run, hello: pb::Hello) -> Run {
+        r.timeline.hello = Some(hello);
+        r
+    }
+
+    #[test]
+    fn a_captures_model_is_one_variable_not_two() {
+        let model = |dtype: &str, layers: u64| {
+            with_hello(
+                run("", None, "", ""),
+                capture_hello(json!({"model": {"dtype": dtype, "layers": layers}})),
+            )
+        };
+        // notes.model is both the Hello's model and its `model` label.
+        let c = cmp(&model("bfloat16", 8), &model("float16", 8));
+        assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
+        assert!(c.one_variable, "{:?}", c.warnings);
+        let models = &c.changed[0];
+        assert_eq!(
+            (models.a.as_deref(), models.b.as_deref()),
+            (Some("dtype bfloat16"), Some("dtype float16"))
+        );
+        // What the parsed model does not show still counts, once, as the raw notes.
+        let c = cmp(&model("bfloat16", 8), &model("bfloat16", 16));
+        assert_eq!(changed_names(&c), ["label.model"]);
+        assert!(c.one_variable);
+        // A model where there was none is one change too.
+        let none = with_hello(run("", None, "", ""), capture_hello(json!({})));
+        let c = cmp(&none, &model("bfloat16", 8));
+        assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
+    }
+
+    #[test]
+    fn outcomes_follow_the_failure() {
+        let base = run(
+            "",
+            Some((96 * MIB, 1000, "decode")),
+            "gpu_vram",
+            "kv_growth",
+        );
+        let outcome = |b: &Run| cmp(&base, b).outcome;
+        assert_eq!(outcome(&run("a", None, "", "")), Outcome::Vanished);
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1040, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Same,
+            "4% more tokens is jitter"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 4000, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Shrank,
+            "it failed at four times the load"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((20 * MIB, 1000, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Shrank,
+            "a smaller request fails"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((400 * MIB, 1000, "decode")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Moved,
+            "a bigger request fails"
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1000, "prefill")),
+                "gpu_vram",
+                "kv_growth"
+            )),
+            Outcome::Moved
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1000, "decode")),
+                "host_ram",
+                "kv_growth"
+            )),
+            Outcome::Moved
+        );
+        assert_eq!(
+            outcome(&run(
+                "a",
+                Some((96 * MIB, 1000, "decode")),
+                "gpu_vram",
+                "fragmentation"
+            )),
+            Outcome::Moved
+        );
+        // A cause missing on one side (not assessed) does not count as a move.
+        assert_eq!(
+            outcome(&run("a", Some((96 * MIB, 1000, "decode")), "gpu_vram", "")),
+            Outcome::Same
+        );
+        let ok = run("", None, "", "");
+        assert_eq!(cmp(&ok, &base).outcome, Outcome::Moved, "a new failure");
+        assert_eq!(cmp(&ok, &ok).outcome, Outcome::Same);
+    }
+
+    #[test]
+    fn json_carries_the_sides_and_the_memory_table() {
+        let a = run(
+            "",
+            Some((96 * MIB, 1000, "decode")),
+            "gpu_vram",
+            "kv_growth",
+        );
+        let b = run("", None, "", "");
+        let j = to_json(&cmp(&a, &b));
+        assert_eq!(j["outcome"], "vanished");
+        assert_eq!(j["a"]["requested_bytes"], 96 * MIB);
+        assert_eq!(j["a"]["active_tokens"], 1000);
+        assert_eq!(j["b"]["failed"], false);
+        // A's failure reading is the sample before the OOM; B's latest is its last sample.
+        assert_eq!(j["memory"]["a"]["at_failure"]["allocated"], 200 * MIB);
+        assert_eq!(j["memory"]["a"]["at_failure"]["cached"], 10 * MIB);
+        assert_eq!(j["memory"]["b"]["at_failure"]["title"], "latest");
+        assert_eq!(j["memory"]["b"]["at_failure"]["allocated"], 100 * MIB);
+        assert!(j["memory"]["a"]["at_failure"]["host_rss"].is_null());
+        assert_eq!(j["changed"].as_array().unwrap().len(), 0);
+        assert_eq!(j["one_variable"], false);
+    }
+}

@@ -1,0 +1,338 @@
+//! Text renderings for people. `--json` renderings live beside each verb.
+
+use std::fmt::Write;
+
+use crate::pb;
+use serde_json::json;
+
+/// "64.00 MiB", "1.17 GiB", "512 B" and "2026-11-30 00:12:03.123Z" (UTC, to the
+/// millisecond): the table renderings of the analysis crate's units.
+pub use oomscope_analysis::units::{bytes_table as bytes, time_table as time};
+
+pub fn agents(agents: &[pb::AgentSummary]) -> String {
+    let mut out = String::new();
+    if agents.is_empty() {
+        out.push_str("no agents yet\n");
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  last seen",
+        "AGENT", "NAME", "STATE", "SAMPLES", "EVENTS", "PID"
+    );
+    for a in agents {
+        let h = a.hello.clone().unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  {}",
+            h.agent_id,
+            h.name,
+            a.state,
+            a.samples,
+            a.events,
+            h.pid,
+            time(a.last_seen_ns)
+        );
+    }
+    out
+}
+
+pub fn incidents(list: &[pb::Incident]) -> String {
+    let mut out = String::new();
+    if list.is_empty() {
+        out.push_str("no incidents\n");
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<12} {:<24} {:<20} {:<14} {:<14}  summary",
+        "ID", "TIME", "AGENT", "KIND", "DOMAIN"
+    );
+    for i in list {
+        let domain = if i.domain.is_empty() { "-" } else { &i.domain };
+        let _ = writeln!(
+            out,
+            "{:<12} {:<24} {:<20} {:<14} {:<14}  {}",
+            i.id,
+            time(i.time_ns),
+            i.agent_name,
+            i.kind,
+            domain,
+            i.summary
+        );
+    }
+    out
+}
+
+fn event_label(e: &pb::Event) -> String {
+    use pb::event::Kind;
+    match &e.kind {
+        Some(Kind::Phase(p)) => {
+            format!("phase {} {}", p.name, if p.start { "start" } else { "end" })
+        }
+        Some(Kind::Gc(g)) => format!("gc gen{} collected {}", g.generation, g.collected),
+        Some(Kind::CacheRelease(c)) => format!(
+            "empty_cache {} -> {}",
+            bytes(c.reserved_before_bytes),
+            bytes(c.reserved_after_bytes)
+        ),
+        Some(Kind::Oom(o)) => format!(
+            "OOM requesting {} on device {}",
+            bytes(o.requested_bytes),
+            o.device
+        ),
+        Some(Kind::ProcessList(p)) => format!(
+            "process list ({} host, {} gpu)",
+            p.host_top_rss.len(),
+            p.gpu.len()
+        ),
+        Some(Kind::Snapshot(s)) => format!(
+            "snapshot: {} segments, largest free block {}",
+            s.segments,
+            bytes(s.largest_free_block_bytes)
+        ),
+        Some(Kind::HeapCensus(h)) => format!("heap census: {} types", h.types.len()),
+        Some(Kind::ChildStart(c)) => format!("child {} started: {}", c.pid, c.command.join(" ")),
+        Some(Kind::ChildExit(c)) => match (c.exit_code, c.signal) {
+            (_, Some(s)) => format!("child {} killed by signal {s}", c.pid),
+            (Some(code), _) => format!("child {} exited {code}", c.pid),
+            _ => format!("child {} ended", c.pid),
+        },
+        Some(Kind::Request(r)) => format!(
+            "request {} {}",
+            r.request_id,
+            if r.start { "start" } else { "end" }
+        ),
+        None => "event".into(),
+    }
+}
+
+pub fn timeline(t: &pb::TimelineResponse) -> String {
+    let mut out = String::new();
+    let h = t.hello.clone().unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "agent {} ({}) on {}, pid {}, runtime {}",
+        h.agent_id, h.name, h.host, h.pid, h.runtime
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
+        "TIME", "SEQ", "RSS", "CGROUP", "AVAILABLE", "GPU ALLOC", "GPU RESV"
+    );
+    let mut events = t.events.iter().peekable();
+    for s in &t.samples {
+        let smp = s.sample.clone().unwrap_or_default();
+        while let Some(e) = events.peek() {
+            let ev = e.event.clone().unwrap_or_default();
+            if ev.time_ns > smp.time_ns {
+                break;
+            }
+            let _ = writeln!(
+                out,
+                "{:<24} {:>6}   * {}",
+                time(ev.time_ns),
+                e.seq,
+                event_label(&ev)
+            );
+            events.next();
+        }
+        let rss = smp
+            .process
+            .as_ref()
+            .map(|p| bytes(p.vm_rss_bytes))
+            .unwrap_or_else(|| "-".into());
+        let cg = smp
+            .cgroup
+            .first()
+            .map(|c| bytes(c.usage_bytes))
+            .unwrap_or_else(|| "-".into());
+        let avail = smp
+            .system
+            .as_ref()
+            .map(|m| bytes(m.mem_available_bytes))
+            .unwrap_or_else(|| "-".into());
+        let (alloc, resv) = smp
+            .allocator
+            .first()
+            .map(|a| (bytes(a.allocated_bytes), bytes(a.reserved_bytes)))
+            .unwrap_or_else(|| ("-".into(), "-".into()));
+        let _ = writeln!(
+            out,
+            "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            time(smp.time_ns),
+            s.seq,
+            rss,
+            cg,
+            avail,
+            alloc,
+            resv
+        );
+    }
+    for e in events {
+        let ev = e.event.clone().unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{:<24} {:>6}   * {}",
+            time(ev.time_ns),
+            e.seq,
+            event_label(&ev)
+        );
+    }
+    out
+}
+
+pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
+    let h = t.hello.clone().unwrap_or_default();
+    let samples: Vec<_> = t
+        .samples
+        .iter()
+        .map(|s| {
+            let smp = s.sample.clone().unwrap_or_default();
+            let a = smp.allocator.first();
+            json!({
+                "seq": s.seq, "time_ns": smp.time_ns,
+                "rss_bytes": smp.process.as_ref().map(|p| p.vm_rss_bytes),
+                "cgroup_usage_bytes": smp.cgroup.first().map(|c| c.usage_bytes),
+                "mem_available_bytes": smp.system.as_ref().map(|m| m.mem_available_bytes),
+                "allocated_bytes": a.map(|a| a.allocated_bytes),
+                "reserved_bytes": a.map(|a| a.reserved_bytes),
+                "inactive_split_bytes": a.map(|a| a.inactive_split_bytes),
+                "phase": smp.context.as_ref().map(|c| c.phase.clone()),
+            })
+        })
+        .collect();
+    let events: Vec<_> = t
+        .events
+        .iter()
+        .map(|e| {
+            let ev = e.event.clone().unwrap_or_default();
+            json!({"seq": e.seq, "time_ns": ev.time_ns, "what": event_label(&ev)})
+        })
+        .collect();
+    json!({"agent": h.agent_id, "name": h.name, "samples": samples, "events": events})
+}
+
+pub fn domain_title(d: &str) -> &'static str {
+    match d {
+        "gpu_vram" => "GPU memory (VRAM)",
+        "host_ram" => "system RAM (a global out-of-memory kill)",
+        "cgroup" => "a container/cgroup memory limit",
+        "address_space" => "the process address space (RLIMIT_AS / overcommit)",
+        "swap_thrash" => "swap/page-cache thrash (slow, not dead)",
+        "shm" => "/dev/shm (shared memory) full",
+        "external_kill" => "none: killed from outside (SIGKILL, no memory counter moved)",
+        _ => "unknown: the evidence does not decide",
+    }
+}
+
+pub fn diagnosis(d: &pb::Diagnosis) -> String {
+    let mut out = String::new();
+    let who = d.agent.clone().unwrap_or_else(|| "-".into());
+    match &d.incident {
+        Some(i) => {
+            let _ = writeln!(out, "Incident {i} (agent {who})");
+        }
+        None => {
+            let _ = writeln!(out, "Agent {who} (no incident)");
+        }
+    }
+    match &d.domain {
+        Some(dom) => {
+            let _ = writeln!(out, "Memory domain: {dom}: {}", domain_title(dom));
+        }
+        None => {
+            let _ = writeln!(out, "Memory domain: - (nothing failed)");
+        }
+    }
+    if let Some(t) = &d.trigger {
+        let _ = writeln!(out, "Trigger: {t}");
+    }
+    if let Some(e) = &d.exit {
+        match (e.code, e.signal) {
+            (_, Some(s)) => {
+                let _ = writeln!(
+                    out,
+                    "Exit: killed by signal {s} ({})",
+                    oomscope_analysis::units::signal_name(s)
+                );
+            }
+            (Some(c), _) => {
+                let _ = writeln!(out, "Exit: code {c}");
+            }
+            _ => {}
+        }
+    }
+    if let Some(c) = &d.cgroup {
+        let _ = writeln!(
+            out,
+            "Cgroup: {} (limit {} set on {})",
+            c.path,
+            bytes(c.limit_bytes),
+            c.owner_level
+        );
+    }
+    if !d.evidence.is_empty() {
+        out.push_str("Evidence:\n");
+        for e in &d.evidence {
+            let _ = writeln!(out, "  - {e}");
+        }
+    }
+    if !d.causes.is_empty() {
+        out.push_str("Causes (most likely first):\n");
+        for (i, c) in d.causes.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "  {}. {} (confidence {:.2})",
+                i + 1,
+                c.kind,
+                c.confidence
+            );
+            for e in &c.evidence {
+                let _ = writeln!(out, "       {e}");
+            }
+            for p in &c.processes {
+                let _ = writeln!(
+                    out,
+                    "       pid {} holds {} ({})",
+                    p.pid,
+                    bytes(p.bytes),
+                    p.command.clone().unwrap_or_default()
+                );
+            }
+        }
+    }
+    if !d.fixes.is_empty() {
+        out.push_str("Fixes (least risky first):\n");
+        for (i, f) in d.fixes.iter().enumerate() {
+            let _ = writeln!(out, "  {}. [{} risk] {}", i + 1, f.risk, f.action);
+            let _ = writeln!(out, "       retest: {}", f.retest);
+            if let Some(c) = &f.caveat {
+                let _ = writeln!(out, "       caveat: {c}");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(64 << 20), "64.00 MiB");
+        assert_eq!(bytes(1_256_194_048), "1.17 GiB");
+    }
+
+    #[test]
+    fn time_is_utc() {
+        assert_eq!(time(0), "1970-01-01 00:00:00.000Z");
+        // 2026-11-30 00:00:00 UTC
+        assert_eq!(
+            time(1_796_000_000_000_000_000 - (1_796_000_000 % 86_400) * 1_000_000_000),
+            "2026-11-30 00:00:00.000Z"
+        );
+    }
+}

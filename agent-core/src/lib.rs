@@ -4,15 +4,18 @@
 //! Nothing here panics on a missing file, a missing GPU or a missing
 //! collector: each probe reports what it could read and marks the rest absent.
 
+pub mod agent;
 pub mod capture;
 pub mod probe;
 pub mod recorder;
 pub mod recovery;
 pub mod reporter;
 pub mod spool;
+pub mod sync;
 pub mod torch;
 
 pub use oomscope_proto::v1 as pb;
+pub use sync::lock;
 
 /// This host's name (`/proc/sys/kernel/hostname`), for every agent's Hello;
 /// None where it cannot be read (a non-Linux host).

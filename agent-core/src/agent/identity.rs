@@ -1,0 +1,85 @@
+//! The Hello every agent opens its stream with: who it is, where it runs,
+//! and the host domains' limits as they were at its start. Each agent adds
+//! what only it knows (its allocator settings, models, command line, GPUs).
+
+use std::collections::HashMap;
+
+use crate::pb;
+use crate::probe::HostProbe;
+
+/// What an agent says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// The service's name, shared by its processes and its restarts.
+    pub name: String,
+    /// "supervisor", "server", "worker", ...
+    pub role: String,
+    /// The process's rank among its siblings (forked children count up).
+    pub rank: i32,
+    /// What reads the memory: "supervisor", "pytorch", "cudarc".
+    pub runtime: String,
+}
+
+/// The one agent-id scheme: unique per process start, and readable, since
+/// spools and logs are named by it: `<runtime>-<name>-<host>-<pid>-<start>`.
+pub fn agent_id(runtime: &str, name: &str, host: &str, pid: u32, start_ns: i64) -> String {
+    format!("{runtime}-{name}-{host}-{pid}-{start_ns:x}")
+}
+
+impl Identity {
+    /// The Hello of this process, started now, with `probe`'s readings of
+    /// its cgroup and rlimits. `versions` gets "oomscope"; `gpus` stays for
+    /// the agent to fill (NVML's placements, or the pool's own device).
+    pub fn hello(&self, probe: &HostProbe) -> pb::Hello {
+        let pid = std::process::id();
+        let start = crate::now_ns();
+        let host = crate::hostname().unwrap_or_else(|| "localhost".into());
+        let versions: HashMap<String, String> = [(
+            "oomscope".to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        )]
+        .into_iter()
+        .collect();
+        pb::Hello {
+            agent_id: agent_id(&self.runtime, &self.name, &host, pid, start),
+            name: self.name.clone(),
+            host,
+            pid,
+            start_time_ns: start,
+            role: self.role.clone(),
+            rank: self.rank,
+            runtime: self.runtime.clone(),
+            versions,
+            cgroup: Some(probe.cgroup_info()),
+            rlimits: Some(probe.rlimits()),
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::HostPaths;
+
+    #[test]
+    fn the_hello_names_this_process_and_its_id_follows_the_scheme() {
+        let probe = HostProbe::new(HostPaths::system(), std::process::id());
+        let id = Identity {
+            name: "svc".into(),
+            role: "server".into(),
+            rank: 2,
+            runtime: "cudarc".into(),
+        };
+        let h = id.hello(&probe);
+        assert_eq!(h.pid, std::process::id());
+        assert_eq!((h.name.as_str(), h.role.as_str(), h.rank), ("svc", "server", 2));
+        assert_eq!(
+            h.agent_id,
+            agent_id("cudarc", "svc", &h.host, h.pid, h.start_time_ns)
+        );
+        assert!(h.agent_id.starts_with("cudarc-svc-"));
+        assert!(h.versions.contains_key("oomscope"));
+        assert!(h.start_time_ns > 0);
+    }
+}

@@ -1,0 +1,22 @@
+//! The skeleton every oomscope agent runs on: the supervisor (`oomscope
+//! run`), the Python extension and the cudarc pool's agent. It owns what
+//! they must agree on, so that they cannot drift apart:
+//!
+//! - `identity`: the Hello every agent opens with, and one agent-id scheme;
+//! - `interval`: one sampling-interval rule (at least 10 ms), for the
+//!   command line, the Python configuration and the collector's directives;
+//! - `sampling`: one sampling loop (a clock that never bursts, directives,
+//!   jobs from the request path, stop), into which each agent plugs its own
+//!   readers through [`Readers`];
+//! - `lineage`: what a forked child reports as, so that its evidence is not
+//!   mixed with its parent's.
+
+mod identity;
+mod interval;
+mod lineage;
+mod sampling;
+
+pub use identity::{agent_id, Identity};
+pub use interval::{check_interval, IntervalTooShort, MIN_SAMPLE_INTERVAL};
+pub use lineage::{Lineage, PARENT_PID_LABEL};
+pub use sampling::{Control, Flow, Readers, Sampler, SamplingLoop};

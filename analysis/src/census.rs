@@ -14,12 +14,15 @@
 use std::collections::BTreeSet;
 
 use crate::findings::Findings;
-use crate::growth::{self, Trend, MIN_SIGNAL_TO_NOISE, MIN_TREND_POINTS, PERSISTENCE};
+use crate::growth::{
+    self, Trend, MIN_LEAK_BYTES_PER_REQUEST, MIN_SIGNAL_TO_NOISE, MIN_TREND_POINTS, PERSISTENCE,
+    RECLAIMED_SHARE,
+};
 use crate::pb;
 use crate::pb::event::Kind;
 use crate::stats;
 use crate::timeline::{Point, Timeline};
-use crate::trigger::MIN_LEAK_BYTES_PER_REQUEST;
+use crate::units::bytes_short;
 
 /// The phase of the sample an agent sends just before each census: its
 /// `requests_done` is the census's place in the request count.
@@ -289,6 +292,41 @@ impl HeapGrowth<'_> {
         line
     }
 
+    /// "between requests the Python heap's torch.Tensor[cpu] rose from ..."
+    pub fn growth_line(&self) -> String {
+        let t = &self.top.bytes;
+        format!(
+            "between requests the Python heap's {} rose from {} to {} over {} requests: {} per request (Theil–Sen over {} heap censuses, requests {} to {}; still rising in the later half)",
+            self.top.name,
+            bytes_short(t.first_bytes.max(0.0) as u64),
+            bytes_short(t.last_bytes.max(0.0) as u64),
+            t.span,
+            bytes_short(self.top.bytes_per_request().max(0.0).round() as u64),
+            self.censuses(),
+            self.first.requests_done,
+            self.last.requests_done,
+        )
+    }
+
+    /// Why the growth is not chance: the host readings rose with it, or the
+    /// censuses alone are significant.
+    pub fn significance_line(&self) -> String {
+        let s = &self.significance;
+        match s.host_bytes_per_request {
+            Some(host) => format!(
+                "{} between requests rose with it over the same requests: {} per request (Mann–Kendall p = {:.1e} over {} readings)",
+                s.what,
+                bytes_short(host.max(0.0).round() as u64),
+                s.p_value,
+                s.readings
+            ),
+            None => format!(
+                "the rise is significant across {} censuses (Mann–Kendall p = {:.1e})",
+                s.readings, s.p_value
+            ),
+        }
+    }
+
     /// "held by a -> b -> c", when the agent found a chain.
     pub fn chain_line(&self) -> Option<String> {
         (!self.chain.is_empty()).then(|| format!("held by {}", self.chain.join(" -> ")))
@@ -455,12 +493,7 @@ pub fn verdict<'a>(f: &Findings<'a>) -> Option<HeapVerdict<'a>> {
     if pts.len() < MIN_CENSUSES {
         return None;
     }
-    if let Some(r) = reclaim(
-        &pts,
-        &f.timeline,
-        &f.evidence.events,
-        crate::causes::RECLAIMED_SHARE,
-    ) {
+    if let Some(r) = reclaim(&pts, &f.timeline, &f.evidence.events, RECLAIMED_SHARE) {
         return Some(HeapVerdict::Retained(r));
     }
     growth_over(&pts, &f.timeline).map(HeapVerdict::Growing)

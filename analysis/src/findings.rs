@@ -104,6 +104,24 @@ impl<'a> Findings<'a> {
         }
     }
 
+    /// The host limit that growth runs into: the tightest cgroup limit, else MemTotal.
+    pub fn host_limit(&self) -> Option<(u64, &'static str)> {
+        if let Some(l) = self
+            .timeline
+            .points
+            .iter()
+            .rev()
+            .find_map(|p| p.cgroup_limit)
+        {
+            return Some((l, "the cgroup limit"));
+        }
+        self.evidence
+            .last_system()
+            .map(|s| s.mem_total_bytes)
+            .filter(|&t| t > 0)
+            .map(|t| (t, "MemTotal"))
+    }
+
     pub fn is_signal(&self, sig: i32) -> bool {
         self.signal.is_some_and(|(s, _)| s == sig)
     }

@@ -9,6 +9,7 @@
 
 use crate::stats::{self, Line};
 use crate::timeline::{Point, Timeline};
+use crate::units::bytes_short;
 
 /// Fewer between-request readings than this say nothing about a trend: with
 /// 8 points even a perfect rise only just reaches the significance level.
@@ -28,6 +29,15 @@ pub const PERSISTENCE: f64 = 0.5;
 /// of the readings around the line (a robust sigma, from the median absolute
 /// residual): a significant but small drift inside wide noise is no verdict.
 pub const MIN_SIGNAL_TO_NOISE: f64 = 3.0;
+
+/// A leak worth naming grows at least this much per request...
+pub const MIN_LEAK_BYTES_PER_REQUEST: f64 = (64u64 << 10) as f64;
+/// ...and at least this much over the readings seen.
+pub const MIN_LEAK_GROWTH_BYTES: f64 = (16u64 << 20) as f64;
+
+/// A collection gave back growth when it freed at least this share of what
+/// the baseline had gained: then the growth was garbage, not a leak.
+pub const RECLAIMED_SHARE: f64 = 0.5;
 
 /// Pairwise statistics are O(n²): longer series are thinned evenly to this
 /// many points first (200k pairs), which keeps a long leak hunt fast and
@@ -65,6 +75,40 @@ impl Trend {
             && self.line.slope * self.span >= MIN_SIGNAL_TO_NOISE * self.residual_sigma
             && self.later_slope >= PERSISTENCE * self.line.slope
     }
+
+    /// Grows enough to be named a leak (the device's live bytes, or a trigger).
+    pub fn leaks(&self) -> bool {
+        self.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES)
+    }
+
+    /// "between requests {what} rose from A to B over N requests: ..."
+    pub fn rise_line(&self, what: &str) -> String {
+        format!(
+            "between requests {what} rose from {} to {} over {} requests: {} per request (Theil–Sen over {} readings; Mann–Kendall p = {:.1e}; still rising in the later half)",
+            bytes_short(self.first_bytes.max(0.0) as u64),
+            bytes_short(self.last_bytes.max(0.0) as u64),
+            self.span,
+            bytes_short(self.bytes_per_request().max(0.0).round() as u64),
+            self.points,
+            self.p_value
+        )
+    }
+}
+
+/// How far growth at `per_request` from `used` bytes has to go to `limit`:
+/// "at this rate {limit_text} is reached in about N more requests", and the
+/// metrics requests_to_limit and limit_bytes.
+pub fn runway(
+    limit_text: &str,
+    limit: u64,
+    used: u64,
+    per_request: f64,
+) -> (String, [(&'static str, f64); 2]) {
+    let left = (limit.saturating_sub(used) as f64 / per_request).floor();
+    (
+        format!("at this rate {limit_text} is reached in about {left} more requests"),
+        [("requests_to_limit", left), ("limit_bytes", limit as f64)],
+    )
 }
 
 /// The trend of `(requests_done, bytes)` points. None with too few distinct

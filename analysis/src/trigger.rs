@@ -18,10 +18,6 @@ use crate::units::bytes_short;
 pub const MIN_RISE_BYTES: f64 = (16u64 << 20) as f64;
 /// Mann–Kendall significance for "bytes rise with the prompt/context".
 pub const SIZE_P_VALUE: f64 = 0.01;
-/// A leak worth naming grows at least this much per request...
-pub const MIN_LEAK_BYTES_PER_REQUEST: f64 = (64u64 << 10) as f64;
-/// ...and at least this much over the readings seen.
-pub const MIN_LEAK_GROWTH_BYTES: f64 = (16u64 << 20) as f64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Trigger {
@@ -58,9 +54,7 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             return Some((Trigger::SizeDependent, line));
         }
     }
-    if let Some(t) = growth::live_baseline(&f.timeline)
-        .filter(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES))
-    {
+    if let Some(t) = growth::live_baseline(&f.timeline).filter(|t| t.leaks()) {
         let line = format!(
             "between requests live bytes grew {} per request over {} requests",
             bytes_short(t.bytes_per_request() as u64),

@@ -8,7 +8,6 @@ use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::growth;
 use crate::pb;
-use crate::trigger::{MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES};
 use crate::units::bytes_short;
 
 /// Reserved must grow at least this much to be worth a line.
@@ -18,7 +17,7 @@ pub const CACHE_OVER_LIVE: f64 = 4.0;
 
 pub fn cache_retention(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     let live = growth::live_baseline(&f.timeline);
-    if live.is_some_and(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES)) {
+    if live.is_some_and(|t| t.leaks()) {
         return None;
     }
     let base: Vec<_> = f.timeline.baseline().collect();

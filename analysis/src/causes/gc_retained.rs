@@ -7,18 +7,12 @@
 //! finds it gone.
 
 use super::cause;
-use super::leak::{heap_growth_line, significance_line};
 use crate::census::{self, HeapReclaim, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::growth;
+use crate::growth::{self, RECLAIMED_SHARE};
 use crate::pb;
-use crate::trigger::{MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES};
 use crate::units::bytes_short;
-
-/// A collection gave back growth when it freed at least this share of what
-/// the baseline had gained.
-pub const RECLAIMED_SHARE: f64 = 0.5;
 
 /// Live bytes around the first collection.
 pub struct Reclaim {
@@ -34,14 +28,14 @@ pub struct Reclaim {
 
 impl Reclaim {
     pub fn gave_back_growth(&self) -> bool {
-        self.growth >= MIN_LEAK_GROWTH_BYTES && self.reclaimed >= RECLAIMED_SHARE * self.growth
+        self.growth >= growth::MIN_LEAK_GROWTH_BYTES
+            && self.reclaimed >= RECLAIMED_SHARE * self.growth
     }
 }
 
 pub fn reclaim(f: &Findings) -> Option<Reclaim> {
     let at = growth::first_collection(&f.timeline)?;
-    let trend = growth::live_baseline(&f.timeline)
-        .filter(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES))?;
+    let trend = growth::live_baseline(&f.timeline).filter(|t| t.leaks())?;
     let before = f
         .timeline
         .device()
@@ -74,7 +68,7 @@ pub fn gc_retained(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
 /// From the heap censuses around a full collection.
 fn heap_gc_retained(r: &HeapReclaim) -> pb::Cause {
     let g = &r.growth;
-    let mut evidence = vec![heap_growth_line(g), significance_line(g), g.objects_line()];
+    let mut evidence = vec![g.growth_line(), g.significance_line(), g.objects_line()];
     evidence.extend(g.chain_line());
     evidence.push(format!(
         "a full garbage collection (generation 2, {} objects collected) then dropped {} from {} to {} at the next census: the growth was unreachable objects (reference cycles) awaiting the collector",

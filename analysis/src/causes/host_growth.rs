@@ -4,16 +4,14 @@
 //! bytes also let a smaller growth through than RSS alone would.
 
 use super::cause;
-use super::leak::{growth_line, runway};
 use crate::census::{
     self, HeapGrowth, HeapVerdict, MIN_CENSUS_BYTES_PER_REQUEST, MIN_CENSUS_GROWTH_BYTES,
 };
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::growth;
+use crate::growth::{self, runway};
 use crate::pb;
 use crate::timeline::Point;
-use crate::trigger::{MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES};
 use crate::units::bytes_short;
 
 /// Host memory moves in pages and arenas: less than this per request is not
@@ -26,8 +24,7 @@ pub const MIN_HOST_GROWTH_BYTES: f64 = (32u64 << 20) as f64;
 // growth is no longer arena noise but counted objects.
 
 pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let gpu_grows = growth::live_baseline(&f.timeline)
-        .is_some_and(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES));
+    let gpu_grows = growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks());
     if gpu_grows {
         return None;
     }
@@ -48,7 +45,7 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         Some(t) => ("host RSS", t),
         None => ("cgroup usage", series(|p| p.cgroup_usage)?),
     };
-    let mut evidence = vec![growth_line(what, &t)];
+    let mut evidence = vec![t.rise_line(what)];
     if f.timeline.device().next().is_some() {
         evidence.push("device live bytes between requests stayed flat".to_string());
     } else {
@@ -66,7 +63,7 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             g.top.bytes_per_request().round(),
         ));
     }
-    if let Some((limit, name)) = host_limit(f) {
+    if let Some((limit, name)) = f.host_limit() {
         let (line, m) = runway(
             &format!("{name} ({})", bytes_short(limit)),
             limit,
@@ -107,16 +104,4 @@ fn host_series(f: &Findings, v: fn(&Point) -> Option<u64>) -> Vec<(f64, f64)> {
         .filter(|p| p.is_baseline() && p.requests_done > 0)
         .filter_map(|p| v(p).map(|b| (p.requests_done as f64, b as f64)))
         .collect()
-}
-
-/// The host limit that growth runs into: the tightest cgroup limit, else MemTotal.
-pub(crate) fn host_limit(f: &Findings) -> Option<(u64, &'static str)> {
-    if let Some(l) = f.timeline.points.iter().rev().find_map(|p| p.cgroup_limit) {
-        return Some((l, "the cgroup limit"));
-    }
-    f.evidence
-        .last_system()
-        .map(|s| s.mem_total_bytes)
-        .filter(|&t| t > 0)
-        .map(|t| (t, "MemTotal"))
 }

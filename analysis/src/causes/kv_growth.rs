@@ -7,7 +7,7 @@ use crate::findings::Findings;
 use crate::growth;
 use crate::kv_fit;
 use crate::pb;
-use crate::trigger::{self, Trigger, MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES};
+use crate::trigger::{self, Trigger};
 use crate::units::bytes_short;
 
 /// A fit explaining less than this share of the variance is weak evidence.
@@ -25,8 +25,7 @@ pub fn kv_growth(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         .filter(|&w| w > 0)
         .collect();
     let weights_flat = weights.iter().min() == weights.iter().max();
-    let baseline_grows = growth::live_baseline(&f.timeline)
-        .is_some_and(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES));
+    let baseline_grows = growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks());
     if !weights_flat || baseline_grows {
         return None;
     }

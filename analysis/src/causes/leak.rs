@@ -5,15 +5,13 @@
 //! without one (a CPU server) has only its heap census: there the census's
 //! retained type is the live bytes, and the host readings prove the trend.
 
-use super::host_growth::host_limit;
 use super::{cause, gc_retained};
 use crate::census::{self, HeapGrowth, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::growth::{self, Trend};
+use crate::growth::{self, runway};
 use crate::pb;
 use crate::pb::event::Kind;
-use crate::trigger::{MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES};
 use crate::units::bytes_short;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
@@ -28,15 +26,14 @@ pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
 
 /// Live tensors on the device, between requests.
 fn device_leak(f: &Findings) -> Option<pb::Cause> {
-    let t = growth::live_baseline(&f.timeline)
-        .filter(|t| t.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES))?;
+    let t = growth::live_baseline(&f.timeline).filter(|t| t.leaks())?;
     // Growth that a collection gave back is gc_retained, not a leak.
     if gc_retained::reclaim(f).is_some_and(|r| r.gave_back_growth()) {
         return None;
     }
     let per_request = t.bytes_per_request();
     let last = f.timeline.baseline().last()?;
-    let mut evidence = vec![growth_line("live bytes (allocated)", &t)];
+    let mut evidence = vec![t.rise_line("live bytes (allocated)")];
     let mut metrics = vec![
         ("bytes_per_request", per_request.round()),
         ("p_value", t.p_value),
@@ -68,7 +65,7 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
 /// Live Python objects on the host, from the heap censuses.
 fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
     let per_request = g.top.bytes_per_request();
-    let mut evidence = vec![heap_growth_line(g), significance_line(g), g.objects_line()];
+    let mut evidence = vec![g.growth_line(), g.significance_line(), g.objects_line()];
     evidence.extend(g.chain_line());
     let mut metrics = vec![
         ("bytes_per_request", per_request.round()),
@@ -77,7 +74,8 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         ("retained_type_bytes_per_request", per_request.round()),
         ("retained_objects_per_request", g.top.objects_per_request()),
     ];
-    if let Some((limit, name, used)) = host_limit(f)
+    if let Some((limit, name, used)) = f
+        .host_limit()
         .zip(last_host_usage(f))
         .map(|((l, n), u)| (l, n, u))
     {
@@ -109,68 +107,6 @@ fn last_host_usage(f: &Findings) -> Option<u64> {
         .rev()
         .find_map(|p| p.rss)
         .or_else(|| pts.iter().rev().find_map(|p| p.cgroup_usage))
-}
-
-/// "between requests the Python heap's torch.Tensor[cpu] rose from ..."
-pub(crate) fn heap_growth_line(g: &HeapGrowth) -> String {
-    let t = &g.top.bytes;
-    format!(
-        "between requests the Python heap's {} rose from {} to {} over {} requests: {} per request (Theil–Sen over {} heap censuses, requests {} to {}; still rising in the later half)",
-        g.top.name,
-        bytes_short(t.first_bytes.max(0.0) as u64),
-        bytes_short(t.last_bytes.max(0.0) as u64),
-        t.span,
-        bytes_short(g.top.bytes_per_request().max(0.0).round() as u64),
-        g.censuses(),
-        g.first.requests_done,
-        g.last.requests_done,
-    )
-}
-
-/// Why the census growth is not chance.
-pub(crate) fn significance_line(g: &HeapGrowth) -> String {
-    let s = &g.significance;
-    match s.host_bytes_per_request {
-        Some(host) => format!(
-            "{} between requests rose with it over the same requests: {} per request (Mann–Kendall p = {:.1e} over {} readings)",
-            s.what,
-            bytes_short(host.max(0.0).round() as u64),
-            s.p_value,
-            s.readings
-        ),
-        None => format!(
-            "the rise is significant across {} censuses (Mann–Kendall p = {:.1e})",
-            s.readings, s.p_value
-        ),
-    }
-}
-
-pub(crate) fn growth_line(what: &str, t: &Trend) -> String {
-    format!(
-        "between requests {what} rose from {} to {} over {} requests: {} per request (Theil–Sen over {} readings; Mann–Kendall p = {:.1e}; still rising in the later half)",
-        bytes_short(t.first_bytes.max(0.0) as u64),
-        bytes_short(t.last_bytes.max(0.0) as u64),
-        t.span,
-        bytes_short(t.bytes_per_request().max(0.0).round() as u64),
-        t.points,
-        t.p_value
-    )
-}
-
-/// How far growth at `per_request` from `used` bytes has to go to `limit`:
-/// "at this rate {limit_text} is reached in about N more requests", and the
-/// metrics requests_to_limit and limit_bytes.
-pub(crate) fn runway(
-    limit_text: &str,
-    limit: u64,
-    used: u64,
-    per_request: f64,
-) -> (String, [(&'static str, f64); 2]) {
-    let left = (limit.saturating_sub(used) as f64 / per_request).floor();
-    (
-        format!("at this rate {limit_text} is reached in about {left} more requests"),
-        [("requests_to_limit", left), ("limit_bytes", limit as f64)],
-    )
 }
 
 fn limit_name(f: &Findings) -> &'static str {

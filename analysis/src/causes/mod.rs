@@ -21,8 +21,6 @@ use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::pb;
 
-pub(crate) use gc_retained::RECLAIMED_SHARE;
-
 /// One analyzer: a cause or nothing.
 pub type Analyzer = fn(&Findings, &DomainVerdict) -> Option<pb::Cause>;
 

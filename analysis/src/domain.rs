@@ -30,6 +30,40 @@ impl Domain {
             Domain::Unknown => "unknown",
         }
     }
+
+    /// The domain a diagnosis names on the wire (`Diagnosis.domain`). A name
+    /// this build does not know (a newer collector's) reads as `Unknown`.
+    pub fn from_wire(s: &str) -> Domain {
+        Domain::ALL
+            .into_iter()
+            .find(|d| d.as_str() == s)
+            .unwrap_or(Domain::Unknown)
+    }
+
+    /// What ran out, for people: the headline of a report.
+    pub fn title(self) -> &'static str {
+        match self {
+            Domain::GpuVram => "GPU memory (VRAM)",
+            Domain::HostRam => "system RAM (a global out-of-memory kill)",
+            Domain::Cgroup => "a container/cgroup memory limit",
+            Domain::AddressSpace => "the process address space (RLIMIT_AS / overcommit)",
+            Domain::SwapThrash => "swap/page-cache thrash (slow, not dead)",
+            Domain::Shm => "/dev/shm (shared memory) full",
+            Domain::ExternalKill => "none: killed from outside (SIGKILL, no memory counter moved)",
+            Domain::Unknown => "unknown: the evidence does not decide",
+        }
+    }
+
+    pub const ALL: [Domain; 8] = [
+        Domain::GpuVram,
+        Domain::HostRam,
+        Domain::Cgroup,
+        Domain::AddressSpace,
+        Domain::SwapThrash,
+        Domain::Shm,
+        Domain::ExternalKill,
+        Domain::Unknown,
+    ];
 }
 
 /// The domain and the evidence lines (with their numbers) that decided it.
@@ -358,4 +392,18 @@ fn nvml_line(f: &Findings, device: Option<i32>) -> Option<String> {
         line.push_str(&format!("; processes: {}", procs.join(", ")));
     }
     Some(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Domain;
+
+    #[test]
+    fn the_wire_name_reads_back_as_its_domain() {
+        for d in Domain::ALL {
+            assert_eq!(Domain::from_wire(d.as_str()), d);
+        }
+        assert_eq!(Domain::from_wire("tape"), Domain::Unknown);
+        assert_eq!(Domain::from_wire("gpu_vram").title(), "GPU memory (VRAM)");
+    }
 }

@@ -11,9 +11,9 @@ use oomscope_analysis::units::{bytes, bytes_short};
 use serde_json::{json, Map, Value};
 
 use crate::failure::Failure;
+use crate::memory::{self, MemoryTable, ROWS};
 use crate::pb;
 use crate::Run;
-use crate::memory::{self, MemoryTable, ROWS};
 
 /// A request or a load that differs by more than this fraction is clearly
 /// different; below it, two runs of one workload jitter (batching, timing).
@@ -122,7 +122,10 @@ pub fn compare(a: &Run, b: &Run) -> Comparison {
 }
 
 fn summary(side: &Run, hello: &pb::Hello) -> SideSummary {
-    let failure = side.incident.as_ref().map(|i| Failure::find(&side.timeline, i));
+    let failure = side
+        .incident
+        .as_ref()
+        .map(|i| Failure::find(&side.timeline, i));
     let d = &side.diagnosis;
     SideSummary {
         agent_id: hello.agent_id.clone(),
@@ -678,7 +681,9 @@ mod tests {
             "notes": notes,
             "timeline": [{"t_s": 0.0, "step": 0, "context": {"phase": "idle"}, "memory_stats": {}}],
         });
-        oomscope_agent_core::capture::from_json(&v, "test", 0).unwrap().hello
+        oomscope_agent_core::capture::from_json(&v, "test", 0)
+            .unwrap()
+            .hello
     }
 
     fn with_hello(mut r: Run, hello: pb::Hello) -> Run {

@@ -3,6 +3,7 @@
 use std::fmt::Write;
 
 use crate::pb;
+use oomscope_analysis::Domain;
 use serde_json::json;
 
 /// "64.00 MiB", "1.17 GiB", "512 B" and "2026-11-30 00:12:03.123Z" (UTC, to the
@@ -213,19 +214,6 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
     json!({"agent": h.agent_id, "name": h.name, "samples": samples, "events": events})
 }
 
-pub fn domain_title(d: &str) -> &'static str {
-    match d {
-        "gpu_vram" => "GPU memory (VRAM)",
-        "host_ram" => "system RAM (a global out-of-memory kill)",
-        "cgroup" => "a container/cgroup memory limit",
-        "address_space" => "the process address space (RLIMIT_AS / overcommit)",
-        "swap_thrash" => "swap/page-cache thrash (slow, not dead)",
-        "shm" => "/dev/shm (shared memory) full",
-        "external_kill" => "none: killed from outside (SIGKILL, no memory counter moved)",
-        _ => "unknown: the evidence does not decide",
-    }
-}
-
 pub fn diagnosis(d: &pb::Diagnosis) -> String {
     let mut out = String::new();
     let who = d.agent.clone().unwrap_or_else(|| "-".into());
@@ -239,7 +227,11 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
     }
     match &d.domain {
         Some(dom) => {
-            let _ = writeln!(out, "Memory domain: {dom}: {}", domain_title(dom));
+            let _ = writeln!(
+                out,
+                "Memory domain: {dom}: {}",
+                Domain::from_wire(dom).title()
+            );
         }
         None => {
             let _ = writeln!(out, "Memory domain: - (nothing failed)");

@@ -21,6 +21,7 @@ pub mod memory;
 pub use oomscope_proto::v1 as pb;
 
 use oomscope_analysis::units::{bytes, bytes_short};
+use oomscope_analysis::Domain;
 
 use failure::Failure;
 use memory::MemoryTable;
@@ -50,7 +51,10 @@ struct View<'a> {
 
 impl<'a> View<'a> {
     fn new(input: &'a Run) -> View<'a> {
-        let failure = input.incident.as_ref().map(|i| Failure::find(&input.timeline, i));
+        let failure = input
+            .incident
+            .as_ref()
+            .map(|i| Failure::find(&input.timeline, i));
         let hello = input.timeline.hello.clone().unwrap_or_default();
         View {
             table: memory::table(&input.timeline, failure.as_ref()),
@@ -82,7 +86,7 @@ impl<'a> View<'a> {
         v.push((
             "Memory domain",
             match &d.domain {
-                Some(dom) => format!("{dom}: {}", crate::format::domain_title(dom)),
+                Some(dom) => format!("{dom}: {}", Domain::from_wire(dom).title()),
                 None => "none: nothing failed".into(),
             },
         ));

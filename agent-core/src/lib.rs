@@ -1,5 +1,6 @@
 //! What every oomscope agent shares: probes of each host memory domain, the
-//! flight recorder, and the reporter that streams to the collector.
+//! reporter that streams to the collector (spooling to disk while it is
+//! away), and the recovery of dead agents' spools.
 //!
 //! Nothing here panics on a missing file, a missing GPU or a missing
 //! collector: each probe reports what it could read and marks the rest absent.
@@ -7,7 +8,6 @@
 pub mod agent;
 pub mod capture;
 pub mod probe;
-pub mod recorder;
 pub mod recovery;
 pub mod reporter;
 pub mod spool;

@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::pb;
 use crate::reporter::{Liveness, Reporter, ReporterConfig};
 use crate::spool::{Spool, SpoolError};
 
@@ -42,8 +43,28 @@ pub struct Pass {
     pub left: Vec<String>,
 }
 
+impl Reporter {
+    /// Starts the worker thread and returns at once, whether or not the
+    /// collector is reachable. Opens the spool first (local disk only) so
+    /// that seqs continue after the previous run's; a spool that cannot be
+    /// opened is logged and the reporter runs memory-only.
+    ///
+    /// With a spool, it also delivers (in the background, once connected)
+    /// what dead agents of the same collector left in other spools under
+    /// the same root. That is why it is defined here and not with the rest
+    /// of the reporter: this module uses reporters to deliver those spools,
+    /// and the reporter knows nothing of it.
+    pub fn start(cfg: ReporterConfig, hello: pb::Hello) -> Reporter {
+        let reporter = Reporter::open(cfg.clone(), hello);
+        if reporter.has_spool() {
+            spawn(cfg, &reporter);
+        }
+        reporter
+    }
+}
+
 /// Starts the watcher thread for `reporter`; it ends when the reporter does.
-pub(crate) fn spawn(cfg: ReporterConfig, reporter: &Reporter) {
+fn spawn(cfg: ReporterConfig, reporter: &Reporter) {
     let Some(root) = cfg.spool_dir.clone() else {
         return;
     };

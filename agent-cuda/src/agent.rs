@@ -258,7 +258,7 @@ impl Inner {
             kind: Some(pb::event::Kind::Oom(oom)),
         };
         if !self.reporter.send_urgent(event, self.oom_ack_wait) {
-            tracing::warn!("oomscope: the OOM event was not acked in time (kept in the flight recorder and spool, if any)");
+            tracing::warn!("oomscope: the OOM event was not acked in time (kept in the spool, if any)");
         }
     }
 

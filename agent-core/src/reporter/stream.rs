@@ -1,0 +1,544 @@
+//! The worker: one thread with its own current-thread runtime that connects
+//! to the collector, writes Hello, the backlog and then live traffic, applies
+//! acks, and reconnects with backoff when the stream fails. All the network
+//! and disk work of a reporter happens here, never on the caller's thread.
+//!
+//! What is owed and what an ack releases is the [`Ledger`]'s business; this
+//! file moves messages between the caller's queue, the spool, the ledger and
+//! the stream, and tells waiting callers how far everything is settled.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::time::Duration;
+
+use prost::Message;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Endpoint;
+
+use super::ledger::{Ledger, Released};
+use super::{ReporterConfig, Shared};
+use crate::pb;
+use crate::pb::agent_message::Body;
+use crate::pb::collector_message::Body as Reply;
+use crate::sync::lock;
+
+/// Messages buffered between the worker and the HTTP/2 stream; more only
+/// adds latency to acks, the stream itself does flow control.
+const OUTBOUND_BUFFER: usize = 64;
+/// HTTP/2 pings find a collector that vanished without closing the socket
+/// (a dead host, a dropped route).
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The least a reread of the spool brings back into memory.
+const REREAD_MIN_BYTES: usize = 1024 * 1024;
+
+/// A message that bypasses the bounded queue (an OOM event, the Goodbye).
+pub(super) struct Urgent {
+    pub message: pb::AgentMessage,
+    /// Already appended by the caller, with the seqs that append pushed out.
+    pub spooled: Option<Vec<u64>>,
+}
+
+/// The worker's receiving ends, kept apart from [`Worker`] so that
+/// `select!` can poll them while its handlers change the worker.
+pub(super) struct Inputs {
+    pub queue: mpsc::Receiver<pb::AgentMessage>,
+    pub urgent: mpsc::UnboundedReceiver<Urgent>,
+    pub stop: watch::Receiver<bool>,
+}
+
+pub(super) struct Worker {
+    cfg: ReporterConfig,
+    hello: pb::Hello,
+    shared: Arc<Shared>,
+    directives: std_mpsc::SyncSender<pb::Directive>,
+    ledger: Ledger,
+    /// Messages read back from the spool for resending, not yet sent.
+    reread: BTreeMap<u64, pb::AgentMessage>,
+    sessions: u64,
+    /// Whether the last failure was already logged at warn level.
+    failing: bool,
+}
+
+enum SessionEnd {
+    Stopped,
+    Failed { acked: bool, error: String },
+}
+
+impl Worker {
+    /// A worker for a run whose first seq is `next_seq`.
+    pub(super) fn new(
+        cfg: ReporterConfig,
+        hello: pb::Hello,
+        shared: Arc<Shared>,
+        directives: std_mpsc::SyncSender<pb::Directive>,
+        next_seq: u64,
+    ) -> Worker {
+        Worker {
+            ledger: Ledger::new(cfg.unacked_max_bytes, next_seq),
+            cfg,
+            hello,
+            shared,
+            directives,
+            reread: BTreeMap::new(),
+            sessions: 0,
+            failing: false,
+        }
+    }
+
+    /// The thread's body: streams until asked to stop, then puts what is
+    /// still queued in the spool and tells waiters it has exited.
+    pub(super) fn run(mut self, mut inputs: Inputs) {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::error!(error = %e, "oomscope reporter: cannot build its runtime; nothing will be sent");
+                self.shared.set_error(format!("cannot build runtime: {e}"));
+                self.exit();
+                return;
+            }
+        };
+        runtime.block_on(self.serve(&mut inputs));
+        self.drain_on_stop(&mut inputs);
+        self.exit();
+    }
+
+    /// Sessions one after another, with a doubling delay between failures
+    /// that starts over once a session got something acked.
+    async fn serve(&mut self, inputs: &mut Inputs) {
+        self.load_previous_run();
+        let mut backoff = self.cfg.backoff_initial;
+        loop {
+            if *inputs.stop.borrow() {
+                return;
+            }
+            match self.session(inputs).await {
+                SessionEnd::Stopped => return,
+                SessionEnd::Failed { acked, error } => {
+                    self.shared
+                        .counters
+                        .connected
+                        .store(false, Ordering::Relaxed);
+                    if acked {
+                        backoff = self.cfg.backoff_initial;
+                    }
+                    if !self.failing {
+                        tracing::warn!(collector = %self.cfg.collector_url, error = %error, "oomscope reporter: collector unreachable, retrying with backoff");
+                        self.failing = true;
+                    } else {
+                        tracing::debug!(error = %error, "oomscope reporter: still unreachable");
+                    }
+                    self.shared.set_error(error);
+                }
+            }
+            if self
+                .offline(inputs, tokio::time::sleep(backoff))
+                .await
+                .is_none()
+            {
+                return;
+            }
+            backoff = (backoff * 2).min(self.cfg.backoff_max.max(self.cfg.backoff_initial));
+        }
+    }
+
+    /// Runs `fut` while still accepting messages: urgent ones always, queued
+    /// ones only when a spool can hold them (without one, the bounded queue
+    /// is the buffer while offline). `None` when asked to stop.
+    async fn offline<F: std::future::Future>(
+        &mut self,
+        inputs: &mut Inputs,
+        fut: F,
+    ) -> Option<F::Output> {
+        tokio::pin!(fut);
+        let spooling = self.shared.spool.is_some();
+        loop {
+            tokio::select! {
+                out = &mut fut => return Some(out),
+                changed = inputs.stop.changed() => {
+                    if changed.is_err() || *inputs.stop.borrow() {
+                        return None;
+                    }
+                }
+                Some(urgent) = inputs.urgent.recv() => self.take_urgent(urgent),
+                Some(message) = inputs.queue.recv(), if spooling => self.take(message, false, None),
+            }
+        }
+    }
+
+    /// One connection: Hello, the backlog, then live traffic, until the
+    /// stream fails or the reporter stops.
+    async fn session(&mut self, inputs: &mut Inputs) -> SessionEnd {
+        let failed = |error: String| SessionEnd::Failed {
+            acked: false,
+            error,
+        };
+        let endpoint = match Endpoint::from_shared(self.cfg.collector_url.clone()) {
+            Ok(e) => e
+                .connect_timeout(self.cfg.connect_timeout)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+                .keep_alive_while_idle(true),
+            Err(e) => {
+                return failed(format!(
+                    "bad collector url {:?}: {e}",
+                    self.cfg.collector_url
+                ))
+            }
+        };
+        let timeout = self.cfg.connect_timeout;
+        let channel = match self
+            .offline(inputs, tokio::time::timeout(timeout, endpoint.connect()))
+            .await
+        {
+            None => return SessionEnd::Stopped,
+            Some(Err(_)) => {
+                return self.connect_failed(format!("connecting timed out after {timeout:?}"))
+            }
+            Some(Ok(Err(e))) => {
+                return self.connect_failed(format!("cannot connect: {}", error_chain(&e)))
+            }
+            Some(Ok(Ok(channel))) => channel,
+        };
+        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_BUFFER);
+        let hello = pb::AgentMessage {
+            seq: 0,
+            body: Some(Body::Hello(self.hello.clone())),
+        };
+        let _ = out_tx.try_send(hello);
+        let mut client = pb::agent_service_client::AgentServiceClient::new(channel)
+            .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
+        let opened = tokio::time::timeout(timeout, client.connect(ReceiverStream::new(out_rx)));
+        let mut inbound = match self.offline(inputs, opened).await {
+            None => return SessionEnd::Stopped,
+            Some(Err(_)) => {
+                return self
+                    .connect_failed(format!("opening the stream timed out after {timeout:?}"))
+            }
+            Some(Ok(Err(status))) => {
+                return self.connect_failed(format!("collector refused the stream: {status}"))
+            }
+            Some(Ok(Ok(response))) => response.into_inner(),
+        };
+
+        self.sessions += 1;
+        if self.sessions > 1 {
+            self.shared
+                .counters
+                .reconnects
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.shared
+            .counters
+            .connected
+            .store(true, Ordering::Relaxed);
+        if self.failing {
+            tracing::info!(collector = %self.cfg.collector_url, "oomscope reporter: connected again");
+            self.failing = false;
+        }
+        self.ledger.resend_all();
+        let mut acked = false;
+        loop {
+            tokio::select! {
+                biased;
+                changed = inputs.stop.changed() => {
+                    if changed.is_err() || *inputs.stop.borrow() {
+                        return SessionEnd::Stopped;
+                    }
+                }
+                reply = inbound.message() => match reply {
+                    Ok(Some(reply)) => acked |= self.handle_reply(reply),
+                    Ok(None) => return SessionEnd::Failed { acked, error: "collector closed the stream".into() },
+                    Err(status) => return SessionEnd::Failed { acked, error: format!("stream failed: {status}") },
+                },
+                Some(urgent) = inputs.urgent.recv() => self.take_urgent(urgent),
+                permit = out_tx.reserve(), if self.ledger.owes() => match permit {
+                    Ok(permit) => {
+                        if let Some(message) = self.next_to_send() {
+                            permit.send(message);
+                        }
+                    }
+                    Err(_) => return SessionEnd::Failed { acked, error: "stream closed".into() },
+                },
+                Some(message) = inputs.queue.recv() => self.take(message, false, None),
+            }
+        }
+    }
+
+    fn connect_failed(&mut self, error: String) -> SessionEnd {
+        self.shared
+            .counters
+            .connect_failures
+            .fetch_add(1, Ordering::Relaxed);
+        SessionEnd::Failed {
+            acked: false,
+            error,
+        }
+    }
+
+    /// Puts what the previous run left in the spool at the front of the
+    /// backlog. Held in memory up to the bound; the rest is reread on send.
+    fn load_previous_run(&mut self) {
+        let Some(spool) = &self.shared.spool else {
+            return;
+        };
+        let pending = match lock(spool).pending() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "oomscope reporter: cannot read the spool of a previous run");
+                self.shared.set_error(format!("spool: {e}"));
+                return;
+            }
+        };
+        if !pending.is_empty() {
+            tracing::info!(
+                messages = pending.len(),
+                "oomscope reporter: resending what a previous run left unacked"
+            );
+        }
+        for message in pending {
+            let dropped = self.ledger.restore(message);
+            self.lost(&dropped);
+        }
+        self.publish();
+    }
+
+    fn take_urgent(&mut self, urgent: Urgent) {
+        self.take(urgent.message, true, urgent.spooled);
+    }
+
+    /// Accepts one message from the caller: spool it (unless the caller
+    /// did), keep it until acked, and owe it to the current stream.
+    fn take(&mut self, message: pb::AgentMessage, urgent: bool, spooled: Option<Vec<u64>>) {
+        let on_disk = match spooled {
+            Some(pushed_out) => {
+                self.spool_dropped(&pushed_out);
+                true
+            }
+            None => self.spool_append(&message),
+        };
+        let dropped = self.ledger.take(message, on_disk, urgent);
+        if !dropped.is_empty() {
+            tracing::debug!(
+                count = dropped.len(),
+                "oomscope reporter: unacked memory over its bound and not in a spool; dropped the oldest"
+            );
+        }
+        self.lost(&dropped);
+        self.publish();
+    }
+
+    fn spool_append(&mut self, message: &pb::AgentMessage) -> bool {
+        let Some(spool) = &self.shared.spool else {
+            return false;
+        };
+        let appended = lock(spool).append(message);
+        match appended {
+            Ok(pushed_out) => {
+                self.shared.counters.spooled.fetch_add(1, Ordering::Relaxed);
+                self.spool_dropped(&pushed_out);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, seq = message.seq, "oomscope reporter: spool append failed");
+                self.shared.set_error(format!("spool: {e}"));
+                false
+            }
+        }
+    }
+
+    /// The spool deleted these seqs to stay under its bound.
+    fn spool_dropped(&mut self, seqs: &[u64]) {
+        let lost = self.ledger.spool_dropped(seqs);
+        self.lost(&lost);
+    }
+
+    /// Counts messages that will never be acked and wakes their waiters.
+    fn lost(&self, released: &[Released]) {
+        if released.is_empty() {
+            return;
+        }
+        self.shared
+            .counters
+            .dropped
+            .fetch_add(released.len() as u64, Ordering::Relaxed);
+        self.settle_urgent(released, false);
+    }
+
+    /// Tells `send_urgent` callers whether their message was acked.
+    fn settle_urgent(&self, released: &[Released], acked: bool) {
+        let mut urgent = released.iter().filter(|r| r.urgent).peekable();
+        if urgent.peek().is_none() {
+            return;
+        }
+        let mut progress = lock(&self.shared.progress);
+        for r in urgent {
+            progress.urgent.insert(r.seq, acked);
+        }
+    }
+
+    /// The next message for the stream, rereading from the spool what the
+    /// memory bound left only there. A message the spool lost is dropped.
+    fn next_to_send(&mut self) -> Option<pb::AgentMessage> {
+        while let Some(out) = self.ledger.next_to_send() {
+            let message = match out.message {
+                Some(m) => Some(m),
+                None => self.reread(out.seq),
+            };
+            let Some(message) = message else {
+                tracing::warn!(
+                    seq = out.seq,
+                    "oomscope reporter: message missing from the spool, dropped"
+                );
+                let lost: Vec<Released> = self.ledger.forget(out.seq).into_iter().collect();
+                self.lost(&lost);
+                self.publish();
+                continue;
+            };
+            let c = &self.shared.counters;
+            c.sent.fetch_add(1, Ordering::Relaxed);
+            if out.resend {
+                c.resent.fetch_add(1, Ordering::Relaxed);
+            }
+            return Some(message);
+        }
+        None
+    }
+
+    /// Rereads disk-only messages from `seq` on, a memory bound's worth at a time.
+    fn reread(&mut self, seq: u64) -> Option<pb::AgentMessage> {
+        if let Some(m) = self.reread.remove(&seq) {
+            return Some(m);
+        }
+        self.reread.clear();
+        let spool = self.shared.spool.as_ref()?;
+        // scan(), not pending(): damage was already reported at startup.
+        let pending = lock(spool).scan().ok()?.messages;
+        // Each reread scans the whole spool, so read back a fair batch even
+        // when the memory bound is tiny.
+        let budget = (self.cfg.unacked_max_bytes / 4).max(REREAD_MIN_BYTES);
+        let mut bytes = 0;
+        for m in pending.into_iter().filter(|m| m.seq >= seq) {
+            if !self.ledger.on_disk_only(m.seq) {
+                continue;
+            }
+            bytes += m.encoded_len();
+            self.reread.insert(m.seq, m);
+            if bytes > budget {
+                break;
+            }
+        }
+        self.reread.remove(&seq)
+    }
+
+    /// Applies one collector message; true when it acked something.
+    fn handle_reply(&mut self, reply: pb::CollectorMessage) -> bool {
+        match reply.body {
+            Some(Reply::Ack(ack)) => {
+                if ack.from_seq > ack.to_seq {
+                    tracing::debug!(
+                        from = ack.from_seq,
+                        to = ack.to_seq,
+                        "oomscope reporter: ignoring an inverted ack"
+                    );
+                    return false;
+                }
+                let released = self.ledger.ack(ack.from_seq, ack.to_seq);
+                self.shared
+                    .counters
+                    .acked
+                    .fetch_add(released.len() as u64, Ordering::Relaxed);
+                self.settle_urgent(&released, true);
+                self.publish();
+                !released.is_empty()
+            }
+            Some(Reply::Directive(directive)) => {
+                if self.directives.try_send(directive).is_err() {
+                    tracing::debug!(
+                        "oomscope reporter: directive buffer full or unread; dropped one"
+                    );
+                }
+                false
+            }
+            Some(Reply::Reject(reject)) => {
+                tracing::warn!(seq = reject.seq, reason = %reject.reason, "oomscope reporter: collector rejected a message");
+                self.shared.set_error(format!(
+                    "collector rejected seq {}: {}",
+                    reject.seq, reject.reason
+                ));
+                if let Some(released) = self.ledger.forget(reject.seq) {
+                    self.shared
+                        .counters
+                        .rejected
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.settle_urgent(&[released], false);
+                    self.publish();
+                }
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Tells waiters how far everything is settled, and the spool what it
+    /// may delete.
+    fn publish(&mut self) {
+        let done = self.ledger.settled_upto();
+        {
+            let mut progress = lock(&self.shared.progress);
+            if done <= progress.done_upto && self.shared.spool.is_none() {
+                return;
+            }
+            progress.done_upto = progress.done_upto.max(done);
+        }
+        self.shared.progress_changed.notify_all();
+        if let Some(spool) = &self.shared.spool {
+            if let Err(e) = lock(spool).ack(done) {
+                tracing::debug!(error = %e, "oomscope reporter: cannot record acks in the spool");
+            }
+        }
+    }
+
+    /// On stop, with a spool: put whatever is still queued on disk, so the
+    /// next run sends it.
+    fn drain_on_stop(&mut self, inputs: &mut Inputs) {
+        if self.shared.spool.is_none() {
+            return;
+        }
+        while let Ok(urgent) = inputs.urgent.try_recv() {
+            self.take_urgent(urgent);
+        }
+        while let Ok(message) = inputs.queue.try_recv() {
+            self.take(message, false, None);
+        }
+    }
+
+    fn exit(&mut self) {
+        self.shared
+            .counters
+            .connected
+            .store(false, Ordering::Relaxed);
+        lock(&self.shared.progress).worker_exited = true;
+        self.shared.progress_changed.notify_all();
+    }
+}
+
+/// An error with its sources, since tonic's transport errors say little at
+/// the top level ("transport error").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -371,14 +371,17 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
     summary
 }
 
-fn add_site(map: &mut HashMap<String, (u64, u64)>, site: String, bytes: u64) {
+/// Counts one block of `bytes` at `site` (or tag) for [`top_sites`].
+pub fn add_site(map: &mut HashMap<String, (u64, u64)>, site: String, bytes: u64) {
     let entry = map.entry(site).or_default();
     entry.0 = entry.0.saturating_add(bytes);
     entry.1 += 1;
 }
 
-/// Largest first; what does not fit goes into one [`OTHER_SITES`] entry.
-fn top_sites(map: HashMap<String, (u64, u64)>) -> Vec<pb::SiteBytes> {
+/// Largest first, at most [`MAX_SITES`] entries: past that, the rest fold
+/// into one [`OTHER_SITES`] entry, so the list still sums to the live bytes.
+/// The PyTorch digest and agent-cuda's pool share it.
+pub fn top_sites(map: HashMap<String, (u64, u64)>) -> Vec<pb::SiteBytes> {
     let mut list: Vec<pb::SiteBytes> = map
         .into_iter()
         .map(|(site, (bytes, blocks))| pb::SiteBytes {
@@ -389,7 +392,7 @@ fn top_sites(map: HashMap<String, (u64, u64)>) -> Vec<pb::SiteBytes> {
         .collect();
     list.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.site.cmp(&b.site)));
     if list.len() > MAX_SITES {
-        let rest = list.split_off(MAX_SITES);
+        let rest = list.split_off(MAX_SITES - 1);
         list.push(pb::SiteBytes {
             site: OTHER_SITES.to_string(),
             bytes: rest.iter().fold(0u64, |s, r| s.saturating_add(r.bytes)),

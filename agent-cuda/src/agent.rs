@@ -7,21 +7,23 @@
 //! message: no network, no file reads. Host readings (procfs, cgroup, NVML)
 //! are taken on the agent's own sampler thread.
 
+use std::convert::Infallible;
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use oomscope_agent_core::now_ns;
+use oomscope_agent_core::agent::{check_interval, Identity, IntervalTooShort, Readers, Sampler};
 use oomscope_agent_core::probe::{HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
+use oomscope_agent_core::{lock, now_ns};
 
 use crate::device::DeviceMemory;
 use crate::pb;
 use crate::pool::Pool;
 
 /// A full reading (host domains and allocator) this often; the collector
-/// can change it with a SetSampleInterval directive.
+/// can change it with a SetSampleInterval directive. At least
+/// [`oomscope_agent_core::agent::MIN_SAMPLE_INTERVAL`].
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
 /// How long an OOM waits for the collector's ack before the error returns:
 /// long enough for a loopback or LAN round trip, short enough that a dead
@@ -76,63 +78,48 @@ struct Inner {
     stats: StatsFn,
     snapshot: SnapshotFn,
     oom_ack_wait: Duration,
-    /// (stopping, interval): the sampler waits on this.
-    control: Mutex<(bool, Duration)>,
-    wake: Condvar,
 }
 
 /// Reports one pool to the collector. Cheap to clone.
 #[derive(Clone)]
 pub struct CudaAgent {
     inner: Arc<Inner>,
-    sampler: Arc<Mutex<Option<JoinHandle<()>>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    // The pool's agent takes no jobs: its request path sends directly.
+    sampler: Arc<Sampler<Infallible>>,
 }
 
 impl CudaAgent {
     /// Starts reporting `pool`: sends the Hello, installs the pool's OOM
     /// hook, starts the sampler thread. Returns at once whether or not a
-    /// collector is reachable.
+    /// collector is reachable; refuses only an interval under the floor.
     pub fn start<D: DeviceMemory, const TRACK: bool>(
         cfg: AgentConfig,
         pool: &Pool<D, TRACK>,
-    ) -> CudaAgent {
-        let pid = std::process::id();
-        let probe = HostProbe::new(HostPaths::system(), pid);
+    ) -> Result<CudaAgent, IntervalTooShort> {
+        let interval = check_interval(cfg.sample_interval)?;
+        let probe = HostProbe::new(HostPaths::system(), std::process::id());
         let info = pool.device().info().clone();
-        let hello = pb::Hello {
+        let mut hello = Identity {
             name: cfg.name.clone(),
-            host: oomscope_agent_core::hostname().unwrap_or_default(),
-            pid,
-            start_time_ns: now_ns(),
             role: cfg.role.clone(),
+            rank: 0,
             runtime: "cudarc".into(),
-            versions: [
-                (
-                    "oomscope".to_string(),
-                    env!("CARGO_PKG_VERSION").to_string(),
-                ),
-                ("cudarc".to_string(), CUDARC_VERSION.to_string()),
-            ]
-            .into_iter()
-            .collect(),
-            models: cfg.models.clone(),
-            gpus: vec![pb::GpuPlacement {
-                index: info.index,
-                uuid: info.uuid.clone(),
-                name: info.name.clone(),
-                total_bytes: info.total_bytes,
-                cap_bytes: 0,
-            }],
-            cgroup: Some(probe.cgroup_info()),
-            rlimits: Some(probe.rlimits()),
-            allocator_settings: Some(pool.settings()),
-            labels: cfg.labels.iter().cloned().collect(),
-            ..Default::default()
-        };
+        }
+        .hello(&probe);
+        hello
+            .versions
+            .insert("cudarc".into(), CUDARC_VERSION.into());
+        hello.models = cfg.models.clone();
+        // The pool's own device, not NVML's view: it is what the pool allocates on.
+        hello.gpus = vec![pb::GpuPlacement {
+            index: info.index,
+            uuid: info.uuid.clone(),
+            name: info.name.clone(),
+            total_bytes: info.total_bytes,
+            cap_bytes: 0,
+        }];
+        hello.allocator_settings = Some(pool.settings());
+        hello.labels = cfg.labels.iter().cloned().collect();
         let mut rcfg = ReporterConfig::new(cfg.url());
         rcfg.spool_dir = cfg.spool_dir.clone();
         let reporter = Reporter::start(rcfg, hello);
@@ -143,8 +130,6 @@ impl CudaAgent {
             stats: Box::new(move || p1.stats()),
             snapshot: Box::new(move || p2.snapshot()),
             oom_ack_wait: cfg.oom_ack_wait,
-            control: Mutex::new((false, cfg.sample_interval)),
-            wake: Condvar::new(),
         });
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         if !pool.set_oom_hook(Box::new(move |oom| {
@@ -154,16 +139,20 @@ impl CudaAgent {
         })) {
             tracing::warn!("oomscope: this pool already reports its OOMs elsewhere");
         }
-        let sampler_inner = inner.clone();
-        let sampler = std::thread::Builder::new()
-            .name("oomscope-sampler".into())
-            .spawn(move || sampler_inner.run_sampler(probe))
-            .map_err(|e| tracing::error!(error = %e, "oomscope: no sampler thread; only boundary samples will be sent"))
-            .ok();
-        CudaAgent {
+        let sampler = Sampler::new(1);
+        let reporter = inner.reporter.clone();
+        sampler.start(
+            PoolReaders {
+                inner: inner.clone(),
+                probe,
+            },
+            reporter,
+            interval,
+        );
+        Ok(CudaAgent {
             inner,
-            sampler: Arc::new(Mutex::new(sampler)),
-        }
+            sampler: Arc::new(sampler),
+        })
     }
 
     pub fn reporter(&self) -> &Reporter {
@@ -222,14 +211,7 @@ impl CudaAgent {
     /// Stops the sampler, says goodbye and waits up to `timeout` for every
     /// message to be acked. Returns whether they all were.
     pub fn shutdown(self, reason: &str, exit_code: i32, timeout: Duration) -> bool {
-        {
-            let mut c = lock(&self.inner.control);
-            c.0 = true;
-            self.inner.wake.notify_all();
-        }
-        if let Some(t) = lock(&self.sampler).take() {
-            let _ = t.join();
-        }
+        self.sampler.stop();
         self.inner.reporter.clone().shutdown(
             pb::Goodbye {
                 reason: reason.into(),
@@ -261,46 +243,33 @@ impl Inner {
             tracing::warn!("oomscope: the OOM event was not acked in time (kept in the spool, if any)");
         }
     }
+}
 
-    fn run_sampler(&self, probe: HostProbe) {
-        let directives = self.reporter.directives();
-        loop {
-            let mut sample = probe.sample();
-            let a = self.allocator_sample();
-            sample.time_ns = a.time_ns;
-            sample.allocator = a.allocator;
-            sample.context = a.context;
-            self.reporter.send_sample(sample);
-            if let Some(rx) = &directives {
-                while let Ok(d) = rx.try_recv() {
-                    self.apply(d);
-                }
-            }
-            let c = lock(&self.control);
-            let interval = c.1;
-            let (c, _) = self
-                .wake
-                .wait_timeout_while(c, interval, |c| !c.0)
-                .unwrap_or_else(|e| e.into_inner());
-            if c.0 {
-                return;
-            }
-        }
+/// What the sampler thread reads: the host domains, then the pool's
+/// counters, in one sample.
+struct PoolReaders {
+    inner: Arc<Inner>,
+    probe: HostProbe,
+}
+
+impl Readers for PoolReaders {
+    type Job = Infallible;
+
+    fn tick(&mut self, reporter: &Reporter) {
+        let mut sample = self.probe.sample();
+        let a = self.inner.allocator_sample();
+        sample.time_ns = a.time_ns;
+        sample.allocator = a.allocator;
+        sample.context = a.context;
+        reporter.send_sample(sample);
     }
 
-    fn apply(&self, d: pb::Directive) {
-        use pb::directive::Kind;
-        match d.kind {
-            Some(Kind::TakeSnapshot(_)) => {
-                self.reporter.send_event(pb::Event {
-                    time_ns: now_ns(),
-                    kind: Some(pb::event::Kind::Snapshot((self.snapshot)())),
-                });
-            }
-            Some(Kind::SetSampleInterval(s)) if s.interval_ms > 0 => {
-                lock(&self.control).1 = Duration::from_millis(s.interval_ms);
-            }
-            _ => {}
+    fn directive(&mut self, d: pb::Directive, reporter: &Reporter) {
+        if let Some(pb::directive::Kind::TakeSnapshot(_)) = d.kind {
+            reporter.send_event(pb::Event {
+                time_ns: now_ns(),
+                kind: Some(pb::event::Kind::Snapshot((self.inner.snapshot)())),
+            });
         }
     }
 }

@@ -8,15 +8,14 @@
 //! parent's agent (its mutexes may have been held by a thread that does not
 //! exist in the child): it leaks it and starts its own.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use oomscope_agent_core::agent::{Identity, Lineage, Sampler};
 use oomscope_agent_core::probe::{HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
-use oomscope_agent_core::{now_ns, pb, torch};
+use oomscope_agent_core::{lock, now_ns, pb, torch};
 use pyo3::prelude::*;
 
 use crate::census::{self, Baseline};
@@ -52,7 +51,6 @@ pub enum Job {
         device: Option<i32>,
     },
     ProcessList,
-    Stop,
 }
 
 /// What the OOM observer saw, waiting for the exception's text.
@@ -71,50 +69,35 @@ pub struct Agent {
     pub context: Mutex<ContextState>,
     pub pending_oom: Mutex<Option<PendingOom>>,
     pub baseline: Mutex<Option<Baseline>>,
-    pub interval_ms: AtomicU64,
     pub torch_hooks: AtomicBool,
-    /// Children forked so far: the next child's rank.
-    pub forks: AtomicU32,
+    /// Children forked so far, for the next child's rank.
+    pub lineage: Lineage,
     pub boundary_dropped: AtomicU64,
     pub last_census: Mutex<Option<Instant>>,
-    jobs: SyncSender<Job>,
-    sampler: Mutex<Option<JoinHandle<()>>>,
+    /// The sampling thread (agent-core's loop; `sampler.rs` plugs in its readers).
+    pub sampler: Sampler<Job>,
     paths: HostPaths,
 }
 
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Agent {
-    /// Starts the reporter and the sampler; returns at once whether or not
-    /// a collector is there. Needs the GIL for the Hello's Python facts.
-    pub fn start(py: Python<'_>, config: Config) -> Arc<Agent> {
+    /// Starts the reporter; returns at once whether or not a collector is
+    /// there. Needs the GIL for the Hello's Python facts. The sampler is
+    /// started by the caller with the returned probe (see `sampler.rs`).
+    pub fn start(py: Python<'_>, config: Config) -> (Arc<Agent>, HostProbe) {
         let pid = std::process::id();
-        let start_ns = now_ns();
         let paths = HostPaths::system();
         let probe = HostProbe::new(paths.clone(), pid);
-        let host = oomscope_agent_core::hostname().unwrap_or_default();
-        let agent_id = format!("py-{}-{host}-{pid}-{:x}", config.name, start_ns);
-        let mut hello = pb::Hello {
-            agent_id: agent_id.clone(),
+        let mut hello = Identity {
             name: config.name.clone(),
-            host,
-            pid,
-            start_time_ns: start_ns,
             role: config.role.clone(),
             rank: config.rank,
             runtime: "pytorch".into(),
-            gpus: probe.gpu().placements(),
-            cgroup: Some(probe.cgroup_info()),
-            rlimits: Some(probe.rlimits()),
-            allocator_settings: Some(torchread::settings(py)),
-            labels: config.labels.clone().into_iter().collect(),
-            ..Default::default()
-        };
-        hello
-            .versions
-            .insert("oomscope".into(), env!("CARGO_PKG_VERSION").into());
+        }
+        .hello(&probe);
+        let agent_id = hello.agent_id.clone();
+        hello.gpus = probe.gpu().placements();
+        hello.allocator_settings = Some(torchread::settings(py));
+        hello.labels = config.labels.clone().into_iter().collect();
         if let Ok(v) = py
             .import("sys")
             .and_then(|s| s.getattr("version"))
@@ -139,9 +122,7 @@ impl Agent {
         let mut rc = ReporterConfig::new(config.collector.clone());
         rc.spool_dir = config.spool_dir.clone();
         let reporter = Reporter::start(rc, hello);
-        let (jobs, rx) = sync_channel(JOB_QUEUE);
         let agent = Arc::new(Agent {
-            interval_ms: AtomicU64::new(config.interval.as_millis() as u64),
             config,
             reporter,
             agent_id,
@@ -150,27 +131,22 @@ impl Agent {
             pending_oom: Mutex::new(None),
             baseline: Mutex::new(None),
             torch_hooks: AtomicBool::new(false),
-            forks: AtomicU32::new(0),
+            lineage: Lineage::default(),
             boundary_dropped: AtomicU64::new(0),
             last_census: Mutex::new(None),
-            jobs,
-            sampler: Mutex::new(None),
+            sampler: Sampler::new(JOB_QUEUE),
             paths,
         });
-        let handle = crate::sampler::spawn(agent.clone(), probe, rx);
-        *lock(&agent.sampler) = handle;
-        agent
+        (agent, probe)
     }
 
-    /// Hands a job to the sampler; false when its queue is full.
+    /// Hands a job to the sampler; false (and counted) when its queue is full.
     pub fn submit(&self, job: Job) -> bool {
-        match self.jobs.try_send(job) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.boundary_dropped.fetch_add(1, Ordering::Relaxed);
-                false
-            }
+        let queued = self.sampler.submit(job);
+        if !queued {
+            self.boundary_dropped.fetch_add(1, Ordering::Relaxed);
         }
+        queued
     }
 
     pub fn send_event(&self, kind: pb::event::Kind) -> bool {
@@ -375,8 +351,7 @@ impl Agent {
     /// Stops the sampler, sends the Goodbye and waits (GIL released) up to
     /// `exit_flush` for the collector's acks.
     pub fn stop(&self, py: Python<'_>, reason: &str) -> bool {
-        let handle = lock(&self.sampler).take();
-        let jobs = self.jobs.clone();
+        let sampler = &self.sampler;
         let reporter = self.reporter.clone();
         let goodbye = pb::Goodbye {
             reason: reason.to_string(),
@@ -384,11 +359,9 @@ impl Agent {
         };
         let wait = self.config.exit_flush;
         py.detach(move || {
-            if let Some(h) = handle {
-                // Blocks only while the queue is full; the sampler drains it.
-                let _ = jobs.send(Job::Stop);
-                let _ = h.join();
-            }
+            // The sampler takes the GIL for its readings: it must be released
+            // while the sampler finishes.
+            sampler.stop();
             reporter.shutdown(goodbye, wait)
         })
     }

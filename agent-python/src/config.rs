@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use oomscope_agent_core::agent::check_interval;
+
 /// One sample a second: the period of a flight recorder that shows growth
 /// within a minute, at ~200 µs of GIL per sample with CUDA.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
@@ -108,13 +110,8 @@ impl Config {
                     .map_err(|_| format!("oomscope: {k} must be a whole number >= 0, not {v:?}")),
             }
         };
-        let interval = secs("interval_s", DEFAULT_INTERVAL)?;
-        if interval < Duration::from_millis(10) {
-            return Err(format!(
-                "oomscope: interval_s must be at least 0.01 s, not {}",
-                interval.as_secs_f64()
-            ));
-        }
+        let interval = check_interval(secs("interval_s", DEFAULT_INTERVAL)?)
+            .map_err(|e| format!("oomscope: interval_s: {e}"))?;
         let rank = match get("rank").or_else(|| std::env::var("RANK").ok()) {
             None => 0,
             Some(v) => v
@@ -195,7 +192,7 @@ mod tests {
         let e = Config::resolve(&map(&[("interval_s", "fast")]), &none, "p").unwrap_err();
         assert!(e.contains("interval_s") && e.contains("fast"), "{e}");
         let e = Config::resolve(&map(&[("interval_s", "0")]), &none, "p").unwrap_err();
-        assert!(e.contains("at least"), "{e}");
+        assert!(e.contains("interval_s") && e.contains("at least 10 ms"), "{e}");
         let e = Config::resolve(&map(&[("census_every", "-3")]), &none, "p").unwrap_err();
         assert!(e.contains("census_every"), "{e}");
         let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();

@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use oomscope_agent_core::pb;
+use oomscope_agent_core::{lock, pb};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -38,7 +38,7 @@ use config::{Config, Env, ModelSpec};
 static AGENT: Mutex<Option<Arc<Agent>>> = Mutex::new(None);
 
 fn current() -> Option<Arc<Agent>> {
-    agent::lock(&AGENT).clone()
+    lock(&AGENT).clone()
 }
 
 /// start()'s keyword arguments as text, None and absent alike left out.
@@ -80,9 +80,15 @@ fn start(py: Python<'_>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<bool> {
     }
     let config =
         Config::resolve(&given(kwargs)?, &Env, &default_name(py)).map_err(PyValueError::new_err)?;
-    let agent = Agent::start(py, config);
-    *agent::lock(&AGENT) = Some(agent);
+    launch(py, config);
     Ok(true)
+}
+
+/// Starts an agent and its sampler, and makes it this process's agent.
+fn launch(py: Python<'_>, config: Config) {
+    let (agent, probe) = Agent::start(py, config);
+    sampler::start(&agent, probe);
+    *lock(&AGENT) = Some(agent);
 }
 
 /// Stops the agent: Goodbye, then waits (GIL released) for the acks.
@@ -90,7 +96,7 @@ fn start(py: Python<'_>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<bool> {
 #[pyfunction]
 #[pyo3(signature = (reason = "stop"))]
 fn stop(py: Python<'_>, reason: &str) -> bool {
-    let taken = agent::lock(&AGENT).take();
+    let taken = lock(&AGENT).take();
     match taken {
         Some(a) => a.stop(py, reason),
         None => false,
@@ -171,7 +177,7 @@ fn set_context(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         })?;
         values.push((key, n));
     }
-    agent::lock(&a.context).runtime.extend(values);
+    lock(&a.context).runtime.extend(values);
     Ok(())
 }
 
@@ -275,25 +281,21 @@ fn on_oom_exception(py: Python<'_>, error_type: &str, error_text: &str) -> bool 
 /// Leave it untouched (its locks may be held forever) and start our own.
 #[pyfunction]
 fn after_fork_child(py: Python<'_>) {
-    let old = agent::lock(&AGENT).take();
+    let old = lock(&AGENT).take();
     let Some(old) = old else { return };
     let mut config = old.config.clone();
-    let rank = old.forks.load(Ordering::Relaxed) + 1;
+    let (rank, parent) = old.lineage.child();
     std::mem::forget(old);
-    config.labels.insert(
-        "parent_pid".into(),
-        std::os::unix::process::parent_id().to_string(),
-    );
+    config.labels.insert(parent.0, parent.1);
     config.role = config.fork_role.clone();
-    config.rank = rank as i32;
-    let agent = Agent::start(py, config);
-    *agent::lock(&AGENT) = Some(agent);
+    config.rank = rank;
+    launch(py, config);
 }
 
 #[pyfunction]
 fn after_fork_parent() {
     if let Some(a) = current() {
-        a.forks.fetch_add(1, Ordering::Relaxed);
+        a.lineage.forked();
     }
 }
 
@@ -330,7 +332,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "connect_failures": s.connect_failures, "last_error": s.last_error,
         "boundary_dropped": a.boundary_dropped.load(Ordering::Relaxed),
         "torch_hooks": a.torch_hooks.load(Ordering::Relaxed),
-        "requests_done": agent::lock(&a.context).requests_done,
+        "requests_done": lock(&a.context).requests_done,
     });
     json_to_py(py, &v).map(Some)
 }

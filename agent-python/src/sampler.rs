@@ -5,16 +5,16 @@
 //! attached to (never during finalisation).
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use oomscope_agent_core::pb;
+use oomscope_agent_core::agent::{Flow, Readers};
 use oomscope_agent_core::probe::HostProbe;
+use oomscope_agent_core::reporter::Reporter;
+use oomscope_agent_core::{lock, pb};
 use pyo3::prelude::*;
 
-use crate::agent::{lock, Agent, Job, OOM_TOP_PROCESSES};
+use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
 use crate::torchread;
 
 /// The phase of a sample taken on the clock rather than at a boundary.
@@ -24,12 +24,23 @@ pub const PERIODIC_PHASE: &str = "periodic";
 /// few in-flight temporaries in it.
 pub const CENSUS_IDLE_WAIT: Duration = Duration::from_secs(2);
 
-pub fn spawn(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) -> Option<JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("oomscope-sampler".into())
-        .spawn(move || run(agent, probe, jobs))
-        .map_err(|e| tracing::error!(error = %e, "oomscope: cannot start the sampler thread"))
-        .ok()
+/// Starts `agent`'s sampler thread (agent-core's loop) with this process's readers.
+pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
+    let readers = PythonReaders {
+        next_census: (agent.config.census_interval > Duration::ZERO)
+            .then(|| Instant::now() + agent.config.census_interval),
+        boundaries: Boundaries {
+            min_interval: agent.config.boundary_min_interval,
+            last: None,
+            waiting: None,
+        },
+        census: None,
+        agent: agent.clone(),
+        probe,
+    };
+    agent
+        .sampler
+        .start(readers, agent.reporter.clone(), agent.config.interval)
 }
 
 /// Request boundaries waiting for their sample: at most one sample per
@@ -62,22 +73,80 @@ impl Boundaries {
     }
 }
 
-fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
-    let directives = agent.reporter.directives();
-    let mut next_tick = Instant::now();
-    let mut next_census = (agent.config.census_interval > Duration::ZERO)
-        .then(|| Instant::now() + agent.config.census_interval);
-    let mut boundaries = Boundaries {
-        min_interval: agent.config.boundary_min_interval,
-        last: None,
-        waiting: None,
-    };
-    // A census asked for by request count, waiting for a quiet moment.
-    let mut census: Option<(Duration, Instant)> = None;
-    loop {
-        if let Some((budget, until)) = census {
+/// What the Python agent reads on the sampling thread: host domains without
+/// the GIL, the allocator and the heap with it.
+struct PythonReaders {
+    agent: Arc<Agent>,
+    probe: HostProbe,
+    boundaries: Boundaries,
+    /// A census asked for by request count, waiting for a quiet moment:
+    /// (budget, the latest moment it waits until).
+    census: Option<(Duration, Instant)>,
+    /// When the next census by time is due; None when they are off.
+    next_census: Option<Instant>,
+}
+
+impl Readers for PythonReaders {
+    type Job = Job;
+
+    fn tick(&mut self, _: &Reporter) {
+        let agent = &self.agent;
+        tick(agent, &self.probe);
+        if self.next_census.is_some_and(|t| Instant::now() >= t) {
+            self.next_census = Some(Instant::now() + agent.config.census_interval);
+            let recent = lock(&agent.last_census)
+                .is_some_and(|t| t.elapsed() < agent.config.census_interval / 2);
+            if !recent {
+                Python::try_attach(|py| agent.census(py, agent.config.census_budget).ok());
+            }
+        }
+    }
+
+    fn job(&mut self, job: Job, _: &Reporter) {
+        match job {
+            Job::Boundary { time_ns, context } => self.boundaries.waiting = Some((time_ns, context)),
+            Job::Census { budget } => {
+                // Between requests the heap holds what requests left behind,
+                // not the temporaries of one mid-step: wait (a little) for
+                // no request in flight; the next request end wakes us.
+                self.census
+                    .get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT));
+            }
+            Job::Snapshot { device } => {
+                Python::try_attach(|py| self.agent.snapshot(py, device));
+            }
+            Job::ProcessList => {
+                self.agent.send_event(pb::event::Kind::ProcessList(
+                    self.probe.process_list(OOM_TOP_PROCESSES),
+                ));
+            }
+        }
+    }
+
+    fn directive(&mut self, d: pb::Directive, _: &Reporter) {
+        use pb::directive::Kind;
+        let agent = &self.agent;
+        match d.kind {
+            Some(Kind::TakeSnapshot(t)) => {
+                Python::try_attach(|py| agent.snapshot(py, Some(t.device)));
+            }
+            Some(Kind::RunHeapCensus(c)) => {
+                let budget = if c.time_budget_ms > 0 {
+                    Duration::from_millis(u64::from(c.time_budget_ms))
+                } else {
+                    agent.config.census_budget
+                };
+                Python::try_attach(|py| agent.census(py, budget).ok());
+            }
+            _ => {}
+        }
+    }
+
+    fn poll(&mut self, _: &Reporter) -> Flow {
+        let agent = &self.agent;
+        if let Some((budget, until)) = self.census {
             if Instant::now() >= until || lock(&agent.context).in_flight.is_empty() {
-                census = None;
+                self.census = None;
                 Python::try_attach(|py| {
                     if let Err(e) = agent.census(py, budget) {
                         tracing::warn!(error = %e, "oomscope: heap census failed");
@@ -85,66 +154,24 @@ fn run(agent: Arc<Agent>, probe: HostProbe, jobs: Receiver<Job>) {
                 });
             }
         }
-        let mut wake = boundaries.due().map_or(next_tick, |d| d.min(next_tick));
-        if let Some((_, until)) = census {
-            wake = wake.min(until);
+        if let Some((time_ns, context)) = self.boundaries.take_due() {
+            boundary_sample(agent, &self.probe, time_ns, *context);
         }
-        match jobs.recv_timeout(wake.saturating_duration_since(Instant::now())) {
-            Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => {
-                // The last requests' state is not lost to the spacing.
-                if let Some((time_ns, context)) = boundaries.waiting.take() {
-                    boundary_sample(&agent, &probe, time_ns, *context);
-                }
-                return;
-            }
-            Ok(Job::Boundary { time_ns, context }) => {
-                boundaries.waiting = Some((time_ns, context));
-                if let Some((time_ns, context)) = boundaries.take_due() {
-                    boundary_sample(&agent, &probe, time_ns, *context);
-                }
-            }
-            Ok(Job::Census { budget }) => {
-                // Between requests the heap holds what requests left behind,
-                // not the temporaries of one mid-step: wait (a little) for
-                // no request in flight; the next request end wakes us.
-                census.get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT));
-            }
-            Ok(Job::Snapshot { device }) => {
-                Python::try_attach(|py| agent.snapshot(py, device));
-            }
-            Ok(Job::ProcessList) => {
-                agent.send_event(pb::event::Kind::ProcessList(
-                    probe.process_list(OOM_TOP_PROCESSES),
-                ));
-            }
-            Err(RecvTimeoutError::Timeout) if Instant::now() < next_tick => {
-                // Woken for a waiting boundary (or a census), not the tick.
-                if let Some((time_ns, context)) = boundaries.take_due() {
-                    boundary_sample(&agent, &probe, time_ns, *context);
-                }
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                tick(&agent, &probe);
-                let interval =
-                    Duration::from_millis(agent.interval_ms.load(Ordering::Relaxed).max(10));
-                next_tick += interval;
-                if next_tick < Instant::now() {
-                    next_tick = Instant::now() + interval; // fell behind: do not burst
-                }
-                if let Some(rx) = &directives {
-                    while let Ok(d) = rx.try_recv() {
-                        directive(&agent, d);
-                    }
-                }
-                if next_census.is_some_and(|t| Instant::now() >= t) {
-                    next_census = Some(Instant::now() + agent.config.census_interval);
-                    let recent = lock(&agent.last_census)
-                        .is_some_and(|t| t.elapsed() < agent.config.census_interval / 2);
-                    if !recent {
-                        Python::try_attach(|py| agent.census(py, agent.config.census_budget).ok());
-                    }
-                }
-            }
+        Flow::Continue
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        let census = self.census.map(|(_, until)| until);
+        match (self.boundaries.due(), census) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn stop(&mut self, _: &Reporter) {
+        // The last requests' state is not lost to the spacing.
+        if let Some((time_ns, context)) = self.boundaries.waiting.take() {
+            boundary_sample(&self.agent, &self.probe, time_ns, *context);
         }
     }
 }
@@ -188,25 +215,4 @@ fn tick(agent: &Agent, probe: &HostProbe) {
     });
     sample.context = Some(context);
     agent.reporter.send_sample(sample);
-}
-
-fn directive(agent: &Agent, d: pb::Directive) {
-    use pb::directive::Kind;
-    match d.kind {
-        Some(Kind::TakeSnapshot(t)) => {
-            Python::try_attach(|py| agent.snapshot(py, Some(t.device)));
-        }
-        Some(Kind::RunHeapCensus(c)) => {
-            let budget = if c.time_budget_ms > 0 {
-                Duration::from_millis(u64::from(c.time_budget_ms))
-            } else {
-                agent.config.census_budget
-            };
-            Python::try_attach(|py| agent.census(py, budget).ok());
-        }
-        Some(Kind::SetSampleInterval(s)) if s.interval_ms >= 10 => {
-            agent.interval_ms.store(s.interval_ms, Ordering::Relaxed);
-        }
-        _ => {}
-    }
 }

@@ -7,6 +7,7 @@
 //! the first periodic sample. It never signals the child: it only waits.
 
 use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::io::{Read, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -16,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use oomscope_agent_core::agent::{check_interval, Flow, Identity, Readers, SamplingLoop};
 use oomscope_agent_core::probe::{process, HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
@@ -28,8 +30,9 @@ pub const DEFAULT_STDERR_TAIL_BYTES: usize = 64 * 1024;
 /// files costs well under a millisecond, so 4 Hz is cheap and still catches
 /// growth that kills a process within a few seconds.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
-/// How often `waitid` is polled for the child's end between samples, so that
-/// the end is read within this delay even when the sample interval is long.
+/// How often `waitid` is polled for the child's end (and a stop signal passed
+/// on) between samples, so that the end is read within this delay even when
+/// the sample interval is long.
 const EXIT_POLL: Duration = Duration::from_millis(10);
 /// The longest wait for the collector to ack everything before exiting.
 pub const DEFAULT_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -75,6 +78,7 @@ impl Ending {
 
 /// Runs the child (restarting it as configured) and returns the status to exit with.
 pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
+    let interval = check_interval(cfg.interval)?;
     let paths = HostPaths::system();
     let me = HostProbe::new(paths.clone(), std::process::id());
     let hello = hello(&cfg, &me);
@@ -89,7 +93,8 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     let agent_id = reporter.agent_id().to_string();
     let directives = reporter.directives();
     install_forwarding();
-    let mut interval = cfg.interval;
+    // One loop for every restart: an interval the collector set stays set.
+    let mut sampling = SamplingLoop::new(&reporter, directives.as_ref(), interval);
 
     let mut attempt = 0u32;
     let ending = loop {
@@ -99,9 +104,8 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
             paths: &paths,
             reporter: &reporter,
             agent_id: &agent_id,
-            directives: directives.as_ref(),
         };
-        let ending = run_once(&ctx, attempt, last_try, &mut interval)?;
+        let ending = run_once(&ctx, attempt, last_try, &mut sampling)?;
         if stop_requested() {
             // Someone asked the supervisor to stop: the child got the signal; no restart.
             break ending;
@@ -167,32 +171,16 @@ pub fn describe(e: Ending) -> String {
 }
 
 fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
-    let start = now_ns();
-    let host = oomscope_agent_core::hostname().unwrap_or_else(|| "localhost".into());
-    let mut versions = std::collections::HashMap::new();
-    versions.insert(
-        "oomscope".to_string(),
-        env!("CARGO_PKG_VERSION").to_string(),
-    );
-    pb::Hello {
-        agent_id: format!("{}-{}-{:x}", host, std::process::id(), start),
+    let mut hello = Identity {
         name: cfg.name.clone(),
-        host,
-        pid: std::process::id(),
-        start_time_ns: start,
         role: "supervisor".into(),
         rank: 0,
         runtime: "supervisor".into(),
-        versions,
-        models: vec![],
-        gpus: me.gpu().placements(),
-        cgroup: Some(me.cgroup_info()),
-        rlimits: Some(me.rlimits()),
-        allocator_settings: None,
-        labels: Default::default(),
-        command: cfg.command.clone(),
-        recovery: false,
     }
+    .hello(me);
+    hello.gpus = me.gpu().placements();
+    hello.command = cfg.command.clone();
+    hello
 }
 
 fn event(kind: pb::event::Kind) -> pb::Event {
@@ -208,7 +196,6 @@ struct Supervision<'a> {
     paths: &'a HostPaths,
     reporter: &'a Reporter,
     agent_id: &'a str,
-    directives: Option<&'a std::sync::mpsc::Receiver<pb::Directive>>,
 }
 
 /// Spawns the child once, samples it until it ends, reports its end.
@@ -216,14 +203,13 @@ fn run_once(
     ctx: &Supervision,
     attempt: u32,
     last_try: bool,
-    interval: &mut Duration,
+    sampling: &mut SamplingLoop,
 ) -> anyhow::Result<Ending> {
     let Supervision {
         cfg,
         paths,
         reporter,
         agent_id,
-        directives,
     } = *ctx;
     let started = Instant::now();
     let mut cmd = Command::new(&cfg.command[0]);
@@ -250,7 +236,7 @@ fn run_once(
     let pid = child.id();
     let probe = HostProbe::new(paths.clone(), pid);
     let before = probe.counters();
-    let mut last_process = process::read(paths, pid).ok();
+    let last_process = process::read(paths, pid).ok();
     reporter.send_event(event(pb::event::Kind::ChildStart(pb::ChildStart {
         pid,
         command: cfg.command.clone(),
@@ -269,39 +255,17 @@ fn run_once(
     });
 
     // Sample until the child ends; leave it unreaped so /proc/<pid> stays readable.
-    let mut next_sample = Instant::now();
-    loop {
-        let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
-        if sig != 0 {
-            // The supervisor started this child: passing a stop signal on is its job.
-            // SAFETY: kill(2) on our own, not yet reaped, child.
-            unsafe { libc::kill(pid as libc::pid_t, sig) };
-            eprintln!(
-                "oomscope: passed signal {sig} ({}) on to the child {pid}",
-                signal_name(sig)
-            );
-        }
-        match wait_exited_nowait(pid) {
-            Ok(true) => break,
-            Ok(false) => {}
-            Err(e) => {
-                tracing::warn!("waitid({pid}) failed: {e}; falling back to a reaping wait");
-                break;
-            }
-        }
-        for d in directives.into_iter().flat_map(|rx| rx.try_iter()) {
-            apply_directive(d, interval);
-        }
-        if Instant::now() >= next_sample {
-            let s = probe.sample();
-            if let Some(p) = &s.process {
-                last_process = Some(merge_process(last_process.take(), *p));
-            }
-            reporter.send_sample(s);
-            next_sample += *interval;
-        }
-        std::thread::sleep(EXIT_POLL);
-    }
+    let mut watch = ChildWatch {
+        probe,
+        pid,
+        last_process,
+    };
+    sampling.run(&mut watch, None);
+    let ChildWatch {
+        probe,
+        last_process,
+        ..
+    } = watch;
 
     // The child has ended but is not reaped: read what it left.
     let after = probe.counters();
@@ -350,20 +314,52 @@ fn run_once(
     Ok(ending)
 }
 
-/// The supervisor sees the child from outside: it can change how often it
-/// samples, but has no allocator to snapshot and no heap to census.
-fn apply_directive(d: pb::Directive, interval: &mut Duration) {
-    match d.kind {
-        Some(pb::directive::Kind::SetSampleInterval(s)) if s.interval_ms > 0 => {
-            *interval = Duration::from_millis(s.interval_ms);
-            tracing::info!(
-                interval_ms = s.interval_ms,
-                "sample interval changed by the collector"
+/// The child seen from outside, on the agent skeleton's sampling loop: a
+/// sample every interval, and between samples a poll for its end and for a
+/// stop signal to pass on. It has no allocator to snapshot and no heap to
+/// census, so other directives are ignored.
+struct ChildWatch {
+    probe: HostProbe,
+    pid: u32,
+    /// The latest reading of the child, whose limits and peaks a zombie no longer shows.
+    last_process: Option<pb::ProcessMemory>,
+}
+
+impl Readers for ChildWatch {
+    type Job = Infallible;
+
+    fn tick(&mut self, reporter: &Reporter) {
+        let s = self.probe.sample();
+        if let Some(p) = &s.process {
+            self.last_process = Some(merge_process(self.last_process.take(), *p));
+        }
+        reporter.send_sample(s);
+    }
+
+    fn poll(&mut self, _: &Reporter) -> Flow {
+        let pid = self.pid;
+        let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
+        if sig != 0 {
+            // The supervisor started this child: passing a stop signal on is its job.
+            // SAFETY: kill(2) on our own, not yet reaped, child.
+            unsafe { libc::kill(pid as libc::pid_t, sig) };
+            eprintln!(
+                "oomscope: passed signal {sig} ({}) on to the child {pid}",
+                signal_name(sig)
             );
         }
-        other => {
-            tracing::info!(directive = ?other, "directive not applicable to a supervisor; ignored")
+        match wait_exited_nowait(pid) {
+            Ok(false) => Flow::Continue,
+            Ok(true) => Flow::Stop,
+            Err(e) => {
+                tracing::warn!("waitid({pid}) failed: {e}; falling back to a reaping wait");
+                Flow::Stop
+            }
         }
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        Some(Instant::now() + EXIT_POLL)
     }
 }
 
@@ -481,27 +477,6 @@ mod tests {
         let m = Duration::from_millis(1000);
         let d: Vec<_> = (0..6).map(|a| backoff(i, m, a).as_millis()).collect();
         assert_eq!(d, vec![100, 200, 400, 800, 1000, 1000]);
-    }
-
-    #[test]
-    fn only_a_positive_interval_directive_changes_the_interval() {
-        let mut i = Duration::from_millis(250);
-        let set = |ms| pb::Directive {
-            kind: Some(pb::directive::Kind::SetSampleInterval(
-                pb::SetSampleInterval { interval_ms: ms },
-            )),
-        };
-        apply_directive(set(0), &mut i);
-        assert_eq!(i, Duration::from_millis(250));
-        apply_directive(set(1000), &mut i);
-        assert_eq!(i, Duration::from_secs(1));
-        let snap = pb::Directive {
-            kind: Some(pb::directive::Kind::TakeSnapshot(pb::TakeSnapshot {
-                device: 0,
-            })),
-        };
-        apply_directive(snap, &mut i);
-        assert_eq!(i, Duration::from_secs(1));
     }
 
     #[test]

@@ -19,7 +19,9 @@ mod state;
 
 use std::marker::PhantomData;
 use std::panic::Location;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use oomscope_agent_core::lock;
 
 pub use sizes::{
     round_size, segment_size, LARGE_BUFFER, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE,
@@ -92,10 +94,6 @@ impl<D: DeviceMemory, const TRACK: bool> Clone for Pool<D, TRACK> {
             inner: self.inner.clone(),
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// PyTorch's format_size: "96.00 MiB".

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use oomscope_agent_core::torch::{MAX_SEGMENTS_FREE, MAX_SITES, OTHER_SITES};
+use oomscope_agent_core::torch::{add_site, top_sites, MAX_SEGMENTS_FREE};
 
 use super::state::State;
 use crate::pb;
@@ -11,35 +11,6 @@ use crate::pb;
 /// Where a block was allocated, as "file:line".
 pub fn site_name(site: &std::panic::Location<'_>) -> String {
     format!("{}:{}", site.file(), site.line())
-}
-
-fn add(map: &mut HashMap<String, (u64, u64)>, key: String, bytes: u64) {
-    let e = map.entry(key).or_default();
-    e.0 += bytes;
-    e.1 += 1;
-}
-
-/// Largest first; past [`MAX_SITES`] the rest fold into one entry, so the
-/// list still sums to the live bytes.
-fn capped(map: HashMap<String, (u64, u64)>) -> Vec<pb::SiteBytes> {
-    let mut v: Vec<pb::SiteBytes> = map
-        .into_iter()
-        .map(|(site, (bytes, blocks))| pb::SiteBytes {
-            site,
-            bytes,
-            blocks,
-        })
-        .collect();
-    v.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.site.cmp(&b.site)));
-    if v.len() > MAX_SITES {
-        let rest = v.split_off(MAX_SITES - 1);
-        v.push(pb::SiteBytes {
-            site: OTHER_SITES.to_string(),
-            bytes: rest.iter().map(|s| s.bytes).sum(),
-            blocks: rest.iter().map(|s| s.blocks).sum(),
-        });
-    }
-    v
 }
 
 pub fn summarize(
@@ -67,10 +38,10 @@ pub fn summarize(
                 allocated += b.size;
                 s.requested_bytes += b.requested;
                 if let Some(site) = b.site {
-                    add(&mut sites, site_name(site), b.size);
+                    add_site(&mut sites, site_name(site), b.size);
                 }
                 if let Some(tag) = &b.tag {
-                    add(&mut tags, tag.to_string(), b.size);
+                    add_site(&mut tags, tag.to_string(), b.size);
                 }
             } else {
                 free_n += 1;
@@ -109,7 +80,7 @@ pub fn summarize(
             bytes: free_b,
         },
     ];
-    s.live_by_site = capped(sites);
-    s.live_by_tag = capped(tags);
+    s.live_by_site = top_sites(sites);
+    s.live_by_tag = top_sites(tags);
     s
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use oomscope_agent_core::lock;
 use oomscope_agent_cuda::{
     pb, CudaAgent, DeviceMemory, PoolError, Tag, TrackedSlice, TrackingPool,
 };
@@ -46,10 +47,6 @@ pub struct Completion {
     pub prompt_tokens: u64,
     pub output_tokens: u64,
     pub kv_bytes: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<D: DeviceMemory> Engine<D> {

@@ -53,14 +53,20 @@ fn main() {
 fn serve<D: DeviceMemory>(pool: TrackingPool<D>, cfg: Config) -> i32 {
     let mut acfg = AgentConfig::new(cfg.name.clone());
     acfg.collector_url = cfg.collector.clone();
-    acfg.sample_interval = Duration::from_millis(cfg.sample_interval_ms.max(10));
+    acfg.sample_interval = Duration::from_millis(cfg.sample_interval_ms);
     acfg.models = vec![oomscope_agent_cuda::pb::Model {
         name: "oomscope-demo".into(),
         dtype: "bfloat16".into(),
         bytes: cfg.model_bytes,
         ..Default::default()
     }];
-    let agent = CudaAgent::start(acfg, &pool);
+    let agent = match CudaAgent::start(acfg, &pool) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: --sample-interval-ms: {e}");
+            return 2;
+        }
+    };
     let info = pool.device().info().clone();
     eprintln!(
         "device {}: {} ({} bytes)",

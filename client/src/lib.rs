@@ -96,7 +96,8 @@ impl Client {
     {
         let deadline = self.call_timeout;
         let fut = f(self.inner.clone());
-        match self.rt.block_on(tokio::time::timeout(deadline, fut)) {
+        // The timer needs the runtime's context: make it inside block_on.
+        match self.rt.block_on(async move { tokio::time::timeout(deadline, fut).await }) {
             Ok(r) => Ok(r?.into_inner()),
             Err(_) => Err(Error::Timeout(deadline)),
         }
@@ -120,5 +121,38 @@ impl Client {
     /// The verdict on an incident, or on an agent's timeline.
     pub fn diagnose(&mut self, req: pb::DiagnoseRequest) -> Result<pb::Diagnosis> {
         self.call(|mut c| async move { c.diagnose(req).await })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_url_and_an_absent_collector_are_told_apart() {
+        let e = Client::connect("not a url").err().expect("refused");
+        assert!(matches!(e, Error::BadUrl { .. }), "{e}");
+        // A port nothing listens on: bind one, then free it.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        drop(l);
+        let e = Client::connect(&url).err().expect("refused");
+        assert!(matches!(e, Error::Unreachable { .. }), "{e}");
+        assert!(e.to_string().contains("is `oomscope collector` running?"), "{e}");
+    }
+
+    #[test]
+    fn a_collector_that_never_answers_times_out() {
+        // Accepts connections (the kernel's backlog) but never speaks HTTP/2.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let r = Client::connect_with(&url, Duration::from_millis(300), Duration::from_millis(300))
+            .and_then(|mut c| c.agents().map(|_| ()));
+        let e = r.expect_err("no answer");
+        assert!(
+            matches!(e, Error::Timeout(_) | Error::Unreachable { .. } | Error::Status(_)),
+            "{e}"
+        );
+        drop(l);
     }
 }

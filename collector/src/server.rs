@@ -7,10 +7,13 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
+// No poisoning: a panic in one call must not stop the collector serving;
+// the data behind these locks (a connection, a map) stays usable.
+use parking_lot::Mutex;
 use futures::FutureExt;
 use oomscope_proto::MAX_MESSAGE_BYTES;
 use tokio::sync::{mpsc, watch};
@@ -118,7 +121,7 @@ impl Collector {
                 (Some(reader), true) => reader,
                 _ => &inner.store,
             };
-            f(&mut lock(store))
+            f(&mut store.lock())
         })
         .await
         .map_err(|e| anyhow!("a store task failed: {e}"))?
@@ -126,7 +129,7 @@ impl Collector {
 
     /// Queues a directive for a connected agent; never waits.
     pub fn directive(&self, agent_id: &str, directive: pb::Directive) -> Result<()> {
-        let links = lock(&self.inner.links);
+        let links = self.inner.links.lock();
         let tx = links
             .get(agent_id)
             .and_then(|l| l.directives.as_ref())
@@ -141,7 +144,7 @@ impl Collector {
 
     /// Ids of the agents with a live stream now.
     pub fn connected(&self) -> Vec<String> {
-        let links = lock(&self.inner.links);
+        let links = self.inner.links.lock();
         let mut ids: Vec<String> = links
             .iter()
             .filter(|(_, l)| l.directives.is_some())
@@ -153,7 +156,7 @@ impl Collector {
 
     fn register(&self, agent_id: &str, directives: mpsc::Sender<pb::Directive>) -> u64 {
         let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.links).insert(
+        self.inner.links.lock().insert(
             agent_id.to_string(),
             Link {
                 generation,
@@ -164,7 +167,7 @@ impl Collector {
     }
 
     fn unregister(&self, agent_id: &str, generation: u64) {
-        if let Some(link) = lock(&self.inner.links).get_mut(agent_id) {
+        if let Some(link) = self.inner.links.lock().get_mut(agent_id) {
             if link.generation == generation {
                 link.directives = None;
             }
@@ -173,7 +176,7 @@ impl Collector {
 
     /// True when stream `generation` was the agent's last and it has ended.
     fn still_gone(&self, agent_id: &str, generation: u64) -> bool {
-        lock(&self.inner.links)
+        self.inner.links.lock()
             .get(agent_id)
             .is_some_and(|l| l.generation == generation && l.directives.is_none())
     }
@@ -240,7 +243,7 @@ impl Collector {
         };
         for agent_id in stale {
             let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
-            lock(&self.inner.links)
+            self.inner.links.lock()
                 .entry(agent_id.clone())
                 .or_insert(Link {
                     generation,
@@ -261,12 +264,6 @@ fn log_incident(inc: &pb::Incident) {
         "{}",
         inc.summary
     );
-}
-
-/// A poisoned lock only means another thread panicked mid-call; the data
-/// (a connection, a map) is still usable, and the collector must keep serving.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 pub(crate) struct AgentApi {

@@ -4,6 +4,7 @@ use crate::capacity;
 use crate::causes;
 use crate::domain::decide;
 use crate::evidence::Evidence;
+use crate::failure;
 use crate::findings::Findings;
 use crate::fixes;
 use crate::pb;
@@ -62,5 +63,6 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
             signal: x.signal,
         }),
         cgroup: verdict.cgroup,
+        failure: failure::of_incident(e),
     }
 }

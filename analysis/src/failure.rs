@@ -3,6 +3,9 @@
 //! the best source at hand: the snapshot taken at the OOM, then the error
 //! text (written at the failure), then the allocator stats the event carries
 //! (which a replay takes from the last sample before the failure).
+//!
+//! `Failure` (the diagnosis's `failure`) is the incident's side of it: the
+//! facts a report shows, read once here so that no client reads them again.
 
 use crate::evidence::Evidence;
 use crate::pb;
@@ -154,4 +157,56 @@ pub fn device_limit(e: &Evidence) -> u64 {
                 .filter(|&t| t > 0)
         })
         .unwrap_or(0)
+}
+
+/// The facts of the failure the incident names, as a diagnosis carries them;
+/// None without an incident. The OOM and the exit are the ones the analysis
+/// judged (nearest the incident); the context and the allocator's last
+/// reading come from the samples strictly before it, since one stamped at its
+/// very instant may have been taken just after it.
+pub fn of_incident(e: &Evidence) -> Option<pb::Failure> {
+    let incident = e.incident.as_ref()?;
+    let oom = e.oom().map(|(_, o)| o);
+    // Only the exit that raised the incident speaks for it.
+    let exit = e
+        .child_exit()
+        .filter(|(t, _)| *t == incident.time_ns)
+        .map(|(_, x)| x);
+    let before: Vec<&pb::Sample> = e
+        .samples
+        .iter()
+        .filter(|s| s.time_ns < incident.time_ns)
+        .collect();
+    let context = oom
+        .and_then(|o| o.context.as_ref())
+        .or_else(|| before.iter().rev().find_map(|s| s.context.as_ref()));
+    let stats = oom.and_then(|o| o.stats.clone());
+    let stats_from_ns = stats.as_ref().and_then(|stats| {
+        let last = before.last()?;
+        last.allocator
+            .iter()
+            .any(|a| a == stats)
+            .then_some(last.time_ns)
+    });
+    let nonzero = |v: u64| (v > 0).then_some(v);
+    let text = |t: &str| (!t.is_empty()).then(|| t.to_string());
+    Some(pb::Failure {
+        time_ns: incident.time_ns,
+        kind: incident.kind.clone(),
+        requested_bytes: oom.and_then(|o| nonzero(o.requested_bytes)),
+        phase: context.and_then(|c| text(&c.phase)),
+        active_tokens: context.and_then(|c| nonzero(c.active_tokens)),
+        active_sequences: context.and_then(|c| nonzero(c.active_sequences)),
+        requests_done: context.and_then(|c| nonzero(c.requests_done)),
+        kv_cache_bytes: context.and_then(|c| nonzero(c.kv_cache_bytes)),
+        error_text: oom
+            .and_then(|o| text(&o.error_text))
+            .or_else(|| exit.and_then(|x| text(&x.stderr_tail))),
+        oom_device: oom.map(|o| o.device),
+        stats,
+        stats_from_ns,
+        expandable_segments: oom
+            .and_then(|o| o.snapshot.as_ref())
+            .is_some_and(|s| s.expandable_segments),
+    })
 }

@@ -27,6 +27,33 @@ pub fn to_json(d: &pb::Diagnosis) -> Value {
             "limit_bytes": c.limit_bytes,
             "owner_level": c.owner_level,
         })),
+        "failure": d.failure.as_ref().map(failure),
+    })
+}
+
+fn failure(f: &pb::Failure) -> Value {
+    json!({
+        "time_ns": f.time_ns,
+        "kind": f.kind,
+        "requested_bytes": f.requested_bytes,
+        "phase": f.phase,
+        "active_tokens": f.active_tokens,
+        "active_sequences": f.active_sequences,
+        "requests_done": f.requests_done,
+        "kv_cache_bytes": f.kv_cache_bytes,
+        "error_text": f.error_text,
+        "oom_device": f.oom_device,
+        // The allocator's headline numbers; `timeline` has the full readings.
+        "stats": f.stats.as_ref().map(|s| json!({
+            "allocated_bytes": s.allocated_bytes,
+            "reserved_bytes": s.reserved_bytes,
+            "inactive_split_bytes": s.inactive_split_bytes,
+            "num_alloc_retries": s.num_alloc_retries,
+            "driver_free_bytes": s.driver_free_bytes,
+            "driver_total_bytes": s.driver_total_bytes,
+        })),
+        "stats_from_ns": f.stats_from_ns,
+        "expandable_segments": f.expandable_segments,
     })
 }
 

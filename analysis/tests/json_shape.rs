@@ -6,9 +6,25 @@ use common::*;
 use oomscope_analysis::{diagnose, pb, to_json};
 use serde_json::Value;
 
-const KEYS: [&str; 10] = [
+const KEYS: [&str; 11] = [
     "incident", "agent", "domain", "trigger", "causes", "fixes", "capacity", "evidence", "exit",
-    "cgroup",
+    "cgroup", "failure",
+];
+
+const FAILURE_KEYS: [&str; 13] = [
+    "time_ns",
+    "kind",
+    "requested_bytes",
+    "phase",
+    "active_tokens",
+    "active_sequences",
+    "requests_done",
+    "kv_cache_bytes",
+    "error_text",
+    "oom_device",
+    "stats",
+    "stats_from_ns",
+    "expandable_segments",
 ];
 
 fn check_top_level(j: &Value) {
@@ -69,6 +85,34 @@ fn check_top_level(j: &Value) {
         assert!(j["cgroup"]["path"].is_string() && j["cgroup"]["owner_level"].is_string());
         assert!(j["cgroup"]["limit_bytes"].is_u64());
     }
+    if !j["failure"].is_null() {
+        let f = &j["failure"];
+        let mut keys: Vec<&str> = f.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        let mut want = FAILURE_KEYS.to_vec();
+        want.sort();
+        assert_eq!(keys, want);
+        assert!(f["time_ns"].is_i64() && f["kind"].is_string());
+        assert!(f["expandable_segments"].is_boolean());
+        for k in ["phase", "error_text"] {
+            assert!(f[k].is_string() || f[k].is_null(), "{k}: {}", f[k]);
+        }
+        for k in [
+            "requested_bytes",
+            "active_tokens",
+            "active_sequences",
+            "requests_done",
+            "kv_cache_bytes",
+        ] {
+            assert!(f[k].is_u64() || f[k].is_null(), "{k}: {}", f[k]);
+        }
+        assert!(f["oom_device"].is_i64() || f["oom_device"].is_null());
+        assert!(f["stats_from_ns"].is_i64() || f["stats_from_ns"].is_null());
+        if !f["stats"].is_null() {
+            assert_eq!(f["stats"].as_object().unwrap().len(), 6);
+            assert!(f["stats"].as_object().unwrap().values().all(Value::is_u64));
+        }
+    }
 }
 
 fn cgroup_kill() -> pb::Diagnosis {
@@ -111,6 +155,68 @@ fn a_cgroup_verdict_has_every_key_with_its_type() {
     assert_eq!(c["metrics"]["limit_bytes"].as_u64(), Some(67_108_864));
     assert!(j.to_string().contains("\"limit_bytes\":67108864,"));
     assert!(!j["fixes"].as_array().unwrap().is_empty());
+    // A kill: the incident's facts, no allocator OOM behind them.
+    assert_eq!(j["failure"]["kind"], "signal");
+    assert_eq!(j["failure"]["time_ns"], T0 + 3 * SEC);
+    assert!(j["failure"]["oom_device"].is_null() && j["failure"]["stats"].is_null());
+}
+
+#[test]
+fn a_device_oom_carries_its_failure() {
+    let stats = pb::AllocatorStats {
+        device: 1,
+        allocated_bytes: 70 * GIB,
+        reserved_bytes: 72 * GIB,
+        driver_total_bytes: 80 * GIB,
+        ..Default::default()
+    };
+    let context = pb::RequestContext {
+        phase: "decode".into(),
+        active_tokens: 4096,
+        active_sequences: 8,
+        requests_done: 120,
+        ..Default::default()
+    };
+    let reading = pb::Sample {
+        time_ns: T0,
+        allocator: vec![stats.clone()],
+        context: Some(context),
+        ..Default::default()
+    };
+    // A replayed capture: the OOM carries the last reading's stats, no context.
+    let oom = pb::Event {
+        time_ns: T0 + SEC,
+        kind: Some(pb::event::Kind::Oom(pb::Oom {
+            device: 1,
+            requested_bytes: 2 * GIB,
+            error_type: "OutOfMemoryError".into(),
+            error_text: "CUDA out of memory. Tried to allocate 2.00 GiB".into(),
+            stats: Some(stats),
+            ..Default::default()
+        })),
+    };
+    let mut e = supervised(oom, "oom");
+    e.samples.push(reading);
+    let j = to_json(&diagnose(&e));
+    check_top_level(&j);
+    let f = &j["failure"];
+    assert_eq!(f["kind"], "oom");
+    assert_eq!(f["time_ns"], T0 + SEC);
+    assert_eq!(f["requested_bytes"], 2 * GIB);
+    assert_eq!(f["phase"], "decode");
+    assert_eq!(f["active_tokens"], 4096);
+    assert_eq!(f["active_sequences"], 8);
+    assert_eq!(f["requests_done"], 120);
+    assert!(f["kv_cache_bytes"].is_null(), "no KV bytes reported");
+    assert_eq!(
+        f["error_text"],
+        "CUDA out of memory. Tried to allocate 2.00 GiB"
+    );
+    assert_eq!(f["oom_device"], 1);
+    assert_eq!(f["stats"]["allocated_bytes"], 70 * GIB);
+    assert_eq!(f["stats"]["reserved_bytes"], 72 * GIB);
+    assert_eq!(f["stats_from_ns"], T0, "the stats are the last reading's");
+    assert_eq!(f["expandable_segments"], false);
 }
 
 #[test]
@@ -132,6 +238,7 @@ fn a_clean_exit_prints_nulls_not_missing_keys() {
     let j = to_json(&diagnose(&e));
     check_top_level(&j);
     assert!(j["incident"].is_null() && j["domain"].is_null() && j["cgroup"].is_null());
+    assert!(j["failure"].is_null(), "no incident, no failure");
     assert_eq!(j["agent"], "oomtest");
     assert_eq!(j["exit"], serde_json::json!({"code": 0, "signal": null}));
     assert_eq!(j["causes"], serde_json::json!([]));

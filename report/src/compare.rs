@@ -10,7 +10,6 @@ use std::fmt::Write;
 use oomscope_analysis::units::{bytes, bytes_short};
 use serde_json::{json, Map, Value};
 
-use crate::failure::Failure;
 use crate::memory::{self, MemoryTable, ROWS};
 use crate::pb;
 use crate::Run;
@@ -68,7 +67,10 @@ impl Outcome {
 pub struct SideSummary {
     pub agent_id: String,
     pub name: String,
-    pub failure: Option<Failure>,
+    /// The incident the run is about.
+    pub incident: Option<String>,
+    /// Its failure's facts, as the analysis read them.
+    pub failure: Option<pb::Failure>,
     pub domain: Option<String>,
     pub trigger: Option<String>,
     /// The first (most likely) cause's kind.
@@ -122,16 +124,13 @@ pub fn compare(a: &Run, b: &Run) -> Comparison {
 }
 
 fn summary(side: &Run, hello: &pb::Hello) -> SideSummary {
-    let failure = side
-        .incident
-        .as_ref()
-        .map(|i| Failure::find(&side.timeline, i));
     let d = &side.diagnosis;
     SideSummary {
         agent_id: hello.agent_id.clone(),
         name: hello.name.clone(),
-        memory: memory::table(&side.timeline, failure.as_ref()),
-        failure,
+        incident: side.incident.as_ref().map(|i| i.id.clone()),
+        memory: memory::table(&side.timeline, d.failure.as_ref()),
+        failure: d.failure.clone(),
         domain: d.domain.clone(),
         trigger: d.trigger.clone(),
         cause: d.causes.first().map(|c| c.kind.clone()),
@@ -400,7 +399,7 @@ fn clearly_below(x: u64, y: u64) -> bool {
     (x as f64) < (y as f64) * (1.0 - CLEAR_CHANGE)
 }
 
-fn what(f: &Failure, domain: Option<&str>) -> String {
+fn what(f: &pb::Failure, domain: Option<&str>) -> String {
     let mut s = format!("{} in {}", f.kind, domain.unwrap_or("an unknown domain"));
     if let Some(p) = &f.phase {
         let _ = write!(s, " during {p}");
@@ -431,7 +430,7 @@ fn side_json(s: &SideSummary) -> Value {
     json!({
         "agent": s.agent_id,
         "name": s.name,
-        "incident": f.map(|f| &f.incident_id),
+        "incident": s.incident,
         "failed": f.is_some(),
         "kind": f.map(|f| &f.kind),
         "time_ns": f.map(|f| f.time_ns),
@@ -439,7 +438,7 @@ fn side_json(s: &SideSummary) -> Value {
         "trigger": s.trigger,
         "cause": s.cause,
         "requested_bytes": f.and_then(|f| f.requested_bytes),
-        "allocated_bytes": f.and_then(|f| f.allocated_bytes()),
+        "allocated_bytes": f.and_then(|f| f.stats.as_ref()).map(|s| s.allocated_bytes),
         "phase": f.and_then(|f| f.phase.clone()),
         "active_tokens": f.and_then(|f| f.active_tokens),
         "active_sequences": f.and_then(|f| f.active_sequences),
@@ -470,7 +469,7 @@ pub fn to_text(c: &Comparison) -> String {
             Some(f) => {
                 let mut t = format!(
                     "incident {}: {}",
-                    f.incident_id,
+                    s.incident.as_deref().unwrap_or_default(),
                     what(f, s.domain.as_deref())
                 );
                 if let Some(r) = f.requested_bytes {
@@ -578,6 +577,7 @@ mod tests {
             events: vec![],
         };
         let mut incident = None;
+        let mut failure = None;
         if let Some((request, tokens, phase)) = fail {
             timeline.samples.push(sample(3, 200 * MIB, tokens, phase));
             timeline.events.push(pb::TimedEvent {
@@ -597,6 +597,16 @@ mod tests {
                 seq: 9,
                 ..Default::default()
             });
+            // What the analysis reads from that OOM and the sample before it.
+            failure = Some(pb::Failure {
+                time_ns: 4,
+                kind: "oom".into(),
+                requested_bytes: (request > 0).then_some(request),
+                phase: (!phase.is_empty()).then(|| phase.to_string()),
+                active_tokens: (tokens > 0).then_some(tokens),
+                oom_device: Some(0),
+                ..Default::default()
+            });
         }
         let diagnosis = pb::Diagnosis {
             domain: incident.as_ref().map(|_| domain.to_string()),
@@ -608,6 +618,7 @@ mod tests {
                     ..Default::default()
                 }]
             },
+            failure,
             ..Default::default()
         };
         Run {

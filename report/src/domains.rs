@@ -6,7 +6,6 @@ use crate::pb;
 use crate::pb::event::Kind;
 
 use super::chart::{short, Chart, Marker, MarkerKind, Series};
-use super::failure::Failure;
 
 const ALLOCATED: &str = "#1f77b4";
 const RESERVED: &str = "#ff7f0e";
@@ -19,7 +18,7 @@ const SYSTEM_USED: &str = "#17becf";
 const SWAP: &str = "#bcbd22";
 
 /// The charts, in domain order (GPU first); none for a domain without readings.
-pub fn charts(t: &pb::TimelineResponse, failure: Option<&Failure>) -> Vec<Chart> {
+pub fn charts(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> Vec<Chart> {
     let hello = t.hello.clone().unwrap_or_default();
     let samples: Vec<&pb::Sample> = t.samples.iter().filter_map(|s| s.sample.as_ref()).collect();
     let events: Vec<&pb::Event> = t.events.iter().filter_map(|e| e.event.as_ref()).collect();
@@ -198,7 +197,7 @@ fn limit(name: &str, bytes: u64, t0: i64, t1: i64) -> Series {
 fn markers(
     samples: &[&pb::Sample],
     events: &[&pb::Event],
-    failure: Option<&Failure>,
+    failure: Option<&pb::Failure>,
 ) -> Vec<Marker> {
     let mut out = Vec::new();
     let mut boundaries = false;
@@ -229,7 +228,8 @@ fn markers(
             _ => {}
         }
     }
-    if let Some(f) = failure.filter(|f| f.oom.is_none()) {
+    // An OOM event has its marker above; any other failure gets one here.
+    if let Some(f) = failure.filter(|f| f.oom_device.is_none()) {
         out.push(Marker {
             time_ns: f.time_ns,
             kind: MarkerKind::Oom,

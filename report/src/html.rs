@@ -84,7 +84,7 @@ pub(super) fn render(v: &View) -> String {
         let _ = writeln!(o, "<dt>{}</dt><dd>{}</dd>", esc(k), esc(&val));
     }
     o.push_str("</dl>\n");
-    if let Some(text) = v.failure.as_ref().and_then(|f| f.error_text.as_ref()) {
+    if let Some(text) = v.failure.and_then(|f| f.error_text.as_ref()) {
         let _ = writeln!(
             o,
             "<h3>Error text</h3><pre class=\"error\">{}</pre>",
@@ -94,7 +94,7 @@ pub(super) fn render(v: &View) -> String {
     o.push_str("</section>\n");
 
     // Charts.
-    let charts = domains::charts(&v.input.timeline, v.failure.as_ref());
+    let charts = domains::charts(&v.input.timeline, v.failure);
     o.push_str("<section id=\"charts\"><h2>Memory over time</h2>\n");
     if charts.is_empty() {
         o.push_str("<p class=\"note\">The timeline has no samples to chart.</p>\n");

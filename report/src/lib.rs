@@ -12,7 +12,6 @@ pub mod chart;
 pub mod compare;
 pub mod domains;
 pub mod escape;
-pub mod failure;
 pub mod format;
 mod html;
 mod markdown;
@@ -23,7 +22,6 @@ pub use oomscope_proto::v1 as pb;
 use oomscope_analysis::units::{bytes, bytes_short};
 use oomscope_analysis::Domain;
 
-use failure::Failure;
 use memory::MemoryTable;
 
 /// One run as the collector knows it: the agent's timeline, the verdict, and
@@ -40,7 +38,8 @@ pub struct Run {
 struct View<'a> {
     input: &'a Run,
     hello: pb::Hello,
-    failure: Option<Failure>,
+    /// The failure's facts, as the analysis read them.
+    failure: Option<&'a pb::Failure>,
     table: MemoryTable,
     /// The first cause's kind, "" when none.
     cause: String,
@@ -51,13 +50,10 @@ struct View<'a> {
 
 impl<'a> View<'a> {
     fn new(input: &'a Run) -> View<'a> {
-        let failure = input
-            .incident
-            .as_ref()
-            .map(|i| Failure::find(&input.timeline, i));
+        let failure = input.diagnosis.failure.as_ref();
         let hello = input.timeline.hello.clone().unwrap_or_default();
         View {
-            table: memory::table(&input.timeline, failure.as_ref()),
+            table: memory::table(&input.timeline, failure),
             cause: input
                 .diagnosis
                 .causes
@@ -73,8 +69,8 @@ impl<'a> View<'a> {
     }
 
     fn title(&self) -> String {
-        match &self.failure {
-            Some(f) => format!("oomscope: incident {} ({})", f.incident_id, self.hello.name),
+        match &self.input.incident {
+            Some(i) => format!("oomscope: incident {} ({})", i.id, self.hello.name),
             None => format!("oomscope: agent {}", self.hello.name),
         }
     }
@@ -101,7 +97,7 @@ impl<'a> View<'a> {
                 None => "none named".into(),
             },
         ));
-        if let Some(f) = &self.failure {
+        if let Some(f) = self.failure {
             let mut what = format!(
                 "{} at {}",
                 f.kind,
@@ -114,7 +110,7 @@ impl<'a> View<'a> {
             if let Some(r) = f.requested_bytes {
                 v.push(("Requested", bytes(r)));
             }
-            if let Some(o) = f.oom.as_ref().and_then(|o| o.stats.as_ref()) {
+            if let Some(o) = &f.stats {
                 let when = match f.stats_from_ns {
                     Some(t) => format!(
                         " (the last reading, {} before the failure)",

@@ -42,13 +42,13 @@ pub(super) fn render(v: &View) -> String {
         let _ = writeln!(o, "- **{}**: {}", md(k), md(&val));
     }
     o.push('\n');
-    if let Some(text) = v.failure.as_ref().and_then(|f| f.error_text.as_ref()) {
+    if let Some(text) = v.failure.and_then(|f| f.error_text.as_ref()) {
         o.push_str("Error text:\n\n");
         o.push_str(&md_code_block(text));
         o.push('\n');
     }
 
-    let charts = domains::charts(&v.input.timeline, v.failure.as_ref());
+    let charts = domains::charts(&v.input.timeline, v.failure);
     if !charts.is_empty() {
         o.push_str("## Memory over time (peaks; the HTML form has the charts)\n\n| chart | series | peak |\n|---|---|---:|\n");
         for c in &charts {

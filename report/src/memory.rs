@@ -8,8 +8,6 @@
 use crate::pb;
 use crate::pb::event::Kind;
 
-use super::failure::Failure;
-
 /// One row of the memory table: its key (JSON), its title (people) and what
 /// it is made of.
 pub struct Row {
@@ -126,7 +124,7 @@ pub struct MemoryTable {
 }
 
 /// Builds the table from one agent's timeline and its failure, if any.
-pub fn table(t: &pb::TimelineResponse, failure: Option<&Failure>) -> MemoryTable {
+pub fn table(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> MemoryTable {
     let hello = t.hello.clone().unwrap_or_default();
     let samples: Vec<&pb::Sample> = t.samples.iter().filter_map(|s| s.sample.as_ref()).collect();
     let events: Vec<&pb::Event> = t.events.iter().filter_map(|e| e.event.as_ref()).collect();
@@ -134,11 +132,8 @@ pub fn table(t: &pb::TimelineResponse, failure: Option<&Failure>) -> MemoryTable
         .allocator_settings
         .as_ref()
         .is_some_and(|s| s.expandable_segments)
-        || failure
-            .and_then(|f| f.oom.as_ref())
-            .and_then(|o| o.snapshot.as_ref())
-            .is_some_and(|s| s.expandable_segments);
-    let device = failure.and_then(|f| f.oom.as_ref()).map_or(0, |o| o.device);
+        || failure.is_some_and(|f| f.expandable_segments);
+    let device = failure.and_then(|f| f.oom_device).unwrap_or(0);
     let own_pids = own_pids(&hello, &events);
     let mut notes = Vec::new();
 
@@ -302,7 +297,7 @@ impl Ctx<'_> {
         moment: Moment,
         title: &str,
         idx: Option<usize>,
-        failure: Option<&Failure>,
+        failure: Option<&pb::Failure>,
     ) -> Point {
         let mut values = [None; ROWS.len()];
         let sample = idx.map(|i| self.samples[i]);
@@ -315,8 +310,7 @@ impl Ctx<'_> {
                 values,
             };
         }
-        let oom = failure.and_then(|f| f.oom.as_ref());
-        let stats = oom.and_then(|o| o.stats.as_ref()).or_else(|| {
+        let stats = failure.and_then(|f| f.stats.as_ref()).or_else(|| {
             sample.and_then(|s| {
                 s.allocator
                     .iter()
@@ -324,9 +318,6 @@ impl Ctx<'_> {
                     .or(s.allocator.first())
             })
         });
-        let context = oom
-            .and_then(|o| o.context.as_ref())
-            .or(sample.and_then(|s| s.context.as_ref()));
         let at = time_ns.unwrap_or(i64::MAX);
         let mut set = |key: &str, v: Option<u64>| {
             if let Some(i) = ROWS.iter().position(|r| r.key == key) {
@@ -335,7 +326,14 @@ impl Ctx<'_> {
         };
 
         let weights = self.weights_at(at);
-        let kv = context.map(|c| c.kv_cache_bytes).filter(|&b| b > 0);
+        // At the failure, the failure's context; elsewhere the sample's.
+        let kv = match failure {
+            Some(f) => f.kv_cache_bytes,
+            None => sample
+                .and_then(|s| s.context.as_ref())
+                .map(|c| c.kv_cache_bytes)
+                .filter(|&b| b > 0),
+        };
         let other_gpu = self.other_processes_at(sample, at, failure.is_some());
         if let Some(a) = stats {
             let live_parts = weights.unwrap_or(0).saturating_add(kv.unwrap_or(0));
@@ -544,23 +542,19 @@ mod tests {
         }
     }
 
-    fn failure(t: &pb::TimelineResponse) -> Failure {
-        Failure::find(
-            t,
-            &pb::Incident {
-                id: "inc-1".into(),
-                kind: "signal".into(),
-                time_ns: 40,
-                ..Default::default()
-            },
-        )
+    /// The diagnosis's failure for that timeline: a kill at t=40, no OOM.
+    fn failure() -> pb::Failure {
+        pb::Failure {
+            time_ns: 40,
+            kind: "signal".into(),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn three_moments_from_load_phases() {
         let t = timeline();
-        let f = failure(&t);
-        let m = table(&t, Some(&f));
+        let m = table(&t, Some(&failure()));
         let [before, after, at] = &m.points;
         assert_eq!(before.time_ns, Some(5));
         assert_eq!(before.get("allocated"), Some(0));
@@ -603,7 +597,7 @@ mod tests {
                 ..Default::default()
             }),
         );
-        let m = table(&t, Some(&failure(&t)));
+        let m = table(&t, Some(&failure()));
         assert_eq!(m.points[1].time_ns, None);
         assert!(m.points[1].values.iter().all(Option::is_none));
         assert!(m.notes.iter().any(|n| n.contains("never finished")));

@@ -1268,6 +1268,53 @@ pub struct Diagnosis {
     pub exit: ::core::option::Option<ExitStatus>,
     #[prost(message, optional, tag = "10")]
     pub cgroup: ::core::option::Option<CgroupVerdict>,
+    /// The facts of the failure the incident names; unset without an incident.
+    #[prost(message, optional, tag = "11")]
+    pub failure: ::core::option::Option<Failure>,
+}
+/// One failure as the evidence recorded it: when, what was asked, at which
+/// load, and the allocator then. The report and `compare` read it as is.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct Failure {
+    /// The incident's time and kind ("oom", "signal", "exit_oom_text",
+    /// "agent_lost", "crash_loop").
+    #[prost(int64, tag = "1")]
+    pub time_ns: i64,
+    #[prost(string, tag = "2")]
+    pub kind: ::prost::alloc::string::String,
+    /// The bytes the failed allocation asked for.
+    #[prost(uint64, optional, tag = "3")]
+    pub requested_bytes: ::core::option::Option<u64>,
+    /// The context at the failure (the OOM's, else the last sample's before
+    /// it): the runtime's phase ("decode", "load", ...) and its load.
+    #[prost(string, optional, tag = "4")]
+    pub phase: ::core::option::Option<::prost::alloc::string::String>,
+    #[prost(uint64, optional, tag = "5")]
+    pub active_tokens: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "6")]
+    pub active_sequences: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "7")]
+    pub requests_done: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "8")]
+    pub kv_cache_bytes: ::core::option::Option<u64>,
+    /// The OOM's error text, else the stderr tail of the exit that raised the
+    /// incident.
+    #[prost(string, optional, tag = "9")]
+    pub error_text: ::core::option::Option<::prost::alloc::string::String>,
+    /// The device of the allocator OOM the failure is about; unset when no OOM
+    /// event records it (a kill, a lost agent).
+    #[prost(int32, optional, tag = "10")]
+    pub oom_device: ::core::option::Option<i32>,
+    /// The allocator at the failure, as the OOM event carries it.
+    #[prost(message, optional, tag = "11")]
+    pub stats: ::core::option::Option<AllocatorStats>,
+    /// When `stats` is a copy of an earlier sample's reading (a replayed capture
+    /// has none at the OOM itself): that sample's time.
+    #[prost(int64, optional, tag = "12")]
+    pub stats_from_ns: ::core::option::Option<i64>,
+    /// The OOM's allocator snapshot had expandable segments on.
+    #[prost(bool, tag = "13")]
+    pub expandable_segments: bool,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Cause {

@@ -1,14 +1,13 @@
 //! `oomscope probe`: parse the knobs, run the suites, print the envelope.
 
-use std::path::PathBuf;
-use std::time::Duration;
-
 use anyhow::Context;
 
 use oomscope_client::Client;
 use oomscope_probe::watch::EvidenceSource;
-use oomscope_probe::{compare, report, Probe, ProbeConfig};
+use oomscope_probe::{compare, report, Probe, ProbeConfig, Suite};
 use oomscope_proto::v1 as pb;
+
+use crate::args::{ProbeArgs, SuiteArg};
 
 /// The probe's evidence, asked of the collector over its QueryService.
 /// A failed query is no evidence: the probe says "not measured".
@@ -47,66 +46,48 @@ impl EvidenceSource for Collector {
     }
 }
 
-/// The probe's command-line knobs (defaults and their reasons live in `ProbeConfig::new`).
-#[derive(clap::Args)]
-pub struct ProbeArgs {
-    /// The OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
-    #[arg(long)]
-    endpoint: String,
-    /// The model name to request (default: the server's default).
-    #[arg(long)]
-    model: Option<String>,
-    /// The collector that the server's agent reports to (memory per step, verdicts).
-    #[arg(long, env = "OOMSCOPE_COLLECTOR")]
-    collector: Option<String>,
-    /// The server's agent name at the collector.
-    #[arg(long)]
-    agent: Option<String>,
-    /// Comma-separated suites: smoke,long-context,concurrency,repeated,overload,restart
-    /// (default: all but restart, which needs --launch).
-    #[arg(long, value_delimiter = ',')]
-    suite: Vec<String>,
-    #[arg(long)]
-    max_context: Option<usize>,
-    #[arg(long)]
-    min_context: Option<usize>,
-    #[arg(long)]
-    typical_context: Option<usize>,
-    #[arg(long)]
-    output_tokens: Option<usize>,
-    #[arg(long)]
-    max_concurrency: Option<usize>,
-    #[arg(long, value_parser = super::parse_duration)]
-    latency_bound: Option<Duration>,
-    #[arg(long, value_parser = super::parse_duration)]
-    request_timeout: Option<Duration>,
-    #[arg(long)]
-    repeat: Option<usize>,
-    #[arg(long)]
-    burst: Option<usize>,
-    #[arg(long)]
-    overload_context: Option<usize>,
-    #[arg(long, value_parser = super::parse_duration)]
-    overload_timeout: Option<Duration>,
-    /// Each suite's time budget.
-    #[arg(long, value_parser = super::parse_duration)]
-    suite_budget: Option<Duration>,
-    /// Restart suite: the server command, launched under `oomscope run --restart`
-    /// (one string, split on spaces).
-    #[arg(long)]
-    launch: Option<String>,
-    /// The readiness path on the server's host (200 = ready).
-    #[arg(long, default_value = "/health")]
-    ready_path: String,
-    #[arg(long)]
-    restart_herd: Option<usize>,
-    /// Compare with an earlier `probe --json` report: what moved, and whether
-    /// more than one setting differs.
-    #[arg(long)]
-    compare: Option<PathBuf>,
-    /// Print the report as JSON (schema oomscope.probe/v1).
-    #[arg(long)]
-    json: bool,
+/// The probe's exit status for each verdict, which CI gates on; anything
+/// else the probe reports counts as unsafe.
+const VERDICT_EXITS: [(&str, i32, &str); 4] = [
+    (
+        "ok",
+        0,
+        "the envelope was measured and nothing unsafe was seen",
+    ),
+    (
+        "unsafe",
+        1,
+        "the overload, restart or repeated suite failed",
+    ),
+    (
+        "environment",
+        3,
+        "the smoke request failed: the server, URL or model, not capacity",
+    ),
+    (
+        "incomplete",
+        4,
+        "a suite could not finish (an error, not a verdict)",
+    ),
+];
+
+/// The exit codes as `oomscope probe --help` lists them, from `VERDICT_EXITS`.
+pub(crate) fn exit_codes_help() -> String {
+    let mut rows: Vec<(i32, &str, &str)> = VERDICT_EXITS
+        .iter()
+        .map(|&(v, c, why)| (c, v, why))
+        .collect();
+    rows.push((
+        crate::ERROR_EXIT,
+        "error",
+        "oomscope itself failed: bad arguments (an unparsable --endpoint, --suite restart without --launch) or an unreadable --compare file",
+    ));
+    rows.sort();
+    let mut s = String::from("Exit codes:");
+    for (code, verdict, why) in rows {
+        s.push_str(&format!("\n  {code}  {verdict}: {why}"));
+    }
+    s
 }
 
 pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
@@ -114,38 +95,30 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     cfg.model = a.model;
     cfg.collector = a.collector;
     cfg.agent = a.agent;
-    if !a.suite.is_empty() {
-        cfg.suites = a.suite;
-        if !cfg.suites.iter().any(|s| s == "smoke") {
-            // The tiny known-good request always runs first: without it a failure is not a capacity claim.
-            cfg.suites.insert(0, "smoke".into());
-        }
+    cfg.suites = a.suite.iter().map(|s| s.0.name().to_string()).collect();
+    if !a.suite.iter().any(|s| s.0 == Suite::Smoke) {
+        // The tiny known-good request always runs first: without it a failure is not a capacity claim.
+        cfg.suites.insert(0, Suite::Smoke.name().into());
     }
-    macro_rules! set {
-        ($($f:ident),*) => { $( if let Some(v) = a.$f { cfg.$f = v; } )* };
-    }
-    set!(
-        max_context,
-        min_context,
-        typical_context,
-        output_tokens,
-        max_concurrency,
-        latency_bound,
-        request_timeout,
-        repeat,
-        overload_context,
-        overload_timeout,
-        suite_budget
-    );
+    // The knobs' defaults are clap's, taken from ProbeConfig::new (see args.rs).
+    cfg.max_context = a.max_context;
+    cfg.min_context = a.min_context;
+    cfg.typical_context = a.typical_context;
+    cfg.output_tokens = a.output_tokens;
+    cfg.max_concurrency = a.max_concurrency;
+    cfg.latency_bound = a.latency_bound;
+    cfg.request_timeout = a.request_timeout;
+    cfg.repeat = a.repeat;
     cfg.burst = a.burst;
+    cfg.overload_context = a.overload_context;
+    cfg.overload_timeout = a.overload_timeout;
+    cfg.suite_budget = a.suite_budget;
     cfg.launch = a
         .launch
         .map(|l| l.split_whitespace().map(str::to_string).collect());
     cfg.ready_path = a.ready_path;
-    if let Some(h) = a.restart_herd {
-        cfg.restart_settings.herd = h;
-    }
-    if cfg.suites.iter().any(|s| s == "restart") && cfg.launch.is_none() {
+    cfg.restart_settings.herd = a.restart_herd;
+    if a.suite.contains(&SuiteArg(Suite::Restart)) && cfg.launch.is_none() {
         anyhow::bail!("the restart suite launches the server itself: add --launch \"CMD ARGS\"");
     }
     let baseline: Option<report::ProbeReport> = match &a.compare {
@@ -185,11 +158,8 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
             print!("{}", compare::text(&compare::compare(b, &r)));
         }
     }
-    // CI gates: 0 = ok, 1 = a suite failed (unsafe), 3 = environment (smoke failed), 4 = incomplete.
-    Ok(match r.verdict.as_str() {
-        "ok" => 0,
-        "environment" => 3,
-        "incomplete" => 4,
-        _ => 1,
-    })
+    Ok(VERDICT_EXITS
+        .iter()
+        .find(|(v, ..)| *v == r.verdict)
+        .map_or(1, |&(_, code, _)| code))
 }

@@ -25,14 +25,79 @@ use watch::{EvidenceSource, Watch};
 
 pub use oomscope_proto::v1 as pb;
 
-pub const SUITES: [&str; 6] = [
-    "smoke",
-    "long-context",
-    "concurrency",
-    "repeated",
-    "overload",
-    "restart",
-];
+/// One of the probe's suites, in the order a run takes them. Its name is
+/// what `--suite` takes and what the JSON report's `suite` field says, so
+/// the names are part of the `oomscope.probe/v1` schema.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Suite {
+    Smoke,
+    LongContext,
+    Concurrency,
+    Repeated,
+    Overload,
+    Restart,
+}
+
+impl Suite {
+    pub const ALL: [Suite; 6] = [
+        Suite::Smoke,
+        Suite::LongContext,
+        Suite::Concurrency,
+        Suite::Repeated,
+        Suite::Overload,
+        Suite::Restart,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Suite::Smoke => "smoke",
+            Suite::LongContext => "long-context",
+            Suite::Concurrency => "concurrency",
+            Suite::Repeated => "repeated",
+            Suite::Overload => "overload",
+            Suite::Restart => "restart",
+        }
+    }
+
+    /// What the suite does, in one line (the CLI's help lists it).
+    pub const fn about(self) -> &'static str {
+        match self {
+            Suite::Smoke => "one tiny known-good request, always run first: its failure is the environment, never capacity",
+            Suite::LongContext => "ramp the prompt at concurrency 1 until a failure or --max-context",
+            Suite::Concurrency => "ramp concurrent requests at --typical-context (then at the max context found) until a failure, --latency-bound or --max-concurrency",
+            Suite::Repeated => "--repeat identical requests; the collector's leak verdict says whether memory grew per request",
+            Suite::Overload => "a burst above capacity: requests must be answered or quickly refused, never queued without bound",
+            Suite::Restart => "launch the server (--launch), kill it under load, and check readiness gating, a gradual restore and idempotency",
+        }
+    }
+}
+
+impl std::fmt::Display for Suite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Suite {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Suite, String> {
+        Suite::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| format!("unknown suite `{s}` (the suites: {})", SUITES.join(",")))
+    }
+}
+
+/// The suites' names, in run order.
+pub const SUITES: [&str; 6] = {
+    let mut names = [""; 6];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = Suite::ALL[i].name();
+        i += 1;
+    }
+    names
+};
 
 /// Every knob, with the default and why.
 #[derive(Clone, Debug)]
@@ -42,6 +107,8 @@ pub struct ProbeConfig {
     pub collector: Option<String>,
     /// The server's agent name at the collector (for memory and verdicts).
     pub agent: Option<String>,
+    /// Suite names (see [`Suite`]); by default all but restart, which
+    /// launches the server itself and so needs `launch`.
     pub suites: Vec<String>,
     /// Long-context ramp: from 64 words, doubling, up to 8192 (a common
     /// serving limit); raise it for long-context models.
@@ -179,9 +246,7 @@ impl Probe {
     /// also reads the agent's memory from the collector.
     pub fn new(cfg: ProbeConfig, evidence: Option<Box<dyn EvidenceSource>>) -> Result<Probe> {
         for s in &cfg.suites {
-            if !SUITES.contains(&s.as_str()) {
-                anyhow::bail!("unknown suite `{s}` (the suites: {})", SUITES.join(","));
-            }
+            s.parse::<Suite>().map_err(anyhow::Error::msg)?;
         }
         let ep = Endpoint::parse(&cfg.endpoint)?;
         let watch = match (evidence, &cfg.agent) {
@@ -353,7 +418,29 @@ impl Probe {
 
 #[cfg(test)]
 mod tests {
-    use super::command_settings;
+    use super::{command_settings, Suite, SUITES};
+
+    #[test]
+    fn suite_names_round_trip_in_run_order() {
+        assert_eq!(
+            SUITES,
+            [
+                "smoke",
+                "long-context",
+                "concurrency",
+                "repeated",
+                "overload",
+                "restart"
+            ]
+        );
+        for s in Suite::ALL {
+            assert_eq!(s.name().parse::<Suite>(), Ok(s));
+        }
+        assert!("bogus"
+            .parse::<Suite>()
+            .unwrap_err()
+            .contains("smoke,long-context"));
+    }
 
     #[test]
     fn a_command_line_becomes_one_setting_per_flag() {

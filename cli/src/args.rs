@@ -1,0 +1,454 @@
+//! The command line: every verb and argument with the help that `--help`
+//! prints, apart from the verbs' code. `deny(missing_docs)` makes a flag
+//! without help text a build error, since a doc comment is its help.
+#![deny(missing_docs)]
+
+use std::path::PathBuf;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use clap::builder::PossibleValue;
+use clap::{Parser, Subcommand, ValueEnum};
+use oomscope_agent_core::agent::check_interval;
+use oomscope_probe::{ProbeConfig, Suite};
+
+/// The first lines of an investigation; `oomscope --help` ends with them.
+const WORKFLOW: &str = "\
+Workflow:
+  oomscope collector                             # 1. receive the agents' evidence and store it
+  oomscope run --name web -- python server.py    # 2. supervise a server (its in-process agent connects by itself)
+  oomscope incidents                             # 3. what went wrong, one line each
+  oomscope diagnose                              # 4. the latest incident: which memory ran out, why, what to change
+  oomscope report --html incident.html           # 5. the same as a self-contained page to share";
+
+/// Which memory ran out, why, and what to change.
+#[derive(Parser)]
+#[command(
+    name = "oomscope",
+    version,
+    about = "Which memory ran out, why, and what to change: a memory flight recorder and diagnostician for inference servers",
+    after_help = WORKFLOW
+)]
+pub struct Cli {
+    /// The verb to run.
+    #[command(subcommand)]
+    pub verb: Verb,
+}
+
+/// Where the CLI and agents find the collector.
+#[derive(clap::Args, Clone)]
+pub struct CollectorArg {
+    /// The collector's URL.
+    #[arg(long, env = "OOMSCOPE_COLLECTOR", hide_env_values = true, default_value = oomscope_proto::DEFAULT_COLLECTOR_URL)]
+    pub collector: String,
+}
+
+/// The verbs.
+#[derive(Subcommand)]
+pub enum Verb {
+    /// Run the collector: it receives agents' streams, stores them and answers queries.
+    Collector {
+        /// Address to listen on.
+        #[arg(long, default_value = oomscope_proto::DEFAULT_COLLECTOR_ADDR)]
+        listen: std::net::SocketAddr,
+        /// The embedded SQLite store.
+        #[arg(
+            long,
+            env = "OOMSCOPE_DB",
+            hide_env_values = true,
+            default_value = "oomscope.db"
+        )]
+        db: PathBuf,
+        /// How long a stream that broke without a Goodbye may take to reconnect
+        /// before the agent is recorded as lost (an incident).
+        #[arg(long, default_value = "5s", value_parser = parse_duration)]
+        lost_grace: Duration,
+    },
+    /// Supervise a command: sample its memory domains from outside, keep its
+    /// stderr tail, and record how it ended. Exits with the command's status
+    /// (128+N when signal N killed it).
+    Run {
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// The agent name (default: the command's file name).
+        #[arg(long)]
+        name: Option<String>,
+        /// Restart the command up to N times after a failure (exponential
+        /// backoff); then report a crash loop. 0 = never restart.
+        #[arg(long, default_value_t = 0)]
+        restart: u32,
+        /// First restart delay; it doubles up to --backoff-max.
+        #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+        backoff: Duration,
+        /// The longest restart delay.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        backoff_max: Duration,
+        /// Sampling interval, at least 10 ms (every agent's floor; a directive
+        /// from the collector may change it).
+        #[arg(long, default_value = "250ms", value_parser = parse_interval)]
+        interval: Duration,
+        /// How long to wait at the end for the collector to ack everything.
+        #[arg(long, default_value = "5s", value_parser = parse_duration)]
+        flush_timeout: Duration,
+        /// Where unacked evidence is spooled while the collector is unreachable
+        /// (default: in memory only).
+        #[arg(long, env = "OOMSCOPE_SPOOL", hide_env_values = true)]
+        spool: Option<PathBuf>,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// Feed a capture file (a JSON capture of allocator readings, .json or
+    /// .json.gz) through the agent reporter, as a live agent would have sent it.
+    /// Exits 0 once the collector has acked every message.
+    Replay {
+        /// The capture: a JSON file (or .json.gz) of one scenario's allocator
+        /// readings over time (PyTorch's memory_stats and mem_get_info at
+        /// each step; the OOM observer's record and the error text if it
+        /// failed), described in tests/fixtures/README.md of oomscope's source.
+        #[arg(value_name = "FILE.json[.gz]")]
+        file: PathBuf,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// The agent name (default: the capture's scenario).
+        #[arg(long)]
+        name: Option<String>,
+        /// Time scale: 0 = as fast as possible, 1 = real time, 2 = twice as fast.
+        #[arg(long, default_value_t = 0.0)]
+        speed: f64,
+        /// How long to wait for every sequence number to be acked.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        timeout: Duration,
+    },
+    /// List the agents the collector knows, and whether they are connected,
+    /// disconnected or lost.
+    Agents {
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Print JSON: [{id, name, host, pid, role, runtime, state,
+        /// first_seen_ns, last_seen_ns, samples, events, last_seq}].
+        #[arg(long)]
+        json: bool,
+    },
+    /// List incidents: OOMs, deaths by signal, OOM text in a failed exit,
+    /// lost agents, crash loops.
+    Incidents {
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Only this agent (id or name).
+        #[arg(long)]
+        agent: Option<String>,
+        /// Print JSON: [{id, agent, agent_id, kind, time_ns, domain, summary}].
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one agent's samples and events.
+    Timeline {
+        /// The agent (id or name).
+        agent: String,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Only the last DURATION (e.g. 10m).
+        #[arg(long, value_parser = parse_duration)]
+        since: Option<Duration>,
+        /// Downsample to at most this many samples (events are all kept).
+        #[arg(long, default_value_t = 200)]
+        max_points: u32,
+        /// Print JSON: {agent, name, samples: [{seq, time_ns, rss_bytes,
+        /// cgroup_usage_bytes, mem_available_bytes, allocated_bytes,
+        /// reserved_bytes, inactive_split_bytes, phase}], events: [{seq,
+        /// time_ns, what}]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Say which memory ran out, why, and what to change. Without an incident
+    /// id: the latest incident (of --agent, when given), or the agent's timeline.
+    Diagnose {
+        /// The incident id (from `oomscope incidents`).
+        incident: Option<String>,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// This agent's latest incident (id or name), or its timeline if it had none.
+        #[arg(long)]
+        agent: Option<String>,
+        /// With --agent: only the last DURATION of its timeline.
+        #[arg(long, value_parser = parse_duration)]
+        since: Option<Duration>,
+        /// Print JSON: {incident, agent, domain, trigger, causes: [{kind,
+        /// confidence, evidence, metrics, processes}], fixes: [{action, risk,
+        /// retest, caveat}], capacity, evidence, exit: {code, signal},
+        /// cgroup: {path, limit_bytes, owner_level}}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare two runs of one workload (incident ids or agent names): what
+    /// changed in their configuration, and whether the failure vanished,
+    /// moved, shrank or stayed the same.
+    Compare {
+        /// The first run: an incident id, or an agent id or name.
+        a: String,
+        /// The second run, named the same way.
+        b: String,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Print JSON: {a, b, changed: [{setting, a, b}], one_variable,
+        /// warnings, outcome, outcome_reason, memory: {rows, a, b}}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Probe a live OpenAI-compatible endpoint: a tiny known-good request first,
+    /// then bounded suites, and a safe envelope with the domain bounding each figure.
+    #[command(after_help = crate::probe::exit_codes_help())]
+    Probe(Box<ProbeArgs>),
+    /// Write an incident report (the latest incident by default): a
+    /// self-contained HTML page with charts, or Markdown on stdout.
+    Report {
+        /// The incident id (default: the latest incident).
+        incident: Option<String>,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Report this agent's latest incident, or its timeline if it had none.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Write the HTML page to this file.
+        #[arg(long, value_name = "OUT.html", required_unless_present = "md")]
+        html: Option<PathBuf>,
+        /// Print Markdown to stdout.
+        #[arg(long, conflicts_with = "html")]
+        md: bool,
+    },
+}
+
+/// The probe's defaults, from their one source, `ProbeConfig::new`.
+fn probe_defaults() -> &'static ProbeConfig {
+    static DEFAULTS: LazyLock<ProbeConfig> = LazyLock::new(|| ProbeConfig::new(""));
+    &DEFAULTS
+}
+
+/// A computed default as clap's `default_value` wants it, `&'static str`:
+/// leaked, once per flag each time the command is built (once a run).
+fn shown(default: String) -> &'static str {
+    Box::leak(default.into_boxed_str())
+}
+
+/// The probe's knobs. Their defaults come from `ProbeConfig::new`, where
+/// each one's reason is written.
+#[derive(clap::Args)]
+pub struct ProbeArgs {
+    /// The OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
+    #[arg(long)]
+    pub endpoint: String,
+    /// The model name to request (default: the server's default).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// The collector that the server's agent reports to; with --agent, each
+    /// step reads the agent's memory and the verdicts from it (default: none,
+    /// so no memory evidence).
+    #[arg(long, env = "OOMSCOPE_COLLECTOR", hide_env_values = true)]
+    pub collector: Option<String>,
+    /// The server's agent name at the collector.
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// The suites to run, comma-separated; smoke always runs first. restart
+    /// is not in the default set: it needs --launch.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = shown(probe_defaults().suites.join(",")))]
+    pub suite: Vec<SuiteArg>,
+    /// Long-context suite: the largest prompt, in words.
+    #[arg(long, default_value_t = probe_defaults().max_context)]
+    pub max_context: usize,
+    /// Long-context suite: the first prompt, in words (it doubles from there).
+    #[arg(long, default_value_t = probe_defaults().min_context)]
+    pub min_context: usize,
+    /// Concurrency suite: each request's prompt, in words.
+    #[arg(long, default_value_t = probe_defaults().typical_context)]
+    pub typical_context: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = probe_defaults().output_tokens)]
+    pub output_tokens: usize,
+    /// Concurrency suite: where the ramp stops if nothing failed first.
+    #[arg(long, default_value_t = probe_defaults().max_concurrency)]
+    pub max_concurrency: usize,
+    /// A step whose p99 latency exceeds this is past capacity even without a failure.
+    #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().latency_bound)))]
+    pub latency_bound: Duration,
+    /// One request's timeout.
+    #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().request_timeout)))]
+    pub request_timeout: Duration,
+    /// Repeated suite: how many identical requests.
+    #[arg(long, default_value_t = probe_defaults().repeat)]
+    pub repeat: usize,
+    /// Overload suite: the burst size (default: 4x the concurrency found,
+    /// within 16..=256).
+    #[arg(long)]
+    pub burst: Option<usize>,
+    /// Overload suite: each request's prompt, in words.
+    #[arg(long, default_value_t = probe_defaults().overload_context)]
+    pub overload_context: usize,
+    /// Overload suite: a request neither answered nor refused within this
+    /// waited in an unbounded queue.
+    #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().overload_timeout)))]
+    pub overload_timeout: Duration,
+    /// Each suite's time budget.
+    #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().suite_budget)))]
+    pub suite_budget: Duration,
+    /// Restart suite: the server command, launched under `oomscope run --restart`
+    /// (one string, split on spaces).
+    #[arg(long, value_name = "\"CMD ARGS\"")]
+    pub launch: Option<String>,
+    /// The readiness path on the server's host (200 = ready).
+    #[arg(long, default_value = probe_defaults().ready_path.as_str())]
+    pub ready_path: String,
+    /// Restart suite: requests in the herd sent at readiness (and in steady
+    /// state, to compare).
+    #[arg(long, default_value_t = probe_defaults().restart_settings.herd)]
+    pub restart_herd: usize,
+    /// Compare with an earlier `probe --json` report: what moved, and whether
+    /// more than one setting differs.
+    #[arg(long, value_name = "BASELINE.json")]
+    pub compare: Option<PathBuf>,
+    /// Print the report as JSON, the versioned oomscope.probe/v1 schema:
+    /// {schema, endpoint, model, agent, started_ns, duration_s, settings,
+    /// verdict, suites: [{suite, status, verdict, reason, steps, findings,
+    /// duration_s}], envelope, warnings}, and with --compare a comparison.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A probe suite as `--suite` takes it; the names and their help come from
+/// [`Suite`], the probe crate's one list of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SuiteArg(pub Suite);
+
+impl ValueEnum for SuiteArg {
+    fn value_variants<'a>() -> &'a [Self] {
+        static ALL: LazyLock<Vec<SuiteArg>> =
+            LazyLock::new(|| Suite::ALL.into_iter().map(SuiteArg).collect());
+        &ALL
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.0.name()).help(self.0.about()))
+    }
+}
+
+/// Parses a sampling interval: a duration that agent-core's one interval
+/// rule (at least `MIN_SAMPLE_INTERVAL`, 10 ms) allows, so that a too-short
+/// `--interval` is a usage error that says the floor.
+pub fn parse_interval(s: &str) -> Result<Duration, String> {
+    check_interval(parse_duration(s)?).map_err(|e| e.to_string())
+}
+
+/// Parses "250ms", "5s", "10m", "1h" or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration (try 250ms, 5s, 10m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("`{s}` is not a duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Writes a duration the way [`parse_duration`] reads it, in the largest
+/// whole unit ("5m", "30s", "700ms"), for the defaults that help shows.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (per, unit) in [(3_600_000, "h"), (60_000, "m"), (1000, "s")] {
+        if ms > 0 && ms / per * per == ms {
+            return format!("{}{unit}", ms / per);
+        }
+    }
+    format!("{ms}ms")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
+        assert!(parse_duration("5x").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("abc").is_err());
+    }
+
+    #[test]
+    fn shown_durations_parse_back() {
+        for ms in [
+            0, 10, 700, 1000, 30_000, 60_000, 300_000, 3_600_000, 5_400_000,
+        ] {
+            let d = Duration::from_millis(ms);
+            assert_eq!(parse_duration(&format_duration(d)).unwrap(), d, "{ms} ms");
+        }
+        assert_eq!(format_duration(Duration::from_secs(300)), "5m");
+    }
+
+    fn probe(args: &[&str]) -> ProbeArgs {
+        let argv = ["oomscope", "probe", "--endpoint", "http://h/v1"];
+        match Cli::try_parse_from(argv.iter().chain(args)).unwrap().verb {
+            Verb::Probe(p) => *p,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn probe_defaults_are_probe_configs() {
+        let (a, d) = (probe(&[]), ProbeConfig::new(""));
+        let names: Vec<&str> = a.suite.iter().map(|s| s.0.name()).collect();
+        assert_eq!(names, d.suites);
+        assert_eq!(
+            (
+                a.max_context,
+                a.latency_bound,
+                a.suite_budget,
+                a.restart_herd
+            ),
+            (
+                d.max_context,
+                d.latency_bound,
+                d.suite_budget,
+                d.restart_settings.herd
+            )
+        );
+        assert_eq!(a.ready_path, d.ready_path);
+        let a = probe(&["--suite", "restart,long-context"]);
+        assert_eq!(
+            a.suite,
+            [SuiteArg(Suite::Restart), SuiteArg(Suite::LongContext)]
+        );
+        assert!(
+            Cli::try_parse_from(["oomscope", "probe", "--endpoint", "x", "--suite", "warm"])
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn intervals_have_a_floor() {
+        assert_eq!(parse_interval("10ms").unwrap(), Duration::from_millis(10));
+        assert!(parse_interval("9ms").unwrap_err().contains("10 ms"));
+        assert!(parse_interval("0").is_err());
+    }
+}

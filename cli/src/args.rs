@@ -205,7 +205,7 @@ pub enum Verb {
     },
     /// Probe a live OpenAI-compatible endpoint: a tiny known-good request first,
     /// then bounded suites, and a safe envelope with the domain bounding each figure.
-    #[command(after_help = crate::probe::exit_codes_help())]
+    #[command(after_help = exit_codes_help())]
     Probe(Box<ProbeArgs>),
     /// Write an incident report (the latest incident by default): a
     /// self-contained HTML page with charts, or Markdown on stdout.
@@ -379,6 +379,25 @@ pub fn format_duration(d: Duration) -> String {
         }
     }
     format!("{ms}ms")
+}
+
+/// The exit codes as `oomscope probe --help` lists them, from `oomscope_probe::report::VERDICT_EXITS`.
+pub(crate) fn exit_codes_help() -> String {
+    let mut rows: Vec<(i32, &str, &str)> = oomscope_probe::report::VERDICT_EXITS
+        .iter()
+        .map(|&(v, c, why)| (c, v, why))
+        .collect();
+    rows.push((
+        crate::ERROR_EXIT,
+        "error",
+        "oomscope itself failed: bad arguments (an unparsable --endpoint, --suite restart without --launch) or an unreadable --compare file",
+    ));
+    rows.sort();
+    let mut s = String::from("Exit codes:");
+    for (code, verdict, why) in rows {
+        s.push_str(&format!("\n  {code}  {verdict}: {why}"));
+    }
+    s
 }
 
 #[cfg(test)]

@@ -46,50 +46,6 @@ impl EvidenceSource for Collector {
     }
 }
 
-/// The probe's exit status for each verdict, which CI gates on; anything
-/// else the probe reports counts as unsafe.
-const VERDICT_EXITS: [(&str, i32, &str); 4] = [
-    (
-        "ok",
-        0,
-        "the envelope was measured and nothing unsafe was seen",
-    ),
-    (
-        "unsafe",
-        1,
-        "the overload, restart or repeated suite failed",
-    ),
-    (
-        "environment",
-        3,
-        "the smoke request failed: the server, URL or model, not capacity",
-    ),
-    (
-        "incomplete",
-        4,
-        "a suite could not finish (an error, not a verdict)",
-    ),
-];
-
-/// The exit codes as `oomscope probe --help` lists them, from `VERDICT_EXITS`.
-pub(crate) fn exit_codes_help() -> String {
-    let mut rows: Vec<(i32, &str, &str)> = VERDICT_EXITS
-        .iter()
-        .map(|&(v, c, why)| (c, v, why))
-        .collect();
-    rows.push((
-        crate::ERROR_EXIT,
-        "error",
-        "oomscope itself failed: bad arguments (an unparsable --endpoint, --suite restart without --launch) or an unreadable --compare file",
-    ));
-    rows.sort();
-    let mut s = String::from("Exit codes:");
-    for (code, verdict, why) in rows {
-        s.push_str(&format!("\n  {code}  {verdict}: {why}"));
-    }
-    s
-}
-
 pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     let mut cfg = ProbeConfig::new(&a.endpoint);
     cfg.model = a.model;
@@ -158,8 +114,5 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
             print!("{}", compare::text(&compare::compare(b, &r)));
         }
     }
-    Ok(VERDICT_EXITS
-        .iter()
-        .find(|(v, ..)| *v == r.verdict)
-        .map_or(1, |&(_, code, _)| code))
+    Ok(report::exit_code(&r.verdict))
 }

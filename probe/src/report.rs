@@ -202,3 +202,36 @@ pub fn text(r: &ProbeReport) -> String {
     }
     out
 }
+
+/// The probe's exit status for each verdict, which CI gates on; anything
+/// else the probe reports counts as unsafe.
+pub const VERDICT_EXITS: [(&str, i32, &str); 4] = [
+    (
+        "ok",
+        0,
+        "the envelope was measured and nothing unsafe was seen",
+    ),
+    (
+        "unsafe",
+        1,
+        "the overload, restart or repeated suite failed",
+    ),
+    (
+        "environment",
+        3,
+        "the smoke request failed: the server, URL or model, not capacity",
+    ),
+    (
+        "incomplete",
+        4,
+        "a suite could not finish (an error, not a verdict)",
+    ),
+];
+
+/// The exit status for `verdict` (an unknown one counts as unsafe).
+pub fn exit_code(verdict: &str) -> i32 {
+    VERDICT_EXITS
+        .iter()
+        .find(|(v, ..)| *v == verdict)
+        .map_or(1, |&(_, code, _)| code)
+}

@@ -5,6 +5,13 @@
 //! `protoc` and no build script; `tests/bootstrap.rs` regenerates it and fails
 //! when the committed copy is stale (run `cargo test -p oomscope-proto` and
 //! commit the result).
+//!
+//! With the `serde` feature every generated type is `Serialize` and
+//! `Deserialize`, for JSON and Python objects (see `tests/bootstrap.rs`):
+//! fields by their proto names, a oneof's member by its own field name in the
+//! enclosing message (as in the proto3 JSON mapping), enum fields as their
+//! numbers (prost stores them as `i32`), an unset message or `optional` field
+//! as null, and a field missing from the input as its proto default.
 
 #[allow(clippy::all, missing_docs)]
 #[rustfmt::skip]

@@ -3,6 +3,21 @@
 
 use std::path::PathBuf;
 
+use prost_types::DescriptorProto;
+use tonic_prost_build::Builder;
+
+/// Every message, oneof and enum gets serde, behind the crate's `serde`
+/// feature so that agents which never write JSON do not compile it.
+const DERIVE: &str =
+    r#"#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]"#;
+/// A field missing from the input takes its proto default, as on the wire
+/// (enums and oneofs cannot carry `default`, so messages only).
+const DEFAULT: &str = r#"#[cfg_attr(feature = "serde", serde(default))]"#;
+/// A oneof's member sits in its message under its own field name, as in the
+/// proto3 JSON mapping (`{"time_ns": 1, "oom": {...}}`), rather than nested
+/// under the oneof's name.
+const FLATTEN: &str = r#"#[cfg_attr(feature = "serde", serde(flatten))]"#;
+
 #[test]
 fn generated_code_is_up_to_date() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -13,15 +28,24 @@ fn generated_code_is_up_to_date() {
     let fds = protox::compile(&protos, [root.join("proto")]).expect("protos compile");
     let tmp = std::env::temp_dir().join(format!("oomscope-proto-gen-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
-    tonic_prost_build::configure()
+    let mut builder = tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         // The generated `connect(dst)` constructor would clash with the
         // `Connect` rpc; clients are built from a Channel instead.
         .build_transport(false)
-        .out_dir(&tmp)
-        .compile_fds(fds)
-        .expect("codegen");
+        .type_attribute(".", DERIVE)
+        .message_attribute(".", DEFAULT)
+        // `bytes` fields as `Bytes`, which serde writes as bytes (Python
+        // `bytes` through pythonize) rather than as a list of numbers.
+        .bytes(".");
+    for file in &fds.file {
+        let package = format!(".{}", file.package());
+        for message in &file.message_type {
+            builder = oneofs(builder, &package, message);
+        }
+    }
+    builder.out_dir(&tmp).compile_fds(fds).expect("codegen");
 
     let fresh = std::fs::read_to_string(tmp.join("oomscope.v1.rs")).unwrap();
     let committed_path = out.join("oomscope.v1.rs");
@@ -35,4 +59,40 @@ fn generated_code_is_up_to_date() {
              review and commit it"
         );
     }
+}
+
+/// Flattens each oneof of `message` (and of its nested messages) into its
+/// message, and names each member by its proto field name (prost's variant is
+/// the name in UpperCamelCase).
+fn oneofs(mut builder: Builder, scope: &str, message: &DescriptorProto) -> Builder {
+    let path = format!("{scope}.{}", message.name());
+    for (index, oneof) in message.oneof_decl.iter().enumerate() {
+        let members: Vec<_> = message
+            .field
+            .iter()
+            .filter(|f| f.oneof_index == Some(index as i32) && !f.proto3_optional())
+            .collect();
+        // A proto3 `optional` field's synthetic oneof: prost makes it an
+        // `Option` field, which serde already handles (null when unset).
+        if members.is_empty() {
+            continue;
+        }
+        // Without the leading dot this matches the oneof field only: prost
+        // matches a dotted path as a prefix too, which would put `flatten`
+        // on the members, where serde rejects it.
+        builder = builder.field_attribute(format!("{}.{}", &path[1..], oneof.name()), FLATTEN);
+        for member in members {
+            builder = builder.field_attribute(
+                format!("{path}.{}.{}", oneof.name(), member.name()),
+                format!(
+                    r#"#[cfg_attr(feature = "serde", serde(rename = "{}"))]"#,
+                    member.name()
+                ),
+            );
+        }
+    }
+    for nested in &message.nested_type {
+        builder = oneofs(builder, &path, nested);
+    }
+    builder
 }

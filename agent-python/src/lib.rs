@@ -16,15 +16,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use oomscope_agent_core::{lock, pb};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use pythonize::pythonize;
 
 pub mod agent;
 pub mod census;
 pub mod config;
 pub mod context;
-pub mod pbjson;
 pub mod pyjson;
 pub mod query;
 pub mod sampler;
@@ -181,10 +181,6 @@ fn set_context(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
     Ok(())
 }
 
-fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
-    py.import("json")?.call_method1("loads", (v.to_string(),))
-}
-
 /// A snapshot summary of the device (dict), or None without CUDA.
 #[pyfunction]
 #[pyo3(signature = (device = None))]
@@ -193,9 +189,7 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Option<Bound<'_, Py
         Some(a) => a.snapshot(py, device),
         None => torchread::snapshot(py, device),
     };
-    summary
-        .map(|s| json_to_py(py, &pbjson::snapshot(&s)))
-        .transpose()
+    Ok(summary.map(|s| pythonize(py, &s)).transpose()?)
 }
 
 /// A heap census now (dict). Holds the GIL up to the budget.
@@ -218,7 +212,7 @@ fn run_census(py: Python<'_>, budget_s: Option<f64>) -> PyResult<Bound<'_, PyAny
         Some(a) => a.census(py, budget)?,
         None => census::run(py, budget, 0, &mut None)?,
     };
-    json_to_py(py, &pbjson::census(&c))
+    Ok(pythonize(py, &c)?)
 }
 
 #[pyfunction]
@@ -334,7 +328,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "torch_hooks": a.torch_hooks.load(Ordering::Relaxed),
         "requests_done": lock(&a.context).requests_done,
     });
-    json_to_py(py, &v).map(Some)
+    Ok(Some(pythonize(py, &v)?))
 }
 
 /// Waits (GIL released) until everything sent so far is acked.
@@ -351,11 +345,7 @@ fn flush(py: Python<'_>, timeout_s: f64) -> bool {
 /// the GIL-held part is what a regular sample costs the server).
 #[pyfunction]
 fn read_allocator(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    let v: Vec<serde_json::Value> = torchread::read_all(py)
-        .iter()
-        .map(pbjson::allocator)
-        .collect();
-    json_to_py(py, &serde_json::Value::Array(v))
+    Ok(pythonize(py, &torchread::read_all(py))?)
 }
 
 /// The live agent's conversion of a `memory_stats()` dict (what each sample
@@ -368,9 +358,8 @@ fn convert_memory_stats<'py>(
     device: i32,
     mem_get_info: Option<(u64, u64)>,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
-    torchread::stats_from_dict(memory_stats, device, mem_get_info)
-        .map(|a| json_to_py(py, &pbjson::allocator(&a)))
-        .transpose()
+    let stats = torchread::stats_from_dict(memory_stats, device, mem_get_info);
+    Ok(stats.map(|a| pythonize(py, &a)).transpose()?)
 }
 
 /// Benchmarks only: the mean microseconds of the live path's conversion of
@@ -394,32 +383,32 @@ fn summarize_snapshot<'py>(
     device: i32,
 ) -> PyResult<Bound<'py, PyAny>> {
     let s = oomscope_agent_core::torch::snapshot_summary(&pyjson::to_json(snapshot), device);
-    json_to_py(py, &pbjson::snapshot(&s))
+    Ok(pythonize(py, &s)?)
 }
 
 #[pyfunction]
 #[pyo3(signature = (collector, agent, timeout_s = 10.0))]
-fn query_timeline(
-    py: Python<'_>,
-    collector: String,
-    agent: String,
+fn query_timeline<'py>(
+    py: Python<'py>,
+    collector: &str,
+    agent: &str,
     timeout_s: f64,
-) -> PyResult<Bound<'_, PyAny>> {
-    let t = Duration::from_secs_f64(timeout_s.clamp(0.1, 600.0));
-    let v = py
-        .detach(move || query::timeline(&collector, &agent, t))
-        .map_err(PyRuntimeError::new_err)?;
-    json_to_py(py, &v)
+) -> PyResult<Bound<'py, PyDict>> {
+    query::timeline(py, collector, agent, query_timeout(timeout_s))
 }
 
 #[pyfunction]
 #[pyo3(signature = (collector, timeout_s = 10.0))]
-fn query_agents(py: Python<'_>, collector: String, timeout_s: f64) -> PyResult<Bound<'_, PyAny>> {
-    let t = Duration::from_secs_f64(timeout_s.clamp(0.1, 600.0));
-    let v = py
-        .detach(move || query::agents(&collector, t))
-        .map_err(PyRuntimeError::new_err)?;
-    json_to_py(py, &v)
+fn query_agents<'py>(
+    py: Python<'py>,
+    collector: &str,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    query::agents(py, collector, query_timeout(timeout_s))
+}
+
+fn query_timeout(timeout_s: f64) -> Duration {
+    Duration::from_secs_f64(timeout_s.clamp(0.1, 600.0))
 }
 
 #[pymodule]

@@ -8,7 +8,7 @@ use serde_json::{Map, Number, Value};
 
 /// Nesting deeper than this becomes text: snapshots are 5 levels deep, and a
 /// cyclic or absurd structure must not recurse without end.
-pub const MAX_DEPTH: usize = 32;
+const MAX_DEPTH: usize = 32;
 
 /// Converts dicts, lists, tuples, numbers, strings, booleans and None; any
 /// other object becomes its `str()` (a `torch.device`, an enum), and one whose
@@ -73,12 +73,4 @@ fn text(obj: &Bound<'_, PyAny>) -> Value {
     obj.str()
         .map(|s| Value::String(s.to_string()))
         .unwrap_or(Value::Null)
-}
-
-/// A dict's entries as a JSON object; anything but a dict gives an empty one.
-pub fn dict_to_map(obj: &Bound<'_, PyAny>) -> Map<String, Value> {
-    match convert(obj, 0) {
-        Value::Object(m) => m,
-        _ => Map::new(),
-    }
 }

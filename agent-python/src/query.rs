@@ -1,70 +1,86 @@
-//! Reads a collector back over its QueryService (gRPC), for tools and tests
-//! in Python: `oomscope.query.timeline(url, agent)` gets every field, where
-//! `oomscope timeline --json` prints a digest.
+//! Reads a collector back over its QueryService, for tools and tests in
+//! Python: `oomscope.query.timeline(url, agent)` gets every field of the
+//! protos, where `oomscope timeline --json` prints a digest.
+//!
+//! The Python objects are the messages' own serde form (oomscope-proto's
+//! `serde` feature) made by pythonize, so a field added to a `.proto` shows up
+//! here without a line of code: dicts keyed by the proto field names, an unset
+//! message or `optional` field as None, enum fields as their numbers, a
+//! oneof's member under its own field name. Two changes of shape, for the
+//! callers' convenience: a timeline's samples and events are the `Sample` and
+//! `Event` dicts with their `seq` added, and an event names its oneof member
+//! in `kind` (`{"seq": 9, "time_ns": ..., "kind": "oom", "oom": {...}}`;
+//! `"kind": None` for an event without one).
 
 use std::time::Duration;
 
 use oomscope_agent_core::pb;
-use pb::query_service_client::QueryServiceClient;
-use serde_json::Value;
+use oomscope_client::Client;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use pythonize::pythonize;
 
-use crate::pbjson;
-
-fn block_on<T>(
+/// Runs one query with the GIL released: connecting may take up to
+/// `timeout`, and so may the call.
+fn fetch<T: Send>(
+    py: Python<'_>,
+    url: &str,
     timeout: Duration,
-    f: impl std::future::Future<Output = Result<T, String>>,
-) -> Result<T, String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start a runtime: {e}"))?;
-    rt.block_on(async move {
-        tokio::time::timeout(timeout, f).await.map_err(|_| {
-            format!(
-                "the collector did not answer within {} s",
-                timeout.as_secs_f64()
-            )
-        })?
-    })
-}
-
-async fn client(url: &str) -> Result<QueryServiceClient<tonic::transport::Channel>, String> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| {
-            format!("{url:?} is not a collector URL (expected e.g. http://127.0.0.1:7433): {e}")
-        })?
-        .connect_timeout(Duration::from_secs(3))
-        .connect()
-        .await
-        .map_err(|e| format!("cannot reach the collector at {url}: {e}"))?;
-    Ok(QueryServiceClient::new(channel)
-        .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES))
+    query: impl FnOnce(&mut Client) -> oomscope_client::Result<T> + Send,
+) -> PyResult<T> {
+    py.detach(|| Client::connect_with(url, timeout, timeout).and_then(|mut c| query(&mut c)))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 /// The agent's whole timeline (by id or name), every sample and event.
-pub fn timeline(url: &str, agent: &str, timeout: Duration) -> Result<Value, String> {
-    block_on(timeout, async {
-        let mut c = client(url).await?;
-        let req = pb::TimelineRequest {
-            agent: agent.to_string(),
-            ..Default::default()
-        };
-        let t = c
-            .timeline(req)
-            .await
-            .map_err(|s| format!("timeline {agent}: {}", s.message()))?;
-        Ok(pbjson::timeline(&t.into_inner()))
-    })
+pub fn timeline<'py>(
+    py: Python<'py>,
+    url: &str,
+    agent: &str,
+    timeout: Duration,
+) -> PyResult<Bound<'py, PyDict>> {
+    let req = pb::TimelineRequest {
+        agent: agent.to_string(),
+        ..Default::default()
+    };
+    let t = fetch(py, url, timeout, |c| c.timeline(req))?;
+    let samples = PyList::empty(py);
+    for s in t.samples {
+        let d = as_dict(py, &s.sample.unwrap_or_default())?;
+        d.set_item("seq", s.seq)?;
+        samples.append(d)?;
+    }
+    let events = PyList::empty(py);
+    for e in t.events {
+        let mut event = e.event.unwrap_or_default();
+        // Serialized apart, the oneof is a one-entry dict: its key is the kind.
+        let kind = event.kind.take();
+        let d = as_dict(py, &event)?;
+        d.set_item("seq", e.seq)?;
+        d.set_item("kind", py.None())?;
+        if let Some(kind) = kind {
+            let member = as_dict(py, &kind)?;
+            for (name, body) in member.iter() {
+                d.set_item("kind", &name)?;
+                d.set_item(name, body)?;
+            }
+        }
+        events.append(d)?;
+    }
+    let out = PyDict::new(py);
+    out.set_item("hello", pythonize(py, &t.hello)?)?;
+    out.set_item("samples", samples)?;
+    out.set_item("events", events)?;
+    Ok(out)
 }
 
-pub fn agents(url: &str, timeout: Duration) -> Result<Value, String> {
-    block_on(timeout, async {
-        let mut c = client(url).await?;
-        let r = c
-            .list_agents(pb::ListAgentsRequest {})
-            .await
-            .map_err(|s| s.message().to_string())?;
-        Ok(pbjson::agents(&r.into_inner()))
-    })
+/// Every agent the collector knows, as a list of `AgentSummary` dicts.
+pub fn agents<'py>(py: Python<'py>, url: &str, timeout: Duration) -> PyResult<Bound<'py, PyAny>> {
+    let r = fetch(py, url, timeout, |c| c.agents())?;
+    Ok(pythonize(py, &r.agents)?)
+}
+
+fn as_dict<'py>(py: Python<'py>, v: &impl serde::Serialize) -> PyResult<Bound<'py, PyDict>> {
+    Ok(pythonize(py, v)?.cast_into::<PyDict>()?)
 }

@@ -12,8 +12,8 @@
 use std::io::Read;
 use std::path::Path;
 
-use anyhow::{bail, Result};
 use crate::torch;
+use anyhow::{bail, Result};
 use serde_json::{Map, Value};
 
 use crate::pb;

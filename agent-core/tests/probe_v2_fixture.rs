@@ -129,7 +129,10 @@ fn reads_own_level_numbers_as_the_files_say() {
     assert_eq!(own.peak_bytes, 15224832);
     assert_eq!(own.limit_bytes, 0, "memory.max = max means unlimited");
     assert_eq!(own.high_bytes, 0);
-    assert_eq!(own.swap_limit_bytes, None, "memory.swap.max = max means unlimited");
+    assert_eq!(
+        own.swap_limit_bytes, None,
+        "memory.swap.max = max means unlimited"
+    );
     let stat = format!("{OWN}/memory.stat");
     assert_eq!(own.anon_bytes, stat_value(&fx, &stat, "anon"));
     assert_eq!(own.anon_bytes, 11325440);

@@ -64,5 +64,6 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         }),
         cgroup: verdict.cgroup,
         failure: failure::of_incident(e),
+        victim: None,
     }
 }

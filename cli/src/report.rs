@@ -71,17 +71,16 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
             .incidents,
         ),
     };
-    let diagnosis = c
-        .diagnose(pb::DiagnoseRequest {
-            incident: incident.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
-            agent: if incident.is_some() {
-                String::new()
-            } else {
-                agent_id
-            },
-            from_ns: 0,
-            to_ns: 0,
-        })?;
+    let diagnosis = c.diagnose(pb::DiagnoseRequest {
+        incident: incident.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
+        agent: if incident.is_some() {
+            String::new()
+        } else {
+            agent_id
+        },
+        from_ns: 0,
+        to_ns: 0,
+    })?;
     Ok(Run {
         timeline,
         diagnosis,

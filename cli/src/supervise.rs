@@ -309,6 +309,7 @@ fn run_once(
         attempt,
         crash_loop,
         runtime_ns: started.elapsed().as_nanos() as u64,
+        stop_signal: None,
     };
     reporter.send_event(event(pb::event::Kind::ChildExit(exit)));
     Ok(ending)

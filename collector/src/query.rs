@@ -1,7 +1,6 @@
 //! `QueryService`: what people and tools ask the collector. Thin: resolve the
 //! agent, read the store on a blocking thread, hand evidence to the analysis.
 
-
 use anyhow::Result;
 use tonic::{Request, Response, Status};
 

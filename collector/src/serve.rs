@@ -73,4 +73,3 @@ pub async fn serve_with_listener(
         .await
         .context("the gRPC server failed")
 }
-

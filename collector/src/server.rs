@@ -13,9 +13,9 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 // No poisoning: a panic in one call must not stop the collector serving;
 // the data behind these locks (a connection, a map) stays usable.
-use parking_lot::Mutex;
 use futures::FutureExt;
 use oomscope_proto::MAX_MESSAGE_BYTES;
+use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
@@ -176,7 +176,9 @@ impl Collector {
 
     /// True when stream `generation` was the agent's last and it has ended.
     fn still_gone(&self, agent_id: &str, generation: u64) -> bool {
-        self.inner.links.lock()
+        self.inner
+            .links
+            .lock()
             .get(agent_id)
             .is_some_and(|l| l.generation == generation && l.directives.is_none())
     }
@@ -243,7 +245,9 @@ impl Collector {
         };
         for agent_id in stale {
             let generation = self.inner.next_generation.fetch_add(1, Ordering::Relaxed);
-            self.inner.links.lock()
+            self.inner
+                .links
+                .lock()
                 .entry(agent_id.clone())
                 .or_insert(Link {
                     generation,

@@ -355,6 +355,7 @@ impl Store {
                     last_seq: r.get::<_, i64>(5)? as u64,
                     samples: r.get::<_, i64>(6)? as u64,
                     events: r.get::<_, i64>(7)? as u64,
+                    instance: String::new(),
                 },
             ))
         })?;
@@ -420,6 +421,7 @@ impl Store {
             hello: Some(history.hello),
             samples: downsample(history.samples, max_points as usize),
             events: history.events,
+            members: Vec::new(),
         })
     }
 
@@ -455,6 +457,7 @@ impl Store {
                 Some(Body::Event(event)) => history.events.push(pb::TimedEvent {
                     seq,
                     event: Some(event),
+                    agent_id: String::new(),
                 }),
                 _ => {
                     bail!("agent {agent_id} seq {seq}: stored row is neither a sample nor an event")
@@ -704,6 +707,7 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
         Some(EventKind::ChildStart(_)) => "child_start",
         Some(EventKind::ChildExit(_)) => "child_exit",
         Some(EventKind::Request(_)) => "request",
+        Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill",
         None => "",
     }
 }

@@ -45,4 +45,3 @@ pub fn incident_ref(inc: &pb::Incident) -> IncidentRef {
         agent: inc.agent_id.clone(),
     }
 }
-

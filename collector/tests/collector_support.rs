@@ -35,7 +35,12 @@ pub async fn start_in(dir: &tempfile::TempDir) -> Running {
 
 /// Starts a collector on an ephemeral loopback port over `db`.
 pub async fn start(db: &Path, lost_grace: Duration) -> Running {
-    start_with(db, lost_grace, oomscope_collector::fleet::FleetPolicy::default()).await
+    start_with(
+        db,
+        lost_grace,
+        oomscope_collector::fleet::FleetPolicy::default(),
+    )
+    .await
 }
 
 /// The same, with the fleet detectors' windows set by the test.

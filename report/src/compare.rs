@@ -574,7 +574,7 @@ mod tests {
                 sample(1, 0, 0, "idle"),
                 sample(2, 100 * MIB, 1000, "decode"),
             ],
-            events: vec![],
+            ..Default::default()
         };
         let mut incident = None;
         let mut failure = None;
@@ -582,6 +582,7 @@ mod tests {
             timeline.samples.push(sample(3, 200 * MIB, tokens, phase));
             timeline.events.push(pb::TimedEvent {
                 seq: 9,
+                agent_id: String::new(),
                 event: Some(pb::Event {
                     time_ns: 4,
                     kind: Some(Kind::Oom(pb::Oom {

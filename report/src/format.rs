@@ -104,6 +104,13 @@ fn event_label(e: &pb::Event) -> String {
             r.request_id,
             if r.start { "start" } else { "end" }
         ),
+        Some(Kind::KernelOomKill(k)) => format!(
+            "kernel OOM kill of {} ({}): anon-rss {} ({})",
+            k.pid,
+            k.task,
+            bytes(k.anon_rss_bytes),
+            k.constraint
+        ),
         None => "event".into(),
     }
 }

@@ -488,6 +488,7 @@ mod tests {
     fn event(t: i64, kind: Kind) -> pb::TimedEvent {
         pb::TimedEvent {
             seq: 100 + t as u64,
+            agent_id: String::new(),
             event: Some(pb::Event {
                 time_ns: t,
                 kind: Some(kind),
@@ -539,6 +540,7 @@ mod tests {
                     }),
                 ),
             ],
+            members: Vec::new(),
         }
     }
 

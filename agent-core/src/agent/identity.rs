@@ -73,7 +73,10 @@ mod tests {
         };
         let h = id.hello(&probe);
         assert_eq!(h.pid, std::process::id());
-        assert_eq!((h.name.as_str(), h.role.as_str(), h.rank), ("svc", "server", 2));
+        assert_eq!(
+            (h.name.as_str(), h.role.as_str(), h.rank),
+            ("svc", "server", 2)
+        );
         assert_eq!(
             h.agent_id,
             agent_id("cudarc", "svc", &h.host, h.pid, h.start_time_ns)

@@ -130,9 +130,14 @@ impl<'a> SamplingLoop<'a> {
                     match check_interval(Duration::from_millis(s.interval_ms)) {
                         Ok(i) => {
                             self.interval = i;
-                            tracing::info!(interval_ms = s.interval_ms, "sample interval changed by the collector");
+                            tracing::info!(
+                                interval_ms = s.interval_ms,
+                                "sample interval changed by the collector"
+                            );
                         }
-                        Err(e) => tracing::warn!("the collector's interval directive was ignored: {e}"),
+                        Err(e) => {
+                            tracing::warn!("the collector's interval directive was ignored: {e}")
+                        }
                     }
                 }
                 _ => readers.directive(d, self.reporter),
@@ -270,8 +275,15 @@ mod tests {
         SamplingLoop::new(&reporter, None, Duration::from_millis(10)).run(&mut r, None);
         assert_eq!(r.ticks.load(Ordering::SeqCst), 3);
         // Ticks at 0, 10 and 20 ms: not a fourth interval's wait.
-        assert!(t.elapsed() >= Duration::from_millis(20), "{:?}", t.elapsed());
-        assert!(!r.stopped, "a poll's stop is the readers' own: no stop() call");
+        assert!(
+            t.elapsed() >= Duration::from_millis(20),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(
+            !r.stopped,
+            "a poll's stop is the readers' own: no stop() call"
+        );
     }
 
     #[test]
@@ -286,7 +298,11 @@ mod tests {
         SamplingLoop::new(&reporter, None, Duration::from_secs(3600)).run(&mut r, Some(&rx));
         assert_eq!(r.jobs, [1, 2, 3]);
         assert!(r.stopped);
-        assert_eq!(r.ticks.load(Ordering::SeqCst), 1, "one tick at start, none after");
+        assert_eq!(
+            r.ticks.load(Ordering::SeqCst),
+            1,
+            "one tick at start, none after"
+        );
     }
 
     #[test]
@@ -313,9 +329,9 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let mut l = SamplingLoop::new(&reporter, Some(&rx), Duration::from_millis(250));
         let set = |ms| pb::Directive {
-            kind: Some(pb::directive::Kind::SetSampleInterval(pb::SetSampleInterval {
-                interval_ms: ms,
-            })),
+            kind: Some(pb::directive::Kind::SetSampleInterval(
+                pb::SetSampleInterval { interval_ms: ms },
+            )),
         };
         let mut r = Counting::default();
         tx.send(set(0)).unwrap();

@@ -92,6 +92,7 @@ fn describe(paths: &HostPaths, pid: u32, users: &HashMap<u32, String>) -> Option
         command,
         cgroup,
         rss_bytes: fields.rss_bytes,
+        ..Default::default()
     })
 }
 

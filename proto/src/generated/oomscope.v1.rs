@@ -561,6 +561,20 @@ pub struct Hello {
     /// collector neither marks it connected nor waits for it to come back.
     #[prost(bool, tag = "17")]
     pub recovery: bool,
+    /// The instance this process belongs to: one running service, however many
+    /// processes it has. Under `oomscope run`, the supervisor's agent id (its
+    /// children learn it from OOMSCOPE_INSTANCE); empty = let the collector
+    /// decide (the agent of its parent process, else the first live agent of
+    /// the same name on the host, else its own id).
+    #[prost(string, tag = "18")]
+    pub instance: ::prost::alloc::string::String,
+    /// The process that started this one (0 = unknown).
+    #[prost(uint32, tag = "19")]
+    pub parent_pid: u32,
+    /// The process title as the kernel knows it (/proc/<pid>/comm), e.g.
+    /// "VLLM::Worker": what the kernel's OOM record names.
+    #[prost(string, tag = "20")]
+    pub title: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -658,6 +672,15 @@ pub struct Sample {
     pub t_s: f64,
     #[prost(uint64, tag = "9")]
     pub step: u64,
+    /// `oomscope run`: every process of the supervised tree (the child and its
+    /// descendants), and their sums: the instance's host memory, where
+    /// `process` is the direct child alone.
+    #[prost(message, repeated, tag = "10")]
+    pub tree: ::prost::alloc::vec::Vec<ProcessInfo>,
+    #[prost(uint64, tag = "11")]
+    pub tree_rss_bytes: u64,
+    #[prost(uint64, tag = "12")]
+    pub tree_pss_bytes: u64,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -665,7 +688,7 @@ pub struct Sample {
 pub struct Event {
     #[prost(int64, tag = "1")]
     pub time_ns: i64,
-    #[prost(oneof = "event::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9, 10, 11")]
+    #[prost(oneof = "event::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12")]
     #[cfg_attr(feature = "serde", serde(flatten))]
     pub kind: ::core::option::Option<event::Kind>,
 }
@@ -704,7 +727,57 @@ pub mod event {
         #[prost(message, tag = "11")]
         #[cfg_attr(feature = "serde", serde(rename = "request"))]
         Request(super::RequestBoundary),
+        #[prost(message, tag = "12")]
+        #[cfg_attr(feature = "serde", serde(rename = "kernel_oom_kill"))]
+        KernelOomKill(super::KernelOomKill),
     }
+}
+/// The kernel's own record of an OOM kill (from /dev/kmsg), read by `oomscope  run` and matched to a process of its instance by pid and time. It is the
+/// authoritative "at failure" figure: the victim's memory as the kernel
+/// measured it when it chose to kill.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct KernelOomKill {
+    /// The killed process and its name as the kernel logged it (comm).
+    #[prost(uint32, tag = "1")]
+    pub pid: u32,
+    #[prost(string, tag = "2")]
+    pub task: ::prost::alloc::string::String,
+    /// "CONSTRAINT_MEMCG" (a cgroup limit), "CONSTRAINT_NONE" (the whole
+    /// machine), "CONSTRAINT_CPUSET", "CONSTRAINT_MEMORY_POLICY".
+    #[prost(string, tag = "3")]
+    pub constraint: ::prost::alloc::string::String,
+    /// The cgroup whose limit was hit (oom_memcg), and the victim's own.
+    #[prost(string, tag = "4")]
+    pub oom_memcg: ::prost::alloc::string::String,
+    #[prost(string, tag = "5")]
+    pub task_memcg: ::prost::alloc::string::String,
+    /// The victim's memory at the kill.
+    #[prost(uint64, tag = "6")]
+    pub total_vm_bytes: u64,
+    #[prost(uint64, tag = "7")]
+    pub anon_rss_bytes: u64,
+    #[prost(uint64, tag = "8")]
+    pub file_rss_bytes: u64,
+    #[prost(uint64, tag = "9")]
+    pub shmem_rss_bytes: u64,
+    #[prost(int32, tag = "10")]
+    pub oom_score_adj: i32,
+    /// The process whose allocation invoked the OOM killer (may differ from the victim).
+    #[prost(string, tag = "11")]
+    pub invoked_by: ::prost::alloc::string::String,
+    /// The memcg's usage and limit as logged ("memory: usage 65536kB, limit 65536kB").
+    #[prost(uint64, tag = "12")]
+    pub memcg_usage_bytes: u64,
+    #[prost(uint64, tag = "13")]
+    pub memcg_limit_bytes: u64,
+    /// The record's lines as the kernel wrote them, for quoting (bounded).
+    #[prost(string, repeated, tag = "14")]
+    pub lines: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Microseconds since boot, as /dev/kmsg stamps it.
+    #[prost(uint64, tag = "15")]
+    pub kernel_time_us: u64,
 }
 /// A model load (or another named phase): memory before and after.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -817,6 +890,15 @@ pub struct ProcessInfo {
     pub cgroup: ::prost::alloc::string::String,
     #[prost(uint64, tag = "5")]
     pub rss_bytes: u64,
+    /// Proportional set size (smaps_rollup): shared pages split among their
+    /// users, so a process tree's PSS adds up; 0 when unreadable.
+    #[prost(uint64, tag = "6")]
+    pub pss_bytes: u64,
+    #[prost(uint32, tag = "7")]
+    pub parent_pid: u32,
+    /// /proc/<pid>/comm.
+    #[prost(string, tag = "8")]
+    pub title: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -934,6 +1016,11 @@ pub struct ChildExit {
     pub crash_loop: bool,
     #[prost(uint64, tag = "11")]
     pub runtime_ns: u64,
+    /// A stop signal (SIGTERM, SIGINT, SIGHUP) that `oomscope run` passed on
+    /// to the child before it ended: the end is a stop, not a failure, unless
+    /// the kernel killed a process of the instance for memory.
+    #[prost(int32, optional, tag = "12")]
+    pub stop_signal: ::core::option::Option<i32>,
 }
 /// Generated client implementations.
 pub mod agent_service_client {
@@ -1268,6 +1355,10 @@ pub struct AgentSummary {
     pub events: u64,
     #[prost(uint64, tag = "7")]
     pub last_seq: u64,
+    /// The instance it belongs to (see Hello.instance), as the collector
+    /// resolved it.
+    #[prost(string, tag = "8")]
+    pub instance: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -1280,7 +1371,9 @@ pub struct ListAgentsResponse {
 #[cfg_attr(feature = "serde", serde(default))]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct TimelineRequest {
-    /// Agent id or name (the newest agent of that name).
+    /// An instance id, an agent id, or a name (the newest instance of that
+    /// name). An instance (or a name) gives its main agent's timeline (the
+    /// supervisor's, where there is one) with every member's events.
     #[prost(string, tag = "1")]
     pub agent: ::prost::alloc::string::String,
     #[prost(int64, tag = "2")]
@@ -1302,6 +1395,10 @@ pub struct TimelineResponse {
     pub samples: ::prost::alloc::vec::Vec<TimedSample>,
     #[prost(message, repeated, tag = "3")]
     pub events: ::prost::alloc::vec::Vec<TimedEvent>,
+    /// The instance's processes (one per agent), main agent first; empty for a
+    /// single agent asked by its id.
+    #[prost(message, repeated, tag = "4")]
+    pub members: ::prost::alloc::vec::Vec<AgentSummary>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -1320,6 +1417,9 @@ pub struct TimedEvent {
     pub seq: u64,
     #[prost(message, optional, tag = "2")]
     pub event: ::core::option::Option<Event>,
+    /// The member that sent it, where it is not the timeline's own agent.
+    #[prost(string, tag = "3")]
+    pub agent_id: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -1409,6 +1509,23 @@ pub struct Diagnosis {
     /// The facts of the failure the incident names; unset without an incident.
     #[prost(message, optional, tag = "11")]
     pub failure: ::core::option::Option<Failure>,
+    /// The process the failure took: the kernel's OOM victim, or the process
+    /// that died or failed. Unset when no process died.
+    #[prost(message, optional, tag = "12")]
+    pub victim: ::core::option::Option<Victim>,
+}
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Victim {
+    #[prost(uint32, tag = "1")]
+    pub pid: u32,
+    /// Its command line, where an agent or the process list knew it.
+    #[prost(string, tag = "2")]
+    pub command: ::prost::alloc::string::String,
+    /// Its process title (/proc/<pid>/comm, the kernel's `task=`), e.g. "VLLM::Worker".
+    #[prost(string, tag = "3")]
+    pub title: ::prost::alloc::string::String,
 }
 /// One failure as the evidence recorded it: when, what was asked, at which
 /// load, and the allocator then. The report and `compare` read it as is.

@@ -240,7 +240,9 @@ impl Inner {
             kind: Some(pb::event::Kind::Oom(oom)),
         };
         if !self.reporter.send_urgent(event, self.oom_ack_wait) {
-            tracing::warn!("oomscope: the OOM event was not acked in time (kept in the spool, if any)");
+            tracing::warn!(
+                "oomscope: the OOM event was not acked in time (kept in the spool, if any)"
+            );
         }
     }
 }

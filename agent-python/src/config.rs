@@ -192,7 +192,10 @@ mod tests {
         let e = Config::resolve(&map(&[("interval_s", "fast")]), &none, "p").unwrap_err();
         assert!(e.contains("interval_s") && e.contains("fast"), "{e}");
         let e = Config::resolve(&map(&[("interval_s", "0")]), &none, "p").unwrap_err();
-        assert!(e.contains("interval_s") && e.contains("at least 10 ms"), "{e}");
+        assert!(
+            e.contains("interval_s") && e.contains("at least 10 ms"),
+            "{e}"
+        );
         let e = Config::resolve(&map(&[("census_every", "-3")]), &none, "p").unwrap_err();
         assert!(e.contains("census_every"), "{e}");
         let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();

@@ -104,7 +104,9 @@ impl Readers for PythonReaders {
 
     fn job(&mut self, job: Job, _: &Reporter) {
         match job {
-            Job::Boundary { time_ns, context } => self.boundaries.waiting = Some((time_ns, context)),
+            Job::Boundary { time_ns, context } => {
+                self.boundaries.waiting = Some((time_ns, context))
+            }
             Job::Census { budget } => {
                 // Between requests the heap holds what requests left behind,
                 // not the temporaries of one mid-step: wait (a little) for

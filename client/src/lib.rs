@@ -97,7 +97,10 @@ impl Client {
         let deadline = self.call_timeout;
         let fut = f(self.inner.clone());
         // The timer needs the runtime's context: make it inside block_on.
-        match self.rt.block_on(async move { tokio::time::timeout(deadline, fut).await }) {
+        match self
+            .rt
+            .block_on(async move { tokio::time::timeout(deadline, fut).await })
+        {
             Ok(r) => Ok(r?.into_inner()),
             Err(_) => Err(Error::Timeout(deadline)),
         }
@@ -138,7 +141,10 @@ mod tests {
         drop(l);
         let e = Client::connect(&url).err().expect("refused");
         assert!(matches!(e, Error::Unreachable { .. }), "{e}");
-        assert!(e.to_string().contains("is `oomscope collector` running?"), "{e}");
+        assert!(
+            e.to_string().contains("is `oomscope collector` running?"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -150,7 +156,10 @@ mod tests {
             .and_then(|mut c| c.agents().map(|_| ()));
         let e = r.expect_err("no answer");
         assert!(
-            matches!(e, Error::Timeout(_) | Error::Unreachable { .. } | Error::Status(_)),
+            matches!(
+                e,
+                Error::Timeout(_) | Error::Unreachable { .. } | Error::Status(_)
+            ),
             "{e}"
         );
         drop(l);

@@ -17,7 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use oomscope_agent_core::agent::{check_interval, Flow, Identity, Readers, SamplingLoop};
+use oomscope_agent_core::agent::{
+    check_interval, Flow, Identity, Readers, SamplingLoop, INSTANCE_ENV,
+};
 use oomscope_agent_core::probe::{process, HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
@@ -178,6 +180,8 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
         runtime: "supervisor".into(),
     }
     .hello(me);
+    // The supervisor is its instance: every process it starts joins it.
+    hello.instance = hello.agent_id.clone();
     hello.gpus = me.gpu().placements();
     hello.command = cfg.command.clone();
     hello
@@ -217,6 +221,7 @@ fn run_once(
         .env("OOMSCOPE_COLLECTOR", &cfg.collector_url)
         .env("OOMSCOPE_NAME", &cfg.name)
         .env("OOMSCOPE_SUPERVISOR_AGENT", agent_id)
+        .env(INSTANCE_ENV, agent_id)
         .stdin(Stdio::inherit())
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped());

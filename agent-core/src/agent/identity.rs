@@ -20,6 +20,10 @@ pub struct Identity {
     pub runtime: String,
 }
 
+/// The variable through which `oomscope run` tells the processes it starts
+/// (and theirs) which instance they belong to: its own agent id.
+pub const INSTANCE_ENV: &str = "OOMSCOPE_INSTANCE";
+
 /// The one agent-id scheme: unique per process start, and readable, since
 /// spools and logs are named by it: `<runtime>-<name>-<host>-<pid>-<start>`.
 pub fn agent_id(runtime: &str, name: &str, host: &str, pid: u32, start_ns: i64) -> String {
@@ -28,8 +32,10 @@ pub fn agent_id(runtime: &str, name: &str, host: &str, pid: u32, start_ns: i64) 
 
 impl Identity {
     /// The Hello of this process, started now, with `probe`'s readings of
-    /// its cgroup and rlimits. `versions` gets "oomscope"; `gpus` stays for
-    /// the agent to fill (NVML's placements, or the pool's own device).
+    /// its cgroup and rlimits, its parent and title, and the instance that
+    /// `OOMSCOPE_INSTANCE` names (empty: the collector decides). `versions`
+    /// gets "oomscope"; `gpus` stays for the agent to fill (NVML's
+    /// placements, or the pool's own device).
     pub fn hello(&self, probe: &HostProbe) -> pb::Hello {
         let pid = std::process::id();
         let start = crate::now_ns();
@@ -52,6 +58,11 @@ impl Identity {
             versions,
             cgroup: Some(probe.cgroup_info()),
             rlimits: Some(probe.rlimits()),
+            instance: std::env::var(INSTANCE_ENV).unwrap_or_default(),
+            parent_pid: std::os::unix::process::parent_id(),
+            title: std::fs::read_to_string(probe.paths().pid_file(pid, "comm"))
+                .map(|t| t.trim_end().to_string())
+                .unwrap_or_default(),
             ..Default::default()
         }
     }
@@ -83,6 +94,9 @@ mod tests {
         );
         assert!(h.agent_id.starts_with("cudarc-svc-"));
         assert!(h.versions.contains_key("oomscope"));
+        assert_eq!(h.parent_pid, std::os::unix::process::parent_id());
+        let comm = std::fs::read_to_string("/proc/self/comm").unwrap();
+        assert_eq!(h.title, comm.trim_end());
         assert!(h.start_time_ns > 0);
     }
 }

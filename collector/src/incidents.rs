@@ -9,6 +9,7 @@ use anyhow::Result;
 use oomscope_analysis::is_oom_text;
 use oomscope_analysis::units::{bytes_short as bytes, signal_name};
 
+use crate::correlate;
 use crate::fleet::{self, FleetPolicy};
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -23,6 +24,10 @@ pub const CRASH_LOOP: &str = "crash_loop";
 pub const AGENT_LOST: &str = "agent_lost";
 /// Many agents of one service restarting together, then a request burst.
 pub const RESTART_STORM: &str = "restart_storm";
+/// The kernel's OOM killer took a process of the instance (its own record).
+pub const KERNEL_OOM_KILL: &str = "kernel_oom_kill";
+/// Many agents lost together: one incident, not one each (see `correlate`).
+pub const MASS_DISCONNECT: &str = "mass_disconnect";
 
 /// The incident a message raises, if any, without agent or domain filled in.
 /// One incident per event: a crash loop's last exit is reported as the crash
@@ -33,6 +38,12 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
     };
     let (kind, summary) = match event.kind.as_ref()? {
         EventKind::Oom(oom) => (OOM, oom_summary(oom)),
+        EventKind::KernelOomKill(k) => (KERNEL_OOM_KILL, kernel_kill_summary(k)),
+        // A stop `oomscope run` passed on is not a failure; a kernel kill
+        // during it has its own record, and so its own incident.
+        EventKind::ChildExit(exit) if exit.stop_signal.is_some() && !exit.crash_loop => {
+            return None
+        }
         EventKind::ChildExit(exit) => {
             let how = exit_summary(exit);
             if exit.crash_loop {
@@ -79,11 +90,33 @@ pub fn record(
         }
         incident.agent_id = agent_id.to_string();
         incident.domain = attribute_domain(store, agent_id, &incident);
-        if let Some(stored) = store.insert_incident(&incident)? {
-            recorded.push(stored);
+        recorded.extend(file(store, &incident)?);
+    }
+    for (time_ns, exit) in messages.iter().filter_map(child_exit) {
+        if correlate::is_clean_end(exit) {
+            correlate::clean_end(store, agent_id, time_ns)?;
         }
     }
     Ok(recorded)
+}
+
+/// Stores `incident` and correlates it (see `correlate`): Some when it is an
+/// incident of its own, None when it was a duplicate or merged into another.
+fn file(store: &mut Store, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
+    match store.insert_incident(incident)? {
+        Some(stored) => correlate::settle(store, stored),
+        None => Ok(None),
+    }
+}
+
+fn child_exit(msg: &pb::AgentMessage) -> Option<(i64, &pb::ChildExit)> {
+    match &msg.body {
+        Some(Body::Event(pb::Event {
+            time_ns,
+            kind: Some(EventKind::ChildExit(x)),
+        })) => Some((*time_ns, x)),
+        _ => None,
+    }
 }
 
 /// Records that `agent_id`'s stream broke at `broke_at_ns` and it did not
@@ -94,6 +127,11 @@ pub fn record_lost(
     broke_at_ns: i64,
     grace: std::time::Duration,
 ) -> Result<Option<pb::Incident>> {
+    if correlate::ended_with_instance(store, agent_id, broke_at_ns)? {
+        store.set_state(agent_id, "ended", now_ns())?;
+        tracing::info!(agent_id, "ended with its instance's clean stop: not lost");
+        return Ok(None);
+    }
     insert_lost(store, agent_id, broke_at_ns, |name| {
         format!(
             "agent {name:?} ({agent_id}) stopped streaming without a Goodbye and did not reconnect within {:.1} s",
@@ -120,7 +158,7 @@ fn insert_lost(
         ..Default::default()
     };
     incident.domain = attribute_domain(store, agent_id, &incident);
-    store.insert_incident(&incident)
+    file(store, &incident)
 }
 
 /// After another process delivered a dead agent's spool (a `recovery`
@@ -194,6 +232,20 @@ fn oom_summary(oom: &pb::Oom) -> String {
         ));
     }
     s
+}
+
+fn kernel_kill_summary(k: &pb::KernelOomKill) -> String {
+    let scope = match k.constraint.as_str() {
+        "CONSTRAINT_MEMCG" => format!("the memory cgroup {} at its limit", k.oom_memcg),
+        "CONSTRAINT_NONE" => "the whole machine out of memory".to_string(),
+        other => other.to_string(),
+    };
+    format!(
+        "the kernel's OOM killer took pid {} ({}): {scope}; anon-rss {}",
+        k.pid,
+        k.task,
+        bytes(k.anon_rss_bytes)
+    )
 }
 
 fn exit_summary(exit: &pb::ChildExit) -> String {
@@ -286,7 +338,7 @@ fn record_finding(
         seq: 0,
         ..Default::default()
     };
-    store.insert_incident(&incident)
+    file(store, &incident)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! Its only consumer-facing surface is the two gRPC services: the CLI, the
 //! probe and the Python agent's `oomscope.query` reach it through them.
 
+pub mod correlate;
 pub mod fleet;
 pub mod incidents;
 pub mod query;

@@ -1,5 +1,10 @@
 //! `QueryService`: what people and tools ask the collector. Thin: resolve the
-//! agent, read the store on a blocking thread, hand evidence to the analysis.
+//! agent or instance, read the store on a blocking thread, hand evidence to
+//! the analysis.
+//!
+//! A name or an instance id means the whole instance (see
+//! `store/instances.rs`): its main agent's samples, with the supervisor's
+//! process tree joined to them, and every member's events and incidents.
 
 use anyhow::Result;
 use tonic::{Request, Response, Status};
@@ -7,7 +12,7 @@ use tonic::{Request, Response, Status};
 use crate::pb;
 use crate::pb::query_service_server::QueryService;
 use crate::server::Collector;
-use crate::store::Store;
+use crate::store::{Instance, Store, Target};
 use crate::verdict::{diagnose, incident_ref};
 
 /// The most samples one diagnosis reads: at ~10 KB decoded per GPU sample
@@ -58,9 +63,14 @@ impl QueryService for QueryApi {
         }
         let timeline = self
             .read(move |s| {
-                let id = resolve(s, &req.agent)?;
-                s.timeline(&id, req.from_ns, req.to_ns, req.max_points)
-                    .map_err(internal)
+                let target = resolve(s, &req.agent)?;
+                let mut t = s
+                    .timeline(target.main_agent(), req.from_ns, req.to_ns, req.max_points)
+                    .map_err(internal)?;
+                if let Target::Instance(inst) = &target {
+                    instance_view(s, inst, &mut t, req.from_ns, req.to_ns).map_err(internal)?;
+                }
+                Ok(t)
             })
             .await?;
         Ok(Response::new(timeline))
@@ -73,12 +83,18 @@ impl QueryService for QueryApi {
         let agent = request.into_inner().agent;
         let incidents = self
             .read(move |s| {
-                let id = if agent.is_empty() {
-                    None
-                } else {
-                    Some(resolve(s, &agent)?)
+                let all = s.incidents(None).map_err(internal)?;
+                if agent.is_empty() {
+                    return Ok(all);
+                }
+                let members: Vec<String> = match resolve(s, &agent)? {
+                    Target::Agent(a) => vec![a],
+                    Target::Instance(i) => i.members.into_iter().map(|m| m.agent_id).collect(),
                 };
-                s.incidents(id.as_deref()).map_err(internal)
+                Ok(all
+                    .into_iter()
+                    .filter(|i| members.contains(&i.agent_id))
+                    .collect())
             })
             .await?;
         Ok(Response::new(pb::IncidentsResponse { incidents }))
@@ -95,16 +111,26 @@ impl QueryService for QueryApi {
 }
 
 /// Picks the evidence a DiagnoseRequest names and diagnoses it:
-/// an incident id; else, with an agent and a range, that range of its
-/// timeline, up to its latest incident when one falls inside the range; else
-/// the latest incident (of the agent, when named); else, with an agent that
-/// had no incident, its whole timeline (a leak hunt).
+/// an incident id; else, with an agent (or instance) and a range, that range
+/// of its timeline, up to its latest incident when one falls inside the
+/// range; else the latest incident (of the agent or instance, when named);
+/// else, with an agent that had no incident, its main agent's whole
+/// timeline (a leak hunt).
 pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::Diagnosis, Status> {
-    let agent = if req.agent.is_empty() {
+    let target = if req.agent.is_empty() {
         None
     } else {
         Some(resolve(store, &req.agent)?)
     };
+    let latest = |t: Option<&Target>| -> Result<Option<pb::Incident>, Status> {
+        match t {
+            None => store.latest_incident(None),
+            Some(Target::Agent(a)) => store.latest_incident(Some(a)),
+            Some(Target::Instance(i)) => store.latest_incident_of_instance(&i.id),
+        }
+        .map_err(internal)
+    };
+    let agent = target.as_ref().map(|t| t.main_agent().to_string());
     let incident = if !req.incident.is_empty() {
         let inc = store
             .incident(&req.incident)
@@ -119,12 +145,9 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     } else if agent.is_some() && (req.from_ns != 0 || req.to_ns != 0) {
         // A range (`--since`): the agent's latest incident inside it, if any.
         let to = if req.to_ns == 0 { i64::MAX } else { req.to_ns };
-        store
-            .latest_incident(agent.as_deref())
-            .map_err(internal)?
-            .filter(|inc| (req.from_ns..=to).contains(&inc.time_ns))
+        latest(target.as_ref())?.filter(|inc| (req.from_ns..=to).contains(&inc.time_ns))
     } else {
-        match store.latest_incident(agent.as_deref()).map_err(internal)? {
+        match latest(target.as_ref())? {
             Some(inc) => Some(inc),
             None if agent.is_some() => None,
             None => {
@@ -167,15 +190,80 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     Ok(diagnosis)
 }
 
-fn resolve(store: &Store, agent: &str) -> Result<String, Status> {
-    store
-        .resolve_agent(agent)
-        .map_err(internal)?
-        .ok_or_else(|| {
-            Status::not_found(format!(
-                "no agent with id or name {agent:?}; `oomscope agents` lists them"
-            ))
-        })
+/// An instance's timeline: `t` holds its main agent's samples and events;
+/// this joins the supervisor's process tree to each sample (the instance's
+/// host memory, summed over its processes) and adds every other member's
+/// events (tagged with their agent) and the members themselves.
+fn instance_view(
+    store: &Store,
+    inst: &Instance,
+    t: &mut pb::TimelineResponse,
+    from_ns: i64,
+    to_ns: i64,
+) -> anyhow::Result<()> {
+    let to_ns = if to_ns == 0 { i64::MAX } else { to_ns };
+    let main = inst.main().agent_id.clone();
+    if let Some(sup) = inst.supervisor().filter(|s| s.agent_id != main) {
+        let tree = store.history(&sup.agent_id, from_ns, to_ns)?.samples;
+        join_tree(&mut t.samples, &tree);
+    }
+    for m in inst.members.iter().filter(|m| m.agent_id != main) {
+        t.events
+            .extend(store.events_of(&m.agent_id, from_ns, to_ns)?);
+    }
+    t.events
+        .sort_by_key(|e| (e.event.as_ref().map_or(0, |e| e.time_ns), e.seq));
+    let all = store.list_agents()?;
+    let order = |id: &str| inst.members.iter().position(|m| m.agent_id == id);
+    let mut members: Vec<pb::AgentSummary> =
+        all.into_iter().filter(|a| a.instance == inst.id).collect();
+    // The main agent first, then the rest as they started.
+    members.sort_by_key(|a| {
+        let id = a.hello.as_ref().map_or("", |h| h.agent_id.as_str());
+        (id != main, order(id))
+    });
+    t.members = members;
+    Ok(())
+}
+
+/// Gives each sample the supervisor's process tree as it was at that moment
+/// (its latest reading at or before the sample, if no older than
+/// [`TREE_JOIN_MAX_AGE_NS`]). Both lists are in time order.
+fn join_tree(samples: &mut [pb::TimedSample], tree: &[pb::TimedSample]) {
+    let mut j = 0;
+    for s in samples.iter_mut() {
+        let Some(sample) = s.sample.as_mut() else {
+            continue;
+        };
+        while j + 1 < tree.len() && time_of(&tree[j + 1]) <= sample.time_ns {
+            j += 1;
+        }
+        let Some(reading) = tree.get(j).and_then(|t| t.sample.as_ref()) else {
+            continue;
+        };
+        let age = sample.time_ns - reading.time_ns;
+        if (0..=TREE_JOIN_MAX_AGE_NS).contains(&age) && !reading.tree.is_empty() {
+            sample.tree = reading.tree.clone();
+            sample.tree_rss_bytes = reading.tree_rss_bytes;
+            sample.tree_pss_bytes = reading.tree_pss_bytes;
+        }
+    }
+}
+
+/// A supervisor's reading older than this says nothing about a sample: a few
+/// of its intervals.
+pub const TREE_JOIN_MAX_AGE_NS: i64 = 5_000_000_000;
+
+fn time_of(s: &pb::TimedSample) -> i64 {
+    s.sample.as_ref().map_or(i64::MIN, |s| s.time_ns)
+}
+
+fn resolve(store: &Store, agent: &str) -> Result<Target, Status> {
+    store.resolve(agent).map_err(internal)?.ok_or_else(|| {
+        Status::not_found(format!(
+            "no agent with id or name {agent:?}; `oomscope agents` lists them"
+        ))
+    })
 }
 
 fn internal(e: anyhow::Error) -> Status {
@@ -186,6 +274,45 @@ fn internal(e: anyhow::Error) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sample(t: i64, tree_rss: u64) -> pb::TimedSample {
+        pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                tree_rss_bytes: tree_rss,
+                tree: if tree_rss > 0 {
+                    vec![pb::ProcessInfo {
+                        pid: 7,
+                        rss_bytes: tree_rss,
+                        ..Default::default()
+                    }]
+                } else {
+                    vec![]
+                },
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn each_sample_gets_the_trees_reading_at_or_before_it_when_recent() {
+        let tree = [sample(100, 1), sample(200, 2), sample(300, 3)];
+        let mut main = vec![
+            sample(50, 0),
+            sample(150, 0),
+            sample(300, 0),
+            sample(300 + TREE_JOIN_MAX_AGE_NS + 1, 0),
+        ];
+        join_tree(&mut main, &tree);
+        let got: Vec<u64> = main
+            .iter()
+            .map(|s| s.sample.as_ref().unwrap().tree_rss_bytes)
+            .collect();
+        assert_eq!(got, [0, 1, 3, 0]);
+        assert_eq!(main[1].sample.as_ref().unwrap().tree[0].pid, 7);
+    }
+
     use crate::pb::agent_message::Body;
 
     /// An agent with `n` samples one second apart (time_ns 1 s, 2 s, ...).

@@ -1,0 +1,422 @@
+//! One failure, one incident. A multi-process server that loses a worker to
+//! the kernel shows it several ways at once: the kernel's record of the kill
+//! (seen by `oomscope run`), the worker's stream breaking (agent_lost), the
+//! server exiting non-zero or by a signal. These are one incident, led by the
+//! part with the strongest evidence. Likewise one crash loop is one incident,
+//! many agents lost together are one mass disconnect, and an agent that ends
+//! with its instance's clean stop is not lost at all.
+//!
+//! The rules are pure ([`strength`], [`Plan`]); `settle` and
+//! `ended_with_instance` apply them to the store.
+
+use anyhow::Result;
+
+use crate::incidents::{
+    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, SIGNAL,
+};
+use crate::pb;
+use crate::store::Store;
+
+/// Deaths of one instance this close together are one failure: a worker
+/// killed, then the server noticing and exiting, takes seconds, plus the
+/// lost-agent grace.
+pub const CORRELATION_WINDOW_NS: i64 = 30 * 1_000_000_000;
+
+/// Agents lost within this span of each other were lost together (a node
+/// or network gone, a collector that came back without them).
+pub const MASS_DISCONNECT_WINDOW_NS: i64 = 3 * 1_000_000_000;
+
+/// At least this many agents lost together are one mass disconnect.
+pub const MASS_DISCONNECT_AGENTS: usize = 3;
+
+/// How much an incident of `kind` says about the failure: the kernel's own
+/// record first, a process killed by a signal, a failed exit with an OOM
+/// text, then the crash loop and the streams that merely broke. Kinds that
+/// are not deaths (an allocator OOM the process survived, a restart storm)
+/// are not correlated: 0.
+pub fn strength(kind: &str) -> u8 {
+    match kind {
+        KERNEL_OOM_KILL => 5,
+        SIGNAL => 4,
+        EXIT_OOM_TEXT => 3,
+        CRASH_LOOP => 2,
+        MASS_DISCONNECT | AGENT_LOST => 1,
+        _ => 0,
+    }
+}
+
+/// What to do with a newly recorded incident, given the incidents it may
+/// belong with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// It stands alone.
+    Alone,
+    /// It is part of `leader`.
+    MergeInto { leader: String },
+    /// It leads: these (earlier, weaker) merge into it.
+    Lead { absorb: Vec<String> },
+    /// It completes a mass disconnect: `leader` becomes one (its summary
+    /// rewritten for `agents` agents) and the new one and `absorb` merge into it.
+    MassDisconnect {
+        leader: String,
+        absorb: Vec<String>,
+        agents: usize,
+    },
+}
+
+/// The plan for `new` among `same_instance` (not merged, of the same
+/// instance, within the correlation window) and `lost_nearby` (agent_lost
+/// or mass_disconnect incidents of any instance within the mass-disconnect
+/// window, `new` excluded).
+pub fn plan(
+    new: &pb::Incident,
+    same_instance: &[pb::Incident],
+    lost_nearby: &[pb::Incident],
+) -> Plan {
+    let s = strength(&new.kind);
+    if s == 0 {
+        return Plan::Alone;
+    }
+    let peers: Vec<&pb::Incident> = same_instance
+        .iter()
+        .filter(|i| i.id != new.id && strength(&i.kind) > 0)
+        // A crash loop folds with crash loops; deaths with deaths.
+        .filter(|i| (i.kind == CRASH_LOOP) == (new.kind == CRASH_LOOP))
+        .collect();
+    if let Some(leader) = peers
+        .iter()
+        .max_by_key(|i| (strength(&i.kind), std::cmp::Reverse(i.time_ns)))
+    {
+        if strength(&leader.kind) >= s {
+            return Plan::MergeInto {
+                leader: leader.id.clone(),
+            };
+        }
+        return Plan::Lead {
+            absorb: peers.iter().map(|i| i.id.clone()).collect(),
+        };
+    }
+    if new.kind == AGENT_LOST {
+        if let Some(mass) = lost_nearby.iter().find(|i| i.kind == MASS_DISCONNECT) {
+            return Plan::MergeInto {
+                leader: mass.id.clone(),
+            };
+        }
+        let lost: Vec<&pb::Incident> = lost_nearby
+            .iter()
+            .filter(|i| i.kind == AGENT_LOST)
+            .collect();
+        if lost.len() + 1 >= MASS_DISCONNECT_AGENTS {
+            let first = lost
+                .iter()
+                .min_by_key(|i| (i.time_ns, i.id.clone()))
+                .expect("non-empty");
+            return Plan::MassDisconnect {
+                leader: first.id.clone(),
+                absorb: lost
+                    .iter()
+                    .filter(|i| i.id != first.id)
+                    .map(|i| i.id.clone())
+                    .collect(),
+                agents: lost.len() + 1,
+            };
+        }
+    }
+    Plan::Alone
+}
+
+/// Correlates `new` (just stored) with what the store holds. Returns it when
+/// it is an incident of its own (alone or leading), None when it merged into
+/// another.
+pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Incident>> {
+    if strength(&new.kind) == 0 {
+        return Ok(Some(new));
+    }
+    let instance = store.instance_of(&new.agent_id)?.unwrap_or_default();
+    let same_instance = if instance.is_empty() {
+        Vec::new()
+    } else {
+        store.incidents_of_instance(
+            &instance,
+            new.time_ns - CORRELATION_WINDOW_NS,
+            new.time_ns + CORRELATION_WINDOW_NS,
+        )?
+    };
+    // Deaths are one failure only within one run of the instance: a
+    // supervisor's restarts are runs of their own, and each child's end
+    // (a signal, a failed exit) closes its own run.
+    let supervisor = match store.instance(&instance)? {
+        Some(inst) => inst.supervisor().map(|m| m.agent_id.clone()),
+        None => None,
+    };
+    let run_of = |t: i64| -> Result<Option<u64>> {
+        match &supervisor {
+            Some(sup) => store.run_of(sup, t),
+            None => Ok(None),
+        }
+    };
+    let new_run = run_of(new.time_ns)?;
+    let mut same_run = Vec::new();
+    for i in same_instance {
+        let both_ends = ends_a_run(&i.kind) && ends_a_run(&new.kind);
+        if !both_ends && run_of(i.time_ns)? == new_run {
+            same_run.push(i);
+        }
+    }
+    let mut same_instance = same_run;
+    // One crash loop per service: the fleet's and the supervisor's own say the same.
+    if new.kind == CRASH_LOOP {
+        for i in store.incidents_of_kind(
+            CRASH_LOOP,
+            new.time_ns - 10 * 60 * 1_000_000_000,
+            new.time_ns + CORRELATION_WINDOW_NS,
+        )? {
+            if i.agent_name == new.agent_name && !same_instance.iter().any(|s| s.id == i.id) {
+                same_instance.push(i);
+            }
+        }
+    }
+    let mut lost_nearby = Vec::new();
+    if new.kind == AGENT_LOST {
+        // Lost together means alive together: a service's successive
+        // restarts dying one after another are a crash loop, not this.
+        let born = |agent: &str| store.first_seen(agent);
+        let new_born = born(&new.agent_id)?.unwrap_or(i64::MIN);
+        for kind in [AGENT_LOST, MASS_DISCONNECT] {
+            for i in store.incidents_of_kind(
+                kind,
+                new.time_ns - MASS_DISCONNECT_WINDOW_NS,
+                new.time_ns + MASS_DISCONNECT_WINDOW_NS,
+            )? {
+                let together =
+                    new_born < i.time_ns && born(&i.agent_id)?.unwrap_or(i64::MIN) < new.time_ns;
+                if i.id != new.id && together {
+                    lost_nearby.push(i);
+                }
+            }
+        }
+    }
+    match plan(&new, &same_instance, &lost_nearby) {
+        Plan::Alone => Ok(Some(new)),
+        Plan::MergeInto { leader } => {
+            store.merge_incident(&new.id, &leader)?;
+            if let Some(l) = store.incident(&leader)? {
+                if l.kind == MASS_DISCONNECT {
+                    let n = store.merged_count(&leader)? + 1;
+                    store.update_incident(&leader, MASS_DISCONNECT, &mass_summary(n as usize))?;
+                }
+            }
+            tracing::info!(
+                incident = new.id,
+                leader,
+                "one failure: merged into its incident"
+            );
+            Ok(None)
+        }
+        Plan::Lead { absorb } => {
+            for id in &absorb {
+                store.merge_incident(id, &new.id)?;
+            }
+            Ok(Some(new))
+        }
+        Plan::MassDisconnect {
+            leader,
+            absorb,
+            agents,
+        } => {
+            store.update_incident(&leader, MASS_DISCONNECT, &mass_summary(agents))?;
+            for id in absorb.iter().chain(std::iter::once(&new.id)) {
+                store.merge_incident(id, &leader)?;
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// Incidents raised by a child's end (`ChildExit`): each closes a run.
+fn ends_a_run(kind: &str) -> bool {
+    matches!(kind, SIGNAL | EXIT_OOM_TEXT)
+}
+
+fn mass_summary(agents: usize) -> String {
+    format!(
+        "{agents} agents stopped streaming within {} s of each other without a Goodbye \
+         (a host or the network gone, or a collector that came back without them): one incident, not {agents}",
+        MASS_DISCONNECT_WINDOW_NS / 1_000_000_000
+    )
+}
+
+/// Whether `agent_id`, whose stream broke at `broke_at_ns`, ended with its
+/// instance rather than alone: the instance's supervisor recorded a clean
+/// end of its child (exit 0, or a stop it passed on) around then, or the
+/// instance's founding process said a clean Goodbye.
+pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> Result<bool> {
+    let Some(instance) = store.instance_of(agent_id)? else {
+        return Ok(false);
+    };
+    let Some(inst) = store.instance(&instance)? else {
+        return Ok(false);
+    };
+    let near = |t: i64| (t - broke_at_ns).abs() <= CORRELATION_WINDOW_NS;
+    for m in inst.members.iter().filter(|m| m.agent_id != agent_id) {
+        if m.role == "supervisor" {
+            if let Some((t, exit)) = store.latest_child_exit(&m.agent_id)? {
+                if near(t) && is_clean_end(&exit) {
+                    return Ok(true);
+                }
+            }
+        } else if m.agent_id == instance {
+            if let Some((t, bye)) = store.latest_goodbye(&m.agent_id)? {
+                if near(t) && bye.exit_code == 0 {
+                    return Ok(true);
+                }
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// A child's end that is not a failure: it exited 0, or it ended after a
+/// stop signal that `oomscope run` passed on.
+pub fn is_clean_end(exit: &pb::ChildExit) -> bool {
+    !exit.crash_loop && (exit.exit_code == Some(0) || exit.stop_signal.is_some())
+}
+
+/// After a clean end of `supervisor`'s child at `time_ns`: the members of
+/// its instance recorded lost around then were ending with it. Their
+/// incidents go, and they are marked ended.
+pub fn clean_end(store: &mut Store, supervisor: &str, time_ns: i64) -> Result<()> {
+    let Some(instance) = store.instance_of(supervisor)? else {
+        return Ok(());
+    };
+    let lost = store.incidents_of_instance(
+        &instance,
+        time_ns - CORRELATION_WINDOW_NS,
+        time_ns + CORRELATION_WINDOW_NS,
+    )?;
+    for leader in lost.into_iter().filter(|i| i.kind == AGENT_LOST) {
+        // The lost agents merged into it ended the same way.
+        let mut parts = store.merged_into(&leader.id)?;
+        parts.push(leader);
+        for i in parts {
+            store.retract_incident(&i.id)?;
+            store.set_state(&i.agent_id, "ended", crate::store::now_ns())?;
+            tracing::info!(
+                agent_id = i.agent_id,
+                "ended with its instance's clean stop: not lost"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inc(id: &str, kind: &str, t: i64) -> pb::Incident {
+        pb::Incident {
+            id: id.into(),
+            kind: kind.into(),
+            time_ns: t,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_weaker_death_merges_into_the_kernel_kill_and_a_stronger_one_leads() {
+        let kill = inc("i1", KERNEL_OOM_KILL, 10);
+        let lost = inc("i2", AGENT_LOST, 12);
+        assert_eq!(
+            plan(&lost, std::slice::from_ref(&kill), &[]),
+            Plan::MergeInto {
+                leader: "i1".into()
+            }
+        );
+        // The worker's stream broke first; the kernel's record came after.
+        assert_eq!(
+            plan(&kill, std::slice::from_ref(&lost), &[]),
+            Plan::Lead {
+                absorb: vec!["i2".into()]
+            }
+        );
+    }
+
+    #[test]
+    fn an_allocator_oom_and_a_restart_storm_stand_alone() {
+        let kill = inc("i1", KERNEL_OOM_KILL, 10);
+        assert_eq!(
+            plan(&inc("i2", "oom", 11), &[kill.clone()], &[]),
+            Plan::Alone
+        );
+        assert_eq!(
+            plan(&inc("i3", "restart_storm", 11), &[kill], &[]),
+            Plan::Alone
+        );
+    }
+
+    #[test]
+    fn crash_loops_fold_with_crash_loops_only() {
+        let looped = inc("i1", CRASH_LOOP, 10);
+        assert_eq!(
+            plan(
+                &inc("i2", CRASH_LOOP, 11),
+                std::slice::from_ref(&looped),
+                &[]
+            ),
+            Plan::MergeInto {
+                leader: "i1".into()
+            }
+        );
+        assert_eq!(
+            plan(&inc("i3", AGENT_LOST, 11), &[looped], &[]),
+            Plan::Alone
+        );
+    }
+
+    #[test]
+    fn the_third_agent_lost_together_makes_a_mass_disconnect() {
+        let a = inc("i1", AGENT_LOST, 10);
+        let b = inc("i2", AGENT_LOST, 11);
+        assert_eq!(plan(&b, &[], std::slice::from_ref(&a)), Plan::Alone);
+        let c = inc("i3", AGENT_LOST, 12);
+        assert_eq!(
+            plan(&c, &[], &[a.clone(), b.clone()]),
+            Plan::MassDisconnect {
+                leader: "i1".into(),
+                absorb: vec!["i2".into()],
+                agents: 3
+            }
+        );
+        let mass = inc("i1", MASS_DISCONNECT, 10);
+        assert_eq!(
+            plan(&inc("i4", AGENT_LOST, 12), &[], &[mass]),
+            Plan::MergeInto {
+                leader: "i1".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_stop_is_a_clean_end_and_a_crash_loop_is_not() {
+        let stop = pb::ChildExit {
+            signal: Some(15),
+            stop_signal: Some(15),
+            ..Default::default()
+        };
+        assert!(is_clean_end(&stop));
+        assert!(is_clean_end(&pb::ChildExit {
+            exit_code: Some(0),
+            ..Default::default()
+        }));
+        assert!(!is_clean_end(&pb::ChildExit {
+            exit_code: Some(1),
+            ..Default::default()
+        }));
+        assert!(!is_clean_end(&pb::ChildExit {
+            exit_code: Some(0),
+            crash_loop: true,
+            ..Default::default()
+        }));
+    }
+}

@@ -1,0 +1,856 @@
+//! The collector's embedded store: one SQLite file holding every agent's Hello,
+//! every Sample and Event it sent (as raw protobuf bytes, so nothing is lost),
+//! and the incidents raised from them.
+//!
+//! Writes are durable before they return (WAL + `synchronous=FULL`): the server
+//! acks a seq only after `insert_batch` has returned, which is the agent's
+//! licence to drop its copy.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use oomscope_analysis::{Evidence, IncidentRef};
+use prost::Message;
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+
+use crate::pb;
+use crate::pb::agent_message::Body;
+use crate::pb::event::Kind as EventKind;
+
+mod instances;
+
+pub use instances::{Instance, Member, Target};
+
+/// Bump when the schema changes, and add a step to `migrate`.
+const SCHEMA_VERSION: i64 = 2;
+
+const SCHEMA_V1: &str = "
+CREATE TABLE agents(
+    agent_id      TEXT PRIMARY KEY,
+    name          TEXT NOT NULL,
+    hello         BLOB NOT NULL,
+    state         TEXT NOT NULL,
+    first_seen_ns INTEGER NOT NULL,
+    last_seen_ns  INTEGER NOT NULL,
+    last_seq      INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX agents_by_name ON agents(name, first_seen_ns);
+CREATE TABLE messages(
+    agent_id   TEXT NOT NULL,
+    seq        INTEGER NOT NULL,
+    time_ns    INTEGER NOT NULL,
+    kind       TEXT NOT NULL,      -- 'sample' | 'event' | 'goodbye'
+    event_kind TEXT,               -- the Event oneof's field name, e.g. 'oom'
+    body       BLOB NOT NULL,      -- the whole AgentMessage, prost-encoded
+    PRIMARY KEY(agent_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX messages_by_time ON messages(agent_id, kind, time_ns);
+CREATE TABLE incidents(
+    n        INTEGER PRIMARY KEY AUTOINCREMENT,
+    id       TEXT NOT NULL UNIQUE,
+    agent_id TEXT NOT NULL,
+    kind     TEXT NOT NULL,
+    time_ns  INTEGER NOT NULL,
+    domain   TEXT NOT NULL,
+    summary  TEXT NOT NULL,
+    seq      INTEGER NOT NULL
+);
+-- An event raises its incident once, however often the agent resends it.
+CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE seq > 0;
+CREATE INDEX incidents_by_agent ON incidents(agent_id, time_ns);
+";
+
+/// What `insert_batch` did with one batch.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// Every seq that is now durably stored (new or a duplicate), ascending.
+    pub stored: Vec<u64>,
+    /// The subset that this batch stored for the first time.
+    pub fresh: Vec<u64>,
+}
+
+/// One agent's Hello and its samples and events in a time range, oldest
+/// first, each with its seq.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct AgentHistory {
+    pub hello: pb::Hello,
+    pub samples: Vec<pb::TimedSample>,
+    pub events: Vec<pb::TimedEvent>,
+}
+
+impl AgentHistory {
+    /// The analysis's view: the same messages without seqs, plus the
+    /// incident being diagnosed, if any.
+    pub fn into_evidence(self, incident: Option<IncidentRef>) -> Evidence {
+        Evidence {
+            hello: Some(self.hello),
+            samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
+            events: self.events.into_iter().filter_map(|e| e.event).collect(),
+            incident,
+        }
+    }
+}
+
+pub struct Store {
+    conn: Connection,
+}
+
+impl Store {
+    /// Opens (or creates) the store at `path` and brings its schema up to date.
+    pub fn open(path: &Path) -> Result<Store> {
+        let conn = Connection::open(path)
+            .with_context(|| format!("opening the store {}", path.display()))?;
+        // WAL lets queries read while an ingest writes; FULL syncs the WAL on
+        // every commit, which is what makes an ack a promise.
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .with_context(|| format!("setting WAL mode on {}", path.display()))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            bail!("{}: SQLite refused WAL mode (got {mode:?})", path.display());
+        }
+        Self::init(conn).with_context(|| format!("preparing the store {}", path.display()))
+    }
+
+    /// A read-only connection to the store at `path`, which [`Store::open`]
+    /// has created. With WAL it reads the last committed state while the
+    /// writer's connection goes on writing; any write through it fails.
+    pub fn open_reader(path: &Path) -> Result<Store> {
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .with_context(|| format!("opening the store {} for reading", path.display()))?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        Ok(Store { conn })
+    }
+
+    /// A throwaway store, for tests and `replay` without `--db`.
+    pub fn open_in_memory() -> Result<Store> {
+        Self::init(Connection::open_in_memory().context("opening an in-memory store")?)
+    }
+
+    fn init(conn: Connection) -> Result<Store> {
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        // Another process (a second CLI, a backup) may hold the lock briefly.
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        let mut store = Store { conn };
+        store.migrate()?;
+        Ok(store)
+    }
+
+    fn migrate(&mut self) -> Result<()> {
+        let version: i64 = self
+            .conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if version > SCHEMA_VERSION {
+            bail!(
+                "the store has schema version {version}, newer than this oomscope understands \
+                 ({SCHEMA_VERSION}); use a newer oomscope"
+            );
+        }
+        if version < 1 {
+            let tx = self.conn.transaction()?;
+            tx.execute_batch(SCHEMA_V1)?;
+            tx.pragma_update(None, "user_version", 1)?;
+            tx.commit()?;
+        }
+        if version < 2 {
+            let tx = self.conn.transaction()?;
+            instances::migrate_v2(&tx)?;
+            tx.pragma_update(None, "user_version", 2)?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Records an agent's Hello (sent again on every connect) and marks it connected.
+    pub fn upsert_agent(&mut self, hello: &pb::Hello, now_ns: i64) -> Result<()> {
+        if hello.agent_id.is_empty() {
+            bail!("a Hello without an agent_id");
+        }
+        let instance = self.instance_for(hello)?;
+        self.conn
+            .execute(
+                "INSERT INTO agents(agent_id, name, hello, state, first_seen_ns, last_seen_ns, instance, host, pid)
+                 VALUES (?1, ?2, ?3, 'connected', ?4, ?4, ?5, ?6, ?7)
+                 ON CONFLICT(agent_id) DO UPDATE SET
+                   name = excluded.name, hello = excluded.hello,
+                   state = 'connected', last_seen_ns = excluded.last_seen_ns",
+                params![
+                    hello.agent_id,
+                    hello.name,
+                    hello.encode_to_vec(),
+                    now_ns,
+                    instance,
+                    hello.host,
+                    hello.pid
+                ],
+            )
+            .with_context(|| format!("storing the Hello of agent {}", hello.agent_id))?;
+        Ok(())
+    }
+
+    /// Stores a batch of an agent's messages in one transaction. A seq that is
+    /// already stored is left as it was (the agent resent it after a lost ack)
+    /// and still counts as stored. Hello messages carry no seq and are skipped:
+    /// use `upsert_agent`.
+    pub fn insert_batch(
+        &mut self,
+        agent_id: &str,
+        messages: &[pb::AgentMessage],
+    ) -> Result<BatchOutcome> {
+        let mut out = BatchOutcome::default();
+        let tx = self.conn.transaction()?;
+        let mut max_seq = 0u64;
+        let mut allocator_samples = 0i64;
+        {
+            let mut insert = tx.prepare_cached(
+                "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?;
+            for msg in messages {
+                let Some((kind, event_kind, time_ns)) = classify(msg) else {
+                    continue;
+                };
+                let seq = seq_to_sql(msg.seq)?;
+                let added = insert
+                    .execute(params![
+                        agent_id,
+                        seq,
+                        time_ns,
+                        kind,
+                        event_kind,
+                        msg.encode_to_vec()
+                    ])
+                    .with_context(|| format!("storing seq {} of agent {agent_id}", msg.seq))?;
+                if added > 0 {
+                    out.fresh.push(msg.seq);
+                    if matches!(&msg.body, Some(Body::Sample(s)) if !s.allocator.is_empty()) {
+                        allocator_samples += 1;
+                    }
+                }
+                out.stored.push(msg.seq);
+                max_seq = max_seq.max(msg.seq);
+            }
+        }
+        if !out.stored.is_empty() {
+            tx.execute(
+                "UPDATE agents SET last_seq = max(last_seq, ?2), last_seen_ns = max(last_seen_ns, ?3),
+                   allocator_samples = allocator_samples + ?4
+                 WHERE agent_id = ?1",
+                params![agent_id, seq_to_sql(max_seq)?, now_ns(), allocator_samples],
+            )?;
+        }
+        tx.commit()
+            .with_context(|| format!("committing a batch of agent {agent_id}"))?;
+        out.stored.sort_unstable();
+        out.stored.dedup();
+        out.fresh.sort_unstable();
+        out.fresh.dedup();
+        Ok(out)
+    }
+
+    /// Records a Hello as it arrives: a live agent's (see
+    /// [`Store::upsert_agent`]), or a dead one's whose spool another process
+    /// is delivering (`Hello.recovery`, see [`Store::record_recovered_agent`]).
+    pub fn record_hello(&mut self, hello: &pb::Hello, now_ns: i64) -> Result<()> {
+        match hello.recovery {
+            true => self.record_recovered_agent(hello, now_ns),
+            false => self.upsert_agent(hello, now_ns),
+        }
+    }
+
+    /// Records the Hello of a dead agent whose spool another process is
+    /// delivering (`Hello.recovery`): an agent the store already knows keeps
+    /// its Hello and state; a new one is stored as "lost", since it is dead.
+    pub fn record_recovered_agent(&mut self, hello: &pb::Hello, now_ns: i64) -> Result<()> {
+        if hello.agent_id.is_empty() {
+            bail!("a Hello without an agent_id");
+        }
+        let hello = pb::Hello {
+            recovery: false,
+            ..hello.clone()
+        };
+        let instance = self.instance_for(&hello)?;
+        self.conn
+            .execute(
+                "INSERT INTO agents(agent_id, name, hello, state, first_seen_ns, last_seen_ns, instance, host, pid)
+                 VALUES (?1, ?2, ?3, 'lost', ?4, ?4, ?5, ?6, ?7)
+                 ON CONFLICT(agent_id) DO NOTHING",
+                params![
+                    hello.agent_id,
+                    hello.name,
+                    hello.encode_to_vec(),
+                    now_ns,
+                    instance,
+                    hello.host,
+                    hello.pid
+                ],
+            )
+            .with_context(|| format!("storing the Hello of agent {}", hello.agent_id))?;
+        Ok(())
+    }
+
+    /// The agent's state (see [`Store::set_state`]), `None` if unknown.
+    pub fn state(&self, agent_id: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT state FROM agents WHERE agent_id = ?1",
+                [agent_id],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// The agent clock's time of its newest stored sample or event.
+    pub fn last_message_time(&self, agent_id: &str) -> Result<Option<i64>> {
+        Ok(self.conn.query_row(
+            "SELECT max(time_ns) FROM messages WHERE agent_id = ?1 AND kind != 'goodbye'",
+            [agent_id],
+            |r| r.get(0),
+        )?)
+    }
+
+    /// Replaces the domain of a recorded incident (more evidence arrived).
+    pub fn set_incident_domain(&mut self, id: &str, domain: &str) -> Result<()> {
+        self.conn.execute(
+            "UPDATE incidents SET domain = ?2 WHERE id = ?1",
+            params![id, domain],
+        )?;
+        Ok(())
+    }
+
+    /// "connected", "disconnected" (said Goodbye) or "lost" (went silent).
+    pub fn set_state(&mut self, agent_id: &str, state: &str, now_ns: i64) -> Result<()> {
+        let changed = self.conn.execute(
+            "UPDATE agents SET state = ?2, last_seen_ns = max(last_seen_ns, ?3) WHERE agent_id = ?1",
+            params![agent_id, state, now_ns],
+        )?;
+        if changed == 0 {
+            bail!("unknown agent {agent_id:?}");
+        }
+        Ok(())
+    }
+
+    /// Agents the store believes connected; after a collector restart their
+    /// streams are gone, so they must reconnect or be declared lost.
+    pub fn connected_agents(&self) -> Result<Vec<String>> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT agent_id FROM agents WHERE state = 'connected'")?;
+        let ids = stmt
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(ids)
+    }
+
+    /// Stores an incident and gives it the next id ("inc-000001", ...) unless
+    /// it has one. Returns None, storing nothing, when the same event already
+    /// raised an incident of that kind.
+    pub fn insert_incident(&mut self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
+        let tx = self.conn.transaction()?;
+        let stored = insert_incident_tx(&tx, incident)?;
+        tx.commit()?;
+        Ok(stored)
+    }
+
+    /// True when the event at `seq` already raised an incident of `kind`.
+    pub fn has_incident(&self, agent_id: &str, seq: u64, kind: &str) -> Result<bool> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT 1 FROM incidents WHERE agent_id = ?1 AND seq = ?2 AND kind = ?3",
+                params![agent_id, seq_to_sql(seq)?, kind],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some())
+    }
+
+    pub fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT a.agent_id, a.hello, a.state, a.first_seen_ns, a.last_seen_ns, a.last_seq,
+                    (SELECT count(*) FROM messages m WHERE m.agent_id = a.agent_id AND m.kind = 'sample'),
+                    (SELECT count(*) FROM messages m WHERE m.agent_id = a.agent_id AND m.kind = 'event'),
+                    a.instance
+             FROM agents a ORDER BY a.first_seen_ns, a.agent_id",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, Vec<u8>>(1)?,
+                pb::AgentSummary {
+                    hello: None,
+                    state: r.get(2)?,
+                    first_seen_ns: r.get(3)?,
+                    last_seen_ns: r.get(4)?,
+                    last_seq: r.get::<_, i64>(5)? as u64,
+                    samples: r.get::<_, i64>(6)? as u64,
+                    events: r.get::<_, i64>(7)? as u64,
+                    instance: r.get(8)?,
+                },
+            ))
+        })?;
+        let mut agents = Vec::new();
+        for row in rows {
+            let (agent_id, hello, mut summary) = row?;
+            summary.hello = Some(decode_hello(&agent_id, &hello)?);
+            agents.push(summary);
+        }
+        Ok(agents)
+    }
+
+    /// An agent id as given, or else the newest agent with that name.
+    pub fn resolve_agent(&self, id_or_name: &str) -> Result<Option<String>> {
+        let by_id = self
+            .conn
+            .query_row(
+                "SELECT agent_id FROM agents WHERE agent_id = ?1",
+                [id_or_name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if by_id.is_some() {
+            return Ok(by_id);
+        }
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT agent_id FROM agents WHERE name = ?1
+                 ORDER BY first_seen_ns DESC, last_seen_ns DESC LIMIT 1",
+                [id_or_name],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    pub fn hello(&self, agent_id: &str) -> Result<Option<pb::Hello>> {
+        let blob: Option<Vec<u8>> = self
+            .conn
+            .query_row(
+                "SELECT hello FROM agents WHERE agent_id = ?1",
+                [agent_id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        blob.map(|b| decode_hello(agent_id, &b)).transpose()
+    }
+
+    /// Samples and events of one agent with `from_ns <= time_ns <= to_ns`
+    /// (`to_ns == 0`: no upper bound), oldest first. With `max_points > 0`
+    /// the samples are thinned evenly to at most that many, keeping the first
+    /// and the last; events are never dropped.
+    pub fn timeline(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max_points: u32,
+    ) -> Result<pb::TimelineResponse> {
+        let to_ns = if to_ns == 0 { i64::MAX } else { to_ns };
+        let history = self.history(agent_id, from_ns, to_ns)?;
+        Ok(pb::TimelineResponse {
+            hello: Some(history.hello),
+            samples: downsample(history.samples, max_points as usize),
+            events: history.events,
+            members: Vec::new(),
+        })
+    }
+
+    /// The agent's Hello with all its samples and events in
+    /// `from_ns..=to_ns`, oldest first.
+    pub fn history(&self, agent_id: &str, from_ns: i64, to_ns: i64) -> Result<AgentHistory> {
+        let hello = self
+            .hello(agent_id)?
+            .ok_or_else(|| anyhow!("unknown agent {agent_id:?}"))?;
+        let mut history = AgentHistory {
+            hello,
+            ..Default::default()
+        };
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq, kind, body FROM messages
+             WHERE agent_id = ?1 AND kind IN ('sample', 'event') AND time_ns BETWEEN ?2 AND ?3
+             ORDER BY time_ns, seq",
+        )?;
+        let rows = stmt.query_map(params![agent_id, from_ns, to_ns], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as u64,
+                r.get::<_, String>(1)?,
+                r.get::<_, Vec<u8>>(2)?,
+            ))
+        })?;
+        for row in rows {
+            let (seq, _kind, body) = row?;
+            match decode_message(agent_id, seq, &body)?.body {
+                Some(Body::Sample(sample)) => history.samples.push(pb::TimedSample {
+                    seq,
+                    sample: Some(sample),
+                }),
+                Some(Body::Event(event)) => history.events.push(pb::TimedEvent {
+                    seq,
+                    event: Some(event),
+                    agent_id: String::new(),
+                }),
+                _ => {
+                    bail!("agent {agent_id} seq {seq}: stored row is neither a sample nor an event")
+                }
+            }
+        }
+        Ok(history)
+    }
+
+    /// The start of the window holding the newest `max_samples` samples in
+    /// `from_ns..=to_ns`: `from_ns` itself when the range holds no more.
+    pub fn window_start(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max_samples: u32,
+    ) -> Result<i64> {
+        let nth: Option<i64> = self
+            .conn
+            .query_row(
+                "SELECT time_ns FROM messages
+                 WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
+                 ORDER BY time_ns DESC LIMIT 1 OFFSET ?4",
+                params![agent_id, from_ns, to_ns, i64::from(max_samples.max(1)) - 1],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(nth.map_or(from_ns, |t| t.max(from_ns)))
+    }
+
+    /// What the analysis needs about an agent: its Hello, samples and events
+    /// up to `to_ns` (all of them when None), oldest first.
+    pub fn evidence(&self, agent_id: &str, to_ns: Option<i64>) -> Result<Evidence> {
+        Ok(self
+            .history(agent_id, i64::MIN, to_ns.unwrap_or(i64::MAX))?
+            .into_evidence(None))
+    }
+
+    /// All incidents (or one agent's), oldest first.
+    pub fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>> {
+        let mut stmt = self.conn.prepare(&format!(
+            "{INCIDENT_SELECT} WHERE (?1 IS NULL OR i.agent_id = ?1) AND i.merged_into IS NULL ORDER BY i.n"
+        ))?;
+        let rows = stmt.query_map([agent_id], incident_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The incident `id`, or the one it was merged into (a correlated
+    /// incident answers for all of its parts).
+    pub fn incident(&self, id: &str) -> Result<Option<pb::Incident>> {
+        let Some(leader) = self.leader_of(id)? else {
+            return Ok(None);
+        };
+        Ok(self
+            .conn
+            .query_row(
+                &format!("{INCIDENT_SELECT} WHERE i.id = ?1"),
+                [leader],
+                incident_row,
+            )
+            .optional()?)
+    }
+
+    /// The most recently recorded incident (of one agent, or of any).
+    pub fn latest_incident(&self, agent_id: Option<&str>) -> Result<Option<pb::Incident>> {
+        Ok(self
+            .conn
+            .query_row(
+                &format!(
+                    "{INCIDENT_SELECT} WHERE (?1 IS NULL OR i.agent_id = ?1) AND i.merged_into IS NULL
+                     ORDER BY i.n DESC LIMIT 1"
+                ),
+                [agent_id],
+                incident_row,
+            )
+            .optional()?)
+    }
+
+    /// Rows in `messages` for one agent, duplicates impossible by construction;
+    /// tests use it to check that a resend was stored once.
+    pub fn message_count(&self, agent_id: &str) -> Result<u64> {
+        let n: i64 = self.conn.query_row(
+            "SELECT count(*) FROM messages WHERE agent_id = ?1",
+            [agent_id],
+            |r| r.get(0),
+        )?;
+        Ok(n as u64)
+    }
+}
+
+/// What the fleet detectors need: one service's (agent name's) starts,
+/// deaths and requests over a time range.
+impl Store {
+    /// When each agent named `name` first said Hello, from `since_ns` on (collector clock).
+    pub fn starts_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Start>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT agent_id, first_seen_ns FROM agents WHERE name = ?1 AND first_seen_ns >= ?2 ORDER BY first_seen_ns",
+        )?;
+        let rows = stmt.query_map(params![name, since_ns], |r| {
+            Ok(crate::fleet::Start {
+                agent_id: r.get(0)?,
+                time_ns: r.get(1)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The incidents that ended an agent named `name` (a death by signal, a
+    /// failed exit with OOM text, a lost stream), from `since_ns` on.
+    pub fn deaths_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Death>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT i.agent_id, i.time_ns, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
+             WHERE a.name = ?1 AND i.time_ns >= ?2 AND i.kind IN ('signal', 'exit_oom_text', 'agent_lost')
+             ORDER BY i.time_ns",
+        )?;
+        let rows = stmt.query_map(params![name, since_ns], |r| {
+            Ok(crate::fleet::Death {
+                agent_id: r.get(0)?,
+                time_ns: r.get(1)?,
+                kind: r.get(2)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The times of request starts (`RequestBoundary` with `start`) sent by
+    /// any agent named `name` within [from_ns, to_ns).
+    pub fn request_starts_of(&self, name: &str, from_ns: i64, to_ns: i64) -> Result<Vec<i64>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT m.agent_id, m.seq, m.body FROM messages m JOIN agents a ON a.agent_id = m.agent_id
+             WHERE a.name = ?1 AND m.kind = 'event' AND m.event_kind = 'request' AND m.time_ns >= ?2 AND m.time_ns < ?3",
+        )?;
+        let rows = stmt.query_map(params![name, from_ns, to_ns], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)? as u64,
+                r.get::<_, Vec<u8>>(2)?,
+            ))
+        })?;
+        let mut times = Vec::new();
+        for row in rows {
+            let (agent_id, seq, body) = row?;
+            if let Some(Body::Event(e)) = decode_message(&agent_id, seq, &body)?.body {
+                if matches!(&e.kind, Some(EventKind::Request(r)) if r.start) {
+                    times.push(e.time_ns);
+                }
+            }
+        }
+        times.sort_unstable();
+        Ok(times)
+    }
+
+    /// Whether an incident of `kind` was recorded for any agent named `name` at or after `since_ns`.
+    pub fn has_incident_of_name(&self, name: &str, kind: &str, since_ns: i64) -> Result<bool> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT 1 FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
+                 WHERE a.name = ?1 AND i.kind = ?2 AND i.time_ns >= ?3 LIMIT 1",
+                params![name, kind, since_ns],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some())
+    }
+}
+
+const INCIDENT_SELECT: &str = "
+    SELECT i.id, i.agent_id, coalesce(a.name, ''), i.kind, i.time_ns, i.domain, i.summary, i.seq
+    FROM incidents i LEFT JOIN agents a ON a.agent_id = i.agent_id";
+
+fn incident_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<pb::Incident> {
+    Ok(pb::Incident {
+        id: r.get(0)?,
+        agent_id: r.get(1)?,
+        agent_name: r.get(2)?,
+        kind: r.get(3)?,
+        time_ns: r.get(4)?,
+        domain: r.get(5)?,
+        summary: r.get(6)?,
+        seq: r.get::<_, i64>(7)? as u64,
+    })
+}
+
+fn insert_incident_tx(tx: &Transaction<'_>, inc: &pb::Incident) -> Result<Option<pb::Incident>> {
+    // A placeholder id first: the real one derives from the row number, which
+    // SQLite assigns on insert, so ids stay dense and sortable.
+    let placeholder = format!("pending-{}", now_ns());
+    let added = tx.execute(
+        "INSERT OR IGNORE INTO incidents(id, agent_id, kind, time_ns, domain, summary, seq)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            if inc.id.is_empty() {
+                &placeholder
+            } else {
+                &inc.id
+            },
+            inc.agent_id,
+            inc.kind,
+            inc.time_ns,
+            inc.domain,
+            inc.summary,
+            seq_to_sql(inc.seq)?
+        ],
+    )?;
+    if added == 0 {
+        return Ok(None);
+    }
+    let n = tx.last_insert_rowid();
+    let mut stored = inc.clone();
+    if inc.id.is_empty() {
+        stored.id = format!("inc-{n:06}");
+        tx.execute(
+            "UPDATE incidents SET id = ?1 WHERE n = ?2",
+            params![stored.id, n],
+        )?;
+    }
+    if stored.agent_name.is_empty() {
+        stored.agent_name = tx
+            .query_row(
+                "SELECT name FROM agents WHERE agent_id = ?1",
+                [&inc.agent_id],
+                |r| r.get(0),
+            )
+            .optional()?
+            .unwrap_or_default();
+    }
+    Ok(Some(stored))
+}
+
+/// (kind, event_kind, time_ns) of a storable message; None for Hello or an empty body.
+fn classify(msg: &pb::AgentMessage) -> Option<(&'static str, Option<&'static str>, i64)> {
+    match msg.body.as_ref()? {
+        Body::Sample(s) => Some(("sample", None, s.time_ns)),
+        Body::Event(e) => Some(("event", Some(event_kind_name(e)), e.time_ns)),
+        // Kept for the record (the exit code and reason); no timeline shows it.
+        Body::Goodbye(_) => Some(("goodbye", None, now_ns())),
+        Body::Hello(_) => None,
+    }
+}
+
+/// The Event oneof's field name, as the proto spells it.
+pub fn event_kind_name(event: &pb::Event) -> &'static str {
+    match &event.kind {
+        Some(EventKind::Phase(_)) => "phase",
+        Some(EventKind::Gc(_)) => "gc",
+        Some(EventKind::CacheRelease(_)) => "cache_release",
+        Some(EventKind::Oom(_)) => "oom",
+        Some(EventKind::ProcessList(_)) => "process_list",
+        Some(EventKind::Snapshot(_)) => "snapshot",
+        Some(EventKind::HeapCensus(_)) => "heap_census",
+        Some(EventKind::ChildStart(_)) => "child_start",
+        Some(EventKind::ChildExit(_)) => "child_exit",
+        Some(EventKind::Request(_)) => "request",
+        Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill",
+        None => "",
+    }
+}
+
+/// Keeps at most `max` items spread evenly, first and last included; 0 keeps all.
+fn downsample<T>(items: Vec<T>, max: usize) -> Vec<T> {
+    let n = items.len();
+    if max == 0 || n <= max {
+        return items;
+    }
+    if max == 1 {
+        return items.into_iter().last().into_iter().collect();
+    }
+    // Index i*(n-1)/(max-1) for i in 0..max: strictly increasing because n > max.
+    let mut wanted = (0..max).map(|i| i * (n - 1) / (max - 1)).peekable();
+    items
+        .into_iter()
+        .enumerate()
+        .filter_map(|(idx, item)| {
+            if wanted.peek() == Some(&idx) {
+                wanted.next();
+                Some(item)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+fn seq_to_sql(seq: u64) -> Result<i64> {
+    i64::try_from(seq).map_err(|_| anyhow!("seq {seq} is beyond what the store can hold (2^63-1)"))
+}
+
+fn decode_message(agent_id: &str, seq: u64, body: &[u8]) -> Result<pb::AgentMessage> {
+    pb::AgentMessage::decode(body)
+        .with_context(|| format!("stored message of agent {agent_id} seq {seq} does not decode"))
+}
+
+fn decode_hello(agent_id: &str, blob: &[u8]) -> Result<pb::Hello> {
+    pb::Hello::decode(blob)
+        .with_context(|| format!("stored Hello of agent {agent_id} (seq 0) does not decode"))
+}
+
+pub use oomscope_proto::now_ns;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reader_sees_commits_and_refuses_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let mut writer = Store::open(&path).unwrap();
+        let mut reader = Store::open_reader(&path).unwrap();
+        assert!(reader.list_agents().unwrap().is_empty());
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
+        writer.upsert_agent(&hello, 1).unwrap();
+        let agents = reader.list_agents().unwrap();
+        assert_eq!(agents.len(), 1, "a commit is visible to the reader");
+        assert_eq!(agents[0].state, "connected");
+        let err = reader.upsert_agent(&hello, 2).unwrap_err();
+        assert!(format!("{err:#}").contains("readonly"), "{err:#}");
+        // A read in progress does not hold the writer back (WAL).
+        let mut stmt = reader.conn.prepare("SELECT agent_id FROM agents").unwrap();
+        let mut rows = stmt.query([]).unwrap();
+        assert!(rows.next().unwrap().is_some());
+        writer.set_state("a1", "lost", 3).unwrap();
+    }
+
+    #[test]
+    fn downsample_keeps_ends_and_spreads_evenly() {
+        let v: Vec<u32> = (0..100).collect();
+        let d = downsample(v.clone(), 5);
+        assert_eq!(d, vec![0, 24, 49, 74, 99]);
+        assert_eq!(downsample(v.clone(), 0).len(), 100);
+        assert_eq!(downsample(v.clone(), 200).len(), 100);
+        assert_eq!(downsample(v.clone(), 1), vec![99]);
+        assert_eq!(downsample(v, 99).len(), 99);
+    }
+
+    #[test]
+    fn corrupt_blob_names_agent_and_seq() {
+        let mut store = Store::open_in_memory().unwrap();
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
+        store.upsert_agent(&hello, 1).unwrap();
+        store
+            .conn
+            .execute(
+                "INSERT INTO messages VALUES ('a1', 7, 5, 'sample', NULL, x'12ff')",
+                [],
+            )
+            .unwrap();
+        let err = store.timeline("a1", 0, 0, 0).unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("agent a1 seq 7"), "{text}");
+    }
+}

@@ -43,7 +43,8 @@ pub fn agents(url: &str, json: bool) -> anyhow::Result<i32> {
                     let h = a.hello.clone().unwrap_or_default();
                     json!({"id": h.agent_id, "name": h.name, "host": h.host, "pid": h.pid, "role": h.role,
                            "runtime": h.runtime, "state": a.state, "first_seen_ns": a.first_seen_ns,
-                           "last_seen_ns": a.last_seen_ns, "samples": a.samples, "events": a.events, "last_seq": a.last_seq})
+                           "last_seen_ns": a.last_seen_ns, "samples": a.samples, "events": a.events, "last_seq": a.last_seq,
+                           "instance": a.instance, "parent_pid": h.parent_pid, "title": h.title})
                 })
                 .collect();
             json!(v)

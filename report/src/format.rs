@@ -10,6 +10,8 @@ use serde_json::json;
 /// millisecond): the table renderings of the analysis crate's units.
 pub use oomscope_analysis::units::{bytes_table as bytes, time_table as time};
 
+/// One line per instance (a service's run, however many processes), its
+/// processes indented under it, oldest first.
 pub fn agents(agents: &[pb::AgentSummary]) -> String {
     let mut out = String::new();
     if agents.is_empty() {
@@ -19,23 +21,92 @@ pub fn agents(agents: &[pb::AgentSummary]) -> String {
     let _ = writeln!(
         out,
         "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  last seen",
-        "AGENT", "NAME", "STATE", "SAMPLES", "EVENTS", "PID"
+        "INSTANCE / AGENT", "NAME / ROLE", "STATE", "SAMPLES", "EVENTS", "PID"
     );
+    let id_of = |a: &pb::AgentSummary| {
+        a.hello
+            .as_ref()
+            .map_or(String::new(), |h| h.agent_id.clone())
+    };
+    let instance_of = |a: &pb::AgentSummary| {
+        if a.instance.is_empty() {
+            id_of(a)
+        } else {
+            a.instance.clone()
+        }
+    };
+    let mut instances: Vec<String> = Vec::new();
     for a in agents {
-        let h = a.hello.clone().unwrap_or_default();
+        let i = instance_of(a);
+        if !instances.contains(&i) {
+            instances.push(i);
+        }
+    }
+    for inst in instances {
+        let members: Vec<&pb::AgentSummary> =
+            agents.iter().filter(|a| instance_of(a) == inst).collect();
+        let name = members[0].hello.as_ref().map_or("", |h| h.name.as_str());
+        // The instance is up while any of its processes streams.
+        let state = if members.iter().any(|a| a.state == "connected") {
+            "connected"
+        } else {
+            members[0].state.as_str()
+        };
+        // The server's pid: the supervised child's, else the founding process's.
+        let pid = members
+            .iter()
+            .filter_map(|a| a.hello.as_ref())
+            .find(|h| h.role != "supervisor")
+            .map_or(0, |h| h.pid);
         let _ = writeln!(
             out,
             "{:<40} {:<20} {:<12} {:>8} {:>8} {:>7}  {}",
-            h.agent_id,
-            h.name,
-            a.state,
-            a.samples,
-            a.events,
-            h.pid,
-            time(a.last_seen_ns)
+            terminal(&inst),
+            terminal(name),
+            state,
+            members.iter().map(|a| a.samples).sum::<u64>(),
+            members.iter().map(|a| a.events).sum::<u64>(),
+            pid,
+            time(members.iter().map(|a| a.last_seen_ns).max().unwrap_or(0))
         );
+        if members.len() == 1 && id_of(members[0]) == inst {
+            continue;
+        }
+        for a in members {
+            let h = a.hello.clone().unwrap_or_default();
+            let role = if h.title.is_empty() {
+                h.role.clone()
+            } else {
+                format!("{} ({})", h.role, h.title)
+            };
+            let _ = writeln!(
+                out,
+                "  {:<38} {:<20} {:<12} {:>8} {:>8} {:>7}  {}",
+                terminal(&h.agent_id),
+                terminal(&role),
+                a.state,
+                a.samples,
+                a.events,
+                h.pid,
+                time(a.last_seen_ns)
+            );
+        }
     }
     out
+}
+
+/// An agent-supplied string as a terminal should see it: control
+/// characters (escapes, bells, newlines) shown visibly, never acted on.
+pub fn terminal(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| -> Vec<char> {
+            if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            }
+        })
+        .collect()
 }
 
 pub fn incidents(list: &[pb::Incident]) -> String {
@@ -317,6 +388,54 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn agent(id: &str, instance: &str, role: &str, pid: u32, state: &str) -> pb::AgentSummary {
+        pb::AgentSummary {
+            hello: Some(pb::Hello {
+                agent_id: id.into(),
+                name: "vllm".into(),
+                role: role.into(),
+                pid,
+                ..Default::default()
+            }),
+            instance: instance.into(),
+            state: state.into(),
+            samples: 10,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn agents_are_listed_one_instance_per_line_with_its_processes_under_it() {
+        let text = agents(&[
+            agent("sup", "sup", "supervisor", 10, "disconnected"),
+            agent("api", "sup", "api_server", 11, "connected"),
+            agent("worker", "sup", "worker", 12, "lost"),
+            agent("solo", "solo", "server", 20, "connected"),
+        ]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 1 + 4 + 1, "{text}");
+        // The instance: connected while a process streams, the server's pid, the samples summed.
+        assert!(
+            lines[1].starts_with("sup ") && lines[1].contains("connected"),
+            "{text}"
+        );
+        assert!(
+            lines[1].contains(" 30 ") && lines[1].contains(" 11 "),
+            "{text}"
+        );
+        assert!(
+            lines[2].starts_with("  sup ") && lines[4].starts_with("  worker "),
+            "{text}"
+        );
+        // A single-process instance is one line.
+        assert!(lines[5].starts_with("solo "), "{text}");
+    }
+
+    #[test]
+    fn terminal_text_shows_control_characters_visibly() {
+        assert_eq!(terminal("a\x1b[31mred\x07\nb"), "a\\u{1b}[31mred\\u{7}\\nb");
+    }
 
     #[test]
     fn bytes_are_human() {

@@ -2,7 +2,7 @@
 
 use crate::capacity;
 use crate::causes;
-use crate::domain::decide;
+use crate::domain::{decide, DomainVerdict};
 use crate::evidence::Evidence;
 use crate::failure;
 use crate::findings::Findings;
@@ -28,6 +28,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     } else {
         Vec::new()
     };
+    let victim = victim(&f, &verdict);
     let capacity_json = capacity::estimate(e, &f.timeline, f.failure.as_ref())
         .and_then(|c| serde_json::to_string(&c).ok())
         .unwrap_or_default();
@@ -64,6 +65,59 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         }),
         cgroup: verdict.cgroup,
         failure: failure::of_incident(e),
-        victim: None,
+        victim,
     }
+}
+
+/// The process the failure took: the kernel's OOM victim, else the child
+/// that died, else the agent's own process (a device OOM inside it, a lost
+/// agent). None when nothing died or failed (a stop, a slowdown). Its
+/// command and title come from the supervised tree, the process list, the
+/// child's start or the Hello, whichever knew the pid.
+fn victim(f: &Findings, v: &DomainVerdict) -> Option<pb::Victim> {
+    let e = f.evidence;
+    if !v.failed
+        || (f.exit.is_none() && f.kernel.is_none() && f.oom.is_none() && e.incident.is_none())
+    {
+        return None;
+    }
+    let hello = e.hello.clone().unwrap_or_default();
+    let (pid, title) = match (f.kernel, f.exit) {
+        (Some((_, k)), _) => (k.pid, k.task.clone()),
+        (None, Some((_, x))) => (x.pid, String::new()),
+        (None, None) => (hello.pid, hello.title.clone()),
+    };
+    if pid == 0 {
+        return None;
+    }
+    let known = e
+        .samples
+        .iter()
+        .rev()
+        .flat_map(|s| s.tree.iter())
+        .chain(
+            e.process_list()
+                .into_iter()
+                .flat_map(|l| l.host_top_rss.iter()),
+        )
+        .find(|p| p.pid == pid);
+    let command = known
+        .map(|p| p.command.clone())
+        .filter(|c| !c.is_empty())
+        .or_else(|| {
+            e.child_start(pid)
+                .map(|s| s.command.join(" "))
+                .filter(|c| !c.is_empty())
+        })
+        .unwrap_or_default();
+    let title = Some(title)
+        .filter(|t| !t.is_empty())
+        .or_else(|| known.map(|p| p.title.clone()).filter(|t| !t.is_empty()))
+        .or_else(|| (pid == hello.pid).then(|| hello.title.clone()))
+        .unwrap_or_default();
+    Some(pb::Victim {
+        pid,
+        command,
+        title,
+    })
 }

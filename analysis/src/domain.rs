@@ -3,7 +3,7 @@
 use crate::evidence::Evidence;
 use crate::findings::{Findings, SIGBUS, SIGKILL};
 use crate::pb;
-use crate::units::{bytes, bytes_short, seconds, time};
+use crate::units::{bytes, bytes_short, seconds, signal_name, time};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Domain {
@@ -86,9 +86,12 @@ pub fn attribute_domain(e: &Evidence) -> DomainVerdict {
 pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     let mut lines: Vec<String> = f.exit_line().into_iter().collect();
     let lost = lost_line(f);
+    // Without the kernel's log, a verdict must say what it could not check.
+    let kernel_log = f.kernel.is_none().then(|| f.kernel_log_line()).flatten();
     let verdict = |domain, mut ev: Vec<String>, lines: &mut Vec<String>| {
         lines.append(&mut ev);
         lines.extend(lost.clone());
+        lines.extend(kernel_log.clone());
         DomainVerdict {
             domain,
             failed: true,
@@ -98,6 +101,24 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     };
 
     if !f.failed {
+        if let Some(sig) = f.stop {
+            lines.push(format!(
+                "{} was a stop that oomscope run passed on, and the kernel recorded no OOM kill of the instance: a stop, not a failure",
+                signal_name(sig)
+            ));
+            if let Some((b, a)) = f.global_oom {
+                lines.push(format!(
+                    "/proc/vmstat oom_kill {b} -> {a} meanwhile: another process's kill on this host"
+                ));
+            }
+            lines.extend(kernel_log);
+            return DomainVerdict {
+                domain: Domain::Unknown,
+                failed: false,
+                evidence: lines,
+                cgroup: None,
+            };
+        }
         // No death: only a slowdown can be an incident.
         if f.thrashing() {
             let ev = f.thrash.as_ref().map(|t| t.evidence()).unwrap_or_default();
@@ -116,6 +137,22 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             evidence: lines,
             cgroup: None,
         };
+    }
+
+    // The kernel's own record of the kill: it names the constraint, the
+    // level whose limit was hit and the victim, so no counter can say more.
+    if let Some((_, k)) = f.kernel {
+        let (domain, mut ev) = kernel_lines(f, k);
+        if domain == Domain::Cgroup {
+            if let Some(m) = &f.memcg {
+                ev.extend(m.evidence.iter().cloned());
+            }
+        }
+        let mut v = verdict(domain, ev, &mut lines);
+        if domain == Domain::Cgroup {
+            v.cgroup = Some(kernel_cgroup(f, k));
+        }
+        return v;
     }
 
     // SIGBUS is how a full /dev/shm (tmpfs) answers a page fault; no OOM counter moves.
@@ -148,20 +185,23 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     }
 
     // A process that was not killed failed by itself: its own record (a
-    // device OOM, a refusal under its own limits) beats the machine-wide
-    // counter, which another process's OOM kill moves as well.
+    // device OOM, a refusal under its own limits, a runtime's memory text)
+    // beats the machine-wide counter, which another process's OOM kill
+    // moves as well.
     if f.signal.is_none() {
         if let Some((domain, ev)) = own_failure(f) {
             return verdict(domain, ev, &mut lines);
         }
     }
 
-    // The global OOM killer ran and no cgroup level was at its limit.
-    if let Some((b, a)) = f.global_oom {
+    // The global OOM killer ran, no cgroup level was at its limit, and this
+    // process's death agrees: SIGKILL, with memory short around it.
+    if let Some(((b, a), why)) = f.global_oom_agrees() {
         let mut ev = vec![format!(
             "/proc/vmstat oom_kill {b} -> {a}: the global OOM killer ran"
         )];
         ev.push(no_level_at_limit_line(f));
+        ev.push(why);
         ev.extend(ram_line(f));
         ev.extend(code_signal_line(f));
         return verdict(Domain::HostRam, ev, &mut lines);
@@ -208,7 +248,111 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
         ev.push(f.signal_text());
     }
     ev.push(f.counters_line());
+    if let Some((b, a)) = f.global_oom {
+        ev.push(format!(
+            "/proc/vmstat oom_kill {b} -> {a}, but it counts every kill on the host: without a SIGKILL of this process and memory short around it, it names no domain here"
+        ));
+    }
     verdict(Domain::Unknown, ev, &mut lines)
+}
+
+/// The kernel's record as evidence: the domain its constraint names, the
+/// "Killed process" line, the levels, and the victim's memory at the kill.
+fn kernel_lines(f: &Findings, k: &pb::KernelOomKill) -> (Domain, Vec<String>) {
+    let memcg = k.constraint == "CONSTRAINT_MEMCG";
+    let killed = k
+        .lines
+        .iter()
+        .find(|l| l.contains("Killed process"))
+        .cloned()
+        .unwrap_or_else(|| {
+            format!(
+                "Killed process {} ({}) total-vm:{}kB, anon-rss:{}kB, file-rss:{}kB, shmem-rss:{}kB",
+                k.pid,
+                k.task,
+                k.total_vm_bytes / 1024,
+                k.anon_rss_bytes / 1024,
+                k.file_rss_bytes / 1024,
+                k.shmem_rss_bytes / 1024
+            )
+        });
+    let mut ev = vec![format!("kernel: {killed}")];
+    let constraint = if k.constraint.is_empty() {
+        "no constraint logged"
+    } else {
+        k.constraint.as_str()
+    };
+    let mut how = format!("the kernel's OOM record: {constraint}");
+    if memcg && !k.oom_memcg.is_empty() {
+        how.push_str(&format!(
+            ", the limit of {} was hit (oom_memcg)",
+            k.oom_memcg
+        ));
+    } else if !memcg {
+        how.push_str(": the machine's memory (the allowed nodes') ran out, not a cgroup limit");
+    }
+    if !k.task_memcg.is_empty() {
+        how.push_str(&format!("; the victim lived in {}", k.task_memcg));
+    }
+    if !k.invoked_by.is_empty() {
+        how.push_str(&format!("; invoked by {}", k.invoked_by));
+    }
+    ev.push(how);
+    if memcg && k.memcg_limit_bytes > 0 {
+        ev.push(format!(
+            "memcg usage {} of limit {} at the kill (the kernel's record)",
+            bytes(k.memcg_usage_bytes),
+            bytes(k.memcg_limit_bytes)
+        ));
+    }
+    ev.push(format!(
+        "victim pid {} ({}) at the kill: anon-rss {}, file-rss {}, shmem-rss {}, total-vm {} (the kernel's record)",
+        k.pid,
+        k.task,
+        bytes_short(k.anon_rss_bytes),
+        bytes_short(k.file_rss_bytes),
+        bytes_short(k.shmem_rss_bytes),
+        bytes_short(k.total_vm_bytes)
+    ));
+    if memcg {
+        (Domain::Cgroup, ev)
+    } else {
+        ev.extend(ram_line(f));
+        (Domain::HostRam, ev)
+    }
+}
+
+/// The cgroup verdict of a memcg kill: the kernel names both levels; the
+/// limit is the record's, else the counters' reading of that level.
+fn kernel_cgroup(f: &Findings, k: &pb::KernelOomKill) -> pb::CgroupVerdict {
+    let from_counters = f.counters.as_ref().and_then(|c| {
+        c.levels()
+            .find(|l| !k.oom_memcg.is_empty() && k.oom_memcg.ends_with(&l.after.path))
+            .and_then(|l| l.limit())
+    });
+    pb::CgroupVerdict {
+        path: if k.task_memcg.is_empty() {
+            f.memcg
+                .as_ref()
+                .map(|m| m.own_path.clone())
+                .unwrap_or_default()
+        } else {
+            k.task_memcg.clone()
+        },
+        limit_bytes: Some(k.memcg_limit_bytes)
+            .filter(|&l| l > 0)
+            .or(from_counters)
+            .or(f.memcg.as_ref().map(|m| m.limit_bytes))
+            .unwrap_or(0),
+        owner_level: if k.oom_memcg.is_empty() {
+            f.memcg
+                .as_ref()
+                .map(|m| m.owner_path.clone())
+                .unwrap_or_default()
+        } else {
+            k.oom_memcg.clone()
+        },
+    }
 }
 
 /// A signal read from a shell's 128+N exit code, which the exit line does not spell out.
@@ -219,20 +363,39 @@ fn code_signal_line(f: &Findings) -> Option<String> {
 }
 
 /// The process's own record of its failure: a device allocation that failed
-/// (the allocator said so, or the error text), or an allocation its own
-/// limits refused (RLIMIT_AS, strict overcommit; the kernel counts nothing).
+/// (the allocator said so, or the error text), an allocation its own limits
+/// refused (RLIMIT_AS, strict overcommit; the kernel counts nothing), or a
+/// runtime's memory text that names its memory (the table in `runtime_text`).
 fn own_failure(f: &Findings) -> Option<(Domain, Vec<String>)> {
-    if f.oom.is_some() || f.cuda_line.is_some() {
+    if f.oom.is_some() || f.text_domain == Some(Domain::GpuVram) {
         return Some((Domain::GpuVram, gpu_lines(f)));
     }
     let text = f.oom_line.as_ref()?;
-    if f.as_limit.is_none() && f.strict_commit.is_none() {
-        return None;
+    if f.as_limit.is_some() || f.strict_commit.is_some() {
+        let mut ev = vec![format!("stderr: {text}")];
+        ev.extend(address_space_lines(f));
+        ev.push(f.counters_line());
+        return Some((Domain::AddressSpace, ev));
     }
-    let mut ev = vec![format!("stderr: {text}")];
-    ev.extend(address_space_lines(f));
-    ev.push(f.counters_line());
-    Some((Domain::AddressSpace, ev))
+    if f.text_domain == Some(Domain::HostRam) {
+        let mut ev = text_lines(f);
+        ev.extend(ram_line(f));
+        ev.push(f.counters_line());
+        return Some((Domain::HostRam, ev));
+    }
+    None
+}
+
+/// "stderr: <line>" and, for a runtime's own text, what it means.
+fn text_lines(f: &Findings) -> Vec<String> {
+    let Some(t) = &f.text else {
+        return Vec::new();
+    };
+    let mut ev = vec![format!("stderr: {}", t.line)];
+    if t.text.cause.is_some() {
+        ev.push(format!("{}: {}", t.text.runtime, t.text.meaning));
+    }
+    ev
 }
 
 /// For a lost agent: when it was last heard from.
@@ -284,17 +447,16 @@ fn no_level_at_limit_line(f: &Findings) -> String {
     }
 }
 
+/// The host's memory at the death, labelled with where the reading comes from.
 fn ram_line(f: &Findings) -> Option<String> {
-    let s = f.evidence.last_system()?;
-    (s.mem_total_bytes > 0).then(|| {
-        format!(
-            "MemAvailable {} of MemTotal {}; swap free {} of {}",
-            bytes(s.mem_available_bytes),
-            bytes(s.mem_total_bytes),
-            bytes_short(s.swap_free_bytes),
-            bytes_short(s.swap_total_bytes)
-        )
-    })
+    let (s, label) = f.system_at_death()?;
+    Some(format!(
+        "MemAvailable {} of MemTotal {}; swap free {} of {} ({label})",
+        bytes(s.mem_available_bytes),
+        bytes(s.mem_total_bytes),
+        bytes_short(s.swap_free_bytes),
+        bytes_short(s.swap_total_bytes)
+    ))
 }
 
 fn address_space_lines(f: &Findings) -> Vec<String> {
@@ -352,6 +514,8 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
         if o.driver_error != 0 {
             ev.push(format!("driver error {}", o.driver_error));
         }
+    } else if f.text.is_some() {
+        ev.extend(text_lines(f));
     } else if let Some(line) = &f.cuda_line {
         ev.push(format!("stderr: {line}"));
     }

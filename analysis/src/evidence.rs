@@ -40,6 +40,57 @@ impl Evidence {
         })
     }
 
+    /// The kernel's OOM record the incident is about (nearest its time, else
+    /// the last). `oomscope run` sends only records whose pid belongs to its
+    /// instance, so any record here names one of this instance's processes.
+    /// Where an exit is judged, the record must fall within that child's life
+    /// (a kill from an earlier restart does not explain a later exit); the
+    /// kernel's log may come a few seconds after the death.
+    pub fn kernel_oom_kill(&self) -> Option<(i64, &pb::KernelOomKill)> {
+        let found = self.nearest(|k| match k {
+            Kind::KernelOomKill(x) => Some(x),
+            _ => None,
+        })?;
+        match self.child_exit() {
+            Some((t, x)) => {
+                let born = t.saturating_sub(x.runtime_ns as i64 + KMSG_LAG_NS);
+                (born..=t.saturating_add(KMSG_LAG_NS))
+                    .contains(&found.0)
+                    .then_some(found)
+            }
+            None => Some(found),
+        }
+    }
+
+    /// When the process died or failed: the child's exit, else the device
+    /// OOM, else the kernel's record, else the incident.
+    pub fn death_time(&self) -> Option<i64> {
+        self.child_exit()
+            .map(|(t, _)| t)
+            .or_else(|| self.oom().map(|(t, _)| t))
+            .or_else(|| self.kernel_oom_kill().map(|(t, _)| t))
+            .or_else(|| self.incident.as_ref().map(|i| i.time_ns))
+    }
+
+    /// The evidence shows a GPU: announced, read by NVML, or an allocator's.
+    pub fn gpu_seen(&self) -> bool {
+        self.hello.as_ref().is_some_and(|h| !h.gpus.is_empty())
+            || self
+                .samples
+                .iter()
+                .any(|s| !s.gpus.is_empty() || !s.allocator.is_empty())
+            || self.oom().is_some()
+    }
+
+    /// The Hello's `kernel_log` label when it says the log could not be read:
+    /// the reason, as the agent gave it.
+    pub fn kernel_log_unreadable(&self) -> Option<&str> {
+        let label = self.hello.as_ref()?.labels.get("kernel_log")?;
+        label
+            .strip_prefix("unreadable")
+            .map(|why| why.trim_start_matches([':', ' ']))
+    }
+
     /// The ChildStart of the given pid, the last one if restarts reused it.
     pub fn child_start(&self, pid: u32) -> Option<&pb::ChildStart> {
         self.events.iter().rev().find_map(|e| match &e.kind {
@@ -119,6 +170,10 @@ impl Evidence {
         }
     }
 }
+
+/// How long after a death the kernel's record may still be read (the
+/// supervisor waits briefly for a kill's last line).
+pub const KMSG_LAG_NS: i64 = 10_000_000_000;
 
 /// 0 means unlimited in the proto; RLIM_INFINITY (all ones) and v1's
 /// "unlimited" (PAGE_COUNTER_MAX pages, about 2^63) can still leak through from

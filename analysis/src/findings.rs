@@ -2,16 +2,21 @@
 //! The domain verdict, the causes and the fixes all read these.
 
 use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
+use crate::domain::Domain;
 use crate::evidence::Evidence;
 use crate::failure::{device_limit, AtFailure};
-use crate::oom_text::{cuda_oom_line, oom_line};
 use crate::pb;
+use crate::runtime_text::{self, cuda_oom_line, TextMatch};
 use crate::thrash::{read_thrash, ThrashReading};
 use crate::timeline::Timeline;
 use crate::units::{bytes, seconds, signal_name};
 
 pub const SIGBUS: i32 = 7;
 pub const SIGKILL: i32 = 9;
+
+/// MemAvailable under this share of MemTotal is memory that ran short: the
+/// kernel reclaims until little is left before it kills.
+pub const LOW_AVAILABLE_FRACTION: f64 = 0.1;
 
 /// Under strict overcommit (mode 2) the kernel refuses a mapping that would
 /// take Committed_AS past CommitLimit; the refused request itself is not
@@ -30,6 +35,14 @@ pub struct Findings<'a> {
     pub memcg: Option<MemcgOom>,
     pub global_oom: Option<(u64, u64)>,
     pub thrash: Option<ThrashReading>,
+    /// The kernel's OOM record of a process of this instance.
+    pub kernel: Option<(i64, &'a pb::KernelOomKill)>,
+    /// The stop signal `oomscope run` passed on before the child ended.
+    pub stop: Option<i32>,
+    /// The runtime's memory text on stderr (the table's most specific entry).
+    pub text: Option<TextMatch>,
+    /// The domain that text names, where it names one.
+    pub text_domain: Option<Domain>,
     /// The stderr line that reports an allocation failure.
     pub oom_line: Option<String>,
     pub cuda_line: Option<String>,
@@ -58,8 +71,14 @@ impl<'a> Findings<'a> {
         });
         let clean_exit =
             exit.is_some_and(|(_, x)| x.signal.is_none() && x.exit_code.unwrap_or(0) == 0);
+        let kernel = e.kernel_oom_kill();
+        let stop = exit.and_then(|(_, x)| x.stop_signal);
+        // A passed-on stop ends the child without failing it, unless the
+        // kernel killed a process of the instance for memory.
+        let stopped = stop.is_some();
         let failed = oom.is_some()
-            || (exit.is_some() && !clean_exit)
+            || kernel.is_some()
+            || (exit.is_some() && !clean_exit && !stopped)
             || (exit.is_none() && e.incident.is_some());
         let counters = CounterChange::from_evidence(e);
         let sigkill = signal.is_some_and(|(s, _)| s == SIGKILL);
@@ -70,6 +89,8 @@ impl<'a> Findings<'a> {
             .map(|(_, o)| format!("{}: {}", o.error_type, o.error_text))
             .unwrap_or_default();
         let cuda_line = cuda_oom_line(stderr).or_else(|| cuda_oom_line(&oom_error));
+        let text = runtime_text::find(stderr);
+        let text_domain = text.as_ref().and_then(|t| t.domain(e.gpu_seen()));
         let strict_commit = e.last_system().and_then(|s| {
             let near = s.overcommit_mode == 2
                 && s.commit_limit_bytes > 0
@@ -96,7 +117,11 @@ impl<'a> Findings<'a> {
             memcg,
             global_oom,
             thrash: read_thrash(&e.samples),
-            oom_line: oom_line(stderr),
+            kernel,
+            stop,
+            oom_line: text.as_ref().map(|t| t.line.clone()),
+            text,
+            text_domain,
             cuda_line,
             as_limit: e.address_space_limit(),
             strict_commit,
@@ -128,6 +153,85 @@ impl<'a> Findings<'a> {
 
     pub fn thrashing(&self) -> bool {
         self.thrash.as_ref().is_some_and(|t| t.thrashing)
+    }
+
+    /// The system reading that stands for the moment of the death: the last
+    /// sample before it, else the reading at the child's exit (the process
+    /// was already dead, so its memory was back), with a label that says which.
+    pub fn system_at_death(&self) -> Option<(&'a pb::SystemMemory, String)> {
+        let e = self.evidence;
+        let death = e.death_time();
+        let before = e
+            .samples
+            .iter()
+            .rev()
+            .filter(|s| death.is_none_or(|d| s.time_ns < d))
+            .find_map(|s| s.system.as_ref().map(|m| (s.time_ns, m)))
+            .filter(|(_, m)| m.mem_total_bytes > 0);
+        if let Some((t, m)) = before {
+            let label = match death {
+                Some(d) => format!("the last sample, {} before the death", seconds(d - t)),
+                None => "the last sample".to_string(),
+            };
+            return Some((m, label));
+        }
+        self.exit
+            .and_then(|(_, x)| x.after.as_ref())
+            .and_then(|c| c.system.as_ref())
+            .filter(|m| m.mem_total_bytes > 0)
+            .map(|m| (m, "read after the death".to_string()))
+    }
+
+    /// Memory ran short around the death: MemAvailable low in the reading
+    /// before it or after it (after a kill the victim's memory is back, so a
+    /// low reading then is low all the more), or the process's own words.
+    pub fn memory_short(&self) -> Option<String> {
+        let after = self
+            .exit
+            .and_then(|(_, x)| x.after.as_ref())
+            .and_then(|c| c.system.as_ref())
+            .map(|m| (m, "read after the death".to_string()));
+        let low = self
+            .system_at_death()
+            .into_iter()
+            .chain(after)
+            .find(|(m, _)| {
+                m.mem_total_bytes > 0
+                    && (m.mem_available_bytes as f64)
+                        < m.mem_total_bytes as f64 * LOW_AVAILABLE_FRACTION
+            });
+        if let Some((_, label)) = low {
+            // The numbers are in the RAM line; this says why they count.
+            return Some(format!(
+                "memory was short: MemAvailable under {:.0}% of MemTotal ({label})",
+                LOW_AVAILABLE_FRACTION * 100.0
+            ));
+        }
+        self.oom_line
+            .as_ref()
+            .map(|l| format!("memory was short: the process reported a failed allocation ({l})"))
+    }
+
+    /// The machine-wide OOM counter moved, and this process's death agrees:
+    /// it was killed by SIGKILL (a kernel record would have decided earlier)
+    /// and memory ran short. vmstat counts every cgroup's kills on the host,
+    /// so the counter alone never names a domain.
+    pub fn global_oom_agrees(&self) -> Option<((u64, u64), String)> {
+        let moved = self.global_oom?;
+        if !self.is_signal(SIGKILL) {
+            return None;
+        }
+        self.memory_short().map(|why| (moved, why))
+    }
+
+    /// "the kernel log could not be read (why)", when the agent said so.
+    pub fn kernel_log_line(&self) -> Option<String> {
+        let why = self.evidence.kernel_log_unreadable()?;
+        Some(if why.is_empty() {
+            "the kernel log could not be read, so no kernel OOM record could confirm or rule out a kill".to_string()
+        } else {
+            format!("the kernel log could not be read ({why}), so no kernel OOM record could confirm or rule out a kill")
+        })
     }
 
     /// "killed by signal 9 (SIGKILL)" or "exit code 137 (128 + 9, SIGKILL)".

@@ -39,7 +39,10 @@ const SAME_WORKLOAD: &str =
 /// Fixes for the causes found (most likely cause first), then for the domain
 /// where no cause gave any; ranked least risky first, duplicates dropped.
 pub fn rank(f: &Findings, v: &DomainVerdict, causes: &[pb::Cause]) -> Vec<pb::Fix> {
-    let mut fixes: Vec<pb::Fix> = causes.iter().flat_map(|c| for_cause(c, f)).collect();
+    let mut fixes: Vec<pb::Fix> = causes
+        .iter()
+        .flat_map(|c| runtime_fix(c, f).into_iter().chain(for_cause(c, f)))
+        .collect();
     if fixes.is_empty() && v.failed {
         fixes = for_domain(v.domain);
     }
@@ -238,10 +241,29 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     }
 }
 
+/// The fix the runtime's text names, in its own settings (the table in
+/// `runtime_text`), for the cause that text named.
+fn runtime_fix(c: &pb::Cause, f: &Findings) -> Option<pb::Fix> {
+    let t = &f.text.as_ref()?.text;
+    (t.cause == Some(c.kind.as_str()) && !t.fix.is_empty()).then(|| {
+        fix(
+            t.fix,
+            "low",
+            format!("restart {} with the new setting and rerun the same workload; the message must not come back", t.runtime),
+            Some(ONE_REQUEST),
+        )
+    })
+}
+
 fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     match c.kind.as_str() {
         "cgroup_limit" => {
-            let owner = f.memcg.as_ref().map_or("the owning cgroup".to_string(), |m| m.owner_path.clone());
+            let owner = f
+                .memcg
+                .as_ref()
+                .map(|m| m.owner_path.clone())
+                .or_else(|| f.kernel.map(|(_, k)| k.oom_memcg.clone()).filter(|p| !p.is_empty()))
+                .unwrap_or_else(|| "the owning cgroup".to_string());
             let limit = metric(c, "limit_bytes");
             let ancestor = f.memcg.as_ref().is_some_and(|m| m.owner_depth > 0);
             vec![

@@ -28,6 +28,11 @@ pub fn to_json(d: &pb::Diagnosis) -> Value {
             "owner_level": c.owner_level,
         })),
         "failure": d.failure.as_ref().map(failure),
+        "victim": d.victim.as_ref().map(|v| json!({
+            "pid": v.pid,
+            "command": v.command,
+            "title": v.title,
+        })),
     })
 }
 

@@ -4,10 +4,12 @@
 //!
 //! The flow: `Findings` measures everything once (counter movement, the
 //! cgroup that owns a hit limit, thrash over the sample window, limits, error
-//! text, the allocator timeline and the state at the failed allocation);
-//! `domain` decides which memory ran out; `trigger` what set it off; `causes`
-//! says why, each analyzer on its own; `fixes` ranks what to change, least
-//! risky first; `capacity` sizes what fits.
+//! text, the kernel's OOM record, the allocator timeline and the state at
+//! the failed allocation); `domain` decides which memory ran out; `trigger`
+//! what set it off; `causes` says why, each analyzer on its own (a runtime's
+//! own memory text names its domain and cause through the one table in
+//! `runtime_text`); `fixes` ranks what to change, least risky first;
+//! `capacity` sizes what fits.
 
 pub use oomscope_proto::v1 as pb;
 
@@ -24,7 +26,7 @@ mod fixes;
 mod growth;
 mod json;
 mod kv_fit;
-mod oom_text;
+pub mod runtime_text;
 pub mod stats;
 mod thrash;
 mod timeline;
@@ -38,6 +40,9 @@ pub use diagnose::diagnose;
 pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef};
 pub use json::to_json;
-pub use oom_text::{is_cuda_oom_text, is_oom_text};
-pub use thrash::{THRASH_MIN_REFAULT_PAGES, THRASH_MIN_SOME_AVG10, THRASH_MIN_STALL_US};
+pub use runtime_text::{is_cuda_oom_text, is_oom_text, oom_line, RuntimeText, RUNTIME_TEXTS};
+pub use thrash::{
+    THRASH_MIN_REFAULT_PAGES, THRASH_MIN_REFAULT_SHARE, THRASH_MIN_SOME_AVG10,
+    THRASH_MIN_STALL_SHARE,
+};
 pub use trigger::Trigger;

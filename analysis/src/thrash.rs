@@ -1,17 +1,32 @@
 //! Swap thrash: the process slows rather than dies, so it is read from the
 //! sample window, not from a death.
+//!
+//! Every measure is relative, so that one rule holds on any host and for any
+//! runtime: refaults against the working set they belong to, stall time
+//! against the window. A page count alone says nothing (a large server
+//! refaults more pages in a healthy minute than a small one thrashing), and a
+//! host without swap can only thrash on page cache, which must have slowed
+//! the process (PSI) to count.
 
 use crate::pb;
+use crate::units::bytes_short;
 
-/// Refaults (pages read back soon after eviction) over the window at or above
-/// which the working set no longer fits: 4096 pages is 16 MiB of 4 KiB pages
-/// evicted and needed again. A healthy steady state refaults rarely.
+/// A floor against noise: fewer refaulted pages than this over the window
+/// (16 MiB of 4 KiB pages) is never thrash, whatever the shares say.
 pub const THRASH_MIN_REFAULT_PAGES: u64 = 4096;
 
-/// PSI stall growth (µs) that, together with the refaults, shows tasks waited
-/// on memory. Any growth counts: refaults alone can come from a one-off cache
+/// Refaulted bytes over the window, as a share of the working set of their
+/// scope (the cgroup's usage, or the host's used RAM), at or above which the
+/// working set no longer fits: a twentieth of it evicted and read back.
+pub const THRASH_MIN_REFAULT_SHARE: f64 = 0.05;
+
+/// PSI "some" stall time over the window, as a share of wall time, that
+/// shows tasks waited on memory: refaults alone can come from a one-off cache
 /// eviction that nobody waited for, refaults plus stall cannot.
-pub const THRASH_MIN_STALL_US: u64 = 1;
+pub const THRASH_MIN_STALL_SHARE: f64 = 0.05;
+
+/// Refaults and swap-in are counted in pages of this size.
+const PAGE_BYTES: u64 = 4096;
 
 /// PSI some avg10 (percent) that counts as stalling when the totals are not
 /// available: a tenth of wall time waiting on memory is felt as a slowdown.
@@ -27,6 +42,11 @@ pub struct ThrashReading {
     pub refault_anon: u64,
     pub pswpin: u64,
     pub pswpout: u64,
+    /// The memory the refaults are measured against: the cgroup's usage,
+    /// or the host's used RAM (MemTotal − MemAvailable); the most seen.
+    pub working_set_bytes: u64,
+    /// The host has swap (SwapTotal > 0): anonymous memory can thrash too.
+    pub swap: bool,
     /// "cgroup /x", "system", or "" when no PSI was read.
     pub psi_scope: String,
     pub some_avg10: f64,
@@ -46,16 +66,41 @@ impl ThrashReading {
         self.refaults() as f64 / self.window_s
     }
 
+    /// Refaulted bytes over the window against the working set; 0 when the
+    /// working set is unknown (then no share can be claimed).
+    pub fn refault_share(&self) -> f64 {
+        share(self.refaults() * PAGE_BYTES, self.working_set_bytes)
+    }
+
+    /// Swapped-in bytes over the window against the working set.
+    pub fn swapin_share(&self) -> f64 {
+        share(self.pswpin * PAGE_BYTES, self.working_set_bytes)
+    }
+
+    /// PSI "some" stall time as a share of the window.
+    pub fn stall_share(&self) -> f64 {
+        self.some_stall_us as f64 / (self.window_s * 1e6)
+    }
+
     pub fn evidence(&self) -> Vec<String> {
+        let of_working_set = if self.working_set_bytes > 0 {
+            format!(
+                "{:.1}% of the working set ({} in use)",
+                self.refault_share() * 100.0,
+                bytes_short(self.working_set_bytes)
+            )
+        } else {
+            "the working set was not read".to_string()
+        };
         let mut lines = vec![format!(
-            "{} workingset refaults +{} pages (file {}, anon {}) over {:.1} s = {:.1}/s; threshold {} pages",
+            "{} workingset refaults +{} pages (file {}, anon {}) over {:.1} s = {:.1}/s: {of_working_set}; threshold {:.0}%",
             self.refault_scope,
             self.refaults(),
             self.refault_file,
             self.refault_anon,
             self.window_s,
             self.refaults_per_s(),
-            THRASH_MIN_REFAULT_PAGES
+            THRASH_MIN_REFAULT_SHARE * 100.0
         )];
         lines.push(format!(
             "swap pswpin +{} pages ({:.1}/s), pswpout +{} pages ({:.1}/s)",
@@ -68,13 +113,19 @@ impl ThrashReading {
             lines.push("no memory PSI readings".to_string());
         } else {
             lines.push(format!(
-                "{} PSI memory some avg10 {:.2}%, full avg10 {:.2}%; stall total +{:.3} s (some), +{:.3} s (full)",
+                "{} PSI memory some avg10 {:.2}%, full avg10 {:.2}%; stall total +{:.3} s (some), +{:.3} s (full) = {:.1}% of the window",
                 self.psi_scope,
                 self.some_avg10,
                 self.full_avg10,
                 self.some_stall_us as f64 / 1e6,
-                self.full_stall_us as f64 / 1e6
+                self.full_stall_us as f64 / 1e6,
+                self.stall_share() * 100.0
             ));
+        }
+        if !self.swap {
+            lines.push(
+                "no swap on this host: only page-cache refaults that slowed the process (PSI) count as thrash".to_string(),
+            );
         }
         lines
     }
@@ -104,12 +155,25 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
         .first()
         .map(|l| l.path.clone())
         .unwrap_or_default();
-    let (refault_scope, refault_file, refault_anon) =
-        if cg_file + cg_anon >= sys_file + sys_anon && cg_file + cg_anon > 0 {
-            (format!("cgroup {own_path}"), cg_file, cg_anon)
-        } else {
-            ("system".to_string(), sys_file, sys_anon)
-        };
+    let cgroup_scope = cg_file + cg_anon >= sys_file + sys_anon && cg_file + cg_anon > 0;
+    let (refault_scope, refault_file, refault_anon) = if cgroup_scope {
+        (format!("cgroup {own_path}"), cg_file, cg_anon)
+    } else {
+        ("system".to_string(), sys_file, sys_anon)
+    };
+    let working_set_bytes = samples
+        .iter()
+        .filter_map(|s| {
+            if cgroup_scope {
+                own(s).map(|l| l.usage_bytes)
+            } else {
+                s.system
+                    .map(|m| m.mem_total_bytes.saturating_sub(m.mem_available_bytes))
+            }
+        })
+        .max()
+        .unwrap_or(0);
+    let swap = last.system.is_some_and(|m| m.swap_total_bytes > 0);
 
     let pressure_of = |s: &pb::Sample, cgroup: bool| -> Option<pb::Pressure> {
         if cgroup {
@@ -145,25 +209,48 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
     let pswpin = grow(&|s| s.system.map(|m| m.vmstat_pswpin));
     let pswpout = grow(&|s| s.system.map(|m| m.vmstat_pswpout));
 
-    let stalled = if psi_scope.is_empty() {
-        // No PSI on this kernel: heavy swap-in is the next best sign of waiting.
-        pswpin >= THRASH_MIN_REFAULT_PAGES
-    } else {
-        some_stall_us >= THRASH_MIN_STALL_US || some_avg10 >= THRASH_MIN_SOME_AVG10
-    };
-    let thrashing = refault_file + refault_anon >= THRASH_MIN_REFAULT_PAGES && stalled;
-    Some(ThrashReading {
+    let mut reading = ThrashReading {
         window_s,
         refault_scope,
         refault_file,
         refault_anon,
         pswpin,
         pswpout,
+        working_set_bytes,
+        swap,
         psi_scope,
         some_avg10,
         full_avg10,
         some_stall_us,
         full_stall_us,
-        thrashing,
-    })
+        thrashing: false,
+    };
+    reading.thrashing = thrashing(&reading);
+    Some(reading)
+}
+
+/// The rule: enough of the working set refaulted, and the process waited on
+/// it. Without swap only page cache can refault, and only PSI can show the
+/// wait (there is no swap-in to stand for it).
+fn thrashing(r: &ThrashReading) -> bool {
+    let pages = if r.swap { r.refaults() } else { r.refault_file };
+    let refaulted = pages >= THRASH_MIN_REFAULT_PAGES
+        && share(pages * PAGE_BYTES, r.working_set_bytes) >= THRASH_MIN_REFAULT_SHARE;
+    let slowed = if !r.psi_scope.is_empty() {
+        r.stall_share() >= THRASH_MIN_STALL_SHARE || r.some_avg10 >= THRASH_MIN_SOME_AVG10
+    } else {
+        // No PSI on this kernel: swap-in of a share of the working set is the
+        // next best sign of waiting; without swap there is none.
+        r.swap && r.swapin_share() >= THRASH_MIN_REFAULT_SHARE
+    };
+    refaulted && slowed
+}
+
+/// `part / whole`, 0 when the whole is unknown.
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
 }

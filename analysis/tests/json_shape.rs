@@ -6,9 +6,9 @@ use common::*;
 use oomscope_analysis::{diagnose, pb, to_json};
 use serde_json::Value;
 
-const KEYS: [&str; 11] = [
+const KEYS: [&str; 12] = [
     "incident", "agent", "domain", "trigger", "causes", "fixes", "capacity", "evidence", "exit",
-    "cgroup", "failure",
+    "cgroup", "failure", "victim",
 ];
 
 const FAILURE_KEYS: [&str; 13] = [
@@ -85,6 +85,12 @@ fn check_top_level(j: &Value) {
         assert!(j["cgroup"]["path"].is_string() && j["cgroup"]["owner_level"].is_string());
         assert!(j["cgroup"]["limit_bytes"].is_u64());
     }
+    if !j["victim"].is_null() {
+        let v = j["victim"].as_object().unwrap();
+        assert_eq!(v.len(), 3);
+        assert!(j["victim"]["pid"].is_u64());
+        assert!(j["victim"]["command"].is_string() && j["victim"]["title"].is_string());
+    }
     if !j["failure"].is_null() {
         let f = &j["failure"];
         let mut keys: Vec<&str> = f.as_object().unwrap().keys().map(String::as_str).collect();
@@ -138,6 +144,7 @@ fn a_cgroup_verdict_has_every_key_with_its_type() {
     let j = to_json(&cgroup_kill());
     check_top_level(&j);
     assert_eq!(j["incident"], "inc-1");
+    assert_eq!(j["victim"]["pid"], CHILD_PID, "the child that died");
     assert_eq!(j["agent"], "oomtest");
     assert_eq!(j["domain"], "cgroup");
     // Something failed before any reading of the process: nothing grew first.

@@ -15,8 +15,10 @@ const SHM_FULL_FRACTION: f64 = 0.95;
 /// into the limit; below it, one oversized request did.
 const AS_NEAR_FRACTION: f64 = 0.5;
 
-pub fn cgroup_limit(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let m = f.memcg.as_ref()?;
+pub fn cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    let Some(m) = f.memcg.as_ref() else {
+        return kernel_cgroup_limit(f, v);
+    };
     let mut evidence = m.evidence.clone();
     let owner = f
         .counters
@@ -49,18 +51,64 @@ pub fn cgroup_limit(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     Some(cause("cgroup_limit", m.confidence, evidence, &metrics))
 }
 
+/// A memcg kill the kernel recorded where the counters named no owner (a
+/// missing file, a level this agent cannot read): the record names it.
+fn kernel_cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    let (_, k) = f
+        .kernel
+        .filter(|(_, k)| k.constraint == "CONSTRAINT_MEMCG")?;
+    let limit = v
+        .cgroup
+        .as_ref()
+        .map_or(k.memcg_limit_bytes, |c| c.limit_bytes);
+    let evidence = vec![format!(
+        "the kernel's OOM record: the limit of {} was hit; usage {} of limit {} at the kill",
+        k.oom_memcg,
+        bytes(k.memcg_usage_bytes),
+        bytes(limit)
+    )];
+    let metrics = [
+        ("limit_bytes", limit as f64),
+        ("usage_bytes", k.memcg_usage_bytes as f64),
+        ("victim_anon_rss_bytes", k.anon_rss_bytes as f64),
+    ];
+    Some(cause("cgroup_limit", 0.95, evidence, &metrics))
+}
+
 pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     if v.domain != Domain::HostRam {
         return None;
     }
-    let (b, a) = f.global_oom?;
-    let mut evidence = vec![format!(
-        "/proc/vmstat oom_kill {b} -> {a} with no cgroup level at its limit"
-    )];
-    let mut metrics = vec![("vmstat_oom_kill_delta", (a - b) as f64)];
-    if let Some(s) = f.evidence.last_system().filter(|s| s.mem_total_bytes > 0) {
+    // The kernel's record, else the machine-wide counter where the death agrees with it.
+    let kernel = f.kernel.filter(|(_, k)| k.constraint != "CONSTRAINT_MEMCG");
+    let global = f.global_oom_agrees();
+    let (mut evidence, mut metrics) = match (kernel, &global) {
+        (Some((_, k)), _) => (
+            vec![format!(
+                "the kernel's OOM record ({}): it killed pid {} ({}) with anon-rss {}",
+                if k.constraint.is_empty() {
+                    "no constraint logged"
+                } else {
+                    k.constraint.as_str()
+                },
+                k.pid,
+                k.task,
+                bytes(k.anon_rss_bytes)
+            )],
+            vec![("victim_anon_rss_bytes", k.anon_rss_bytes as f64)],
+        ),
+        (None, Some(((b, a), _))) => (
+            vec![format!(
+                "/proc/vmstat oom_kill {b} -> {a} with no cgroup level at its limit"
+            )],
+            vec![("vmstat_oom_kill_delta", (a - b) as f64)],
+        ),
+        // Host RAM named by the runtime's own text: its cause says more.
+        (None, None) => return None,
+    };
+    if let Some((s, label)) = f.system_at_death() {
         evidence.push(format!(
-            "MemAvailable {} of MemTotal {}",
+            "MemAvailable {} of MemTotal {} ({label})",
             bytes(s.mem_available_bytes),
             bytes(s.mem_total_bytes)
         ));
@@ -70,12 +118,9 @@ pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
             ("swap_free_bytes", s.swap_free_bytes as f64),
         ]);
     }
-    // vmstat counts kills anywhere on the host: our child's SIGKILL ties it to us.
-    let confidence = if f.signal.is_some_and(|(s, _)| s == 9) {
-        0.9
-    } else {
-        0.6
-    };
+    // The kernel's record names the victim; vmstat counts kills anywhere on
+    // the host, and only the child's SIGKILL with memory short ties it to us.
+    let confidence = if kernel.is_some() { 0.95 } else { 0.9 };
     Some(cause("host_ram_exhausted", confidence, evidence, &metrics))
 }
 
@@ -179,11 +224,14 @@ pub fn swap_thrash(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let metrics = [
         ("refaults_per_s", t.refaults_per_s()),
         ("refault_pages", t.refaults() as f64),
+        ("refault_share", t.refault_share()),
+        ("working_set_bytes", t.working_set_bytes as f64),
         ("pswpin_per_s", t.pswpin as f64 / t.window_s),
         ("pswpout_per_s", t.pswpout as f64 / t.window_s),
         ("psi_some_avg10", t.some_avg10),
         ("psi_full_avg10", t.full_avg10),
         ("psi_some_stall_s", t.some_stall_us as f64 / 1e6),
+        ("psi_some_stall_share", t.stall_share()),
         ("window_s", t.window_s),
     ];
     let confidence = if v.domain == Domain::SwapThrash {

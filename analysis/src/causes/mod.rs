@@ -3,7 +3,8 @@
 //!
 //! This file holds the lists. Host-side analyzers of a failure live in `host`;
 //! each timeline analyzer (leak, gc, cache, fragmentation, KV growth, weights,
-//! other processes, host growth) has a module of its own.
+//! other processes, host growth) and the runtime's own text have a module of
+//! their own.
 
 mod cache_retention;
 mod fragmentation;
@@ -13,6 +14,7 @@ mod host_growth;
 mod kv_growth;
 mod leak;
 mod other_process;
+mod runtime_text;
 mod weights;
 
 use std::collections::HashMap;
@@ -38,6 +40,7 @@ pub const ANALYZERS: &[Analyzer] = &[
     fragmentation::fragmentation,
     kv_growth::kv_growth,
     weights::weights_too_large,
+    runtime_text::runtime_text,
 ];
 
 /// Analyzers of a timeline's growth: they run with or without a failure
@@ -58,6 +61,10 @@ pub fn analyze(f: &Findings, v: &DomainVerdict) -> Vec<pb::Cause> {
         .filter_map(|a| a(f, v))
         .collect();
     causes.sort_by(|a, b| b.confidence.total_cmp(&a.confidence));
+    // A runtime's text and a timeline analyzer can name the same cause:
+    // the more confident one speaks for it.
+    let mut seen = std::collections::HashSet::new();
+    causes.retain(|c| seen.insert(c.kind.clone()));
     causes
 }
 

@@ -234,6 +234,26 @@ pub fn svg(c: &Chart) -> String {
     out
 }
 
+/// The page's key to the charts: one phrase per kind of marker (and for
+/// dashed limits) that some chart draws, none for what no chart has.
+pub fn legend(charts: &[Chart]) -> Vec<&'static str> {
+    let has = |k: MarkerKind| charts.iter().any(|c| c.markers.iter().any(|m| m.kind == k));
+    let mut out = Vec::new();
+    if has(MarkerKind::Oom) {
+        out.push("Red line: the failure.");
+    }
+    if has(MarkerKind::Request) {
+        out.push("Grey ticks: requests.");
+    }
+    if has(MarkerKind::Phase) {
+        out.push("Blue dashes: model load.");
+    }
+    if charts.iter().any(|c| c.series.iter().any(|s| s.dashed)) {
+        out.push("Dashed lines: limits and caps.");
+    }
+    out
+}
+
 /// A grid step in bytes (1, 2 or 5 times a power of ten of a binary unit) and
 /// the unit it is labelled in.
 fn y_step(max: u64) -> (f64, u64) {
@@ -347,6 +367,48 @@ mod tests {
         assert_eq!(y_step(800 << 20), (200.0 * (1u64 << 20) as f64, 1 << 20));
         assert_eq!(nice_step(0.3), 0.5);
         assert_eq!(nice_step(7.0), 10.0);
+    }
+
+    #[test]
+    fn the_legend_names_only_what_is_drawn() {
+        let chart = |markers: Vec<Marker>, dashed: bool| Chart {
+            key: "k".into(),
+            title: "t".into(),
+            series: vec![Series {
+                name: "rss".into(),
+                color: "#000",
+                points: vec![(0, 1)],
+                dashed,
+            }],
+            markers,
+            t0_ns: 0,
+            t1_ns: 10,
+        };
+        let failure = || Marker {
+            time_ns: 5,
+            kind: MarkerKind::Oom,
+            label: "failure".into(),
+        };
+        assert_eq!(
+            legend(&[chart(vec![failure()], false)]),
+            ["Red line: the failure."]
+        );
+        assert!(legend(&[chart(vec![], false)]).is_empty());
+        let both = legend(&[
+            chart(vec![], true),
+            chart(
+                vec![Marker {
+                    time_ns: 1,
+                    kind: MarkerKind::Request,
+                    label: "r".into(),
+                }],
+                false,
+            ),
+        ]);
+        assert_eq!(
+            both,
+            ["Grey ticks: requests.", "Dashed lines: limits and caps."]
+        );
     }
 
     #[test]

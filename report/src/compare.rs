@@ -523,6 +523,9 @@ pub fn to_text(c: &Comparison) -> String {
     }
     out.push('\n');
     for (i, row) in ROWS.iter().enumerate() {
+        if !(c.a.memory.shows(i) || c.b.memory.shows(i)) {
+            continue;
+        }
         let _ = write!(out, "  {:<28}", row.title);
         for s in [&c.a, &c.b] {
             for p in &s.memory.points {

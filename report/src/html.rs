@@ -6,8 +6,7 @@ use std::fmt::Write;
 use oomscope_analysis::units::{bytes_short, time};
 
 use super::escape::html as esc;
-use super::memory::ROWS;
-use super::{chart, domains, metric_text, View};
+use super::{chart, domains, error_text, metric_text, View};
 
 const STYLE: &str = r#"
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:24px auto;max-width:1180px;color:#1d1d1f;background:#fff;line-height:1.4}
@@ -25,7 +24,7 @@ svg.chart{width:100%;height:auto;display:block;margin:10px 0 18px;border:1px sol
 .risk-low{background:#2ca02c}.risk-medium{background:#e08a00}.risk-high{background:#d62728}
 ol.fixes li,ol.causes>li{margin-bottom:12px}.retest,.caveat{color:#444;font-size:14px}.caveat{color:#9a4d00}
 #config table,#capacity table{table-layout:fixed;width:100%}#config th,#capacity th{width:300px}#config td,#capacity td,td{overflow-wrap:anywhere}
-.note{color:#666;font-size:13px}footer{margin-top:32px;color:#888;font-size:12px}
+.note{color:#666;font-size:13px}details.error-full summary{cursor:pointer;color:#555;font-size:13px}footer{margin-top:32px;color:#888;font-size:12px}
 "#;
 
 pub(super) fn render(v: &View) -> String {
@@ -85,11 +84,22 @@ pub(super) fn render(v: &View) -> String {
     }
     o.push_str("</dl>\n");
     if let Some(text) = v.failure.and_then(|f| f.error_text.as_ref()) {
+        // The lines that carry the failure; the rest (a load log, mostly) folded.
+        let e = error_text::excerpt(text);
         let _ = writeln!(
             o,
             "<h3>Error text</h3><pre class=\"error\">{}</pre>",
-            esc(text)
+            esc(&e.text())
         );
+        if e.folded > 0 {
+            let _ = writeln!(
+                o,
+                "<details class=\"error-full\"><summary>The whole text ({} lines, {} folded above)</summary><pre>{}</pre></details>",
+                e.total_lines,
+                e.folded,
+                esc(text)
+            );
+        }
     }
     o.push_str("</section>\n");
 
@@ -99,10 +109,10 @@ pub(super) fn render(v: &View) -> String {
     if charts.is_empty() {
         o.push_str("<p class=\"note\">The timeline has no samples to chart.</p>\n");
     } else {
-        let _ = writeln!(
-            o,
-            r#"<p class="note">Red line: the failure. Grey ticks: requests. Blue dashes: model load. Dashed lines: limits and caps.</p>"#
-        );
+        let legend = chart::legend(&charts);
+        if !legend.is_empty() {
+            let _ = writeln!(o, r#"<p class="note">{}</p>"#, esc(&legend.join(" ")));
+        }
         for c in &charts {
             o.push_str(&chart::svg(c));
             o.push('\n');
@@ -123,7 +133,7 @@ pub(super) fn render(v: &View) -> String {
         );
     }
     o.push_str("</tr></thead><tbody>\n");
-    for (i, row) in ROWS.iter().enumerate() {
+    for (i, row) in v.table.shown_rows() {
         let subtotal = matches!(row.key, "allocated" | "reserved");
         let _ = write!(
             o,
@@ -148,7 +158,7 @@ pub(super) fn render(v: &View) -> String {
         o.push_str("</tr>\n");
     }
     o.push_str("</tbody></table>\n<ul class=\"note\">");
-    for row in ROWS.iter() {
+    for (_, row) in v.table.shown_rows() {
         let _ = write!(o, "<li><b>{}</b>: {}</li>", esc(row.title), esc(row.how));
     }
     for n in &v.table.notes {

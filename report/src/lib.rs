@@ -11,6 +11,7 @@
 pub mod chart;
 pub mod compare;
 pub mod domains;
+pub mod error_text;
 pub mod escape;
 pub mod format;
 mod html;
@@ -232,6 +233,78 @@ mod tests {
         assert!(page.ends_with("</html>\n"));
         let md = markdown(&input);
         assert!(md.contains("none: nothing failed"));
+    }
+
+    /// A server without an allocator that failed with 64 KB of load log on stderr.
+    fn host_only_run() -> Run {
+        let mut log: Vec<String> = (0..2000)
+            .map(|i| format!("llama_model_loader: - tensor {i}: blk.{i}.attn_q.weight q4_K"))
+            .collect();
+        log.push("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 7734.13 MiB on device 0: cudaMalloc failed: out of memory".into());
+        log.push("llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv cache".into());
+        log.push("main: exiting due to model loading error".into());
+        let sample = |t: i64| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                process: Some(pb::ProcessMemory {
+                    vm_rss_bytes: 700 << 20,
+                    ..Default::default()
+                }),
+                tree_rss_bytes: 900 << 20,
+                tree_pss_bytes: 800 << 20,
+                ..Default::default()
+            }),
+        };
+        Run {
+            timeline: pb::TimelineResponse {
+                samples: vec![sample(1_000), sample(2_000)],
+                ..Default::default()
+            },
+            diagnosis: pb::Diagnosis {
+                domain: Some("gpu_vram".into()),
+                failure: Some(pb::Failure {
+                    time_ns: 3_000,
+                    kind: "exit_oom_text".into(),
+                    error_text: Some(log.join("\n")),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            incident: None,
+        }
+    }
+
+    #[test]
+    fn a_server_without_an_allocator_gets_host_rows_a_short_error_box_and_its_own_legend() {
+        let input = host_only_run();
+        let page = html(&input);
+        assert!(!page.contains(r#"data-row="allocated""#), "no PyTorch rows");
+        assert!(!page.contains("= PyTorch reserved"));
+        assert!(page.contains(r#"data-row="host_rss""#));
+        assert!(page.contains(r#"data-row="tree_pss""#));
+        // The error box: the failure's lines up front, the load log folded away.
+        let box_start = page.find(r#"<pre class="error">"#).unwrap();
+        let box_end = box_start + page[box_start..].find("</pre>").unwrap();
+        let shown = &page[box_start..box_end];
+        assert!(shown.contains("failed to allocate buffer for kv cache"));
+        assert!(shown.contains("cudaMalloc failed: out of memory"));
+        assert!(!shown.contains("tensor 5: "), "the load log is folded");
+        assert!(shown.len() < 4_000, "{} bytes", shown.len());
+        assert!(page.contains(r#"<details class="error-full">"#));
+        assert!(
+            page[box_end..].contains("tensor 5: "),
+            "the whole text is kept, folded"
+        );
+        // The charts come before the folded text would have pushed them down.
+        assert!(page.find("<section id=\"charts\">").unwrap() - box_end < 200_000);
+        // The legend: a failure and nothing else (no requests, no load, no limits).
+        assert!(page.contains("Red line: the failure."));
+        assert!(!page.contains("Grey ticks") && !page.contains("Blue dashes"));
+        let md = markdown(&input);
+        assert!(!md.contains("PyTorch allocated"));
+        assert!(md.contains("process tree PSS"));
+        assert!(md.contains("<details>"));
     }
 
     #[test]

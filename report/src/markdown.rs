@@ -6,8 +6,7 @@ use std::fmt::Write;
 use oomscope_analysis::units::{bytes, bytes_short, time};
 
 use super::escape::{md, md_code_block};
-use super::memory::ROWS;
-use super::{domains, metric_text, View};
+use super::{domains, error_text, metric_text, View};
 
 pub(super) fn render(v: &View) -> String {
     let d = &v.input.diagnosis;
@@ -43,9 +42,20 @@ pub(super) fn render(v: &View) -> String {
     }
     o.push('\n');
     if let Some(text) = v.failure.and_then(|f| f.error_text.as_ref()) {
+        // The lines that carry the failure; the whole text folded below them.
+        let e = error_text::excerpt(text);
         o.push_str("Error text:\n\n");
-        o.push_str(&md_code_block(text));
+        o.push_str(&md_code_block(&e.text()));
         o.push('\n');
+        if e.folded > 0 {
+            let _ = writeln!(
+                o,
+                "<details><summary>The whole text ({} lines, {} folded above)</summary>\n",
+                e.total_lines, e.folded
+            );
+            o.push_str(&md_code_block(text));
+            o.push_str("\n</details>\n\n");
+        }
     }
 
     let charts = domains::charts(&v.input.timeline, v.failure);
@@ -77,7 +87,7 @@ pub(super) fn render(v: &View) -> String {
         o.push_str("---:|");
     }
     o.push('\n');
-    for (i, row) in ROWS.iter().enumerate() {
+    for (i, row) in v.table.shown_rows() {
         let _ = write!(o, "| {} |", md(row.title));
         for p in &v.table.points {
             let cell = p.values[i].map(bytes_short).unwrap_or_else(|| "—".into());
@@ -86,7 +96,7 @@ pub(super) fn render(v: &View) -> String {
         o.push('\n');
     }
     o.push('\n');
-    for row in ROWS.iter() {
+    for (_, row) in v.table.shown_rows() {
         let _ = writeln!(o, "- {}: {}", md(row.title), md(row.how));
     }
     for n in &v.table.notes {

@@ -3,76 +3,125 @@
 //! failed). Shared by `oomscope report` and `oomscope compare`.
 //!
 //! Each value is `None` when the timeline does not say: a table must show
-//! "—" rather than a zero nobody measured.
+//! "—" rather than a zero nobody measured. A server without an allocator
+//! reading (a llama.cpp, a CPU vLLM, any process under `oomscope run`) has
+//! no PyTorch rows at all: its table is the host's and the cgroup's rows.
 
 use crate::pb;
 use crate::pb::event::Kind;
 
-/// One row of the memory table: its key (JSON), its title (people) and what
-/// it is made of.
+/// One row of the memory table: its key (JSON), its title (people), what
+/// it is made of, and when a table shows it.
 pub struct Row {
     pub key: &'static str,
     pub title: &'static str,
     pub how: &'static str,
+    pub shown: Shown,
+}
+
+/// When a table shows a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shown {
+    /// Where the timeline has an allocator's reading: the device rows.
+    WithAllocator,
+    /// Always: the process's host memory and its cgroup.
+    Always,
+    /// Where some moment has a value (the process tree, the limit, the host).
+    WhenRead,
 }
 
 /// The rows, in the order the table shows them. `allocated` and `reserved`
 /// are subtotals, so a reader can check the parts against PyTorch's own counts.
-pub const ROWS: [Row; 11] = [
+pub const ROWS: [Row; 15] = [
     Row {
         key: "weights",
         title: "weights",
         how: "the weight bytes the runtime reported (or loaded so far, during a load), else the allocated bytes when the load phase ended",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "kv",
         title: "KV cache",
         how: "the KV-cache bytes the runtime reported",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "other_live",
         title: "other live",
         how: "allocated bytes not counted as weights or KV (activations, workspaces, retained tensors)",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "allocated",
         title: "= PyTorch allocated (live)",
         how: "the allocator's allocated bytes",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "cached",
         title: "cached",
         how: "reserved − allocated: held by the caching allocator, not in use",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "fragments",
         title: "fragments (part of cached)",
         how: "inactive_split: free pieces of split blocks (not counted under expandable segments)",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "reserved",
         title: "= PyTorch reserved",
         how: "the allocator's reserved bytes",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "non_pytorch",
         title: "non-PyTorch (this process)",
         how: "driver used − reserved − other processes: CUDA context, libraries, other allocators",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "other_processes",
         title: "other processes (GPU)",
         how: "device bytes NVML lists for other pids",
+        shown: Shown::WithAllocator,
     },
     Row {
         key: "host_rss",
         title: "host RSS",
         how: "VmRSS of the process",
+        shown: Shown::Always,
+    },
+    Row {
+        key: "tree_rss",
+        title: "process tree RSS",
+        how: "VmRSS summed over the supervised process and its descendants (shared pages count once per process)",
+        shown: Shown::WhenRead,
+    },
+    Row {
+        key: "tree_pss",
+        title: "process tree PSS",
+        how: "PSS summed over the process tree: shared pages split among their users, so the sum is the tree's own memory",
+        shown: Shown::WhenRead,
     },
     Row {
         key: "cgroup_usage",
         title: "cgroup usage",
         how: "usage of the process's own memory cgroup",
+        shown: Shown::Always,
+    },
+    Row {
+        key: "cgroup_limit",
+        title: "cgroup limit",
+        how: "the tightest memory limit on the process's cgroup or its ancestors",
+        shown: Shown::WhenRead,
+    },
+    Row {
+        key: "mem_available",
+        title: "host MemAvailable",
+        how: "MemAvailable of the host (/proc/meminfo): what it could still hand out",
+        shown: Shown::WhenRead,
     },
 ];
 
@@ -117,6 +166,8 @@ impl Point {
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryTable {
     pub points: [Point; 3],
+    /// Some moment has an allocator's reading: the device rows apply.
+    pub allocator: bool,
     /// Expandable segments were on: inactive_split is not counted.
     pub expandable_segments: bool,
     /// Why a moment has no reading, for a footnote.
@@ -197,10 +248,31 @@ pub fn table(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> MemoryT
                 .into(),
         );
     }
+    let allocator = failure.is_some_and(|f| f.stats.is_some())
+        || samples.iter().any(|s| !s.allocator.is_empty());
     MemoryTable {
         points: [before, after, last],
+        allocator,
         expandable_segments: expandable,
         notes,
+    }
+}
+
+impl MemoryTable {
+    /// Whether the table shows `ROWS[i]`: device rows only where an
+    /// allocator was read (else a server without one gets rows of "—"), the
+    /// host and cgroup rows always, the others where some moment has a value.
+    pub fn shows(&self, i: usize) -> bool {
+        match ROWS[i].shown {
+            Shown::WithAllocator => self.allocator,
+            Shown::Always => true,
+            Shown::WhenRead => self.points.iter().any(|p| p.values[i].is_some()),
+        }
+    }
+
+    /// The rows shown, with their index into `ROWS` (and each point's `values`).
+    pub fn shown_rows(&self) -> impl Iterator<Item = (usize, &'static Row)> + '_ {
+        ROWS.iter().enumerate().filter(|(i, _)| self.shows(*i))
     }
 }
 
@@ -374,6 +446,23 @@ impl Ctx<'_> {
                     .filter(|&b| b > 0),
             );
             set("cgroup_usage", s.cgroup.first().map(|c| c.usage_bytes));
+            set("tree_rss", Some(s.tree_rss_bytes).filter(|&b| b > 0));
+            set("tree_pss", Some(s.tree_pss_bytes).filter(|&b| b > 0));
+            set(
+                "cgroup_limit",
+                s.cgroup
+                    .iter()
+                    .map(|c| c.limit_bytes)
+                    .filter(|&l| oomscope_analysis::is_finite_limit(l))
+                    .min(),
+            );
+            set(
+                "mem_available",
+                s.system
+                    .as_ref()
+                    .filter(|m| m.mem_total_bytes > 0)
+                    .map(|m| m.mem_available_bytes),
+            );
         }
         Point {
             moment,
@@ -603,6 +692,73 @@ mod tests {
         assert_eq!(m.points[1].time_ns, None);
         assert!(m.points[1].values.iter().all(Option::is_none));
         assert!(m.notes.iter().any(|n| n.contains("never finished")));
+    }
+
+    /// A llama.cpp-like server under `oomscope run`: no allocator, a process
+    /// tree, a cgroup with a limit, the host's RAM; killed at t=40.
+    fn host_only_timeline() -> pb::TimelineResponse {
+        let reading = |t: i64, rss: u64| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                process: Some(pb::ProcessMemory {
+                    vm_rss_bytes: rss,
+                    ..Default::default()
+                }),
+                tree_rss_bytes: rss + 300 * MIB,
+                tree_pss_bytes: rss + 200 * MIB,
+                cgroup: vec![pb::CgroupLevel {
+                    path: "/llama".into(),
+                    usage_bytes: rss + 400 * MIB,
+                    limit_bytes: 4096 * MIB,
+                    ..Default::default()
+                }],
+                system: Some(pb::SystemMemory {
+                    mem_total_bytes: 16_384 * MIB,
+                    mem_available_bytes: 9_000 * MIB - rss,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        pb::TimelineResponse {
+            samples: vec![reading(5, 100 * MIB), reading(30, 3000 * MIB)],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_server_without_an_allocator_shows_host_and_cgroup_rows() {
+        let m = table(&host_only_timeline(), Some(&failure()));
+        assert!(!m.allocator);
+        let keys: Vec<&str> = m.shown_rows().map(|(_, r)| r.key).collect();
+        assert_eq!(
+            keys,
+            [
+                "host_rss",
+                "tree_rss",
+                "tree_pss",
+                "cgroup_usage",
+                "cgroup_limit",
+                "mem_available"
+            ]
+        );
+        let at = &m.points[2];
+        assert_eq!(
+            at.get("host_rss"),
+            Some(3000 * MIB),
+            "the last sample before the death"
+        );
+        assert_eq!(at.get("tree_pss"), Some(3200 * MIB));
+        assert_eq!(at.get("cgroup_limit"), Some(4096 * MIB));
+        assert_eq!(at.get("mem_available"), Some(6000 * MIB));
+
+        // With an allocator, its rows come back; a timeline without a tree hides the tree's rows.
+        let m = table(&timeline(), Some(&failure()));
+        assert!(m.allocator);
+        let keys: Vec<&str> = m.shown_rows().map(|(_, r)| r.key).collect();
+        assert!(keys.contains(&"allocated") && keys.contains(&"host_rss"));
+        assert!(!keys.contains(&"tree_rss"), "{keys:?}");
     }
 
     #[test]

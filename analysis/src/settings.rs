@@ -1,0 +1,464 @@
+//! The runtime's own settings, read from the command line it was started
+//! with (and the environment variables it reads), so that a fix can name the
+//! flag a user actually types, with its current value, and `compare` can
+//! name the one flag that changed between two runs.
+//!
+//! One table per runtime lists the settings that size memory. Everything
+//! else on the command line is kept too, by its own flag name, except what
+//! says where the server listens (ports and hosts), which is never a memory
+//! variable.
+
+use std::collections::BTreeMap;
+
+/// A serving runtime whose settings oomscope knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Runtime {
+    Vllm,
+    Sglang,
+    LlamaCpp,
+    Tgi,
+    /// oomscope's reference PyTorch server (runtimes/pytorch-server).
+    ReferencePytorch,
+    /// oomscope's reference Rust server (runtimes/rust-server).
+    ReferenceRust,
+    /// Any other PyTorch process.
+    Pytorch,
+    Unknown,
+}
+
+/// What one memory setting is for, so that a fix can pick it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Knob {
+    /// The share of the device the runtime takes for itself (weights + KV + activations).
+    MemoryFraction,
+    /// The KV cache reservation, in bytes or GiB.
+    KvCacheSize,
+    /// How many sequences run at once.
+    MaxSequences,
+    /// Tokens per scheduler step (batch of prefill tokens).
+    MaxBatchTokens,
+    /// The longest context accepted.
+    MaxContext,
+    /// The KV cache's element type (fp8 halves it).
+    KvCacheDtype,
+    /// Skips CUDA graphs and compilation (less memory, slower).
+    Eager,
+    /// Layers on the GPU (llama.cpp).
+    GpuLayers,
+    /// Prefill chunk size.
+    PrefillChunk,
+    /// The caching allocator's configuration.
+    AllocatorConf,
+}
+
+/// One known memory setting of a runtime: its flag (or variable) and what it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Setting {
+    pub runtime: Runtime,
+    /// The flag as typed (`--max-num-seqs`) or the variable (`VLLM_CPU_KVCACHE_SPACE`).
+    pub name: &'static str,
+    pub knob: Knob,
+    /// The unit its value is in, for a proposed value.
+    pub unit: &'static str,
+}
+
+const fn s(runtime: Runtime, name: &'static str, knob: Knob, unit: &'static str) -> Setting {
+    Setting {
+        runtime,
+        name,
+        knob,
+        unit,
+    }
+}
+
+/// The memory settings of each runtime (from each runtime's documented CLI).
+pub const SETTINGS: &[Setting] = &[
+    s(
+        Runtime::Vllm,
+        "--gpu-memory-utilization",
+        Knob::MemoryFraction,
+        "fraction",
+    ),
+    s(
+        Runtime::Vllm,
+        "--kv-cache-memory-bytes",
+        Knob::KvCacheSize,
+        "bytes",
+    ),
+    s(
+        Runtime::Vllm,
+        "VLLM_CPU_KVCACHE_SPACE",
+        Knob::KvCacheSize,
+        "GiB",
+    ),
+    s(
+        Runtime::Vllm,
+        "--max-num-seqs",
+        Knob::MaxSequences,
+        "sequences",
+    ),
+    s(
+        Runtime::Vllm,
+        "--max-num-batched-tokens",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(Runtime::Vllm, "--max-model-len", Knob::MaxContext, "tokens"),
+    s(
+        Runtime::Vllm,
+        "--kv-cache-dtype",
+        Knob::KvCacheDtype,
+        "dtype",
+    ),
+    s(Runtime::Vllm, "--enforce-eager", Knob::Eager, "switch"),
+    s(
+        Runtime::Sglang,
+        "--mem-fraction-static",
+        Knob::MemoryFraction,
+        "fraction",
+    ),
+    s(
+        Runtime::Sglang,
+        "--max-running-requests",
+        Knob::MaxSequences,
+        "sequences",
+    ),
+    s(
+        Runtime::Sglang,
+        "--context-length",
+        Knob::MaxContext,
+        "tokens",
+    ),
+    s(
+        Runtime::Sglang,
+        "--chunked-prefill-size",
+        Knob::PrefillChunk,
+        "tokens",
+    ),
+    s(
+        Runtime::Sglang,
+        "--kv-cache-dtype",
+        Knob::KvCacheDtype,
+        "dtype",
+    ),
+    s(Runtime::LlamaCpp, "--ctx-size", Knob::MaxContext, "tokens"),
+    s(Runtime::LlamaCpp, "--parallel", Knob::MaxSequences, "slots"),
+    s(
+        Runtime::LlamaCpp,
+        "--cache-type-k",
+        Knob::KvCacheDtype,
+        "dtype",
+    ),
+    s(
+        Runtime::LlamaCpp,
+        "--cache-type-v",
+        Knob::KvCacheDtype,
+        "dtype",
+    ),
+    s(Runtime::LlamaCpp, "--flash-attn", Knob::Eager, "switch"),
+    s(
+        Runtime::LlamaCpp,
+        "--n-gpu-layers",
+        Knob::GpuLayers,
+        "layers",
+    ),
+    s(
+        Runtime::LlamaCpp,
+        "--batch-size",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::LlamaCpp,
+        "--ubatch-size",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::Tgi,
+        "--max-batch-total-tokens",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::Tgi,
+        "--max-input-tokens",
+        Knob::MaxContext,
+        "tokens",
+    ),
+    s(
+        Runtime::Tgi,
+        "--cuda-memory-fraction",
+        Knob::MemoryFraction,
+        "fraction",
+    ),
+    s(
+        Runtime::ReferencePytorch,
+        "--max-active",
+        Knob::MaxSequences,
+        "sequences",
+    ),
+    s(
+        Runtime::ReferencePytorch,
+        "--max-context",
+        Knob::MaxContext,
+        "tokens",
+    ),
+    s(
+        Runtime::ReferencePytorch,
+        "--memory-cap",
+        Knob::MemoryFraction,
+        "fraction",
+    ),
+    s(
+        Runtime::ReferenceRust,
+        "--max-active",
+        Knob::MaxSequences,
+        "sequences",
+    ),
+    s(
+        Runtime::ReferenceRust,
+        "--capacity",
+        Knob::KvCacheSize,
+        "bytes",
+    ),
+    s(
+        Runtime::Pytorch,
+        "PYTORCH_CUDA_ALLOC_CONF",
+        Knob::AllocatorConf,
+        "options",
+    ),
+];
+
+/// Short flags that mean the same as a long one, per runtime.
+const ALIASES: &[(Runtime, &str, &str)] = &[
+    (Runtime::LlamaCpp, "-c", "--ctx-size"),
+    (Runtime::LlamaCpp, "-np", "--parallel"),
+    (Runtime::LlamaCpp, "-ngl", "--n-gpu-layers"),
+    (Runtime::LlamaCpp, "-b", "--batch-size"),
+    (Runtime::LlamaCpp, "-ub", "--ubatch-size"),
+    (Runtime::LlamaCpp, "-fa", "--flash-attn"),
+    (Runtime::LlamaCpp, "-ctk", "--cache-type-k"),
+    (Runtime::LlamaCpp, "-ctv", "--cache-type-v"),
+    (Runtime::LlamaCpp, "-m", "--model"),
+];
+
+/// Flags that say where a server listens or logs: never a memory variable.
+const NOT_SETTINGS: &[&str] = &[
+    "--port",
+    "--host",
+    "--hostname",
+    "--uds",
+    "--api-key",
+    "--ssl-keyfile",
+    "--ssl-certfile",
+    "--log-level",
+    "--uvicorn-log-level",
+];
+
+/// Environment variables that size a runtime's memory, which `oomscope run`
+/// records (as `env.NAME` Hello labels) so that fixes can name them.
+pub const MEMORY_ENV: &[&str] = &[
+    "VLLM_CPU_KVCACHE_SPACE",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+];
+
+/// A command line read as a runtime's settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settings {
+    pub runtime: Option<Runtime>,
+    /// Every flag (long name; short aliases resolved) with its value ("" for
+    /// a switch), and the memory variables from the environment.
+    pub values: BTreeMap<String, String>,
+    /// What is not a flag: the program and its subcommands, the model path.
+    pub positional: Vec<String>,
+}
+
+impl Settings {
+    /// The current value of the runtime's setting for `knob`, with the
+    /// setting, where the command line set it.
+    pub fn get(&self, knob: Knob) -> Option<(&'static Setting, &str)> {
+        let runtime = self.runtime?;
+        SETTINGS
+            .iter()
+            .filter(|s| s.knob == knob && (s.runtime == runtime || s.runtime == Runtime::Pytorch))
+            .find_map(|s| self.values.get(s.name).map(|v| (s, v.as_str())))
+    }
+
+    /// The runtime's setting for `knob`, set or not (the first in the table).
+    pub fn setting(&self, knob: Knob) -> Option<&'static Setting> {
+        let runtime = self.runtime?;
+        SETTINGS
+            .iter()
+            .find(|s| s.knob == knob && s.runtime == runtime)
+    }
+}
+
+/// Which runtime `command` starts: by the program and its module or subcommand.
+pub fn detect(command: &[String]) -> Option<Runtime> {
+    let base = |s: &str| s.rsplit('/').next().unwrap_or(s).to_string();
+    let words: Vec<String> = command.iter().map(|w| base(w)).collect();
+    let has = |w: &str| words.iter().any(|x| x == w);
+    let joined = command.join(" ");
+    if has("vllm") || joined.contains("vllm.entrypoints") {
+        return Some(Runtime::Vllm);
+    }
+    if joined.contains("sglang.launch_server") || (has("sglang") && has("serve")) {
+        return Some(Runtime::Sglang);
+    }
+    if words
+        .iter()
+        .any(|w| w == "llama-server" || w == "llama-cli")
+    {
+        return Some(Runtime::LlamaCpp);
+    }
+    if has("text-generation-launcher") || has("text-generation-server") {
+        return Some(Runtime::Tgi);
+    }
+    if joined.contains("pytorch-server/server.py") {
+        return Some(Runtime::ReferencePytorch);
+    }
+    if has("oomscope-rust-server") {
+        return Some(Runtime::ReferenceRust);
+    }
+    if words.iter().any(|w| w.starts_with("python")) {
+        return Some(Runtime::Pytorch);
+    }
+    None
+}
+
+/// Reads `command` (and the memory variables in `env`) as settings.
+pub fn parse(command: &[String], env: &BTreeMap<String, String>) -> Settings {
+    let runtime = detect(command);
+    let mut out = Settings {
+        runtime,
+        ..Default::default()
+    };
+    let canonical = |flag: &str| -> String {
+        ALIASES
+            .iter()
+            .find(|(r, short, _)| Some(*r) == runtime && *short == flag)
+            .map_or_else(|| flag.replace('_', "-"), |(_, _, long)| long.to_string())
+    };
+    let mut i = 0;
+    while i < command.len() {
+        let w = &command[i];
+        if w.len() > 1 && w.starts_with('-') && !is_number(w) {
+            let (name, value, took_next) = match w.split_once('=') {
+                Some((n, v)) => (canonical(n), v.to_string(), false),
+                None => {
+                    let next = command.get(i + 1);
+                    match next {
+                        Some(v) if !v.starts_with('-') || is_number(v) => {
+                            (canonical(w), v.clone(), true)
+                        }
+                        _ => (canonical(w), String::new(), false),
+                    }
+                }
+            };
+            if !NOT_SETTINGS.contains(&name.as_str()) {
+                out.values.insert(name, value);
+            }
+            i += if took_next { 2 } else { 1 };
+        } else {
+            out.positional.push(w.clone());
+            i += 1;
+        }
+    }
+    for name in MEMORY_ENV {
+        if let Some(v) = env.get(*name) {
+            out.values.insert((*name).to_string(), v.clone());
+        }
+    }
+    out
+}
+
+fn is_number(s: &str) -> bool {
+    s.parse::<f64>().is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn a_vllm_command_line_reads_as_its_settings_without_ports() {
+        let env = BTreeMap::from([("VLLM_CPU_KVCACHE_SPACE".to_string(), "4".to_string())]);
+        let s = parse(
+            &argv("/venv/bin/vllm serve /models/llama --port 8000 --host 0.0.0.0 --max-num-seqs 64 --gpu-memory-utilization=0.85 --enforce-eager --max-model-len 4096"),
+            &env,
+        );
+        assert_eq!(s.runtime, Some(Runtime::Vllm));
+        assert_eq!(
+            s.values.get("--max-num-seqs").map(String::as_str),
+            Some("64")
+        );
+        assert_eq!(
+            s.values.get("--gpu-memory-utilization").map(String::as_str),
+            Some("0.85")
+        );
+        assert_eq!(
+            s.values.get("--enforce-eager").map(String::as_str),
+            Some("")
+        );
+        assert!(!s.values.contains_key("--port") && !s.values.contains_key("--host"));
+        assert_eq!(s.positional, argv("/venv/bin/vllm serve /models/llama"));
+        let (setting, v) = s.get(Knob::KvCacheSize).unwrap();
+        assert_eq!((setting.name, v), ("VLLM_CPU_KVCACHE_SPACE", "4"));
+        assert_eq!(s.get(Knob::MaxSequences).unwrap().1, "64");
+    }
+
+    #[test]
+    fn llama_cpp_short_flags_mean_their_long_names() {
+        let s = parse(
+            &argv("./llama-server -m m.gguf -c 8192 -np 4 -ngl 99 --port 8080"),
+            &BTreeMap::new(),
+        );
+        assert_eq!(s.runtime, Some(Runtime::LlamaCpp));
+        assert_eq!(s.get(Knob::MaxContext).unwrap().1, "8192");
+        assert_eq!(s.get(Knob::MaxSequences).unwrap().1, "4");
+        assert_eq!(s.get(Knob::GpuLayers).unwrap().1, "99");
+    }
+
+    #[test]
+    fn each_runtime_is_detected_by_its_program() {
+        let d = |c: &str| detect(&argv(c));
+        assert_eq!(
+            d("python -m sglang.launch_server --model-path m"),
+            Some(Runtime::Sglang)
+        );
+        assert_eq!(
+            d("text-generation-launcher --model-id m"),
+            Some(Runtime::Tgi)
+        );
+        assert_eq!(
+            d("python -m vllm.entrypoints.openai.api_server"),
+            Some(Runtime::Vllm)
+        );
+        assert_eq!(
+            d("python runtimes/pytorch-server/server.py --port 1"),
+            Some(Runtime::ReferencePytorch)
+        );
+        assert_eq!(
+            d("oomscope-rust-server --capacity 1"),
+            Some(Runtime::ReferenceRust)
+        );
+        assert_eq!(d("python3 app.py"), Some(Runtime::Pytorch));
+        assert_eq!(d("sh -c x"), None);
+    }
+
+    #[test]
+    fn negative_numbers_are_values_not_flags() {
+        let s = parse(&argv("llama-server --n-gpu-layers -1"), &BTreeMap::new());
+        assert_eq!(
+            s.values.get("--n-gpu-layers").map(String::as_str),
+            Some("-1")
+        );
+    }
+}

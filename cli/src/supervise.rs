@@ -4,12 +4,20 @@
 //! keeps the tail of its stderr, and reads its status and limits at the end
 //! *before reaping it* (`waitid` with `WNOWAIT`), because a `prlimit`/`ulimit`
 //! inside the command is only visible late, and a fast failure is gone before
-//! the first periodic sample. It never signals the child: it only waits.
+//! the first periodic sample.
+//!
+//! Each sample carries the whole supervised tree (the child and its
+//! descendants), and the kernel's log is polled for OOM kills of any process
+//! of that tree: the kernel's record is the authoritative figure at the kill.
+//! The supervisor shields itself from the OOM killer (oom_score_adj -1000)
+//! and gives the child its own value back, so that it is never the victim
+//! that takes the evidence with it. It signals nothing but its own child,
+//! and that only to pass on a stop signal it received.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::io::{Read, Write};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -20,6 +28,8 @@ use anyhow::Context;
 use oomscope_agent_core::agent::{
     check_interval, Flow, Identity, Readers, SamplingLoop, INSTANCE_ENV,
 };
+use oomscope_agent_core::probe::kmsg::KmsgReader;
+use oomscope_agent_core::probe::tree::TreeWatch;
 use oomscope_agent_core::probe::{process, HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
@@ -44,6 +54,17 @@ pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(500);
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// How many processes a ProcessList at the child's end names.
 const TOP_PROCESSES: usize = 10;
+/// At the child's end, how long a kill record the kernel is still writing
+/// (its first lines read, not its "Killed process") is waited for, so that
+/// the kill comes before the exit in the timeline.
+const KMSG_DRAIN: Duration = Duration::from_millis(100);
+/// The Hello label that says whether the kernel's OOM records can be read:
+/// "readable", or "unreadable: <reason>" (an unprivileged container).
+pub const KERNEL_LOG_LABEL: &str = "kernel_log";
+/// The supervisor's own oom_score_adj: the OOM killer never chooses it.
+const SUPERVISOR_OOM_SCORE_ADJ: i32 = -1000;
+/// Where a process sets its own OOM-killer bias.
+const OOM_SCORE_ADJ_PATH: &str = "/proc/self/oom_score_adj";
 
 pub struct RunConfig {
     pub command: Vec<String>,
@@ -82,8 +103,20 @@ impl Ending {
 pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     let interval = check_interval(cfg.interval)?;
     let paths = HostPaths::system();
+    let shield = OomShield::engage();
+    // Opened before the first child: kills logged before are not ours.
+    let mut kmsg = KmsgReader::open();
+    if let Some(why) = kmsg.unavailable() {
+        eprintln!(
+            "oomscope: the kernel log is unreadable ({why}); OOM kills are inferred \
+             without the kernel's record of them"
+        );
+    }
     let me = HostProbe::new(paths.clone(), std::process::id());
-    let hello = hello(&cfg, &me);
+    let mut hello = hello(&cfg, &me);
+    hello
+        .labels
+        .insert(KERNEL_LOG_LABEL.to_string(), kmsg.describe());
     let reporter = Reporter::start(
         ReporterConfig {
             collector_url: cfg.collector_url.clone(),
@@ -106,8 +139,9 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
             paths: &paths,
             reporter: &reporter,
             agent_id: &agent_id,
+            child_oom_score_adj: shield.child_value(),
         };
-        let ending = run_once(&ctx, attempt, last_try, &mut sampling)?;
+        let ending = run_once(&ctx, attempt, last_try, &mut sampling, &mut kmsg)?;
         if stop_requested() {
             // Someone asked the supervisor to stop: the child got the signal; no restart.
             break ending;
@@ -200,6 +234,8 @@ struct Supervision<'a> {
     paths: &'a HostPaths,
     reporter: &'a Reporter,
     agent_id: &'a str,
+    /// The oom_score_adj the child gets back, where the supervisor changed its own.
+    child_oom_score_adj: Option<i32>,
 }
 
 /// Spawns the child once, samples it until it ends, reports its end.
@@ -208,12 +244,14 @@ fn run_once(
     attempt: u32,
     last_try: bool,
     sampling: &mut SamplingLoop,
+    kmsg: &mut KmsgReader,
 ) -> anyhow::Result<Ending> {
     let Supervision {
         cfg,
         paths,
         reporter,
         agent_id,
+        child_oom_score_adj,
     } = *ctx;
     let started = Instant::now();
     let mut cmd = Command::new(&cfg.command[0]);
@@ -225,6 +263,18 @@ fn run_once(
         .stdin(Stdio::inherit())
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped());
+    if let Some(adj) = child_oom_score_adj {
+        // Formatted before the fork: the child may only make raw system calls.
+        let value = format!("{adj}\n").into_bytes();
+        // SAFETY: the closure only calls open/write/close (async-signal-safe)
+        // on memory allocated before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                write_own_oom_score_adj(&value);
+                Ok(())
+            });
+        }
+    }
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
@@ -261,14 +311,20 @@ fn run_once(
 
     // Sample until the child ends; leave it unreaped so /proc/<pid> stays readable.
     let mut watch = ChildWatch {
+        tree: TreeWatch::new(paths.clone(), pid),
         probe,
         pid,
         last_process,
+        kmsg,
+        stop_signal: None,
     };
     sampling.run(&mut watch, None);
+    // A kill the kernel is still logging comes before the exit.
+    watch.drain_kills(reporter);
     let ChildWatch {
         probe,
         last_process,
+        stop_signal,
         ..
     } = watch;
 
@@ -314,47 +370,87 @@ fn run_once(
         attempt,
         crash_loop,
         runtime_ns: started.elapsed().as_nanos() as u64,
-        stop_signal: None,
+        stop_signal,
     };
     reporter.send_event(event(pb::event::Kind::ChildExit(exit)));
     Ok(ending)
 }
 
 /// The child seen from outside, on the agent skeleton's sampling loop: a
-/// sample every interval, and between samples a poll for its end and for a
-/// stop signal to pass on. It has no allocator to snapshot and no heap to
-/// census, so other directives are ignored.
-struct ChildWatch {
+/// sample (with the whole tree) every interval, and between samples a poll
+/// for its end, for a stop signal to pass on, for new processes of its tree
+/// and for the kernel's OOM records. It has no allocator to snapshot and no
+/// heap to census, so other directives are ignored.
+struct ChildWatch<'k> {
     probe: HostProbe,
     pid: u32,
     /// The latest reading of the child, whose limits and peaks a zombie no longer shows.
     last_process: Option<pb::ProcessMemory>,
+    /// The child's tree, and every pid seen in it during this run.
+    tree: TreeWatch,
+    /// Shared by every run: opened once, at the supervisor's start.
+    kmsg: &'k mut KmsgReader,
+    /// The stop signal passed on to the child before it ended.
+    stop_signal: Option<i32>,
 }
 
-impl Readers for ChildWatch {
+impl ChildWatch<'_> {
+    /// Sends the kernel's records of kills of this run's processes; kills
+    /// of other processes are not this instance's evidence.
+    fn send_kills(&mut self, reporter: &Reporter) {
+        for kill in self.kmsg.read_new() {
+            if kill.pid == self.pid || self.tree.owns(kill.pid) {
+                reporter.send_event(event(pb::event::Kind::KernelOomKill(kill)));
+            }
+        }
+    }
+
+    /// At the child's end: the records logged so far, and a kill still
+    /// being logged, waited for up to [`KMSG_DRAIN`].
+    fn drain_kills(&mut self, reporter: &Reporter) {
+        let deadline = Instant::now() + KMSG_DRAIN;
+        loop {
+            self.send_kills(reporter);
+            if !self.kmsg.has_pending() || Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Readers for ChildWatch<'_> {
     type Job = Infallible;
 
     fn tick(&mut self, reporter: &Reporter) {
-        let s = self.probe.sample();
+        let mut s = self.probe.sample();
         if let Some(p) = &s.process {
             self.last_process = Some(merge_process(self.last_process.take(), *p));
         }
+        self.tree.read().fill(&mut s);
         reporter.send_sample(s);
     }
 
-    fn poll(&mut self, _: &Reporter) -> Flow {
+    fn poll(&mut self, reporter: &Reporter) -> Flow {
         let pid = self.pid;
-        let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
-        if sig != 0 {
-            // The supervisor started this child: passing a stop signal on is its job.
-            // SAFETY: kill(2) on our own, not yet reaped, child.
-            unsafe { libc::kill(pid as libc::pid_t, sig) };
-            eprintln!(
-                "oomscope: passed signal {sig} ({}) on to the child {pid}",
-                signal_name(sig)
-            );
+        // New processes first, so that a kill of one is matched to it.
+        self.tree.refresh_children();
+        self.send_kills(reporter);
+        let exited = wait_exited_nowait(pid);
+        if !matches!(exited, Ok(true)) {
+            let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
+            if sig != 0 {
+                // The supervisor started this child: passing a stop signal on is its job.
+                // SAFETY: kill(2) on our own, not yet reaped, child.
+                unsafe { libc::kill(pid as libc::pid_t, sig) };
+                self.stop_signal.get_or_insert(sig);
+                eprintln!(
+                    "oomscope: passed signal {sig} ({}) on to the child {pid}",
+                    signal_name(sig)
+                );
+            }
         }
-        match wait_exited_nowait(pid) {
+        match exited {
             Ok(false) => Flow::Continue,
             Ok(true) => Flow::Stop,
             Err(e) => {
@@ -397,6 +493,117 @@ fn install_forwarding() {
             libc::sigemptyset(&mut sa.sa_mask);
             sa.sa_flags = libc::SA_RESTART;
             libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The supervisor out of the OOM killer's reach: it holds the evidence, and
+/// a victim chosen among the instance's processes must never be it.
+struct OomShield {
+    /// The value it had before, where it lowered its own: the child's.
+    previous: Option<i32>,
+}
+
+impl OomShield {
+    /// Sets the supervisor's own oom_score_adj to -1000. Lowering it needs
+    /// CAP_SYS_RESOURCE (below the floor the last privileged writer left);
+    /// without it, it goes as low as permitted, which still ranks it below
+    /// its child, and says once what that risks.
+    fn engage() -> Self {
+        let previous = match std::fs::read_to_string(OOM_SCORE_ADJ_PATH) {
+            Ok(t) => match parse_oom_score_adj(&t) {
+                Some(v) => v,
+                None => {
+                    warn_unshielded(&format!("{OOM_SCORE_ADJ_PATH} reads {:?}", t.trim()), None);
+                    return OomShield { previous: None };
+                }
+            },
+            Err(e) => {
+                warn_unshielded(&e.to_string(), None);
+                return OomShield { previous: None };
+            }
+        };
+        let mut refused = None;
+        let now = lowest_permitted(previous, |v| match set_own_oom_score_adj(v) {
+            Ok(()) => true,
+            Err(e) => {
+                refused.get_or_insert(e);
+                false
+            }
+        });
+        if now != SUPERVISOR_OOM_SCORE_ADJ {
+            let why = refused.map_or_else(|| "refused".to_string(), |e| e.to_string());
+            warn_unshielded(&why, (now < previous).then_some(now));
+        }
+        OomShield {
+            previous: (now < previous).then_some(previous),
+        }
+    }
+
+    /// The value the child must get back, where the supervisor changed its own.
+    fn child_value(&self) -> Option<i32> {
+        self.previous
+    }
+}
+
+/// The lowest value in [-1000, `current`] that `try_set` accepts, trying
+/// -1000 first and then searching (the kernel accepts every value from a
+/// floor up, and a refused write changes nothing). The value set last is the
+/// one returned, so the process ends at it.
+fn lowest_permitted(current: i32, mut try_set: impl FnMut(i32) -> bool) -> i32 {
+    if current <= SUPERVISOR_OOM_SCORE_ADJ || try_set(SUPERVISOR_OOM_SCORE_ADJ) {
+        return SUPERVISOR_OOM_SCORE_ADJ;
+    }
+    // Invariant: `lo` refused, `hi` accepted (or the current value).
+    let (mut lo, mut hi) = (SUPERVISOR_OOM_SCORE_ADJ, current);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if try_set(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
+fn set_own_oom_score_adj(v: i32) -> std::io::Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(OOM_SCORE_ADJ_PATH)?
+        .write_all(v.to_string().as_bytes())
+}
+
+fn warn_unshielded(why: &str, lowered_to: Option<i32>) {
+    let partly = match lowered_to {
+        Some(v) => format!(", only to {v} (still below its child)"),
+        None => String::new(),
+    };
+    eprintln!(
+        "oomscope: cannot set the supervisor's oom_score_adj to {SUPERVISOR_OOM_SCORE_ADJ} \
+         ({why}){partly}: under memory pressure the kernel may choose the supervisor as the \
+         OOM victim and take the evidence with it"
+    );
+}
+
+/// The value of an oom_score_adj file ("-1000\n").
+fn parse_oom_score_adj(text: &str) -> Option<i32> {
+    text.trim().parse().ok()
+}
+
+/// Between fork and exec: writes `value` to the child's own oom_score_adj.
+/// Only raw system calls (async-signal-safe); a failure leaves the child
+/// with the supervisor's value, which only makes it harder to kill.
+fn write_own_oom_score_adj(value: &[u8]) {
+    // SAFETY: a NUL-terminated path literal and a buffer we own.
+    unsafe {
+        let fd = libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if fd >= 0 {
+            libc::write(fd, value.as_ptr().cast(), value.len());
+            libc::close(fd);
         }
     }
 }
@@ -483,6 +690,35 @@ mod tests {
         let m = Duration::from_millis(1000);
         let d: Vec<_> = (0..6).map(|a| backoff(i, m, a).as_millis()).collect();
         assert_eq!(d, vec![100, 200, 400, 800, 1000, 1000]);
+    }
+
+    #[test]
+    fn the_lowest_permitted_oom_score_adj_is_found_and_left_set() {
+        for floor in [-1000, -999, -1, 0, 37, 100] {
+            let mut value = 100;
+            let got = lowest_permitted(100, |v| {
+                let ok = v >= floor;
+                if ok {
+                    value = v;
+                }
+                ok
+            });
+            assert_eq!((got, value), (floor, floor), "floor {floor}");
+        }
+        // Already at the bottom: nothing to write.
+        assert_eq!(lowest_permitted(-1000, |_| panic!("no write")), -1000);
+    }
+
+    #[test]
+    fn oom_score_adj_values() {
+        assert_eq!(parse_oom_score_adj("-1000\n"), Some(-1000));
+        assert_eq!(parse_oom_score_adj(" 100 "), Some(100));
+        assert_eq!(parse_oom_score_adj("x"), None);
+        assert_eq!(
+            OOM_SCORE_ADJ_PATH.as_bytes(),
+            c"/proc/self/oom_score_adj".to_bytes(),
+            "the pre-exec path is the same file"
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Host-domain probes: process, cgroup (v1 and v2), system, GPU (NVML), and
-//! the other processes on the host. Read-only: nothing here signals anyone.
+//! Host-domain probes: process, cgroup (v1 and v2), system, GPU (NVML), the
+//! other processes on the host, a supervised process tree, and the kernel's
+//! record of OOM kills (`/dev/kmsg`). Read-only: nothing here signals anyone.
 //!
 //! Each domain has pure parsers (`parse_*`, text in, proto message out) and a
 //! thin reader over a [`HostPaths`], so tests can point every reader at a fake
@@ -10,10 +11,12 @@
 pub mod cgroup;
 pub mod gpu;
 mod host;
+pub mod kmsg;
 pub mod process;
 pub mod processes;
 pub mod system;
 mod text;
+pub mod tree;
 
 pub use host::HostProbe;
 

@@ -157,10 +157,11 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
             }
         }
     };
+    let end_of = |inc: &pb::Incident| incident_end(store, inc);
     let (agent_id, from_ns, to_ns) = match &incident {
         // From the range's start where one was given, else from the beginning.
-        Some(inc) if req.from_ns != 0 => (inc.agent_id.clone(), req.from_ns, inc.time_ns),
-        Some(inc) => (inc.agent_id.clone(), i64::MIN, inc.time_ns),
+        Some(inc) if req.from_ns != 0 => (inc.agent_id.clone(), req.from_ns, end_of(inc)?),
+        Some(inc) => (inc.agent_id.clone(), i64::MIN, end_of(inc)?),
         None => {
             let to = if req.to_ns == 0 { i64::MAX } else { req.to_ns };
             (agent.unwrap_or_default(), req.from_ns, to)
@@ -188,6 +189,22 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         diagnosis.incident = Some(inc.id);
     }
     Ok(diagnosis)
+}
+
+/// How long after the kernel's record of a kill its process's end is still
+/// part of it: the record comes first, the exit the supervisor reads follows.
+pub const KILL_SETTLE_NS: i64 = 5_000_000_000;
+
+/// Where the evidence of an incident ends: at its moment, or at the last of
+/// the parts merged into it (a worker's lost stream, the server's exit), and
+/// for a kernel kill a little after, to hold the end it caused.
+fn incident_end(store: &Store, inc: &pb::Incident) -> Result<i64, Status> {
+    let parts = store.merged_into(&inc.id).map_err(internal)?;
+    let mut end = parts.iter().map(|p| p.time_ns).fold(inc.time_ns, i64::max);
+    if inc.kind == crate::incidents::KERNEL_OOM_KILL {
+        end = end.max(inc.time_ns.saturating_add(KILL_SETTLE_NS));
+    }
+    Ok(end)
 }
 
 /// An instance's timeline: `t` holds its main agent's samples and events;

@@ -2,7 +2,7 @@
 
 use crate::capacity;
 use crate::causes;
-use crate::domain::{decide, DomainVerdict};
+use crate::domain::decide;
 use crate::evidence::Evidence;
 use crate::failure;
 use crate::findings::Findings;
@@ -28,7 +28,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     } else {
         Vec::new()
     };
-    let victim = victim(&f, &verdict);
+    let victim = victim(&f);
     let capacity_json = capacity::estimate(e, &f.timeline, f.failure.as_ref())
         .and_then(|c| serde_json::to_string(&c).ok())
         .unwrap_or_default();
@@ -71,14 +71,13 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
 
 /// The process the failure took: the kernel's OOM victim, else the child
 /// that died, else the agent's own process (a device OOM inside it, a lost
-/// agent). None when nothing died or failed (a stop, a slowdown). Its
-/// command and title come from the supervised tree, the process list, the
-/// child's start or the Hello, whichever knew the pid.
-fn victim(f: &Findings, v: &DomainVerdict) -> Option<pb::Victim> {
+/// agent). None when nothing died or failed (a clean exit, a stop, a
+/// slowdown, even one the verdict names as thrash). Its command and title
+/// come from the supervised tree, the process list, the child's start or the
+/// Hello, whichever knew the pid.
+fn victim(f: &Findings) -> Option<pb::Victim> {
     let e = f.evidence;
-    if !v.failed
-        || (f.exit.is_none() && f.kernel.is_none() && f.oom.is_none() && e.incident.is_none())
-    {
+    if !f.failed {
         return None;
     }
     let hello = e.hello.clone().unwrap_or_default();

@@ -27,6 +27,7 @@ mod growth;
 mod json;
 mod kv_fit;
 pub mod runtime_text;
+pub mod settings;
 pub mod stats;
 mod thrash;
 mod timeline;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::builder::PossibleValue;
 use clap::{Parser, Subcommand, ValueEnum};
 use oomscope_agent_core::agent::check_interval;
-use oomscope_probe::{ProbeConfig, Suite};
+use oomscope_probe::{ApiChoice, ProbeConfig, Suite};
 
 /// The first lines of an investigation; `oomscope --help` ends with them.
 const WORKFLOW: &str = "\
@@ -243,12 +243,25 @@ fn shown(default: String) -> &'static str {
 /// each one's reason is written.
 #[derive(clap::Args)]
 pub struct ProbeArgs {
-    /// The OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
+    /// The OpenAI-compatible base URL, http:// or https://, e.g.
+    /// http://127.0.0.1:8000/v1 or https://[::1]:8443/v1
     #[arg(long)]
     pub endpoint: String,
     /// The model name to request (default: the server's default).
     #[arg(long)]
     pub model: Option<String>,
+    /// Which API to drive: auto takes /v1/completions where the server
+    /// offers it, else /v1/chat/completions.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub api: ApiArg,
+    /// Sent as `Authorization: Bearer KEY` to --endpoint and nowhere else
+    /// (no other key is ever sent).
+    #[arg(long, env = "OOMSCOPE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Trust the certificates in this PEM file (a private CA, a self-signed
+    /// server) instead of the built-in roots.
+    #[arg(long, value_name = "PEM")]
+    pub ca_cert: Option<PathBuf>,
     /// The collector that the server's agent reports to; with --agent, each
     /// step reads the agent's memory and the verdicts from it (default: none,
     /// so no memory evidence).
@@ -261,48 +274,60 @@ pub struct ProbeArgs {
     /// is not in the default set: it needs --launch.
     #[arg(long, value_enum, value_delimiter = ',', default_value = shown(probe_defaults().suites.join(",")))]
     pub suite: Vec<SuiteArg>,
-    /// Long-context suite: the largest prompt, in words.
-    #[arg(long, default_value_t = probe_defaults().max_context)]
+    /// Long-context suite: the largest prompt, in tokens as the server counts
+    /// them (its max_model_len lowers it where it says one).
+    #[arg(long, value_name = "TOKENS", default_value_t = probe_defaults().max_context)]
     pub max_context: usize,
-    /// Long-context suite: the first prompt, in words (it doubles from there).
-    #[arg(long, default_value_t = probe_defaults().min_context)]
+    /// Long-context suite: the first prompt, in tokens (it doubles from there).
+    #[arg(long, value_name = "TOKENS", default_value_t = probe_defaults().min_context)]
     pub min_context: usize,
-    /// Concurrency suite: each request's prompt, in words.
-    #[arg(long, default_value_t = probe_defaults().typical_context)]
+    /// Concurrency suite: each request's prompt, in tokens.
+    #[arg(long, value_name = "TOKENS", default_value_t = probe_defaults().typical_context)]
     pub typical_context: usize,
+    /// Every prompt starts with the same this-many tokens: measures the
+    /// prefix-cached case on purpose, reported as such (default: every
+    /// prompt distinct, so no prefix cache answers for free).
+    #[arg(long, value_name = "TOKENS")]
+    pub shared_prefix: Option<usize>,
     /// Tokens generated per request.
-    #[arg(long, default_value_t = probe_defaults().output_tokens)]
+    #[arg(long, value_name = "TOKENS", default_value_t = probe_defaults().output_tokens)]
     pub output_tokens: usize,
     /// Concurrency suite: where the ramp stops if nothing failed first.
     #[arg(long, default_value_t = probe_defaults().max_concurrency)]
     pub max_concurrency: usize,
-    /// A step whose p99 latency exceeds this is past capacity even without a failure.
+    /// A step whose p99 latency exceeds this is past capacity even without
+    /// a failure; the figure is the last step within it.
     #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().latency_bound)))]
     pub latency_bound: Duration,
-    /// One request's timeout.
+    /// One request's timeout (cut shorter where its suite's budget ends first).
     #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().request_timeout)))]
     pub request_timeout: Duration,
-    /// Repeated suite: how many identical requests.
+    /// Repeated suite: how many requests (each with its own prompt).
     #[arg(long, default_value_t = probe_defaults().repeat)]
     pub repeat: usize,
     /// Overload suite: the burst size (default: 4x the concurrency found,
     /// within 16..=256).
     #[arg(long)]
     pub burst: Option<usize>,
-    /// Overload suite: each request's prompt, in words.
-    #[arg(long, default_value_t = probe_defaults().overload_context)]
+    /// Overload suite: each request's prompt, in tokens.
+    #[arg(long, value_name = "TOKENS", default_value_t = probe_defaults().overload_context)]
     pub overload_context: usize,
     /// Overload suite: a request neither answered nor refused within this
     /// waited in an unbounded queue.
     #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().overload_timeout)))]
     pub overload_timeout: Duration,
-    /// Each suite's time budget.
-    #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().suite_budget)))]
-    pub suite_budget: Duration,
-    /// Restart suite: the server command, launched under `oomscope run --restart`
-    /// (one string, split on spaces).
-    #[arg(long, value_name = "\"CMD ARGS\"")]
-    pub launch: Option<String>,
+    /// One time budget for every suite; a suite whose budget runs out is
+    /// incomplete (exit 4). Default: each suite's own, together under 10
+    /// minutes for a default run.
+    #[arg(long, value_parser = parse_duration, long_help = suite_budget_help())]
+    pub suite_budget: Option<Duration>,
+    /// Launch the server given after `--` under `oomscope run --restart`
+    /// (the restart suite needs it): `--launch -- python server.py --port 8000`.
+    #[arg(long, requires = "command")]
+    pub launch: bool,
+    /// With --launch: the server command and its arguments, after `--`.
+    #[arg(last = true, value_name = "CMD", requires = "launch")]
+    pub command: Vec<String>,
     /// The readiness path on the server's host (200 = ready).
     #[arg(long, default_value = probe_defaults().ready_path.as_str())]
     pub ready_path: String,
@@ -310,6 +335,13 @@ pub struct ProbeArgs {
     /// state, to compare).
     #[arg(long, default_value_t = probe_defaults().restart_settings.herd)]
     pub restart_herd: usize,
+    /// The prompts' random seed (default: the clock, so runs differ).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// No progress lines on stderr (by default one per rung: a spinner on a
+    /// terminal, plain lines otherwise).
+    #[arg(long, short)]
+    pub quiet: bool,
     /// Compare with an earlier `probe --json` report: what moved, and whether
     /// more than one setting differs.
     #[arg(long, value_name = "BASELINE.json")]
@@ -317,9 +349,44 @@ pub struct ProbeArgs {
     /// Print the report as JSON, the versioned oomscope.probe/v1 schema:
     /// {schema, endpoint, model, agent, started_ns, duration_s, settings,
     /// verdict, suites: [{suite, status, verdict, reason, steps, findings,
-    /// duration_s}], envelope, warnings}, and with --compare a comparison.
+    /// duration_s, budget_s}], envelope, server, prompts, deaths, warnings},
+    /// and with --compare a comparison.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--suite-budget`'s long help: each suite's default budget.
+fn suite_budget_help() -> &'static str {
+    let each: Vec<String> = Suite::ALL
+        .iter()
+        .map(|s| format!("{} {}", s.name(), format_duration(s.default_budget())))
+        .collect();
+    shown(format!(
+        "One time budget for every suite; a suite whose budget runs out is incomplete (exit 4). Default: each suite's own ({}; the concurrency budget is for each of its two ramps), together under {} for a default run",
+        each.join(", "),
+        format_duration(oomscope_probe::DEFAULT_RUN_BUDGET)
+    ))
+}
+
+/// `--api`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ApiArg {
+    /// /v1/completions where offered, else /v1/chat/completions.
+    Auto,
+    /// /v1/completions.
+    Completions,
+    /// /v1/chat/completions.
+    Chat,
+}
+
+impl From<ApiArg> for ApiChoice {
+    fn from(a: ApiArg) -> ApiChoice {
+        match a {
+            ApiArg::Auto => ApiChoice::Auto,
+            ApiArg::Completions => ApiChoice::Completions,
+            ApiArg::Chat => ApiChoice::Chat,
+        }
+    }
 }
 
 /// A probe suite as `--suite` takes it; the names and their help come from
@@ -335,7 +402,12 @@ impl ValueEnum for SuiteArg {
     }
 
     fn to_possible_value(&self) -> Option<PossibleValue> {
-        Some(PossibleValue::new(self.0.name()).help(self.0.about()))
+        let help = shown(format!(
+            "{} (budget {})",
+            self.0.about(),
+            format_duration(self.0.default_budget())
+        ));
+        Some(PossibleValue::new(self.0.name()).help(help))
     }
 }
 
@@ -452,6 +524,10 @@ mod tests {
                 d.restart_settings.herd
             )
         );
+        assert_eq!(
+            (a.api, a.launch, a.shared_prefix),
+            (ApiArg::Auto, false, None)
+        );
         assert_eq!(a.ready_path, d.ready_path);
         let a = probe(&["--suite", "restart,long-context"]);
         assert_eq!(
@@ -461,6 +537,54 @@ mod tests {
         assert!(
             Cli::try_parse_from(["oomscope", "probe", "--endpoint", "x", "--suite", "warm"])
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn launch_is_a_switch_with_the_command_after_the_double_dash() {
+        let a = probe(&[
+            "--suite",
+            "restart",
+            "--launch",
+            "--",
+            "python",
+            "server.py",
+            "--port",
+            "8000",
+        ]);
+        assert!(a.launch);
+        assert_eq!(a.command, ["python", "server.py", "--port", "8000"]);
+        let bad = |args: &[&str]| {
+            let argv = ["oomscope", "probe", "--endpoint", "http://h/v1"];
+            Cli::try_parse_from(argv.iter().chain(args)).is_err()
+        };
+        assert!(bad(&["--launch"]), "--launch without a command");
+        assert!(
+            bad(&["--", "python", "server.py"]),
+            "a command without --launch"
+        );
+        assert!(
+            bad(&["--launch", "python server.py"]),
+            "the old one-string form"
+        );
+        let a = probe(&[
+            "--api",
+            "chat",
+            "--api-key",
+            "sk-1",
+            "--shared-prefix",
+            "128",
+            "--suite-budget",
+            "1s",
+            "-q",
+        ]);
+        assert_eq!(
+            (a.api, a.api_key.as_deref(), a.shared_prefix),
+            (ApiArg::Chat, Some("sk-1"), Some(128))
+        );
+        assert_eq!(
+            (a.suite_budget, a.quiet),
+            (Some(Duration::from_secs(1)), true)
         );
     }
 

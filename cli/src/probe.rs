@@ -1,10 +1,12 @@
 //! `oomscope probe`: parse the knobs, run the suites, print the envelope.
 
+use std::io::IsTerminal;
+
 use anyhow::Context;
 
 use oomscope_client::Client;
 use oomscope_probe::watch::EvidenceSource;
-use oomscope_probe::{compare, report, Probe, ProbeConfig, Suite};
+use oomscope_probe::{compare, progress, report, Probe, ProbeConfig, Suite};
 use oomscope_proto::v1 as pb;
 
 use crate::args::{ProbeArgs, SuiteArg};
@@ -41,6 +43,14 @@ impl EvidenceSource for Collector {
         self.0.diagnose(req).ok()
     }
 
+    fn diagnose_incident(&mut self, incident: &str) -> Option<pb::Diagnosis> {
+        let req = pb::DiagnoseRequest {
+            incident: incident.to_string(),
+            ..Default::default()
+        };
+        self.0.diagnose(req).ok()
+    }
+
     fn agents(&mut self) -> Vec<pb::AgentSummary> {
         self.0.agents().map(|r| r.agents).unwrap_or_default()
     }
@@ -57,9 +67,13 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
         cfg.suites.insert(0, Suite::Smoke.name().into());
     }
     // The knobs' defaults are clap's, taken from ProbeConfig::new (see args.rs).
+    cfg.api = a.api.into();
+    cfg.api_key = a.api_key;
+    cfg.ca_cert = a.ca_cert;
     cfg.max_context = a.max_context;
     cfg.min_context = a.min_context;
     cfg.typical_context = a.typical_context;
+    cfg.shared_prefix = a.shared_prefix;
     cfg.output_tokens = a.output_tokens;
     cfg.max_concurrency = a.max_concurrency;
     cfg.latency_bound = a.latency_bound;
@@ -69,13 +83,20 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     cfg.overload_context = a.overload_context;
     cfg.overload_timeout = a.overload_timeout;
     cfg.suite_budget = a.suite_budget;
-    cfg.launch = a
-        .launch
-        .map(|l| l.split_whitespace().map(str::to_string).collect());
+    cfg.seed = a.seed;
+    // The command after `--`, word for word, as `oomscope run` takes it.
+    cfg.launch = a.launch.then_some(a.command);
     cfg.ready_path = a.ready_path;
     cfg.restart_settings.herd = a.restart_herd;
+    cfg.progress = if a.quiet {
+        progress::Mode::Quiet
+    } else if std::io::stderr().is_terminal() {
+        progress::Mode::Terminal
+    } else {
+        progress::Mode::Plain
+    };
     if a.suite.contains(&SuiteArg(Suite::Restart)) && cfg.launch.is_none() {
-        anyhow::bail!("the restart suite launches the server itself: add --launch \"CMD ARGS\"");
+        anyhow::bail!("the restart suite launches the server itself: add --launch -- CMD ARGS");
     }
     let baseline: Option<report::ProbeReport> = match &a.compare {
         Some(p) => {

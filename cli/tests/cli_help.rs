@@ -103,8 +103,10 @@ fn probe_help_lists_exit_codes_and_real_defaults() {
         format!("[default: {}]", d.suites.join(",")),
         format!("[default: {}]", d.restart_settings.herd),
         format!(
-            "[default: {}]",
-            oomscope_cli::args::format_duration(d.suite_budget)
+            "long-context {}",
+            oomscope_cli::args::format_duration(
+                oomscope_probe::Suite::LongContext.default_budget()
+            )
         ),
     ] {
         assert!(help.contains(&shown), "probe --help lacks {shown}");

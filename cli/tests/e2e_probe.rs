@@ -280,16 +280,19 @@ fn restart_run(port: u16, flags: &str) -> Value {
     let launch = server_cmd(
         port,
         &format!("--load-seconds 1 --restore-seconds 8 {flags}"),
-    )
-    .join(" ");
-    let (_, r) = probe(&[
+    );
+    let endpoint = format!("http://127.0.0.1:{port}/v1");
+    // The server command follows `--`, word for word, as with `oomscope run`.
+    let mut args = vec![
         "--endpoint",
-        &format!("http://127.0.0.1:{port}/v1"),
+        &endpoint,
         "--suite",
         "restart",
         "--launch",
-        &launch,
-    ]);
+        "--",
+    ];
+    args.extend(launch.iter().map(String::as_str));
+    let (_, r) = probe(&args);
     suite(&r, "restart").clone()
 }
 

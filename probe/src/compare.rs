@@ -198,6 +198,9 @@ mod tests {
                 },
                 ..Default::default()
             }),
+            server: Default::default(),
+            prompts: Default::default(),
+            deaths: vec![],
             warnings: vec![],
         }
     }

@@ -1,26 +1,39 @@
 //! `oomscope probe`: a capacity and regression harness against a live
-//! OpenAI-compatible completions endpoint. "One request passed" is not
-//! capacity: the probe reproduces safely (a tiny known-good request first),
-//! ramps one variable at a time, and reports a safe envelope whose figures
-//! each name the memory domain that bounds them, with the collector's
-//! evidence. Every suite is bounded in requests and time and talks only to
-//! the endpoint it was given.
+//! OpenAI-compatible endpoint. "One request passed" is not capacity: the
+//! probe reproduces safely (a tiny known-good request first), ramps one
+//! variable at a time in tokens as the server counts them, with a distinct
+//! prompt for every request (no prefix cache answers for free), and reports
+//! a safe envelope whose figures each name what bounds them, with the
+//! collector's evidence. A claim needs its evidence; a suite whose budget
+//! ran out is incomplete; a server that died during the probe makes the
+//! verdict unsafe. Every suite is bounded in requests and time and talks
+//! only to the endpoint it was given.
 
 pub mod compare;
+pub mod concurrency;
 pub mod http;
 pub mod load;
+pub mod metrics;
+pub mod progress;
 pub mod report;
 pub mod restart;
+pub mod server;
 mod suites;
+pub mod tokens;
 pub mod watch;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
 use http::Endpoint;
-use report::{Envelope, ProbeReport, Status, SuiteReport};
+use load::Ask;
+use progress::Progress;
+use report::{Death, Envelope, Figure, ProbeReport, PromptStats, ServerFacts, Status, SuiteReport};
 use watch::{EvidenceSource, Watch};
 
 pub use oomscope_proto::v1 as pb;
@@ -37,6 +50,10 @@ pub enum Suite {
     Overload,
     Restart,
 }
+
+/// The default suites' budgets add up to less than this, so that a default
+/// run ends within it (each rung's requests are cut at their suite's budget).
+pub const DEFAULT_RUN_BUDGET: Duration = Duration::from_secs(600);
 
 impl Suite {
     pub const ALL: [Suite; 6] = [
@@ -63,12 +80,26 @@ impl Suite {
     pub const fn about(self) -> &'static str {
         match self {
             Suite::Smoke => "one tiny known-good request, always run first: its failure is the environment, never capacity",
-            Suite::LongContext => "ramp the prompt at concurrency 1 until a failure or --max-context",
-            Suite::Concurrency => "ramp concurrent requests at --typical-context (then at the max context found) until a failure, --latency-bound or --max-concurrency",
-            Suite::Repeated => "--repeat identical requests; the collector's leak verdict says whether memory grew per request",
+            Suite::LongContext => "ramp the prompt in tokens at concurrency 1 until a failure or --max-context, then bisect to within 5 % of the bound",
+            Suite::Concurrency => "ramp concurrent requests at --typical-context tokens (then at the max context found) until a failure, --latency-bound or --max-concurrency; reports how many the server really had in service at once",
+            Suite::Repeated => "--repeat distinct requests; the collector's leak verdict says whether memory grew per request",
             Suite::Overload => "a burst above capacity: requests must be answered or quickly refused, never queued without bound",
-            Suite::Restart => "launch the server (--launch), kill it under load, and check readiness gating, a gradual restore and idempotency",
+            Suite::Restart => "launch the server (--launch -- CMD), kill it under load, and check readiness gating, a gradual restore and idempotency",
         }
+    }
+
+    /// The suite's wall-clock budget unless `--suite-budget` sets one for
+    /// all. The default suites' add up to under [`DEFAULT_RUN_BUDGET`]; the
+    /// concurrency suite's applies to each of its two ramps.
+    pub const fn default_budget(self) -> Duration {
+        Duration::from_secs(match self {
+            Suite::Smoke => 30,
+            Suite::LongContext => 120,
+            Suite::Concurrency => 90,
+            Suite::Repeated => 90,
+            Suite::Overload => 60,
+            Suite::Restart => 180,
+        })
     }
 }
 
@@ -99,6 +130,19 @@ pub const SUITES: [&str; 6] = {
     names
 };
 
+/// Which API `--api` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiChoice {
+    /// /v1/completions where the server offers it, else /v1/chat/completions.
+    Auto,
+    Completions,
+    Chat,
+}
+
+/// The long-context figure is bisected until it is within this share of
+/// the true bound.
+pub const DEFAULT_CONTEXT_TOLERANCE: f64 = 0.05;
+
 /// Every knob, with the default and why.
 #[derive(Clone, Debug)]
 pub struct ProbeConfig {
@@ -110,12 +154,23 @@ pub struct ProbeConfig {
     /// Suite names (see [`Suite`]); by default all but restart, which
     /// launches the server itself and so needs `launch`.
     pub suites: Vec<String>,
-    /// Long-context ramp: from 64 words, doubling, up to 8192 (a common
-    /// serving limit); raise it for long-context models.
+    /// Completions, chat, or whichever the server offers (completions first).
+    pub api: ApiChoice,
+    /// Sent as `Authorization: Bearer` to the endpoint, and nowhere else.
+    pub api_key: Option<String>,
+    /// Trust this PEM file's certificates instead of the built-in roots.
+    pub ca_cert: Option<PathBuf>,
+    /// Long-context ramp, in tokens: from 64, doubling, up to 8192 (a common
+    /// serving limit, and the server's own max_model_len where it is lower);
+    /// raise it for long-context models.
     pub min_context: usize,
     pub max_context: usize,
-    /// The "typical" context for the concurrency ramp: 256 words, a chat turn.
+    pub context_tolerance: f64,
+    /// The "typical" context for the concurrency ramp: 256 tokens, a chat turn.
     pub typical_context: usize,
+    /// Every prompt starts with the same this-many tokens: the prefix-cached
+    /// case, measured on purpose (by default every prompt is distinct).
+    pub shared_prefix: Option<usize>,
     /// Tokens generated per request: 16 keeps each step short while still
     /// exercising decode (KV growth per generated token).
     pub output_tokens: usize,
@@ -129,19 +184,26 @@ pub struct ProbeConfig {
     pub repeat_concurrency: usize,
     /// Overload burst size; default 4x the concurrency found (16..=256).
     pub burst: Option<usize>,
+    /// Overload prompts, in tokens.
     pub overload_context: usize,
     /// An overloaded request that neither succeeds nor is refused within this waited in an unbounded queue.
     pub overload_timeout: Duration,
     /// A refusal slower than this is not "quick".
     pub refuse_bound: Duration,
-    /// Each suite's wall-clock budget.
-    pub suite_budget: Duration,
+    /// One budget for every suite; None: each suite's [`Suite::default_budget`].
+    pub suite_budget: Option<Duration>,
     /// How long to let the agent's last messages reach the collector before asking it.
     pub settle: Duration,
     /// Restart suite: the server command to launch under `oomscope run --restart`.
     pub launch: Option<Vec<String>>,
     pub ready_path: String,
     pub restart_settings: restart::RestartConfig,
+    /// Progress on stderr.
+    pub progress: progress::Mode,
+    /// The prompts' seed (default: the clock, so two runs send different prompts).
+    pub seed: Option<u64>,
+    /// How often the server's metrics are read during a step.
+    pub metrics_poll: Duration,
 }
 
 impl ProbeConfig {
@@ -152,9 +214,14 @@ impl ProbeConfig {
             collector: None,
             agent: None,
             suites: SUITES[..5].iter().map(|s| s.to_string()).collect(),
+            api: ApiChoice::Auto,
+            api_key: None,
+            ca_cert: None,
             min_context: 64,
             max_context: 8192,
+            context_tolerance: DEFAULT_CONTEXT_TOLERANCE,
             typical_context: 256,
+            shared_prefix: None,
             output_tokens: 16,
             max_concurrency: 64,
             latency_bound: Duration::from_secs(30),
@@ -165,12 +232,20 @@ impl ProbeConfig {
             overload_context: 256,
             overload_timeout: Duration::from_secs(10),
             refuse_bound: Duration::from_secs(1),
-            suite_budget: Duration::from_secs(300),
+            suite_budget: None,
             settle: Duration::from_millis(700),
             launch: None,
             ready_path: "/health".into(),
             restart_settings: restart::RestartConfig::default(),
+            progress: progress::Mode::Quiet,
+            seed: None,
+            metrics_poll: metrics::DEFAULT_POLL,
         }
+    }
+
+    /// `suite`'s budget.
+    pub fn budget(&self, suite: Suite) -> Duration {
+        self.suite_budget.unwrap_or(suite.default_budget())
     }
 }
 
@@ -193,21 +268,96 @@ const ADDRESS_FLAGS: [&str; 7] = [
     "bind",
 ];
 
+/// Splits a shell script's words (single and double quotes, backslashes),
+/// enough for `sh -c "python server.py --max-active 4"`.
+fn shell_words(script: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut chars = script.chars();
+    let mut quote: Option<char> = None;
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some('"'), '\\') => cur.extend(chars.next()),
+            (Some(_), c) => cur.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                in_word = true;
+            }
+            (None, '\\') => {
+                cur.extend(chars.next());
+                in_word = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if in_word {
+                    out.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            (None, c) => {
+                cur.push(c);
+                in_word = true;
+            }
+        }
+    }
+    if in_word {
+        out.push(cur);
+    }
+    out
+}
+
 /// A server command line as settings, one per flag, so that a retest that
-/// changes two flags is seen as two changed variables: `--max-active 4` is
-/// `server.--max-active = 4`, a bare `--no-idempotency` is `= true`, and the
-/// program with its positional arguments is `server.command`.
+/// changes one flag is seen as one changed variable (and two as two):
+/// `--max-active 4` is `server.--max-active = 4`, `-tp 2` is
+/// `server.-tp = 2`, a bare `--no-idempotency` is `= true`, and the program
+/// with its positional arguments is `server.command`. Where the server
+/// listens (`--port`, `--host`, ...) is no setting. A command run through
+/// `sh -c SCRIPT` (or `bash -c`) is read from its script, and `exec` and
+/// `VAR=value` before the program are skipped and kept as `env.VAR`. This is
+/// the one place flags are parsed until the analysis crate's per-runtime
+/// settings map lands.
 pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
+    let shell = cmd
+        .first()
+        .and_then(|p| p.rsplit('/').next())
+        .is_some_and(|p| matches!(p, "sh" | "bash" | "dash" | "zsh"));
+    let words: Vec<String> = match (shell, cmd.get(1).map(String::as_str), cmd.get(2)) {
+        (true, Some("-c"), Some(script)) => shell_words(script),
+        _ => cmd.to_vec(),
+    };
     let mut out = BTreeMap::new();
     let mut positional = Vec::new();
     let mut i = 0;
-    while i < cmd.len() {
-        let a = &cmd[i];
-        if let Some(flag) = a.strip_prefix("--").filter(|f| !f.is_empty()) {
+    // `exec` and environment assignments before the program.
+    while i < words.len() {
+        let w = &words[i];
+        if w == "exec" || w == "env" {
+            i += 1;
+        } else if let Some((k, v)) = w.split_once('=').filter(|(k, _)| {
+            !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        }) {
+            out.insert(format!("env.{k}"), v.to_string());
+            i += 1;
+        } else {
+            break;
+        }
+    }
+    let takes_value = |next: Option<&String>| {
+        next.is_some_and(|n| !n.starts_with('-') || n.parse::<f64>().is_ok())
+    };
+    while i < words.len() {
+        let a = &words[i];
+        let flag = a
+            .strip_prefix("--")
+            .or_else(|| a.strip_prefix('-').filter(|f| f.parse::<f64>().is_err()))
+            .filter(|f| !f.is_empty());
+        if let Some(flag) = flag {
+            let dashes = if a.starts_with("--") { "--" } else { "-" };
             let name = flag.split('=').next().unwrap_or(flag);
             if ADDRESS_FLAGS.contains(&name) {
                 // Where the server listens or reports is not a variable of the workload.
-                i += if flag.contains('=') || cmd.get(i + 1).is_none_or(|n| n.starts_with("--")) {
+                i += if flag.contains('=') || !takes_value(words.get(i + 1)) {
                     1
                 } else {
                     2
@@ -215,12 +365,12 @@ pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
                 continue;
             }
             if let Some((k, v)) = flag.split_once('=') {
-                out.insert(format!("server.--{k}"), v.to_string());
-            } else if cmd.get(i + 1).is_some_and(|n| !n.starts_with("--")) {
-                out.insert(format!("server.--{flag}"), cmd[i + 1].clone());
+                out.insert(format!("server.{dashes}{k}"), v.to_string());
+            } else if takes_value(words.get(i + 1)) {
+                out.insert(format!("server.{dashes}{flag}"), words[i + 1].clone());
                 i += 1;
             } else {
-                out.insert(format!("server.--{flag}"), "true".into());
+                out.insert(format!("server.{dashes}{flag}"), "true".into());
             }
         } else {
             positional.push(a.clone());
@@ -233,12 +383,81 @@ pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
     out
 }
 
+/// The prompts made for sending, and how many of them were distinct.
+struct Book {
+    prompts: tokens::Prompts,
+    sent: u64,
+    distinct: HashSet<u64>,
+}
+
+impl Book {
+    fn record(&mut self, prompt: &str) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        prompt.hash(&mut h);
+        self.sent += 1;
+        self.distinct.insert(h.finish());
+    }
+}
+
+/// Makes requests with distinct prompts and counts them; `Copy` and `Sync`,
+/// so the restart suite's load threads share it.
+#[derive(Clone, Copy)]
+pub(crate) struct Asker<'a> {
+    book: &'a Mutex<Book>,
+    model: Option<&'a str>,
+    api: load::Api,
+    stream: bool,
+}
+
+impl Asker<'_> {
+    /// A request with a new, distinct prompt of `words` words.
+    pub(crate) fn ask(&self, words: usize, max_tokens: usize, timeout: Duration) -> Ask {
+        let mut b = self.book.lock().unwrap_or_else(|p| p.into_inner());
+        let prompt = b.prompts.next(words);
+        b.record(&prompt);
+        drop(b);
+        Ask {
+            model: self.model.map(str::to_string),
+            prompt,
+            max_tokens,
+            idempotency_key: None,
+            timeout,
+            api: self.api,
+            stream: self.stream,
+        }
+    }
+
+    /// Counts a prompt sent again on purpose (an idempotent retry).
+    pub(crate) fn record_resend(&self, prompt: &str) {
+        self.book
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(prompt);
+    }
+}
+
 pub struct Probe {
     pub ep: Endpoint,
     pub cfg: ProbeConfig,
     pub watch: Option<Watch>,
     /// The server this probe started (--launch), stopped when the run ends.
     launched: Option<restart::Launched>,
+    server: server::Server,
+    cal: tokens::Calibration,
+    book: Mutex<Book>,
+    progress: Progress,
+    started_ns: i64,
+    /// The server answered at least once: a refused connection after that is a death.
+    answered: bool,
+    /// It refused connections after answering, and has not answered since.
+    down: bool,
+    deaths: Vec<Death>,
+    /// Each suite's name and time window, to say which one a death hit.
+    windows: Vec<(String, i64, i64)>,
+    /// The restart suite's window: it kills the server on purpose.
+    deliberate: Option<(i64, i64)>,
+    /// The suite running now.
+    current: String,
 }
 
 impl Probe {
@@ -248,16 +467,42 @@ impl Probe {
         for s in &cfg.suites {
             s.parse::<Suite>().map_err(anyhow::Error::msg)?;
         }
-        let ep = Endpoint::parse(&cfg.endpoint)?;
+        let mut ep = Endpoint::parse(&cfg.endpoint)?.with_api_key(cfg.api_key.clone());
+        if let Some(ca) = &cfg.ca_cert {
+            ep = ep.with_ca_file(ca)?;
+        }
         let watch = match (evidence, &cfg.agent) {
             (Some(source), Some(agent)) => Some(Watch::new(source, agent)),
             _ => None,
         };
+        let seed = cfg.seed.unwrap_or_else(|| {
+            oomscope_proto::now_ns() as u64 ^ u64::from(std::process::id()) << 32
+        });
+        let mut prompts = tokens::Prompts::new(seed);
+        if let Some(n) = cfg.shared_prefix {
+            // Sized in words until the calibration knows better; re-sized after the smoke.
+            prompts.set_shared_prefix(n);
+        }
         Ok(Probe {
             ep,
+            progress: Progress::new(cfg.progress),
             cfg,
             watch,
             launched: None,
+            server: server::Server::default(),
+            cal: tokens::Calibration::default(),
+            book: Mutex::new(Book {
+                prompts,
+                sent: 0,
+                distinct: HashSet::new(),
+            }),
+            started_ns: oomscope_proto::now_ns(),
+            answered: false,
+            down: false,
+            deaths: Vec::new(),
+            windows: Vec::new(),
+            deliberate: None,
+            current: String::new(),
         })
     }
 
@@ -265,7 +510,33 @@ impl Probe {
         self.cfg.suites.iter().any(|x| x == s)
     }
 
-    /// What this run (and the server, as its agent said in its Hello) was configured with.
+    /// What makes requests, shareable with request threads.
+    pub(crate) fn asker(&self) -> Asker<'_> {
+        Asker {
+            book: &self.book,
+            model: self.cfg.model.as_deref(),
+            api: self.server.api,
+            stream: self.server.stream,
+        }
+    }
+
+    /// A request with a new, distinct prompt of `words` words.
+    pub(crate) fn ask(&self, words: usize, max_tokens: usize, timeout: Duration) -> Ask {
+        self.asker().ask(words, max_tokens, timeout)
+    }
+
+    /// A sample prompt (for the tokenizer), never sent.
+    fn sample(&self, words: usize) -> String {
+        self.book
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .prompts
+            .next(words)
+    }
+
+    /// What this run (and the server, as its agents said in their Hellos)
+    /// was configured with; the server's flags come from its supervised
+    /// command (the instance's `oomscope run` argv), else `--launch`'s.
     fn settings(&mut self) -> BTreeMap<String, String> {
         let c = &self.cfg;
         let mut s = BTreeMap::new();
@@ -279,21 +550,27 @@ impl Probe {
             "probe.max_concurrency".into(),
             c.max_concurrency.to_string(),
         );
+        if let Some(n) = c.shared_prefix {
+            s.insert("probe.shared_prefix".into(), n.to_string());
+        }
         if let Some(m) = &c.model {
             s.insert("model".into(), m.clone());
         }
-        if let Some(h) = self.watch.as_mut().and_then(|w| w.hello()) {
+        let launch = c.launch.clone();
+        let hellos = self.watch.as_mut().map(|w| w.hellos()).unwrap_or_default();
+        // Oldest first, so the newest process's labels win.
+        for h in hellos.iter().rev() {
             for (k, v) in h
                 .labels
-                .into_iter()
+                .iter()
                 .filter(|(k, _)| !IDENTITY_LABELS.contains(&k.as_str()))
             {
-                s.insert(format!("server.{k}"), v);
+                s.insert(format!("server.{k}"), v.clone());
             }
-            if let Some(a) = h.allocator_settings {
-                s.insert("server.alloc_conf".into(), a.alloc_conf);
+            if let Some(a) = &h.allocator_settings {
+                s.insert("server.alloc_conf".into(), a.alloc_conf.clone());
             }
-            for m in h.models {
+            for m in &h.models {
                 s.insert(
                     "server.model".into(),
                     format!("{} {} {} {}", m.name, m.revision, m.dtype, m.quantization)
@@ -301,42 +578,170 @@ impl Probe {
                         .to_string(),
                 );
             }
-            s.extend(command_settings(&h.command));
+        }
+        let command = hellos
+            .iter()
+            .find(|h| !h.command.is_empty())
+            .map(|h| h.command.clone())
+            .or(launch);
+        if let Some(cmd) = command {
+            s.extend(command_settings(&cmd));
         }
         s
     }
 
+    /// Takes in what a step's calls say: the server answered (so a later
+    /// refusal is a death), what it counted (the calibration), and whether
+    /// it went away (a refused or dropped connection after it had answered,
+    /// confirmed by a second knock).
+    fn after_calls(&mut self, calls: &[load::Call]) {
+        for c in calls.iter().filter(|c| c.outcome == load::Outcome::Ok) {
+            self.answered = true;
+            self.down = false;
+            if let Some(pt) = c.prompt_tokens {
+                self.cal.observe(c.prompt_words, pt);
+            }
+        }
+        let gone = calls.iter().any(|c| {
+            matches!(
+                c.failure,
+                Some(http::Failure::Refused | http::Failure::Dropped)
+            )
+        });
+        if self.answered && gone && !self.down && !self.alive() {
+            self.down = true;
+            let suite = self.current.clone();
+            self.deaths.push(Death {
+                suite,
+                time_ns: oomscope_proto::now_ns(),
+                source: "connection_refused".into(),
+                summary:
+                    "the server refused connections after it had answered: it died or was killed"
+                        .into(),
+                ..Default::default()
+            });
+        }
+    }
+
+    /// Whether anything answers at the endpoint now (any HTTP status).
+    fn alive(&self) -> bool {
+        match http::request(
+            &self.ep,
+            "GET",
+            "/models",
+            None,
+            &[],
+            Duration::from_secs(3),
+        ) {
+            Ok(_) => true,
+            Err(e) => e.kind == http::Failure::Timeout,
+        }
+    }
+
+    /// Deaths the collector recorded for the server since the probe began,
+    /// outside the restart suite's deliberate kill: each names its domain
+    /// and cause, and fills in a death first seen as a refused connection.
+    fn collector_deaths(&mut self) {
+        let Some(w) = self.watch.as_mut() else {
+            return;
+        };
+        std::thread::sleep(self.cfg.settle);
+        let incidents = w.incidents_since(self.started_ns);
+        for inc in incidents {
+            if self
+                .deliberate
+                .is_some_and(|(a, b)| inc.time_ns >= a && inc.time_ns <= b)
+            {
+                continue;
+            }
+            if self
+                .deaths
+                .iter()
+                .any(|d| d.incident.as_deref() == Some(inc.id.as_str()))
+            {
+                continue;
+            }
+            let cause = self.watch.as_mut().and_then(|w| w.cause_of(&inc.id));
+            let suite = self
+                .windows
+                .iter()
+                .find(|(_, a, b)| inc.time_ns >= *a && inc.time_ns <= *b)
+                .map(|(n, ..)| n.clone())
+                .unwrap_or_else(|| self.current.clone());
+            let domain = Some(inc.domain.clone()).filter(|d| !d.is_empty() && d != "unknown");
+            let filled = Death {
+                suite: suite.clone(),
+                time_ns: inc.time_ns,
+                source: "collector".into(),
+                incident: Some(inc.id.clone()),
+                kind: Some(inc.kind.clone()),
+                domain,
+                cause,
+                summary: inc.summary.clone(),
+            };
+            match self
+                .deaths
+                .iter_mut()
+                .find(|d| d.incident.is_none() && d.suite == suite)
+            {
+                Some(d) => *d = filled,
+                None => self.deaths.push(filled),
+            }
+        }
+    }
+
     pub fn run(mut self) -> ProbeReport {
-        let started_ns = oomscope_proto::now_ns();
+        let started_ns = self.started_ns;
         let t = Instant::now();
         let mut suites: Vec<SuiteReport> = Vec::new();
         let mut warnings = Vec::new();
         if let Some(cmd) = self.cfg.launch.clone() {
+            self.progress.doing("launching the server");
             match self.launch(&cmd) {
                 Ok(l) => self.launched = Some(l),
                 Err(e) => warnings.push(format!("--launch failed: {e:#}")),
             }
         }
-        let settings = self.settings();
         if self.watch.is_none() {
             warnings.push("no --collector/--agent: figures are bounded by what the endpoint answered, without memory evidence".into());
         }
 
+        self.current = "smoke".into();
         let smoke = self.smoke();
         let smoke_ok = smoke.status == Status::Pass;
+        self.progress.line(&format!(
+            "smoke: {} ({})",
+            smoke.verdict,
+            smoke.reason.as_deref().unwrap_or("ok")
+        ));
         suites.push(smoke);
-        let skip = |name: &str| SuiteReport {
+        let settings = self.settings();
+        let skip = |name: &str, why: String| SuiteReport {
             suite: name.into(),
             status: Status::Skipped,
-            verdict: "not run: the smoke test failed, so no capacity claim is made".into(),
+            verdict: why,
             reason: None,
             steps: vec![],
             findings: serde_json::json!({}),
             duration_s: 0.0,
+            budget_s: None,
         };
-        let mut envelope: Option<Envelope> = None;
-        let mut max_ctx_fig = None;
-        let mut conc_fig = None;
+        let not_run = |what: &str| format!("not measured: the {what} suite did not run");
+        let mut envelope = smoke_ok.then(|| Envelope {
+            max_context_at_concurrency_1: Figure::not_measured("tokens", not_run("long-context")),
+            max_concurrency_at_typical_context: Figure::not_measured(
+                "sequences",
+                not_run("concurrency"),
+            ),
+            max_concurrency_at_max_context: Figure::not_measured(
+                "sequences",
+                "not measured: needs both the long-context and the concurrency suites",
+            ),
+            shared_prefix_tokens: self.cfg.shared_prefix.map(|n| n as u64),
+            server_death: None,
+        });
+        let mut max_ctx: Option<u64> = None;
+        let mut conc_cap: Option<u64> = None;
         let wanted: Vec<&str> = SUITES[1..]
             .iter()
             .copied()
@@ -344,61 +749,105 @@ impl Probe {
             .collect();
         for name in wanted {
             if !smoke_ok {
-                suites.push(skip(name));
+                suites.push(skip(
+                    name,
+                    "not run: the smoke test failed, so no capacity claim is made".into(),
+                ));
                 continue;
             }
+            if self.down && !self.alive() {
+                let died = self
+                    .deaths
+                    .first()
+                    .map(|d| d.suite.clone())
+                    .unwrap_or_default();
+                suites.push(skip(
+                    name,
+                    format!("not run: the server died during {died} and does not answer"),
+                ));
+                continue;
+            }
+            self.current = name.into();
+            let from = oomscope_proto::now_ns();
             match name {
                 "long-context" => {
                     let (r, f) = self.long_context();
-                    max_ctx_fig = Some(f);
+                    max_ctx = f.value;
+                    if let Some(e) = envelope.as_mut() {
+                        e.max_context_at_concurrency_1 = f;
+                    }
                     suites.push(r);
                 }
                 "concurrency" => {
-                    let typical = self.cfg.typical_context;
+                    let typical = self.cfg.typical_context as u64;
                     let (r, f) = self.concurrency_at("concurrency", typical);
-                    conc_fig = Some(f);
+                    conc_cap = f.value;
+                    if let Some(e) = envelope.as_mut() {
+                        e.max_concurrency_at_typical_context = f;
+                    }
                     suites.push(r);
-                    if let Some(mc) = max_ctx_fig.as_ref().and_then(|f| f.value) {
-                        let words = (mc as usize).max(1);
-                        let (r2, f2) = self.concurrency_at("concurrency-at-max-context", words);
+                    if let Some(mc) = max_ctx.filter(|_| !self.down) {
+                        self.current = "concurrency-at-max-context".into();
+                        let (r2, f2) = self.concurrency_at("concurrency-at-max-context", mc.max(1));
                         suites.push(r2);
-                        envelope
-                            .get_or_insert_with(Envelope::default)
-                            .max_concurrency_at_max_context = f2;
+                        if let Some(e) = envelope.as_mut() {
+                            e.max_concurrency_at_max_context = f2;
+                        }
                     }
                 }
                 "repeated" => suites.push(self.repeated()),
-                "overload" => {
-                    let cap = conc_fig.as_ref().and_then(|f| f.value);
-                    suites.push(self.overload(cap));
+                "overload" => suites.push(self.overload(conc_cap)),
+                "restart" => {
+                    suites.push(self.restart());
+                    self.deliberate = Some((from, oomscope_proto::now_ns()));
                 }
-                "restart" => suites.push(self.restart()),
                 _ => {}
             }
-        }
-        if max_ctx_fig.is_some() || conc_fig.is_some() {
-            let e = envelope.get_or_insert_with(Envelope::default);
-            if let Some(f) = max_ctx_fig {
-                e.max_context_at_concurrency_1 = f;
-            }
-            if let Some(f) = conc_fig {
-                e.max_concurrency_at_typical_context = f;
-            }
+            self.windows
+                .push((name.to_string(), from, oomscope_proto::now_ns()));
         }
         if let Some(l) = self.launched.take() {
             l.stop();
         }
+        if smoke_ok {
+            self.collector_deaths();
+        }
+        self.progress.finish();
+        if let Some(e) = envelope.as_mut() {
+            e.server_death = self.deaths.first().cloned();
+        }
         let verdict = if !smoke_ok {
             "environment"
-        } else if suites.iter().any(|s| {
-            matches!(s.suite.as_str(), "overload" | "restart" | "repeated")
-                && s.status == Status::Fail
-        }) {
+        } else if !self.deaths.is_empty()
+            || suites.iter().any(|s| {
+                matches!(s.suite.as_str(), "overload" | "restart" | "repeated")
+                    && s.status == Status::Fail
+            })
+        {
             "unsafe"
         } else if suites.iter().any(|s| s.status == Status::Error) {
             "incomplete"
         } else {
             "ok"
+        };
+        let book = self.book.lock().unwrap_or_else(|p| p.into_inner());
+        let prompts = PromptStats {
+            sent: book.sent,
+            distinct: book.distinct.len() as u64,
+            shared_prefix_tokens: self.cfg.shared_prefix.map(|n| n as u64),
+        };
+        drop(book);
+        let server = ServerFacts {
+            api: self.server.api.name().into(),
+            streaming: self.server.stream,
+            tokenizer: self.server.tokenizer,
+            load_source: self.server.load.as_ref().map(metrics::Source::label),
+            runtime: self
+                .server
+                .load
+                .as_ref()
+                .map(|l| l.runtime().name().to_string()),
+            max_model_len: self.server.max_model_len,
         };
         ProbeReport {
             schema: report::SCHEMA.into(),
@@ -411,6 +860,9 @@ impl Probe {
             verdict: verdict.into(),
             suites,
             envelope,
+            server,
+            prompts,
+            deaths: self.deaths,
             warnings,
         }
     }
@@ -418,7 +870,8 @@ impl Probe {
 
 #[cfg(test)]
 mod tests {
-    use super::{command_settings, Suite, SUITES};
+    use super::{command_settings, shell_words, Suite, DEFAULT_RUN_BUDGET, SUITES};
+    use std::time::Duration;
 
     #[test]
     fn suite_names_round_trip_in_run_order() {
@@ -443,12 +896,31 @@ mod tests {
     }
 
     #[test]
+    fn the_default_run_fits_its_budget() {
+        // Smoke, long-context, the two concurrency ramps, repeated, overload.
+        let total: Duration = [
+            Suite::Smoke,
+            Suite::LongContext,
+            Suite::Concurrency,
+            Suite::Concurrency,
+            Suite::Repeated,
+            Suite::Overload,
+        ]
+        .iter()
+        .map(|s| s.default_budget())
+        .sum();
+        assert!(total < DEFAULT_RUN_BUDGET, "{total:?}");
+    }
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split(' ').map(str::to_string).collect()
+    }
+
+    #[test]
     fn a_command_line_becomes_one_setting_per_flag() {
-        let cmd: Vec<String> = "python server.py --port 8000 --max-active 4 --no-idempotency --restore-seconds=2 --port-file=/x"
-            .split(' ')
-            .map(str::to_string)
-            .collect();
-        let s = command_settings(&cmd);
+        let s = command_settings(&argv(
+            "python server.py --port 8000 --max-active 4 --no-idempotency --restore-seconds=2 --port-file=/x",
+        ));
         assert_eq!(s["server.command"], "python server.py");
         assert_eq!(s["server.--max-active"], "4");
         assert_eq!(s["server.--no-idempotency"], "true");
@@ -458,5 +930,50 @@ mod tests {
             4,
             "--port and --port-file are addresses, not settings: {s:?}"
         );
+        // Single-dash flags and negative numbers.
+        let s = command_settings(&argv(
+            "vllm serve m -tp 2 --max-num-seqs 5 --offset -1 --enforce-eager",
+        ));
+        assert_eq!(
+            (s["server.-tp"].as_str(), s["server.--offset"].as_str()),
+            ("2", "-1")
+        );
+        assert_eq!(s["server.command"], "vllm serve m");
+        assert_eq!(s["server.--enforce-eager"], "true");
+    }
+
+    #[test]
+    fn a_shell_wrapped_command_is_read_flag_by_flag() {
+        let cmd = vec![
+            "/bin/sh".to_string(),
+            "-c".to_string(),
+            "CUDA_VISIBLE_DEVICES=0 exec python server.py --port 8001 --max-active 4 --model-name 'tiny model'".to_string(),
+        ];
+        let s = command_settings(&cmd);
+        assert_eq!(s["server.--max-active"], "4");
+        assert_eq!(s["server.--model-name"], "tiny model");
+        assert_eq!(s["env.CUDA_VISIBLE_DEVICES"], "0");
+        assert_eq!(s["server.command"], "python server.py");
+        assert!(!s.contains_key("server.--port"));
+        assert_eq!(
+            shell_words(r#"a "b c" d\ e 'f"g'"#),
+            ["a", "b c", "d e", "f\"g"]
+        );
+    }
+
+    #[test]
+    fn one_changed_flag_is_one_changed_setting() {
+        let a = command_settings(&argv(
+            "python server.py --port 8000 --max-active 4 --max-queue 8",
+        ));
+        let b = command_settings(&argv(
+            "python server.py --port 9000 --max-active 8 --max-queue 8",
+        ));
+        let changed: Vec<&String> = a
+            .keys()
+            .chain(b.keys())
+            .filter(|k| a.get(*k) != b.get(*k))
+            .collect();
+        assert_eq!(changed, ["server.--max-active", "server.--max-active"]);
     }
 }

@@ -2,27 +2,45 @@
 //! `probe --compare`), and its text rendering for people.
 //!
 //! Schema `oomscope.probe/v1` (additive changes keep the version; a removed or
-//! retyped field bumps it):
+//! retyped field bumps it). Every count of context is in tokens, as the
+//! server counted them (its tokenizer or `usage.prompt_tokens`):
 //! ```text
 //! {schema, endpoint, model|null, agent|null, started_ns, duration_s,
 //!  settings: {str: str},                 // what the run and the server were configured with
 //!  verdict: "ok"|"environment"|"unsafe"|"incomplete",
 //!  suites: [{suite, status: "pass"|"fail"|"error"|"skipped", verdict, reason|null,
-//!            steps: [Step], findings: object, duration_s}],
+//!            steps: [Step], findings: object, duration_s, budget_s|null}],
 //!  envelope: {max_context_at_concurrency_1, max_concurrency_at_typical_context,
-//!             max_concurrency_at_max_context: Figure}|null,
+//!             max_concurrency_at_max_context: Figure,
+//!             shared_prefix_tokens|null, server_death: Death|null}|null,
+//!  server: {api, streaming, tokenizer, load_source|null, runtime|null, max_model_len|null},
+//!  prompts: {sent, distinct, shared_prefix_tokens|null},
+//!  deaths: [Death],
 //!  warnings: [str]}
-//! Step   = {label, prompt_words, prompt_tokens|null, concurrency, calls, ok, refused,
-//!           rejected, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
-//!           memory: {allocated_bytes, reserved_bytes, rss_bytes, cgroup_usage_bytes}|null,
+//! Step   = {label, prompt_words, prompt_tokens|null, context_tokens|null, concurrency, calls, ok,
+//!           refused, rejected, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
+//!           first_token_p50_ms|null, effective_concurrency|null, effective_method|null,
+//!           server_load: Load|null,
+//!           memory: {allocated_bytes, reserved_bytes, rss_bytes, cgroup_usage_bytes,
+//!                    cgroup_limit_bytes, gpu_used_bytes, gpu_total_bytes}|null,
 //!           failure|null}
 //! Figure = {value|null, unit: "tokens"|"sequences", context_tokens|null, concurrency|null,
-//!           bounded_by, evidence: [str]}
+//!           bounded_by, evidence: [str], offered|null, method|null}
+//! Death  = {suite, time_ns, source: "collector"|"connection_refused", incident|null,
+//!           kind|null, domain|null, cause|null, summary}
 //! ```
-//! `bounded_by` is a memory domain ("gpu_vram", "host_ram", "cgroup", ...) when
-//! the next step failed for memory, else "latency", "max_context_setting",
-//! "admission_cap", "server_error", "timeout" or "probe_limit" (the probe's
-//! own ceiling was reached without a failure).
+//! A concurrency figure's `value` is the effective concurrency: the most
+//! requests the server had in service at once (`offered` is the most the
+//! probe sent at once that all succeeded; `method` says how the effective
+//! count was known). `bounded_by` is a memory domain ("gpu_vram",
+//! "host_ram", "cgroup", ...) when the next step failed for memory, else
+//! "serialized" (one request at a time), "kv_pool" (the KV pool full with
+//! requests waiting or preempted), "max_sequences_setting" (a cap on the
+//! sequences run at once), "latency", "max_context_setting",
+//! "admission_cap", "server_error", "timeout", "suite_budget" (the budget
+//! ran out first: the suite is incomplete), "not_measured" (its suite did
+//! not run) or "probe_limit" (the probe's own ceiling was reached without a
+//! failure).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -37,13 +55,51 @@ pub struct MemoryAt {
     pub reserved_bytes: Option<u64>,
     pub rss_bytes: Option<u64>,
     pub cgroup_usage_bytes: Option<u64>,
+    /// The tightest limit over the server's cgroup and its ancestors (the
+    /// level whose usage `cgroup_usage_bytes` is).
+    #[serde(default)]
+    pub cgroup_limit_bytes: Option<u64>,
+    /// The server's GPUs, used and total, summed over its devices.
+    #[serde(default)]
+    pub gpu_used_bytes: Option<u64>,
+    #[serde(default)]
+    pub gpu_total_bytes: Option<u64>,
+}
+
+impl MemoryAt {
+    /// The memory in the domain that bounds the server, as "domain used of
+    /// limit": the GPU when it is on one, else its cgroup against the
+    /// cgroup's limit when one is set, else its RSS (host memory).
+    pub fn shown(&self) -> Option<String> {
+        let b = oomscope_analysis::units::bytes_table;
+        if let Some(used) = self.gpu_used_bytes.filter(|&u| u > 0) {
+            return Some(match self.gpu_total_bytes.filter(|&t| t > 0) {
+                Some(t) => format!("gpu {} of {}", b(used), b(t)),
+                None => format!("gpu {}", b(used)),
+            });
+        }
+        if let Some(used) = self.allocated_bytes.filter(|&u| u > 0) {
+            return Some(format!("gpu allocated {}", b(used)));
+        }
+        if let (Some(used), Some(limit)) = (
+            self.cgroup_usage_bytes,
+            self.cgroup_limit_bytes.filter(|&l| l > 0),
+        ) {
+            return Some(format!("cgroup {} of {}", b(used), b(limit)));
+        }
+        self.rss_bytes.map(|r| format!("rss {}", b(r)))
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Step {
     pub label: String,
     pub prompt_words: usize,
+    /// The most prompt tokens the server counted for one request of the step.
     pub prompt_tokens: Option<u64>,
+    /// The tokens each prompt was sized to.
+    #[serde(default)]
+    pub context_tokens: Option<u64>,
     pub concurrency: usize,
     pub calls: usize,
     pub ok: usize,
@@ -54,6 +110,17 @@ pub struct Step {
     pub unreachable: usize,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
+    /// Median time to the first streamed token.
+    #[serde(default)]
+    pub first_token_p50_ms: Option<f64>,
+    /// The most requests in service at once (see `Figure.method` for how).
+    #[serde(default)]
+    pub effective_concurrency: Option<u64>,
+    #[serde(default)]
+    pub effective_method: Option<String>,
+    /// The server's own account of its load during the step.
+    #[serde(default)]
+    pub server_load: Option<crate::metrics::Load>,
     pub memory: Option<MemoryAt>,
     pub failure: Option<String>,
 }
@@ -76,6 +143,9 @@ pub struct SuiteReport {
     pub steps: Vec<Step>,
     pub findings: serde_json::Value,
     pub duration_s: f64,
+    /// The suite's wall-clock budget.
+    #[serde(default)]
+    pub budget_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -86,6 +156,44 @@ pub struct Figure {
     pub concurrency: Option<u64>,
     pub bounded_by: String,
     pub evidence: Vec<String>,
+    /// Concurrency figures: the most requests sent at once that all succeeded.
+    #[serde(default)]
+    pub offered: Option<u64>,
+    /// Concurrency figures: how the effective concurrency was known
+    /// ("server_metrics", "collector", "first_token", "latency_scaling").
+    #[serde(default)]
+    pub method: Option<String>,
+}
+
+impl Figure {
+    /// A figure whose suite did not run: no claim, and why.
+    pub fn not_measured(unit: &str, why: impl Into<String>) -> Figure {
+        Figure {
+            unit: unit.into(),
+            bounded_by: "not_measured".into(),
+            evidence: vec![why.into()],
+            ..Default::default()
+        }
+    }
+}
+
+/// A death of the server during the probe: a collector incident, or the
+/// connection refused after the server had answered.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Death {
+    /// The suite that was running.
+    pub suite: String,
+    pub time_ns: i64,
+    /// "collector" or "connection_refused".
+    pub source: String,
+    pub incident: Option<String>,
+    /// The incident's kind ("oom", "signal", "agent_lost", ...).
+    pub kind: Option<String>,
+    /// The memory domain that ran out ("cgroup", "gpu_vram", ...).
+    pub domain: Option<String>,
+    /// The diagnosis's leading cause.
+    pub cause: Option<String>,
+    pub summary: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -93,6 +201,37 @@ pub struct Envelope {
     pub max_context_at_concurrency_1: Figure,
     pub max_concurrency_at_typical_context: Figure,
     pub max_concurrency_at_max_context: Figure,
+    /// Set when every prompt shared a prefix of this many tokens
+    /// (`--shared-prefix`): the figures are the prefix-cached case.
+    #[serde(default)]
+    pub shared_prefix_tokens: Option<u64>,
+    /// The first death of the server during the probe.
+    #[serde(default)]
+    pub server_death: Option<Death>,
+}
+
+/// What the probe found out about the server before the suites.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ServerFacts {
+    /// "completions" or "chat".
+    pub api: String,
+    /// It streams (so the time to first token is measured).
+    pub streaming: bool,
+    /// It counts tokens for us (`/tokenize`).
+    pub tokenizer: bool,
+    /// Where its load is read ("vLLM /metrics", "llama.cpp /slots").
+    pub load_source: Option<String>,
+    pub runtime: Option<String>,
+    /// Its context limit, from `/v1/models` or `/tokenize`.
+    pub max_model_len: Option<u64>,
+}
+
+/// The prompts sent: each distinct unless a shared prefix was asked for.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct PromptStats {
+    pub sent: u64,
+    pub distinct: u64,
+    pub shared_prefix_tokens: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -107,6 +246,12 @@ pub struct ProbeReport {
     pub verdict: String,
     pub suites: Vec<SuiteReport>,
     pub envelope: Option<Envelope>,
+    #[serde(default)]
+    pub server: ServerFacts,
+    #[serde(default)]
+    pub prompts: PromptStats,
+    #[serde(default)]
+    pub deaths: Vec<Death>,
     pub warnings: Vec<String>,
 }
 
@@ -117,6 +262,9 @@ impl ProbeReport {
 }
 
 fn figure_line(name: &str, f: &Figure) -> String {
+    if f.bounded_by == "not_measured" {
+        return format!("  {name:<36} not measured");
+    }
     let v = f
         .value
         .map_or("none found".to_string(), |v| format!("{v} {}", f.unit));
@@ -126,7 +274,11 @@ fn figure_line(name: &str, f: &Figure) -> String {
         (None, Some(n)) => format!(" (concurrency {n})"),
         _ => String::new(),
     };
-    format!("  {name:<36} {v}{at}; bounded by {}", f.bounded_by)
+    let offered = match (f.offered, f.value) {
+        (Some(o), Some(v)) if o > v => format!(" of {o} sent at once"),
+        _ => String::new(),
+    };
+    format!("  {name:<36} {v}{offered}{at}; bounded by {}", f.bounded_by)
 }
 
 pub fn text(r: &ProbeReport) -> String {
@@ -153,12 +305,16 @@ pub fn text(r: &ProbeReport) -> String {
             let mem = st
                 .memory
                 .as_ref()
-                .and_then(|m| m.allocated_bytes.or(m.rss_bytes))
-                .map(|b| format!(" mem {}", oomscope_analysis::units::bytes_table(b)))
+                .and_then(MemoryAt::shown)
+                .map(|m| format!(" {m}"))
                 .unwrap_or_default();
+            let served = match st.effective_concurrency {
+                Some(e) if (e as usize) < st.concurrency => format!(" in service {e}"),
+                _ => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "        {:<24} ok {}/{} refused {} errors {} timeouts {} p99 {}{mem}{}",
+                "        {:<28} ok {}/{} refused {} errors {} timeouts {} p99 {}{served}{mem}{}",
                 st.label,
                 st.ok,
                 st.calls,
@@ -174,7 +330,15 @@ pub fn text(r: &ProbeReport) -> String {
         }
     }
     if let Some(e) = &r.envelope {
-        out.push_str("Safe envelope:\n");
+        match e.shared_prefix_tokens {
+            Some(n) => {
+                let _ = writeln!(
+                    out,
+                    "Safe envelope (the cached case: every prompt shared a {n}-token prefix):"
+                );
+            }
+            None => out.push_str("Safe envelope:\n"),
+        }
         for (name, f) in [
             (
                 "max context at concurrency 1",
@@ -197,10 +361,26 @@ pub fn text(r: &ProbeReport) -> String {
     } else {
         out.push_str("Safe envelope: none claimed (the capacity suites did not run, or the smoke test failed)\n");
     }
+    for d in &r.deaths {
+        let _ = writeln!(out, "The server died during {}: {}", d.suite, death_line(d));
+    }
     for w in &r.warnings {
         let _ = writeln!(out, "warning: {w}");
     }
     out
+}
+
+/// One death in words: its domain and cause where known.
+pub fn death_line(d: &Death) -> String {
+    let mut s = d.summary.clone();
+    if let Some(dom) = &d.domain {
+        s.push_str(&format!(" (domain {dom}"));
+        if let Some(c) = &d.cause {
+            s.push_str(&format!(", cause {c}"));
+        }
+        s.push(')');
+    }
+    s
 }
 
 /// The probe's exit status for each verdict, which CI gates on; anything
@@ -214,7 +394,7 @@ pub const VERDICT_EXITS: [(&str, i32, &str); 4] = [
     (
         "unsafe",
         1,
-        "the overload, restart or repeated suite failed",
+        "the server died during the probe, or the overload, restart or repeated suite failed",
     ),
     (
         "environment",
@@ -224,7 +404,7 @@ pub const VERDICT_EXITS: [(&str, i32, &str); 4] = [
     (
         "incomplete",
         4,
-        "a suite could not finish (an error, not a verdict)",
+        "a suite could not finish: an error, or its budget ran out before it did",
     ),
 ];
 

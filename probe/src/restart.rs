@@ -29,6 +29,9 @@ use super::Probe;
 /// against 16 to 20, seen here), while the reference server's ramp from 10 %
 /// admitted 1 to 6 against 15 to 16.
 pub const GRADUAL_AT_MOST: f64 = 0.5;
+/// Words in the restart suite's prompts: small requests, so that the herd
+/// measures admission rather than compute.
+const RESTART_WORDS: usize = 16;
 /// Warm-up herds go out this far apart, so a ramping server admits visibly
 /// more each time...
 const WARM_HERD_GAP: Duration = Duration::from_secs(1);
@@ -105,11 +108,7 @@ impl Launched {
 }
 
 pub fn ready(ep: &Endpoint, path: &str) -> bool {
-    let root = Endpoint {
-        prefix: String::new(),
-        ..ep.clone()
-    };
-    matches!(request(&root, "GET", path, None, &[], Duration::from_secs(2)), Ok(r) if r.status == 200)
+    matches!(request(&ep.root(), "GET", path, None, &[], Duration::from_secs(2)), Ok(r) if r.status == 200)
 }
 
 pub fn wait_ready(ep: &Endpoint, path: &str, timeout: Duration) -> Option<Instant> {
@@ -189,10 +188,11 @@ impl Probe {
                 suite: "restart".into(),
                 status: Status::Error,
                 verdict: "could not run".into(),
-                reason: Some("the restart suite needs the server launched by the probe: pass --launch \"CMD ARGS\" (it runs under `oomscope run --restart`)".into()),
+                reason: Some("the restart suite needs the server launched by the probe: pass --launch -- CMD ARGS (it runs under `oomscope run --restart`)".into()),
                 steps: vec![],
                 findings: json!({}),
                 duration_s: 0.0,
+                budget_s: None,
             };
         };
         let mut report = self.restart_with(&l, t);
@@ -201,7 +201,7 @@ impl Probe {
         report
     }
 
-    fn restart_with(&mut self, l: &Launched, t: Instant) -> SuiteReport {
+    fn restart_with(&self, l: &Launched, t: Instant) -> SuiteReport {
         let rc = self.cfg.restart_settings.clone();
         let ready_path = self.cfg.ready_path.clone();
         let err = |why: String| SuiteReport {
@@ -212,13 +212,16 @@ impl Probe {
             steps: vec![],
             findings: json!({}),
             duration_s: t.elapsed().as_secs_f64(),
+            budget_s: None,
         };
+        // Distinct prompts, except that an idempotent request is resent with
+        // its own prompt and key: the retry the suite checks.
+        let asker = self.asker();
+        // A plain reference, so request threads share it and not the whole probe.
+        let ep = &self.ep;
         let ask = |key: Option<String>, timeout: Duration| Ask {
-            model: self.cfg.model.clone(),
-            prompt_words: 16,
-            max_tokens: 4,
             idempotency_key: key,
-            timeout,
+            ..asker.ask(RESTART_WORDS, 4, timeout)
         };
         let herd = || {
             burst(
@@ -230,15 +233,14 @@ impl Probe {
         };
         // Idempotent requests that complete before the kill.
         let run_id = format!("{:x}", oomscope_proto::now_ns());
-        let keyed: Vec<(String, Call)> = (0..rc.keys)
+        let keyed: Vec<(Ask, Call)> = (0..rc.keys)
             .map(|i| {
-                let key = format!("probe-{run_id}-{i}");
-                let c = complete(
-                    &self.ep,
-                    &ask(Some(key.clone()), self.cfg.request_timeout),
-                    Instant::now(),
+                let a = ask(
+                    Some(format!("probe-{run_id}-{i}")),
+                    self.cfg.request_timeout,
                 );
-                (key, c)
+                let c = complete(&self.ep, &a, Instant::now());
+                (a, c)
             })
             .collect();
         // Steady state: the most of a herd the warm server admits. A server
@@ -271,7 +273,7 @@ impl Probe {
                 s.spawn(|| {
                     while !stop.load(Ordering::Relaxed) {
                         let started = Instant::now();
-                        let c = complete(&self.ep, &ask(None, Duration::from_secs(10)), t0);
+                        let c = complete(ep, &ask(None, Duration::from_secs(10)), t0);
                         let fast_no = matches!(c.outcome, Outcome::Unreachable | Outcome::Refused);
                         calls
                             .lock()
@@ -323,19 +325,17 @@ impl Probe {
         // Resend the idempotent requests.
         let mut duplicates = Vec::new();
         let mut resent_ok = 0;
-        for (key, first) in &keyed {
-            let again = complete(
-                &self.ep,
-                &ask(Some(key.clone()), self.cfg.request_timeout),
-                Instant::now(),
-            );
+        for (first_ask, first) in &keyed {
+            let key = first_ask.idempotency_key.clone().unwrap_or_default();
+            asker.record_resend(&first_ask.prompt);
+            let again = complete(&self.ep, first_ask, Instant::now());
             if again.outcome != Outcome::Ok {
                 continue;
             }
             resent_ok += 1;
             let same = again.replayed || (first.id.is_some() && first.id == again.id);
             if first.outcome == Outcome::Ok && !same {
-                duplicates.push(key.clone());
+                duplicates.push(key);
             }
         }
         let keyed_ok = keyed
@@ -416,6 +416,7 @@ impl Probe {
             steps: vec![],
             findings,
             duration_s: t.elapsed().as_secs_f64(),
+            budget_s: None,
         }
     }
 }

@@ -653,9 +653,9 @@ impl Probe {
                 stop = Some((
                     "latency".into(),
                     vec![format!(
-                        "p99 {:.0} ms at {n} concurrent requests is over the {:.0} s latency bound",
+                        "p99 {:.0} ms at {n} concurrent requests is over the {:.0} ms latency bound",
                         p99.unwrap_or(0.0),
-                        self.cfg.latency_bound.as_secs_f64()
+                        self.cfg.latency_bound.as_secs_f64() * 1e3
                     )],
                 ));
                 break;

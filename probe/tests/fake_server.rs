@@ -1,0 +1,376 @@
+//! The probe against a small OpenAI-compatible server of the test's own
+//! (tests/support/fake.rs): what it sends (distinct prompts, the API key,
+//! over TLS, the chat API when completions are not offered), how it counts
+//! tokens (the server's tokenizer, not words), and how it reads the
+//! server's concurrency (its metrics, its first tokens).
+
+#[path = "support/fake.rs"]
+mod fake;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use fake::{Fake, Spec};
+use oomscope_probe::report::ProbeReport;
+use oomscope_probe::{ApiChoice, Probe, ProbeConfig};
+
+fn config(fake: &Fake, suites: &[&str]) -> ProbeConfig {
+    let mut c = ProbeConfig::new(&fake.endpoint());
+    c.suites = suites.iter().map(|s| s.to_string()).collect();
+    c.seed = Some(42);
+    c.min_context = 16;
+    c.max_context = 256;
+    c.typical_context = 32;
+    c.overload_context = 32;
+    c.output_tokens = 4;
+    c.max_concurrency = 8;
+    c.repeat = 10;
+    c.burst = Some(16);
+    c.request_timeout = Duration::from_secs(10);
+    c.settle = Duration::from_millis(50);
+    c.metrics_poll = Duration::from_millis(10);
+    c
+}
+
+fn run(c: ProbeConfig) -> ProbeReport {
+    Probe::new(c, None).unwrap().run()
+}
+
+fn figure(r: &ProbeReport, name: &str) -> serde_json::Value {
+    serde_json::to_value(r.envelope.as_ref().expect("an envelope")).unwrap()[name].clone()
+}
+
+#[test]
+fn every_prompt_is_distinct_unless_a_shared_prefix_is_asked_for() {
+    let f = Fake::start(Spec::default());
+    let r = run(config(
+        &f,
+        &[
+            "smoke",
+            "long-context",
+            "concurrency",
+            "repeated",
+            "overload",
+        ],
+    ));
+    assert_eq!(r.verdict, "ok", "{}", oomscope_probe::report::text(&r));
+    let prompts = f.prompts();
+    assert!(prompts.len() > 50, "{}", prompts.len());
+    let distinct: HashSet<&String> = prompts.iter().collect();
+    assert_eq!(distinct.len(), prompts.len(), "a prompt was sent twice");
+    // No two share their first words either: no prefix cache answers any of them.
+    let firsts: HashSet<String> = prompts
+        .iter()
+        .map(|p| p.split(' ').take(3).collect::<Vec<_>>().join(" "))
+        .collect();
+    assert_eq!(firsts.len(), prompts.len());
+    assert_eq!(
+        (r.prompts.sent, r.prompts.distinct),
+        (prompts.len() as u64, prompts.len() as u64)
+    );
+    assert!(r.envelope.as_ref().unwrap().shared_prefix_tokens.is_none());
+
+    // --shared-prefix 20: the cached case, on purpose, and said so.
+    let f = Fake::start(Spec::default());
+    let mut c = config(&f, &["smoke", "concurrency"]);
+    c.shared_prefix = Some(20);
+    let r = run(c);
+    let prompts = f.prompts();
+    let prefixes: HashSet<String> = prompts[1..]
+        .iter()
+        .map(|p| p.split(' ').take(20).collect::<Vec<_>>().join(" "))
+        .collect();
+    assert_eq!(
+        prefixes.len(),
+        1,
+        "every prompt after the smoke shares its first 20 tokens"
+    );
+    assert_eq!(
+        prompts.iter().collect::<HashSet<_>>().len(),
+        prompts.len(),
+        "still distinct prompts"
+    );
+    assert_eq!(r.envelope.as_ref().unwrap().shared_prefix_tokens, Some(20));
+    assert!(oomscope_probe::report::text(&r).contains("the cached case"));
+}
+
+#[test]
+fn contexts_are_tokens_as_the_servers_tokenizer_counts_them() {
+    // Two tokens a word, a 1000-token model: a word-counting probe would
+    // report 2x, or stop at half.
+    let f = Fake::start(Spec {
+        tokens_per_word: 2,
+        tokenize: true,
+        max_model_len: Some(1000),
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context"]);
+    c.max_context = 4096;
+    let r = run(c);
+    assert!(
+        r.server.tokenizer && r.server.max_model_len == Some(1000),
+        "{:?}",
+        r.server
+    );
+    let fig = figure(&r, "max_context_at_concurrency_1");
+    let v = fig["value"].as_u64().unwrap();
+    // The ramp stops at the model's limit less the output tokens: 996.
+    assert!((946..=996).contains(&v), "{fig:#}");
+    assert_eq!(fig["bounded_by"], "max_context_setting", "{fig:#}");
+    // Each rung asked for its tokens, not words.
+    let steps = &r.suite("long-context").unwrap().steps;
+    for st in steps.iter().filter(|s| s.ok == s.calls) {
+        let (asked, counted) = (
+            st.context_tokens.unwrap() as f64,
+            st.prompt_tokens.unwrap() as f64,
+        );
+        assert!((counted - asked).abs() <= 0.02 * asked + 2.0, "{st:?}");
+        assert!(st.prompt_words as f64 <= 0.6 * asked + 2.0, "{st:?}");
+    }
+}
+
+#[test]
+fn without_a_tokenizer_usage_calibrates_and_the_bound_is_bisected_to_5_percent() {
+    // No /tokenize; 3 tokens a word; the model takes 700 tokens.
+    let f = Fake::start(Spec {
+        tokens_per_word: 3,
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context"]);
+    c.max_context = 600;
+    let r = run(c);
+    let fig = figure(&r, "max_context_at_concurrency_1");
+    let v = fig["value"].as_u64().unwrap();
+    assert!(
+        (570..=600).contains(&v),
+        "the last rung is the limit, in tokens: {fig:#}"
+    );
+    assert_eq!(fig["bounded_by"], "probe_limit");
+
+    // /v1/models without the limit: only the 400 tells.
+    let f = Fake::start(Spec {
+        tokens_per_word: 3,
+        max_model_len: Some(700),
+        hide_limit: true,
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context"]);
+    c.max_context = 4096;
+    let r = run(c);
+    let fig = figure(&r, "max_context_at_concurrency_1");
+    let v = fig["value"].as_u64().unwrap() as f64;
+    // Prompt + 4 output tokens <= 700: the bound is 696 prompt tokens.
+    assert!(v <= 696.0 && v >= 0.95 * 696.0, "{fig:#}");
+}
+
+#[test]
+fn https_with_an_api_key_sends_the_key_to_the_endpoint() {
+    let key = "sk-test-0123";
+    let f = Fake::start(Spec {
+        tls: true,
+        api_key: Some(key.into()),
+        ..Spec::default()
+    });
+    let dir = std::env::temp_dir().join(format!("oomscope-probe-ca-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, f.ca_pem.as_ref().unwrap()).unwrap();
+
+    let mut c = config(&f, &["smoke", "concurrency"]);
+    c.api_key = Some(key.into());
+    c.ca_cert = Some(ca.clone());
+    c.max_concurrency = 2;
+    let r = run(c);
+    assert_eq!(r.verdict, "ok", "{}", oomscope_probe::report::text(&r));
+    let seen = f.seen();
+    assert!(seen.len() >= 4);
+    assert!(
+        seen.iter()
+            .all(|s| s.header("authorization") == Some(&format!("Bearer {key}"))),
+        "every request carries the key"
+    );
+    // Without the key: the server refuses, which is the environment.
+    let mut c = config(&f, &["smoke"]);
+    c.ca_cert = Some(ca.clone());
+    let r = run(c);
+    assert_eq!(r.verdict, "environment");
+    // Without trusting its certificate: no request gets through.
+    let before = f.seen().len();
+    let mut c = config(&f, &["smoke"]);
+    c.api_key = Some(key.into());
+    let r = run(c);
+    assert_eq!(r.verdict, "environment");
+    assert_eq!(
+        f.seen().len(),
+        before,
+        "nothing reached the server over an untrusted TLS session"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_chat_only_endpoint_is_driven_through_chat_under_api_auto() {
+    let f = Fake::start(Spec {
+        completions: false,
+        chat_overhead: 9,
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context", "concurrency"]);
+    c.api = ApiChoice::Auto;
+    let r = run(c);
+    assert_eq!(r.verdict, "ok", "{}", oomscope_probe::report::text(&r));
+    assert_eq!(r.server.api, "chat");
+    let seen = f.seen();
+    let posts: Vec<&str> = seen
+        .iter()
+        .filter(|s| s.method == "POST" && s.path.starts_with("/v1/"))
+        .map(|s| s.path.as_str())
+        .collect();
+    let after_first_chat = posts.iter().skip_while(|p| **p != "/v1/chat/completions");
+    assert!(after_first_chat.clone().count() > 10);
+    assert!(
+        after_first_chat
+            .into_iter()
+            .all(|p| *p == "/v1/chat/completions"),
+        "{posts:?}"
+    );
+    // The template's tokens count: the figure is what the server counted.
+    let fig = figure(&r, "max_context_at_concurrency_1");
+    assert!(
+        (240..=270).contains(&fig["value"].as_u64().unwrap()),
+        "{fig:#}"
+    );
+    // --api completions on it is the environment.
+    let mut c = config(&f, &["smoke"]);
+    c.api = ApiChoice::Completions;
+    assert_eq!(run(c).verdict, "environment");
+}
+
+#[test]
+fn a_serializing_server_is_serialized_by_its_first_tokens() {
+    let f = Fake::start(Spec {
+        slots: 1,
+        stream: true,
+        service: Duration::from_millis(40),
+        ..Spec::default()
+    });
+    let r = run(config(&f, &["smoke", "concurrency"]));
+    assert!(r.server.streaming);
+    let fig = figure(&r, "max_concurrency_at_typical_context");
+    assert_eq!(
+        (fig["value"].as_u64(), fig["bounded_by"].as_str()),
+        (Some(1), Some("serialized")),
+        "{fig:#}"
+    );
+    assert_eq!(fig["offered"], 8);
+    assert_eq!(fig["method"], "first_token");
+    let text = oomscope_probe::report::text(&r);
+    assert!(text.contains("1 sequences of 8 sent at once"), "{text}");
+}
+
+#[test]
+fn a_full_kv_pool_bounds_concurrency_and_names_the_runtimes_setting() {
+    let f = Fake::start(Spec {
+        slots: 3,
+        metrics: true,
+        kv_full: true,
+        service: Duration::from_millis(150),
+        ..Spec::default()
+    });
+    let r = run(config(&f, &["smoke", "concurrency"]));
+    assert_eq!(r.server.load_source.as_deref(), Some("vLLM /metrics"));
+    let fig = figure(&r, "max_concurrency_at_typical_context");
+    assert_eq!(
+        (fig["value"].as_u64(), fig["bounded_by"].as_str()),
+        (Some(3), Some("kv_pool")),
+        "{fig:#}"
+    );
+    assert_eq!(fig["method"], "server_metrics");
+    assert!(
+        fig["evidence"][0]
+            .as_str()
+            .unwrap()
+            .contains("--gpu-memory-utilization"),
+        "{fig:#}"
+    );
+    // Without a full pool, the same cap is a sequence cap.
+    let f = Fake::start(Spec {
+        slots: 3,
+        metrics: true,
+        service: Duration::from_millis(150),
+        ..Spec::default()
+    });
+    let r = run(config(&f, &["smoke", "concurrency"]));
+    let fig = figure(&r, "max_concurrency_at_typical_context");
+    assert_eq!(
+        (fig["value"].as_u64(), fig["bounded_by"].as_str()),
+        (Some(3), Some("max_sequences_setting")),
+        "{fig:#}"
+    );
+    assert!(
+        fig["evidence"][0]
+            .as_str()
+            .unwrap()
+            .contains("--max-num-seqs"),
+        "{fig:#}"
+    );
+}
+
+#[test]
+fn a_spent_budget_is_incomplete_and_a_suite_not_run_is_not_measured() {
+    let f = Fake::start(Spec {
+        service: Duration::from_millis(300),
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context"]);
+    c.suite_budget = Some(Duration::from_millis(500));
+    let r = run(c);
+    assert_eq!(r.verdict, "incomplete");
+    assert_eq!(oomscope_probe::report::exit_code(&r.verdict), 4);
+    let fig = figure(&r, "max_context_at_concurrency_1");
+    assert_eq!(fig["bounded_by"], "suite_budget", "{fig:#}");
+    // The concurrency suite did not run: no figure, and no empty bound.
+    let conc = figure(&r, "max_concurrency_at_typical_context");
+    assert_eq!(
+        (conc["value"].is_null(), conc["bounded_by"].as_str()),
+        (true, Some("not_measured"))
+    );
+    let text = oomscope_probe::report::text(&r);
+    assert!(
+        text.contains("max concurrency at typical context   not measured"),
+        "{text}"
+    );
+    assert!(!text.contains("bounded by \n"), "{text}");
+}
+
+#[test]
+fn the_latency_bound_reports_the_last_rung_within_it() {
+    // One at a time, 60 ms each: rung n takes about n x 60 ms.
+    let f = Fake::start(Spec {
+        slots: 1,
+        service: Duration::from_millis(60),
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "concurrency"]);
+    c.latency_bound = Duration::from_millis(300);
+    let r = run(c);
+    let fig = figure(&r, "max_concurrency_at_typical_context");
+    let steps = &r.suite("concurrency").unwrap().steps;
+    let offered = fig["offered"].as_u64().unwrap() as usize;
+    let within = steps
+        .iter()
+        .filter(|s| s.p99_ms.unwrap() <= 300.0)
+        .map(|s| s.concurrency)
+        .max()
+        .unwrap();
+    assert_eq!(offered, within, "{fig:#}");
+    assert!(steps.last().unwrap().p99_ms.unwrap() > 300.0);
+    assert!(
+        fig["evidence"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e.as_str().unwrap().contains("latency bound")),
+        "{fig:#}"
+    );
+}

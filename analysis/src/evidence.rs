@@ -108,7 +108,9 @@ impl Evidence {
         .map(|(_, p)| p)
     }
 
-    /// The agent's own pid(s): the supervisor and its child, or the server.
+    /// The agent's own pid(s): the supervisor, its child and the child's
+    /// descendants (the supervised tree: vLLM's engine core and workers), or
+    /// the server.
     pub fn own_pids(&self) -> Vec<u32> {
         let mut pids: Vec<u32> = self.hello.iter().map(|h| h.pid).collect();
         if let Some((_, x)) = self.child_exit() {
@@ -118,6 +120,11 @@ impl Evidence {
             self.samples
                 .iter()
                 .filter_map(|s| s.process.as_ref().map(|p| p.pid)),
+        );
+        pids.extend(
+            self.samples
+                .iter()
+                .flat_map(|s| s.tree.iter().map(|p| p.pid)),
         );
         pids.retain(|&p| p != 0);
         pids.sort_unstable();

@@ -7,6 +7,7 @@ use crate::evidence::Evidence;
 use crate::failure::{device_limit, AtFailure};
 use crate::pb;
 use crate::runtime_text::{self, cuda_oom_line, TextMatch};
+use crate::settings::{self, Runtime, Settings};
 use crate::thrash::{read_thrash, ThrashReading};
 use crate::timeline::Timeline;
 use crate::units::{bytes, seconds, signal_name};
@@ -57,6 +58,9 @@ pub struct Findings<'a> {
     pub failure: Option<AtFailure>,
     /// The device limit: the failure's, else the announced cap or total; 0 if unknown.
     pub device_limit: u64,
+    /// The runtime's settings: its command line and recorded environment
+    /// (see `runtime_settings`).
+    pub settings: Settings,
 }
 
 impl<'a> Findings<'a> {
@@ -105,8 +109,10 @@ impl<'a> Findings<'a> {
             .map(|f| f.limit_bytes)
             .filter(|&l| l > 0)
             .unwrap_or_else(|| device_limit(e));
+        let settings = runtime_settings(e, text.as_ref());
         Findings {
             evidence: e,
+            settings,
             timeline,
             failure,
             device_limit,
@@ -127,6 +133,16 @@ impl<'a> Findings<'a> {
             strict_commit,
             failed,
         }
+    }
+
+    /// The runtime, where the evidence names one.
+    pub fn runtime(&self) -> Option<Runtime> {
+        self.settings.runtime
+    }
+
+    /// The runtime reserves its KV cache as one pool at start-up.
+    pub fn preallocated_kv(&self) -> bool {
+        self.runtime().is_some_and(Runtime::preallocates_kv)
     }
 
     /// The host limit that growth runs into: the tightest cgroup limit, else MemTotal.
@@ -292,4 +308,21 @@ impl<'a> Findings<'a> {
             Some(c) => format!("counters that moved ({}): {}", c.source, c.moved_lines().join("; ")),
         }
     }
+}
+
+/// The runtime's settings from the Hello (command line, recorded
+/// environment). Where they name no serving runtime, the runtime's own
+/// memory text or the numbers its plugin reported do: the values are then
+/// unknown, but the setting to change is not.
+fn runtime_settings(e: &Evidence, text: Option<&TextMatch>) -> Settings {
+    let mut s = e.hello.as_ref().map(settings::of_hello).unwrap_or_default();
+    if matches!(s.runtime, None | Some(Runtime::Pytorch)) {
+        let named = text
+            .and_then(|t| Runtime::from_name(t.text.runtime))
+            .or_else(|| crate::kv_pool::reported_runtime(e));
+        if named.is_some() {
+            s.runtime = named;
+        }
+    }
+    s
 }

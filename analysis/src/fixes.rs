@@ -5,6 +5,8 @@
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::pb;
+use crate::setting_fixes::{self, load_knobs, with_knobs};
+use crate::settings::Knob;
 use crate::units::bytes_short;
 
 fn fix(
@@ -41,10 +43,15 @@ const SAME_WORKLOAD: &str =
 pub fn rank(f: &Findings, v: &DomainVerdict, causes: &[pb::Cause]) -> Vec<pb::Fix> {
     let mut fixes: Vec<pb::Fix> = causes
         .iter()
-        .flat_map(|c| runtime_fix(c, f).into_iter().chain(for_cause(c, f)))
+        .flat_map(|c| {
+            setting_fixes::for_cause(c, f)
+                .into_iter()
+                .chain(runtime_fix(c, f))
+                .chain(for_cause(c, f))
+        })
         .collect();
     if fixes.is_empty() && v.failed {
-        fixes = for_domain(v.domain);
+        fixes = for_domain(v.domain, f);
     }
     if f.exit.is_some_and(|(_, x)| x.crash_loop || x.attempt > 0) {
         fixes.push(fix(
@@ -79,19 +86,19 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             });
             vec![
                 fix(
-                    format!("Cap active sequences{seqs} and total active tokens{tokens}, with a bounded admission queue in front"),
+                    with_knobs(f, &format!("Cap active sequences{seqs} and total active tokens{tokens}, with a bounded admission queue in front"), &[Knob::MaxSequences, Knob::MaxBatchTokens]),
                     "low",
                     format!("{SAME_WORKLOAD} live bytes at the cap, then step concurrency up to the expected peak"),
                     Some(ONE_REQUEST),
                 ),
                 fix(
-                    "Shorten the max context (or retrieve less text per prompt)",
+                    with_knobs(f, "Shorten the max context (or retrieve less text per prompt)", &[Knob::MaxContext]),
                     "low",
                     format!("{SAME_WORKLOAD} bytes_per_token × the new max context"),
                     None,
                 ),
                 fix(
-                    "Lower the batch size (or max batched tokens)",
+                    with_knobs(f, "Lower the batch size (or max batched tokens)", &[Knob::MaxBatchTokens]),
                     "low",
                     format!("{SAME_WORKLOAD} the peak live bytes"),
                     None,
@@ -103,7 +110,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                     None,
                 ),
                 fix(
-                    "Store the KV cache at lower precision (FP8) or quantize it",
+                    with_knobs(f, "Store the KV cache at lower precision (FP8) or quantize it", &[Knob::KvCacheDtype]),
                     "medium",
                     format!("{SAME_WORKLOAD} bytes_per_token: it should halve"),
                     Some(QUALITY),
@@ -274,7 +281,10 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                     Some("page cache and shmem are charged to the cgroup too"),
                 ),
                 fix(
-                    "Cap concurrency (max concurrent requests, batch size, max context) so the peak stays under the limit",
+                    match load_knobs(f) {
+                        Some(k) => format!("Cap concurrency so the peak stays under the limit: {k}"),
+                        None => "Cap concurrency (max concurrent requests, batch size, max context) so the peak stays under the limit".to_string(),
+                    },
                     "low",
                     format!("{SAME_WORKLOAD} memory.peak against the limit"),
                     None,
@@ -302,7 +312,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 None,
             ),
             fix(
-                "Cap concurrency and batch size so the server's host memory peak fits",
+                with_knobs(f, "Cap concurrency and batch size so the server's host memory peak fits", &[Knob::MaxSequences, Knob::MaxBatchTokens]),
                 "low",
                 format!("{SAME_WORKLOAD} MemAvailable at the peak"),
                 None,
@@ -366,7 +376,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         ],
         "swap_thrash" => vec![
             fix(
-                "Cap concurrency and batch size to shrink the working set",
+                with_knobs(f, "Cap concurrency and batch size to shrink the working set", &[Knob::MaxSequences, Knob::MaxBatchTokens]),
                 "low",
                 format!("{SAME_WORKLOAD} refaults/s and PSI full avg10"),
                 None,
@@ -397,7 +407,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                     Some("never kill processes you do not own on a shared machine"),
                 ),
                 fix(
-                    "Size the server for the memory actually left (lower concurrency, a smaller per-process cap)",
+                    with_knobs(f, "Size the server for the memory actually left (lower concurrency, a smaller per-process cap)", &[Knob::MemoryFraction, Knob::MaxSequences]),
                     "low",
                     SAME_WORKLOAD,
                     None,
@@ -409,11 +419,14 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
 }
 
 /// Where no cause says more.
-fn for_domain(d: Domain) -> Vec<pb::Fix> {
+fn for_domain(d: Domain, f: &Findings) -> Vec<pb::Fix> {
     match d {
         Domain::GpuVram => vec![
             fix(
-                "Lower concurrency, batch size or max context on this GPU, one at a time",
+                match load_knobs(f) {
+                    Some(k) => format!("Lower concurrency, batch size or max context on this GPU, one at a time: {k}"),
+                    None => "Lower concurrency, batch size or max context on this GPU, one at a time".to_string(),
+                },
                 "low",
                 "rerun the same failing request at the new setting, then at the expected peak load",
                 Some("one passing request does not prove capacity"),

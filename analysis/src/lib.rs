@@ -8,8 +8,11 @@
 //! the failed allocation); `domain` decides which memory ran out; `trigger`
 //! what set it off; `causes` says why, each analyzer on its own (a runtime's
 //! own memory text names its domain and cause through the one table in
-//! `runtime_text`); `fixes` ranks what to change, least risky first;
-//! `capacity` sizes what fits.
+//! `runtime_text`; runtimes that preallocate their KV pool have their own
+//! verdicts in `causes::kv_pool`, measured by `kv_pool`); `fixes` ranks what
+//! to change, least risky first, in the runtime's own settings where the
+//! evidence names the runtime (`settings`, `setting_fixes`); `capacity`
+//! sizes what fits.
 
 pub use oomscope_proto::v1 as pb;
 
@@ -26,7 +29,9 @@ mod fixes;
 mod growth;
 mod json;
 mod kv_fit;
+mod kv_pool;
 pub mod runtime_text;
+mod setting_fixes;
 pub mod settings;
 pub mod stats;
 mod thrash;

@@ -10,6 +10,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::pb;
+
 /// A serving runtime whose settings oomscope knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Runtime {
@@ -24,6 +26,52 @@ pub enum Runtime {
     /// Any other PyTorch process.
     Pytorch,
     Unknown,
+}
+
+impl Runtime {
+    /// The runtime's name as its users write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vLLM",
+            Runtime::Sglang => "SGLang",
+            Runtime::LlamaCpp => "llama.cpp",
+            Runtime::Tgi => "TGI",
+            Runtime::ReferencePytorch => "the reference PyTorch server",
+            Runtime::ReferenceRust => "the reference Rust server",
+            Runtime::Pytorch => "PyTorch",
+            Runtime::Unknown => "the server",
+        }
+    }
+
+    /// It reserves its KV cache as one pool at start-up (rather than growing
+    /// it with tokens): its OOMs come at the reservation, beside the pool,
+    /// or from others taking memory after it sized the pool.
+    pub fn preallocates_kv(self) -> bool {
+        matches!(self, Runtime::Vllm | Runtime::Sglang | Runtime::LlamaCpp)
+    }
+
+    /// The runtime a memory text's table entry names ("vLLM", ...).
+    pub fn from_name(name: &str) -> Option<Runtime> {
+        [
+            Runtime::Vllm,
+            Runtime::Sglang,
+            Runtime::LlamaCpp,
+            Runtime::Tgi,
+        ]
+        .into_iter()
+        .find(|r| r.name().eq_ignore_ascii_case(name) || r.agent_name() == Some(name))
+    }
+
+    /// How an agent names the runtime in `Hello.runtime` (the vLLM plugin's "vllm").
+    fn agent_name(self) -> Option<&'static str> {
+        match self {
+            Runtime::Vllm => Some("vllm"),
+            Runtime::Sglang => Some("sglang"),
+            Runtime::LlamaCpp => Some("llama.cpp"),
+            Runtime::Tgi => Some("tgi"),
+            _ => None,
+        }
+    }
 }
 
 /// What one memory setting is for, so that a fix can pick it.
@@ -265,6 +313,10 @@ pub const MEMORY_ENV: &[&str] = &[
     "OMP_NUM_THREADS",
 ];
 
+/// How `oomscope run` records a memory variable of its environment: the Hello
+/// label `env.NAME`.
+pub const ENV_LABEL_PREFIX: &str = "env.";
+
 /// A command line read as a runtime's settings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Settings {
@@ -294,6 +346,38 @@ impl Settings {
             .iter()
             .find(|s| s.knob == knob && s.runtime == runtime)
     }
+
+    /// The runtime's setting called `name` (`VLLM_CPU_KVCACHE_SPACE`), with
+    /// its value where the command line or environment set it.
+    pub fn named(&self, name: &str) -> Option<(&'static Setting, Option<&str>)> {
+        let runtime = self.runtime?;
+        let s = SETTINGS
+            .iter()
+            .find(|s| s.name == name && s.runtime == runtime)?;
+        Some((s, self.values.get(name).map(String::as_str)))
+    }
+}
+
+/// The settings a Hello records: its command line, and the memory variables
+/// `oomscope run` put in its labels (`env.NAME`). Where the command line
+/// names no runtime, the agent's own word for it (`Hello.runtime`, which the
+/// vLLM plugin sets) decides.
+pub fn of_hello(hello: &pb::Hello) -> Settings {
+    let env: BTreeMap<String, String> = hello
+        .labels
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix(ENV_LABEL_PREFIX)
+                .map(|name| (name.to_string(), v.clone()))
+        })
+        .collect();
+    let mut s = parse(&hello.command, &env);
+    if matches!(s.runtime, None | Some(Runtime::Pytorch)) {
+        if let Some(r) = Runtime::from_name(&hello.runtime) {
+            s.runtime = Some(r);
+        }
+    }
+    s
 }
 
 /// Which runtime `command` starts: by the program and its module or subcommand.
@@ -451,6 +535,33 @@ mod tests {
         );
         assert_eq!(d("python3 app.py"), Some(Runtime::Pytorch));
         assert_eq!(d("sh -c x"), None);
+    }
+
+    #[test]
+    fn a_hello_gives_its_command_and_its_recorded_environment() {
+        let hello = pb::Hello {
+            command: argv("/venv/bin/vllm serve /m --max-num-seqs 8"),
+            labels: [
+                ("env.VLLM_CPU_KVCACHE_SPACE".to_string(), "1".to_string()),
+                ("capture_file".to_string(), "x".to_string()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        let s = of_hello(&hello);
+        assert_eq!(s.runtime, Some(Runtime::Vllm));
+        let (setting, v) = s.named("VLLM_CPU_KVCACHE_SPACE").unwrap();
+        assert_eq!((setting.unit, v), ("GiB", Some("1")));
+        assert!(!s.values.contains_key("capture_file"));
+        // A plugin's word decides where the command line does not.
+        let plugin = pb::Hello {
+            command: argv("python3 serve.py"),
+            runtime: "vllm".into(),
+            ..Default::default()
+        };
+        assert_eq!(of_hello(&plugin).runtime, Some(Runtime::Vllm));
+        assert_eq!(Runtime::from_name("vLLM"), Some(Runtime::Vllm));
+        assert!(Runtime::Vllm.preallocates_kv() && !Runtime::Pytorch.preallocates_kv());
     }
 
     #[test]

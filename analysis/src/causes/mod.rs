@@ -4,7 +4,8 @@
 //! This file holds the lists. Host-side analyzers of a failure live in `host`;
 //! each timeline analyzer (leak, gc, cache, fragmentation, KV growth, weights,
 //! other processes, host growth) and the runtime's own text have a module of
-//! their own.
+//! their own; the verdicts of runtimes with a preallocated KV pool (vLLM,
+//! SGLang, llama.cpp) live in `kv_pool`.
 
 mod cache_retention;
 mod fragmentation;
@@ -12,6 +13,7 @@ mod gc_retained;
 mod host;
 mod host_growth;
 mod kv_growth;
+mod kv_pool;
 mod leak;
 mod other_process;
 mod runtime_text;
@@ -41,6 +43,9 @@ pub const ANALYZERS: &[Analyzer] = &[
     kv_growth::kv_growth,
     weights::weights_too_large,
     runtime_text::runtime_text,
+    kv_pool::kv_reservation_kill,
+    kv_pool::activation_headroom,
+    kv_pool::taken_after_profiling,
 ];
 
 /// Analyzers of a timeline's growth: they run with or without a failure
@@ -50,6 +55,7 @@ pub const TIMELINE_ANALYZERS: &[Analyzer] = &[
     gc_retained::gc_retained,
     cache_retention::cache_retention,
     host_growth::host_growth,
+    kv_pool::kv_pool_saturation,
 ];
 
 /// Every cause found, most likely first.

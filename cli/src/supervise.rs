@@ -219,6 +219,26 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
     hello.gpus = me.gpu().placements();
     hello.command = cfg.command.clone();
     hello
+        .labels
+        .extend(memory_env_labels(|name| std::env::var(name).ok()));
+    hello
+}
+
+/// The memory variables the child inherits (`settings::MEMORY_ENV`, e.g.
+/// `VLLM_CPU_KVCACHE_SPACE`), as Hello labels `env.NAME`: the analysis reads
+/// them with the command line, so that a fix can name their values.
+fn memory_env_labels(get: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+    oomscope_analysis::settings::MEMORY_ENV
+        .iter()
+        .filter_map(|name| {
+            get(name).map(|v| {
+                (
+                    format!("{}{name}", oomscope_analysis::settings::ENV_LABEL_PREFIX),
+                    v,
+                )
+            })
+        })
+        .collect()
 }
 
 fn event(kind: pb::event::Kind) -> pb::Event {
@@ -683,6 +703,17 @@ fn join_bounded(t: std::thread::JoinHandle<()>, limit: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_memory_variables_become_env_labels() {
+        let labels = memory_env_labels(|name| {
+            (name == "VLLM_CPU_KVCACHE_SPACE" || name == "HOME").then(|| "1".to_string())
+        });
+        assert_eq!(
+            labels,
+            [("env.VLLM_CPU_KVCACHE_SPACE".to_string(), "1".to_string())]
+        );
+    }
 
     #[test]
     fn backoff_doubles_and_caps() {

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use oomscope_analysis::settings as runtime_settings;
 use oomscope_analysis::units::{bytes, bytes_short};
 use serde_json::{json, Map, Value};
 
@@ -27,6 +28,15 @@ const OBSERVATION_SUFFIX: &str = "_at_failure";
 /// The raw allocator configuration string: its options are compared one by
 /// one, so it only counts as a change when none of them explains it.
 const ALLOC_CONF: &str = "PYTORCH_CUDA_ALLOC_CONF";
+/// How a switch on the command line (`--enforce-eager`) reads as a setting.
+const SWITCH_ON: &str = "on";
+
+/// A command-line flag or a recorded memory variable: where a run lacks it,
+/// it was not set (the run's default), rather than not reported.
+fn is_command_setting(setting: &str) -> bool {
+    setting.starts_with('-') || runtime_settings::MEMORY_ENV.contains(&setting)
+}
+
 /// A capture's raw model description (`notes.model`, kept as a label): the
 /// `models` setting holds what was read from it, so the label only counts as
 /// a change when `models` does not explain it.
@@ -139,6 +149,11 @@ fn summary(side: &Run, hello: &pb::Hello) -> SideSummary {
 
 /// The configuration a Hello reports, as named settings. Allocator options
 /// carry PyTorch's own names (`expandable_segments`, `max_split_size_mb`, ...).
+/// The command line is read as the runtime's settings: each flag is its own
+/// setting by its own name (`--max-num-seqs`; a switch reads `on`), the
+/// memory variables `oomscope run` recorded by theirs
+/// (`VLLM_CPU_KVCACHE_SPACE`), where the server listens is left out, and
+/// `command` is what remains (the program, its subcommand, the model).
 pub fn settings(h: &pb::Hello) -> BTreeMap<String, String> {
     let mut s = BTreeMap::new();
     let mut put = |k: String, v: String| {
@@ -147,8 +162,12 @@ pub fn settings(h: &pb::Hello) -> BTreeMap<String, String> {
     if !h.runtime.is_empty() {
         put("runtime".into(), h.runtime.clone());
     }
-    if !h.command.is_empty() {
-        put("command".into(), h.command.join(" "));
+    let command = runtime_settings::of_hello(h);
+    if !command.positional.is_empty() {
+        put("command".into(), command.positional.join(" "));
+    }
+    for (k, v) in command.values {
+        put(k, if v.is_empty() { SWITCH_ON.into() } else { v });
     }
     if let Some(a) = &h.allocator_settings {
         put(ALLOC_CONF.into(), a.alloc_conf.clone());
@@ -234,7 +253,10 @@ pub fn settings(h: &pb::Hello) -> BTreeMap<String, String> {
         put("rlimit.stack".into(), limit(r.stack_bytes));
     }
     for (k, v) in &h.labels {
-        if NOT_SETTINGS.contains(&k.as_str()) || k.ends_with(OBSERVATION_SUFFIX) {
+        if NOT_SETTINGS.contains(&k.as_str())
+            || k.ends_with(OBSERVATION_SUFFIX)
+            || k.starts_with(runtime_settings::ENV_LABEL_PREFIX)
+        {
             continue;
         }
         put(format!("label.{k}"), v.clone());
@@ -495,12 +517,17 @@ pub fn to_text(c: &Comparison) -> String {
         out.push_str("  nothing recorded\n");
     }
     for ch in &c.changed {
+        let missing = if is_command_setting(&ch.setting) {
+            "(not set)"
+        } else {
+            "(not reported)"
+        };
         let _ = writeln!(
             out,
             "  {}: {} -> {}",
             ch.setting,
-            ch.a.as_deref().unwrap_or("(not reported)"),
-            ch.b.as_deref().unwrap_or("(not reported)")
+            ch.a.as_deref().unwrap_or(missing),
+            ch.b.as_deref().unwrap_or(missing)
         );
     }
     let _ = writeln!(out, "Outcome: {}: {}", c.outcome.as_str(), c.outcome_reason);
@@ -731,6 +758,76 @@ mod tests {
         let none = with_hello(run("", None, "", ""), capture_hello(json!({})));
         let c = cmp(&none, &model("bfloat16", 8));
         assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
+    }
+
+    /// A supervised vLLM: `oomscope run`'s Hello with its command line and
+    /// recorded memory variables.
+    fn vllm(command: &str, env: &[(&str, &str)]) -> Run {
+        let hello = pb::Hello {
+            agent_id: "agent-vllm".into(),
+            name: "vllm".into(),
+            role: "supervisor".into(),
+            runtime: "supervisor".into(),
+            command: command.split_whitespace().map(str::to_string).collect(),
+            labels: env
+                .iter()
+                .map(|(k, v)| (format!("env.{k}"), v.to_string()))
+                .collect(),
+            ..Default::default()
+        };
+        with_hello(run("", None, "", ""), hello)
+    }
+
+    #[test]
+    fn the_one_flag_that_changed_is_named() {
+        let base = "/opt/vllm/bin/vllm serve /models/tiny-llama --load-format dummy --max-num-seqs 64 --port 8000";
+        let a = vllm(base, &[("VLLM_CPU_KVCACHE_SPACE", "1")]);
+        // Another port and host are no memory variable.
+        let b = vllm(
+            &base
+                .replace("--max-num-seqs 64", "--max-num-seqs 32")
+                .replace("--port 8000", "--port 8001 --host 0.0.0.0"),
+            &[("VLLM_CPU_KVCACHE_SPACE", "1")],
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(changed_names(&c), ["--max-num-seqs"], "{:?}", c.changed);
+        assert!(c.one_variable);
+        assert_eq!(
+            (c.changed[0].a.as_deref(), c.changed[0].b.as_deref()),
+            (Some("64"), Some("32"))
+        );
+        assert!(to_text(&c).contains("  --max-num-seqs: 64 -> 32\n"));
+
+        // The KV space from the environment, by its own name.
+        let b = vllm(base, &[("VLLM_CPU_KVCACHE_SPACE", "0.5")]);
+        let c = cmp(&a, &b);
+        assert_eq!(
+            changed_names(&c),
+            ["VLLM_CPU_KVCACHE_SPACE"],
+            "{:?}",
+            c.changed
+        );
+
+        // A switch added.
+        let b = vllm(
+            &format!("{base} --enforce-eager"),
+            &[("VLLM_CPU_KVCACHE_SPACE", "1")],
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(changed_names(&c), ["--enforce-eager"]);
+        assert!(to_text(&c).contains("  --enforce-eager: (not set) -> on\n"));
+
+        // Another model is the command that remains.
+        let b = vllm(
+            &base.replace("/models/tiny-llama", "/models/other"),
+            &[("VLLM_CPU_KVCACHE_SPACE", "1")],
+        );
+        let c = cmp(&a, &b);
+        assert_eq!(changed_names(&c), ["command"]);
+        assert_eq!(
+            c.changed[0].b.as_deref(),
+            Some("/opt/vllm/bin/vllm serve /models/other")
+        );
     }
 
     #[test]

@@ -62,7 +62,9 @@ pub struct PoolReading {
     pub capacity_bytes: u64,
 }
 
-/// The pool's readings, oldest first: samples whose context says how full it was.
+/// The pool's readings, oldest first: samples whose context says how full
+/// it was, each once (an unchanged context repeated by later samples is one
+/// reading).
 pub fn readings(e: &Evidence) -> Vec<PoolReading> {
     let mut out: Vec<PoolReading> = e
         .samples
@@ -89,6 +91,17 @@ pub fn readings(e: &Evidence) -> Vec<PoolReading> {
         })
         .collect();
     out.sort_by_key(|r| r.time_ns);
+    // A runtime that stops reporting when idle leaves its last reading in
+    // the context: a repeat of it is no new reading.
+    out.dedup_by(|later, earlier| {
+        (later.usage, later.running, later.waiting, later.preemptions)
+            == (
+                earlier.usage,
+                earlier.running,
+                earlier.waiting,
+                earlier.preemptions,
+            )
+    });
     out
 }
 

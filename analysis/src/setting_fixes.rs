@@ -210,9 +210,14 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                     now(f, s),
                     s.unit
                 ),
-                None => format!(
-                    "Lower the KV reservation to what fits, {}: {why}",
-                    bytes_short(p as u64)
+                // llama.cpp sizes its pool by context and slots, not bytes.
+                None => with_knobs(
+                    f,
+                    &format!(
+                        "Lower the KV reservation to what fits, {} ({why})",
+                        bytes_short(p as u64)
+                    ),
+                    &[Knob::MaxContext, Knob::MaxSequences, Knob::KvCacheDtype],
                 ),
             };
             out.push(fix(action, "low", retest, Some(SMALLER_POOL)));

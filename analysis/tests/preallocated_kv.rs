@@ -245,6 +245,45 @@ fn a_pool_with_no_room_left_says_it_does_not_fit() {
 }
 
 #[test]
+fn llama_cpp_is_one_process_and_its_pool_is_sized_by_context() {
+    let mut e = startup_kill(
+        vllm_supervisor(
+            "./llama-server -m model.gguf -c 32768 -np 4 --port 8080",
+            &[],
+        ),
+        gib(2.21),
+        &STARTUP,
+    );
+    for s in &mut e.samples {
+        s.tree.clear();
+    }
+    for ev in &mut e.events {
+        match &mut ev.kind {
+            Some(Kind::KernelOomKill(k)) => k.task = "llama-server".into(),
+            Some(Kind::ChildExit(x)) => {
+                x.pid = WORKER_PID;
+                x.exit_code = None;
+                x.signal = Some(9);
+            }
+            _ => {}
+        }
+    }
+    let d = diagnose(&e);
+    let c = cause(&d, "kv_reservation");
+    assert_eq!(metric(c, "proposed_kv_bytes"), gib(0.5) as f64);
+    assert!(
+        d.fixes[0]
+            .action
+            .starts_with("Lower the KV reservation to what fits, 512.0 MiB (")
+            && d.fixes[0].action.ends_with(
+                "`--ctx-size` (now 32768), `--parallel` (now 4), `--cache-type-k` (not set)"
+            ),
+        "{:#?}",
+        d.fixes
+    );
+}
+
+#[test]
 fn a_kill_after_requests_were_served_is_not_the_reservation() {
     let mut e = startup_kill(
         vllm_supervisor("vllm serve /m", &[("VLLM_CPU_KVCACHE_SPACE", "1")]),
@@ -636,6 +675,25 @@ fn a_full_pool_on_a_healthy_server_is_a_capacity_bound_not_an_oom() {
         d.fixes
     );
     sound(&d);
+}
+
+#[test]
+fn a_last_reading_repeated_while_idle_counts_once() {
+    let mut e = saturated_server("vllm serve /m");
+    // The plugin reports nothing when idle: later samples repeat the last context.
+    let last = e.samples.last().unwrap().clone();
+    for i in 1..=20 {
+        let mut s = last.clone();
+        s.time_ns += i * SEC;
+        e.samples.push(s);
+    }
+    let c = diagnose(&e)
+        .causes
+        .into_iter()
+        .find(|c| c.kind == "kv_pool_saturation")
+        .unwrap();
+    assert_eq!(metric(&c, "full_readings"), 4.0);
+    assert!((metric(&c, "full_seconds") - 0.6).abs() < 1e-9);
 }
 
 #[test]

@@ -19,6 +19,12 @@
 //! also writes and syncs the spool), and dropping the last handle (up to
 //! [`DROP_JOIN_TIMEOUT`]). Everything else returns at once.
 //!
+//! Held start ([`ReporterConfig::hold`]): until [`Reporter::release`], the
+//! reporter opens no connection and creates no spool directory; what is
+//! sent waits in the bounded queue. So a process that may turn out to be a
+//! short-lived helper costs the collector nothing until it proves it is not;
+//! one that stops while still held drops what it queued, silently.
+//!
 //! After `fork()` only the forking thread exists in the child, so the child's
 //! copy of the reporter has no worker: its sends are refused (false, counted
 //! as dropped), and `flush` times out. Compare [`Reporter::pid`] with the
@@ -32,13 +38,15 @@
 //! agents' spools.
 
 mod fork;
+#[cfg(test)]
+mod hold_tests;
 mod ledger;
 mod stream;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc as std_mpsc, Arc, Condvar, Mutex};
+use std::sync::{mpsc as std_mpsc, Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -46,7 +54,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::pb;
 use crate::pb::agent_message::Body;
-use crate::spool::{Origin, Spool};
+use crate::spool::{encode_agent_id, Origin, Spool};
 use crate::sync::lock;
 use fork::Birth;
 use stream::{Inputs, Urgent, Worker};
@@ -83,6 +91,10 @@ pub struct ReporterConfig {
     pub connect_timeout: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
+    /// Start held: no connection, no new spool directory, messages wait in
+    /// the queue until [`Reporter::release`]. For agents that start in every
+    /// process, helpers included, and speak up only for those that last.
+    pub hold: bool,
 }
 
 impl ReporterConfig {
@@ -97,6 +109,7 @@ impl ReporterConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
+            hold: false,
         }
     }
 }
@@ -149,6 +162,11 @@ struct Handle {
     directives: Mutex<Option<std_mpsc::Receiver<pb::Directive>>>,
     agent_id: String,
     birth: Birth,
+    /// True from a held start until the first `release`.
+    held: AtomicBool,
+    release: watch::Sender<bool>,
+    /// The spool opens at release (held, with a spool root).
+    spool_deferred: bool,
 }
 
 struct Intake {
@@ -168,7 +186,8 @@ struct Shared {
     last_error: Mutex<Option<String>>,
     progress: Mutex<Progress>,
     progress_changed: Condvar,
-    spool: Option<Mutex<Spool>>,
+    /// Set at launch, or by the worker at release for a held start.
+    spool: OnceLock<Mutex<Spool>>,
 }
 
 #[derive(Default)]
@@ -191,6 +210,8 @@ struct Progress {
     /// Urgent seqs settled: true when acked, false when rejected or dropped.
     urgent: HashMap<u64, bool>,
     worker_exited: bool,
+    /// A deferred spool was opened (or failed to open) after release.
+    spool_settled: bool,
 }
 
 impl Shared {
@@ -228,12 +249,19 @@ impl Reporter {
     /// Hello does not, opens its spool (local disk only) so that seqs
     /// continue after the previous run's, and starts the worker. A spool
     /// that cannot be opened is logged and the reporter runs memory-only.
+    ///
+    /// Held, it opens the spool only if this agent id already has one (a
+    /// previous run's: its seqs must continue); otherwise the worker opens
+    /// it at release, so a process that never is released leaves no trace.
     pub(crate) fn open(cfg: ReporterConfig, mut hello: pb::Hello) -> Reporter {
         if hello.agent_id.is_empty() {
             hello.agent_id = format!("agent-{}-{:x}", std::process::id(), crate::now_ns());
         }
         let mut startup_error = None;
-        let spool = cfg.spool_dir.as_ref().and_then(|root| {
+        let defer =
+            |root: &PathBuf| cfg.hold && !root.join(encode_agent_id(&hello.agent_id)).exists();
+        let spool_deferred = cfg.spool_dir.as_ref().is_some_and(defer);
+        let spool = cfg.spool_dir.as_ref().filter(|_| !spool_deferred).and_then(|root| {
             let origin = Origin {
                 collector_url: cfg.collector_url.clone(),
                 hello: hello.clone(),
@@ -246,15 +274,28 @@ impl Reporter {
                 })
                 .ok()
         });
-        Self::launch(cfg, hello, spool, startup_error)
+        let hold = cfg.hold;
+        Self::launch_with(cfg, hello, spool, startup_error, hold, spool_deferred)
     }
 
-    /// Starts the worker over an already opened spool (or none).
+    /// Starts the worker over an already opened spool (or none), never
+    /// held: what it delivers is already on disk.
     pub(crate) fn launch(
         cfg: ReporterConfig,
         hello: pb::Hello,
         spool: Option<Spool>,
         startup_error: Option<String>,
+    ) -> Reporter {
+        Self::launch_with(cfg, hello, spool, startup_error, false, false)
+    }
+
+    fn launch_with(
+        cfg: ReporterConfig,
+        hello: pb::Hello,
+        spool: Option<Spool>,
+        startup_error: Option<String>,
+        hold: bool,
+        spool_deferred: bool,
     ) -> Reporter {
         let agent_id = hello.agent_id.clone();
         let next_seq = spool.as_ref().map_or(1, Spool::next_seq);
@@ -269,19 +310,23 @@ impl Reporter {
                 ..Progress::default()
             }),
             progress_changed: Condvar::new(),
-            spool: spool.map(Mutex::new),
+            spool: spool
+                .map(Mutex::new)
+                .map_or_else(OnceLock::new, OnceLock::from),
         });
         let (queue_tx, queue_rx) = mpsc::channel(cfg.queue_capacity.max(1));
         let (urgent_tx, urgent_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(false);
         let (directive_tx, directive_rx) = std_mpsc::sync_channel(DIRECTIVE_BUFFER);
         let (exited_tx, exited_rx) = std_mpsc::channel::<()>();
+        let (release_tx, release_rx) = watch::channel(!hold);
 
         let worker = Worker::new(cfg, hello, shared.clone(), directive_tx, next_seq);
         let inputs = Inputs {
             queue: queue_rx,
             urgent: urgent_rx,
             stop: stop_rx,
+            release: release_rx,
         };
         let spawned = std::thread::Builder::new()
             .name("oomscope-reporter".into())
@@ -313,8 +358,30 @@ impl Reporter {
                 directives: Mutex::new(Some(directive_rx)),
                 agent_id,
                 birth: Birth::here(),
+                held: AtomicBool::new(hold),
+                release: release_tx,
+                spool_deferred,
             }),
         }
+    }
+
+    /// Ends a held start: the worker opens the spool (if any), connects, and
+    /// sends the Hello and then everything queued so far. Cheap (one atomic
+    /// load once released), so a request path may call it every time.
+    pub fn release(&self) {
+        // A forked child's copy has no worker to release (see `enqueue`).
+        if self.inner.birth.forked() {
+            return;
+        }
+        if self.inner.held.load(Ordering::Relaxed) && self.inner.held.swap(false, Ordering::AcqRel)
+        {
+            self.inner.release.send_replace(true);
+        }
+    }
+
+    /// Whether this reporter is held (started with `hold`, not released).
+    pub fn held(&self) -> bool {
+        self.inner.held.load(Ordering::Relaxed)
     }
 
     /// Queues a sample. Never blocks; false (and `dropped` + 1) when the
@@ -361,9 +428,20 @@ impl Reporter {
     /// For an OOM: bypasses the queue (never dropped for lack of room),
     /// appends the event to the spool and syncs it before returning, then
     /// waits up to `wait` for the collector's ack. Returns whether it was
-    /// acked. May block on the disk write and for up to `wait`.
+    /// acked. May block on the disk write and for up to `wait`. Releases a
+    /// held reporter: an urgent message is worth a connection.
     pub fn send_urgent(&self, event: pb::Event, wait: Duration) -> bool {
         let deadline = Instant::now() + wait;
+        if self.held() {
+            self.release();
+            // The worker opens a deferred spool first: wait for it (bounded
+            // by `wait`), so that the event is synced to disk here as usual.
+            if self.inner.spool_deferred {
+                self.inner
+                    .shared
+                    .wait_for(deadline, |p| p.spool_settled.then_some(()));
+            }
+        }
         let Some(seq) = self.send_bypassing_queue(Body::Event(event), true) else {
             return false;
         };
@@ -390,7 +468,7 @@ impl Reporter {
             }
         };
         let seq = message.seq;
-        let spooled = match (&self.inner.shared.spool, sync) {
+        let spooled = match (self.inner.shared.spool.get(), sync) {
             (Some(spool), true) => {
                 let mut spool = lock(spool);
                 match spool
@@ -423,8 +501,12 @@ impl Reporter {
 
     /// Waits until every message sent so far is acked (or was dropped or
     /// rejected, see [`ReporterStats`]): true, or false when `timeout` passes
-    /// first or the worker has stopped. Blocks for up to `timeout`.
+    /// first or the worker has stopped. Blocks for up to `timeout`; a held
+    /// reporter delivers nothing, so it returns false at once.
     pub fn flush(&self, timeout: Duration) -> bool {
+        if self.held() {
+            return false;
+        }
         let target = lock(&self.inner.intake).next_seq - 1;
         self.wait_done(target, Instant::now() + timeout)
     }
@@ -439,9 +521,15 @@ impl Reporter {
     /// Sends `goodbye`, waits for everything to be acked, and stops the
     /// worker (for every clone of this handle). Returns whether everything
     /// was acked within `timeout`; what was not stays in the spool, if any.
-    /// Blocks for up to `timeout`.
+    /// Blocks for up to `timeout`. Still held, it sends nothing: what was
+    /// queued is dropped without a word (false).
     pub fn shutdown(self, goodbye: pb::Goodbye, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
+        if self.held() {
+            self.inner
+                .stop_worker(timeout.max(Duration::from_millis(50)));
+            return false;
+        }
         let flushed = match self.send_bypassing_queue(Body::Goodbye(goodbye), false) {
             Some(seq) => {
                 let target = seq.max(lock(&self.inner.intake).next_seq - 1);
@@ -490,9 +578,10 @@ impl Reporter {
         self.inner.birth.pid()
     }
 
-    /// Whether unacked messages are also kept on disk.
+    /// Whether unacked messages are also kept on disk (for a held start
+    /// with a spool root: will be, once released).
     pub(crate) fn has_spool(&self) -> bool {
-        self.inner.shared.spool.is_some()
+        self.inner.shared.spool.get().is_some() || self.inner.spool_deferred
     }
 
     pub(crate) fn liveness(&self) -> Liveness {

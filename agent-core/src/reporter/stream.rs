@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc as std_mpsc, Arc};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use prost::Message;
@@ -22,6 +22,7 @@ use super::{ReporterConfig, Shared};
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::collector_message::Body as Reply;
+use crate::spool::{Origin, Spool};
 use crate::sync::lock;
 
 /// Messages buffered between the worker and the HTTP/2 stream; more only
@@ -47,6 +48,8 @@ pub(super) struct Inputs {
     pub queue: mpsc::Receiver<pb::AgentMessage>,
     pub urgent: mpsc::UnboundedReceiver<Urgent>,
     pub stop: watch::Receiver<bool>,
+    /// True once the reporter is not held (at once when it never was).
+    pub release: watch::Receiver<bool>,
 }
 
 pub(super) struct Worker {
@@ -88,8 +91,9 @@ impl Worker {
         }
     }
 
-    /// The thread's body: streams until asked to stop, then puts what is
-    /// still queued in the spool and tells waiters it has exited.
+    /// The thread's body: waits out a held start, streams until asked to
+    /// stop, then puts what is still queued in the spool and tells waiters
+    /// it has exited. Stopped while held, it drops what was queued.
     pub(super) fn run(mut self, mut inputs: Inputs) {
         let runtime = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -103,9 +107,55 @@ impl Worker {
                 return;
             }
         };
+        if !runtime.block_on(released(&mut inputs)) {
+            self.exit();
+            return;
+        }
+        self.open_deferred_spool();
         runtime.block_on(self.serve(&mut inputs));
         self.drain_on_stop(&mut inputs);
         self.exit();
+    }
+
+    /// After a held start with a spool root and no spool yet: opens it now.
+    /// This agent id had none at start, so seqs start at 1 as they did in
+    /// the queue; a spool that does not (someone made it meanwhile) is not
+    /// used, since its seqs would clash with the queued ones.
+    fn open_deferred_spool(&mut self) {
+        if let (Some(root), None) = (self.cfg.spool_dir.clone(), self.shared.spool.get()) {
+            self.open_spool_now(&root);
+        }
+        lock(&self.shared.progress).spool_settled = true;
+        self.shared.progress_changed.notify_all();
+    }
+
+    fn open_spool_now(&mut self, root: &std::path::Path) {
+        let origin = Origin {
+            collector_url: self.cfg.collector_url.clone(),
+            hello: self.hello.clone(),
+        };
+        let mut spool = match Spool::open(root, &self.hello.agent_id, self.cfg.spool_max_bytes) {
+            Ok(spool) => spool,
+            Err(e) => return self.no_spool(format!("spool: {e}")),
+        };
+        if spool.next_seq() != 1 {
+            // Left as it was, its origin included.
+            return self.no_spool(format!(
+                "spool {} appeared while held; not used",
+                spool.dir().display()
+            ));
+        }
+        match spool.set_origin(&origin) {
+            Ok(()) => {
+                let _ = self.shared.spool.set(Mutex::new(spool));
+            }
+            Err(e) => self.no_spool(format!("spool: {e}")),
+        }
+    }
+
+    fn no_spool(&self, error: String) {
+        tracing::warn!(error = %error, "oomscope reporter: spool unavailable, keeping unacked messages in memory only");
+        self.shared.set_error(error);
     }
 
     /// Sessions one after another, with a doubling delay between failures
@@ -156,7 +206,7 @@ impl Worker {
         fut: F,
     ) -> Option<F::Output> {
         tokio::pin!(fut);
-        let spooling = self.shared.spool.is_some();
+        let spooling = self.shared.spool.get().is_some();
         loop {
             tokio::select! {
                 out = &mut fut => return Some(out),
@@ -286,7 +336,7 @@ impl Worker {
     /// Puts what the previous run left in the spool at the front of the
     /// backlog. Held in memory up to the bound; the rest is reread on send.
     fn load_previous_run(&mut self) {
-        let Some(spool) = &self.shared.spool else {
+        let Some(spool) = self.shared.spool.get() else {
             return;
         };
         let pending = match lock(spool).pending() {
@@ -336,7 +386,7 @@ impl Worker {
     }
 
     fn spool_append(&mut self, message: &pb::AgentMessage) -> bool {
-        let Some(spool) = &self.shared.spool else {
+        let Some(spool) = self.shared.spool.get() else {
             return false;
         };
         let appended = lock(spool).append(message);
@@ -418,7 +468,7 @@ impl Worker {
             return Some(m);
         }
         self.reread.clear();
-        let spool = self.shared.spool.as_ref()?;
+        let spool = self.shared.spool.get()?;
         // scan(), not pending(): damage was already reported at startup.
         let pending = lock(spool).scan().ok()?.messages;
         // Each reread scans the whole spool, so read back a fair batch even
@@ -493,13 +543,13 @@ impl Worker {
         let done = self.ledger.settled_upto();
         {
             let mut progress = lock(&self.shared.progress);
-            if done <= progress.done_upto && self.shared.spool.is_none() {
+            if done <= progress.done_upto && self.shared.spool.get().is_none() {
                 return;
             }
             progress.done_upto = progress.done_upto.max(done);
         }
         self.shared.progress_changed.notify_all();
-        if let Some(spool) = &self.shared.spool {
+        if let Some(spool) = self.shared.spool.get() {
             if let Err(e) = lock(spool).ack(done) {
                 tracing::debug!(error = %e, "oomscope reporter: cannot record acks in the spool");
             }
@@ -509,7 +559,7 @@ impl Worker {
     /// On stop, with a spool: put whatever is still queued on disk, so the
     /// next run sends it.
     fn drain_on_stop(&mut self, inputs: &mut Inputs) {
-        if self.shared.spool.is_none() {
+        if self.shared.spool.get().is_none() {
             return;
         }
         while let Ok(urgent) = inputs.urgent.try_recv() {
@@ -527,6 +577,32 @@ impl Worker {
             .store(false, Ordering::Relaxed);
         lock(&self.shared.progress).worker_exited = true;
         self.shared.progress_changed.notify_all();
+    }
+}
+
+/// Waits until the reporter is released (true) or stopped (false).
+async fn released(inputs: &mut Inputs) -> bool {
+    loop {
+        // Release first: a reporter that was never held goes on to serve
+        // (and spool what is queued) even when stopped at once.
+        if *inputs.release.borrow_and_update() {
+            return true;
+        }
+        if *inputs.stop.borrow() {
+            return false;
+        }
+        tokio::select! {
+            changed = inputs.stop.changed() => {
+                if changed.is_err() {
+                    return false;
+                }
+            }
+            changed = inputs.release.changed() => {
+                if changed.is_err() {
+                    return false;
+                }
+            }
+        }
     }
 }
 

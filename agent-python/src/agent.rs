@@ -76,6 +76,9 @@ pub struct Agent {
     pub last_census: Mutex<Option<Instant>>,
     /// The sampling thread (agent-core's loop; `sampler.rs` plugs in its readers).
     pub sampler: Sampler<Job>,
+    /// When a held start ends on its own (None: not held). The sampler
+    /// releases the reporter then, unless something released it before.
+    pub hold_until: Option<Instant>,
     paths: HostPaths,
 }
 
@@ -121,6 +124,8 @@ impl Agent {
         }
         let mut rc = ReporterConfig::new(config.collector.clone());
         rc.spool_dir = config.spool_dir.clone();
+        rc.hold = !config.hold.is_zero();
+        let hold_until = rc.hold.then(|| Instant::now() + config.hold);
         let reporter = Reporter::start(rc, hello);
         let agent = Arc::new(Agent {
             config,
@@ -135,6 +140,7 @@ impl Agent {
             boundary_dropped: AtomicU64::new(0),
             last_census: Mutex::new(None),
             sampler: Sampler::new(JOB_QUEUE),
+            hold_until,
             paths,
         });
         (agent, probe)
@@ -161,7 +167,14 @@ impl Agent {
             .map_or(0, |p| p.vm_rss_bytes)
     }
 
+    /// Ends a held start now: this process is no passing helper. One
+    /// atomic load once released, so the request path calls it every time.
+    pub fn release(&self) {
+        self.reporter.release();
+    }
+
     pub fn request_begin(&self, id: &str, prompt_tokens: u64, max_tokens: u64) {
+        self.release();
         lock(&self.context).begin(id, prompt_tokens, max_tokens);
         self.send_event(pb::event::Kind::Request(pb::RequestBoundary {
             request_id: id.to_string(),
@@ -246,6 +259,7 @@ impl Agent {
     /// The OOM observer: the allocator as it failed, kept until the
     /// exception's text arrives (or sent alone, see [`ORPHAN_OOM_AFTER`]).
     pub fn oom_observed(&self, py: Python<'_>, observer: pb::OomObserver) {
+        self.release();
         let device = i32::try_from(observer.device).ok();
         let stats =
             torchread::cuda(py).and_then(|c| torchread::allocator_stats(&c, device.unwrap_or(0)));
@@ -350,12 +364,13 @@ impl Agent {
 
     /// Stops the sampler, sends the Goodbye and waits (GIL released) up to
     /// `exit_flush` for the collector's acks.
-    pub fn stop(&self, py: Python<'_>, reason: &str) -> bool {
+    /// A held agent says nothing, not even Goodbye (see agent-core's reporter).
+    pub fn stop(&self, py: Python<'_>, reason: &str, exit_code: i32) -> bool {
         let sampler = &self.sampler;
         let reporter = self.reporter.clone();
         let goodbye = pb::Goodbye {
             reason: reason.to_string(),
-            exit_code: 0,
+            exit_code,
         };
         let wait = self.config.exit_flush;
         py.detach(move || {

@@ -31,6 +31,16 @@ pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_millis(250);
 pub const DEFAULT_BOUNDARY_MIN_INTERVAL: Duration = Duration::from_millis(20);
 /// At exit, how long the Goodbye may wait for the collector's acks.
 pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);
+/// How long an autostarted agent (the `.pth` hook, in every Python process
+/// that has `OOMSCOPE_COLLECTOR`) stays silent unless its process makes a
+/// request, hits an OOM or uses CUDA first. The autostart also runs in
+/// every helper a server starts (`python -c` one-liners, compile workers,
+/// a launcher's probes), which live well under a second or two; a server
+/// lives for minutes. Held, an agent keeps its samples in memory, so a
+/// process that lasts only pays two seconds of delay, and one that does not
+/// last leaves no agent at the collector and no spool. 0 turns it off
+/// (`OOMSCOPE_HOLD_S`).
+pub const DEFAULT_AUTOSTART_HOLD: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -47,6 +57,9 @@ pub struct Config {
     pub census_interval: Duration,
     pub census_budget: Duration,
     pub exit_flush: Duration,
+    /// A held start (see [`DEFAULT_AUTOSTART_HOLD`]): this long after the
+    /// agent starts; zero = not held. Only the autostart keeps it.
+    pub hold: Duration,
     /// `torch.cuda.memory._record_memory_history(max_entries=N)`; 0 = off.
     pub history_max_entries: u64,
     /// The role a forked child takes.
@@ -144,6 +157,7 @@ impl Config {
             census_interval: secs("census_interval_s", DEFAULT_CENSUS_INTERVAL)?,
             census_budget: secs("census_budget_s", DEFAULT_CENSUS_BUDGET)?,
             exit_flush: secs("exit_flush_s", DEFAULT_EXIT_FLUSH)?,
+            hold: secs("hold_s", DEFAULT_AUTOSTART_HOLD)?,
             history_max_entries: count("history_max_entries", 0)?,
             fork_role: get("fork_role").unwrap_or_else(|| "worker".to_string()),
             labels,
@@ -184,6 +198,9 @@ mod tests {
         assert_eq!(c.boundary_min_interval, DEFAULT_BOUNDARY_MIN_INTERVAL);
         assert_eq!(c.role, "server");
         assert!(c.model.is_none());
+        assert_eq!(c.hold, DEFAULT_AUTOSTART_HOLD, "what the autostart holds for");
+        let c = Config::resolve(&map(&[("hold_s", "0")]), &env, "python").unwrap();
+        assert_eq!(c.hold, Duration::ZERO);
     }
 
     #[test]

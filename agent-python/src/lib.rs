@@ -70,16 +70,25 @@ fn default_name(py: Python<'_>) -> String {
         .unwrap_or_else(|| "python".into())
 }
 
-/// Starts the agent; a second call while it runs does nothing and returns
-/// False. Settings not given come from `OOMSCOPE_*` variables.
+/// Starts the agent; a second call while it runs returns False and does
+/// nothing, except that an explicit start ends the autostart's hold (the
+/// program wants its agent heard). Settings not given come from
+/// `OOMSCOPE_*` variables. `autostart=True` (the `.pth` hook only) starts
+/// held for `hold_s` (see [`config::DEFAULT_AUTOSTART_HOLD`]).
 #[pyfunction]
-#[pyo3(signature = (**kwargs))]
-fn start(py: Python<'_>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<bool> {
-    if current().is_some() {
+#[pyo3(signature = (autostart = false, **kwargs))]
+fn start(py: Python<'_>, autostart: bool, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<bool> {
+    if let Some(a) = current() {
+        if !autostart {
+            a.release();
+        }
         return Ok(false);
     }
-    let config =
+    let mut config =
         Config::resolve(&given(kwargs)?, &Env, &default_name(py)).map_err(PyValueError::new_err)?;
+    if !autostart {
+        config.hold = Duration::ZERO;
+    }
     launch(py, config);
     Ok(true)
 }
@@ -91,14 +100,15 @@ fn launch(py: Python<'_>, config: Config) {
     *lock(&AGENT) = Some(agent);
 }
 
-/// Stops the agent: Goodbye, then waits (GIL released) for the acks.
-/// Returns whether everything was acked; a second call returns False.
+/// Stops the agent: Goodbye (with `exit_code`, the status the process
+/// ends with when known), then waits (GIL released) for the acks. Returns
+/// whether everything was acked; a second call returns False.
 #[pyfunction]
-#[pyo3(signature = (reason = "stop"))]
-fn stop(py: Python<'_>, reason: &str) -> bool {
+#[pyo3(signature = (reason = "stop", exit_code = 0))]
+fn stop(py: Python<'_>, reason: &str, exit_code: i32) -> bool {
     let taken = lock(&AGENT).take();
     match taken {
-        Some(a) => a.stop(py, reason),
+        Some(a) => a.stop(py, reason, exit_code),
         None => false,
     }
 }
@@ -294,10 +304,12 @@ fn after_fork_parent() {
 }
 
 /// Installs the OOM observer and the empty_cache wrapper once CUDA is up.
+/// CUDA in use ends a held start: a process that touches the GPU matters.
 pub fn install_torch_hooks(py: Python<'_>, agent: &Agent) {
     if agent.torch_hooks.swap(true, Ordering::Relaxed) {
         return;
     }
+    agent.release();
     let result = py
         .import("oomscope._hooks")
         .and_then(|m| m.call_method1("install_torch", (agent.config.history_max_entries,)));
@@ -327,15 +339,18 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "boundary_dropped": a.boundary_dropped.load(Ordering::Relaxed),
         "torch_hooks": a.torch_hooks.load(Ordering::Relaxed),
         "requests_done": lock(&a.context).requests_done,
+        "held": a.reporter.held(),
     });
     Ok(Some(pythonize(py, &v)?))
 }
 
-/// Waits (GIL released) until everything sent so far is acked.
+/// Waits (GIL released) until everything sent so far is acked. Ends a
+/// held start: asking for delivery is asking to be heard.
 #[pyfunction]
 #[pyo3(signature = (timeout_s = 5.0))]
 fn flush(py: Python<'_>, timeout_s: f64) -> bool {
     let Some(a) = current() else { return false };
+    a.release();
     let r = a.reporter.clone();
     let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
     py.detach(move || r.flush(t))

@@ -10,7 +10,9 @@
 //! callers' convenience: a timeline's samples and events are the `Sample` and
 //! `Event` dicts with their `seq` added, and an event names its oneof member
 //! in `kind` (`{"seq": 9, "time_ns": ..., "kind": "oom", "oom": {...}}`;
-//! `"kind": None` for an event without one).
+//! `"kind": None` for an event without one) and its sender in `agent_id`
+//! (empty for the timeline's own agent; an instance's timeline holds every
+//! member's events, its `members` the members' `AgentSummary` dicts).
 
 use std::time::Duration;
 
@@ -58,6 +60,7 @@ pub fn timeline<'py>(
         let kind = event.kind.take();
         let d = as_dict(py, &event)?;
         d.set_item("seq", e.seq)?;
+        d.set_item("agent_id", e.agent_id)?;
         d.set_item("kind", py.None())?;
         if let Some(kind) = kind {
             let member = as_dict(py, &kind)?;
@@ -72,6 +75,7 @@ pub fn timeline<'py>(
     out.set_item("hello", pythonize(py, &t.hello)?)?;
     out.set_item("samples", samples)?;
     out.set_item("events", events)?;
+    out.set_item("members", pythonize(py, &t.members)?)?;
     Ok(out)
 }
 

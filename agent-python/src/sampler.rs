@@ -86,6 +86,13 @@ struct PythonReaders {
     next_census: Option<Instant>,
 }
 
+impl PythonReaders {
+    /// When a held start ends on its own, while it is still held.
+    fn held_until(&self) -> Option<Instant> {
+        self.agent.hold_until.filter(|_| self.agent.reporter.held())
+    }
+}
+
 impl Readers for PythonReaders {
     type Job = Job;
 
@@ -144,8 +151,12 @@ impl Readers for PythonReaders {
         }
     }
 
-    fn poll(&mut self, _: &Reporter) -> Flow {
+    fn poll(&mut self, reporter: &Reporter) -> Flow {
         let agent = &self.agent;
+        if self.held_until().is_some_and(|t| Instant::now() >= t) {
+            // The process has lasted: it is no passing helper.
+            reporter.release();
+        }
         if let Some((budget, until)) = self.census {
             if Instant::now() >= until || lock(&agent.context).in_flight.is_empty() {
                 self.census = None;
@@ -164,10 +175,10 @@ impl Readers for PythonReaders {
 
     fn next_wake(&self) -> Option<Instant> {
         let census = self.census.map(|(_, until)| until);
-        match (self.boundaries.due(), census) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.boundaries.due(), census, self.held_until()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     fn stop(&mut self, _: &Reporter) {

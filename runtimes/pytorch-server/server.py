@@ -14,6 +14,14 @@ KV cache per sequence. Switches reproduce the incidents of the design:
   --max-context N    refuse requests longer than N tokens
   --memory-cap BYTES torch.cuda.set_per_process_memory_fraction, so a GPU OOM
                      comes early and safely
+  --workers N        multi-process, as vLLM runs: this process serves HTTP and
+                     N engine worker processes (multiprocessing "spawn") load
+                     the model and generate; each has its own agent (role
+                     "worker", its rank). A worker that dies takes the server
+                     down (exit 1, after "Worker proc ... died unexpectedly");
+                     SIGTERM stops the workers, then exits 0
+  --worker-hold-mb MB  worker --worker-hold-rank (0) holds MB of host memory
+                     once loaded (touched pages, kept for good)
 
 A well-run front door (serving.py), each part with a switch to turn it off
 so that `oomscope probe` can show it catches a server without it:
@@ -26,7 +34,9 @@ so that `oomscope probe` can show it catches a server without it:
 
 HTTP: POST /generate {"id", "prompt_tokens", "max_tokens"} ->
 {"id", "output_tokens", "latency_ms"} (507 on out-of-memory, 400 on a bad
-request); OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
+request; with --workers also "worker": the rank to serve it, else round
+robin, and "hold_mb": that worker first holds this much more host memory);
+OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
 "prompt", "max_tokens"} (one word of the prompt is one token; 500 with the
 error text on out-of-memory); GET /health (200 once ready, else 503);
 GET /admin/stats; POST /admin/gc; POST /admin/census; POST /admin/agent {"on": bool}
@@ -37,8 +47,12 @@ starts or stops the oomscope agent in this process (overhead benchmarks).
 
 import argparse
 import collections
+import contextlib
 import gc
+import itertools
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import signal
@@ -63,6 +77,13 @@ except ImportError:  # the server runs without the agent too
 #: app keeps a response log.
 RESPONSE_LOG = []
 HOST_COPIES = []
+#: What a worker holds for hold_mb and --worker-hold-mb: host memory kept for
+#: good, as a leaking engine keeps it.
+HELD = []
+#: Held memory grows a chunk at a time, so a memory limit is crossed part
+#: way through, as a growing process crosses it.
+HOLD_CHUNK = 16 << 20
+PAGE = 4096
 
 
 class Completion:
@@ -216,9 +237,12 @@ def make_handler(state, args):
                     {"id": state["model_name"], "object": "model", "owned_by": "oomscope-reference"}]})
             elif self.path == "/admin/stats":
                 adm = state["admission"]
-                self._reply(200, {"agent": oomscope.stats() if oomscope else None,
-                                  "response_log": len(RESPONSE_LOG), "host_copies": len(HOST_COPIES),
-                                  "in_flight": adm.in_flight, "in_flight_cap": adm.cap_now(), "ready": adm.ready()})
+                stats = {"agent": oomscope.stats() if oomscope else None,
+                         "response_log": len(RESPONSE_LOG), "host_copies": len(HOST_COPIES),
+                         "in_flight": adm.in_flight, "in_flight_cap": adm.cap_now(), "ready": adm.ready()}
+                if isinstance(engine, WorkerPool):
+                    stats["workers"] = engine.describe()
+                self._reply(200, stats)
             else:
                 self._reply(404, {"error": "no such path"})
 
@@ -262,13 +286,14 @@ def make_handler(state, args):
                 return None
             return True
 
-        def _run(self, rid, prompt, max_tokens):
+        def _run(self, rid, prompt, max_tokens, worker=None, hold_mb=0):
             """Generates; returns (output tokens, None) or (None, exception)."""
             engine = state["engine"]
             if engine is None:
                 # No readiness gate: the request got in before the model exists.
                 return None, RuntimeError("model not loaded yet")
             seq = Sequence(rid, prompt, max_tokens)
+            seq.worker, seq.hold_mb = worker, hold_mb  # for a WorkerPool; the Engine ignores them
             try:
                 with _request(rid, len(prompt), max_tokens) as r:
                     engine.submit(seq)
@@ -316,7 +341,7 @@ def make_handler(state, args):
                 finally:
                     state["admission"].leave(tokens)
                 if err is not None:
-                    oom = "out of memory" in str(err) or isinstance(err, MemoryError)
+                    oom = "out of memory" in str(err) or isinstance(err, MemoryError) or getattr(err, "oom", False)
                     return self._reply(500, {"error": {"message": "%s: %s" % (type(err).__name__, err),
                                                        "type": "OutOfMemoryError" if oom else "server_error", "code": 500}})
                 response = {"id": "cmpl-%s" % os.urandom(8).hex(), "object": "text_completion", "created": int(time.time()),
@@ -334,10 +359,15 @@ def make_handler(state, args):
                 rid = str(body.get("id") or "req-%d" % time.monotonic_ns())
                 prompt_tokens = int(body.get("prompt_tokens", 16))
                 max_tokens = int(body.get("max_tokens", 8))
+                hold_mb = int(body.get("hold_mb") or 0)
+                worker = None if body.get("worker") is None else int(body["worker"])
             except (TypeError, ValueError) as e:
                 return self._reply(400, {"error": "bad request: %s" % e})
             if prompt_tokens < 1 or max_tokens < 1:
                 return self._reply(400, {"error": "prompt_tokens and max_tokens must be >= 1"})
+            engine = state["engine"]
+            if worker is not None and not (isinstance(engine, WorkerPool) and 0 <= worker < len(engine.workers)):
+                return self._reply(400, {"error": "no worker %d (see --workers)" % worker})
             if args.max_context and prompt_tokens + max_tokens > args.max_context:
                 return self._reply(400, {"error": "context %d > --max-context %d" % (
                     prompt_tokens + max_tokens, args.max_context)})
@@ -348,11 +378,11 @@ def make_handler(state, args):
             if self._admit(tokens, openai=False) is None:
                 return
             try:
-                out, e = self._run(rid, prompt, max_tokens)
+                out, e = self._run(rid, prompt, max_tokens, worker, hold_mb)
             finally:
                 state["admission"].leave(tokens)
             if e is not None:
-                oom = "out of memory" in str(e) or isinstance(e, MemoryError)
+                oom = "out of memory" in str(e) or isinstance(e, MemoryError) or getattr(e, "oom", False)
                 return self._reply(507 if oom else 500, {"id": rid, "error": "%s: %s" % (type(e).__name__, e)})
             self._reply(200, {"id": rid, "output_tokens": len(out),
                               "latency_ms": (time.perf_counter() - t0) * 1e3})
@@ -408,6 +438,11 @@ def parse_args(argv=None):
                    help="JSON-lines file of completed responses by key (default: one per port in the temp dir)")
     p.add_argument("--load-seconds", type=float, default=0.0, help="extra time the model load takes (a big model's)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
+    p.add_argument("--workers", type=int, default=0,
+                   help="N engine worker processes behind this API process (0: one process does all)")
+    p.add_argument("--worker-hold-mb", type=int, default=0,
+                   help="with --workers: MB of host memory worker --worker-hold-rank holds once loaded")
+    p.add_argument("--worker-hold-rank", type=int, default=0)
     p.add_argument("--no-agent", action="store_true", help="do not start oomscope (for overhead runs)")
     p.add_argument("--collector", default=None, help="else OOMSCOPE_COLLECTOR")
     p.add_argument("--name", default=None, help="agent name, else OOMSCOPE_NAME or pytorch-server")
@@ -418,15 +453,12 @@ def agent_name(args):
     return args.name or os.environ.get("OOMSCOPE_NAME") or "pytorch-server"
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    global oomscope
-    if args.no_agent:
-        oomscope = None
-    elif oomscope is not None:
-        oomscope.start(collector=args.collector, name=agent_name(args))
-    if args.gc_cycles:
-        gc.disable()
+def model_name(args):
+    return "tiny-decoder-d%d-l%d" % (args.d_model, args.layers)
+
+
+def setup_device(args):
+    """The device and dtype, with --memory-cap applied."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.memory_cap:
@@ -437,7 +469,23 @@ def main(argv=None):
         index = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap / total), index)
-    name = "tiny-decoder-d%d-l%d" % (args.d_model, args.layers)
+    return device, dtype
+
+
+def load_engine(args, device, dtype):
+    """The model, loaded inside the agent's "load" phase, and its engine."""
+    name = model_name(args)
+    load = (oomscope.phase("load", model=name, revision="random-init", dtype=str(dtype).replace("torch.", ""))
+            if oomscope else _NoAgent())
+    with load:
+        torch.manual_seed(0)
+        model = TinyDecoder(args.vocab, args.d_model, args.layers, args.heads, dtype, device).eval()
+        time.sleep(args.load_seconds)
+    return Engine(model, args)
+
+
+def front_door(args, name):
+    """The HTTP state before the model is there, and the listening server."""
     in_flight = (args.max_active + args.max_queue) if args.max_active else args.max_queue
     store_path = args.idempotency_store or (
         os.path.join(tempfile.gettempdir(), "oomscope-ref-idempotency-%d.jsonl" % args.port) if args.port else None)
@@ -454,22 +502,36 @@ def main(argv=None):
     ThreadingHTTPServer.request_queue_size = 1024
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(state, args))
     server.daemon_threads = True
-    port = server.server_address[1]
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    load = (oomscope.phase("load", model=name, revision="random-init", dtype=str(dtype).replace("torch.", ""))
-            if oomscope else _NoAgent())
-    with load:
-        torch.manual_seed(0)
-        model = TinyDecoder(args.vocab, args.d_model, args.layers, args.heads, dtype, device).eval()
-        time.sleep(args.load_seconds)
-    state["engine"] = Engine(model, args)
-    state["admission"].set_ready()
+    return state, server
+
+
+def announce(args, port, device, name):
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, args.port_file)
     print("pytorch-server listening on 127.0.0.1:%d (%s, %s), ready" % (port, device, name), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    global oomscope
+    if args.no_agent:
+        oomscope = None
+    elif oomscope is not None:
+        oomscope.start(collector=args.collector, name=agent_name(args))
+    if args.workers > 0:
+        return serve_with_workers(args)
+    if args.gc_cycles:
+        gc.disable()
+    device, dtype = setup_device(args)
+    name = model_name(args)
+    state, server = front_door(args, name)
+    state["engine"] = load_engine(args, device, dtype)
+    state["admission"].set_ready()
+    announce(args, server.server_address[1], device, name)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -477,5 +539,277 @@ def main(argv=None):
     server.shutdown()
 
 
+# --workers: the API process and its engine workers ------------------------
+
+
+class RemoteError(Exception):
+    """A request's failure in a worker, passed on by the API process: its
+    type's name, text and whether it was an out-of-memory error. Not a
+    MemoryError here, so the API process's agent reports no OOM of its own
+    (the worker's agent reported it where it happened)."""
+
+    def __init__(self, type_name, text, oom):
+        super().__init__(text)
+        self.type_name, self.oom = type_name, oom
+
+
+_REMOTE_TYPES = {}
+
+
+def remote_error(type_name, text, oom):
+    """A RemoteError whose class carries the worker's type name, so that the
+    reply reads as it would from one process ("OutOfMemoryError: ...")."""
+    cls = _REMOTE_TYPES.get(type_name)
+    if cls is None:
+        cls = _REMOTE_TYPES[type_name] = type(type_name, (RemoteError,), {})
+    return cls(type_name, text, oom)
+
+
+class WorkerHandle:
+    """One engine worker as the API process sees it: the process, its end
+    of the pipe (sends under a lock: many HTTP threads share it) and
+    whether it has loaded its model."""
+
+    def __init__(self, rank, proc, conn):
+        self.rank, self.proc, self.conn = rank, proc, conn
+        self.send_lock = threading.Lock()
+        self.ready = threading.Event()
+
+    def send(self, message):
+        try:
+            with self.send_lock:
+                self.conn.send(message)
+            return True
+        except (OSError, EOFError, ValueError):  # the worker is gone
+            return False
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """os.environ with `values` for a moment: what a spawned child inherits."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class WorkerPool:
+    """The engine as the API process sees it with --workers: `submit(seq)`
+    sends the sequence to a worker (the one it names, else round robin) and a
+    reader thread per worker completes it when the answer comes back, so the
+    HTTP handler is the same as with one process. A monitor thread waits on
+    every worker's sentinel and calls `on_death(proc)` for the first that
+    ends while the pool is not stopping."""
+
+    def __init__(self, args, on_death):
+        self.device = args.device
+        self.on_death = on_death
+        self.stopping = False
+        self.lock = threading.Lock()
+        self.pending = {}  # ticket -> (seq, worker)
+        self.tickets = itertools.count(1)
+        self.turn = itertools.count()
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as vLLM starts them
+        self.workers = []
+        for rank in range(args.workers):
+            ours, theirs = ctx.Pipe()
+            # Each worker's own agent (the autostart, under `oomscope run`) reads
+            # its role and rank at interpreter start: the environment it gets.
+            with _environ(OOMSCOPE_ROLE="worker", OOMSCOPE_RANK=str(rank)):
+                proc = ctx.Process(target=worker_main, args=(rank, args, theirs), name="EngineWorker-%d" % rank,
+                                   daemon=True)
+                proc.start()
+            theirs.close()
+            w = WorkerHandle(rank, proc, ours)
+            self.workers.append(w)
+            threading.Thread(target=self._read, args=(w,), name="worker-%d-reader" % rank, daemon=True).start()
+        threading.Thread(target=self._monitor, name="worker-monitor", daemon=True).start()
+
+    def wait_ready(self, stop):
+        """True once every worker has loaded; False if `stop` came first."""
+        while not stop.is_set():
+            if all(w.ready.is_set() for w in self.workers):
+                return True
+            stop.wait(0.05)
+        return False
+
+    def submit(self, seq):
+        ticket = next(self.tickets)
+        rank = seq.worker if getattr(seq, "worker", None) is not None else next(self.turn) % len(self.workers)
+        w = self.workers[rank]
+        with self.lock:
+            self.pending[ticket] = (seq, w)
+        if not w.send((ticket, seq.id, list(seq.prompt), seq.max_tokens, getattr(seq, "hold_mb", 0))):
+            self._complete(ticket, None, ("WorkerGone", "worker %d is gone" % w.rank, False))
+
+    def describe(self):
+        return [{"rank": w.rank, "name": w.proc.name, "pid": w.proc.pid, "alive": w.proc.is_alive(),
+                 "ready": w.ready.is_set()} for w in self.workers]
+
+    def _complete(self, ticket, out, error):
+        with self.lock:
+            entry = self.pending.pop(ticket, None)
+        if entry is None:
+            return
+        seq = entry[0]
+        if error is not None:
+            seq.error = remote_error(*error)
+        else:
+            seq.out = out
+        seq.done.set()
+
+    def _read(self, w):
+        while True:
+            try:
+                message = w.conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "ready":
+                w.ready.set()
+            elif message[0] == "done":
+                _, ticket, out, error = message
+                self._complete(ticket, out, error)
+        # The pipe closed: the worker is gone; what it had will not come back.
+        with self.lock:
+            lost = [t for t, (_, owner) in self.pending.items() if owner is w]
+        for ticket in lost:
+            self._complete(ticket, None, ("WorkerGone", "worker %d died" % w.rank, False))
+
+    def _monitor(self):
+        # As vLLM's MultiprocWorkerMonitor: the first worker to end, unless
+        # we are stopping them, ends the server.
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        ended = multiprocessing.connection.wait(list(sentinels))
+        if self.stopping:
+            return
+        proc = sentinels[ended[0]].proc
+        proc.join(1)  # reaps it, so that exitcode is set
+        self.on_death(proc)
+
+    def stop(self, timeout=10.0):
+        """Asks every worker to finish (its agent says Goodbye at its exit),
+        then terminates what is left after `timeout`."""
+        self.stopping = True
+        for w in self.workers:
+            w.send(None)
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(5)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+
+
+def serve_with_workers(args):
+    """--workers N: this process serves HTTP; N spawned workers load the model
+    and generate. Returns the exit status: 1 when a worker died, as vLLM's
+    API server exits, 0 after SIGTERM/SIGINT stopped the workers cleanly."""
+    stop = threading.Event()
+    died = []
+
+    def on_death(proc):
+        print("Worker proc %s died unexpectedly (exit code: %s), shutting down executor." % (
+            proc.name, proc.exitcode), file=sys.stderr, flush=True)
+        died.append(proc)
+        stop.set()
+
+    # Before the workers start: a stop during their load still stops them.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    name = model_name(args)
+    state, server = front_door(args, name)
+    pool = WorkerPool(args, on_death)
+    if pool.wait_ready(stop):
+        state["engine"] = pool  # as with one process: no engine until loaded
+        state["admission"].set_ready()
+        announce(args, server.server_address[1], "%s, %d workers" % (args.device, args.workers), name)
+        stop.wait()
+    server.shutdown()
+    pool.stop(timeout=5.0 if died else 10.0)
+    return 1 if died else 0
+
+
+def hold_host_memory(mb):
+    """Allocates `mb` MiB of host memory a chunk at a time, touching every
+    page (so it is resident, in RSS and the cgroup), and keeps it."""
+    left = int(mb) << 20
+    while left > 0:
+        n = min(HOLD_CHUNK, left)
+        chunk = bytearray(n)
+        chunk[::PAGE] = b"\x01" * len(range(0, n, PAGE))
+        HELD.append(chunk)
+        left -= n
+
+
+def worker_main(rank, args, conn):
+    """An engine worker: a spawned interpreter, so the autostart (under
+    `oomscope run`) has already given it its own agent as role "worker" with
+    this rank; without it, the agent starts here with them. Loads the model,
+    then serves the API process's requests until told to stop (None) or the
+    API process is gone (the pipe closes)."""
+    # Ctrl-C reaches the whole process group: the API process stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global oomscope
+    if args.no_agent:
+        oomscope = None
+    elif oomscope is not None:
+        oomscope.start(collector=args.collector, name=agent_name(args), role="worker", rank=rank)
+    if args.gc_cycles:
+        gc.disable()
+    device, dtype = setup_device(args)
+    engine = load_engine(args, device, dtype)
+    if args.worker_hold_mb and rank == args.worker_hold_rank:
+        hold_host_memory(args.worker_hold_mb)
+    send_lock = threading.Lock()
+
+    def send(message):
+        try:
+            with send_lock:
+                conn.send(message)
+        except (OSError, EOFError, ValueError):
+            pass  # the API process is gone; the main loop ends on its own
+
+    send(("ready", rank, os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message is None:
+            break
+        threading.Thread(target=_worker_request, args=(engine, message, send), daemon=True).start()
+
+
+def _worker_request(engine, message, send):
+    ticket, rid, prompt, max_tokens, hold_mb = message
+    out, error = None, None
+    try:
+        with _request(rid, len(prompt), max_tokens) as r:
+            if hold_mb:
+                hold_host_memory(hold_mb)
+            seq = Sequence(rid, prompt, max_tokens)
+            engine.submit(seq)
+            seq.done.wait()
+            if seq.error is not None:
+                raise seq.error
+            if r is not None:
+                r.output_tokens = len(seq.out)
+        out = list(seq.out)
+    except Exception as e:  # noqa: BLE001 - the API process answers the client
+        text = str(e)
+        error = (type(e).__name__, text, "out of memory" in text or isinstance(e, MemoryError))
+    send(("done", ticket, out, error))
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,14 @@ wheel installs ``oomscope-autostart.pth``, which starts the agent at
 interpreter start-up whenever ``OOMSCOPE_COLLECTOR`` is set (set
 ``OOMSCOPE_AUTOSTART=0`` to opt out). Every ``start()`` argument can also come
 from ``OOMSCOPE_<NAME>`` (``OOMSCOPE_NAME``, ``OOMSCOPE_INTERVAL_S``, ...).
+An autostarted agent stays silent (samples kept in memory) until its process
+has lived ``OOMSCOPE_HOLD_S`` (2 s), makes a request, hits an OOM or uses
+CUDA: the helpers a server starts come and go without appearing at the
+collector. An explicit ``start()`` or ``flush()`` ends the wait.
+
+On SIGTERM the agent says Goodbye before the process dies (a handler the
+app installed before it is called instead, and one installed after it
+takes over; either way a normal exit still says Goodbye).
 
 The work happens in Rust (``oomscope._native``), on the agent's own threads;
 nothing here raises into the server because the collector is away.
@@ -41,15 +49,20 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     census_interval_s 300, census_budget_s 0.25, no spool, no memory history,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
     a request ending sooner is folded into the next sample).
-    A bad value raises ValueError here, never later.
+    A bad value raises ValueError here, never later. Called while an
+    autostarted agent runs, it returns False and ends that agent's hold.
     """
-    started = _native.start(
-        collector=collector, name=name, model=model, revision=revision,
+    return _start(
+        False, collector=collector, name=name, model=model, revision=revision,
         quantization=quantization, dtype=dtype, interval_s=interval_s, role=role, rank=rank,
         spool_dir=spool_dir, oom_wait_s=oom_wait_s, census_every=census_every,
         census_interval_s=census_interval_s, census_budget_s=census_budget_s,
         history_max_entries=history_max_entries, exit_flush_s=exit_flush_s,
         boundary_min_interval_s=boundary_min_interval_s)
+
+
+def _start(autostart, **kwargs):
+    started = _native.start(autostart=autostart, **kwargs)
     if started:
         from . import _hooks
         _hooks.install()

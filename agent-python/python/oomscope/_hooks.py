@@ -1,11 +1,12 @@
 """The Python-side hooks: gc callbacks, fork handlers, exception hooks,
-interpreter exit, and (once CUDA is up) torch's OOM observer and an
+interpreter exit, SIGTERM, and (once CUDA is up) torch's OOM observer and an
 ``empty_cache`` wrapper. Each hook is a few lines that hand facts to the
 native agent; none of them raises into the server."""
 
 import atexit
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -48,7 +49,46 @@ def install():
         prev_thread(args)
 
     threading.excepthook = thread_excepthook
+    _install_sigterm()
     _native.ensure_torch_hooks()
+
+
+def _install_sigterm():
+    """Goodbye on SIGTERM, the usual way a server is stopped, which skips
+    atexit when nobody handles it: without it the collector can only call
+    the agent lost. Chains what was there: the default (say Goodbye, then
+    die by SIGTERM as before), a Python handler (call it; the exit it leads
+    to runs the atexit Goodbye), SIG_IGN or a handler set from C (left
+    alone). An app that installs its own handler later simply replaces this
+    one. Python runs handlers on the main thread between bytecodes, so a
+    main thread inside a long C call sees the signal when that call returns."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal.signal() works only there
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except Exception:  # noqa: BLE001
+        return
+    if previous is signal.SIG_IGN or previous is None:
+        return
+
+    def on_sigterm(signum, frame):
+        if previous is not signal.SIG_DFL:
+            return previous(signum, frame)  # the app's own: what it raises is its choice
+        try:
+            _native.stop("SIGTERM", 128 + signum)
+        except BaseException:  # noqa: BLE001 - the process is dying anyway
+            pass
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # dies here, by SIGTERM, as without us
+        except BaseException:  # noqa: BLE001
+            pass
+        os._exit(128 + signum)  # SIGTERM blocked or refused: end as it would have
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except Exception:  # noqa: BLE001 - e.g. an embedded interpreter without signals
+        pass
 
 
 def _at_exit():

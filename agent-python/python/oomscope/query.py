@@ -8,8 +8,10 @@ from . import _native
 def timeline(collector, agent, timeout_s=10.0):
     """``{"hello": {...}, "samples": [{"seq", "time_ns", "process", "cgroup",
     "system", "gpus", "allocator", "context", ...}], "events": [{"seq",
-    "time_ns", "kind": "heap_census", "heap_census": {...}}, ...]}`` for an
-    agent id or name."""
+    "time_ns", "agent_id", "kind": "heap_census", "heap_census": {...}}, ...],
+    "members": [...]}`` for an agent id or name. An instance's timeline (its
+    name, or its first agent's id) has every member's events, each naming
+    its sender in ``agent_id`` ("" for the timeline's own agent)."""
     return _native.query_timeline(collector, agent, timeout_s)
 
 

@@ -719,3 +719,77 @@ fn a_pool_that_fills_once_without_waiting_is_no_verdict() {
     let d = diagnose(&e);
     assert!(d.causes.iter().all(|c| c.kind != "kv_pool_saturation"));
 }
+
+/// vLLM's CPU backend on a 16 GiB host: its tree settles at 6 GiB with a
+/// 4 GiB pool, then another process takes 3 GiB and the kernel's global
+/// OOM killer takes the Worker.
+#[test]
+fn host_memory_taken_after_the_pool_was_sized_proposes_a_smaller_pool() {
+    let sample = |i: i64, tree: u64, others: u64| pb::Sample {
+        time_ns: T0 + i * SEC,
+        system: Some(system(7, 16 * GIB - tree - others)),
+        tree: vec![proc_info(WORKER_PID, "VLLM::Worker", tree)],
+        tree_rss_bytes: tree,
+        ..Default::default()
+    };
+    let levels = vec![v1(
+        "/oomtest/child",
+        V1_UNLIMITED,
+        200 * MIB,
+        210 * MIB,
+        0,
+        0,
+    )];
+    let kill = pb::KernelOomKill {
+        pid: WORKER_PID,
+        task: "VLLM::Worker".into(),
+        constraint: "CONSTRAINT_NONE".into(),
+        anon_rss_bytes: 5 * GIB,
+        ..Default::default()
+    };
+    let e = Evidence {
+        hello: Some(vllm_supervisor(
+            "vllm serve /models/llama",
+            &[("VLLM_CPU_KVCACHE_SPACE", "4")],
+        )),
+        samples: vec![
+            sample(0, 2 * GIB, 2 * GIB),
+            sample(1, 6 * GIB, 2 * GIB),
+            sample(2, 6 * GIB, 3 * GIB),
+            sample(3, 6 * GIB + 100 * MIB, 5 * GIB),
+        ],
+        events: vec![
+            pb::Event {
+                time_ns: T0 + 4 * SEC,
+                kind: Some(Kind::KernelOomKill(kill)),
+            },
+            pb::Event {
+                time_ns: T0 + 4 * SEC + SEC / 2,
+                kind: Some(Kind::ChildExit(pb::ChildExit {
+                    pid: API_PID,
+                    exit_code: Some(1),
+                    before: Some(counters(T0, levels.clone(), system(7, 12 * GIB))),
+                    after: Some(counters(T0 + 5 * SEC, levels, system(8, 12 * GIB))),
+                    runtime_ns: 5 * SEC as u64,
+                    ..Default::default()
+                })),
+            },
+        ],
+        incident: incident("oom", T0 + 4 * SEC),
+    };
+    let d = diagnose(&e);
+    assert_eq!(d.domain.as_deref(), Some("host_ram"), "{:#?}", d.evidence);
+    let c = cause(&d, "taken_after_profiling");
+    // Others held 2 GiB when the tree settled and 5 GiB at the end.
+    assert_eq!(metric(c, "taken_bytes"), (3 * GIB) as f64);
+    assert_eq!(metric(c, "own_bytes"), (6 * GIB + 100 * MIB) as f64);
+    // 4 − 3 × 1.2 = 0.4.
+    assert!(
+        d.fixes
+            .iter()
+            .any(|f| f.action.contains("`VLLM_CPU_KVCACHE_SPACE=0.4` (now 4)")),
+        "{:#?}",
+        d.fixes
+    );
+    sound(&d);
+}

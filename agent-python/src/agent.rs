@@ -173,6 +173,32 @@ impl Agent {
         self.reporter.release();
     }
 
+    /// A request the runtime reports once it finished (a vLLM stat logger
+    /// sees requests only then): its start event stamped `started_ns_ago`
+    /// back, then its end as `request_end` records it.
+    pub fn record_request(
+        &self,
+        id: &str,
+        started_ns_ago: i64,
+        prompt_tokens: u64,
+        output_tokens: u64,
+        max_tokens: u64,
+    ) {
+        self.release();
+        lock(&self.context).begin(id, prompt_tokens, max_tokens);
+        self.reporter.send_event(pb::Event {
+            time_ns: now_ns().saturating_sub(started_ns_ago.max(0)),
+            kind: Some(pb::event::Kind::Request(pb::RequestBoundary {
+                request_id: id.to_string(),
+                start: true,
+                prompt_tokens,
+                max_tokens,
+                ..Default::default()
+            })),
+        });
+        self.request_end(id, output_tokens, "");
+    }
+
     pub fn request_begin(&self, id: &str, prompt_tokens: u64, max_tokens: u64) {
         self.release();
         lock(&self.context).begin(id, prompt_tokens, max_tokens);

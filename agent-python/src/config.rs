@@ -198,7 +198,10 @@ mod tests {
         assert_eq!(c.boundary_min_interval, DEFAULT_BOUNDARY_MIN_INTERVAL);
         assert_eq!(c.role, "server");
         assert!(c.model.is_none());
-        assert_eq!(c.hold, DEFAULT_AUTOSTART_HOLD, "what the autostart holds for");
+        assert_eq!(
+            c.hold, DEFAULT_AUTOSTART_HOLD,
+            "what the autostart holds for"
+        );
         let c = Config::resolve(&map(&[("hold_s", "0")]), &env, "python").unwrap();
         assert_eq!(c.hold, Duration::ZERO);
     }

@@ -30,6 +30,8 @@ pub struct ContextState {
     pub last_output_tokens: u64,
     /// `set_context(...)` values by their own names.
     pub runtime: BTreeMap<String, f64>,
+    /// The runtime's own text facts (a plugin's resolved settings).
+    pub labels: BTreeMap<String, String>,
     pub models: Vec<(ModelSpec, u64)>,
 }
 
@@ -90,6 +92,8 @@ impl ContextState {
             .insert("requests_failed".into(), self.requests_failed as f64);
         c.numbers
             .insert("in_flight_tokens_max".into(), tokens as f64);
+        c.labels
+            .extend(self.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
         for (key, value) in &self.runtime {
             let slot = match key.as_str() {
                 "active_sequences" => Some(&mut c.active_sequences),

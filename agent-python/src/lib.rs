@@ -191,6 +191,58 @@ fn set_context(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
     Ok(())
 }
 
+/// The runtime's own text facts, carried by every later sample's context.
+#[pyfunction]
+#[pyo3(signature = (**kwargs))]
+fn set_labels(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    let Some(a) = current() else { return Ok(()) };
+    let Some(kw) = kwargs else { return Ok(()) };
+    let mut values = Vec::new();
+    for (k, v) in kw.iter() {
+        if v.is_none() {
+            continue;
+        }
+        values.push((k.extract::<String>()?, v.str()?.to_string()));
+    }
+    lock(&a.context).labels.extend(values);
+    Ok(())
+}
+
+/// What this process is within its server (a runtime's plugin knows better
+/// than the command line): the agent's Hello changes, on the open stream too.
+#[pyfunction]
+#[pyo3(signature = (role = None, rank = None, runtime_name = None))]
+fn set_identity(role: Option<String>, rank: Option<i32>, runtime_name: Option<String>) {
+    let Some(a) = current() else { return };
+    a.reporter.update_hello(|h| {
+        if let Some(role) = role {
+            h.role = role;
+        }
+        if let Some(rank) = rank {
+            h.rank = rank;
+        }
+        if let Some(name) = runtime_name {
+            h.labels.insert("serving_runtime".into(), name);
+        }
+    });
+}
+
+/// A finished request, reported after the fact (see `Agent::record_request`).
+#[pyfunction]
+#[pyo3(signature = (id, started_s_ago = 0.0, prompt_tokens = 0, output_tokens = 0, max_tokens = 0))]
+fn record_request(
+    id: &str,
+    started_s_ago: f64,
+    prompt_tokens: u64,
+    output_tokens: u64,
+    max_tokens: u64,
+) {
+    if let Some(a) = current() {
+        let ago = (started_s_ago.max(0.0) * 1e9).min(i64::MAX as f64) as i64;
+        a.record_request(id, ago, prompt_tokens, output_tokens, max_tokens);
+    }
+}
+
 /// A snapshot summary of the device (dict), or None without CUDA.
 #[pyfunction]
 #[pyo3(signature = (device = None))]
@@ -434,6 +486,9 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stop, m)?)?;
     m.add_function(wrap_pyfunction!(is_running, m)?)?;
     m.add_function(wrap_pyfunction!(agent_id, m)?)?;
+    m.add_function(wrap_pyfunction!(set_labels, m)?)?;
+    m.add_function(wrap_pyfunction!(set_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(record_request, m)?)?;
     m.add_function(wrap_pyfunction!(request_begin, m)?)?;
     m.add_function(wrap_pyfunction!(request_end, m)?)?;
     m.add_function(wrap_pyfunction!(phase_edge, m)?)?;

@@ -167,6 +167,8 @@ struct Handle {
     release: watch::Sender<bool>,
     /// The spool opens at release (held, with a spool root).
     spool_deferred: bool,
+    /// The Hello as it stands; the worker resends it when it changes.
+    hello: watch::Sender<pb::Hello>,
 }
 
 struct Intake {
@@ -320,6 +322,7 @@ impl Reporter {
         let (directive_tx, directive_rx) = std_mpsc::sync_channel(DIRECTIVE_BUFFER);
         let (exited_tx, exited_rx) = std_mpsc::channel::<()>();
         let (release_tx, release_rx) = watch::channel(!hold);
+        let (hello_tx, hello_rx) = watch::channel(hello.clone());
 
         let worker = Worker::new(cfg, hello, shared.clone(), directive_tx, next_seq);
         let inputs = Inputs {
@@ -327,6 +330,7 @@ impl Reporter {
             urgent: urgent_rx,
             stop: stop_rx,
             release: release_rx,
+            hello: hello_rx,
         };
         let spawned = std::thread::Builder::new()
             .name("oomscope-reporter".into())
@@ -360,9 +364,21 @@ impl Reporter {
                 birth: Birth::here(),
                 held: AtomicBool::new(hold),
                 release: release_tx,
+                hello: hello_tx,
                 spool_deferred,
             }),
         }
+    }
+
+    /// Changes what the agent says about itself (its role once a runtime's
+    /// plugin has named it, say): the new Hello goes out on the open stream
+    /// at once, and on every reconnect after. The agent id never changes.
+    pub fn update_hello(&self, change: impl FnOnce(&mut pb::Hello)) {
+        self.inner.hello.send_modify(|h| {
+            let id = h.agent_id.clone();
+            change(h);
+            h.agent_id = id;
+        });
     }
 
     /// Ends a held start: the worker opens the spool (if any), connects, and

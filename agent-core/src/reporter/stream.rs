@@ -50,6 +50,8 @@ pub(super) struct Inputs {
     pub stop: watch::Receiver<bool>,
     /// True once the reporter is not held (at once when it never was).
     pub release: watch::Receiver<bool>,
+    /// The Hello as the agent last changed it.
+    pub hello: watch::Receiver<pb::Hello>,
 }
 
 pub(super) struct Worker {
@@ -257,6 +259,7 @@ impl Worker {
             Some(Ok(Ok(channel))) => channel,
         };
         let (out_tx, out_rx) = mpsc::channel(OUTBOUND_BUFFER);
+        self.hello = inputs.hello.borrow_and_update().clone();
         let hello = pb::AgentMessage {
             seq: 0,
             body: Some(Body::Hello(self.hello.clone())),
@@ -309,6 +312,14 @@ impl Worker {
                     Err(status) => return SessionEnd::Failed { acked, error: format!("stream failed: {status}") },
                 },
                 Some(urgent) = inputs.urgent.recv() => self.take_urgent(urgent),
+                Ok(()) = inputs.hello.changed() => {
+                    // A Hello on an open stream updates the agent (seq 0, never acked).
+                    self.hello = inputs.hello.borrow_and_update().clone();
+                    let again = pb::AgentMessage { seq: 0, body: Some(Body::Hello(self.hello.clone())) };
+                    if out_tx.send(again).await.is_err() {
+                        return SessionEnd::Failed { acked, error: "stream closed".into() };
+                    }
+                }
                 permit = out_tx.reserve(), if self.ledger.owes() => match permit {
                     Ok(permit) => {
                         if let Some(message) = self.next_to_send() {

@@ -30,11 +30,13 @@ nothing here raises into the server because the collector is away.
 import sys as _sys
 
 from . import _native
-from ._native import __version__, agent_id, flush, is_running, set_context, snapshot, stats
+from ._native import (__version__, agent_id, flush, is_running, record_request, set_context,
+                      set_identity, set_labels, snapshot, stats)
 
 __all__ = [
-    "start", "stop", "request", "phase", "set_context", "snapshot", "census",
-    "is_running", "agent_id", "stats", "flush", "__version__",
+    "start", "stop", "request", "phase", "set_context", "set_labels", "set_identity",
+    "record_request", "snapshot", "census", "is_running", "agent_id", "stats", "flush",
+    "__version__",
 ]
 
 

@@ -1,0 +1,72 @@
+"""The vLLM plugin's API over a real agent and collector, with vLLM's stats
+objects built by hand (their fields as vLLM 0.32 names them): the real vLLM
+runs in runtimes/vllm/tests. Each case runs in a fresh interpreter."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import wait_for
+
+PLUGIN_RUN = textwrap.dedent('''
+    import sys, time, types, oomscope
+    from oomscope import vllm as plugin
+    oomscope.start(collector=sys.argv[1], name="vllm-fake", interval_s=0.05, boundary_min_interval_s=0)
+    plugin.register()  # tags the running agent; never starts a second
+    assert oomscope.start() is False
+    ns = types.SimpleNamespace
+    config = ns(
+        cache_config=ns(num_gpu_blocks=40, block_size=16, gpu_memory_utilization=0.9,
+                        kv_cache_memory_bytes=None, cache_dtype="auto"),
+        scheduler_config=ns(max_num_seqs=32, max_num_batched_tokens=2048),
+        model_config=ns(max_model_len=2048, model="tiny", dtype="torch.bfloat16", enforce_eager=True,
+                        hf_config=ns(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4,
+                                     hidden_size=256, head_dim=64)))
+    plugin.MIN_RECORD_INTERVAL_S = 0
+    log = plugin.OomscopeStatLogger(config, engine_index=0)
+    log.log_engine_initialized()
+    for step in range(5):
+        sched = ns(num_running_reqs=5, num_waiting_reqs=150 + step, kv_cache_usage=1.0)
+        it = ns(num_preempted_reqs=1, finished_requests=[
+            ns(request_id="r%d" % step, e2e_latency=0.5, num_prompt_tokens=100,
+               num_generation_tokens=20, max_tokens_param=32)])
+        log.record(scheduler_stats=sched, iteration_stats=it, mm_cache_stats=None, engine_idx=0)
+        time.sleep(0.1)
+    # A vLLM whose stats lack these fields: logged once, no exception.
+    log.record(scheduler_stats=object(), iteration_stats=None)
+    print(oomscope.agent_id())
+    time.sleep(0.3)
+    oomscope.stop()
+''')
+
+
+def test_the_plugin_tags_the_agent_and_the_stats_become_context_and_requests(collector):
+    r = subprocess.run([sys.executable, "-c", PLUGIN_RUN, collector.url], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    agent_id = r.stdout.strip().splitlines()[-1]
+    agents = {a["hello"]["agent_id"]: a for a in collector.agents()}
+    hello = agents[agent_id]["hello"]
+    # Not a worker or engine process: the plugin names it the API server.
+    assert hello["role"] == "api_server" and hello["labels"]["serving_runtime"] == "vllm", hello
+    t = wait_for(lambda: (lambda t: t if len([e for e in t["events"] if e["kind"] == "request"]) >= 10
+                          else None)(collector.timeline(agent_id)), 20)
+    contexts = [s["context"] for s in t["samples"] if s.get("context")]
+    last = [c for c in contexts if c["queued"] > 0][-1]
+    assert last["active_sequences"] == 5 and last["queued"] == 154, last
+    assert last["numbers"]["kv_cache_usage"] == 1.0 and last["numbers"]["preemptions"] == 5, last
+    # 40 blocks x 16 tokens x (K+V x 4 layers x 2 heads x 64 dims x 2 bytes).
+    assert last["kv_cache_capacity_bytes"] == 40 * 16 * 2 * 4 * 2 * 64 * 2, last
+    assert last["kv_cache_bytes"] == last["kv_cache_capacity_bytes"]
+    assert last["labels"]["vllm.kv_cache_dtype"] == "auto", last["labels"]
+    assert last["numbers"]["vllm.max_num_seqs"] == 32
+    starts = {e["request"]["request_id"]: e["time_ns"] for e in t["events"]
+              if e["kind"] == "request" and e["request"]["start"]}
+    ends = {e["request"]["request_id"]: e["time_ns"] for e in t["events"]
+            if e["kind"] == "request" and not e["request"]["start"]}
+    assert sorted(starts) == ["r0", "r1", "r2", "r3", "r4"], starts
+    # Each start is stamped its e2e latency (0.5 s) before its end.
+    for rid in starts:
+        assert 0.4e9 < ends[rid] - starts[rid] < 0.6e9, (rid, ends[rid] - starts[rid])
+    assert "stats of this vLLM differ" in r.stderr or "stopped" in r.stderr, r.stderr

@@ -1,0 +1,253 @@
+"""oomscope on a real vLLM (0.32, CPU build) serving a tiny random-weight
+Llama under `oomscope run`, with no other step: one instance with named
+processes, the KV and queue context from the plugin, a clean stop that is no
+incident, KV pool saturation as a capacity bound, a real cgroup OOM kill of
+the Worker diagnosed with its victim and a fix in vLLM's own setting, and a
+KV reservation that cannot fit.
+
+Each vLLM start costs 60-90 s here (--enforce-eager skips torch.compile), so
+one served instance is shared by the tests that only read it."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, harness
+
+VENV_BIN = os.path.join(ROOT, ".venv-vllm", "bin")
+MODEL = os.path.join(ROOT, "runtimes", "vllm", "tiny-llama")
+START_TIMEOUT_S = 300
+MIB = 1 << 20
+
+
+def own_memory_cgroup():
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            parts = line.strip().split(":", 2)
+            if parts[1] == "memory":
+                return "/sys/fs/cgroup/memory" + parts[2]
+    pytest.skip("no cgroup v1 memory controller here")
+
+
+class Cgroup:
+    """A child memory cgroup of the test's own, removed at the end."""
+
+    def __init__(self, name, limit_bytes=None):
+        self.path = os.path.join(own_memory_cgroup(), "%s-%d" % (name, os.getpid()))
+        os.makedirs(self.path, exist_ok=True)
+        if limit_bytes:
+            with open(os.path.join(self.path, "memory.limit_in_bytes"), "w") as f:
+                f.write(str(limit_bytes))
+
+    def peak(self):
+        with open(os.path.join(self.path, "memory.max_usage_in_bytes")) as f:
+            return int(f.read())
+
+    def remove(self):
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+class Vllm:
+    """`oomscope run --name NAME -- vllm serve ...` in `cgroup`."""
+
+    def __init__(self, tmp_path, collector, name, cgroup, *flags, env=None):
+        self.port = harness.free_port()
+        self.name = name
+        self.log_path = str(tmp_path / ("%s.log" % name))
+        e = dict(os.environ)
+        e.pop("OOMSCOPE_COLLECTOR", None)
+        e.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                 OOMSCOPE_INTERVAL_S="0.25", PATH=VENV_BIN + os.pathsep + e.get("PATH", ""))
+        e.update(env or {})
+        cmd = [harness.oomscope_bin(), "run", "--collector", collector.url, "--name", name,
+               "--interval", "250ms", "--",
+               os.path.join(VENV_BIN, "vllm"), "serve", MODEL, "--load-format", "dummy",
+               "--enforce-eager", "--max-model-len", "2048", "--port", str(self.port), *flags]
+        script = 'echo $$ > "%s/cgroup.procs" && exec "$@"' % cgroup.path
+        self.proc = subprocess.Popen(["sh", "-c", script, "sh", *cmd], env=e,
+                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                urllib.request.urlopen("http://127.0.0.1:%d/health" % self.port, timeout=1)
+                return True
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError("vLLM did not start in %ss:\n%s" % (START_TIMEOUT_S, self.log()[-4000:]))
+
+    def wait_exit(self, timeout=120):
+        return self.proc.wait(timeout)
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def complete(self, prompt, max_tokens=16):
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % self.port, body,
+                                     {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
+        return self.proc.returncode
+
+
+def words(n, seed):
+    import random
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choice("abcdefghij") for _ in range(5)) for _ in range(n))
+
+
+def members(collector, name):
+    return [a for a in collector.agents() if a["hello"]["name"] == name]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One vLLM with a 40-block KV pool (640 tokens), under load once."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    collector = harness.Collector(tmp).start()
+    cg = Cgroup("vllm-peak")
+    v = Vllm(tmp, collector, "vllm", cg, "--num-gpu-blocks-override", "40", "--max-num-seqs", "32")
+    try:
+        assert v.wait_ready(), v.log()[-4000:]
+        # 24 concurrent 200-token prompts: far more than 640 tokens of KV.
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            done = list(pool.map(lambda i: v.complete(words(150, i), 32), range(24)))
+        assert all(d["choices"] for d in done)
+        time.sleep(1.5)  # the last samples after the burst
+        yield collector, v, cg
+    finally:
+        v.stop()
+        collector.stop()
+        cg.remove()
+
+
+def test_the_plugin_names_each_vllm_process_in_one_instance(served):
+    collector, v, _ = served
+    agents = members(collector, "vllm")
+    roles = sorted(a["hello"]["role"] for a in agents)
+    for role in ["api_server", "engine_core", "supervisor", "worker"]:
+        assert role in roles, roles
+    instances = {a["instance"] for a in agents}
+    sup = next(a for a in agents if a["hello"]["role"] == "supervisor")
+    assert instances == {sup["hello"]["agent_id"]}, agents
+    worker = next(a for a in agents if a["hello"]["role"] == "worker")
+    assert worker["hello"]["title"] == "VLLM::Worker", worker["hello"]
+
+
+def test_the_stat_logger_context_reaches_the_collector(served):
+    collector, v, _ = served
+    api = next(a for a in members(collector, "vllm") if a["hello"]["role"] == "api_server")
+    t = collector.timeline(api["hello"]["agent_id"])
+    contexts = [s["context"] for s in t["samples"] if s.get("context")]
+    usage = max(c["numbers"].get("kv_cache_usage", 0.0) for c in contexts)
+    waiting = max(c["queued"] for c in contexts)
+    running = max(c["active_sequences"] for c in contexts)
+    assert usage >= 0.9, usage
+    assert waiting > 0 and running > 0, (waiting, running)
+    # The pool: 40 blocks of vLLM's block size, at the model's KV bytes per
+    # token (K and V x 4 layers x 2 KV heads x 64 dims x 2 bytes of bf16).
+    numbers = contexts[-1]["numbers"]
+    assert numbers["vllm.num_gpu_blocks"] == 40, numbers
+    capacity = max(c["kv_cache_capacity_bytes"] for c in contexts)
+    assert capacity == 40 * numbers["vllm.block_size"] * 2 * 4 * 2 * 64 * 2, capacity
+    requests = [e for e in t["events"] if e["kind"] == "request" and not e["request"]["start"]]
+    assert len(requests) >= 24, len(requests)
+
+
+def test_kv_pool_saturation_is_a_capacity_bound_with_the_vllm_setting(served):
+    collector, v, _ = served
+    d = collector.cli("diagnose", "--agent", "vllm", "--json")
+    assert d["domain"] is None, d
+    sat = [c for c in d["causes"] if c["kind"] == "kv_pool_saturation"]
+    assert sat, d["causes"]
+    assert sat[0]["metrics"]["kv_cache_usage"] >= 0.9
+    assert sat[0]["metrics"]["waiting"] > 0
+    assert any("--max-num-seqs" in f["action"] or "VLLM_CPU_KVCACHE_SPACE" in f["action"]
+               for f in d["fixes"]), d["fixes"]
+
+
+#: What the shared instance measured, for the cgroup test after it.
+MEASURED = {}
+
+
+def test_a_clean_stop_is_no_incident(served):
+    collector, v, cg = served
+    MEASURED["peak"] = cg.peak()
+    assert v.stop() == 0, v.log()[-3000:]
+    time.sleep(3)  # past the collector's lost grace (1 s)
+    assert collector.cli("incidents", "--agent", "vllm", "--json") == []
+    states = {a["hello"]["role"]: a["state"] for a in members(collector, "vllm")}
+    assert "lost" not in states.values(), states
+
+
+def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_path):
+    # The peak of the instance above (its 40-block pool is tiny): this one
+    # reserves VLLM_CPU_KVCACHE_SPACE=1 GiB on top, 500 MiB of which cannot fit.
+    peak = MEASURED.get("peak") or (1770 * MIB)
+    limit = peak + 524 * MIB
+    collector = harness.Collector(tmp_path).start()
+    cg = Cgroup("vllm-kill", limit)
+    v = Vllm(tmp_path, collector, "vllm-kill", cg)
+    try:
+        assert not v.wait_ready(), "vLLM started within %d MiB (peak %d MiB)" % (limit >> 20, peak >> 20)
+        v.wait_exit()
+        time.sleep(3)
+        incs = collector.cli("incidents", "--json")
+        assert len(incs) == 1, incs
+        d = collector.cli("diagnose", "--json")
+        assert d["domain"] == "cgroup", d
+        assert d["victim"]["title"] == "VLLM::Worker", d["victim"]
+        assert any("Killed process %d" % d["victim"]["pid"] in e for e in d["evidence"]), d["evidence"]
+        kv = [f for f in d["fixes"] if "VLLM_CPU_KVCACHE_SPACE" in f["action"]]
+        assert kv, d["fixes"]
+        proposed = float(kv[0]["action"].split("VLLM_CPU_KVCACHE_SPACE=")[1].split()[0].rstrip(",;."))
+        # It fits: the rest of the server (the small-pool peak) plus the new pool under the limit.
+        assert 0 < proposed and peak + proposed * 1024 * MIB < limit, (proposed, peak, limit)
+    finally:
+        v.stop()
+        collector.stop()
+        cg.remove()
+
+
+def test_a_kv_reservation_larger_than_the_machine_is_its_own_verdict(tmp_path):
+    collector = harness.Collector(tmp_path).start()
+    cg = Cgroup("vllm-kv40")
+    v = Vllm(tmp_path, collector, "vllm-kv40", cg, env={"VLLM_CPU_KVCACHE_SPACE": "40"})
+    try:
+        assert not v.wait_ready()
+        assert v.wait_exit() != 0
+        time.sleep(2)
+        d = collector.cli("diagnose", "--json")
+        assert d["causes"][0]["kind"] == "kv_reservation", d["causes"]
+        assert any("VLLM_CPU_KVCACHE_SPACE" in f["action"] for f in d["fixes"]), d["fixes"]
+    finally:
+        v.stop()
+        collector.stop()
+        cg.remove()

@@ -172,9 +172,14 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     let window_from = store
         .window_start(&agent_id, from_ns, to_ns, DIAGNOSE_MAX_SAMPLES)
         .map_err(internal)?;
-    let history = store
+    let mut history = store
         .history(&agent_id, window_from, to_ns)
         .map_err(internal)?;
+    // A leak hunt on an instance: its main agent's samples, with the
+    // supervisor's process tree and the serving process's context joined.
+    if let (None, Some(Target::Instance(inst))) = (&incident, &target) {
+        join_members(store, inst, &mut history.samples, window_from, to_ns).map_err(internal)?;
+    }
     let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
     if window_from > from_ns {
         diagnosis.evidence.push(format!(
@@ -220,10 +225,7 @@ fn instance_view(
 ) -> anyhow::Result<()> {
     let to_ns = if to_ns == 0 { i64::MAX } else { to_ns };
     let main = inst.main().agent_id.clone();
-    if let Some(sup) = inst.supervisor().filter(|s| s.agent_id != main) {
-        let tree = store.history(&sup.agent_id, from_ns, to_ns)?.samples;
-        join_tree(&mut t.samples, &tree);
-    }
+    join_members(store, inst, &mut t.samples, from_ns, to_ns)?;
     for m in inst.members.iter().filter(|m| m.agent_id != main) {
         t.events
             .extend(store.events_of(&m.agent_id, from_ns, to_ns)?);
@@ -241,6 +243,62 @@ fn instance_view(
     });
     t.members = members;
     Ok(())
+}
+
+/// Joins to the main agent's `samples` what other members see: the
+/// supervisor's process tree, and the context of the process that serves
+/// requests (a vLLM API server's KV and queue, through its plugin) where
+/// the main agent has none.
+fn join_members(
+    store: &Store,
+    inst: &Instance,
+    samples: &mut [pb::TimedSample],
+    from_ns: i64,
+    to_ns: i64,
+) -> anyhow::Result<()> {
+    let main = inst.main().agent_id.clone();
+    if let Some(sup) = inst.supervisor().filter(|s| s.agent_id != main) {
+        let tree = store.history(&sup.agent_id, from_ns, to_ns)?.samples;
+        join_tree(samples, &tree);
+    }
+    let serving = inst
+        .members
+        .iter()
+        .filter(|m| m.agent_id != main && m.role != "supervisor")
+        .find(|m| m.role == "api_server" || m.role == "server");
+    if let Some(m) = serving {
+        let theirs = store.history(&m.agent_id, from_ns, to_ns)?.samples;
+        join_context(samples, &theirs);
+    }
+    Ok(())
+}
+
+/// Gives each sample without a context of its own the latest context of
+/// `theirs` at or before it (no older than [`TREE_JOIN_MAX_AGE_NS`]).
+fn join_context(samples: &mut [pb::TimedSample], theirs: &[pb::TimedSample]) {
+    let with_context: Vec<&pb::Sample> = theirs
+        .iter()
+        .filter_map(|s| s.sample.as_ref())
+        .filter(|s| s.context.is_some())
+        .collect();
+    let mut j = 0;
+    for s in samples.iter_mut() {
+        let Some(sample) = s.sample.as_mut() else {
+            continue;
+        };
+        if sample.context.is_some() {
+            continue;
+        }
+        while j + 1 < with_context.len() && with_context[j + 1].time_ns <= sample.time_ns {
+            j += 1;
+        }
+        if let Some(c) = with_context.get(j) {
+            let age = sample.time_ns - c.time_ns;
+            if (0..=TREE_JOIN_MAX_AGE_NS).contains(&age) {
+                sample.context = c.context.clone();
+            }
+        }
+    }
 }
 
 /// Gives each sample the supervisor's process tree as it was at that moment
@@ -310,6 +368,36 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    #[test]
+    fn a_sample_without_context_takes_the_serving_processs_latest() {
+        let ctx = |t: i64, queued: u64| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                context: Some(pb::RequestContext {
+                    queued,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        let theirs = [ctx(100, 1), ctx(200, 2)];
+        let mut main = vec![sample(50, 0), sample(250, 0), ctx(260, 9)];
+        join_context(&mut main, &theirs);
+        let queued: Vec<Option<u64>> = main
+            .iter()
+            .map(|s| {
+                s.sample
+                    .as_ref()
+                    .unwrap()
+                    .context
+                    .as_ref()
+                    .map(|c| c.queued)
+            })
+            .collect();
+        assert_eq!(queued, [None, Some(2), Some(9)]);
     }
 
     #[test]

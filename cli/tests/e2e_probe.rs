@@ -66,6 +66,9 @@ impl Server {
                 "--",
             ])
             .args(server_cmd(port, flags))
+            // The server's agent reports its load (active sequences) every
+            // 100 ms, so the probe reads what it had in service at each step.
+            .env("OOMSCOPE_INTERVAL_S", "0.1")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -96,10 +99,10 @@ impl Drop for Server {
 }
 
 fn probe(args: &[&str]) -> (i32, Value) {
+    // --json first: a --launch command after `--` takes every later word.
     let out = Command::new(bin())
-        .arg("probe")
+        .args(["probe", "--json"])
         .args(args)
-        .arg("--json")
         .output()
         .unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
@@ -200,14 +203,24 @@ fn every_suite_reports_against_the_reference_server() {
     ] {
         assert_eq!(suite(&r, s)["status"], "pass", "{s}: {:#}", suite(&r, s));
     }
-    // Long context ramped 64..512 words; each step carries the collector's memory reading.
+    // Long context ramped 64..512 tokens (the reference server counts a word
+    // as a token); each step carries the collector's memory reading.
     let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
+    for key in ["context_tokens", "prompt_tokens"] {
+        assert_eq!(
+            steps
+                .iter()
+                .map(|s| s[key].as_u64().unwrap())
+                .collect::<Vec<_>>(),
+            vec![64, 128, 256, 512],
+            "{key}"
+        );
+    }
+    // Every request had a prompt of its own.
     assert_eq!(
-        steps
-            .iter()
-            .map(|s| s["prompt_words"].as_u64().unwrap())
-            .collect::<Vec<_>>(),
-        vec![64, 128, 256, 512]
+        r["prompts"]["sent"], r["prompts"]["distinct"],
+        "{:#}",
+        r["prompts"]
     );
     assert!(
         steps
@@ -221,7 +234,9 @@ fn every_suite_reports_against_the_reference_server() {
         e["max_context_at_concurrency_1"]["bounded_by"],
         "probe_limit"
     );
-    assert_eq!(e["max_concurrency_at_typical_context"]["value"], 4);
+    // 4 sent at once, and the server's agent saw 4 in service.
+    assert_eq!(e["max_concurrency_at_typical_context"]["value"], 4, "{e:#}");
+    assert_eq!(e["max_concurrency_at_typical_context"]["offered"], 4);
     assert_eq!(e["max_concurrency_at_max_context"]["context_tokens"], 512);
     // Repeated: the collector's verdict over those 20 requests names no leak.
     let rep = suite(&r, "repeated");

@@ -139,6 +139,11 @@ pub enum ApiChoice {
     Chat,
 }
 
+/// How long the probe waits for the collector to record a death it saw as
+/// a refused connection: the supervisor reads the kernel's record and the
+/// exit before it reports them.
+pub const DEATH_EVIDENCE_WAIT: Duration = Duration::from_secs(5);
+
 /// The long-context figure is bisected until it is within this share of
 /// the true bound.
 pub const DEFAULT_CONTEXT_TOLERANCE: f64 = 0.05;
@@ -381,6 +386,25 @@ pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
         out.insert("server.command".into(), positional.join(" "));
     }
     out
+}
+
+/// A figure whose ramp ended in the server's death (bounded by
+/// "server_died", or by a timeout or error as it went) is bounded by the
+/// death's domain where the collector named one, with its incident as evidence.
+fn died_bound(fig: &mut Figure, d: &Death) {
+    if !matches!(
+        fig.bounded_by.as_str(),
+        "server_died" | "timeout" | "server_error"
+    ) {
+        return;
+    }
+    if let Some(dom) = &d.domain {
+        fig.bounded_by = dom.clone();
+    } else {
+        fig.bounded_by = "server_died".into();
+    }
+    fig.evidence
+        .push(format!("the server died: {}", report::death_line(d)));
 }
 
 /// The prompts made for sending, and how many of them were distinct.
@@ -646,7 +670,17 @@ impl Probe {
             return;
         };
         std::thread::sleep(self.cfg.settle);
-        let incidents = w.incidents_since(self.started_ns);
+        let mut incidents = w.incidents_since(self.started_ns);
+        // A death seen as a refused connection: give its supervisor time to
+        // record how it died (the kernel's record, the signal).
+        let deadline = Instant::now() + DEATH_EVIDENCE_WAIT;
+        while self.deaths.iter().any(|d| d.incident.is_none())
+            && incidents.is_empty()
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(250));
+            incidents = w.incidents_since(self.started_ns);
+        }
         for inc in incidents {
             if self
                 .deliberate
@@ -815,6 +849,22 @@ impl Probe {
         self.progress.finish();
         if let Some(e) = envelope.as_mut() {
             e.server_death = self.deaths.first().cloned();
+            // A figure whose ramp ended when the server died is bounded by how it died.
+            for (suite, fig) in [
+                ("long-context", &mut e.max_context_at_concurrency_1),
+                ("concurrency", &mut e.max_concurrency_at_typical_context),
+                (
+                    "concurrency-at-max-context",
+                    &mut e.max_concurrency_at_max_context,
+                ),
+            ] {
+                if let Some(d) = self.deaths.iter().find(|d| d.suite == suite) {
+                    died_bound(fig, d);
+                    if let Some(r) = suites.iter_mut().find(|r| r.suite == suite) {
+                        r.findings["figure"] = serde_json::json!(fig);
+                    }
+                }
+            }
         }
         let verdict = if !smoke_ok {
             "environment"

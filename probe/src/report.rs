@@ -37,7 +37,8 @@
 //! "serialized" (one request at a time), "kv_pool" (the KV pool full with
 //! requests waiting or preempted), "max_sequences_setting" (a cap on the
 //! sequences run at once), "latency", "max_context_setting",
-//! "admission_cap", "server_error", "timeout", "suite_budget" (the budget
+//! "admission_cap", "server_error", "timeout", "server_died" (it died and
+//! the collector named no domain), "suite_budget" (the budget
 //! ran out first: the suite is incomplete), "not_measured" (its suite did
 //! not run) or "probe_limit" (the probe's own ceiling was reached without a
 //! failure).

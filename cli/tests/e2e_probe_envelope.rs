@@ -1,0 +1,374 @@
+//! The probe's envelope tells the truth about the real Python reference
+//! server (CPU torch, from the venv scripts/setup-python builds): the
+//! long-context figure is the server's own limit in tokens (within 5 %), the
+//! concurrency figure is what the server had in service at once (4 under
+//! admission caps of 4 active sequences, whatever was sent; "serialized"
+//! for one at a time), a spent budget is incomplete, and a server that its
+//! memory cgroup killed during the probe makes the verdict unsafe, with the
+//! cgroup incident in the envelope.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+/// CPU-bound torch servers on a 2-core machine: one test at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> String {
+    let p = std::env::var("OOMSCOPE_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join(".venv/bin/python"));
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup-python",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+/// `oomscope run` args reporting to `col` as `name`, then the reference server on `port` with `flags`.
+fn server_argv(col: &Collector, name: &str, port: u16, flags: &str) -> Vec<String> {
+    let mut v: Vec<String> = [
+        bin(),
+        "run",
+        "--collector",
+        &col.url,
+        "--name",
+        name,
+        "--interval",
+        "100ms",
+        "--",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.push(python());
+    v.push(
+        repo()
+            .join("runtimes/pytorch-server/server.py")
+            .display()
+            .to_string(),
+    );
+    v.extend(
+        format!("--port {port} --restore-seconds 0 {flags}")
+            .split_whitespace()
+            .map(str::to_string),
+    );
+    v
+}
+
+struct Server(Child);
+
+impl Server {
+    fn spawn(mut c: Command, port: u16) -> Server {
+        // The server's agent reports its load (active sequences) every 100
+        // ms, so the probe reads what it had in service at each step.
+        let child = c
+            .env("OOMSCOPE_INTERVAL_S", "0.1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let srv = Server(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Command::new("curl")
+            .args(["-sf", &format!("http://127.0.0.1:{port}/health")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the reference server never became ready"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        srv
+    }
+
+    fn start(col: &Collector, name: &str, port: u16, flags: &str) -> Server {
+        let argv = server_argv(col, name, port, flags);
+        let mut c = Command::new(&argv[0]);
+        c.args(&argv[1..]);
+        Server::spawn(c, port)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SIGTERM to the supervisor this test started; it passes it on to the server.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+}
+
+fn probe(args: &[&str]) -> (i32, Value) {
+    let out = Command::new(bin())
+        .arg("probe")
+        .args(args)
+        .args(["--json", "--seed", "13"])
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "probe printed no JSON ({e}): {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), v)
+}
+
+fn suite<'a>(r: &'a Value, name: &str) -> &'a Value {
+    r["suites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["suite"] == name)
+        .unwrap_or_else(|| panic!("no {name} suite in {r:#}"))
+}
+
+#[test]
+fn the_long_context_figure_is_within_5_percent_of_the_servers_max_context() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    // Prompt + 16 output tokens <= 1000: the true bound is 984 prompt tokens.
+    let _srv = Server::start(&col, "ctx", port, "--max-active 4 --max-context 1000");
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--suite",
+        "long-context",
+        "--max-context",
+        "4096",
+    ]);
+    assert_eq!(code, 0, "{r:#}");
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    let v = fig["value"].as_f64().unwrap();
+    assert!(v <= 984.0 && v >= 0.95 * 1000.0 - 16.0, "{fig:#}");
+    assert!(
+        (v - 1000.0).abs() <= 0.05 * 1000.0,
+        "within 5 % of 1000 tokens: {fig:#}"
+    );
+    assert_eq!(fig["bounded_by"], "max_context_setting", "{fig:#}");
+    // The ramp was in tokens: 64 .. 1024 doubling, then bisection.
+    let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
+    let asked: Vec<u64> = steps
+        .iter()
+        .map(|s| s["context_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(asked[..5], [64, 128, 256, 512, 1024], "{asked:?}");
+    assert!(
+        steps[5..]
+            .iter()
+            .all(|s| s["label"].as_str().unwrap().starts_with("bisect")),
+        "{asked:?}"
+    );
+    assert_eq!(
+        r["prompts"]["sent"], r["prompts"]["distinct"],
+        "no prompt sent twice"
+    );
+}
+
+#[test]
+fn admission_caps_of_4_active_sequences_are_4_in_service_whatever_was_sent() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    // 4 active, 64 may queue: every rung up to 16 is admitted, 4 at a time.
+    let _srv = Server::start(&col, "cap4", port, "--max-active 4 --max-queue 64");
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "cap4",
+        "--suite",
+        "concurrency",
+        "--max-concurrency",
+        "16",
+        "--typical-context",
+        "64",
+        "--output-tokens",
+        "8",
+    ]);
+    assert_eq!(code, 0, "{r:#}");
+    let fig = &r["envelope"]["max_concurrency_at_typical_context"];
+    assert_eq!(fig["value"], 4, "{fig:#}");
+    assert_eq!(fig["offered"], 16, "{fig:#}");
+    assert_eq!(fig["bounded_by"], "max_sequences_setting", "{fig:#}");
+    // Every rung above 4 had 4 in service.
+    for st in suite(&r, "concurrency")["steps"].as_array().unwrap() {
+        let n = st["concurrency"].as_u64().unwrap();
+        let e = st["effective_concurrency"].as_u64().unwrap();
+        assert!(e <= 4.min(n), "{st:#}");
+    }
+}
+
+#[test]
+fn a_server_that_serves_one_request_at_a_time_is_serialized() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    // One active sequence: the reference server's serializing switch.
+    let _srv = Server::start(&col, "one", port, "--max-active 1 --max-queue 64");
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "one",
+        "--suite",
+        "concurrency",
+        "--max-concurrency",
+        "8",
+        "--typical-context",
+        "64",
+        "--output-tokens",
+        "8",
+    ]);
+    assert_eq!(code, 0, "{r:#}");
+    let fig = &r["envelope"]["max_concurrency_at_typical_context"];
+    assert_eq!(
+        (
+            fig["value"].as_u64(),
+            fig["bounded_by"].as_str(),
+            fig["offered"].as_u64()
+        ),
+        (Some(1), Some("serialized"), Some(8)),
+        "{fig:#}"
+    );
+}
+
+#[test]
+fn a_spent_suite_budget_is_incomplete() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    let _srv = Server::start(&col, "budget", port, "--max-active 4");
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--suite",
+        "long-context",
+        "--suite-budget",
+        "1s",
+    ]);
+    assert_eq!(code, 4, "{r:#}");
+    assert_eq!(r["verdict"], "incomplete");
+    let lc = suite(&r, "long-context");
+    assert_eq!(lc["status"], "error", "{lc:#}");
+    assert_eq!(
+        r["envelope"]["max_context_at_concurrency_1"]["bounded_by"],
+        "suite_budget"
+    );
+}
+
+/// Memory files of a cgroup: (usage, limit, swap limit) by version.
+fn cgroup_files(cg: &TestCgroup) -> (&'static str, &'static str, &'static str) {
+    if cg.version == "v1" {
+        (
+            "memory.usage_in_bytes",
+            "memory.limit_in_bytes",
+            "memory.memsw.limit_in_bytes",
+        )
+    } else {
+        ("memory.current", "memory.max", "memory.swap.max")
+    }
+}
+
+#[test]
+fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let cg = TestCgroup::create(None, "probe-oom", None);
+    let port = free_port();
+    let argv = server_argv(&col, "cgsrv", port, "--max-active 4");
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let srv = Server::spawn(cg.command(&argv), port);
+    // The limit: what the loaded server uses, and 300 MiB more. A long
+    // prompt's scores and logits (a few thousand tokens) overrun it.
+    let (usage, limit, swap) = cgroup_files(&cg);
+    let used: u64 = std::fs::read_to_string(cg.dir.join(usage))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let cap = used + (300 << 20);
+    std::fs::write(cg.dir.join(limit), cap.to_string()).unwrap();
+    let _ = std::fs::write(
+        cg.dir.join(swap),
+        if cg.version == "v1" {
+            cap.to_string()
+        } else {
+            "0".into()
+        },
+    );
+
+    let (code, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "cgsrv",
+        "--suite",
+        "long-context,concurrency",
+        "--max-context",
+        "32768",
+    ]);
+    drop(srv);
+    assert_eq!(code, 1, "{r:#}");
+    assert_eq!(
+        r["verdict"], "unsafe",
+        "never ok after the server died: {r:#}"
+    );
+    let death = &r["envelope"]["server_death"];
+    assert_eq!(death["suite"], "long-context", "{death:#}");
+    assert_eq!(death["domain"], "cgroup", "{death:#}");
+    assert!(death["incident"].is_string(), "{death:#}");
+    assert_eq!(
+        r["envelope"]["max_context_at_concurrency_1"]["bounded_by"], "cgroup",
+        "{r:#}"
+    );
+    // The server was gone, so the concurrency suite did not run and says so.
+    let conc = suite(&r, "concurrency");
+    assert_eq!(conc["status"], "skipped", "{conc:#}");
+    assert!(
+        conc["verdict"].as_str().unwrap().contains("died"),
+        "{conc:#}"
+    );
+    assert_eq!(
+        r["envelope"]["max_concurrency_at_typical_context"]["bounded_by"],
+        "not_measured"
+    );
+    // The step memory is the cgroup's against its limit.
+    let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
+    assert!(
+        steps
+            .iter()
+            .any(|s| s["memory"]["cgroup_limit_bytes"].as_u64() == Some(cap)),
+        "{steps:#?}"
+    );
+}

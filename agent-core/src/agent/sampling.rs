@@ -67,6 +67,8 @@ pub struct SamplingLoop<'a> {
     reporter: &'a Reporter,
     directives: Option<&'a Receiver<pb::Directive>>,
     interval: Duration,
+    /// The process title as last seen.
+    title: Option<String>,
 }
 
 impl<'a> SamplingLoop<'a> {
@@ -79,6 +81,7 @@ impl<'a> SamplingLoop<'a> {
             reporter,
             directives,
             interval,
+            title: None,
         }
     }
 
@@ -98,6 +101,7 @@ impl<'a> SamplingLoop<'a> {
             let now = Instant::now();
             if now >= next_tick {
                 readers.tick(self.reporter);
+                self.refresh_title();
                 next_tick += self.interval;
                 let after = Instant::now();
                 if next_tick < after {
@@ -119,6 +123,20 @@ impl<'a> SamplingLoop<'a> {
                 },
                 None => std::thread::sleep(timeout),
             }
+        }
+    }
+
+    /// A runtime renames its processes after they start (vLLM's
+    /// `VLLM::Worker`): the Hello follows, since the kernel's OOM record
+    /// names the victim by this title.
+    fn refresh_title(&mut self) {
+        let Ok(comm) = std::fs::read_to_string("/proc/self/comm") else {
+            return;
+        };
+        let comm = comm.trim_end();
+        if self.title.as_deref() != Some(comm) {
+            self.reporter.update_hello(|h| h.title = comm.to_string());
+            self.title = Some(comm.to_string());
         }
     }
 

@@ -371,13 +371,15 @@ impl Reporter {
     }
 
     /// Changes what the agent says about itself (its role once a runtime's
-    /// plugin has named it, say): the new Hello goes out on the open stream
-    /// at once, and on every reconnect after. The agent id never changes.
+    /// plugin has named it, its title once the runtime renamed it): a Hello
+    /// that changed goes out on the open stream at once, and on every
+    /// reconnect after. The agent id never changes.
     pub fn update_hello(&self, change: impl FnOnce(&mut pb::Hello)) {
-        self.inner.hello.send_modify(|h| {
-            let id = h.agent_id.clone();
+        self.inner.hello.send_if_modified(|h| {
+            let before = h.clone();
             change(h);
-            h.agent_id = id;
+            h.agent_id = before.agent_id.clone();
+            *h != before
         });
     }
 

@@ -2,9 +2,9 @@
 //! The domain verdict, the causes and the fixes all read these.
 
 use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
-use crate::domain::Domain;
 use crate::evidence::Evidence;
 use crate::failure::{device_limit, AtFailure};
+use crate::memory_domain::Domain;
 use crate::pb;
 use crate::runtime_text::{self, cuda_oom_line, TextMatch};
 use crate::settings::{self, Runtime, Settings};

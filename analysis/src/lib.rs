@@ -30,6 +30,7 @@ mod growth;
 mod json;
 mod kv_fit;
 mod kv_pool;
+mod memory_domain;
 pub mod runtime_text;
 mod setting_fixes;
 pub mod settings;

@@ -8,7 +8,7 @@
 //! The collector's incident detection, the domain verdict, the causes and the
 //! report's error box all read this one table.
 
-use crate::domain::Domain;
+use crate::memory_domain::Domain;
 
 /// Which memory a text speaks of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

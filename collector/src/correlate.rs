@@ -11,7 +11,7 @@
 
 use anyhow::Result;
 
-use crate::incidents::{
+use crate::kinds::{
     AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, SIGNAL,
 };
 use crate::pb;

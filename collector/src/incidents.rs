@@ -17,17 +17,7 @@ use crate::pb::event::Kind as EventKind;
 use crate::store::{now_ns, Store};
 use crate::verdict;
 
-pub const OOM: &str = "oom";
-pub const SIGNAL: &str = "signal";
-pub const EXIT_OOM_TEXT: &str = "exit_oom_text";
-pub const CRASH_LOOP: &str = "crash_loop";
-pub const AGENT_LOST: &str = "agent_lost";
-/// Many agents of one service restarting together, then a request burst.
-pub const RESTART_STORM: &str = "restart_storm";
-/// The kernel's OOM killer took a process of the instance (its own record).
-pub const KERNEL_OOM_KILL: &str = "kernel_oom_kill";
-/// Many agents lost together: one incident, not one each (see `correlate`).
-pub const MASS_DISCONNECT: &str = "mass_disconnect";
+pub use crate::kinds::*;
 
 /// The incident a message raises, if any, without agent or domain filled in.
 /// One incident per event: a crash loop's last exit is reported as the crash

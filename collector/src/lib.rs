@@ -9,6 +9,7 @@
 pub mod correlate;
 pub mod fleet;
 pub mod incidents;
+pub mod kinds;
 pub mod query;
 pub mod serve;
 pub mod server;

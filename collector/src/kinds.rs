@@ -1,0 +1,14 @@
+//! The kinds of incident, as `oomscope incidents` names them. Detection
+//! (`incidents`) and correlation (`correlate`) both speak them.
+
+pub const OOM: &str = "oom";
+pub const SIGNAL: &str = "signal";
+pub const EXIT_OOM_TEXT: &str = "exit_oom_text";
+pub const CRASH_LOOP: &str = "crash_loop";
+pub const AGENT_LOST: &str = "agent_lost";
+/// Many agents of one service restarting together, then a request burst.
+pub const RESTART_STORM: &str = "restart_storm";
+/// The kernel's OOM killer took a process of the instance (its own record).
+pub const KERNEL_OOM_KILL: &str = "kernel_oom_kill";
+/// Many agents lost together: one incident, not one each (see `correlate`).
+pub const MASS_DISCONNECT: &str = "mass_disconnect";

@@ -237,7 +237,9 @@ fn every_suite_reports_against_the_reference_server() {
     // 4 sent at once, and the server's agent saw 4 in service.
     assert_eq!(e["max_concurrency_at_typical_context"]["value"], 4, "{e:#}");
     assert_eq!(e["max_concurrency_at_typical_context"]["offered"], 4);
-    assert_eq!(e["max_concurrency_at_max_context"]["context_tokens"], 512);
+    // At the max context found, 2 % below it (distinct prompts vary a little in tokens).
+    let at_max = e["max_concurrency_at_max_context"]["context_tokens"].as_u64().unwrap();
+    assert!((500..=512).contains(&at_max), "{e:#}");
     // Repeated: the collector's verdict over those 20 requests names no leak.
     let rep = suite(&r, "repeated");
     assert!(

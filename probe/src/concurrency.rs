@@ -71,7 +71,9 @@ pub fn from_scaling(n: usize, makespan_ms: f64, single_ms: f64) -> usize {
 
 /// The effective concurrency of a step of `n` answered requests: the
 /// server's own count where it gave one (its metrics, else its agent's
-/// context at the collector), else the first tokens, else latency scaling
+/// context at the collector) and the first tokens where it streamed, the
+/// larger of the two (each can only miss requests in service: a poll
+/// between peaks, a prefill before the first token), else latency scaling
 /// against `single_ms` (the median latency of one request alone).
 pub fn effective(
     n: usize,
@@ -86,36 +88,36 @@ pub fn effective(
             detail: "one request at a time".into(),
         };
     }
-    if let Some(l) = load.filter(|l| l.readings > 0) {
-        if let Some(r) = l.max_running.filter(|&r| r > 0) {
-            let value = r.min(n as u64);
-            let mut detail = format!(
-                "{} said at most {r} running",
-                l.source.trim_start_matches("collector: ")
-            );
-            if let Some(w) = l.max_waiting.filter(|&w| w > 0) {
-                detail.push_str(&format!(", {w} waiting"));
-            }
-            return Effective {
-                value,
-                method: if l.source.starts_with("collector") {
-                    "collector"
-                } else {
-                    "server_metrics"
-                }
-                .into(),
-                detail,
-            };
+    let counted = load.filter(|l| l.readings > 0).and_then(|l| {
+        let r = l.max_running.filter(|&r| r > 0)?;
+        let mut detail = format!(
+            "{} said at most {r} running",
+            l.source.trim_start_matches("collector: ")
+        );
+        if let Some(w) = l.max_waiting.filter(|&w| w > 0) {
+            detail.push_str(&format!(", {w} waiting"));
         }
-    }
-    if let Some(v) = from_first_tokens(calls) {
-        return Effective {
-            value: v.min(n) as u64,
-            method: "first_token".into(),
-            detail: format!(
-                "at most {v} of {n} streamed requests were past their first token at once"
-            ),
+        let method = if l.source.starts_with("collector") {
+            "collector"
+        } else {
+            "server_metrics"
         };
+        Some(Effective {
+            value: r.min(n as u64),
+            method: method.into(),
+            detail,
+        })
+    });
+    let streamed = from_first_tokens(calls).map(|v| Effective {
+        value: v.min(n) as u64,
+        method: "first_token".into(),
+        detail: format!("at most {v} of {n} streamed requests were past their first token at once"),
+    });
+    match (counted, streamed) {
+        (Some(c), Some(s)) if s.value > c.value => return s,
+        (Some(c), _) => return c,
+        (None, Some(s)) => return s,
+        (None, None) => {}
     }
     let start = calls
         .iter()
@@ -160,8 +162,9 @@ pub fn queue_bound(
         return Some((
             "kv_pool".into(),
             vec![format!(
-                "the KV pool was {:.0} % full with {} waiting and {} preempted ({}): the pool, not compute, held concurrency at {value}; the setting is {setting}",
+                "the KV pool was {:.0} % full with {} running, {} waiting and {} preempted ({}): no room for another sequence, so the pool, not compute, held concurrency at {value}; the setting is {setting}",
                 100.0 * l.max_kv_usage.unwrap_or(0.0),
+                l.max_running.unwrap_or(0),
                 l.max_waiting.unwrap_or(0),
                 l.preemptions.unwrap_or(0),
                 l.source
@@ -261,6 +264,16 @@ mod tests {
         let calls = vec![t(0.0, None, 50.0); 64];
         let e = effective(64, &calls, Some(&load), Some(50.0));
         assert_eq!((e.value, e.method.as_str()), (5, "server_metrics"));
+        // A poll that missed the peak is no lower than the first tokens say.
+        let sparse = Load {
+            max_running: Some(1),
+            ..load.clone()
+        };
+        let streamed: Vec<Timing> = (0..4)
+            .map(|i| t(0.0, Some(10.0 + i as f64), 100.0))
+            .collect();
+        let e = effective(4, &streamed, Some(&sparse), None);
+        assert_eq!((e.value, e.method.as_str()), (4, "first_token"));
         let (b, ev) = queue_bound(5, 64, Some(&load), Some(Runtime::Vllm)).unwrap();
         assert_eq!(b, "kv_pool");
         assert!(ev[0].contains("--gpu-memory-utilization"), "{ev:?}");

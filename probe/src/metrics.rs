@@ -195,10 +195,16 @@ impl Load {
         }
     }
 
-    /// The KV pool was full while requests waited or were preempted.
+    /// The KV pool was full while requests waited or were preempted: at
+    /// least [`KV_FULL`], or too full for one more sequence the size of
+    /// those running (2 long prompts at 82 % leave no room for a third).
     pub fn kv_bound(&self) -> bool {
-        self.max_kv_usage.is_some_and(|u| u >= KV_FULL)
-            && (self.max_waiting.unwrap_or(0) > 0 || self.preemptions.unwrap_or(0) > 0)
+        let full = match (self.max_kv_usage, self.max_running) {
+            (Some(u), Some(r)) if r > 0 => u >= KV_FULL || u * (r + 1) as f64 / r as f64 > 1.0,
+            (Some(u), _) => u >= KV_FULL,
+            _ => false,
+        };
+        full && (self.max_waiting.unwrap_or(0) > 0 || self.preemptions.unwrap_or(0) > 0)
     }
 }
 
@@ -350,6 +356,27 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 1.2e+06
         let slots = serde_json::json!([{"id": 0, "is_processing": true}, {"id": 1, "is_processing": false}]);
         assert_eq!(slots_reading(&slots).unwrap().running, Some(1.0));
         assert!(slots_reading(&serde_json::json!({"data": []})).is_none());
+    }
+
+    #[test]
+    fn a_pool_with_no_room_for_one_more_sequence_is_the_bound() {
+        // Seen on vLLM's CPU build: two 2027-token prompts fill 82 %, two wait.
+        let two = Load {
+            source: "x".into(),
+            readings: 9,
+            max_running: Some(2),
+            max_waiting: Some(2),
+            max_kv_usage: Some(0.82),
+            preemptions: Some(0),
+        };
+        assert!(two.kv_bound());
+        // Four short prompts at 20 % with others waiting: a sequence cap, not the pool.
+        let capped = Load {
+            max_running: Some(4),
+            max_kv_usage: Some(0.2),
+            ..two
+        };
+        assert!(!capped.kv_bound());
     }
 
     #[test]

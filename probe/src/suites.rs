@@ -214,12 +214,12 @@ impl Probe {
         (bound.to_string(), evidence)
     }
 
-    /// One tiny request on `api`, streamed or not.
-    fn tiny(&mut self, api: Api, stream: bool) -> Call {
+    /// One tiny request on `api`, streamed or not, and its prompt.
+    fn tiny(&mut self, api: Api, stream: bool) -> (Call, String) {
         self.server.api = api;
         self.server.stream = stream;
         let ask = self.ask(SMOKE_WORDS, 4, self.cfg.request_timeout);
-        complete(&self.ep, &ask, Instant::now())
+        (complete(&self.ep, &ask, Instant::now()), ask.prompt)
     }
 
     /// Step 1 of the decision tree: a tiny known-good request. Its failure
@@ -287,6 +287,7 @@ impl Probe {
             self.server.max_model_len.get_or_insert(len);
         }
         self.server.tokenizer = tokenized.is_some();
+        let mut prompt = String::new();
 
         // The API and streaming: each candidate streamed first (for the time
         // to first token), then plain where the stream fields are refused.
@@ -303,7 +304,8 @@ impl Probe {
                 api.path().trim_start_matches('/')
             ));
             for stream in [true, false] {
-                let call = self.tiny(api, stream);
+                let (call, sent) = self.tiny(api, stream);
+                prompt = sent;
                 let status = call.status;
                 tried.push(json!({"api": api.name(), "stream": stream, "status": status, "error": call.error}));
                 if call.outcome == Outcome::Ok {
@@ -324,9 +326,12 @@ impl Probe {
         }
         let call = answer.expect("at least one API is tried");
         self.after_calls(std::slice::from_ref(&call));
-        if let (Some(pt), Some((n, _))) = (call.prompt_tokens, tokenized) {
-            // What the server adds around a prompt (a chat template, a BOS).
-            self.server.overhead_tokens = pt.saturating_sub(n);
+        if let Some(pt) = call.prompt_tokens.filter(|_| self.server.tokenizer) {
+            // What the server adds around this very prompt (a chat template).
+            if let Some((n, _)) = server::fetch_tokens(&self.ep, self.cfg.model.as_deref(), &prompt)
+            {
+                self.server.overhead_tokens = pt.saturating_sub(n);
+            }
         }
         if let Some(n) = self.cfg.shared_prefix {
             let words = self.size(n as u64);

@@ -3,10 +3,13 @@
 //! A server's context limit and KV pool count tokens, not words, and a
 //! prefix cache answers a repeated prompt (or a shared start) for free. So
 //! every prompt here starts with words that spell a per-run counter (no two
-//! prompts of a run share their first block) and goes on with seeded random
-//! words; the word count for a token target comes from a [`Calibration`]
-//! fitted to what the server counted (its tokenizer, else
-//! `usage.prompt_tokens`), corrected after every answer.
+//! prompts of a run share their first block) and goes on with the same words
+//! for every prompt of its size in a shuffled order: distinct prompts whose
+//! token counts agree (random words would spread them by a percent or two,
+//! enough to push some over a limit the rung sits just under). The word
+//! count for a token target comes from a [`Calibration`] fitted to what the
+//! server counted (its tokenizer, else `usage.prompt_tokens`), corrected
+//! after every answer.
 
 /// Common English words that nearly every BPE or SentencePiece vocabulary
 /// holds as one token (with their leading space), so a word is close to a
@@ -62,6 +65,13 @@ impl Rng {
     fn word(&mut self) -> &'static str {
         WORDS[(self.next_u64() & 0xff) as usize]
     }
+    /// Fisher-Yates.
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
 }
 
 /// The run's prompts: each distinct, optionally behind one shared prefix.
@@ -72,17 +82,23 @@ pub struct Prompts {
     base: u64,
     sent: u64,
     shared: Vec<&'static str>,
+    /// The run's order of [`WORDS`]: a prompt's filler is the first words
+    /// of it (cycling), so prompts of one size hold the same words.
+    order: Vec<&'static str>,
 }
 
 impl Prompts {
     pub fn new(seed: u64) -> Prompts {
         let mut rng = Rng::new(seed);
         let base = rng.next_u64() & 0xff_ffff;
+        let mut order = WORDS.to_vec();
+        rng.shuffle(&mut order);
         Prompts {
             rng,
             base,
             sent: 0,
             shared: Vec::new(),
+            order,
         }
     }
 
@@ -103,7 +119,8 @@ impl Prompts {
     }
 
     /// A new prompt of `words` words (at least the counter's): the shared
-    /// prefix if any, then the counter words, then random words.
+    /// prefix if any, then the counter words, then the size's filler words
+    /// in an order of its own.
     pub fn next(&mut self, words: usize) -> String {
         let n = (self.base + self.sent) & 0xff_ffff;
         self.sent += 1;
@@ -112,9 +129,11 @@ impl Prompts {
         for i in 0..COUNTER_WORDS {
             out.push(WORDS[((n >> (8 * i)) & 0xff) as usize]);
         }
-        while out.len() < words {
-            out.push(self.rng.word());
-        }
+        let mut filler: Vec<&str> = (0..words.saturating_sub(out.len()))
+            .map(|i| self.order[i % self.order.len()])
+            .collect();
+        self.rng.shuffle(&mut filler);
+        out.extend(filler);
         out.join(" ")
     }
 }
@@ -220,6 +239,23 @@ mod tests {
         }
         // Two runs with other seeds start elsewhere.
         assert_ne!(Prompts::new(1).next(8), Prompts::new(2).next(8));
+    }
+
+    #[test]
+    fn prompts_of_one_size_hold_the_same_words_so_they_count_alike() {
+        let mut p = Prompts::new(9);
+        let bag = |s: &str| {
+            let mut w: Vec<String> = s
+                .split(' ')
+                .skip(COUNTER_WORDS)
+                .map(str::to_string)
+                .collect();
+            w.sort();
+            w
+        };
+        let (a, b) = (p.next(700), p.next(700));
+        assert_ne!(a, b);
+        assert_eq!(bag(&a), bag(&b));
     }
 
     #[test]

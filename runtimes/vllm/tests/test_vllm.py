@@ -227,7 +227,7 @@ def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_p
         assert any("Killed process %d" % d["victim"]["pid"] in e for e in d["evidence"]), d["evidence"]
         kv = [f for f in d["fixes"] if "VLLM_CPU_KVCACHE_SPACE" in f["action"]]
         assert kv, d["fixes"]
-        proposed = float(kv[0]["action"].split("VLLM_CPU_KVCACHE_SPACE=")[1].split()[0].rstrip(",;."))
+        proposed = float(kv[0]["action"].split("VLLM_CPU_KVCACHE_SPACE=")[1].split()[0].strip("`,;."))
         # It fits: the rest of the server (the small-pool peak) plus the new pool under the limit.
         assert 0 < proposed and peak + proposed * 1024 * MIB < limit, (proposed, peak, limit)
     finally:

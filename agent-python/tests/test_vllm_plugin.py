@@ -61,6 +61,9 @@ def test_the_plugin_tags_the_agent_and_the_stats_become_context_and_requests(col
     assert last["kv_cache_bytes"] == last["kv_cache_capacity_bytes"]
     assert last["labels"]["vllm.kv_cache_dtype"] == "auto", last["labels"]
     assert last["numbers"]["vllm.max_num_seqs"] == 32
+    loads = [e["phase"] for e in t["events"] if e["kind"] == "phase" and e["phase"]["name"] == "load"]
+    assert [p["start"] for p in loads] == [True, False], loads
+    assert loads[1]["model"]["name"] == "tiny" and loads[1]["model"]["dtype"] == "torch.bfloat16", loads
     starts = {e["request"]["request_id"]: e["time_ns"] for e in t["events"]
               if e["kind"] == "request" and e["request"]["start"]}
     ends = {e["request"]["request_id"]: e["time_ns"] for e in t["events"]

@@ -174,6 +174,11 @@ class OomscopeStatLogger(_base()):
                 numbers["kv_cache_capacity_bytes"] = float(self._pool_bytes)
             oomscope.set_context(**{k: v for k, v in numbers.items()})
             oomscope.set_labels(**self._labels)
+            # The engine is loaded (weights, KV pool, warm-up): the load phase
+            # on record, with the model, as the agent sees memory now.
+            with oomscope.phase("load", model=self._labels.get("vllm.model"),
+                                dtype=self._labels.get("vllm.dtype")):
+                pass
         except Exception as e:
             _warn_once("engine", "the vLLM stat logger could not record the load: %s", e)
 

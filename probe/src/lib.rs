@@ -768,7 +768,7 @@ impl Probe {
             duration_s: 0.0,
             budget_s: None,
         };
-        let not_run = |what: &str| format!("not measured: the {what} suite did not run");
+        let not_run = |what: &str| format!("the {what} suite did not run");
         let mut envelope = smoke_ok.then(|| Envelope {
             max_context_at_concurrency_1: Figure::not_measured("tokens", not_run("long-context")),
             max_concurrency_at_typical_context: Figure::not_measured(
@@ -777,7 +777,7 @@ impl Probe {
             ),
             max_concurrency_at_max_context: Figure::not_measured(
                 "sequences",
-                "not measured: needs both the long-context and the concurrency suites",
+                "it needs both the long-context and the concurrency suites",
             ),
             shared_prefix_tokens: self.cfg.shared_prefix.map(|n| n as u64),
             server_death: None,

@@ -227,7 +227,9 @@ pub struct ServerFacts {
     pub max_model_len: Option<u64>,
 }
 
-/// The prompts sent: each distinct unless a shared prefix was asked for.
+/// The prompts sent: each distinct (with `--shared-prefix` they share their
+/// start and still differ after it). Only the restart suite sends a prompt
+/// twice, on purpose: an idempotent request retried with its own key.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct PromptStats {
     pub sent: u64,

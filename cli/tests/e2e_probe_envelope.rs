@@ -214,6 +214,14 @@ fn admission_caps_of_4_active_sequences_are_4_in_service_whatever_was_sent() {
     assert_eq!(fig["value"], 4, "{fig:#}");
     assert_eq!(fig["offered"], 16, "{fig:#}");
     assert_eq!(fig["bounded_by"], "max_sequences_setting", "{fig:#}");
+    // The setting, named with its value from the server's own command line.
+    assert!(
+        fig["evidence"][0]
+            .as_str()
+            .unwrap()
+            .contains("--max-active (now 4)"),
+        "{fig:#}"
+    );
     // Every rung above 4 had 4 in service.
     for st in suite(&r, "concurrency")["steps"].as_array().unwrap() {
         let n = st["concurrency"].as_u64().unwrap();

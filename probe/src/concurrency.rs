@@ -152,17 +152,17 @@ pub fn queue_bound(
     value: u64,
     offered: u64,
     load: Option<&Load>,
-    runtime: Option<Runtime>,
+    kv_setting: &str,
+    seq_setting: &str,
 ) -> Option<(String, Vec<String>)> {
     if value >= offered {
         return None;
     }
     if let Some(l) = load.filter(|l| l.kv_bound()) {
-        let setting = runtime.map_or("the KV pool's size", Runtime::kv_setting);
         return Some((
             "kv_pool".into(),
             vec![format!(
-                "the KV pool was {:.0} % full with {} running, {} waiting and {} preempted ({}): no room for another sequence, so the pool, not compute, held concurrency at {value}; the setting is {setting}",
+                "the KV pool was {:.0} % full with {} running, {} waiting and {} preempted ({}): no room for another sequence, so the pool, not compute, held concurrency at {value}; the setting is {kv_setting}",
                 100.0 * l.max_kv_usage.unwrap_or(0.0),
                 l.max_running.unwrap_or(0),
                 l.max_waiting.unwrap_or(0),
@@ -177,13 +177,9 @@ pub fn queue_bound(
             vec![format!("the server served one request at a time: of {offered} sent together, the rest waited")],
         ));
     }
-    let setting = runtime.map_or(
-        "the server's cap on sequences run at once",
-        Runtime::sequences_setting,
-    );
     Some((
         "max_sequences_setting".into(),
-        vec![format!("the server ran {value} requests at once and queued the rest of {offered}; the setting is {setting}")],
+        vec![format!("the server ran {value} requests at once and queued the rest of {offered}; the setting is {seq_setting}")],
     ))
 }
 
@@ -225,7 +221,10 @@ mod tests {
             .collect();
         let e = effective(8, &plain, None, Some(100.0));
         assert_eq!((e.value, e.method.as_str()), (1, "latency_scaling"));
-        assert_eq!(queue_bound(1, 8, None, None).unwrap().0, "serialized");
+        assert_eq!(
+            queue_bound(1, 8, None, "kv", "seqs").unwrap().0,
+            "serialized"
+        );
     }
 
     #[test]
@@ -246,7 +245,14 @@ mod tests {
             })
             .collect();
         assert_eq!(effective(16, &plain, None, Some(100.0)).value, 4);
-        let (b, ev) = queue_bound(4, 16, None, Some(Runtime::Vllm)).unwrap();
+        let (b, ev) = queue_bound(
+            4,
+            16,
+            None,
+            Runtime::Vllm.kv_setting(),
+            Runtime::Vllm.sequences_setting(),
+        )
+        .unwrap();
         assert_eq!(b, "max_sequences_setting");
         assert!(ev[0].contains("--max-num-seqs"), "{ev:?}");
     }
@@ -274,10 +280,17 @@ mod tests {
             .collect();
         let e = effective(4, &streamed, Some(&sparse), None);
         assert_eq!((e.value, e.method.as_str()), (4, "first_token"));
-        let (b, ev) = queue_bound(5, 64, Some(&load), Some(Runtime::Vllm)).unwrap();
+        let (b, ev) = queue_bound(
+            5,
+            64,
+            Some(&load),
+            Runtime::Vllm.kv_setting(),
+            Runtime::Vllm.sequences_setting(),
+        )
+        .unwrap();
         assert_eq!(b, "kv_pool");
         assert!(ev[0].contains("--gpu-memory-utilization"), "{ev:?}");
-        assert!(queue_bound(64, 64, Some(&load), None).is_none());
+        assert!(queue_bound(64, 64, Some(&load), "kv", "seqs").is_none());
     }
 
     #[test]

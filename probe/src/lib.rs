@@ -318,17 +318,10 @@ fn shell_words(script: &str) -> Vec<String> {
     out
 }
 
-/// A server command line as settings, one per flag, so that a retest that
-/// changes one flag is seen as one changed variable (and two as two):
-/// `--max-active 4` is `server.--max-active = 4`, `-tp 2` is
-/// `server.-tp = 2`, a bare `--no-idempotency` is `= true`, and the program
-/// with its positional arguments is `server.command`. Where the server
-/// listens (`--port`, `--host`, ...) is no setting. A command run through
-/// `sh -c SCRIPT` (or `bash -c`) is read from its script, and `exec` and
-/// `VAR=value` before the program are skipped and kept as `env.VAR`. This is
-/// the one place flags are parsed until the analysis crate's per-runtime
-/// settings map lands.
-pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
+/// A command as the words the server runs: `sh -c SCRIPT` (or `bash -c`)
+/// read from its script, with `exec`, `env` and `VAR=value` before the
+/// program taken off (the variables come back as the environment).
+fn unwrap_command(cmd: &[String]) -> (Vec<String>, BTreeMap<String, String>) {
     let shell = cmd
         .first()
         .and_then(|p| p.rsplit('/').next())
@@ -337,10 +330,8 @@ pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
         (true, Some("-c"), Some(script)) => shell_words(script),
         _ => cmd.to_vec(),
     };
-    let mut out = BTreeMap::new();
-    let mut positional = Vec::new();
+    let mut env = BTreeMap::new();
     let mut i = 0;
-    // `exec` and environment assignments before the program.
     while i < words.len() {
         let w = &words[i];
         if w == "exec" || w == "env" {
@@ -348,48 +339,42 @@ pub fn command_settings(cmd: &[String]) -> BTreeMap<String, String> {
         } else if let Some((k, v)) = w.split_once('=').filter(|(k, _)| {
             !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
         }) {
-            out.insert(format!("env.{k}"), v.to_string());
+            env.insert(k.to_string(), v.to_string());
             i += 1;
         } else {
             break;
         }
     }
-    let takes_value = |next: Option<&String>| {
-        next.is_some_and(|n| !n.starts_with('-') || n.parse::<f64>().is_ok())
-    };
-    while i < words.len() {
-        let a = &words[i];
-        let flag = a
-            .strip_prefix("--")
-            .or_else(|| a.strip_prefix('-').filter(|f| f.parse::<f64>().is_err()))
-            .filter(|f| !f.is_empty());
-        if let Some(flag) = flag {
-            let dashes = if a.starts_with("--") { "--" } else { "-" };
-            let name = flag.split('=').next().unwrap_or(flag);
-            if ADDRESS_FLAGS.contains(&name) {
-                // Where the server listens or reports is not a variable of the workload.
-                i += if flag.contains('=') || !takes_value(words.get(i + 1)) {
-                    1
-                } else {
-                    2
-                };
-                continue;
-            }
-            if let Some((k, v)) = flag.split_once('=') {
-                out.insert(format!("server.{dashes}{k}"), v.to_string());
-            } else if takes_value(words.get(i + 1)) {
-                out.insert(format!("server.{dashes}{flag}"), words[i + 1].clone());
-                i += 1;
-            } else {
-                out.insert(format!("server.{dashes}{flag}"), "true".into());
-            }
-        } else {
-            positional.push(a.clone());
+    (words[i..].to_vec(), env)
+}
+
+/// A server command line as settings, one per flag, so that a retest that
+/// changes one flag is seen as one changed variable (and two as two). The
+/// flags are read by the analysis crate's per-runtime settings map
+/// (`settings::parse`: long names, a runtime's short aliases resolved, its
+/// memory variables from `env`, ports and hosts left out): `--max-active 4`
+/// is `server.--max-active = 4`, a switch is `= true`, the program with its
+/// positional arguments is `server.command`. Where the server reports (the
+/// reference server's `--collector`, `--name`, `--port-file`) is no setting
+/// either, and a command run through `sh -c` is read from its script.
+pub fn command_settings(
+    cmd: &[String],
+    env: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let (words, mut vars) = unwrap_command(cmd);
+    vars.extend(env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let parsed = oomscope_analysis::settings::parse(&words, &vars);
+    let mut out = BTreeMap::new();
+    for (k, v) in parsed.values {
+        let bare = k.trim_start_matches('-');
+        if k.starts_with('-') && ADDRESS_FLAGS.contains(&bare) {
+            continue;
         }
-        i += 1;
+        let v = if v.is_empty() { "true".to_string() } else { v };
+        out.insert(format!("server.{k}"), v);
     }
-    if !positional.is_empty() {
-        out.insert("server.command".into(), positional.join(" "));
+    if !parsed.positional.is_empty() {
+        out.insert("server.command".into(), parsed.positional.join(" "));
     }
     out
 }
@@ -473,6 +458,9 @@ pub struct Probe {
     /// The server this probe started (--launch), stopped when the run ends.
     launched: Option<restart::Launched>,
     server: server::Server,
+    /// The server's command read as its runtime's settings (from its
+    /// supervisor's Hello, or `--launch`), to name the setting that bounds a figure.
+    server_settings: Option<oomscope_analysis::settings::Settings>,
     cal: tokens::Calibration,
     book: Mutex<Book>,
     progress: Progress,
@@ -520,6 +508,7 @@ impl Probe {
             watch,
             launched: None,
             server: server::Server::default(),
+            server_settings: None,
             cal: tokens::Calibration::default(),
             book: Mutex::new(Book {
                 prompts,
@@ -617,7 +606,19 @@ impl Probe {
             .map(|h| h.command.clone())
             .or(launch);
         if let Some(cmd) = command {
-            s.extend(command_settings(&cmd));
+            let env: BTreeMap<String, String> = hellos
+                .iter()
+                .flat_map(|h| h.labels.iter())
+                .filter_map(|(k, v)| {
+                    k.strip_prefix(oomscope_analysis::settings::ENV_LABEL_PREFIX)
+                        .map(|n| (n.to_string(), v.clone()))
+                })
+                .collect();
+            let (words, vars) = unwrap_command(&cmd);
+            let mut all = vars;
+            all.extend(env.clone());
+            self.server_settings = Some(oomscope_analysis::settings::parse(&words, &all));
+            s.extend(command_settings(&cmd, &env));
         }
         s
     }
@@ -931,6 +932,7 @@ impl Probe {
 #[cfg(test)]
 mod tests {
     use super::{command_settings, shell_words, Suite, DEFAULT_RUN_BUDGET, SUITES};
+    use std::collections::BTreeMap;
     use std::time::Duration;
 
     #[test]
@@ -978,28 +980,46 @@ mod tests {
 
     #[test]
     fn a_command_line_becomes_one_setting_per_flag() {
-        let s = command_settings(&argv(
-            "python server.py --port 8000 --max-active 4 --no-idempotency --restore-seconds=2 --port-file=/x",
-        ));
-        assert_eq!(s["server.command"], "python server.py");
+        let none = BTreeMap::new();
+        let s = command_settings(
+            &argv("python runtimes/pytorch-server/server.py --port 8000 --max-active 4 --no-idempotency --restore-seconds=2 --port-file=/x --collector http://c --name ref"),
+            &none,
+        );
+        assert_eq!(
+            s["server.command"],
+            "python runtimes/pytorch-server/server.py"
+        );
         assert_eq!(s["server.--max-active"], "4");
         assert_eq!(s["server.--no-idempotency"], "true");
         assert_eq!(s["server.--restore-seconds"], "2");
         assert_eq!(
             s.len(),
             4,
-            "--port and --port-file are addresses, not settings: {s:?}"
+            "where it listens and reports is no setting: {s:?}"
         );
-        // Single-dash flags and negative numbers.
-        let s = command_settings(&argv(
-            "vllm serve m -tp 2 --max-num-seqs 5 --offset -1 --enforce-eager",
-        ));
+        // A runtime's short aliases, negative numbers, switches, memory variables.
+        let env = BTreeMap::from([("VLLM_CPU_KVCACHE_SPACE".to_string(), "4".to_string())]);
+        let s = command_settings(
+            &argv("llama-server -m m.gguf -np 4 -c 8192 --offset -1 --flash-attn"),
+            &env,
+        );
         assert_eq!(
-            (s["server.-tp"].as_str(), s["server.--offset"].as_str()),
-            ("2", "-1")
+            (
+                s["server.--parallel"].as_str(),
+                s["server.--ctx-size"].as_str()
+            ),
+            ("4", "8192")
         );
+        assert_eq!(
+            (
+                s["server.--offset"].as_str(),
+                s["server.--flash-attn"].as_str()
+            ),
+            ("-1", "true")
+        );
+        let s = command_settings(&argv("vllm serve m --max-num-seqs 5 --port 8000"), &env);
+        assert_eq!(s["server.VLLM_CPU_KVCACHE_SPACE"], "4");
         assert_eq!(s["server.command"], "vllm serve m");
-        assert_eq!(s["server.--enforce-eager"], "true");
     }
 
     #[test]
@@ -1007,12 +1027,15 @@ mod tests {
         let cmd = vec![
             "/bin/sh".to_string(),
             "-c".to_string(),
-            "CUDA_VISIBLE_DEVICES=0 exec python server.py --port 8001 --max-active 4 --model-name 'tiny model'".to_string(),
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True exec python server.py --port 8001 --max-active 4 --model-name 'tiny model'".to_string(),
         ];
-        let s = command_settings(&cmd);
+        let s = command_settings(&cmd, &BTreeMap::new());
         assert_eq!(s["server.--max-active"], "4");
         assert_eq!(s["server.--model-name"], "tiny model");
-        assert_eq!(s["env.CUDA_VISIBLE_DEVICES"], "0");
+        assert_eq!(
+            s["server.PYTORCH_CUDA_ALLOC_CONF"],
+            "expandable_segments:True"
+        );
         assert_eq!(s["server.command"], "python server.py");
         assert!(!s.contains_key("server.--port"));
         assert_eq!(
@@ -1023,12 +1046,15 @@ mod tests {
 
     #[test]
     fn one_changed_flag_is_one_changed_setting() {
-        let a = command_settings(&argv(
-            "python server.py --port 8000 --max-active 4 --max-queue 8",
-        ));
-        let b = command_settings(&argv(
-            "python server.py --port 9000 --max-active 8 --max-queue 8",
-        ));
+        let none = BTreeMap::new();
+        let a = command_settings(
+            &argv("python server.py --port 8000 --max-active 4 --max-queue 8"),
+            &none,
+        );
+        let b = command_settings(
+            &argv("python server.py --port 9000 --max-active 8 --max-queue 8"),
+            &none,
+        );
         let changed: Vec<&String> = a
             .keys()
             .chain(b.keys())

@@ -142,6 +142,45 @@ impl Probe {
         }
     }
 
+    /// The runtime's settings that size its KV pool and cap the sequences it
+    /// runs, as the probe can name them: from the server's own command with
+    /// their values, else from the runtime its metrics name, else in words.
+    fn setting_names(&self) -> (String, String) {
+        use oomscope_analysis::settings::Knob;
+        let set = |knobs: &[Knob]| -> Option<String> {
+            let s = self.server_settings.as_ref()?;
+            knobs.iter().find_map(|&k| {
+                s.get(k).map(|(setting, v)| {
+                    format!(
+                        "{} (now {})",
+                        setting.name,
+                        if v.is_empty() { "on" } else { v }
+                    )
+                })
+            })
+        };
+        let named = |knobs: &[Knob]| -> Option<String> {
+            let s = self.server_settings.as_ref()?;
+            knobs
+                .iter()
+                .find_map(|&k| s.setting(k))
+                .map(|setting| format!("{} (at its default)", setting.name))
+        };
+        let rt = self.server.load.as_ref().map(metrics::Source::runtime);
+        let kv = [Knob::KvCacheSize, Knob::MemoryFraction];
+        let seqs = [Knob::MaxSequences];
+        (
+            set(&kv)
+                .or_else(|| rt.map(|r| r.kv_setting().to_string()))
+                .or_else(|| named(&kv))
+                .unwrap_or_else(|| "the KV pool's size".into()),
+            set(&seqs)
+                .or_else(|| rt.map(|r| r.sequences_setting().to_string()))
+                .or_else(|| named(&seqs))
+                .unwrap_or_else(|| "the server's cap on sequences run at once".into()),
+        )
+    }
+
     /// The server's load over a step as its agent told the collector; its
     /// last samples may trail the answers, so an empty answer is asked again
     /// once they have had time to land.
@@ -686,9 +725,11 @@ impl Probe {
         {
             fig.context_tokens = Some(tok);
         }
-        let runtime = self.server.load.as_ref().map(metrics::Source::runtime);
+        let (kv_setting, seq_setting) = self.setting_names();
         let queued = match (value, offered) {
-            (Some(v), Some(o)) => concurrency::queue_bound(v, o, top_load.as_ref(), runtime),
+            (Some(v), Some(o)) => {
+                concurrency::queue_bound(v, o, top_load.as_ref(), &kv_setting, &seq_setting)
+            }
             _ => None,
         };
         let stop_note = |stop: &Option<(String, Vec<String>)>| {

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::metrics::{Load, Runtime};
+use crate::metrics::Load;
 
 /// One answered request's times, in ms from the step's start.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -186,6 +186,7 @@ pub fn queue_bound(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Runtime;
 
     fn t(start: f64, first: Option<f64>, end: f64) -> Timing {
         Timing {

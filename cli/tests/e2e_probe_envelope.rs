@@ -265,6 +265,60 @@ fn a_server_that_serves_one_request_at_a_time_is_serialized() {
         (Some(1), Some("serialized"), Some(8)),
         "{fig:#}"
     );
+
+    // One at a time, a rung of n takes about n times one request: a latency
+    // bound of 2.5 requests' time is met by 1 and 2 and missed further up.
+    // The figure is the last rung within the bound, not the one past it.
+    // One request's time: the last of 8 served one after another ends after
+    // 8 of them (steadier than a first request, which pays for warm-up).
+    let one = suite(&r, "concurrency")["steps"][3]["p99_ms"]
+        .as_f64()
+        .unwrap()
+        / 8.0;
+    let bound = format!("{}ms", (2.5 * one) as u64);
+    let (_, r) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--suite",
+        "concurrency",
+        "--max-concurrency",
+        "8",
+        "--typical-context",
+        "64",
+        "--output-tokens",
+        "8",
+        "--latency-bound",
+        &bound,
+    ]);
+    let fig = &r["envelope"]["max_concurrency_at_typical_context"];
+    let steps = suite(&r, "concurrency")["steps"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let over = |s: &Value| s["p99_ms"].as_f64().unwrap() > 2.5 * one;
+    let last = steps.last().unwrap();
+    let p99s: Vec<f64> = steps
+        .iter()
+        .map(|s| s["p99_ms"].as_f64().unwrap())
+        .collect();
+    assert!(
+        over(last),
+        "the ramp ended on the first rung over {bound}: {p99s:?}"
+    );
+    assert!(
+        steps[..steps.len() - 1].iter().all(|s| !over(s)),
+        "{steps:#?}"
+    );
+    let within = steps[steps.len() - 2]["concurrency"].as_u64();
+    assert_eq!(fig["offered"].as_u64(), within, "{fig:#}");
+    assert!(
+        fig["evidence"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e.as_str().unwrap().contains("latency bound")),
+        "{fig:#}"
+    );
 }
 
 #[test]

@@ -359,10 +359,12 @@ pub struct ProbeArgs {
 fn suite_budget_help() -> &'static str {
     let each: Vec<String> = Suite::ALL
         .iter()
+        .filter(|s| s.budgeted())
         .map(|s| format!("{} {}", s.name(), format_duration(s.default_budget())))
         .collect();
     shown(format!(
-        "One time budget for every suite; a suite whose budget runs out is incomplete (exit 4). Default: each suite's own ({}; the concurrency budget is for each of its two ramps), together under {} for a default run",
+        "One time budget for every suite but the smoke (its own {}) and restart (bounded by its own timeouts); a suite whose budget runs out is incomplete (exit 4). Default: each suite's own ({}; the concurrency budget is for each of its two ramps), together under {} for a default run",
+        format_duration(Suite::Smoke.default_budget()),
         each.join(", "),
         format_duration(oomscope_probe::DEFAULT_RUN_BUDGET)
     ))
@@ -402,11 +404,14 @@ impl ValueEnum for SuiteArg {
     }
 
     fn to_possible_value(&self) -> Option<PossibleValue> {
-        let help = shown(format!(
-            "{} (budget {})",
-            self.0.about(),
-            format_duration(self.0.default_budget())
-        ));
+        let help = shown(match self.0 {
+            Suite::Restart => format!("{} (bounded by its own timeouts)", self.0.about()),
+            s => format!(
+                "{} (budget {})",
+                s.about(),
+                format_duration(s.default_budget())
+            ),
+        });
         Some(PossibleValue::new(self.0.name()).help(help))
     }
 }

@@ -90,7 +90,10 @@ impl Suite {
 
     /// The suite's wall-clock budget unless `--suite-budget` sets one for
     /// all. The default suites' add up to under [`DEFAULT_RUN_BUDGET`]; the
-    /// concurrency suite's applies to each of its two ramps.
+    /// concurrency suite's applies to each of its two ramps. The smoke's is
+    /// its own whatever `--suite-budget` says (its failure is the
+    /// environment); the restart suite is bounded by its own timeouts
+    /// (readiness, warm-up) instead, so [`Suite::budgeted`] is false for it.
     pub const fn default_budget(self) -> Duration {
         Duration::from_secs(match self {
             Suite::Smoke => 30,
@@ -100,6 +103,13 @@ impl Suite {
             Suite::Overload => 60,
             Suite::Restart => 180,
         })
+    }
+}
+
+impl Suite {
+    /// Whether `--suite-budget` (or the default budget) bounds the suite.
+    pub const fn budgeted(self) -> bool {
+        !matches!(self, Suite::Smoke | Suite::Restart)
     }
 }
 

@@ -85,14 +85,19 @@ pub fn tokenize_body(model: Option<&str>, text: &str) -> Value {
 }
 
 /// The server's count of `text`, with its `max_model_len` when it gives one.
-pub fn fetch_tokens(ep: &Endpoint, model: Option<&str>, text: &str) -> Option<(u64, Option<u64>)> {
+pub fn fetch_tokens(
+    ep: &Endpoint,
+    model: Option<&str>,
+    text: &str,
+    timeout: Duration,
+) -> Option<(u64, Option<u64>)> {
     let r = request(
         &ep.root(),
         "POST",
         "/tokenize",
         Some(&tokenize_body(model, text)),
         &[],
-        DISCOVERY_TIMEOUT,
+        timeout,
     )
     .ok()?;
     if r.status != 200 {

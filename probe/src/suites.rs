@@ -201,9 +201,12 @@ impl Probe {
         if self.server.tokenizer {
             for _ in 0..TOKENIZE_ROUNDS {
                 let sample = self.sample(words);
-                let Some((n, _)) =
-                    server::fetch_tokens(&self.ep, self.cfg.model.as_deref(), &sample)
-                else {
+                let Some((n, _)) = server::fetch_tokens(
+                    &self.ep,
+                    self.cfg.model.as_deref(),
+                    &sample,
+                    DISCOVERY_TIMEOUT,
+                ) else {
                     break;
                 };
                 let counted = n + self.server.overhead_tokens;
@@ -254,14 +257,15 @@ impl Probe {
     }
 
     /// One tiny request on `api`, streamed or not, and its prompt.
-    fn tiny(&mut self, api: Api, stream: bool) -> (Call, String) {
+    fn tiny(&mut self, api: Api, stream: bool, timeout: Duration) -> (Call, String) {
         self.server.api = api;
         self.server.stream = stream;
-        let ask = self.ask(SMOKE_WORDS, 4, self.cfg.request_timeout);
+        let ask = self.ask(SMOKE_WORDS, 4, timeout);
         (complete(&self.ep, &ask, Instant::now()), ask.prompt)
     }
 
-    /// Step 1 of the decision tree: a tiny known-good request. Its failure
+    /// Step 1 of the decision tree: a tiny known-good request, within
+    /// [`Suite::default_budget`] of the smoke. Its failure
     /// is the environment (server down, wrong URL, model missing), never
     /// capacity. On the way it learns the server: its models and context
     /// limit, its tokenizer, where its load can be read, which API it
@@ -269,6 +273,12 @@ impl Probe {
     /// whether it streams.
     pub fn smoke(&mut self) -> SuiteReport {
         let t = Instant::now();
+        // Its own budget, whatever --suite-budget says: a server that cannot
+        // answer a tiny request within it is the environment, not capacity.
+        let clock = Clock {
+            t,
+            budget: Suite::Smoke.default_budget(),
+        };
         let fail = |reason: String, steps: Vec<Step>, findings: serde_json::Value| {
             suite(
                 "smoke",
@@ -289,7 +299,7 @@ impl Probe {
             "/models",
             None,
             &[],
-            self.cfg.request_timeout.min(DISCOVERY_TIMEOUT),
+            clock.timeout(self.cfg.request_timeout.min(DISCOVERY_TIMEOUT)),
         );
         let model_note = match &models {
             Ok(r) if r.status == 200 => {
@@ -319,9 +329,14 @@ impl Probe {
                 return fail(reason, vec![], json!({}));
             }
         };
-        self.server.load = metrics::discover(&self.ep, DISCOVERY_TIMEOUT);
+        self.server.load = metrics::discover(&self.ep, clock.timeout(DISCOVERY_TIMEOUT));
         let probe_text = self.sample(SMOKE_WORDS);
-        let tokenized = server::fetch_tokens(&self.ep, self.cfg.model.as_deref(), &probe_text);
+        let tokenized = server::fetch_tokens(
+            &self.ep,
+            self.cfg.model.as_deref(),
+            &probe_text,
+            clock.timeout(DISCOVERY_TIMEOUT),
+        );
         if let Some((_, Some(len))) = tokenized {
             self.server.max_model_len.get_or_insert(len);
         }
@@ -343,7 +358,7 @@ impl Probe {
                 api.path().trim_start_matches('/')
             ));
             for stream in [true, false] {
-                let (call, sent) = self.tiny(api, stream);
+                let (call, sent) = self.tiny(api, stream, clock.timeout(self.cfg.request_timeout));
                 prompt = sent;
                 let status = call.status;
                 tried.push(json!({"api": api.name(), "stream": stream, "status": status, "error": call.error}));
@@ -367,8 +382,12 @@ impl Probe {
         self.after_calls(std::slice::from_ref(&call));
         if let Some(pt) = call.prompt_tokens.filter(|_| self.server.tokenizer) {
             // What the server adds around this very prompt (a chat template).
-            if let Some((n, _)) = server::fetch_tokens(&self.ep, self.cfg.model.as_deref(), &prompt)
-            {
+            if let Some((n, _)) = server::fetch_tokens(
+                &self.ep,
+                self.cfg.model.as_deref(),
+                &prompt,
+                clock.timeout(DISCOVERY_TIMEOUT),
+            ) {
                 self.server.overhead_tokens = pt.saturating_sub(n);
             }
         }

@@ -17,6 +17,20 @@ const MIB: u64 = 1 << 20;
 /// last byte fails at the first request.
 pub const FIT_SHARE: f64 = 0.9;
 
+/// What a runtime still takes after its KV pool is in place and before it
+/// serves (vLLM's warm-up: a dummy forward pass at the largest batch, the
+/// sampler's buffers), at least: a tiny Llama on vLLM 0.32's CPU build grew
+/// 150-250 MiB past the pool, and a pool sized without it was killed again.
+pub const AFTER_POOL_MIN_BYTES: u64 = 256 * MIB;
+
+/// The same allowance as a share of the rest, for larger models.
+pub const AFTER_POOL_SHARE: f64 = 0.15;
+
+/// The allowance for warm-up after the pool, beside a rest of `rest_bytes`.
+pub fn after_pool_allowance(rest_bytes: u64) -> u64 {
+    ((rest_bytes as f64 * AFTER_POOL_SHARE) as u64).max(AFTER_POOL_MIN_BYTES)
+}
+
 /// A measured need (an activation peak, memory another process took) gets
 /// this much on top before a setting is proposed from it: the next batch or
 /// the next neighbour may need a little more than the one measured.

@@ -7,7 +7,7 @@
 use crate::findings::Findings;
 use crate::kv_pool::{self, FIT_SHARE, GIB, NEED_MARGIN};
 use crate::pb;
-use crate::settings::{self, Knob, Runtime, Setting};
+use crate::settings::{self, Knob, Runtime, Setting, SETTINGS};
 use crate::units::bytes_short;
 
 /// Defaults worth saying where a setting is not set: the base a proposal
@@ -88,10 +88,29 @@ fn assign(s: &Setting, value: &str) -> String {
     }
 }
 
-/// A KV size in the setting's unit (GiB with one decimal, else bytes).
+/// The assignment that sets the KV pool to `bytes` through `s`. A whole-GiB
+/// variable (vLLM parses VLLM_CPU_KVCACHE_SPACE as an int) cannot say less
+/// than 1 GiB: the runtime's bytes flag says it instead.
+fn kv_assign(s: &Setting, bytes: f64) -> String {
+    if s.unit == "GiB" && bytes < GIB {
+        if let Some(b) = SETTINGS
+            .iter()
+            .find(|b| b.runtime == s.runtime && b.knob == s.knob && b.unit == "bytes")
+        {
+            return format!(
+                "{} instead of `{}`, which takes whole GiB",
+                assign(b, &kv_value(b, bytes)),
+                s.name
+            );
+        }
+    }
+    assign(s, &kv_value(s, bytes))
+}
+
+/// A KV size in the setting's unit (whole GiB, rounded down, else bytes).
 fn kv_value(s: &Setting, bytes: f64) -> String {
     match s.unit {
-        "GiB" => format!("{:.1}", bytes / GIB),
+        "GiB" => format!("{}", (bytes / GIB).floor() as u64),
         _ => format!("{}", bytes.round() as u64),
     }
 }
@@ -185,7 +204,7 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     let limit = metric(c, "limit_bytes").unwrap_or(0.0);
     let why = match (rest, metric(c, "available_bytes")) {
         (Some(r), _) => format!(
-            "the {} cgroup limit less the {} the rest of {runtime} held before the pool, with {:.0}% headroom",
+            "the {} cgroup limit less the {} the rest of {runtime} held before the pool and its warm-up after it, with {:.0}% headroom",
             bytes_short(limit as u64),
             bytes_short(r as u64),
             (1.0 - FIT_SHARE) * 100.0
@@ -206,7 +225,7 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             let action = match kv_pool::kv_setting(&f.settings) {
                 Some(s) => format!(
                     "Lower the KV reservation to what fits: {} ({}; in {}): {why}",
-                    assign(s, &kv_value(s, p)),
+                    kv_assign(s, p),
                     now(f, s),
                     s.unit
                 ),
@@ -384,7 +403,7 @@ fn taken_after_profiling(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             out.push(fix(
                 format!(
                     "Size the pool for the memory actually left: {} ({}): it leaves the {} others took plus {:.0}%",
-                    assign(s, &kv_value(s, p)),
+                    kv_assign(s, p),
                     now(f, s),
                     bytes_short(taken as u64),
                     NEED_MARGIN * 100.0
@@ -492,9 +511,10 @@ mod tests {
             .iter()
             .find(|s| s.name == "VLLM_CPU_KVCACHE_SPACE")
             .unwrap();
+        // Whole GiB only: vLLM parses the variable as an int.
         assert_eq!(
-            assign(env, &kv_value(env, 0.5 * GIB)),
-            "`VLLM_CPU_KVCACHE_SPACE=0.5`"
+            assign(env, &kv_value(env, 2.7 * GIB)),
+            "`VLLM_CPU_KVCACHE_SPACE=2`"
         );
         let flag = settings::SETTINGS
             .iter()

@@ -163,8 +163,9 @@ fn a_start_up_kill_of_the_worker_proposes_the_kv_space_that_fits() {
     assert_eq!(metric(c, "limit_bytes"), limit as f64);
     assert_eq!(metric(c, "rest_bytes"), gib(1.601) as f64);
     assert_eq!(metric(c, "kv_pool_bytes"), GIB as f64);
-    // (2.21 − 1.6) × 0.9 = 0.55 GiB, rounded down to 0.1 GiB.
-    assert_eq!(metric(c, "proposed_kv_bytes"), gib(0.5) as f64);
+    // (2.21 − 1.6 − the 256 MiB warm-up after the pool) × 0.9 = 0.32 GiB,
+    // rounded down to 0.1 GiB.
+    assert_eq!(metric(c, "proposed_kv_bytes"), gib(0.3) as f64);
     has(
         &c.evidence,
         "VLLM::Worker (pid 5003) while vLLM was starting",
@@ -179,7 +180,7 @@ fn a_start_up_kill_of_the_worker_proposes_the_kv_space_that_fits() {
     assert!(
         first
             .action
-            .contains("`VLLM_CPU_KVCACHE_SPACE=0.5` (now 1; in GiB)"),
+            .contains("`--kv-cache-memory-bytes 322122547` instead of `VLLM_CPU_KVCACHE_SPACE`, which takes whole GiB (now 1; in GiB)"),
         "{:#?}",
         d.fixes
     );
@@ -214,7 +215,7 @@ fn the_kv_size_flag_is_proposed_in_bytes_where_it_was_used() {
     assert!(
         d.fixes[0]
             .action
-            .contains("`--kv-cache-memory-bytes 536870912` (now 1073741824; in bytes)"),
+            .contains("`--kv-cache-memory-bytes 322122547` (now 1073741824; in bytes)"),
         "{:#?}",
         d.fixes
     );
@@ -270,11 +271,11 @@ fn llama_cpp_is_one_process_and_its_pool_is_sized_by_context() {
     }
     let d = diagnose(&e);
     let c = cause(&d, "kv_reservation");
-    assert_eq!(metric(c, "proposed_kv_bytes"), gib(0.5) as f64);
+    assert_eq!(metric(c, "proposed_kv_bytes"), gib(0.3) as f64);
     assert!(
         d.fixes[0]
             .action
-            .starts_with("Lower the KV reservation to what fits, 512.0 MiB (")
+            .starts_with("Lower the KV reservation to what fits, 307.2 MiB (")
             && d.fixes[0].action.ends_with(
                 "`--ctx-size` (now 32768), `--parallel` (now 4), `--cache-type-k` (not set)"
             ),
@@ -350,7 +351,7 @@ fn the_kv_text_proposes_a_value_below_the_memory_available() {
     assert!(
         d.fixes[0]
             .action
-            .starts_with("Lower the KV reservation to what fits: `VLLM_CPU_KVCACHE_SPACE=18.7` (now 40; in GiB): below the 20.9 GiB available"),
+            .starts_with("Lower the KV reservation to what fits: `VLLM_CPU_KVCACHE_SPACE=18` (now 40; in GiB): below the 20.9 GiB available"),
         "{:#?}",
         d.fixes
     );
@@ -787,7 +788,7 @@ fn host_memory_taken_after_the_pool_was_sized_proposes_a_smaller_pool() {
     assert!(
         d.fixes
             .iter()
-            .any(|f| f.action.contains("`VLLM_CPU_KVCACHE_SPACE=0.4` (now 4)")),
+            .any(|f| f.action.contains("`--kv-cache-memory-bytes 429496730` instead of `VLLM_CPU_KVCACHE_SPACE`, which takes whole GiB (now 4)")),
         "{:#?}",
         d.fixes
     );

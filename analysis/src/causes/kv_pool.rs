@@ -69,7 +69,8 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
     }
     match kv_pool::final_climb(&series) {
         Some(c) => {
-            let room = limit as f64 - c.rest_bytes as f64;
+            let warmup = kv_pool::after_pool_allowance(c.rest_bytes);
+            let room = limit as f64 - c.rest_bytes as f64 - warmup as f64;
             let proposed = kv_pool::floor_to(room.max(0.0) * FIT_SHARE / GIB, 0.1) * GIB;
             evidence.push(format!(
                 "the cgroup's usage climbed from {} to {} over the last {} samples before the kill ({}): the pool being filled",
@@ -79,8 +80,9 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
                 seconds(c.to_ns - c.from_ns)
             ));
             evidence.push(format!(
-                "the rest of {runtime} held {} before that climb, so {} of the {} limit is left for the KV pool",
+                "the rest of {runtime} held {} before that climb, and its warm-up after the pool takes about {} more, so {} of the {} limit is left for the KV pool",
                 bytes(c.rest_bytes),
+                bytes_short(warmup),
                 bytes_short(room.max(0.0) as u64),
                 bytes_short(limit)
             ));

@@ -70,7 +70,11 @@ class Vllm:
         e.pop("OOMSCOPE_COLLECTOR", None)
         e.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                  OOMSCOPE_INTERVAL_S="0.25", PATH=VENV_BIN + os.pathsep + e.get("PATH", ""))
-        e.update(env or {})
+        for k, v in (env or {}).items():  # None: unset
+            if v is None:
+                e.pop(k, None)
+            else:
+                e[k] = v
         cmd = [harness.oomscope_bin(), "run", "--collector", collector.url, "--name", name,
                "--interval", "250ms", "--",
                os.path.join(VENV_BIN, "vllm"), "serve", MODEL, "--load-format", "dummy",
@@ -225,11 +229,21 @@ def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_p
         assert d["domain"] == "cgroup", d
         assert d["victim"]["title"] == "VLLM::Worker", d["victim"]
         assert any("Killed process %d" % d["victim"]["pid"] in e for e in d["evidence"]), d["evidence"]
-        kv = [f for f in d["fixes"] if "VLLM_CPU_KVCACHE_SPACE" in f["action"]]
-        assert kv, d["fixes"]
-        proposed = float(kv[0]["action"].split("VLLM_CPU_KVCACHE_SPACE=")[1].split()[0].strip("`,;."))
-        # It fits: the rest of the server (the small-pool peak) plus the new pool under the limit.
-        assert 0 < proposed and peak + proposed * 1024 * MIB < limit, (proposed, peak, limit)
+        kv = [f for f in d["fixes"] if "--kv-cache-memory-bytes" in f["action"]]
+        assert kv and "VLLM_CPU_KVCACHE_SPACE" in kv[0]["action"], d["fixes"]
+        # Under 1 GiB: said in bytes, since VLLM_CPU_KVCACHE_SPACE takes whole GiB.
+        proposed = int(kv[0]["action"].split("--kv-cache-memory-bytes ")[1].split("`")[0])
+        assert 0 < proposed < 1 << 30, kv[0]
+        # The retest the fix asks for: the same server, the same limit, the proposed pool.
+        v.stop()
+        again = Vllm(tmp_path, collector, "vllm-retest", cg, "--kv-cache-memory-bytes", str(proposed),
+                     env={"VLLM_CPU_KVCACHE_SPACE": None})
+        try:
+            assert again.wait_ready(), "--kv-cache-memory-bytes %s did not fit under %d MiB:\n%s" % (
+                proposed, limit >> 20, again.log()[-3000:])
+            assert again.complete("hello world", 8)["choices"]
+        finally:
+            again.stop()
     finally:
         v.stop()
         collector.stop()

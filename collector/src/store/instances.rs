@@ -383,46 +383,48 @@ impl Store {
 
     /// The newest ChildExit `agent_id` (a supervisor) sent, with its time.
     pub fn latest_child_exit(&self, agent_id: &str) -> Result<Option<(i64, pb::ChildExit)>> {
-        let row: Option<(i64, i64, Vec<u8>)> = self
-            .conn
-            .query_row(
-                "SELECT seq, time_ns, body FROM messages
-                 WHERE agent_id = ?1 AND kind = 'event' AND event_kind = 'child_exit'
-                 ORDER BY time_ns DESC LIMIT 1",
-                [agent_id],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()?;
-        let Some((seq, time_ns, body)) = row else {
-            return Ok(None);
-        };
-        Ok(match decode_message(agent_id, seq as u64, &body)?.body {
-            Some(Body::Event(pb::Event {
+        let newest = self.newest_message(agent_id, "event", Some("child_exit"))?;
+        Ok(newest.and_then(|(t, body)| match body {
+            Body::Event(pb::Event {
                 kind: Some(EventKind::ChildExit(x)),
                 ..
-            })) => Some((time_ns, x)),
+            }) => Some((t, x)),
             _ => None,
-        })
+        }))
     }
 
     /// The Goodbye `agent_id` sent, with the (collector's) time it was stored.
     pub fn latest_goodbye(&self, agent_id: &str) -> Result<Option<(i64, pb::Goodbye)>> {
+        let newest = self.newest_message(agent_id, "goodbye", None)?;
+        Ok(newest.and_then(|(t, body)| match body {
+            Body::Goodbye(g) => Some((t, g)),
+            _ => None,
+        }))
+    }
+
+    /// The newest stored message of `kind` (and `event_kind`) of `agent_id`, with its time.
+    fn newest_message(
+        &self,
+        agent_id: &str,
+        kind: &str,
+        event_kind: Option<&str>,
+    ) -> Result<Option<(i64, Body)>> {
         let row: Option<(i64, i64, Vec<u8>)> = self
             .conn
             .query_row(
-                "SELECT seq, time_ns, body FROM messages WHERE agent_id = ?1 AND kind = 'goodbye'
+                "SELECT seq, time_ns, body FROM messages
+                 WHERE agent_id = ?1 AND kind = ?2 AND (?3 IS NULL OR event_kind = ?3)
                  ORDER BY time_ns DESC LIMIT 1",
-                [agent_id],
+                params![agent_id, kind, event_kind],
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
             .optional()?;
         let Some((seq, time_ns, body)) = row else {
             return Ok(None);
         };
-        Ok(match decode_message(agent_id, seq as u64, &body)?.body {
-            Some(Body::Goodbye(g)) => Some((time_ns, g)),
-            _ => None,
-        })
+        Ok(decode_message(agent_id, seq as u64, &body)?
+            .body
+            .map(|b| (time_ns, b)))
     }
 
     /// The incident `id` stands under: itself, or the one it was merged into.

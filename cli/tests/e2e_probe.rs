@@ -98,32 +98,6 @@ impl Drop for Server {
     }
 }
 
-fn probe(args: &[&str]) -> (i32, Value) {
-    // --json first: a --launch command after `--` takes every later word.
-    let out = Command::new(bin())
-        .args(["probe", "--json"])
-        .args(args)
-        .output()
-        .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "probe printed no JSON ({e}): {} {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (out.status.code().unwrap_or(-1), v)
-}
-
-fn suite<'a>(r: &'a Value, name: &str) -> &'a Value {
-    r["suites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["suite"] == name)
-        .unwrap_or_else(|| panic!("no {name} suite in {r:#}"))
-}
-
 #[test]
 fn a_wrong_endpoint_is_the_environment_not_capacity() {
     let _serial = serial();
@@ -238,7 +212,9 @@ fn every_suite_reports_against_the_reference_server() {
     assert_eq!(e["max_concurrency_at_typical_context"]["value"], 4, "{e:#}");
     assert_eq!(e["max_concurrency_at_typical_context"]["offered"], 4);
     // At the max context found, 2 % below it (distinct prompts vary a little in tokens).
-    let at_max = e["max_concurrency_at_max_context"]["context_tokens"].as_u64().unwrap();
+    let at_max = e["max_concurrency_at_max_context"]["context_tokens"]
+        .as_u64()
+        .unwrap();
     assert!((500..=512).contains(&at_max), "{e:#}");
     // Repeated: the collector's verdict over those 20 requests names no leak.
     let rep = suite(&r, "repeated");

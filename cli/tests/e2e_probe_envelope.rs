@@ -115,30 +115,11 @@ impl Drop for Server {
     }
 }
 
-fn probe(args: &[&str]) -> (i32, Value) {
-    let out = Command::new(bin())
-        .arg("probe")
-        .args(args)
-        .args(["--json", "--seed", "13"])
-        .output()
-        .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "probe printed no JSON ({e}): {} {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (out.status.code().unwrap_or(-1), v)
-}
-
-fn suite<'a>(r: &'a Value, name: &str) -> &'a Value {
-    r["suites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["suite"] == name)
-        .unwrap_or_else(|| panic!("no {name} suite in {r:#}"))
+/// The probe with a fixed seed, so that a failing run can be repeated.
+fn probe_seeded(args: &[&str]) -> (i32, Value) {
+    let mut all = vec!["--seed", "13"];
+    all.extend_from_slice(args);
+    probe(&all)
 }
 
 #[test]
@@ -149,7 +130,7 @@ fn the_long_context_figure_is_within_5_percent_of_the_servers_max_context() {
     let port = free_port();
     // Prompt + 16 output tokens <= 1000: the true bound is 984 prompt tokens.
     let _srv = Server::start(&col, "ctx", port, "--max-active 4 --max-context 1000");
-    let (code, r) = probe(&[
+    let (code, r) = probe_seeded(&[
         "--endpoint",
         &format!("http://127.0.0.1:{port}/v1"),
         "--suite",
@@ -193,7 +174,7 @@ fn admission_caps_of_4_active_sequences_are_4_in_service_whatever_was_sent() {
     let port = free_port();
     // 4 active, 64 may queue: every rung up to 16 is admitted, 4 at a time.
     let _srv = Server::start(&col, "cap4", port, "--max-active 4 --max-queue 64");
-    let (code, r) = probe(&[
+    let (code, r) = probe_seeded(&[
         "--endpoint",
         &format!("http://127.0.0.1:{port}/v1"),
         "--collector",
@@ -238,7 +219,7 @@ fn a_server_that_serves_one_request_at_a_time_is_serialized() {
     let port = free_port();
     // One active sequence: the reference server's serializing switch.
     let _srv = Server::start(&col, "one", port, "--max-active 1 --max-queue 64");
-    let (code, r) = probe(&[
+    let (code, r) = probe_seeded(&[
         "--endpoint",
         &format!("http://127.0.0.1:{port}/v1"),
         "--collector",
@@ -276,7 +257,7 @@ fn a_server_that_serves_one_request_at_a_time_is_serialized() {
         .unwrap()
         / 8.0;
     let bound = format!("{}ms", (2.5 * one) as u64);
-    let (_, r) = probe(&[
+    let (_, r) = probe_seeded(&[
         "--endpoint",
         &format!("http://127.0.0.1:{port}/v1"),
         "--suite",
@@ -328,7 +309,7 @@ fn a_spent_suite_budget_is_incomplete() {
     let col = Collector::start(&tmp.path().join("db"));
     let port = free_port();
     let _srv = Server::start(&col, "budget", port, "--max-active 4");
-    let (code, r) = probe(&[
+    let (code, r) = probe_seeded(&[
         "--endpoint",
         &format!("http://127.0.0.1:{port}/v1"),
         "--suite",
@@ -388,7 +369,7 @@ fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
         },
     );
 
-    let (code, r) = probe(&[
+    let (code, r) = probe_seeded(&[
         "--endpoint",
         &format!("http://127.0.0.1:{port}/v1"),
         "--collector",

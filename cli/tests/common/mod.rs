@@ -342,3 +342,31 @@ impl Drop for TestCgroup {
         );
     }
 }
+
+/// `oomscope probe --json ARGS...` and its report. `--json` goes first: a
+/// `--launch` command after `--` takes every later word.
+pub fn probe(args: &[&str]) -> (i32, serde_json::Value) {
+    let out = Command::new(bin())
+        .args(["probe", "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "probe printed no JSON ({e}): {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), v)
+}
+
+/// The report of suite `name` in a probe report.
+pub fn suite<'a>(r: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    r["suites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["suite"] == name)
+        .unwrap_or_else(|| panic!("no {name} suite in {r:#}"))
+}

@@ -599,19 +599,7 @@ impl Probe {
             (None, true) => "incomplete: the budget ran out before any rung finished".into(),
             (None, false) => format!("even {min} tokens failed (bounded by {})", fig.bounded_by),
         };
-        let status = if budget_out {
-            Status::Error
-        } else if fig.value.is_some() {
-            Status::Pass
-        } else {
-            Status::Fail
-        };
-        let reason = budget_out.then(|| {
-            format!(
-                "the suite's {:.0} s budget ran out before its ramp ended",
-                budget.as_secs_f64()
-            )
-        });
+        let (status, reason) = ramp_status(budget_out, fig.value.is_some(), budget);
         (
             suite(
                 "long-context",
@@ -813,19 +801,7 @@ impl Probe {
                 fig.bounded_by
             ),
         };
-        let status = if budget_out {
-            Status::Error
-        } else if fig.value.is_some() {
-            Status::Pass
-        } else {
-            Status::Fail
-        };
-        let reason = budget_out.then(|| {
-            format!(
-                "the suite's {:.0} s budget ran out before its ramp ended",
-                budget.as_secs_f64()
-            )
-        });
+        let (status, reason) = ramp_status(budget_out, fig.value.is_some(), budget);
         (
             suite(
                 name,
@@ -1124,5 +1100,21 @@ impl Probe {
             clock.t,
             Some(budget),
         )
+    }
+}
+
+/// A ramp suite's status: an error (incomplete, with why) when its budget
+/// ran out before the ramp ended, else passed with a figure or failed without.
+fn ramp_status(budget_out: bool, has_figure: bool, budget: Duration) -> (Status, Option<String>) {
+    if budget_out {
+        let why = format!(
+            "the suite's {:.0} s budget ran out before its ramp ended",
+            budget.as_secs_f64()
+        );
+        (Status::Error, Some(why))
+    } else if has_figure {
+        (Status::Pass, None)
+    } else {
+        (Status::Fail, None)
     }
 }

@@ -663,10 +663,6 @@ mod tests {
         c.changed.iter().map(|c| c.setting.as_str()).collect()
     }
 
-    fn cmp(a: &Run, b: &Run) -> Comparison {
-        compare(a, b)
-    }
-
     #[test]
     fn an_alloc_conf_option_is_one_variable_not_two() {
         let a = run("", Some((96 * MIB, 0, "x")), "gpu_vram", "fragmentation");
@@ -676,7 +672,7 @@ mod tests {
             "gpu_vram",
             "fragmentation",
         );
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(changed_names(&c), ["expandable_segments"]);
         assert!(c.one_variable);
         assert_eq!(c.outcome, Outcome::Same);
@@ -688,7 +684,7 @@ mod tests {
             "gpu_vram",
             "",
         );
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(changed_names(&c), ["allocator.roundup_power2_divisions"]);
 
         let b = run(
@@ -697,7 +693,7 @@ mod tests {
             "gpu_vram",
             "",
         );
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(c.changed.len(), 2);
         assert!(!c.one_variable);
         assert!(
@@ -742,7 +738,7 @@ mod tests {
             )
         };
         // notes.model is both the Hello's model and its `model` label.
-        let c = cmp(&model("bfloat16", 8), &model("float16", 8));
+        let c = compare(&model("bfloat16", 8), &model("float16", 8));
         assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
         assert!(c.one_variable, "{:?}", c.warnings);
         let models = &c.changed[0];
@@ -751,12 +747,12 @@ mod tests {
             (Some("dtype bfloat16"), Some("dtype float16"))
         );
         // What the parsed model does not show still counts, once, as the raw notes.
-        let c = cmp(&model("bfloat16", 8), &model("bfloat16", 16));
+        let c = compare(&model("bfloat16", 8), &model("bfloat16", 16));
         assert_eq!(changed_names(&c), ["label.model"]);
         assert!(c.one_variable);
         // A model where there was none is one change too.
         let none = with_hello(run("", None, "", ""), capture_hello(json!({})));
-        let c = cmp(&none, &model("bfloat16", 8));
+        let c = compare(&none, &model("bfloat16", 8));
         assert_eq!(changed_names(&c), ["models"], "{:?}", c.changed);
     }
 
@@ -789,7 +785,7 @@ mod tests {
                 .replace("--port 8000", "--port 8001 --host 0.0.0.0"),
             &[("VLLM_CPU_KVCACHE_SPACE", "1")],
         );
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(changed_names(&c), ["--max-num-seqs"], "{:?}", c.changed);
         assert!(c.one_variable);
         assert_eq!(
@@ -800,7 +796,7 @@ mod tests {
 
         // The KV space from the environment, by its own name.
         let b = vllm(base, &[("VLLM_CPU_KVCACHE_SPACE", "0.5")]);
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(
             changed_names(&c),
             ["VLLM_CPU_KVCACHE_SPACE"],
@@ -813,7 +809,7 @@ mod tests {
             &format!("{base} --enforce-eager"),
             &[("VLLM_CPU_KVCACHE_SPACE", "1")],
         );
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(changed_names(&c), ["--enforce-eager"]);
         assert!(to_text(&c).contains("  --enforce-eager: (not set) -> on\n"));
 
@@ -822,7 +818,7 @@ mod tests {
             &base.replace("/models/tiny-llama", "/models/other"),
             &[("VLLM_CPU_KVCACHE_SPACE", "1")],
         );
-        let c = cmp(&a, &b);
+        let c = compare(&a, &b);
         assert_eq!(changed_names(&c), ["command"]);
         assert_eq!(
             c.changed[0].b.as_deref(),
@@ -838,7 +834,7 @@ mod tests {
             "gpu_vram",
             "kv_growth",
         );
-        let outcome = |b: &Run| cmp(&base, b).outcome;
+        let outcome = |b: &Run| compare(&base, b).outcome;
         assert_eq!(outcome(&run("a", None, "", "")), Outcome::Vanished);
         assert_eq!(
             outcome(&run(
@@ -913,8 +909,8 @@ mod tests {
             Outcome::Same
         );
         let ok = run("", None, "", "");
-        assert_eq!(cmp(&ok, &base).outcome, Outcome::Moved, "a new failure");
-        assert_eq!(cmp(&ok, &ok).outcome, Outcome::Same);
+        assert_eq!(compare(&ok, &base).outcome, Outcome::Moved, "a new failure");
+        assert_eq!(compare(&ok, &ok).outcome, Outcome::Same);
     }
 
     #[test]
@@ -926,7 +922,7 @@ mod tests {
             "kv_growth",
         );
         let b = run("", None, "", "");
-        let j = to_json(&cmp(&a, &b));
+        let j = to_json(&compare(&a, &b));
         assert_eq!(j["outcome"], "vanished");
         assert_eq!(j["a"]["requested_bytes"], 96 * MIB);
         assert_eq!(j["a"]["active_tokens"], 1000);

@@ -25,7 +25,7 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::store::{now_ns, Store};
+use crate::store::{now_ns, Store, MAX_SEQ};
 
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
@@ -504,13 +504,17 @@ async fn ingest(
             None => rejects.push(reject(msg.seq, "a message without a body")),
             Some(Body::Goodbye(g)) => {
                 goodbye = Some(g.clone());
-                if msg.seq > 0 {
-                    storable.push(msg);
+                match msg.seq {
+                    0 => {}
+                    seq if seq > MAX_SEQ => rejects.push(seq_too_large(seq)),
+                    _ => storable.push(msg),
                 }
             }
             Some(_) if msg.seq == 0 => {
                 rejects.push(reject(0, "samples and events are numbered from seq 1"))
             }
+            // Alone: one bad seq must not cost the batch its acks.
+            Some(_) if msg.seq > MAX_SEQ => rejects.push(seq_too_large(msg.seq)),
             Some(_) => storable.push(msg),
         }
     }
@@ -623,6 +627,13 @@ fn reject(seq: u64, reason: &str) -> pb::CollectorMessage {
             reason: reason.to_string(),
         })),
     }
+}
+
+fn seq_too_large(seq: u64) -> pb::CollectorMessage {
+    reject(
+        seq,
+        &format!("seq {seq} is above the largest the collector stores ({MAX_SEQ})"),
+    )
 }
 
 /// Turns tonic's decoding errors into a status that says what the agent did.

@@ -777,8 +777,13 @@ fn downsample<T>(items: Vec<T>, max: usize) -> Vec<T> {
         .collect()
 }
 
+/// The largest seq the store holds: SQLite integers are i64. Ingest rejects
+/// a message above it on its own (see `server::ingest`).
+pub const MAX_SEQ: u64 = i64::MAX as u64;
+
 fn seq_to_sql(seq: u64) -> Result<i64> {
-    i64::try_from(seq).map_err(|_| anyhow!("seq {seq} is beyond what the store can hold (2^63-1)"))
+    i64::try_from(seq)
+        .map_err(|_| anyhow!("seq {seq} is beyond what the store can hold ({MAX_SEQ})"))
 }
 
 fn decode_message(agent_id: &str, seq: u64, body: &[u8]) -> Result<pb::AgentMessage> {

@@ -154,7 +154,7 @@ pub enum Verb {
         #[command(flatten)]
         collector: CollectorArg,
         /// Only the last DURATION (e.g. 10m).
-        #[arg(long, value_parser = parse_duration)]
+        #[arg(long, value_parser = parse_since)]
         since: Option<Duration>,
         /// Downsample to at most this many samples (events are all kept).
         #[arg(long, default_value_t = 200)]
@@ -178,7 +178,7 @@ pub enum Verb {
         #[arg(long)]
         agent: Option<String>,
         /// With --agent: only the last DURATION of its timeline.
-        #[arg(long, value_parser = parse_duration)]
+        #[arg(long, value_parser = parse_since)]
         since: Option<Duration>,
         /// Print JSON: {incident, agent, domain, trigger, causes: [{kind,
         /// confidence, evidence, metrics, processes}], fixes: [{action, risk,
@@ -423,6 +423,18 @@ pub fn parse_interval(s: &str) -> Result<Duration, String> {
     check_interval(parse_duration(s)?).map_err(|e| e.to_string())
 }
 
+/// Parses `--since`: a duration that a nanosecond clock can go back by
+/// (about 292 years), so that "now minus it" is never a wrap into the future.
+pub fn parse_since(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    match oomscope_proto::duration_ns(d) {
+        Some(_) => Ok(d),
+        None => Err(format!(
+            "`{s}` reaches further back than a nanosecond clock holds (about 292 years)"
+        )),
+    }
+}
+
 /// Parses "250ms", "5s", "10m", "1h" or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -443,7 +455,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}` is not a duration"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` is too long a duration"))
 }
 
 /// Writes a duration the way [`parse_duration`] reads it, in the largest
@@ -489,6 +501,21 @@ mod tests {
         assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
         assert!(parse_duration("5x").unwrap_err().contains("unknown unit"));
         assert!(parse_duration("abc").is_err());
+        assert!(parse_duration(&"9".repeat(30))
+            .unwrap_err()
+            .contains("too long"));
+    }
+
+    #[test]
+    fn since_stays_within_the_clock() {
+        assert_eq!(parse_since("10m").unwrap(), Duration::from_secs(600));
+        // 290 years fit in i64 nanoseconds; 475 years do not.
+        assert!(parse_since(&format!("{}s", 290u64 * 365 * 86_400)).is_ok());
+        let err = parse_since("15000000000s").unwrap_err();
+        assert!(
+            err.contains("15000000000s") && err.contains("292 years"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -12,9 +12,13 @@ pub(crate) fn connect(url: &str) -> anyhow::Result<Client> {
     Ok(Client::connect(url)?)
 }
 
-/// `--since`: that long before now, in epoch nanoseconds; 0 (everything) without it.
+/// `--since`: that long before now, in epoch nanoseconds; 0 (everything)
+/// without it. `args::parse_since` keeps it within i64; saturating all the
+/// same, so that no input wraps into the future.
 fn since_ns(since: Option<Duration>) -> i64 {
-    since.map(|d| now_ns() - d.as_nanos() as i64).unwrap_or(0)
+    since
+        .map(|d| now_ns().saturating_sub(oomscope_proto::duration_ns(d).unwrap_or(i64::MAX)))
+        .unwrap_or(0)
 }
 
 /// Prints the `--json` rendering or the text one.

@@ -75,6 +75,12 @@ fn secs(ns: i64) -> f64 {
     ns as f64 / 1e9
 }
 
+/// A policy window in nanoseconds; one longer than i64 holds (292 years)
+/// means all of history, never a wrap.
+pub(crate) fn nanos(d: std::time::Duration) -> i64 {
+    oomscope_proto::duration_ns(d).unwrap_or(i64::MAX)
+}
+
 /// A crash loop: the newest `crash_loop_deaths` deaths (sorted by time) fall
 /// within the window.
 pub fn crash_loop(service: &str, deaths: &[Death], p: &FleetPolicy) -> Option<Finding> {
@@ -86,7 +92,7 @@ pub fn crash_loop(service: &str, deaths: &[Death], p: &FleetPolicy) -> Option<Fi
     d.sort_by_key(|x| x.time_ns);
     let recent = &d[d.len() - n..];
     let span = recent[n - 1].time_ns - recent[0].time_ns;
-    if span > p.crash_loop_window.as_nanos() as i64 {
+    if span > nanos(p.crash_loop_window) {
         return None;
     }
     let agents: std::collections::BTreeSet<&str> =
@@ -134,7 +140,7 @@ pub fn restart_storm(
     let mut s: Vec<&Start> = starts.iter().collect();
     s.sort_by_key(|x| x.time_ns);
     // The earliest group of n starts within the window.
-    let window = p.storm_window.as_nanos() as i64;
+    let window = nanos(p.storm_window);
     let first = (0..=s.len() - n).find(|&i| s[i + n - 1].time_ns - s[i].time_ns <= window)?;
     let group: Vec<&Start> = s[first..]
         .iter()
@@ -142,8 +148,8 @@ pub fn restart_storm(
         .copied()
         .collect();
     let t0 = group[0].time_ns;
-    let burst_end = t0 + p.burst_window.as_nanos() as i64;
-    let base_start = t0 - p.baseline_window.as_nanos() as i64;
+    let burst_end = t0.saturating_add(nanos(p.burst_window));
+    let base_start = t0.saturating_sub(nanos(p.baseline_window));
     let burst = requests
         .iter()
         .filter(|&&t| t >= t0 && t < burst_end)

@@ -10,7 +10,7 @@ use oomscope_analysis::is_oom_text;
 use oomscope_analysis::units::{bytes_short as bytes, signal_name};
 
 use crate::correlate;
-use crate::fleet::{self, FleetPolicy};
+use crate::fleet::{self, nanos, FleetPolicy};
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
@@ -291,19 +291,22 @@ pub fn check_fleet(
         return Ok(Vec::new());
     };
     let mut recorded = Vec::new();
-    let loop_since = now_ns - policy.crash_loop_window.as_nanos() as i64;
+    let loop_since = now_ns.saturating_sub(nanos(policy.crash_loop_window));
     if !store.has_incident_of_name(&name, CRASH_LOOP, loop_since)? {
         let deaths = store.deaths_of(&name, loop_since)?;
         if let Some(f) = fleet::crash_loop(&name, &deaths, policy) {
             recorded.extend(record_finding(store, agent_id, &name, CRASH_LOOP, f)?);
         }
     }
-    let storm_span = (policy.storm_window + policy.burst_window).as_nanos() as i64;
-    if !store.has_incident_of_name(&name, RESTART_STORM, now_ns - storm_span)? {
-        let starts = store.starts_of(&name, now_ns - storm_span)?;
+    let storm_since = now_ns
+        .saturating_sub(nanos(policy.storm_window).saturating_add(nanos(policy.burst_window)));
+    if !store.has_incident_of_name(&name, RESTART_STORM, storm_since)? {
+        let starts = store.starts_of(&name, storm_since)?;
         if starts.len() >= policy.storm_agents {
-            let from = starts[0].time_ns - policy.baseline_window.as_nanos() as i64;
-            let requests = store.request_starts_of(&name, from, now_ns + 1)?;
+            let from = starts[0]
+                .time_ns
+                .saturating_sub(nanos(policy.baseline_window));
+            let requests = store.request_starts_of(&name, from, now_ns.saturating_add(1))?;
             if let Some(f) = fleet::restart_storm(&name, &starts, &requests, policy) {
                 recorded.extend(record_finding(store, agent_id, &name, RESTART_STORM, f)?);
             }

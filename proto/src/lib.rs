@@ -33,6 +33,12 @@ pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";
 /// the analysis reads censuses by it.
 pub const CENSUS_PHASE: &str = "census";
 
+/// A duration in nanoseconds, as the messages' i64 times count them; None
+/// past i64::MAX (about 292 years), so that no conversion ever wraps.
+pub fn duration_ns(d: std::time::Duration) -> Option<i64> {
+    i64::try_from(d.as_nanos()).ok()
+}
+
 /// Nanoseconds since the Unix epoch, the time base of every message.
 pub fn now_ns() -> i64 {
     std::time::SystemTime::now()

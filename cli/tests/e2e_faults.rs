@@ -1,0 +1,54 @@
+//! Faults and bad input at the real `oomscope` binary: each test reproduces a
+//! failure found by trying oomscope as a hostile or unlucky user would, with
+//! a real collector process on loopback over a real SQLite file.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use common::*;
+
+/// `oomscope ARGS... --collector URL`, its output whatever the status.
+fn oomscope(col: &Collector, args: &[&str]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .args(["--collector", &col.url])
+        .env_remove("OOMSCOPE_COLLECTOR")
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A `--since` beyond what a nanosecond clock holds (about 292 years) is an
+/// error, not a wrap into the future that shows an empty timeline.
+#[test]
+fn a_since_past_the_clock_range_is_an_error() {
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let out = run(&col.url, "since", &[], &["sh", "-c", "sleep 0.3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recent = col.json(&["timeline", "since", "--since", "1h", "--max-points", "0"]);
+    let samples = recent["samples"].as_array().unwrap().len();
+    assert!(samples > 0, "the last hour holds the run: {recent}");
+    for verb in [
+        &["timeline", "since"][..],
+        &["diagnose", "--agent", "since"][..],
+    ] {
+        let mut args = verb.to_vec();
+        args.extend(["--since", "15000000000s"]);
+        let out = oomscope(&col, &args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("--since") && stderr(&out).contains("292 years"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+    // Too large for a duration at all: a usage error, not a panic.
+    let out = oomscope(&col, &["timeline", "since", "--since", &"9".repeat(30)]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}

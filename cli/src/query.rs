@@ -27,12 +27,23 @@ pub(crate) fn show(
     as_json: impl FnOnce() -> serde_json::Value,
     as_text: impl FnOnce() -> String,
 ) -> anyhow::Result<i32> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(&as_json())?);
-    } else {
-        print!("{}", as_text());
+    match json {
+        true => print_out(&format!("{}\n", serde_json::to_string_pretty(&as_json())?))?,
+        false => print_out(&as_text())?,
     }
     Ok(0)
+}
+
+/// Writes `text` to stdout. A reader that went away (`oomscope incidents |
+/// head -1`) is no error: it has what it wanted, so the verb ends quietly
+/// with status 0 instead of print!'s "Broken pipe" panic.
+pub(crate) fn print_out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
 }
 
 pub fn agents(url: &str, json: bool) -> anyhow::Result<i32> {

@@ -81,10 +81,10 @@ pub fn run(
         );
         return Ok(1);
     }
-    println!(
-        "replayed {} ({}): {samples} samples, {events} events as agent {agent_id}",
+    crate::query::print_out(&format!(
+        "replayed {} ({}): {samples} samples, {events} events as agent {agent_id}\n",
         file.display(),
         cap.scenario
-    );
+    ))?;
     Ok(0)
 }

@@ -112,7 +112,7 @@ pub fn run(
                 .with_context(|| format!("cannot write the report to {}", path.display()))?;
             eprintln!("wrote {}", path.display());
         }
-        (None, true) => print!("{}", oomscope_report::markdown(&input)),
+        (None, true) => crate::query::print_out(&oomscope_report::markdown(&input))?,
         (None, false) => bail!("choose a form: --html OUT.html or --md"),
     }
     Ok(0)

@@ -5,6 +5,7 @@
 mod common;
 
 use std::process::{Command, Output};
+use std::time::Duration;
 
 use common::*;
 
@@ -51,4 +52,37 @@ fn a_since_past_the_clock_range_is_an_error() {
     let out = oomscope(&col, &["timeline", "since", "--since", &"9".repeat(30)]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
+
+/// `oomscope incidents | head -1`: a reader that goes away is no error. Each
+/// verb's stdout is a pipe whose read end is closed before the verb writes.
+#[test]
+fn a_closed_stdout_ends_quietly_with_status_0() {
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    // A death by signal: an incident for diagnose and report to print.
+    let out = run(&col.url, "piped", &[], &["sh", "-c", "kill -9 $$"]);
+    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
+    assert_eq!(col.incidents_of("piped", 1, Duration::from_secs(10)).len(), 1);
+    for args in [
+        &["incidents"][..],
+        &["incidents", "--json"],
+        &["agents"],
+        &["timeline", "piped"],
+        &["diagnose"],
+        &["report", "--md"],
+    ] {
+        let mut child = Command::new(bin())
+            .args(args)
+            .args(["--collector", &col.url])
+            .env_remove("OOMSCOPE_COLLECTOR")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+        assert_eq!(stderr(&out), "", "{args:?} said something");
+    }
 }

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use oomscope_collector::serve::{serve, ServeConfig};
+use oomscope_collector::serve::{bind, serve_with_listener, ServeConfig};
 
 pub fn run(listen: SocketAddr, db: PathBuf, lost_grace: Duration) -> anyhow::Result<i32> {
     let rt = tokio::runtime::Runtime::new()?;
@@ -19,19 +19,20 @@ pub fn run(listen: SocketAddr, db: PathBuf, lost_grace: Duration) -> anyhow::Res
             }
             tracing::info!("shutting down");
         };
+        let cfg = ServeConfig {
+            listen,
+            db,
+            lost_grace,
+        };
+        // Only once the port is ours and the store open: a "listening" line
+        // is a promise that agents can connect.
+        let (listener, collector) = bind(&cfg).await?;
         eprintln!(
-            "oomscope collector listening on {listen}, store {}",
-            db.display()
+            "oomscope collector listening on {}, store {}",
+            listener.local_addr()?,
+            cfg.db.display()
         );
-        serve(
-            ServeConfig {
-                listen,
-                db,
-                lost_grace,
-            },
-            shutdown,
-        )
-        .await
+        serve_with_listener(listener, collector, shutdown).await
     })?;
     Ok(0)
 }

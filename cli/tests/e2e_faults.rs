@@ -86,3 +86,28 @@ fn a_closed_stdout_ends_quietly_with_status_0() {
         assert_eq!(stderr(&out), "", "{args:?} said something");
     }
 }
+
+/// A port someone else holds: the collector says so and exits non-zero,
+/// having printed no "listening" and created no store.
+#[test]
+fn a_taken_port_is_a_clear_error_and_creates_no_store() {
+    let tmp = tempdir();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let db = tmp.path().join("never.db");
+    let out = Command::new(bin())
+        .args(["collector", "--listen", &addr, "--db"])
+        .arg(&db)
+        .env_remove("OOMSCOPE_DB")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&addr) && err.contains("in use"),
+        "names the address and why: {err}"
+    );
+    assert!(!err.contains("listening on"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "no store files: {left:?}");
+}

@@ -26,8 +26,18 @@ pub struct ServeConfig {
 
 pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
 
-/// Opens the store, binds `cfg.listen` and serves until `shutdown` completes.
+/// Binds `cfg.listen` and serves until `shutdown` completes.
 pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let (listener, collector) = bind(&cfg).await?;
+    serve_with_listener(listener, collector, shutdown).await
+}
+
+/// Binds `cfg.listen`, then opens the store: a taken port fails before any
+/// store file is created. Serve the pair with [`serve_with_listener`].
+pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collector)> {
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let db = cfg.db.clone();
     let (store, reader) = tokio::task::spawn_blocking(move || {
         let store = Store::open(&db)?;
@@ -35,11 +45,8 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
     })
     .await
     .map_err(|e| anyhow!("opening the store: {e}"))??;
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .with_context(|| format!("listening on {}", cfg.listen))?;
     let collector = Collector::new(store, cfg.lost_grace).with_reader(reader);
-    serve_with_listener(listener, collector, shutdown).await
+    Ok((listener, collector))
 }
 
 /// Serves both services on an already bound listener (tests bind port 0).

@@ -224,6 +224,11 @@ pub enum Verb {
         /// Print Markdown to stdout.
         #[arg(long, conflicts_with = "html")]
         md: bool,
+        /// Replace an existing --html file. Without it an existing file or a
+        /// symlink is refused; with it a symlink itself is replaced, never
+        /// the file it points to.
+        #[arg(long, requires = "html")]
+        force: bool,
     },
 }
 

@@ -116,7 +116,15 @@ pub fn main() -> i32 {
             agent,
             html,
             md,
-        } => report::run(&collector.collector, incident, agent, html.as_deref(), md),
+            force,
+        } => report::run(
+            &collector.collector,
+            incident,
+            agent,
+            html.as_deref(),
+            md,
+            force,
+        ),
     };
     match result {
         Ok(code) => code,

@@ -111,3 +111,57 @@ fn a_taken_port_is_a_clear_error_and_creates_no_store() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "no store files: {left:?}");
 }
+
+/// `report --html PATH` never writes through a planted symlink, and
+/// replaces an existing file only with --force (the link itself, then, not
+/// what it points to); the page goes through a temporary file in the
+/// target directory, of which nothing is left behind.
+#[test]
+fn report_html_refuses_symlinks_and_existing_files_without_force() {
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let out = run(&col.url, "paged", &[], &["sh", "-c", "kill -9 $$"]);
+    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
+    assert_eq!(col.incidents_of("paged", 1, Duration::from_secs(10)).len(), 1);
+    let pages = tmp.path().join("pages");
+    std::fs::create_dir(&pages).unwrap();
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    let link = pages.join("link.html");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let existing = pages.join("existing.html");
+    std::fs::write(&existing, "an earlier report").unwrap();
+    let report = |path: &std::path::Path, force: bool| {
+        let mut args = vec!["report", "--html", path.to_str().unwrap()];
+        if force {
+            args.push("--force");
+        }
+        oomscope(&col, &args)
+    };
+
+    let out = report(&link, false);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("symlink"), "{}", stderr(&out));
+    let out = report(&existing, false);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert_eq!(std::fs::read_to_string(&existing).unwrap(), "an earlier report");
+
+    let fresh = pages.join("fresh.html");
+    for (path, force) in [(&fresh, false), (&existing, true), (&link, true)] {
+        let out = report(path, force);
+        assert!(out.status.success(), "{}: {}", path.display(), stderr(&out));
+        let meta = std::fs::symlink_metadata(path).unwrap();
+        assert!(meta.is_file(), "{} is a plain file now", path.display());
+        let page = std::fs::read_to_string(path).unwrap();
+        assert!(page.contains("<html") && page.contains("paged"), "{}", path.display());
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    let mut names: Vec<String> = std::fs::read_dir(&pages)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["existing.html", "fresh.html", "link.html"], "no temporary files left");
+}

@@ -14,6 +14,8 @@ use crate::stats;
 use crate::timeline::Point;
 use crate::units::bytes_short;
 
+mod host;
+
 /// Growth smaller than this between the lowest and highest load is noise.
 pub const MIN_RISE_BYTES: f64 = (16u64 << 20) as f64;
 /// Mann–Kendall significance for "bytes rise with the prompt/context".
@@ -51,6 +53,10 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             return Some((Trigger::ConcurrencyDependent, line));
         }
         if let Some(line) = size(f) {
+            return Some((Trigger::SizeDependent, line));
+        }
+    } else if f.failed {
+        if let Some(line) = host::size(f) {
             return Some((Trigger::SizeDependent, line));
         }
     }

@@ -1,11 +1,18 @@
 //! `oomscope probe`: parse the knobs, run the suites, print the envelope.
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 
+use oomscope_agent_core::agent::Identity;
+use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_client::Client;
 use oomscope_probe::watch::EvidenceSource;
+use oomscope_probe::workload::WorkloadSink;
 use oomscope_probe::{compare, progress, report, Probe, ProbeConfig, Suite};
 use oomscope_proto::v1 as pb;
 
@@ -54,6 +61,116 @@ impl EvidenceSource for Collector {
     fn agents(&mut self) -> Vec<pb::AgentSummary> {
         self.0.agents().map(|r| r.agents).unwrap_or_default()
     }
+}
+
+/// How long the probe's workload stream may take to deliver what it holds
+/// at the end (its Goodbye included).
+pub const WORKLOAD_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often the context of requests still in flight is sent again: the
+/// collector joins a context to a server's samples for a few seconds only,
+/// and a long prompt can take longer than that.
+pub const WORKLOAD_HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// The probe's requests on an agent stream of their own, a member (role
+/// `probe`) of the probed server's instance: the workload context of a
+/// server with no in-process agent. `Reporter` queues without blocking, so
+/// request threads never wait on the network.
+struct WorkloadStream {
+    reporter: Arc<Reporter>,
+    /// The latest context, for the heartbeat.
+    last: Arc<Mutex<pb::RequestContext>>,
+}
+
+impl WorkloadSink for WorkloadStream {
+    fn context(&self, time_ns: i64, context: pb::RequestContext) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = context.clone();
+        send_context(&self.reporter, time_ns, context);
+    }
+
+    fn boundary(&self, time_ns: i64, boundary: pb::RequestBoundary) {
+        self.reporter.send_event(pb::Event {
+            time_ns,
+            kind: Some(pb::event::Kind::Request(boundary)),
+        });
+    }
+}
+
+fn send_context(reporter: &Reporter, time_ns: i64, context: pb::RequestContext) {
+    reporter.send_sample(pb::Sample {
+        time_ns,
+        context: Some(context),
+        ..Default::default()
+    });
+}
+
+/// Resends the context every [`WORKLOAD_HEARTBEAT`] while requests are in
+/// flight, until `stop`.
+fn heartbeat(
+    reporter: Arc<Reporter>,
+    last: Arc<Mutex<pb::RequestContext>>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name("oomscope-probe-heartbeat".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::park_timeout(WORKLOAD_HEARTBEAT);
+                let c = last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                if c.active_sequences > 0 && !stop.load(Ordering::Relaxed) {
+                    send_context(&reporter, oomscope_proto::now_ns(), c);
+                }
+            }
+        })
+        .expect("spawning the probe's heartbeat thread")
+}
+
+/// The instance that `agent` (an agent id or a name: its newest instance)
+/// belongs to at the collector, and the name it goes by.
+fn instance_of(client: &mut Client, agent: &str) -> Option<(String, String)> {
+    let agents = client.agents().ok()?.agents;
+    agents
+        .iter()
+        .filter(|a| {
+            a.hello.as_ref().is_some_and(|h| {
+                (h.agent_id == agent || h.name == agent || a.instance == agent)
+                    && h.role != oomscope_proto::PROBE_ROLE
+            })
+        })
+        .max_by_key(|a| a.first_seen_ns)
+        .map(|a| {
+            let name = a.hello.as_ref().map_or_else(String::new, |h| h.name.clone());
+            (a.instance.clone(), name)
+        })
+}
+
+/// Opens the probe's workload stream into `agent`'s instance; None (with a
+/// line on stderr) when the collector does not know the agent.
+fn workload_stream(url: &str, agent: &str) -> anyhow::Result<Option<Arc<Reporter>>> {
+    let mut client = Client::connect(url)?;
+    let Some((instance, name)) = instance_of(&mut client, agent) else {
+        eprintln!(
+            "oomscope probe: the collector knows no agent {agent:?} yet; the probe's requests are not recorded as its workload"
+        );
+        return Ok(None);
+    };
+    let me = HostProbe::new(HostPaths::system(), std::process::id());
+    let mut hello = Identity {
+        name,
+        role: oomscope_proto::PROBE_ROLE.into(),
+        rank: 0,
+        runtime: oomscope_proto::PROBE_ROLE.into(),
+    }
+    .hello(&me);
+    hello.instance = instance;
+    let reporter = Reporter::start(
+        ReporterConfig {
+            collector_url: url.to_string(),
+            ..ReporterConfig::default()
+        },
+        hello,
+    );
+    Ok(Some(Arc::new(reporter)))
 }
 
 pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
@@ -121,7 +238,37 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
         (Some(url), Some(_)) => Some(Box::new(Collector(Client::connect(url)?))),
         _ => None,
     };
-    let r = Probe::new(cfg, evidence)?.run();
+    let stream = match (&cfg.collector, &cfg.agent) {
+        (Some(url), Some(agent)) => workload_stream(url, agent)?,
+        _ => None,
+    };
+    let mut probe = Probe::new(cfg, evidence)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let beat = stream.as_ref().map(|reporter| {
+        let last = Arc::new(Mutex::new(pb::RequestContext::default()));
+        probe.report_workload(Box::new(WorkloadStream {
+            reporter: reporter.clone(),
+            last: last.clone(),
+        }));
+        heartbeat(reporter.clone(), last, stop.clone())
+    });
+    let r = probe.run();
+    if let Some(beat) = beat {
+        stop.store(true, Ordering::Relaxed);
+        beat.thread().unpark();
+        let _ = beat.join();
+    }
+    // The probe, its sink and the heartbeat are gone: the stream is ours to end.
+    if let Some(reporter) = stream.and_then(|s| Arc::try_unwrap(s).ok()) {
+        let bye = pb::Goodbye {
+            reason: "probe finished".into(),
+            exit_code: 0,
+            ..Default::default()
+        };
+        if !reporter.shutdown(bye, WORKLOAD_FLUSH_TIMEOUT) {
+            eprintln!("oomscope probe: the collector did not take all of the probe's workload in time");
+        }
+    }
     if a.json {
         let mut v = serde_json::to_value(&r)?;
         if let Some(b) = &baseline {

@@ -340,19 +340,11 @@ fn cgroup_files(cg: &TestCgroup) -> (&'static str, &'static str, &'static str) {
     }
 }
 
-#[test]
-fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
-    let _serial = serial();
-    let tmp = tempdir();
-    let col = Collector::start(&tmp.path().join("db"));
-    let cg = TestCgroup::create(None, "probe-oom", None);
-    let port = free_port();
-    let argv = server_argv(&col, "cgsrv", port, "--max-active 4");
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let srv = Server::spawn(cg.command(&argv), port);
-    // The limit: what the loaded server uses, and 300 MiB more. A long
-    // prompt's scores and logits (a few thousand tokens) overrun it.
-    let (usage, limit, swap) = cgroup_files(&cg);
+/// Limits `cg` to what the loaded server in it uses and 300 MiB more (swap
+/// included), and returns the limit: a long prompt's scores and logits (a
+/// few thousand tokens) overrun it.
+fn cap_above_use(cg: &TestCgroup) -> u64 {
+    let (usage, limit, swap) = cgroup_files(cg);
     let used: u64 = std::fs::read_to_string(cg.dir.join(usage))
         .unwrap()
         .trim()
@@ -368,6 +360,20 @@ fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
             "0".into()
         },
     );
+    cap
+}
+
+#[test]
+fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let cg = TestCgroup::create(None, "probe-oom", None);
+    let port = free_port();
+    let argv = server_argv(&col, "cgsrv", port, "--max-active 4");
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let srv = Server::spawn(cg.command(&argv), port);
+    let cap = cap_above_use(&cg);
 
     let (code, r) = probe_seeded(&[
         "--endpoint",
@@ -414,4 +420,102 @@ fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
             .any(|s| s["memory"]["cgroup_limit_bytes"].as_u64() == Some(cap)),
         "{steps:#?}"
     );
+}
+
+#[test]
+fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests() {
+    // The reference server with no in-process agent (as a C++ server or a
+    // container would be): only `oomscope run` watches it, so the only
+    // workload the collector knows is what the probe sent.
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let cg = TestCgroup::create(None, "probe-noagent", None);
+    let port = free_port();
+    let argv = server_argv(&col, "bare", port, "--no-agent");
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let mut c = cg.command(&argv);
+    c.env("OOMSCOPE_AUTOSTART", "0");
+    let srv = Server::spawn(c, port);
+    let cap = cap_above_use(&cg);
+
+    let (code, r) = probe_seeded(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "bare",
+        "--suite",
+        "long-context",
+        "--max-context",
+        "32768",
+    ]);
+    drop(srv);
+    assert_eq!(code, 1, "{r:#}");
+    assert_eq!(r["envelope"]["server_death"]["domain"], "cgroup", "{r:#}");
+
+    // The probe was a member of the server's instance, and its end no death.
+    let agents = col.json(&["agents"]);
+    let members: Vec<&Value> = agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["name"] == "bare")
+        .collect();
+    let probe = members
+        .iter()
+        .find(|a| a["role"] == "probe")
+        .unwrap_or_else(|| panic!("no probe member: {members:#?}"));
+    let sup = members
+        .iter()
+        .find(|a| a["role"] == "supervisor")
+        .unwrap();
+    assert_eq!(probe["instance"], sup["instance"], "{members:#?}");
+    assert_ne!(probe["state"], "lost", "{probe:#}");
+    let incidents = col.json(&["incidents"]);
+    assert!(
+        !incidents
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["agent_id"] == probe["id"]),
+        "{incidents:#}"
+    );
+
+    // The kill's verdict: the cgroup, set off by the prompt's size, with the
+    // probe's own request sizes as the evidence.
+    let d = col.json(&["diagnose"]);
+    assert_eq!(d["domain"], "cgroup", "{d:#}");
+    assert_eq!(d["trigger"], "size_dependent", "{d:#}");
+    let why = d["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .find(|l| l.starts_with("trigger size_dependent:"))
+        .unwrap_or_else(|| panic!("no trigger line: {d:#}"));
+    eprintln!("{why}");
+    // The fit runs over the probe's own prompts, up to the one that failed:
+    // the longest the long-context suite sent, in the server's tokens.
+    let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
+    let longest = steps
+        .iter()
+        .filter_map(|s| s["prompt_tokens"].as_u64())
+        .max()
+        .unwrap();
+    let numbers: Vec<u64> = why
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let failed_at = *numbers.last().unwrap();
+    assert!(
+        failed_at as f64 >= 0.9 * longest as f64,
+        "{why}: the failure came at {failed_at} tokens, the longest prompt sent was {longest}"
+    );
+    let steps_mem: Vec<u64> = steps
+        .iter()
+        .filter_map(|s| s["memory"]["cgroup_limit_bytes"].as_u64())
+        .collect();
+    assert!(steps_mem.contains(&cap), "{steps:#?}");
 }

@@ -117,6 +117,16 @@ pub fn record_lost(
     broke_at_ns: i64,
     grace: std::time::Duration,
 ) -> Result<Option<pb::Incident>> {
+    // `oomscope probe` observes an instance: its stream's end is no death
+    // (and so never one of a mass disconnect's agents either).
+    if store
+        .hello(agent_id)?
+        .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+    {
+        store.set_state(agent_id, "ended", now_ns())?;
+        tracing::info!(agent_id, "a probe's stream ended: not lost");
+        return Ok(None);
+    }
     if correlate::ended_with_instance(store, agent_id, broke_at_ns)? {
         store.set_state(agent_id, "ended", now_ns())?;
         tracing::info!(agent_id, "ended with its instance's clean stop: not lost");

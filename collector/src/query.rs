@@ -177,8 +177,24 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         .map_err(internal)?;
     // A leak hunt on an instance: its main agent's samples, with the
     // supervisor's process tree and the serving process's context joined.
-    if let (None, Some(Target::Instance(inst))) = (&incident, &target) {
-        join_members(store, inst, &mut history.samples, window_from, to_ns).map_err(internal)?;
+    // An incident: the failed agent's samples with the serving context (a
+    // server with no in-process agent has the probe's requests, if any).
+    match (&incident, &target) {
+        (None, Some(Target::Instance(inst))) => {
+            join_members(store, inst, &agent_id, &mut history.samples, window_from, to_ns)
+                .map_err(internal)?
+        }
+        (Some(_), _) => {
+            let inst = match store.instance_of(&agent_id).map_err(internal)? {
+                Some(id) => store.instance(&id).map_err(internal)?,
+                None => None,
+            };
+            if let Some(inst) = inst {
+                join_serving_context(store, &inst, &agent_id, &mut history.samples, window_from, to_ns)
+                    .map_err(internal)?;
+            }
+        }
+        _ => {}
     }
     let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
     if window_from > from_ns {
@@ -225,7 +241,7 @@ fn instance_view(
 ) -> anyhow::Result<()> {
     let to_ns = if to_ns == 0 { i64::MAX } else { to_ns };
     let main = inst.main().agent_id.clone();
-    join_members(store, inst, &mut t.samples, from_ns, to_ns)?;
+    join_members(store, inst, &main, &mut t.samples, from_ns, to_ns)?;
     for m in inst.members.iter().filter(|m| m.agent_id != main) {
         t.events
             .extend(store.events_of(&m.agent_id, from_ns, to_ns)?);
@@ -252,20 +268,34 @@ fn instance_view(
 fn join_members(
     store: &Store,
     inst: &Instance,
+    main: &str,
     samples: &mut [pb::TimedSample],
     from_ns: i64,
     to_ns: i64,
 ) -> anyhow::Result<()> {
-    let main = inst.main().agent_id.clone();
     if let Some(sup) = inst.supervisor().filter(|s| s.agent_id != main) {
         let tree = store.history(&sup.agent_id, from_ns, to_ns)?.samples;
         join_tree(samples, &tree);
     }
-    let serving = inst
-        .members
-        .iter()
-        .filter(|m| m.agent_id != main && m.role != "supervisor")
-        .find(|m| m.role == "api_server" || m.role == "server");
+    join_serving_context(store, inst, main, samples, from_ns, to_ns)
+}
+
+/// Joins to `main`'s samples the context of the member that serves
+/// requests (a vLLM API server through its plugin), else of an `oomscope
+/// probe` that drove the instance: the requests it sent are the only
+/// workload a server with no in-process agent has.
+fn join_serving_context(
+    store: &Store,
+    inst: &Instance,
+    main: &str,
+    samples: &mut [pb::TimedSample],
+    from_ns: i64,
+    to_ns: i64,
+) -> anyhow::Result<()> {
+    let others = || inst.members.iter().filter(|m| m.agent_id != main);
+    let serving = others()
+        .find(|m| m.role == "api_server" || m.role == "server")
+        .or_else(|| others().find(|m| m.role == oomscope_proto::PROBE_ROLE));
     if let Some(m) = serving {
         let theirs = store.history(&m.agent_id, from_ns, to_ns)?.samples;
         join_context(samples, &theirs);

@@ -21,11 +21,12 @@ pub mod server;
 mod suites;
 pub mod tokens;
 pub mod watch;
+pub mod workload;
 
 use std::collections::{BTreeMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -432,6 +433,9 @@ pub(crate) struct Asker<'a> {
     model: Option<&'a str>,
     api: load::Api,
     stream: bool,
+    /// Words to tokens, for each request's expected tokens.
+    cal: &'a tokens::Calibration,
+    workload: Option<&'a Arc<workload::Workload>>,
 }
 
 impl Asker<'_> {
@@ -449,6 +453,8 @@ impl Asker<'_> {
             timeout,
             api: self.api,
             stream: self.stream,
+            prompt_tokens: self.cal.tokens_for(words),
+            workload: self.workload.cloned(),
         }
     }
 
@@ -486,6 +492,8 @@ pub struct Probe {
     deliberate: Option<(i64, i64)>,
     /// The suite running now.
     current: String,
+    /// Where each request goes as the server's workload (the collector).
+    workload: Option<Arc<workload::Workload>>,
 }
 
 impl Probe {
@@ -532,7 +540,14 @@ impl Probe {
             windows: Vec::new(),
             deliberate: None,
             current: String::new(),
+            workload: None,
         })
+    }
+
+    /// Reports every request the probe sends to `sink`, as the server's
+    /// workload: its tokens, start, end and the requests in flight.
+    pub fn report_workload(&mut self, sink: Box<dyn workload::WorkloadSink>) {
+        self.workload = Some(Arc::new(workload::Workload::new(sink)));
     }
 
     fn wants(&self, s: &str) -> bool {
@@ -546,6 +561,8 @@ impl Probe {
             model: self.cfg.model.as_deref(),
             api: self.server.api,
             stream: self.server.stream,
+            cal: &self.cal,
+            workload: self.workload.as_ref(),
         }
     }
 

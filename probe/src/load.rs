@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::http::{request, Endpoint, Failure, Response};
+use super::http::{request, Endpoint, Failure, HttpError, Response};
 
 /// How one request ended.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -112,6 +112,10 @@ pub struct Ask {
     pub api: Api,
     /// Ask for a stream (and its usage), to see the first token.
     pub stream: bool,
+    /// The tokens the server is expected to count for the prompt (0: unknown).
+    pub prompt_tokens: u64,
+    /// Where the request is reported as the server's workload, if anywhere.
+    pub workload: Option<std::sync::Arc<crate::workload::Workload>>,
 }
 
 /// The request body for `ask`.
@@ -229,6 +233,10 @@ pub fn complete(ep: &Endpoint, ask: &Ask, t0: Instant) -> Call {
         headers.push(("Idempotency-Key", k));
     }
     let start_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let open = ask
+        .workload
+        .as_ref()
+        .map(|w| w.start(ask.prompt_tokens, ask.max_tokens as u64));
     let started = Instant::now();
     let r = request(
         ep,
@@ -241,6 +249,26 @@ pub fn complete(ep: &Endpoint, ask: &Ask, t0: Instant) -> Call {
     let latency_ms = started.elapsed().as_secs_f64() * 1e3;
     let at_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prompt_words = ask.prompt.split_whitespace().count();
+    let call = call_of(r, latency_ms, start_ms, at_ms, prompt_words);
+    if let (Some(w), Some(open)) = (&ask.workload, open) {
+        w.end(
+            open,
+            call.prompt_tokens,
+            call.completion_tokens,
+            call.error.as_deref(),
+        );
+    }
+    call
+}
+
+/// What one request's answer (or its failure) was.
+fn call_of(
+    r: Result<Response, HttpError>,
+    latency_ms: f64,
+    start_ms: f64,
+    at_ms: f64,
+    prompt_words: usize,
+) -> Call {
     match r {
         Err(e) => Call {
             outcome: if e.kind == Failure::Timeout {
@@ -353,6 +381,8 @@ mod tests {
             timeout: Duration::from_secs(1),
             api,
             stream,
+            prompt_tokens: 0,
+            workload: None,
         }
     }
 

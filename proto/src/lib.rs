@@ -33,6 +33,13 @@ pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";
 /// the analysis reads censuses by it.
 pub const CENSUS_PHASE: &str = "census";
 
+/// The `Hello.role` of `oomscope probe`'s own stream: the requests it sends a
+/// server, as that server's workload context. It observes the instance it
+/// joins, so its end is never the instance's death.
+pub const PROBE_ROLE: &str = "probe";
+/// The `RequestContext.phase` of the probe's context samples.
+pub const PROBE_PHASE: &str = "probe";
+
 /// A duration in nanoseconds, as the messages' i64 times count them; None
 /// past i64::MAX (about 292 years), so that no conversion ever wraps.
 pub fn duration_ns(d: std::time::Duration) -> Option<i64> {

@@ -8,6 +8,7 @@ use crate::failure;
 use crate::findings::Findings;
 use crate::fixes;
 use crate::pb;
+use crate::runway::RUNWAY_PREFIX;
 use crate::trigger;
 
 /// Domain, trigger, exit, cgroup, evidence, causes, fixes and capacity for
@@ -22,6 +23,16 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         verdict
             .evidence
             .push(format!("trigger {}: {line}", t.as_str()));
+    }
+    // Where nothing failed yet, the runway of the most likely growth comes
+    // first: how long is left matters more than how it was measured.
+    if let Some(line) = causes
+        .iter()
+        .filter(|_| !verdict.failed)
+        .flat_map(|c| c.evidence.iter())
+        .find(|l| l.starts_with(RUNWAY_PREFIX))
+    {
+        verdict.evidence.insert(0, line.clone());
     }
     let fixes = if verdict.failed || !causes.is_empty() {
         fixes::rank(&f, &verdict, &causes)

@@ -244,6 +244,15 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 Some("growing swap until the service is unusable is not a fix: the failure only comes slower"),
             ),
         ],
+        "slow_growth" => vec![fix(
+            format!(
+                "Nothing urgent: the limit lasts about {} more requests at this rate; if that is shorter than the time between restarts or deploys, take heap censuses far apart to name what grows",
+                metric(c, "requests_to_limit")
+            ),
+            "low",
+            format!("{SAME_WORKLOAD} over more requests: the runway must not shrink"),
+            None,
+        )],
         _ => Vec::new(),
     }
 }

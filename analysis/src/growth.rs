@@ -76,6 +76,12 @@ impl Trend {
             && self.later_slope >= PERSISTENCE * self.line.slope
     }
 
+    /// Certain growth of any size: significant, above the noise, still
+    /// rising in the later half. Whether it matters is the runway's call.
+    pub fn certain(&self) -> bool {
+        self.grows(f64::MIN_POSITIVE, 0.0)
+    }
+
     /// Grows enough to be named a leak (the device's live bytes, or a trigger).
     pub fn leaks(&self) -> bool {
         self.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES)
@@ -93,22 +99,6 @@ impl Trend {
             self.p_value
         )
     }
-}
-
-/// How far growth at `per_request` from `used` bytes has to go to `limit`:
-/// "at this rate {limit_text} is reached in about N more requests", and the
-/// metrics requests_to_limit and limit_bytes.
-pub fn runway(
-    limit_text: &str,
-    limit: u64,
-    used: u64,
-    per_request: f64,
-) -> (String, [(&'static str, f64); 2]) {
-    let left = (limit.saturating_sub(used) as f64 / per_request).floor();
-    (
-        format!("at this rate {limit_text} is reached in about {left} more requests"),
-        [("requests_to_limit", left), ("limit_bytes", limit as f64)],
-    )
 }
 
 /// The trend of `(requests_done, bytes)` points. None with too few distinct

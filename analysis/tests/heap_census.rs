@@ -332,17 +332,42 @@ fn host_growth_on_a_gpu_server_names_the_census_type_and_is_no_device_leak() {
 }
 
 #[test]
-fn a_clean_server_with_censuses_has_no_cause() {
-    // RSS still creeps (the census's own lists, arenas), the census is flat.
+fn a_clean_server_with_censuses_has_only_slow_growth() {
+    // RSS still creeps (the census's own lists, arenas), the census is flat:
+    // certain growth, but a thousandth of a percent of MemTotal per request
+    // is slow growth with its runway, never a leak or host growth.
     let clean = Shape {
         kept_bytes: 0,
         kept_objects: false,
         rss_per_request: 8 * KIB,
         ..LEAKY
     };
-    let d = diagnose(&evidence(serve(clean)));
-    assert!(d.causes.is_empty(), "{:?}", d.causes);
+    let run = serve(clean);
+    let last_rss = run.rss;
+    let d = diagnose(&evidence(run));
+    assert_eq!(kinds(&d), ["slow_growth"], "{:?}", d.causes);
     assert!(d.trigger.is_none(), "{:?}", d.trigger);
+    let slow = &d.causes[0];
+    let per_request = slow.metrics["bytes_per_request"];
+    // 8 KiB a request plus the census's one 5 MiB step, spread by Theil–Sen.
+    assert!(
+        (8.0 * KIB as f64..=32.0 * KIB as f64).contains(&per_request),
+        "{per_request}"
+    );
+    let left = ((MEM_TOTAL - last_rss) as f64 / per_request).floor();
+    assert_eq!(slow.metrics["requests_to_limit"], left);
+    assert!(slow.metrics["limit_share_per_request"] < 1e-5);
+    assert!(
+        slow.evidence[0].starts_with("runway: at "),
+        "{:?}",
+        slow.evidence
+    );
+    assert!(slow.evidence[0].contains("the 16.0 GiB of MemTotal is gone in about"));
+    assert_eq!(
+        d.evidence.first(),
+        Some(&slow.evidence[0]),
+        "the runway leads"
+    );
 }
 
 #[test]

@@ -3,49 +3,32 @@
 //! A heap census that finds the retaining Python type is joined in; its exact
 //! bytes also let a smaller growth through than RSS alone would.
 
-use super::cause;
-use crate::census::{
-    self, HeapGrowth, HeapVerdict, MIN_CENSUS_BYTES_PER_REQUEST, MIN_CENSUS_GROWTH_BYTES,
-};
+use super::{cause, gc_retained};
+use crate::census::{self, HeapGrowth, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::growth::{self, runway};
+use crate::growth::{self, Trend};
 use crate::pb;
+use crate::runway::{self, Runway};
 use crate::timeline::Point;
 use crate::units::bytes_short;
 
-/// Host memory moves in pages and arenas: less than this per request is not
-/// worth a verdict...
-pub const MIN_HOST_BYTES_PER_REQUEST: f64 = (1u64 << 20) as f64;
-/// ...nor less than this over the readings seen...
-pub const MIN_HOST_GROWTH_BYTES: f64 = (32u64 << 20) as f64;
-// ...unless a heap census shows live objects piling up over the same
-// requests: then the census's own floors apply (MIN_CENSUS_*), since the
-// growth is no longer arena noise but counted objects.
+// No floor in bytes: any growth that is certain (growth::Trend::certain) and
+// has a finite runway is reported; its runway says how much it matters, and
+// growth under runway::SLOW_GROWTH_SHARE of the limit per request is
+// slow_growth's, not this.
 
 pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let gpu_grows = growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks());
-    if gpu_grows {
-        return None;
-    }
+    let (what, t, runway) = host_trend(f)?;
     // Growth a collection gave back does not corroborate anything.
     let heap = match census::verdict(f) {
         Some(HeapVerdict::Growing(g)) => Some(g),
         _ => None,
     };
-    let (min_slope, min_growth) = if heap.is_some() {
-        (MIN_CENSUS_BYTES_PER_REQUEST, MIN_CENSUS_GROWTH_BYTES)
-    } else {
-        (MIN_HOST_BYTES_PER_REQUEST, MIN_HOST_GROWTH_BYTES)
-    };
-    let series = |v: fn(&Point) -> Option<u64>| {
-        growth::trend(&host_series(f, v)).filter(|t| t.grows(min_slope, min_growth))
-    };
-    let (what, t) = match series(|p| p.rss) {
-        Some(t) => ("host RSS", t),
-        None => ("cgroup usage", series(|p| p.cgroup_usage)?),
-    };
-    let mut evidence = vec![t.rise_line(what)];
+    if heap.is_none() && runway.is_slow() {
+        return None;
+    }
+    let mut evidence = vec![runway.line(), t.rise_line(what)];
     if f.timeline.device().next().is_some() {
         evidence.push("device live bytes between requests stayed flat".to_string());
     } else {
@@ -63,22 +46,43 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             g.top.bytes_per_request().round(),
         ));
     }
-    if let Some((limit, name)) = f.host_limit() {
-        let (line, m) = runway(
-            &format!("{name} ({})", bytes_short(limit)),
-            limit,
-            t.last_bytes.max(0.0) as u64,
-            t.bytes_per_request(),
-        );
-        evidence.push(line);
-        metrics.extend(m);
-    }
+    metrics.extend(runway.metrics());
     evidence.push(
         "find what the process keeps on the host (a heap census, tracemalloc, growing Python lists or caches); more swap only slows the failure down"
             .to_string(),
     );
     let confidence = if f.failed { 0.7 } else { 0.6 };
     Some(cause("host_growth", confidence, evidence, &metrics))
+}
+
+/// The host's certain growth between requests (RSS, else the cgroup's
+/// usage) and its runway to the host limit, while the device's live bytes
+/// do not leak. None without a limit to run to.
+pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
+    if growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks()) {
+        return None;
+    }
+    // Growth that a collection gave back is gc_retained's, though the
+    // allocator may keep the pages (RSS rarely falls).
+    let gave_back = gc_retained::reclaim(f).is_some_and(|r| r.gave_back_growth());
+    if gave_back || matches!(census::verdict(f), Some(HeapVerdict::Retained(_))) {
+        return None;
+    }
+    let series =
+        |v: fn(&Point) -> Option<u64>| growth::trend(&host_series(f, v)).filter(|t| t.certain());
+    let (what, t) = match series(|p| p.rss) {
+        Some(t) => ("host RSS", t),
+        None => ("cgroup usage", series(|p| p.cgroup_usage)?),
+    };
+    let (limit, limit_name) = f.host_limit()?;
+    let runway = Runway {
+        limit,
+        limit_name,
+        used: t.last_bytes.max(0.0) as u64,
+        per_request: t.bytes_per_request(),
+        requests_per_s: runway::request_rate(&f.timeline),
+    };
+    Some((what, t, runway))
 }
 
 /// "the heap census names the retaining type: torch.Tensor[cpu] +250 KiB per request (49% of the host growth) ..."

@@ -9,9 +9,10 @@ use super::{cause, gc_retained};
 use crate::census::{self, HeapGrowth, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::growth::{self, runway};
+use crate::growth;
 use crate::pb;
 use crate::pb::event::Kind;
+use crate::runway::{self, Runway};
 use crate::units::bytes_short;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
@@ -40,11 +41,15 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         ("requests_seen", t.span),
     ];
     if f.device_limit > 0 {
-        let used = last.reserved.max(last.allocated);
-        let limit = format!("{} ({})", bytes_short(f.device_limit), limit_name(f));
-        let (line, m) = runway(&limit, f.device_limit, used, per_request);
-        evidence.push(line);
-        metrics.extend(m);
+        let runway = Runway {
+            limit: f.device_limit,
+            limit_name: limit_name(f),
+            used: last.reserved.max(last.allocated),
+            per_request,
+            requests_per_s: runway::request_rate(&f.timeline),
+        };
+        evidence.insert(0, runway.line());
+        metrics.extend(runway.metrics());
     }
     if let Some(line) = live_tensors_line(f) {
         evidence.push(line.0);
@@ -74,19 +79,16 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         ("retained_type_bytes_per_request", per_request.round()),
         ("retained_objects_per_request", g.top.objects_per_request()),
     ];
-    if let Some((limit, name, used)) = f
-        .host_limit()
-        .zip(last_host_usage(f))
-        .map(|((l, n), u)| (l, n, u))
-    {
-        let (line, m) = runway(
-            &format!("{name} ({})", bytes_short(limit)),
+    if let Some(((limit, limit_name), used)) = f.host_limit().zip(last_host_usage(f)) {
+        let runway = Runway {
             limit,
+            limit_name,
             used,
             per_request,
-        );
-        evidence.push(line);
-        metrics.extend(m);
+            requests_per_s: runway::request_rate(&f.timeline),
+        };
+        evidence.insert(0, runway.line());
+        metrics.extend(runway.metrics());
     }
     evidence.push(
         "no device allocator here: these are live Python objects on the host that no collection freed; drop the references after each request (the chain shows who holds them)"

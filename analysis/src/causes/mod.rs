@@ -3,7 +3,7 @@
 //!
 //! This file holds the lists. Host-side analyzers of a failure live in `host`;
 //! each timeline analyzer (leak, gc, cache, fragmentation, KV growth, weights,
-//! other processes, host growth) and the runtime's own text have a module of
+//! other processes, host growth, slow growth) and the runtime's own text have a module of
 //! their own; the verdicts of runtimes with a preallocated KV pool (vLLM,
 //! SGLang, llama.cpp) live in `kv_pool`.
 
@@ -17,6 +17,7 @@ mod kv_pool;
 mod leak;
 mod other_process;
 mod runtime_text;
+mod slow_growth;
 mod weights;
 
 use std::collections::HashMap;
@@ -55,6 +56,7 @@ pub const TIMELINE_ANALYZERS: &[Analyzer] = &[
     gc_retained::gc_retained,
     cache_retention::cache_retention,
     host_growth::host_growth,
+    slow_growth::slow_growth,
     kv_pool::kv_pool_saturation,
 ];
 

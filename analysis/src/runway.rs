@@ -1,0 +1,199 @@
+//! How long a growth has before it fills its limit: requests, and time at the
+//! request rate the timeline shows. The runway is what makes a growth
+//! urgent, whatever its size per request: 550 KB a request is an hour at
+//! 100 requests/s and a month at one a minute.
+
+use crate::timeline::Timeline;
+use crate::units::bytes_short;
+
+/// Growth under this share of its limit per request (0.001 %) is "slow
+/// growth": reported with its runway, never as a leak. At that share a limit
+/// lasts 100,000 more requests; allocator arenas, caches that fill over days
+/// and interned strings grow like that without anything being wrong.
+pub const SLOW_GROWTH_SHARE: f64 = 1e-5;
+
+/// Every runway line starts with this, so the diagnosis can lift the
+/// runway of its first growth cause to its own first lines.
+pub const RUNWAY_PREFIX: &str = "runway: ";
+
+/// A growth's way to its limit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Runway<'a> {
+    pub limit: u64,
+    /// "MemTotal", "the cgroup limit", "the device's memory"
+    pub limit_name: &'a str,
+    /// Bytes in use now.
+    pub used: u64,
+    /// Growth per completed request (> 0).
+    pub per_request: f64,
+    /// Completed requests per second over the timeline, when it shows one.
+    pub requests_per_s: Option<f64>,
+}
+
+impl Runway<'_> {
+    /// Requests left before the limit (0 when already over it).
+    pub fn requests_left(&self) -> f64 {
+        if self.per_request <= 0.0 {
+            return f64::INFINITY;
+        }
+        (self.limit.saturating_sub(self.used) as f64 / self.per_request).floor()
+    }
+
+    /// Seconds left at the observed request rate.
+    pub fn seconds_left(&self) -> Option<f64> {
+        self.requests_per_s
+            .filter(|r| *r > 0.0)
+            .map(|r| self.requests_left() / r)
+    }
+
+    /// The limit's share that each request takes.
+    pub fn share_per_request(&self) -> f64 {
+        self.per_request / self.limit.max(1) as f64
+    }
+
+    /// Under [`SLOW_GROWTH_SHARE`] of the limit per request.
+    pub fn is_slow(&self) -> bool {
+        self.share_per_request() < SLOW_GROWTH_SHARE
+    }
+
+    /// "runway: at 100 requests/s (the observed rate), the 23.5 GiB of
+    /// MemTotal is gone in about 4 hours (about 1440000 more requests at
+    /// 550.0 KiB each)"
+    pub fn line(&self) -> String {
+        let limit = format!("the {} of {}", bytes_short(self.limit), self.limit_name);
+        let requests = format!(
+            "about {} more requests at {} each",
+            self.requests_left(),
+            bytes_short(self.per_request.max(0.0).round() as u64)
+        );
+        match (self.requests_per_s, self.seconds_left()) {
+            (Some(rate), Some(secs)) => format!(
+                "{RUNWAY_PREFIX}at {} (the observed rate), {limit} is gone in {} ({requests})",
+                rate_text(rate),
+                duration_text(secs)
+            ),
+            _ => format!("{RUNWAY_PREFIX}{limit} is gone in {requests}"),
+        }
+    }
+
+    /// requests_to_limit, limit_bytes, limit_share_per_request, and
+    /// seconds_to_limit with requests_per_s where the rate is known.
+    pub fn metrics(&self) -> Vec<(&'static str, f64)> {
+        let mut m = vec![
+            ("requests_to_limit", self.requests_left()),
+            ("limit_bytes", self.limit as f64),
+            ("limit_share_per_request", self.share_per_request()),
+        ];
+        if let (Some(rate), Some(secs)) = (self.requests_per_s, self.seconds_left()) {
+            m.push(("requests_per_s", rate));
+            m.push(("seconds_to_limit", secs));
+        }
+        m
+    }
+}
+
+/// Completed requests per second between the first and the last reading
+/// that counts them; None without two such readings apart in time.
+pub fn request_rate(tl: &Timeline) -> Option<f64> {
+    let counted = || tl.points.iter().filter(|p| p.requests_done > 0);
+    let first = counted().next()?;
+    let last = counted().last()?;
+    let secs = (last.time_ns - first.time_ns) as f64 / 1e9;
+    let requests = last.requests_done.checked_sub(first.requests_done)? as f64;
+    (secs > 0.0 && requests > 0.0).then(|| requests / secs)
+}
+
+/// "100 requests/s", "2.5 requests/s", "12 requests/min"
+pub fn rate_text(per_s: f64) -> String {
+    if per_s >= 10.0 {
+        format!("{per_s:.0} requests/s")
+    } else if per_s >= 1.0 {
+        format!("{per_s:.1} requests/s")
+    } else {
+        format!("{:.1} requests/min", per_s * 60.0)
+    }
+}
+
+/// "about 40 seconds", "about 4 hours", "about 3 days", "about 2 years"
+pub fn duration_text(secs: f64) -> String {
+    const UNITS: [(&str, f64); 6] = [
+        ("seconds", 1.0),
+        ("minutes", 60.0),
+        ("hours", 3600.0),
+        ("days", 86_400.0),
+        ("weeks", 7.0 * 86_400.0),
+        ("years", 365.25 * 86_400.0),
+    ];
+    if !secs.is_finite() {
+        return "never at this rate".to_string();
+    }
+    // The largest unit that gives at least 1.5 of it (90 s stays seconds).
+    let (name, size) = UNITS
+        .iter()
+        .rev()
+        .find(|(_, size)| secs >= 1.5 * size)
+        .copied()
+        .unwrap_or(UNITS[0]);
+    format!("about {:.0} {name}", (secs / size).round())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn runway(rate: Option<f64>) -> Runway<'static> {
+        Runway {
+            limit: 47 * GIB / 2,
+            limit_name: "MemTotal",
+            used: GIB,
+            per_request: 550_000.0,
+            requests_per_s: rate,
+        }
+    }
+
+    #[test]
+    fn the_line_says_time_at_the_observed_rate_and_requests() {
+        let r = runway(Some(100.0));
+        // (23.5 - 1) GiB / 550 kB = 43,925 requests, 439 s at 100/s.
+        assert_eq!(r.requests_left(), 43_925.0);
+        assert!((r.seconds_left().unwrap() - 439.25).abs() < 1e-9);
+        assert_eq!(
+            r.line(),
+            "runway: at 100 requests/s (the observed rate), the 23.5 GiB of MemTotal is gone in about 7 minutes (about 43925 more requests at 537.1 KiB each)"
+        );
+        let m = r.metrics();
+        assert!(m.contains(&("seconds_to_limit", 439.25)));
+        assert!(m.contains(&("requests_per_s", 100.0)));
+    }
+
+    #[test]
+    fn without_a_rate_the_runway_is_in_requests() {
+        let r = runway(None);
+        assert_eq!(
+            r.line(),
+            "runway: the 23.5 GiB of MemTotal is gone in about 43925 more requests at 537.1 KiB each"
+        );
+        assert!(r.metrics().iter().all(|(k, _)| *k != "seconds_to_limit"));
+    }
+
+    #[test]
+    fn slow_growth_is_under_a_thousandth_of_a_percent_per_request() {
+        let mut r = runway(None);
+        r.per_request = 1e-5 * r.limit as f64 * 0.99;
+        assert!(r.is_slow());
+        r.per_request = 1e-5 * r.limit as f64 * 1.01;
+        assert!(!r.is_slow());
+    }
+
+    #[test]
+    fn durations_read_in_the_largest_unit_that_fits() {
+        assert_eq!(duration_text(40.0), "about 40 seconds");
+        assert_eq!(duration_text(4.0 * 3600.0 + 100.0), "about 4 hours");
+        assert_eq!(duration_text(3.0 * 86_400.0), "about 3 days");
+        assert_eq!(duration_text(800.0 * 86_400.0), "about 2 years");
+        assert_eq!(rate_text(0.5), "30.0 requests/min");
+        assert_eq!(rate_text(2.54), "2.5 requests/s");
+    }
+}

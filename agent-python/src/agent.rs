@@ -43,6 +43,9 @@ pub enum Job {
         time_ns: i64,
         // Boxed: the context dwarfs the other jobs queued beside it.
         context: Box<pb::RequestContext>,
+        /// `sys.getallocatedblocks()` as the request ended: a cheap signal
+        /// of Python objects piling up (see `suspicion.rs`).
+        blocks: u64,
     },
     Census {
         budget: Duration,
@@ -229,9 +232,12 @@ impl Agent {
             error: error.to_string(),
             ..Default::default()
         }));
+        // O(1) on the request thread, which holds the GIL already.
+        let blocks = Python::attach(allocated_blocks);
         self.submit(Job::Boundary {
             time_ns,
             context: Box::new(context),
+            blocks,
         });
         let every = self.config.census_every;
         if every > 0 && done % every == 0 {
@@ -358,7 +364,7 @@ impl Agent {
         acked
     }
 
-    /// A heap census now, on this thread (GIL held), sent as an event.
+    /// A heap census now, on this thread (GIL held in slices), sent as an event.
     /// A sample with the context goes first, so the census's place in the
     /// request count is on record (the census message has no field for it).
     pub fn census(&self, py: Python<'_>, budget: Duration) -> PyResult<pb::HeapCensus> {
@@ -406,4 +412,12 @@ impl Agent {
             reporter.shutdown(goodbye, wait)
         })
     }
+}
+
+/// `sys.getallocatedblocks()`: the interpreter's live small-object blocks,
+/// 0 where it cannot be read.
+pub fn allocated_blocks(py: Python<'_>) -> u64 {
+    py.import("sys")
+        .and_then(|s| s.getattr("getallocatedblocks")?.call0()?.extract::<u64>())
+        .unwrap_or(0)
 }

@@ -3,9 +3,10 @@
 //! hold), under a time budget, with growth per completed request against the
 //! previous census and one referrer chain for the top grower.
 //!
-//! It holds the GIL for its whole run (up to the budget, plus one referrer
-//! walk), so it runs on the agent's own thread or on demand, never on a
-//! request path.
+//! It holds the GIL in slices of at most [`SLICE`] and lets it go between
+//! them, so a request thread waits one slice at most, never the whole scan;
+//! the budget bounds the time held over all slices. It runs on the agent's
+//! own thread or on demand, never on a request path.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -22,8 +23,14 @@ type Counts = HashMap<String, (u64, u64)>;
 pub const TOP_TYPES: usize = 64;
 /// How far the referrer chain walks up from the top grower.
 pub const MAX_CHAIN: usize = 8;
+/// The longest a census holds the GIL at a time (plus one step of at most
+/// [`CLOCK_EVERY`] objects or one `gc.get_referents` chunk): a request
+/// thread waiting for it waits no longer.
+pub const SLICE: Duration = Duration::from_millis(10);
+/// The share of the budget the scan may use; the referrer chain has the rest.
+const SCAN_SHARE: f64 = 0.75;
 /// Objects scanned between two looks at the clock.
-const CLOCK_EVERY: usize = 512;
+const CLOCK_EVERY: usize = 256;
 /// `gc.get_referents` takes this many objects per call.
 const REFERENTS_CHUNK: usize = 2048;
 
@@ -249,6 +256,64 @@ fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'
         .ok()
 }
 
+/// The GIL's time held in slices: [`Slices::step`] lets the GIL go
+/// whenever the current slice reaches [`SLICE`], and says when the budget
+/// (of held time, over every slice) is spent.
+pub struct Slices<'py> {
+    py: Python<'py>,
+    budget: Duration,
+    held_before: Duration,
+    slice_start: Instant,
+    /// The longest single hold so far.
+    pub longest: Duration,
+}
+
+impl<'py> Slices<'py> {
+    pub fn new(py: Python<'py>, budget: Duration) -> Self {
+        Slices {
+            py,
+            budget,
+            held_before: Duration::ZERO,
+            slice_start: Instant::now(),
+            longest: Duration::ZERO,
+        }
+    }
+
+    /// GIL time held so far, this slice included.
+    pub fn held(&self) -> Duration {
+        self.held_before + self.slice_start.elapsed()
+    }
+
+    /// False once the budget is spent; otherwise ends the slice (letting
+    /// waiting threads run) when it has lasted [`SLICE`].
+    pub fn step(&mut self) -> bool {
+        let slice = self.slice_start.elapsed();
+        if self.held_before + slice > self.budget {
+            return false;
+        }
+        if slice >= SLICE {
+            self.end_slice();
+        }
+        true
+    }
+
+    /// Ends the slice now, whatever its length: before a step that cannot
+    /// be cut (one `gc.get_referrers` scans the whole heap).
+    fn end_slice(&mut self) {
+        let slice = self.slice_start.elapsed();
+        self.longest = self.longest.max(slice);
+        self.held_before += slice;
+        // Another thread waiting for the GIL takes it here.
+        self.py.detach(std::thread::yield_now);
+        self.slice_start = Instant::now();
+    }
+
+    fn finish(&mut self) -> Duration {
+        self.longest = self.longest.max(self.slice_start.elapsed());
+        self.held()
+    }
+}
+
 /// Runs a census now. `baseline` is the previous census (updated here);
 /// growth is per completed request since it.
 pub fn run(
@@ -257,8 +322,8 @@ pub fn run(
     requests_done: u64,
     baseline: &mut Option<Baseline>,
 ) -> PyResult<pb::HeapCensus> {
-    let t0 = Instant::now();
-    let deadline = t0 + budget;
+    // The scan gets most of the budget; the referrer chain what is left.
+    let mut slices = Slices::new(py, budget.mul_f64(SCAN_SHARE));
     let gc = py.import("gc")?;
     let counts: (u64, u64, u64) = gc.call_method0("get_count")?.extract().unwrap_or((0, 0, 0));
     let garbage = gc.getattr("garbage").and_then(|g| g.len()).unwrap_or(0) as u64;
@@ -278,7 +343,7 @@ pub fn run(
     let objects = gc.call_method0("get_objects")?.cast_into::<PyList>()?;
     let mut complete = true;
     for (i, obj) in objects.iter().enumerate() {
-        if i % CLOCK_EVERY == 0 && Instant::now() > deadline {
+        if i % CLOCK_EVERY == 0 && !slices.step() {
             complete = false;
             break;
         }
@@ -290,7 +355,7 @@ pub fn run(
         let n = objects.len();
         let mut start = 0;
         while start < n {
-            if Instant::now() > deadline {
+            if !slices.step() {
                 complete = false;
                 break;
             }
@@ -318,14 +383,9 @@ pub fn run(
         .map(|(name, _, _)| name.clone());
     let mut chain = Vec::new();
     if let Some(obj) = top.as_ref().and_then(|n| sample.get(n)) {
-        chain = referrer_chain(
-            py,
-            top.as_deref().unwrap_or(""),
-            obj,
-            deadline + budget,
-            objects_ptr,
-        )
-        .unwrap_or_default();
+        slices.budget = budget;
+        chain = referrer_chain(&mut slices, top.as_deref().unwrap_or(""), obj, objects_ptr)
+            .unwrap_or_default();
     }
     let mut census = pb::HeapCensus {
         types: select_types(&by_type, &growth),
@@ -333,7 +393,8 @@ pub fn run(
         gc_gen1: counts.1,
         gc_gen2: counts.2,
         garbage,
-        duration_ns: t0.elapsed().as_nanos() as u64,
+        // The GIL time held, over every slice: what the census cost.
+        duration_ns: slices.finish().as_nanos() as u64,
         objects_scanned: scanned,
         referrer_chain: chain,
     };
@@ -428,21 +489,23 @@ pub fn select_types(
 /// Who holds `obj`: each step is the first referrer that is not a frame,
 /// not the census's own list and not already on the chain, up to a module's
 /// globals or [`MAX_CHAIN`] steps. Outermost first.
+/// Each step is one `gc.get_referrers` scan, a slice of its own, while the
+/// census's budget lasts.
 fn referrer_chain(
-    py: Python<'_>,
+    slices: &mut Slices<'_>,
     census_name: &str,
     obj: &Bound<'_, PyAny>,
-    deadline: Instant,
     skip: usize,
 ) -> PyResult<Vec<String>> {
-    let gc = py.import("gc")?;
+    let gc = slices.py.import("gc")?;
     let mut steps = vec![describe_leaf(census_name, obj)];
     let mut on_chain: HashSet<usize> = HashSet::from([obj.as_ptr() as usize, skip]);
     let mut child = obj.clone();
     for _ in 0..MAX_CHAIN {
-        if Instant::now() > deadline {
+        if !slices.step() {
             break;
         }
+        slices.end_slice();
         let referrers = gc.call_method1("get_referrers", (&child,))?;
         let referrers = referrers.cast::<PyList>()?;
         on_chain.insert(referrers.as_ptr() as usize);

@@ -14,15 +14,22 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// The most an OOM may hold up its request thread waiting for the
 /// collector's ack (the event is already synced to the spool, if any).
 pub const DEFAULT_OOM_WAIT: Duration = Duration::from_millis(200);
-/// A heap census every this many completed requests (0 = only on demand or
-/// on a schedule): growth per request needs a few censuses over a run.
-pub const DEFAULT_CENSUS_EVERY: u64 = 100;
+/// A heap census every this many completed requests besides those on
+/// suspicion (0 = none by count: censuses come on growth, see `census_auto`).
+pub const DEFAULT_CENSUS_EVERY: u64 = 0;
+/// Censuses on suspicion (`suspicion.rs`): baselines after requests 10 and
+/// 50, and a census whenever the cheap signals read at every request
+/// boundary (allocated blocks, RSS) grow for certain. Off: only
+/// `census_every`, `census_interval_s` and on demand.
+pub const DEFAULT_CENSUS_AUTO: bool = true;
 /// And one every this long regardless of traffic (0 = never), so an idle
 /// server's heap is still on record.
-pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(300);
-/// A census holds the GIL; it stops scanning after this long (one scan of
-/// 167k objects took 76 ms on the H200 host).
-pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_millis(250);
+pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(3600);
+/// A census's total time holding the GIL, over all its slices (each at most
+/// `census::SLICE`); it stops scanning, partial, when this runs out. One
+/// scan of 160k objects with torch imported takes 95 to 180 ms on an idle
+/// machine; a loaded one may take several times that.
+pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_secs(1);
 /// Request-boundary samples at most this often. Each is a full host reading
 /// (~190 us of CPU) plus the allocator; a request ending sooner after the
 /// last one is folded into the next (which carries the newest context), so
@@ -54,6 +61,7 @@ pub struct Config {
     pub spool_dir: Option<PathBuf>,
     pub oom_wait: Duration,
     pub census_every: u64,
+    pub census_auto: bool,
     pub census_interval: Duration,
     pub census_budget: Duration,
     pub exit_flush: Duration,
@@ -154,6 +162,16 @@ impl Config {
             spool_dir: get("spool").or_else(|| get("spool_dir")).map(PathBuf::from),
             oom_wait: secs("oom_wait_s", DEFAULT_OOM_WAIT)?,
             census_every: count("census_every", DEFAULT_CENSUS_EVERY)?,
+            census_auto: match get("census_auto").as_deref().map(str::trim) {
+                None => DEFAULT_CENSUS_AUTO,
+                Some("1" | "true" | "True") => true,
+                Some("0" | "false" | "False") => false,
+                Some(v) => {
+                    return Err(format!(
+                        "oomscope: census_auto must be true or false (1 or 0), not {v:?}"
+                    ))
+                }
+            },
             census_interval: secs("census_interval_s", DEFAULT_CENSUS_INTERVAL)?,
             census_budget: secs("census_budget_s", DEFAULT_CENSUS_BUDGET)?,
             exit_flush: secs("exit_flush_s", DEFAULT_EXIT_FLUSH)?,
@@ -218,6 +236,10 @@ mod tests {
         );
         let e = Config::resolve(&map(&[("census_every", "-3")]), &none, "p").unwrap_err();
         assert!(e.contains("census_every"), "{e}");
+        let e = Config::resolve(&map(&[("census_auto", "maybe")]), &none, "p").unwrap_err();
+        assert!(e.contains("census_auto") && e.contains("maybe"), "{e}");
+        let c = Config::resolve(&map(&[("census_auto", "0")]), &none, "p").unwrap();
+        assert!(!c.census_auto);
         let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();
         assert!(e.contains("oom_wait_s"), "{e}");
         let e =

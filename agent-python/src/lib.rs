@@ -28,6 +28,7 @@ pub mod context;
 pub mod pyjson;
 pub mod query;
 pub mod sampler;
+pub mod suspicion;
 pub mod torchread;
 
 use agent::Agent;

@@ -15,6 +15,7 @@ use oomscope_agent_core::{lock, pb};
 use pyo3::prelude::*;
 
 use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
+use crate::suspicion::{Reading, Suspicion};
 use crate::torchread;
 
 /// The phase of a sample taken on the clock rather than at a boundary.
@@ -35,6 +36,7 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
             waiting: None,
         },
         census: None,
+        suspicion: agent.config.census_auto.then(Suspicion::default),
         agent: agent.clone(),
         probe,
     };
@@ -50,7 +52,8 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
 struct Boundaries {
     min_interval: Duration,
     last: Option<Instant>,
-    waiting: Option<(i64, Box<pb::RequestContext>)>,
+    /// (time, context, allocated blocks)
+    waiting: Option<(i64, Box<pb::RequestContext>, u64)>,
 }
 
 impl Boundaries {
@@ -64,7 +67,7 @@ impl Boundaries {
     }
 
     /// The waiting boundary if it is due now, counted as sampled now.
-    fn take_due(&mut self) -> Option<(i64, Box<pb::RequestContext>)> {
+    fn take_due(&mut self) -> Option<(i64, Box<pb::RequestContext>, u64)> {
         if self.due()? > Instant::now() {
             return None;
         }
@@ -84,6 +87,8 @@ struct PythonReaders {
     census: Option<(Duration, Instant)>,
     /// When the next census by time is due; None when they are off.
     next_census: Option<Instant>,
+    /// Censuses on suspicion; None when `census_auto` is off.
+    suspicion: Option<Suspicion>,
 }
 
 impl PythonReaders {
@@ -91,29 +96,47 @@ impl PythonReaders {
     fn held_until(&self) -> Option<Instant> {
         self.agent.hold_until.filter(|_| self.agent.reporter.held())
     }
+
+    /// A census now (GIL in slices); the suspicion starts over from it.
+    fn census_now(&mut self, budget: Duration) {
+        let agent = &self.agent;
+        let done = lock(&agent.context).requests_done;
+        let ran = Python::try_attach(|py| match agent.census(py, budget) {
+            Ok(c) => Some(Duration::from_nanos(c.duration_ns)),
+            Err(e) => {
+                tracing::warn!(error = %e, "oomscope: heap census failed");
+                None
+            }
+        });
+        if let (Some(s), Some(Some(cost))) = (self.suspicion.as_mut(), ran) {
+            s.censused(done, cost, Instant::now());
+        }
+    }
 }
 
 impl Readers for PythonReaders {
     type Job = Job;
 
     fn tick(&mut self, _: &Reporter) {
-        let agent = &self.agent;
-        tick(agent, &self.probe);
+        let agent = self.agent.clone();
+        tick(&agent, &self.probe);
         if self.next_census.is_some_and(|t| Instant::now() >= t) {
             self.next_census = Some(Instant::now() + agent.config.census_interval);
             let recent = lock(&agent.last_census)
                 .is_some_and(|t| t.elapsed() < agent.config.census_interval / 2);
             if !recent {
-                Python::try_attach(|py| agent.census(py, agent.config.census_budget).ok());
+                self.census_now(agent.config.census_budget);
             }
         }
     }
 
     fn job(&mut self, job: Job, _: &Reporter) {
         match job {
-            Job::Boundary { time_ns, context } => {
-                self.boundaries.waiting = Some((time_ns, context))
-            }
+            Job::Boundary {
+                time_ns,
+                context,
+                blocks,
+            } => self.boundaries.waiting = Some((time_ns, context, blocks)),
             Job::Census { budget } => {
                 // Between requests the heap holds what requests left behind,
                 // not the temporaries of one mid-step: wait (a little) for
@@ -134,7 +157,7 @@ impl Readers for PythonReaders {
 
     fn directive(&mut self, d: pb::Directive, _: &Reporter) {
         use pb::directive::Kind;
-        let agent = &self.agent;
+        let agent = self.agent.clone();
         match d.kind {
             Some(Kind::TakeSnapshot(t)) => {
                 Python::try_attach(|py| agent.snapshot(py, Some(t.device)));
@@ -145,14 +168,14 @@ impl Readers for PythonReaders {
                 } else {
                     agent.config.census_budget
                 };
-                Python::try_attach(|py| agent.census(py, budget).ok());
+                self.census_now(budget);
             }
             _ => {}
         }
     }
 
     fn poll(&mut self, reporter: &Reporter) -> Flow {
-        let agent = &self.agent;
+        let agent = self.agent.clone();
         if self.held_until().is_some_and(|t| Instant::now() >= t) {
             // The process has lasted: it is no passing helper.
             reporter.release();
@@ -160,15 +183,25 @@ impl Readers for PythonReaders {
         if let Some((budget, until)) = self.census {
             if Instant::now() >= until || lock(&agent.context).in_flight.is_empty() {
                 self.census = None;
-                Python::try_attach(|py| {
-                    if let Err(e) = agent.census(py, budget) {
-                        tracing::warn!(error = %e, "oomscope: heap census failed");
-                    }
-                });
+                self.census_now(budget);
             }
         }
-        if let Some((time_ns, context)) = self.boundaries.take_due() {
-            boundary_sample(agent, &self.probe, time_ns, *context);
+        if let Some((time_ns, context, blocks)) = self.boundaries.take_due() {
+            let requests_done = context.requests_done;
+            let rss = boundary_sample(&agent, &self.probe, time_ns, *context);
+            if let Some(s) = self.suspicion.as_mut() {
+                s.observe(Reading {
+                    requests_done,
+                    blocks,
+                    rss,
+                });
+                if s.due(Instant::now()).is_some() {
+                    self.census.get_or_insert((
+                        agent.config.census_budget,
+                        Instant::now() + CENSUS_IDLE_WAIT,
+                    ));
+                }
+            }
         }
         Flow::Continue
     }
@@ -183,7 +216,7 @@ impl Readers for PythonReaders {
 
     fn stop(&mut self, _: &Reporter) {
         // The last requests' state is not lost to the spacing.
-        if let Some((time_ns, context)) = self.boundaries.waiting.take() {
+        if let Some((time_ns, context, _)) = self.boundaries.waiting.take() {
             boundary_sample(&self.agent, &self.probe, time_ns, *context);
         }
     }
@@ -193,8 +226,13 @@ impl Readers for PythonReaders {
 /// the agent's thread, a moment after the request ended rather than on its
 /// thread. Only a process with CUDA in use (seen by the periodic tick, which
 /// installs the torch hooks) has an allocator to read; the rest never take
-/// the GIL here.
-fn boundary_sample(agent: &Agent, probe: &HostProbe, time_ns: i64, context: pb::RequestContext) {
+/// the GIL here. Returns the RSS it read (0 if none).
+fn boundary_sample(
+    agent: &Agent,
+    probe: &HostProbe,
+    time_ns: i64,
+    context: pb::RequestContext,
+) -> u64 {
     let allocator = if agent.torch_hooks.load(Ordering::Relaxed) {
         Python::try_attach(torchread::read_all).unwrap_or_default()
     } else {
@@ -204,7 +242,9 @@ fn boundary_sample(agent: &Agent, probe: &HostProbe, time_ns: i64, context: pb::
     s.time_ns = time_ns;
     s.allocator = allocator;
     s.context = Some(context);
+    let rss = s.process.as_ref().map_or(0, |p| p.vm_rss_bytes);
     agent.reporter.send_sample(s);
+    rss
 }
 
 /// One periodic sample: host domains first (no GIL), then the allocator.

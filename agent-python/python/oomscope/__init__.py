@@ -43,12 +43,16 @@ __all__ = [
 def start(collector=None, name=None, model=None, revision=None, quantization=None, dtype=None,
           interval_s=None, role=None, rank=None, spool_dir=None, oom_wait_s=None,
           census_every=None, census_interval_s=None, census_budget_s=None,
-          history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None):
+          history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None,
+          census_auto=None):
     """Starts the agent (a second call does nothing and returns False).
 
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
-    defaults: interval_s 1.0, oom_wait_s 0.2, census_every 100 requests,
-    census_interval_s 300, census_budget_s 0.25, no spool, no memory history,
+    defaults: interval_s 1.0, oom_wait_s 0.2, census_auto True (heap censuses
+    after requests 10 and 50, and whenever allocated blocks or RSS grow for
+    certain across requests), census_every 0 (none by count),
+    census_interval_s 3600, census_budget_s 1.0 (GIL time over all of a
+    census's slices, each at most 10 ms), no spool, no memory history,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
     a request ending sooner is folded into the next sample).
     A bad value raises ValueError here, never later. Called while an
@@ -60,7 +64,7 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
         spool_dir=spool_dir, oom_wait_s=oom_wait_s, census_every=census_every,
         census_interval_s=census_interval_s, census_budget_s=census_budget_s,
         history_max_entries=history_max_entries, exit_flush_s=exit_flush_s,
-        boundary_min_interval_s=boundary_min_interval_s)
+        boundary_min_interval_s=boundary_min_interval_s, census_auto=census_auto)
 
 
 def _start(autostart, **kwargs):

@@ -1,0 +1,254 @@
+//! When a heap census is worth its cost: cheap signals read at every
+//! request boundary (the interpreter's allocated blocks, the process's RSS)
+//! are watched for growth across requests, with the same trend test the
+//! diagnosis uses (analysis's `growth::Trend::certain`). A full census runs
+//! when one of them grows for certain since the last census, plus a rare
+//! baseline; a server that does not grow pays for the baselines only.
+//!
+//! No Python here: the sampler feeds readings in and asks when to census.
+
+use std::time::{Duration, Instant};
+
+use oomscope_analysis::growth;
+
+/// A baseline census after these many completed requests: the first gives
+/// later censuses something to grow from, the second a shape after warm-up.
+pub const BASELINE_AT: [u64; 2] = [10, 50];
+
+/// Fewer requests than this since the last census prove nothing new: a
+/// census every few requests would cost more than it tells.
+pub const MIN_REQUESTS_BETWEEN: u64 = 10;
+
+/// Censuses on suspicion take at most this share of wall time: a census
+/// that cost 100 ms is followed by another no sooner than 1 s later. A
+/// leak keeps the suspicion up, so censuses come as fast as this allows.
+pub const DEFAULT_DUTY: f64 = 0.1;
+
+/// The readings kept since the last census; past this, every other one is
+/// dropped (bounded memory, and the window still spans every request since).
+/// The trend test is O(n²): 64 readings cost tens of microseconds.
+pub const MAX_READINGS: usize = 64;
+
+/// The trend is tested once every this many new readings, not at each.
+pub const TEST_EVERY: usize = 4;
+
+/// Each census on suspicion doubles the requests the next one waits for
+/// (from [`MIN_REQUESTS_BETWEEN`] up to this), so growth that never stops
+/// but never kills (a cache filling for days) costs censuses that thin out
+/// logarithmically; a look that finds the signals flat starts over.
+pub const MAX_REQUESTS_BETWEEN: u64 = 10_000;
+
+/// One boundary's cheap signals.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Reading {
+    pub requests_done: u64,
+    /// `sys.getallocatedblocks()`; 0 when it could not be read.
+    pub blocks: u64,
+    /// Resident bytes; 0 when unknown.
+    pub rss: u64,
+}
+
+/// Why a census is due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    Baseline,
+    /// Allocated blocks grew for certain since the last census.
+    Blocks,
+    /// RSS grew for certain since the last census.
+    Rss,
+}
+
+#[derive(Debug)]
+pub struct Suspicion {
+    readings: Vec<Reading>,
+    baselines_left: Vec<u64>,
+    last_census_requests: Option<u64>,
+    /// Requests the next census on suspicion waits for since the last census.
+    between: u64,
+    /// Readings since the trend was last tested.
+    untested: usize,
+    /// No census on suspicion before this (the duty cycle).
+    not_before: Option<Instant>,
+    duty: f64,
+}
+
+impl Default for Suspicion {
+    fn default() -> Self {
+        Suspicion::new(DEFAULT_DUTY)
+    }
+}
+
+impl Suspicion {
+    pub fn new(duty: f64) -> Suspicion {
+        Suspicion {
+            readings: Vec::new(),
+            baselines_left: BASELINE_AT.to_vec(),
+            last_census_requests: None,
+            between: MIN_REQUESTS_BETWEEN,
+            untested: 0,
+            not_before: None,
+            duty: duty.clamp(1e-6, 1.0),
+        }
+    }
+
+    /// One boundary's readings.
+    pub fn observe(&mut self, r: Reading) {
+        if self.readings.len() >= MAX_READINGS {
+            let mut i = 0;
+            self.readings.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
+        }
+        self.readings.push(r);
+        self.untested += 1;
+    }
+
+    /// Whether a census is due now, and why.
+    pub fn due(&mut self, now: Instant) -> Option<Reason> {
+        let done = self.readings.last()?.requests_done;
+        if self.baselines_left.first().is_some_and(|&at| done >= at) {
+            return Some(Reason::Baseline);
+        }
+        let since = done.saturating_sub(self.last_census_requests.unwrap_or(0));
+        if since < self.between
+            || self.untested < TEST_EVERY
+            || self.not_before.is_some_and(|t| now < t)
+        {
+            return None;
+        }
+        self.untested = 0;
+        let grows = |v: fn(&Reading) -> u64| {
+            let pts: Vec<(f64, f64)> = self
+                .readings
+                .iter()
+                .filter(|r| v(r) > 0)
+                .map(|r| (r.requests_done as f64, v(r) as f64))
+                .collect();
+            growth::trend(&pts).is_some_and(|t| t.certain())
+        };
+        let reason = if grows(|r| r.blocks) {
+            Some(Reason::Blocks)
+        } else if grows(|r| r.rss) {
+            Some(Reason::Rss)
+        } else {
+            None
+        };
+        if reason.is_none() {
+            self.between = MIN_REQUESTS_BETWEEN;
+        }
+        reason
+    }
+
+    /// A census ran at `requests_done` and cost `cost`: the readings start
+    /// over (growth must show again since it), and the next census on
+    /// suspicion waits `cost / duty`.
+    pub fn censused(&mut self, requests_done: u64, cost: Duration, now: Instant) {
+        self.readings.clear();
+        self.untested = 0;
+        let baseline = self
+            .baselines_left
+            .first()
+            .is_some_and(|&at| requests_done >= at);
+        if !baseline && self.last_census_requests.is_some() {
+            self.between = (2 * self.between).min(MAX_REQUESTS_BETWEEN);
+        }
+        self.baselines_left.retain(|&at| at > requests_done);
+        self.last_census_requests = Some(requests_done);
+        self.not_before = Some(now + cost.div_f64(self.duty));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed(s: &mut Suspicion, from: u64, to: u64, blocks: impl Fn(u64) -> u64) {
+        for i in from..=to {
+            s.observe(Reading {
+                requests_done: i,
+                blocks: blocks(i),
+                rss: 500 << 20,
+            });
+        }
+    }
+
+    #[test]
+    fn baselines_come_at_10_and_50_requests() {
+        let now = Instant::now();
+        let mut s = Suspicion::default();
+        feed(&mut s, 1, 9, |_| 1000);
+        assert_eq!(s.due(now), None);
+        feed(&mut s, 10, 10, |_| 1000);
+        assert_eq!(s.due(now), Some(Reason::Baseline));
+        s.censused(10, Duration::from_millis(100), now);
+        feed(&mut s, 11, 49, |i| 1000 + (i * 7919 % 13));
+        assert_eq!(s.due(now), None, "flat signals are no suspicion");
+        feed(&mut s, 50, 50, |_| 1000);
+        assert_eq!(
+            s.due(now),
+            Some(Reason::Baseline),
+            "the duty cycle does not hold back a baseline"
+        );
+        s.censused(50, Duration::from_millis(100), now);
+        for i in 51..=400 {
+            feed(&mut s, i, i, |i| 1000 + (i * 7919 % 13));
+            assert_eq!(s.due(now + Duration::from_secs(3600)), None, "request {i}");
+        }
+    }
+
+    #[test]
+    fn steady_growth_asks_for_a_census_within_the_duty_cycle() {
+        let t0 = Instant::now();
+        let mut s = Suspicion::default();
+        feed(&mut s, 1, 10, |i| 1000 + 4 * i);
+        s.censused(10, Duration::from_millis(100), t0);
+        feed(&mut s, 11, 19, |i| 1000 + 4 * i + (i % 3));
+        assert_eq!(s.due(t0 + Duration::from_secs(5)), None, "9 requests since");
+        feed(&mut s, 20, 20, |i| 1000 + 4 * i);
+        assert_eq!(
+            s.due(t0 + Duration::from_millis(500)),
+            None,
+            "100 ms at 10 % duty"
+        );
+        assert_eq!(s.due(t0 + Duration::from_secs(1)), Some(Reason::Blocks));
+        // Growth that goes on: the next census waits twice as many requests.
+        s.censused(20, Duration::from_millis(100), t0 + Duration::from_secs(1));
+        let t1 = t0 + Duration::from_secs(60);
+        feed(&mut s, 21, 39, |i| 1000 + 4 * i);
+        assert_eq!(s.due(t1), None, "19 requests since, 20 needed");
+        feed(&mut s, 40, 43, |i| 1000 + 4 * i);
+        assert_eq!(s.due(t1), Some(Reason::Blocks));
+    }
+
+    #[test]
+    fn rss_alone_raises_suspicion() {
+        let t0 = Instant::now();
+        let mut s = Suspicion::default();
+        for i in 1..=10 {
+            s.observe(Reading {
+                requests_done: i,
+                blocks: 0,
+                rss: 1 << 30,
+            });
+        }
+        s.censused(10, Duration::from_millis(10), t0);
+        for i in 11..=30 {
+            s.observe(Reading {
+                requests_done: i,
+                blocks: 0,
+                rss: (1 << 30) + i * 550_000,
+            });
+        }
+        assert_eq!(s.due(t0 + Duration::from_secs(1)), Some(Reason::Rss));
+    }
+
+    #[test]
+    fn readings_stay_bounded() {
+        let mut s = Suspicion::default();
+        feed(&mut s, 1, 10_000, |i| 1000 + i);
+        assert!(s.readings.len() <= MAX_READINGS);
+        assert_eq!(s.readings.first().map(|r| r.requests_done), Some(1));
+        assert_eq!(s.readings.last().map(|r| r.requests_done), Some(10_000));
+    }
+}

@@ -182,6 +182,21 @@ fn noise_alone_is_almost_never_a_leak() {
 }
 
 #[test]
+fn noise_alone_is_never_slow_growth() {
+    // Slow growth has no floor in bytes: certainty alone must keep noise out.
+    let limit = 80 * GIB;
+    let slow: Vec<u64> = (0..1000u64)
+        .filter(|&seed| {
+            diagnose(&serving(seed, 40, limit, 0.0))
+                .causes
+                .iter()
+                .any(|c| c.kind == "slow_growth")
+        })
+        .collect();
+    assert!(slow.is_empty(), "noise reported as slow growth: {slow:?}");
+}
+
+#[test]
 fn a_leak_needs_a_minimum_effect() {
     // Perfectly regular, so every rank test calls it significant, but 4 KiB
     // per request over 40 requests is no verdict worth acting on.
@@ -204,6 +219,13 @@ fn a_leak_needs_a_minimum_effect() {
     };
     assert!(!has_leak(&e));
     assert_eq!(diagnose(&e).trigger, None);
+    // Certain, though: slow growth, with its runway to the device's memory.
+    let d = diagnose(&e);
+    let slow = d.causes.iter().find(|c| c.kind == "slow_growth");
+    let slow = slow.unwrap_or_else(|| panic!("{:?}", d.causes));
+    assert_eq!(slow.metrics["bytes_per_request"], 4096.0);
+    let left = ((limit - 2 * GIB) as f64 / 4096.0).floor();
+    assert_eq!(slow.metrics["requests_to_limit"], left);
 }
 
 #[test]

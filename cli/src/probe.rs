@@ -105,12 +105,13 @@ fn send_context(reporter: &Reporter, time_ns: i64, context: pb::RequestContext) 
 }
 
 /// Resends the context every [`WORKLOAD_HEARTBEAT`] while requests are in
-/// flight, until `stop`.
+/// flight, until `stop`. None when no thread could be started: the context
+/// then goes only at each change.
 fn heartbeat(
     reporter: Arc<Reporter>,
     last: Arc<Mutex<pb::RequestContext>>,
     stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<()> {
+) -> Option<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("oomscope-probe-heartbeat".into())
         .spawn(move || {
@@ -122,7 +123,8 @@ fn heartbeat(
                 }
             }
         })
-        .expect("spawning the probe's heartbeat thread")
+        .map_err(|e| eprintln!("oomscope probe: no heartbeat for the workload stream: {e}"))
+        .ok()
 }
 
 /// The instance that `agent` (an agent id or a name: its newest instance)
@@ -244,7 +246,7 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     };
     let mut probe = Probe::new(cfg, evidence)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let beat = stream.as_ref().map(|reporter| {
+    let beat = stream.as_ref().and_then(|reporter| {
         let last = Arc::new(Mutex::new(pb::RequestContext::default()));
         probe.report_workload(Box::new(WorkloadStream {
             reporter: reporter.clone(),

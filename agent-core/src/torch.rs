@@ -116,6 +116,7 @@ pub fn allocator_stats(
         driver_free_bytes,
         driver_total_bytes,
         raw: memory_stats.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        raw_changes: None,
     }
 }
 

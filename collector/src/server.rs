@@ -375,6 +375,9 @@ async fn session(
     let mut stopping = collector.inner.stopping.subscribe();
     let mut said_goodbye = false;
     let mut last_seq = 0u64;
+    // Samples may carry their allocator counters as changes against the
+    // previous sample of this stream: rebuilt here, stored complete.
+    let mut delta = oomscope_proto::delta::Decoder::new();
     let end = loop {
         tokio::select! {
             biased;
@@ -392,7 +395,7 @@ async fn session(
                     Err(status) => break End::Failed(status),
                 };
                 let (batch, pending_end) = drain_ready(&mut inbound, first);
-                match ingest(&collector, &hello, batch, &tx).await {
+                match ingest(&collector, &hello, &mut delta, batch, &tx).await {
                     Ok(outcome) => {
                         said_goodbye |= outcome.goodbye;
                         last_seq = last_seq.max(outcome.max_seq);
@@ -483,6 +486,7 @@ struct IngestOutcome {
 async fn ingest(
     collector: &Collector,
     hello: &pb::Hello,
+    delta: &mut oomscope_proto::delta::Decoder,
     batch: Vec<pb::AgentMessage>,
     tx: &ReplyTx,
 ) -> Result<IngestOutcome, ()> {
@@ -491,7 +495,12 @@ async fn ingest(
     let mut storable = Vec::with_capacity(batch.len());
     let mut goodbye = None;
     let mut rehello = None;
-    for msg in batch {
+    for mut msg in batch {
+        // In stream order, every message: the next one's changes rest on it.
+        if let Err(e) = delta.decode(&mut msg) {
+            rejects.push(reject(msg.seq, &e.to_string()));
+            continue;
+        }
         match &msg.body {
             Some(Body::Hello(h)) if h.agent_id == agent_id => rehello = Some(h.clone()),
             Some(Body::Hello(h)) => rejects.push(reject(

@@ -13,6 +13,8 @@
 //! numbers (prost stores them as `i32`), an unset message or `optional` field
 //! as null, and a field missing from the input as its proto default.
 
+pub mod delta;
+
 #[allow(clippy::all, missing_docs)]
 #[rustfmt::skip]
 pub mod v1 {

@@ -297,6 +297,9 @@ impl Worker {
             self.failing = false;
         }
         self.ledger.resend_all();
+        // Per stream: the first sample of each (so every resend after a
+        // reconnect starts) with complete counters.
+        let mut delta = oomscope_proto::delta::Encoder::new();
         let mut acked = false;
         loop {
             tokio::select! {
@@ -323,7 +326,7 @@ impl Worker {
                 permit = out_tx.reserve(), if self.ledger.owes() => match permit {
                     Ok(permit) => {
                         if let Some(message) = self.next_to_send() {
-                            permit.send(message);
+                            permit.send(delta.encode(message));
                         }
                     }
                     Err(_) => return SessionEnd::Failed { acked, error: "stream closed".into() },

@@ -121,6 +121,7 @@ impl Counters {
             driver_free_bytes,
             driver_total_bytes,
             raw,
+            raw_changes: None,
         }
     }
 }

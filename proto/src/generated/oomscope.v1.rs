@@ -247,6 +247,27 @@ pub struct AllocatorStats {
     /// ("allocated_bytes.small_pool.freed", "max_split_size", ...).
     #[prost(map = "string, int64", tag = "22")]
     pub raw: ::std::collections::HashMap<::prost::alloc::string::String, i64>,
+    /// On the wire only, in a Sample: `raw` as changes against the same
+    /// device's counters in the previous sample of this stream, sent instead of
+    /// `raw` where that is smaller (see oomscope_proto::delta). The collector
+    /// rebuilds `raw` before it stores the sample; the first sample of a stream
+    /// never carries this.
+    #[prost(message, optional, tag = "23")]
+    #[cfg_attr(feature = "serde", serde(skip))]
+    pub raw_changes: ::core::option::Option<RawChanges>,
+}
+/// The counters that changed since the previous sample: `index\[i\]` is a
+/// position in that sample's `raw` keys in sorted order, `change\[i\]` the new
+/// value minus the old one (wrapping). Every other counter kept its value, and
+/// the keys are the same.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RawChanges {
+    #[prost(uint32, repeated, tag = "1")]
+    pub index: ::prost::alloc::vec::Vec<u32>,
+    #[prost(sint64, repeated, tag = "2")]
+    pub change: ::prost::alloc::vec::Vec<i64>,
 }
 /// What the server says it is doing (oomscope.set_context / request()).
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]

@@ -92,12 +92,15 @@ impl Runway<'_> {
     }
 }
 
-/// Completed requests per second between the first and the last reading
-/// that counts them; None without two such readings apart in time.
+/// Completed requests per second between the first reading that counts
+/// requests and the first that shows the last count (readings of an idle
+/// server after its last request do not slow the rate); None without two
+/// such readings apart in time.
 pub fn request_rate(tl: &Timeline) -> Option<f64> {
     let counted = || tl.points.iter().filter(|p| p.requests_done > 0);
     let first = counted().next()?;
-    let last = counted().last()?;
+    let most = counted().map(|p| p.requests_done).max()?;
+    let last = counted().find(|p| p.requests_done == most)?;
     let secs = (last.time_ns - first.time_ns) as f64 / 1e9;
     let requests = last.requests_done.checked_sub(first.requests_done)? as f64;
     (secs > 0.0 && requests > 0.0).then(|| requests / secs)

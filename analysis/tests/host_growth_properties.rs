@@ -225,6 +225,14 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
         .as_ref()
         .unwrap()
         .vm_rss_bytes;
+    // Then idle: periodic readings for 500 s with no request must not slow
+    // the observed rate.
+    let mut samples = samples;
+    for k in 1..=50i64 {
+        let mut idle = reading((100 + 10 * k) * 1_000 * MS, 100, last_rss, limit);
+        idle.context.as_mut().unwrap().phase = "periodic".into();
+        samples.push(idle);
+    }
     let e = Evidence {
         samples,
         ..Default::default()

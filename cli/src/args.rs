@@ -230,6 +230,39 @@ pub enum Verb {
         #[arg(long, requires = "html")]
         force: bool,
     },
+    /// Measure a collector: how many agents one collector takes.
+    #[command(subcommand)]
+    Bench(BenchVerb),
+}
+
+/// What `oomscope bench` measures.
+#[derive(Subcommand)]
+pub enum BenchVerb {
+    /// Drive a collector with N agent streams of real-size samples (the
+    /// allocator counters and host readings of an H200 capture, encoded as
+    /// the agent encodes them, before the clock starts), each sent as fast
+    /// as acks allow. Prints acked samples/s, p50/p99 ack latency, and the
+    /// collector's CPU per sample when it runs on this host. The samples are
+    /// really stored, under agents named bench-ingest.
+    Ingest {
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Agent streams, each on its own connection.
+        #[arg(long, default_value_t = crate::bench::DEFAULT_AGENTS)]
+        agents: usize,
+        /// Samples each stream sends.
+        #[arg(long, default_value_t = crate::bench::DEFAULT_SAMPLES)]
+        samples: usize,
+        /// Unacked samples one stream may have in flight.
+        #[arg(long, default_value_t = crate::bench::DEFAULT_WINDOW)]
+        window: usize,
+        /// Print JSON: {acked_samples_per_s, p50_ack_ms, p99_ack_ms,
+        /// collector_cpu_us_per_sample (null when unknown), agents, samples,
+        /// wire_bytes_per_sample}.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// The probe's defaults, from their one source, `ProbeConfig::new`.

@@ -1,10 +1,11 @@
 //! The `oomscope` command, one module per verb: `collector`, `run` (the
 //! supervisor), `replay`, the queries (`agents`, `incidents`, `timeline`,
-//! `diagnose`), `compare`, `probe` and `report`. Each verb is a thin shell:
-//! the work lives in the collector, agent-core, analysis, report and probe
-//! crates. The command line itself (every flag and its help) is in [`args`].
+//! `diagnose`), `compare`, `probe`, `report` and `bench`. Each verb is a thin
+//! shell: the work lives in the collector, agent-core, analysis, report and
+//! probe crates. The command line itself (every flag and its help) is in [`args`].
 
 pub mod args;
+mod bench;
 mod collector;
 mod compare;
 mod probe;
@@ -15,7 +16,7 @@ pub mod supervise;
 
 use clap::{CommandFactory, Parser};
 
-use args::{Cli, Verb};
+use args::{BenchVerb, Cli, Verb};
 
 /// The exit status of oomscope's own errors, for every verb; clap exits with
 /// the same status on a usage error, so 2 always means "oomscope failed".
@@ -125,6 +126,13 @@ pub fn main() -> i32 {
             md,
             force,
         ),
+        Verb::Bench(BenchVerb::Ingest {
+            collector,
+            agents,
+            samples,
+            window,
+            json,
+        }) => bench::ingest(&collector.collector, agents, samples, window, json),
     };
     match result {
         Ok(code) => code,

@@ -21,6 +21,19 @@ fn verbs() -> Vec<String> {
         .collect()
 }
 
+/// The verbs under `verb`, if it has any (clap's own `help` left out).
+fn subverbs(verb: &str) -> Vec<String> {
+    command()
+        .find_subcommand(verb)
+        .map(|v| {
+            v.get_subcommands()
+                .map(|s| s.get_name().to_string())
+                .filter(|n| n != "help")
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// What a user sees: the binary's `--help`, in an empty environment so that
 /// no `OOMSCOPE_*` value shows up as an `[env: …]` value.
 fn help_of(args: &[&str]) -> String {
@@ -41,6 +54,10 @@ fn every_verbs_help_is_a_snapshot() {
     insta::assert_snapshot!("help", help_of(&[]));
     for verb in verbs() {
         insta::assert_snapshot!(format!("help_{verb}"), help_of(&[&verb]));
+        // A verb with verbs of its own (`bench ingest`): each one's options.
+        for sub in subverbs(&verb) {
+            insta::assert_snapshot!(format!("help_{verb}_{sub}"), help_of(&[&verb, &sub]));
+        }
     }
 }
 

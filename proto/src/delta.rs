@@ -196,7 +196,12 @@ mod tests {
 
     fn many(n: i64, bump: i64) -> Vec<(String, i64)> {
         (0..n)
-            .map(|i| (format!("allocated_bytes.counter_{i}.current"), i * 1000 + bump * (i % 7 == 0) as i64))
+            .map(|i| {
+                (
+                    format!("allocated_bytes.counter_{i}.current"),
+                    i * 1000 + bump * (i % 7 == 0) as i64,
+                )
+            })
             .collect()
     }
 
@@ -208,7 +213,11 @@ mod tests {
     #[test]
     fn first_is_complete_then_changes_round_trip() {
         let (mut enc, mut dec) = (Encoder::new(), Decoder::new());
-        let originals = [msg(1, &many(120, 0)), msg(2, &many(120, 5)), msg(3, &many(120, i64::MIN))];
+        let originals = [
+            msg(1, &many(120, 0)),
+            msg(2, &many(120, 5)),
+            msg(3, &many(120, i64::MIN)),
+        ];
         for (n, original) in originals.iter().enumerate() {
             let mut wire = enc.encode(original.clone());
             assert_eq!(stats(&wire).raw_changes.is_some(), n > 0, "sample {n}");
@@ -228,7 +237,9 @@ mod tests {
         assert!(stats(&fewer).raw_changes.is_none());
         assert_eq!(stats(&fewer).raw.len(), 119);
         let mut again = Encoder::new();
-        assert!(stats(&again.encode(msg(3, &many(119, 1)))).raw_changes.is_none());
+        assert!(stats(&again.encode(msg(3, &many(119, 1))))
+            .raw_changes
+            .is_none());
     }
 
     #[test]
@@ -237,7 +248,10 @@ mod tests {
         enc.encode(msg(1, &many(120, 0)));
         let wire = enc.encode(msg(2, &many(120, 3)));
         let err = Decoder::new().decode(&mut wire.clone()).unwrap_err();
-        assert!(err.0.contains("first sample of a stream must be complete"), "{err}");
+        assert!(
+            err.0.contains("first sample of a stream must be complete"),
+            "{err}"
+        );
 
         let mut dec = Decoder::new();
         dec.decode(&mut msg(1, &many(10, 0))).unwrap();

@@ -1,0 +1,504 @@
+//! `oomscope bench ingest`: a load generator for sizing a collector. N agent
+//! streams each send M real-size samples (the allocator counters and host
+//! readings of a shipped H200 capture, encoded as the agent's reporter
+//! encodes them) as fast as acks allow, and the figures are the collector's:
+//! every frame is encoded before the clock starts.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use oomscope_agent_core::capture::{self, CaptureItem};
+use oomscope_agent_core::{now_ns, pb};
+use prost::bytes::{Buf, BufMut};
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use pb::agent_message::Body;
+use pb::collector_message::Body as Reply;
+
+/// Agent streams a run opens unless told otherwise.
+pub const DEFAULT_AGENTS: usize = 4;
+/// Samples each stream sends unless told otherwise.
+pub const DEFAULT_SAMPLES: usize = 10_000;
+/// Unacked samples one stream may have in flight: the collector stores at
+/// most 256 messages per transaction, so one batch in flight and one
+/// arriving keep it busy without queueing acks behind seconds of backlog.
+pub const DEFAULT_WINDOW: usize = 512;
+/// How long the collector may leave a stream without an ack before the run
+/// fails (it is stuck, not slow).
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The capture whose samples are sent: a real runtime (Hugging Face
+/// transformers generating on an H200), with PyTorch's 122 allocator
+/// counters and the process's host readings in every sample.
+const CAPTURE: &[u8] = include_bytes!("../../tests/fixtures/torch-h200/hf_varied_no_leak.json.gz");
+const CAPTURE_NAME: &str = "hf_varied_no_leak";
+/// The agents' name at the collector.
+pub const BENCH_AGENT_NAME: &str = "bench-ingest";
+const CONNECT_PATH: &str = "/oomscope.v1.AgentService/Connect";
+
+/// What one run measured (`--json` prints it as is).
+#[derive(Debug)]
+pub struct Figures {
+    pub acked_samples_per_s: f64,
+    pub p50_ack_ms: f64,
+    pub p99_ack_ms: f64,
+    /// None when the collector is not a process on this host.
+    pub collector_cpu_us_per_sample: Option<f64>,
+    pub agents: usize,
+    pub samples: usize,
+    /// Mean bytes of a sample message on the wire.
+    pub wire_bytes_per_sample: f64,
+}
+
+impl Figures {
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "acked_samples_per_s": self.acked_samples_per_s,
+            "p50_ack_ms": self.p50_ack_ms,
+            "p99_ack_ms": self.p99_ack_ms,
+            "collector_cpu_us_per_sample": self.collector_cpu_us_per_sample,
+            "agents": self.agents,
+            "samples": self.samples,
+            "wire_bytes_per_sample": self.wire_bytes_per_sample,
+        })
+    }
+}
+
+/// `oomscope bench ingest`.
+pub fn ingest(
+    collector_url: &str,
+    agents: usize,
+    samples: usize,
+    window: usize,
+    json: bool,
+) -> Result<i32> {
+    if agents == 0 || samples == 0 || window == 0 {
+        bail!("--agents, --samples and --window must each be at least 1");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let figures = runtime.block_on(run(collector_url, agents, samples, window))?;
+    if json {
+        println!("{}", figures.to_json());
+    } else {
+        print!("{}", text(&figures, collector_url));
+    }
+    Ok(0)
+}
+
+fn text(f: &Figures, url: &str) -> String {
+    let cpu = match f.collector_cpu_us_per_sample {
+        Some(us) => format!("{us:.1} µs of collector CPU per sample"),
+        None => "collector CPU unknown (not a process on this host)".to_string(),
+    };
+    format!(
+        "{url}: {} agents x {} samples ({:.0} bytes each on the wire)\n\
+         {:.0} acked samples/s; ack latency p50 {:.2} ms, p99 {:.2} ms; {cpu}\n",
+        f.agents,
+        f.samples,
+        f.wire_bytes_per_sample,
+        f.acked_samples_per_s,
+        f.p50_ack_ms,
+        f.p99_ack_ms,
+    )
+}
+
+/// A message encoded before the clock starts: its bytes go on the stream as
+/// they are (a message's encoding is the concatenation of its fields, so
+/// writing them raw is writing the message).
+#[derive(Clone, Debug, Default)]
+struct PreEncoded(prost::bytes::Bytes);
+
+impl Message for PreEncoded {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        buf.put_slice(&self.0);
+    }
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: prost::encoding::WireType,
+        buf: &mut impl Buf,
+        ctx: prost::encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        // Only ever sent, never decoded.
+        prost::encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+    fn encoded_len(&self) -> usize {
+        self.0.len()
+    }
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+/// One agent's stream, encoded: the Hello, M samples, the Goodbye.
+struct Frames {
+    hello: PreEncoded,
+    samples: Vec<PreEncoded>,
+    goodbye: PreEncoded,
+}
+
+/// The capture's samples that carry allocator counters, in order.
+fn capture_samples(base_ns: i64) -> Result<Vec<pb::Sample>> {
+    let cap = capture::parse(CAPTURE, CAPTURE_NAME, base_ns)?;
+    let samples: Vec<pb::Sample> = cap
+        .items
+        .into_iter()
+        .filter_map(|(_, item)| match item {
+            CaptureItem::Sample(s) if !s.allocator.is_empty() => Some(s),
+            _ => None,
+        })
+        .collect();
+    if samples.is_empty() {
+        bail!("the built-in capture {CAPTURE_NAME} has no allocator samples");
+    }
+    Ok(samples)
+}
+
+/// Agent `index`'s stream: the capture's samples over and over, a
+/// millisecond apart, numbered from seq 1.
+fn frames(agent_id: &str, source: &[pb::Sample], samples: usize, base_ns: i64) -> Frames {
+    let hello = pb::Hello {
+        agent_id: agent_id.to_string(),
+        name: BENCH_AGENT_NAME.to_string(),
+        host: "oomscope-bench".to_string(),
+        role: "bench".to_string(),
+        runtime: "pytorch".to_string(),
+        start_time_ns: base_ns,
+        ..Default::default()
+    };
+    let encode = |seq: u64, body: Body| {
+        PreEncoded(
+            pb::AgentMessage {
+                seq,
+                body: Some(body),
+            }
+            .encode_to_vec()
+            .into(),
+        )
+    };
+    // As the reporter puts them on a stream: counters as changes where smaller.
+    let mut delta = oomscope_proto::delta::Encoder::new();
+    let encoded = (0..samples)
+        .map(|i| {
+            let mut sample = source[i % source.len()].clone();
+            sample.time_ns = base_ns + i as i64 * 1_000_000;
+            let message = delta.encode(pb::AgentMessage {
+                seq: i as u64 + 1,
+                body: Some(Body::Sample(sample)),
+            });
+            PreEncoded(message.encode_to_vec().into())
+        })
+        .collect();
+    Frames {
+        hello: encode(0, Body::Hello(hello)),
+        samples: encoded,
+        goodbye: encode(
+            samples as u64 + 1,
+            Body::Goodbye(pb::Goodbye {
+                reason: "bench finished".into(),
+                exit_code: 0,
+            }),
+        ),
+    }
+}
+
+/// An open stream, its Hello sent.
+struct Stream {
+    out: mpsc::Sender<PreEncoded>,
+    inbound: tonic::Streaming<pb::CollectorMessage>,
+}
+
+async fn open(endpoint: &Endpoint, hello: PreEncoded, window: usize) -> Result<Stream> {
+    let channel: Channel = endpoint.connect().await?;
+    // Room for the whole window and the Goodbye: sending never waits on the
+    // channel, only on the window.
+    let (out, rx) = mpsc::channel(window + 2);
+    out.try_send(hello)
+        .map_err(|_| anyhow!("queueing the Hello"))?;
+    let mut grpc = tonic::client::Grpc::new(channel)
+        .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
+    grpc.ready().await.map_err(|e| anyhow!("{e}"))?;
+    let response = grpc
+        .streaming(
+            tonic::Request::new(ReceiverStream::new(rx)),
+            tonic::codegen::http::uri::PathAndQuery::from_static(CONNECT_PATH),
+            tonic_prost::ProstCodec::<PreEncoded, pb::CollectorMessage>::default(),
+        )
+        .await?;
+    Ok(Stream {
+        out,
+        inbound: response.into_inner(),
+    })
+}
+
+/// Sends every sample with at most `window` unacked, then the Goodbye, and
+/// returns each sample's ack latency.
+async fn drive(
+    mut stream: Stream,
+    frames: Vec<PreEncoded>,
+    goodbye: PreEncoded,
+    window: usize,
+) -> Result<Vec<Duration>> {
+    let total = frames.len();
+    let mut sent_at: Vec<Option<Instant>> = vec![None; total + 1];
+    let mut latencies = Vec::with_capacity(total);
+    let mut frames = frames.into_iter();
+    let (mut next, mut acked) = (0usize, 0usize);
+    let goodbye_seq = total as u64 + 1;
+    let mut goodbye_acked = false;
+    let mut goodbye = Some(goodbye);
+    while !goodbye_acked {
+        while next < total && next - acked < window {
+            let frame = frames.next().expect("one frame per sample");
+            stream
+                .out
+                .try_send(frame)
+                .map_err(|_| anyhow!("the stream closed"))?;
+            next += 1;
+            sent_at[next] = Some(Instant::now());
+        }
+        if acked == total {
+            if let Some(g) = goodbye.take() {
+                stream
+                    .out
+                    .try_send(g)
+                    .map_err(|_| anyhow!("the stream closed"))?;
+            }
+        }
+        let reply = tokio::time::timeout(ACK_TIMEOUT, stream.inbound.message())
+            .await
+            .map_err(|_| anyhow!("no ack for {} s", ACK_TIMEOUT.as_secs()))??;
+        let now = Instant::now();
+        match reply.and_then(|r| r.body) {
+            Some(Reply::Ack(a)) => {
+                for seq in a.from_seq..=a.to_seq {
+                    if seq == goodbye_seq {
+                        goodbye_acked = true;
+                    }
+                    let Some(at) = usize::try_from(seq)
+                        .ok()
+                        .and_then(|s| sent_at.get_mut(s))
+                        .and_then(Option::take)
+                    else {
+                        continue;
+                    };
+                    latencies.push(now - at);
+                    acked += 1;
+                }
+            }
+            Some(Reply::Reject(r)) => bail!("the collector rejected seq {}: {}", r.seq, r.reason),
+            Some(Reply::Directive(_)) | None => {}
+        }
+    }
+    Ok(latencies)
+}
+
+async fn run(url: &str, agents: usize, samples: usize, window: usize) -> Result<Figures> {
+    let endpoint = Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("`{url}` is not a collector URL"))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(3));
+    let base_ns = now_ns();
+    let source = capture_samples(base_ns)?;
+    let mut all = Vec::with_capacity(agents);
+    for i in 0..agents {
+        let id = format!("bench-{:x}-{}-{i}", base_ns, std::process::id());
+        all.push(frames(&id, &source, samples, base_ns));
+    }
+    let wire: usize = all
+        .iter()
+        .flat_map(|f| f.samples.iter().map(|s| s.0.len()))
+        .sum();
+    let mut streams = Vec::with_capacity(agents);
+    for f in &all {
+        let s = open(&endpoint, f.hello.clone(), window)
+            .await
+            .with_context(|| format!("opening a stream to the collector at {url}"))?;
+        streams.push(s);
+    }
+    let pid = collector_pid(&endpoint);
+    let cpu_before = pid.and_then(cpu_time);
+    let started = Instant::now();
+    let tasks: Vec<_> = streams
+        .into_iter()
+        .zip(all)
+        .map(|(s, f)| tokio::spawn(drive(s, f.samples, f.goodbye, window)))
+        .collect();
+    let mut latencies = Vec::with_capacity(agents * samples);
+    for t in tasks {
+        latencies.extend(
+            t.await
+                .map_err(|e| anyhow!("an agent task failed: {e}"))??,
+        );
+    }
+    let elapsed = started.elapsed();
+    let cpu_after = pid.and_then(cpu_time);
+    let total = latencies.len();
+    if total != agents * samples {
+        bail!("{total} of {} samples acked", agents * samples);
+    }
+    let ms: Vec<f64> = latencies.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    let quantile = |q| oomscope_analysis::stats::quantile(&ms, q).unwrap_or(0.0);
+    Ok(Figures {
+        acked_samples_per_s: total as f64 / elapsed.as_secs_f64(),
+        p50_ack_ms: quantile(0.5),
+        p99_ack_ms: quantile(0.99),
+        collector_cpu_us_per_sample: cpu_before
+            .zip(cpu_after)
+            .map(|(b, a)| a.saturating_sub(b).as_secs_f64() * 1e6 / total as f64),
+        agents,
+        samples,
+        wire_bytes_per_sample: wire as f64 / total as f64,
+    })
+}
+
+/// The pid of the process on this host that listens where `endpoint`
+/// points: the listening socket's inode from /proc/net/tcp{,6}, then the
+/// process holding it among /proc/*/fd. None for a remote collector.
+fn collector_pid(endpoint: &Endpoint) -> Option<u32> {
+    let uri = endpoint.uri();
+    let port = uri.port_u16().unwrap_or(80);
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    let targets: Vec<IpAddr> = (host, port)
+        .to_socket_addrs()
+        .ok()?
+        .map(|a: SocketAddr| a.ip())
+        .collect();
+    let inodes = listening_inodes(port, &targets);
+    if inodes.is_empty() {
+        return None;
+    }
+    socket_owner(&inodes)
+}
+
+/// Inodes of LISTEN sockets on `port` that a connection to one of `targets`
+/// reaches: the same address, or a wildcard one when the target is loopback.
+fn listening_inodes(port: u16, targets: &[IpAddr]) -> Vec<u64> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st ... inode (10th column)
+            let (Some(local), Some(state), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
+                continue;
+            };
+            if *state != "0A" {
+                continue;
+            }
+            let Some((ip, p)) = parse_proc_addr(local) else {
+                continue;
+            };
+            let reached = targets.iter().any(|t| {
+                *t == ip || (ip.is_unspecified() && t.is_loopback()) || ip.to_canonical() == *t
+            });
+            if p == port && reached {
+                inodes.extend(inode.parse::<u64>().ok());
+            }
+        }
+    }
+    inodes
+}
+
+/// "0100007F:1D09" (IPv4) or the 32-hex-digit IPv6 form, as the kernel
+/// writes them: each 32-bit word in host (little-endian) order.
+fn parse_proc_addr(s: &str) -> Option<(IpAddr, u16)> {
+    let (addr, port) = s.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let words: Vec<u32> = (0..addr.len() / 8)
+        .map(|i| u32::from_str_radix(&addr[i * 8..i * 8 + 8], 16))
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let ip = match bytes.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some((ip, port))
+}
+
+/// The process with an fd on one of the sockets `inodes`.
+fn socket_owner(inodes: &[u64]) -> Option<u32> {
+    let wanted: HashMap<String, ()> = inodes
+        .iter()
+        .map(|i| (format!("socket:[{i}]"), ()))
+        .collect();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(link) = std::fs::read_link(fd.path()) {
+                if wanted.contains_key(link.to_string_lossy().as_ref()) {
+                    return Some(pid);
+                }
+            }
+        }
+    }
+    None
+}
+
+/// A process's user + system CPU time so far, from /proc/PID/stat.
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command may hold spaces and parentheses: fields start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 here.
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_s > 0).then(|| Duration::from_secs_f64(ticks as f64 / per_s as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_addresses_parse_in_host_order() {
+        assert_eq!(
+            parse_proc_addr("0100007F:1D09"),
+            Some((IpAddr::from([127, 0, 0, 1]), 7433))
+        );
+        assert_eq!(
+            parse_proc_addr("00000000000000000000000001000000:0050"),
+            Some(("::1".parse().unwrap(), 80))
+        );
+        assert_eq!(parse_proc_addr("zz:1"), None);
+    }
+
+    #[test]
+    fn frames_number_samples_from_one_and_end_with_goodbye() {
+        let source = capture_samples(1).unwrap();
+        let f = frames("a", &source, 3, 1);
+        let seqs: Vec<u64> = f
+            .samples
+            .iter()
+            .map(|p| pb::AgentMessage::decode(p.0.clone()).unwrap().seq)
+            .collect();
+        assert_eq!(seqs, vec![1, 2, 3]);
+        let bye = pb::AgentMessage::decode(f.goodbye.0.clone()).unwrap();
+        assert_eq!(bye.seq, 4);
+        assert!(matches!(bye.body, Some(Body::Goodbye(_))));
+        assert!(source[0].allocator[0].raw.len() > 100);
+    }
+}

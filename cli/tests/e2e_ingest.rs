@@ -18,7 +18,9 @@ use pb::agent_message::Body;
 fn bench_ingest_stores_every_sample_once_and_reports_every_field() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let out = oomscope()
+    // Only the test's own collector, never one from the environment.
+    let out = std::process::Command::new(bin())
+        .env_remove("OOMSCOPE_COLLECTOR")
         .args(["bench", "ingest", "--collector", &col.url])
         .args(["--agents", "2", "--samples", "2000", "--json"])
         .output()

@@ -539,10 +539,14 @@ async fn ingest(
             let outcome = store.insert_batch(&id, &storable)?;
             // An incident that fails to record must not cost the agent its
             // ack: the messages are stored, and a resend would retry it.
-            let mut recorded = incidents::record(store, &id, &storable).unwrap_or_else(|e| {
-                tracing::error!(agent_id = id, "recording incidents failed: {e:#}");
-                Vec::new()
-            });
+            // Only events start incidents: a batch of samples skips the check.
+            let mut recorded = match storable.iter().any(is_event) {
+                true => incidents::record(store, &id, &storable).unwrap_or_else(|e| {
+                    tracing::error!(agent_id = id, "recording incidents failed: {e:#}");
+                    Vec::new()
+                }),
+                false => Vec::new(),
+            };
             // A death or a request may complete a fleet pattern (crash loop, restart storm).
             if recorded.iter().any(|i| i.kind != incidents::OOM)
                 || storable.iter().any(is_request_event)
@@ -604,6 +608,10 @@ async fn ingest(
         max_seq,
         replies_delivered: delivered,
     })
+}
+
+fn is_event(m: &pb::AgentMessage) -> bool {
+    matches!(&m.body, Some(Body::Event(_)))
 }
 
 fn is_request_event(m: &pb::AgentMessage) -> bool {

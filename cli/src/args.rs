@@ -257,6 +257,11 @@ pub enum BenchVerb {
         /// Unacked samples one stream may have in flight.
         #[arg(long, default_value_t = crate::bench::DEFAULT_WINDOW)]
         window: usize,
+        /// Send every sample's allocator counters complete, as agents without
+        /// delta encoding do (by default, as changes against the previous
+        /// sample where smaller, as the agents' reporter sends them).
+        #[arg(long)]
+        complete_counters: bool,
         /// Print JSON: {acked_samples_per_s, p50_ack_ms, p99_ack_ms,
         /// collector_cpu_us_per_sample (null when unknown), agents, samples,
         /// wire_bytes_per_sample}.

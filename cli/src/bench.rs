@@ -69,21 +69,28 @@ impl Figures {
     }
 }
 
+/// The load one run puts on a collector.
+#[derive(Clone, Copy, Debug)]
+pub struct Load {
+    pub agents: usize,
+    /// Samples per agent stream.
+    pub samples: usize,
+    /// Unacked samples one stream may have in flight.
+    pub window: usize,
+    /// Every sample's counters complete, as agents without delta encoding
+    /// send them.
+    pub complete_counters: bool,
+}
+
 /// `oomscope bench ingest`.
-pub fn ingest(
-    collector_url: &str,
-    agents: usize,
-    samples: usize,
-    window: usize,
-    json: bool,
-) -> Result<i32> {
-    if agents == 0 || samples == 0 || window == 0 {
+pub fn ingest(collector_url: &str, load: Load, json: bool) -> Result<i32> {
+    if load.agents == 0 || load.samples == 0 || load.window == 0 {
         bail!("--agents, --samples and --window must each be at least 1");
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let figures = runtime.block_on(run(collector_url, agents, samples, window))?;
+    let figures = runtime.block_on(run(collector_url, load))?;
     if json {
         println!("{}", figures.to_json());
     } else {
@@ -163,7 +170,7 @@ fn capture_samples(base_ns: i64) -> Result<Vec<pb::Sample>> {
 
 /// Agent `index`'s stream: the capture's samples over and over, a
 /// millisecond apart, numbered from seq 1.
-fn frames(agent_id: &str, source: &[pb::Sample], samples: usize, base_ns: i64) -> Frames {
+fn frames(agent_id: &str, source: &[pb::Sample], load: Load, base_ns: i64) -> Frames {
     let hello = pb::Hello {
         agent_id: agent_id.to_string(),
         name: BENCH_AGENT_NAME.to_string(),
@@ -185,14 +192,17 @@ fn frames(agent_id: &str, source: &[pb::Sample], samples: usize, base_ns: i64) -
     };
     // As the reporter puts them on a stream: counters as changes where smaller.
     let mut delta = oomscope_proto::delta::Encoder::new();
-    let encoded = (0..samples)
+    let encoded = (0..load.samples)
         .map(|i| {
             let mut sample = source[i % source.len()].clone();
             sample.time_ns = base_ns + i as i64 * 1_000_000;
-            let message = delta.encode(pb::AgentMessage {
+            let mut message = pb::AgentMessage {
                 seq: i as u64 + 1,
                 body: Some(Body::Sample(sample)),
-            });
+            };
+            if !load.complete_counters {
+                message = delta.encode(message);
+            }
             PreEncoded(message.encode_to_vec().into())
         })
         .collect();
@@ -200,7 +210,7 @@ fn frames(agent_id: &str, source: &[pb::Sample], samples: usize, base_ns: i64) -
         hello: encode(0, Body::Hello(hello)),
         samples: encoded,
         goodbye: encode(
-            samples as u64 + 1,
+            load.samples as u64 + 1,
             Body::Goodbye(pb::Goodbye {
                 reason: "bench finished".into(),
                 exit_code: 0,
@@ -301,7 +311,13 @@ async fn drive(
     Ok(latencies)
 }
 
-async fn run(url: &str, agents: usize, samples: usize, window: usize) -> Result<Figures> {
+async fn run(url: &str, load: Load) -> Result<Figures> {
+    let Load {
+        agents,
+        samples,
+        window,
+        ..
+    } = load;
     let endpoint = Endpoint::from_shared(url.to_string())
         .with_context(|| format!("`{url}` is not a collector URL"))?
         .tcp_nodelay(true)
@@ -311,7 +327,7 @@ async fn run(url: &str, agents: usize, samples: usize, window: usize) -> Result<
     let mut all = Vec::with_capacity(agents);
     for i in 0..agents {
         let id = format!("bench-{:x}-{}-{i}", base_ns, std::process::id());
-        all.push(frames(&id, &source, samples, base_ns));
+        all.push(frames(&id, &source, load, base_ns));
     }
     let wire: usize = all
         .iter()
@@ -489,7 +505,13 @@ mod tests {
     #[test]
     fn frames_number_samples_from_one_and_end_with_goodbye() {
         let source = capture_samples(1).unwrap();
-        let f = frames("a", &source, 3, 1);
+        let load = Load {
+            agents: 1,
+            samples: 3,
+            window: 1,
+            complete_counters: false,
+        };
+        let f = frames("a", &source, load, 1);
         let seqs: Vec<u64> = f
             .samples
             .iter()

@@ -131,8 +131,18 @@ pub fn main() -> i32 {
             agents,
             samples,
             window,
+            complete_counters,
             json,
-        }) => bench::ingest(&collector.collector, agents, samples, window, json),
+        }) => bench::ingest(
+            &collector.collector,
+            bench::Load {
+                agents,
+                samples,
+                window,
+                complete_counters,
+            },
+            json,
+        ),
     };
     match result {
         Ok(code) => code,

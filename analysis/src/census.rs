@@ -86,13 +86,26 @@ impl CensusPoint<'_> {
     }
 }
 
-/// Every census in time order, each at the requests done by its census-phase
-/// sample (sent just before it), else by the latest reading before it.
+/// How the agent marks a census whose budget ran out before its scan
+/// ended: the first line of its referrer chain starts with this.
+pub const PARTIAL_MARK: &str = "(partial census";
+
+/// Whether the scan stopped early: its counts are a part of the heap, and
+/// a type's bytes in it say nothing about growth.
+pub fn is_partial(c: &pb::HeapCensus) -> bool {
+    c.referrer_chain
+        .first()
+        .is_some_and(|l| l.starts_with(PARTIAL_MARK))
+}
+
+/// Every whole census in time order (partial ones left out), each at the
+/// requests done by its census-phase sample (sent just before it), else by
+/// the latest reading before it.
 pub fn points<'a>(events: &'a [pb::Event], tl: &Timeline) -> Vec<CensusPoint<'a>> {
     let mut censuses: Vec<(i64, &pb::HeapCensus)> = events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::HeapCensus(h)) => Some((e.time_ns, h)),
+            Some(Kind::HeapCensus(h)) if !is_partial(h) => Some((e.time_ns, h)),
             _ => None,
         })
         .collect();

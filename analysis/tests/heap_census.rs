@@ -113,6 +113,18 @@ impl Run {
     }
 }
 
+impl Run {
+    /// A census the agent cut short: a third of the tensors, and its mark.
+    fn census_partial(&mut self, done: u64) {
+        self.sample("census", done);
+        self.event(Kind::HeapCensus(pb::HeapCensus {
+            types: vec![tc("torch.Tensor[cpu]", 6, WEIGHTS / 3)],
+            referrer_chain: vec!["(partial census: the 250 ms budget ran out)".into()],
+            ..Default::default()
+        }));
+    }
+}
+
 fn tc(name: &str, count: u64, bytes: u64) -> pb::TypeCount {
     pb::TypeCount {
         type_name: name.into(),
@@ -221,6 +233,18 @@ fn a_cpu_leak_is_the_census_type_growing_per_request() {
     assert_eq!(d.trigger.as_deref(), Some("repeated_requests"));
     assert!(d.domain.is_none());
     assert!(!d.fixes.is_empty());
+}
+
+#[test]
+fn a_partial_census_is_left_out() {
+    // The last census's budget ran out a third into the heap: its counts are
+    // a part of it, not a fall.
+    let mut run = serve(LEAKY);
+    run.census_partial(40);
+    let d = diagnose(&evidence(run));
+    let leak = cause(&d, "leak").unwrap_or_else(|| panic!("{:?}", d.causes));
+    assert_eq!(leak.metrics["bytes_per_request"], LOGITS as f64);
+    assert_eq!(leak.metrics["requests_seen"], 30.0);
 }
 
 #[test]

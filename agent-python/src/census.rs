@@ -402,6 +402,7 @@ pub fn run(
         census.referrer_chain.insert(
             0,
             format!(
+                // The analysis knows a partial census by this start.
                 "(partial census: the {} ms budget ran out)",
                 budget.as_millis()
             ),

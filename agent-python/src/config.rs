@@ -28,8 +28,10 @@ pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(3600);
 /// A census's total time holding the GIL, over all its slices (each at most
 /// `census::SLICE`); it stops scanning, partial, when this runs out. One
 /// scan of 160k objects with torch imported takes 95 to 180 ms on an idle
-/// machine; a loaded one may take several times that.
-pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_secs(1);
+/// machine; a loaded one took 550 to 840 ms. A partial census is left out
+/// of the analysis, so the budget is generous: in slices, it costs CPU, not
+/// latency.
+pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_secs(2);
 /// Request-boundary samples at most this often. Each is a full host reading
 /// (~190 us of CPU) plus the allocator; a request ending sooner after the
 /// last one is folded into the next (which carries the newest context), so

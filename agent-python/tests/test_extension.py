@@ -231,7 +231,8 @@ def test_oom_evidence_is_acked_before_the_exception_propagates(collector):
 def test_phase_gc_and_census_events(collector):
     out = run_py("""
         import gc, numpy as np, torch, oomscope
-        oomscope.start(collector=%r, name="events", interval_s=0.5, census_every=0)
+        oomscope.start(collector=%r, name="events", interval_s=0.5, census_every=0,
+                       census_auto=False)
 
         class Retained:
             def __init__(self, i):

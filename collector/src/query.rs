@@ -15,10 +15,11 @@ use crate::server::Collector;
 use crate::store::{Instance, Store, Target};
 use crate::verdict::{diagnose, incident_ref};
 
-/// The most samples one diagnosis reads: at ~10 KB decoded per GPU sample
-/// this bounds a query to ~200 MB however long the agent ran, and it is
-/// still hours of 1 s samples, or thousands of requests' boundary samples,
-/// more than any trigger or leak test needs.
+/// The most samples one diagnosis reads, as their figures (the samples less
+/// their `raw` allocator dicts, see `collector/STORAGE.md`): this bounds a
+/// diagnosis's memory however long the agent ran, and it is still hours of
+/// 1 s samples, or thousands of requests' boundary samples, more than any
+/// trigger or leak test needs.
 pub const DIAGNOSE_MAX_SAMPLES: u32 = 20_000;
 
 pub struct QueryApi {
@@ -83,18 +84,14 @@ impl QueryService for QueryApi {
         let agent = request.into_inner().agent;
         let incidents = self
             .read(move |s| {
-                let all = s.incidents(None).map_err(internal)?;
                 if agent.is_empty() {
-                    return Ok(all);
+                    return s.incidents(None).map_err(internal);
                 }
-                let members: Vec<String> = match resolve(s, &agent)? {
-                    Target::Agent(a) => vec![a],
-                    Target::Instance(i) => i.members.into_iter().map(|m| m.agent_id).collect(),
-                };
-                Ok(all
-                    .into_iter()
-                    .filter(|i| members.contains(&i.agent_id))
-                    .collect())
+                match resolve(s, &agent)? {
+                    Target::Agent(a) => s.incidents(Some(&a)),
+                    Target::Instance(i) => s.incidents_of_instance(&i.id, i64::MIN, i64::MAX),
+                }
+                .map_err(internal)
             })
             .await?;
         Ok(Response::new(pb::IncidentsResponse { incidents }))
@@ -248,10 +245,8 @@ fn instance_view(
     }
     t.events
         .sort_by_key(|e| (e.event.as_ref().map_or(0, |e| e.time_ns), e.seq));
-    let all = store.list_agents()?;
     let order = |id: &str| inst.members.iter().position(|m| m.agent_id == id);
-    let mut members: Vec<pb::AgentSummary> =
-        all.into_iter().filter(|a| a.instance == inst.id).collect();
+    let mut members = store.agents_of_instance(&inst.id)?;
     // The main agent first, then the rest as they started.
     members.sort_by_key(|a| {
         let id = a.hello.as_ref().map_or("", |h| h.agent_id.as_str());
@@ -274,7 +269,7 @@ fn join_members(
     to_ns: i64,
 ) -> anyhow::Result<()> {
     if let Some(sup) = inst.supervisor().filter(|s| s.agent_id != main) {
-        let tree = store.history(&sup.agent_id, from_ns, to_ns)?.samples;
+        let tree = readings_for(store, &sup.agent_id, samples, from_ns, to_ns)?;
         join_tree(samples, &tree);
     }
     join_serving_context(store, inst, main, samples, from_ns, to_ns)
@@ -297,11 +292,51 @@ fn join_serving_context(
         .find(|m| m.role == "api_server" || m.role == "server")
         .or_else(|| others().find(|m| m.role == oomscope_proto::PROBE_ROLE));
     if let Some(m) = serving {
-        let theirs = store.history(&m.agent_id, from_ns, to_ns)?.samples;
+        let theirs = readings_for(store, &m.agent_id, samples, from_ns, to_ns)?;
         join_context(samples, &theirs);
     }
     Ok(())
 }
+
+/// The readings of `agent_id` that `samples` (oldest first) can join: its
+/// samples from [`TREE_JOIN_MAX_AGE_NS`] before the first to the last, in
+/// one range read when they number at most [`JOIN_RANGE_FACTOR`] times
+/// `samples`, else the latest before each (a thinned timeline of a long
+/// history), so that the work follows what is shown, not the history.
+fn readings_for(
+    store: &Store,
+    agent_id: &str,
+    samples: &[pb::TimedSample],
+    from_ns: i64,
+    to_ns: i64,
+) -> anyhow::Result<Vec<pb::TimedSample>> {
+    let (Some(first), Some(last)) = (samples.first(), samples.last()) else {
+        return Ok(Vec::new());
+    };
+    let from = time_of(first).saturating_sub(TREE_JOIN_MAX_AGE_NS).max(from_ns);
+    let to = time_of(last).min(to_ns);
+    let limit = samples.len().saturating_mul(JOIN_RANGE_FACTOR);
+    if let Some(range) = store.history_samples(agent_id, from, to, limit)? {
+        return Ok(range);
+    }
+    let mut out: Vec<pb::TimedSample> = Vec::new();
+    for s in samples {
+        let Some(reading) = store.sample_at(agent_id, time_of(s), TREE_JOIN_MAX_AGE_NS)? else {
+            continue;
+        };
+        if out.last().and_then(|r| r.sample.as_ref()) != Some(&reading) {
+            out.push(pb::TimedSample {
+                seq: 0,
+                sample: Some(reading),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// See [`readings_for`]: a member sampling this many times more often than
+/// the samples shown is read sample by sample instead.
+pub const JOIN_RANGE_FACTOR: usize = 4;
 
 /// Gives each sample without a context of its own the latest context of
 /// `theirs` at or before it (no older than [`TREE_JOIN_MAX_AGE_NS`]).

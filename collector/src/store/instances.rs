@@ -336,31 +336,18 @@ impl Store {
         Ok(n as u64)
     }
 
-    /// `agent_id`'s events in `from_ns..=to_ns`, tagged with it, oldest first.
+    /// `agent_id`'s events in `from_ns..=to_ns`, tagged with it, oldest
+    /// first: the newest that fit a reply (see `history.rs`).
     pub fn events_of(
         &self,
         agent_id: &str,
         from_ns: i64,
         to_ns: i64,
     ) -> Result<Vec<pb::TimedEvent>> {
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT seq, body FROM messages
-             WHERE agent_id = ?1 AND kind = 'event' AND time_ns BETWEEN ?2 AND ?3
-             ORDER BY time_ns, seq",
-        )?;
-        let rows = stmt.query_map(params![agent_id, from_ns, to_ns], |r| {
-            Ok((r.get::<_, i64>(0)? as u64, r.get::<_, Vec<u8>>(1)?))
-        })?;
-        let mut events = Vec::new();
-        for row in rows {
-            let (seq, body) = row?;
-            if let Some(Body::Event(e)) = decode_message(agent_id, seq, &body)?.body {
-                events.push(pb::TimedEvent {
-                    seq,
-                    event: Some(e),
-                    agent_id: agent_id.to_string(),
-                });
-            }
+        let mut events =
+            self.newest_events(agent_id, from_ns, to_ns, super::DEFAULT_EVENT_REPLY_BYTES)?;
+        for e in &mut events {
+            e.agent_id = agent_id.to_string();
         }
         Ok(events)
     }

@@ -1,6 +1,8 @@
 //! The collector's embedded store: one SQLite file holding every agent's Hello,
 //! every Sample and Event it sent (as raw protobuf bytes, so nothing is lost),
-//! and the incidents raised from them.
+//! a compact record of each sample for queries (`figures.rs`), and the
+//! incidents raised from them. `collector/STORAGE.md` gives the layout and the
+//! measurements behind it; `history.rs` the bounded read path.
 //!
 //! Writes are durable before they return (WAL + `synchronous=FULL`): the server
 //! acks a seq only after `insert_batch` has returned, which is the agent's
@@ -9,7 +11,6 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use oomscope_analysis::{Evidence, IncidentRef};
 use prost::Message;
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
@@ -17,12 +18,20 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 
+mod figures;
+mod history;
 mod instances;
+mod readers;
 
+pub use history::{
+    AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
+    DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
+};
 pub use instances::{Instance, Member, Target};
+pub use readers::{ReaderPool, DEFAULT_READERS};
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -67,28 +76,6 @@ pub struct BatchOutcome {
     pub stored: Vec<u64>,
     /// The subset that this batch stored for the first time.
     pub fresh: Vec<u64>,
-}
-
-/// One agent's Hello and its samples and events in a time range, oldest
-/// first, each with its seq.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct AgentHistory {
-    pub hello: pb::Hello,
-    pub samples: Vec<pb::TimedSample>,
-    pub events: Vec<pb::TimedEvent>,
-}
-
-impl AgentHistory {
-    /// The analysis's view: the same messages without seqs, plus the
-    /// incident being diagnosed, if any.
-    pub fn into_evidence(self, incident: Option<IncidentRef>) -> Evidence {
-        Evidence {
-            hello: Some(self.hello),
-            samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
-            events: self.events.into_iter().filter_map(|e| e.event).collect(),
-            incident,
-        }
-    }
 }
 
 pub struct Store {
@@ -161,6 +148,12 @@ impl Store {
             tx.pragma_update(None, "user_version", 2)?;
             tx.commit()?;
         }
+        if version < 3 {
+            let tx = self.conn.transaction()?;
+            figures::migrate_v3(&tx)?;
+            tx.pragma_update(None, "user_version", 3)?;
+            tx.commit()?;
+        }
         Ok(())
     }
 
@@ -203,7 +196,7 @@ impl Store {
         let mut out = BatchOutcome::default();
         let tx = self.conn.transaction()?;
         let mut max_seq = 0u64;
-        let mut allocator_samples = 0i64;
+        let (mut allocator_samples, mut samples, mut events) = (0i64, 0i64, 0i64);
         {
             let mut insert = tx.prepare_cached(
                 "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
@@ -226,8 +219,14 @@ impl Store {
                     .with_context(|| format!("storing seq {} of agent {agent_id}", msg.seq))?;
                 if added > 0 {
                     out.fresh.push(msg.seq);
-                    if matches!(&msg.body, Some(Body::Sample(s)) if !s.allocator.is_empty()) {
-                        allocator_samples += 1;
+                    match &msg.body {
+                        Some(Body::Sample(s)) => {
+                            figures::insert(&tx, agent_id, seq, s)?;
+                            samples += 1;
+                            allocator_samples += i64::from(!s.allocator.is_empty());
+                        }
+                        Some(Body::Event(_)) => events += 1,
+                        _ => {}
                     }
                 }
                 out.stored.push(msg.seq);
@@ -237,9 +236,16 @@ impl Store {
         if !out.stored.is_empty() {
             tx.execute(
                 "UPDATE agents SET last_seq = max(last_seq, ?2), last_seen_ns = max(last_seen_ns, ?3),
-                   allocator_samples = allocator_samples + ?4
+                   allocator_samples = allocator_samples + ?4, samples = samples + ?5, events = events + ?6
                  WHERE agent_id = ?1",
-                params![agent_id, seq_to_sql(max_seq)?, now_ns(), allocator_samples],
+                params![
+                    agent_id,
+                    seq_to_sql(max_seq)?,
+                    now_ns(),
+                    allocator_samples,
+                    samples,
+                    events
+                ],
             )?;
         }
         tx.commit()
@@ -369,15 +375,25 @@ impl Store {
             .is_some())
     }
 
+    /// Every agent, oldest first. The counts are the writer's (see
+    /// `figures.rs`): listing counts no rows.
     pub fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
-        let mut stmt = self.conn.prepare(
+        self.summaries(None)
+    }
+
+    /// The agents of one instance, oldest first.
+    pub fn agents_of_instance(&self, instance: &str) -> Result<Vec<pb::AgentSummary>> {
+        self.summaries(Some(instance))
+    }
+
+    fn summaries(&self, instance: Option<&str>) -> Result<Vec<pb::AgentSummary>> {
+        let mut stmt = self.conn.prepare_cached(
             "SELECT a.agent_id, a.hello, a.state, a.first_seen_ns, a.last_seen_ns, a.last_seq,
-                    (SELECT count(*) FROM messages m WHERE m.agent_id = a.agent_id AND m.kind = 'sample'),
-                    (SELECT count(*) FROM messages m WHERE m.agent_id = a.agent_id AND m.kind = 'event'),
-                    a.instance
-             FROM agents a ORDER BY a.first_seen_ns, a.agent_id",
+                    a.samples, a.events, a.instance
+             FROM agents a WHERE (?1 IS NULL OR a.instance = ?1)
+             ORDER BY a.first_seen_ns, a.agent_id",
         )?;
-        let rows = stmt.query_map([], |r| {
+        let rows = stmt.query_map([instance], |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, Vec<u8>>(1)?,
@@ -436,99 +452,6 @@ impl Store {
             )
             .optional()?;
         blob.map(|b| decode_hello(agent_id, &b)).transpose()
-    }
-
-    /// Samples and events of one agent with `from_ns <= time_ns <= to_ns`
-    /// (`to_ns == 0`: no upper bound), oldest first. With `max_points > 0`
-    /// the samples are thinned evenly to at most that many, keeping the first
-    /// and the last; events are never dropped.
-    pub fn timeline(
-        &self,
-        agent_id: &str,
-        from_ns: i64,
-        to_ns: i64,
-        max_points: u32,
-    ) -> Result<pb::TimelineResponse> {
-        let to_ns = if to_ns == 0 { i64::MAX } else { to_ns };
-        let history = self.history(agent_id, from_ns, to_ns)?;
-        Ok(pb::TimelineResponse {
-            hello: Some(history.hello),
-            samples: downsample(history.samples, max_points as usize),
-            events: history.events,
-            members: Vec::new(),
-        })
-    }
-
-    /// The agent's Hello with all its samples and events in
-    /// `from_ns..=to_ns`, oldest first.
-    pub fn history(&self, agent_id: &str, from_ns: i64, to_ns: i64) -> Result<AgentHistory> {
-        let hello = self
-            .hello(agent_id)?
-            .ok_or_else(|| anyhow!("unknown agent {agent_id:?}"))?;
-        let mut history = AgentHistory {
-            hello,
-            ..Default::default()
-        };
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT seq, kind, body FROM messages
-             WHERE agent_id = ?1 AND kind IN ('sample', 'event') AND time_ns BETWEEN ?2 AND ?3
-             ORDER BY time_ns, seq",
-        )?;
-        let rows = stmt.query_map(params![agent_id, from_ns, to_ns], |r| {
-            Ok((
-                r.get::<_, i64>(0)? as u64,
-                r.get::<_, String>(1)?,
-                r.get::<_, Vec<u8>>(2)?,
-            ))
-        })?;
-        for row in rows {
-            let (seq, _kind, body) = row?;
-            match decode_message(agent_id, seq, &body)?.body {
-                Some(Body::Sample(sample)) => history.samples.push(pb::TimedSample {
-                    seq,
-                    sample: Some(sample),
-                }),
-                Some(Body::Event(event)) => history.events.push(pb::TimedEvent {
-                    seq,
-                    event: Some(event),
-                    agent_id: String::new(),
-                }),
-                _ => {
-                    bail!("agent {agent_id} seq {seq}: stored row is neither a sample nor an event")
-                }
-            }
-        }
-        Ok(history)
-    }
-
-    /// The start of the window holding the newest `max_samples` samples in
-    /// `from_ns..=to_ns`: `from_ns` itself when the range holds no more.
-    pub fn window_start(
-        &self,
-        agent_id: &str,
-        from_ns: i64,
-        to_ns: i64,
-        max_samples: u32,
-    ) -> Result<i64> {
-        let nth: Option<i64> = self
-            .conn
-            .query_row(
-                "SELECT time_ns FROM messages
-                 WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
-                 ORDER BY time_ns DESC LIMIT 1 OFFSET ?4",
-                params![agent_id, from_ns, to_ns, i64::from(max_samples.max(1)) - 1],
-                |r| r.get(0),
-            )
-            .optional()?;
-        Ok(nth.map_or(from_ns, |t| t.max(from_ns)))
-    }
-
-    /// What the analysis needs about an agent: its Hello, samples and events
-    /// up to `to_ns` (all of them when None), oldest first.
-    pub fn evidence(&self, agent_id: &str, to_ns: Option<i64>) -> Result<Evidence> {
-        Ok(self
-            .history(agent_id, i64::MIN, to_ns.unwrap_or(i64::MAX))?
-            .into_evidence(None))
     }
 
     /// All incidents (or one agent's), oldest first.
@@ -752,31 +675,6 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
     }
 }
 
-/// Keeps at most `max` items spread evenly, first and last included; 0 keeps all.
-fn downsample<T>(items: Vec<T>, max: usize) -> Vec<T> {
-    let n = items.len();
-    if max == 0 || n <= max {
-        return items;
-    }
-    if max == 1 {
-        return items.into_iter().last().into_iter().collect();
-    }
-    // Index i*(n-1)/(max-1) for i in 0..max: strictly increasing because n > max.
-    let mut wanted = (0..max).map(|i| i * (n - 1) / (max - 1)).peekable();
-    items
-        .into_iter()
-        .enumerate()
-        .filter_map(|(idx, item)| {
-            if wanted.peek() == Some(&idx) {
-                wanted.next();
-                Some(item)
-            } else {
-                None
-            }
-        })
-        .collect()
-}
-
 /// The largest seq the store holds: SQLite integers are i64. Ingest rejects
 /// a message above it on its own (see `server::ingest`).
 pub const MAX_SEQ: u64 = i64::MAX as u64;
@@ -828,18 +726,75 @@ mod tests {
     }
 
     #[test]
-    fn downsample_keeps_ends_and_spreads_evenly() {
-        let v: Vec<u32> = (0..100).collect();
-        let d = downsample(v.clone(), 5);
-        assert_eq!(d, vec![0, 24, 49, 74, 99]);
-        assert_eq!(downsample(v.clone(), 0).len(), 100);
-        assert_eq!(downsample(v.clone(), 200).len(), 100);
-        assert_eq!(downsample(v.clone(), 1), vec![99]);
-        assert_eq!(downsample(v, 99).len(), 99);
+    fn a_version_2_store_is_migrated_with_its_samples() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v2.db");
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
+        let sample = |seq: u64| pb::AgentMessage {
+            seq,
+            body: Some(Body::Sample(pb::Sample {
+                time_ns: seq as i64 * 1_000,
+                allocator: vec![pb::AllocatorStats {
+                    allocated_bytes: seq * 7,
+                    raw: [("allocated_bytes.all.current".to_string(), seq as i64 * 7)].into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        };
+        {
+            // The schema as version 2 left it, with its rows written as it wrote them.
+            let mut conn = Connection::open(&path).unwrap();
+            let tx = conn.transaction().unwrap();
+            tx.execute_batch(SCHEMA_V1).unwrap();
+            instances::migrate_v2(&tx).unwrap();
+            tx.pragma_update(None, "user_version", 2).unwrap();
+            tx.execute(
+                "INSERT INTO agents(agent_id, name, hello, state, first_seen_ns, last_seen_ns, instance)
+                 VALUES ('a1', 'svc', ?1, 'lost', 1, 1, 'a1')",
+                [hello.encode_to_vec()],
+            )
+            .unwrap();
+            for seq in 1..=5u64 {
+                let msg = sample(seq);
+                tx.execute(
+                    "INSERT INTO messages VALUES ('a1', ?1, ?2, 'sample', NULL, ?3)",
+                    params![seq as i64, seq as i64 * 1_000, msg.encode_to_vec()],
+                )
+                .unwrap();
+            }
+            tx.commit().unwrap();
+        }
+        let mut store = Store::open(&path).unwrap();
+        let version: i64 = store
+            .conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        assert_eq!(store.list_agents().unwrap()[0].samples, 5, "counted at migration");
+        let h = store.history("a1", i64::MIN, i64::MAX).unwrap();
+        let allocated: Vec<u64> = h
+            .samples
+            .iter()
+            .map(|s| s.sample.as_ref().unwrap().allocator[0].allocated_bytes)
+            .collect();
+        assert_eq!(allocated, [7, 14, 21, 28, 35], "every sample has its record");
+        // Whole messages still come back where they fit.
+        let t = store.timeline("a1", 0, 0, 0).unwrap();
+        assert_eq!(t.samples.len(), 5);
+        assert_eq!(t.samples[4].sample.as_ref().unwrap().allocator[0].raw.len(), 1);
+        // And the writer goes on where the old one stopped.
+        store.insert_batch("a1", &[sample(5), sample(6)]).unwrap();
+        assert_eq!(store.list_agents().unwrap()[0].samples, 6, "the resent 5 counts once");
+        assert_eq!(store.history("a1", i64::MIN, i64::MAX).unwrap().samples.len(), 6);
     }
 
-    #[test]
-    fn corrupt_blob_names_agent_and_seq() {
+    /// An in-memory store that knows agent "a1" (named "svc").
+    pub(super) fn store_with_a1() -> Store {
         let mut store = Store::open_in_memory().unwrap();
         let hello = pb::Hello {
             agent_id: "a1".into(),
@@ -847,6 +802,12 @@ mod tests {
             ..Default::default()
         };
         store.upsert_agent(&hello, 1).unwrap();
+        store
+    }
+
+    #[test]
+    fn corrupt_blob_names_agent_and_seq() {
+        let store = store_with_a1();
         store
             .conn
             .execute(
@@ -857,5 +818,12 @@ mod tests {
         let err = store.timeline("a1", 0, 0, 0).unwrap_err();
         let text = format!("{err:#}");
         assert!(text.contains("agent a1 seq 7"), "{text}");
+        store
+            .conn
+            .execute("INSERT INTO figures VALUES ('a1', 5, 7, x'12ff')", [])
+            .unwrap();
+        let err = store.history("a1", 0, 10).unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("figures of agent a1 seq 7"), "{text}");
     }
 }

@@ -1,0 +1,604 @@
+//! The read path of timelines and of the analysis, bounded whatever the
+//! history's length (see `collector/STORAGE.md`):
+//!
+//! - every range query walks an index in time order: `messages_by_time`
+//!   (agent, kind, time, seq) for picking samples and for events, the
+//!   `figures` table's own key (agent, time, seq) for sample records;
+//! - a timeline is thinned in the store: the (time, seq) keys come from
+//!   seeks along the time index, and only the kept samples are read and
+//!   decoded;
+//! - every reply fits under the gRPC limit: samples are sent whole when the
+//!   kept ones fit [`DEFAULT_SAMPLE_REPLY_BYTES`], else as their figures
+//!   (no `raw` allocator dicts), thinned further if even those do not fit;
+//!   events keep the newest [`DEFAULT_EVENT_REPLY_BYTES`].
+
+use anyhow::{anyhow, bail, Result};
+use oomscope_analysis::{Evidence, IncidentRef};
+use oomscope_proto::MAX_MESSAGE_BYTES;
+use rusqlite::{params, OptionalExtension};
+
+use super::{decode_message, figures, Store};
+use crate::pb;
+use crate::pb::agent_message::Body;
+
+/// The most samples one timeline reply holds, however many it asks for
+/// (`max_points` 0, "all", means this many): a chart has fewer pixels, and
+/// it bounds the collector's memory per query.
+pub const DEFAULT_MAX_TIMELINE_SAMPLES: u32 = 20_000;
+
+/// Encoded bytes of samples in one reply: half the gRPC limit, leaving room
+/// for the events, the Hello and an instance's members.
+pub const DEFAULT_SAMPLE_REPLY_BYTES: usize = MAX_MESSAGE_BYTES / 2;
+
+/// Encoded bytes of events in one reply (the newest are kept): a quarter of
+/// the gRPC limit, thousands of request events or a few OOM snapshots.
+pub const DEFAULT_EVENT_REPLY_BYTES: usize = MAX_MESSAGE_BYTES / 4;
+
+/// Encoded bytes of events one analysis reads (the newest are kept): it
+/// holds them decoded, so this bounds the collector's memory per diagnosis.
+pub const DEFAULT_ANALYSIS_EVENT_BYTES: usize = 32 << 20;
+
+/// One agent's Hello and its samples and events in a time range, oldest
+/// first, each with its seq.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct AgentHistory {
+    pub hello: pb::Hello,
+    pub samples: Vec<pb::TimedSample>,
+    pub events: Vec<pb::TimedEvent>,
+}
+
+impl AgentHistory {
+    /// The analysis's view: the same messages without seqs, plus the
+    /// incident being diagnosed, if any.
+    pub fn into_evidence(self, incident: Option<IncidentRef>) -> Evidence {
+        Evidence {
+            hello: Some(self.hello),
+            samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
+            events: self.events.into_iter().filter_map(|e| e.event).collect(),
+            incident,
+        }
+    }
+}
+
+/// A stored sample's place: (time_ns, seq).
+type Key = (i64, i64);
+
+impl Store {
+    /// Samples and events of one agent with `from_ns <= time_ns <= to_ns`
+    /// (`to_ns == 0`: no upper bound), oldest first. The samples are thinned
+    /// evenly to at most `max_points` (0 or more than
+    /// [`DEFAULT_MAX_TIMELINE_SAMPLES`]: that many), keeping the first and
+    /// the last; see the module's doc for how the reply stays bounded.
+    pub fn timeline(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max_points: u32,
+    ) -> Result<pb::TimelineResponse> {
+        let to_ns = if to_ns == 0 { i64::MAX } else { to_ns };
+        let hello = self.known_hello(agent_id)?;
+        let max = match max_points {
+            0 => DEFAULT_MAX_TIMELINE_SAMPLES,
+            n => n.min(DEFAULT_MAX_TIMELINE_SAMPLES),
+        };
+        let keys = self.sample_keys(agent_id, from_ns, to_ns, max as usize)?;
+        let samples = match self.whole_samples(agent_id, &keys, DEFAULT_SAMPLE_REPLY_BYTES)? {
+            Some(whole) => whole,
+            None => self.figures_within(agent_id, &keys, DEFAULT_SAMPLE_REPLY_BYTES)?,
+        };
+        Ok(pb::TimelineResponse {
+            hello: Some(hello),
+            samples,
+            events: self.newest_events(agent_id, from_ns, to_ns, DEFAULT_EVENT_REPLY_BYTES)?,
+            members: Vec::new(),
+        })
+    }
+
+    /// What the analysis reads of one agent in `from_ns..=to_ns`: its
+    /// Hello, the figures of every sample (oldest first) and the newest
+    /// [`DEFAULT_ANALYSIS_EVENT_BYTES`] of events. Callers bound the range
+    /// (see [`Store::window_start`]).
+    pub fn history(&self, agent_id: &str, from_ns: i64, to_ns: i64) -> Result<AgentHistory> {
+        let hello = self.known_hello(agent_id)?;
+        let samples = self
+            .history_samples(agent_id, from_ns, to_ns, usize::MAX)?
+            .unwrap_or_default();
+        Ok(AgentHistory {
+            hello,
+            samples,
+            events: self.newest_events(agent_id, from_ns, to_ns, DEFAULT_ANALYSIS_EVENT_BYTES)?,
+        })
+    }
+
+    /// The figures of the agent's samples in `from_ns..=to_ns`, oldest
+    /// first, along the figures' key; None when there are more than `limit`.
+    pub fn history_samples(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        limit: usize,
+    ) -> Result<Option<Vec<pb::TimedSample>>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq, sample FROM figures
+             WHERE agent_id = ?1 AND time_ns BETWEEN ?2 AND ?3 ORDER BY time_ns, seq",
+        )?;
+        let mut rows = stmt.query(params![agent_id, from_ns, to_ns])?;
+        let mut samples = Vec::new();
+        while let Some(row) = rows.next()? {
+            if samples.len() == limit {
+                return Ok(None);
+            }
+            let seq = row.get::<_, i64>(0)? as u64;
+            let blob = row.get_ref(1)?.as_blob()?;
+            samples.push(pb::TimedSample {
+                seq,
+                sample: Some(figures::decode(agent_id, seq, blob)?),
+            });
+        }
+        Ok(Some(samples))
+    }
+
+    /// The start of the window holding the newest `max_samples` samples in
+    /// `from_ns..=to_ns`: `from_ns` itself when the range holds no more.
+    pub fn window_start(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max_samples: u32,
+    ) -> Result<i64> {
+        let nth: Option<i64> = self
+            .conn
+            .query_row(
+                "SELECT time_ns FROM messages
+                 WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
+                 ORDER BY time_ns DESC, seq DESC LIMIT 1 OFFSET ?4",
+                params![agent_id, from_ns, to_ns, i64::from(max_samples.max(1)) - 1],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(nth.map_or(from_ns, |t| t.max(from_ns)))
+    }
+
+    /// What the analysis needs about an agent: its Hello, samples and events
+    /// up to `to_ns` (all of them when None), oldest first.
+    pub fn evidence(&self, agent_id: &str, to_ns: Option<i64>) -> Result<Evidence> {
+        Ok(self
+            .history(agent_id, i64::MIN, to_ns.unwrap_or(i64::MAX))?
+            .into_evidence(None))
+    }
+
+    /// The agent's latest sample figures in `at_ns - max_age_ns ..= at_ns`.
+    pub fn sample_at(
+        &self,
+        agent_id: &str,
+        at_ns: i64,
+        max_age_ns: i64,
+    ) -> Result<Option<pb::Sample>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq, sample FROM figures WHERE agent_id = ?1 AND time_ns BETWEEN ?2 AND ?3
+             ORDER BY time_ns DESC, seq DESC LIMIT 1",
+        )?;
+        let mut rows = stmt.query(params![agent_id, at_ns.saturating_sub(max_age_ns), at_ns])?;
+        match rows.next()? {
+            Some(row) => {
+                let seq = row.get::<_, i64>(0)? as u64;
+                Ok(Some(figures::decode(agent_id, seq, row.get_ref(1)?.as_blob()?)?))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn known_hello(&self, agent_id: &str) -> Result<pb::Hello> {
+        self.hello(agent_id)?
+            .ok_or_else(|| anyhow!("unknown agent {agent_id:?}"))
+    }
+
+    /// The keys of the samples in range: all of them when they number at
+    /// most `max`, else at most `max` spread evenly in time, first and last
+    /// kept: the sample at or after each of `max` evenly spaced moments,
+    /// found by a seek along the time index each. The work grows with `max`
+    /// (and the log of the history), never with the history's length.
+    fn sample_keys(&self, agent_id: &str, from_ns: i64, to_ns: i64, max: usize) -> Result<Vec<Key>> {
+        let max = max.max(1);
+        let mut head = self.conn.prepare_cached(
+            "SELECT time_ns, seq FROM messages
+             WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
+             ORDER BY time_ns, seq LIMIT ?4",
+        )?;
+        let keys = head
+            .query_map(params![agent_id, from_ns, to_ns, max as i64 + 1], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?
+            .collect::<rusqlite::Result<Vec<Key>>>()?;
+        if keys.len() <= max {
+            return Ok(keys);
+        }
+        let first = keys[0];
+        let last: Key = self.conn.query_row(
+            "SELECT time_ns, seq FROM messages
+             WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
+             ORDER BY time_ns DESC, seq DESC LIMIT 1",
+            params![agent_id, from_ns, to_ns],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        drop(keys);
+        if max == 1 {
+            return Ok(vec![last]);
+        }
+        let mut seek = self.conn.prepare_cached(
+            "SELECT time_ns, seq FROM messages
+             WHERE agent_id = ?1 AND kind = 'sample' AND time_ns BETWEEN ?2 AND ?3
+             ORDER BY time_ns, seq LIMIT 1",
+        )?;
+        let span = i128::from(last.0) - i128::from(first.0);
+        let mut out: Vec<Key> = vec![first];
+        for i in 1..max - 1 {
+            let at = (i128::from(first.0) + span * i as i128 / (max as i128 - 1)) as i64;
+            // Past the previous pick, so a sparse stretch gives no repeats.
+            let after = out.last().map_or(at, |p| at.max(p.0 + 1));
+            let next: Option<Key> = seek
+                .query_row(params![agent_id, after, last.0], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()?;
+            match next {
+                Some(k) if k < last => out.push(k),
+                _ => break,
+            }
+        }
+        out.push(last);
+        Ok(out)
+    }
+
+    /// The kept samples as the agent sent them, or None when their encoded
+    /// bytes pass `budget`: measured first from the stored lengths (SQLite
+    /// reads a blob's length from its row header, not its pages), so a
+    /// reply that will not fit decodes nothing.
+    fn whole_samples(
+        &self,
+        agent_id: &str,
+        keys: &[Key],
+        budget: usize,
+    ) -> Result<Option<Vec<pb::TimedSample>>> {
+        let mut size = self.conn.prepare_cached(
+            "SELECT length(body) FROM messages WHERE agent_id = ?1 AND seq = ?2",
+        )?;
+        let mut bytes = 0usize;
+        for &(_, seq) in keys {
+            let len: Option<i64> = size
+                .query_row(params![agent_id, seq], |r| r.get(0))
+                .optional()?;
+            bytes += len.unwrap_or(0) as usize;
+            if bytes > budget {
+                return Ok(None);
+            }
+        }
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT body FROM messages WHERE agent_id = ?1 AND seq = ?2")?;
+        let mut out = Vec::with_capacity(keys.len());
+        for &(_, seq) in keys {
+            let mut rows = stmt.query(params![agent_id, seq])?;
+            let Some(row) = rows.next()? else { continue };
+            match decode_message(agent_id, seq as u64, row.get_ref(0)?.as_blob()?)?.body {
+                Some(Body::Sample(s)) => out.push(pb::TimedSample {
+                    seq: seq as u64,
+                    sample: Some(s),
+                }),
+                _ => bail!("agent {agent_id} seq {seq}: stored row is not a sample"),
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// The kept samples' figures, thinned further (evenly, ends kept) when
+    /// even those pass `budget`.
+    fn figures_within(
+        &self,
+        agent_id: &str,
+        keys: &[Key],
+        budget: usize,
+    ) -> Result<Vec<pb::TimedSample>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT sample FROM figures WHERE agent_id = ?1 AND time_ns = ?2 AND seq = ?3",
+        )?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut bytes = 0usize;
+        for &(time_ns, seq) in keys {
+            let mut rows = stmt.query(params![agent_id, time_ns, seq])?;
+            let Some(row) = rows.next()? else { continue };
+            let blob = row.get_ref(0)?.as_blob()?;
+            bytes += blob.len();
+            out.push(pb::TimedSample {
+                seq: seq as u64,
+                sample: Some(figures::decode(agent_id, seq as u64, blob)?),
+            });
+        }
+        if bytes > budget {
+            let fit = (out.len() as u128 * budget as u128 / bytes as u128) as usize;
+            out = downsample(out, fit.max(2));
+        }
+        Ok(out)
+    }
+
+    /// Events in range, oldest first: the newest ones, up to `budget`
+    /// encoded bytes, read newest first along the time index.
+    pub(super) fn newest_events(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        budget: usize,
+    ) -> Result<Vec<pb::TimedEvent>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq, body FROM messages
+             WHERE agent_id = ?1 AND kind = 'event' AND time_ns BETWEEN ?2 AND ?3
+             ORDER BY time_ns DESC, seq DESC",
+        )?;
+        let mut rows = stmt.query(params![agent_id, from_ns, to_ns])?;
+        let mut events = Vec::new();
+        let mut bytes = 0usize;
+        while let Some(row) = rows.next()? {
+            let seq = row.get::<_, i64>(0)? as u64;
+            let body = row.get_ref(1)?.as_blob()?;
+            bytes += body.len();
+            if bytes > budget {
+                tracing::warn!(agent_id, "events before seq {seq} left out of a reply: over {budget} bytes");
+                break;
+            }
+            match decode_message(agent_id, seq, body)?.body {
+                Some(Body::Event(event)) => events.push(pb::TimedEvent {
+                    seq,
+                    event: Some(event),
+                    agent_id: String::new(),
+                }),
+                _ => bail!("agent {agent_id} seq {seq}: stored row is not an event"),
+            }
+        }
+        events.reverse();
+        Ok(events)
+    }
+}
+
+/// Which of `n` items in order an even thinning to `max` keeps: index
+/// i*(n-1)/(max-1) for i in 0..max (first and last kept), all when n <= max.
+struct Spread {
+    n: usize,
+    max: usize,
+    next: usize,
+}
+
+impl Spread {
+    fn new(n: usize, max: usize) -> Spread {
+        Spread {
+            n,
+            max: if max == 0 { n } else { max.min(n) },
+            next: 0,
+        }
+    }
+
+    fn at(&self, i: usize) -> usize {
+        match (self.max, self.n) {
+            (m, n) if m >= n => i,
+            // One kept: the newest.
+            (1, n) => n - 1,
+            (m, n) => i * (n - 1) / (m - 1),
+        }
+    }
+
+    /// True when item `idx` (asked in increasing order) is kept.
+    fn keeps(&mut self, idx: usize) -> bool {
+        if self.done() || self.at(self.next) != idx {
+            return false;
+        }
+        self.next += 1;
+        true
+    }
+
+    fn done(&self) -> bool {
+        self.next >= self.max
+    }
+}
+
+/// Keeps at most `max` items spread evenly, first and last included; 0 keeps all.
+pub(super) fn downsample<T>(items: Vec<T>, max: usize) -> Vec<T> {
+    let mut spread = Spread::new(items.len(), max);
+    items
+        .into_iter()
+        .enumerate()
+        .filter_map(|(idx, item)| spread.keeps(idx).then_some(item))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An agent "a1" with `n` samples one second apart (time_ns 1 s, 2 s,
+    /// ...), each with an allocator reading of `seq` MiB and a `raw` dict of
+    /// `raw_keys` counters, and an event every tenth second.
+    fn agent(n: u64, raw_keys: usize) -> Store {
+        let mut store = super::super::tests::store_with_a1();
+        let mut batch = Vec::new();
+        for seq in 1..=n {
+            let time_ns = seq as i64 * 1_000_000_000;
+            let raw = (0..raw_keys)
+                .map(|k| (format!("allocated_bytes.all.counter_{k}"), k as i64))
+                .collect();
+            batch.push(pb::AgentMessage {
+                seq,
+                body: Some(Body::Sample(pb::Sample {
+                    time_ns,
+                    allocator: vec![pb::AllocatorStats {
+                        allocated_bytes: seq << 20,
+                        raw,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                })),
+            });
+        }
+        store.insert_batch("a1", &batch).unwrap();
+        let events: Vec<pb::AgentMessage> = (1..=n / 10)
+            .map(|i| pb::AgentMessage {
+                seq: n + i,
+                body: Some(Body::Event(pb::Event {
+                    time_ns: i as i64 * 10_000_000_000,
+                    kind: Some(pb::event::Kind::Gc(Default::default())),
+                })),
+            })
+            .collect();
+        store.insert_batch("a1", &events).unwrap();
+        store
+    }
+
+    fn allocated(samples: &[pb::TimedSample]) -> Vec<u64> {
+        samples
+            .iter()
+            .map(|s| s.sample.as_ref().unwrap().allocator[0].allocated_bytes >> 20)
+            .collect()
+    }
+
+    #[test]
+    fn every_read_walks_an_index_in_time_order() {
+        let store = agent(10, 0);
+        let reads = [
+            "SELECT count(*) FROM messages WHERE agent_id = 'a1' AND kind = 'sample' AND time_ns BETWEEN 0 AND 9",
+            "SELECT time_ns, seq FROM messages WHERE agent_id = 'a1' AND kind = 'sample' AND time_ns BETWEEN 0 AND 9 ORDER BY time_ns, seq",
+            "SELECT seq, body FROM messages WHERE agent_id = 'a1' AND kind = 'event' AND time_ns BETWEEN 0 AND 9 ORDER BY time_ns DESC, seq DESC",
+            "SELECT time_ns FROM messages WHERE agent_id = 'a1' AND kind = 'sample' AND time_ns BETWEEN 0 AND 9 ORDER BY time_ns DESC, seq DESC LIMIT 1 OFFSET 3",
+            "SELECT seq, sample FROM figures WHERE agent_id = 'a1' AND time_ns BETWEEN 0 AND 9 ORDER BY time_ns, seq",
+            "SELECT seq, sample FROM figures WHERE agent_id = 'a1' AND time_ns BETWEEN 0 AND 9 ORDER BY time_ns DESC, seq DESC LIMIT 1",
+        ];
+        for sql in reads {
+            let plan: Vec<String> = {
+                let mut stmt = store.conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+                let rows = stmt.query_map([], |r| r.get::<_, String>(3)).unwrap();
+                rows.map(|r| r.unwrap()).collect()
+            };
+            let plan = plan.join("; ");
+            assert!(!plan.contains("TEMP B-TREE"), "{sql}: {plan}");
+            assert!(
+                plan.contains("INDEX messages_by_time (agent_id=? AND kind=? AND time_ns>? AND time_ns<?)")
+                    || plan.contains("PRIMARY KEY (agent_id=? AND time_ns>? AND time_ns<?)"),
+                "{sql}: {plan}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_timeline_is_thinned_from_the_index_and_keeps_its_ends() {
+        let store = agent(1000, 3);
+        let t = store.timeline("a1", 0, 0, 5).unwrap();
+        // The samples at or after 1 s, 250.75 s, 500.5 s, 750.25 s, and the last.
+        assert_eq!(allocated(&t.samples), [1, 251, 501, 751, 1000]);
+        assert_eq!(t.events.len(), 100, "every event");
+        assert!(t.events.windows(2).all(|w| w[0].seq < w[1].seq), "oldest first");
+        // Few enough to send whole: the raw dicts come too.
+        assert_eq!(t.samples[0].sample.as_ref().unwrap().allocator[0].raw.len(), 3);
+        // A range reads only its range.
+        let t = store.timeline("a1", 901_000_000_000, 950_000_000_000, 0).unwrap();
+        assert_eq!(allocated(&t.samples), (901..=950).collect::<Vec<_>>());
+        assert_eq!(t.events.len(), 5);
+    }
+
+    #[test]
+    fn a_burst_thins_by_time_without_repeats() {
+        let mut store = super::super::tests::store_with_a1();
+        // 500 samples 1 ms apart, then 20 one second apart.
+        let times = (0..500).map(|i| i * 1_000_000).chain((1..=20).map(|i| i * 1_000_000_000));
+        let batch: Vec<pb::AgentMessage> = times
+            .enumerate()
+            .map(|(i, time_ns)| pb::AgentMessage {
+                seq: i as u64 + 1,
+                body: Some(Body::Sample(pb::Sample {
+                    time_ns,
+                    ..Default::default()
+                })),
+            })
+            .collect();
+        store.insert_batch("a1", &batch).unwrap();
+        let keys = store.sample_keys("a1", i64::MIN, i64::MAX, 11).unwrap();
+        let seqs: Vec<i64> = keys.iter().map(|k| k.1).collect();
+        // 0 s, then the first sample at or after 2 s, 4 s, ... 18 s, and the last (20 s).
+        assert_eq!(seqs, [1, 502, 504, 506, 508, 510, 512, 514, 516, 518, 520]);
+        let keys = store.sample_keys("a1", 0, 499_000_000, 10_000).unwrap();
+        assert_eq!(keys.len(), 500, "fewer than asked: all of them");
+    }
+
+    #[test]
+    fn samples_over_the_budget_come_as_figures_and_then_thinner() {
+        let store = agent(100, 100);
+        let keys = store.sample_keys("a1", i64::MIN, i64::MAX, 100).unwrap();
+        assert_eq!(keys.len(), 100);
+        let whole_bytes: usize = {
+            let sql = "SELECT sum(length(body)) FROM messages WHERE kind = 'sample'";
+            store.conn.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap() as usize
+        };
+        assert!(store.whole_samples("a1", &keys, whole_bytes).unwrap().is_some());
+        assert!(store.whole_samples("a1", &keys, whole_bytes / 2).unwrap().is_none());
+        let figures = store.figures_within("a1", &keys, whole_bytes / 2).unwrap();
+        assert_eq!(allocated(&figures), (1..=100).collect::<Vec<_>>(), "every figure fits");
+        assert!(figures.iter().all(|s| s.sample.as_ref().unwrap().allocator[0].raw.is_empty()));
+        let record: usize = {
+            let sql = "SELECT max(length(sample)) FROM figures";
+            store.conn.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap() as usize
+        };
+        assert!(record * 10 < whole_bytes / 100, "a record is a tenth of the sample: {record}");
+        // A budget for 25 of the largest records: what comes fits it, spread, ends kept.
+        let budget = 25 * record;
+        let thin = store.figures_within("a1", &keys, budget).unwrap();
+        let got = allocated(&thin);
+        let bytes: usize = thin.iter().map(|s| prost::Message::encoded_len(s.sample.as_ref().unwrap())).sum();
+        assert!(bytes <= budget && got.len() >= 20, "{bytes} bytes: {got:?}");
+        assert_eq!((got[0], *got.last().unwrap()), (1, 100));
+        assert!(got.windows(2).all(|w| w[1] - w[0] >= 3 && w[1] - w[0] <= 5), "{got:?}");
+    }
+
+    #[test]
+    fn events_keep_the_newest_within_their_budget() {
+        let store = agent(100, 0);
+        let one = store.newest_events("a1", i64::MIN, i64::MAX, usize::MAX).unwrap();
+        assert_eq!(one.len(), 10);
+        let size = prost::Message::encoded_len(&pb::AgentMessage {
+            seq: 101,
+            body: Some(Body::Event(one[9].event.clone().unwrap())),
+        });
+        // All ten are the same size but the oldest (a shorter time varint).
+        let newest = store.newest_events("a1", i64::MIN, i64::MAX, 3 * size).unwrap();
+        let seqs: Vec<u64> = newest.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, [108, 109, 110]);
+    }
+
+    #[test]
+    fn the_latest_reading_within_an_age() {
+        let store = agent(10, 0);
+        let at = |t: i64, age: i64| {
+            store
+                .sample_at("a1", t, age)
+                .unwrap()
+                .map(|s| s.allocator[0].allocated_bytes >> 20)
+        };
+        assert_eq!(at(5_500_000_000, 1_000_000_000), Some(5));
+        assert_eq!(at(5_000_000_000, 0), Some(5));
+        assert_eq!(at(500_000_000, 1_000_000_000), None);
+        assert_eq!(at(30_000_000_000, 1_000_000_000), None, "too old");
+        let h = store.history_samples("a1", 0, i64::MAX, 5).unwrap();
+        assert!(h.is_none(), "more than the limit");
+        let h = store.history_samples("a1", 3_000_000_000, 4_000_000_000, 5).unwrap();
+        assert_eq!(allocated(&h.unwrap()), [3, 4]);
+    }
+
+    #[test]
+    fn downsample_keeps_ends_and_spreads_evenly() {
+        let v: Vec<u32> = (0..100).collect();
+        let d = downsample(v.clone(), 5);
+        assert_eq!(d, vec![0, 24, 49, 74, 99]);
+        assert_eq!(downsample(v.clone(), 0).len(), 100);
+        assert_eq!(downsample(v.clone(), 200).len(), 100);
+        assert_eq!(downsample(v.clone(), 1), vec![99]);
+        assert_eq!(downsample(v, 99).len(), 99);
+        assert!(downsample(Vec::<u8>::new(), 3).is_empty());
+    }
+}

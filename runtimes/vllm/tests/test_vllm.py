@@ -197,6 +197,50 @@ def test_kv_pool_saturation_is_a_capacity_bound_with_the_vllm_setting(served):
                for f in d["fixes"]), d["fixes"]
 
 
+def test_the_probe_finds_the_context_limit_and_the_kv_pool_bound(served):
+    """`oomscope probe` against the real vLLM: the context figure in tokens
+    within 5 % of --max-model-len, and concurrency bounded by the 40-block KV
+    pool with vLLM's own gauge as evidence, not by the probe's ceiling."""
+    collector, v, _ = served
+    output_tokens = 8
+    t0 = time.monotonic()
+    r = subprocess.run([harness.oomscope_bin(), "probe", "--endpoint", "http://127.0.0.1:%d/v1" % v.port,
+                        "--collector", collector.url, "--agent", "vllm",
+                        "--suite", "long-context,concurrency", "--max-context", "8192",
+                        "--typical-context", "256", "--max-concurrency", "32",
+                        "--output-tokens", str(output_tokens), "--json"],
+                       capture_output=True, text=True, timeout=900)
+    print("probe took %.0f s; its progress:\n%s" % (time.monotonic() - t0, r.stderr[-6000:]))
+    p = json.loads(r.stdout)
+    env = p["envelope"]
+    assert p["server"]["max_model_len"] == 2048, p["server"]
+    ctx = env["max_context_at_concurrency_1"]
+    # A prompt plus its output fits in max_model_len; the bisection ends
+    # within 5 % below that, and never above it.
+    assert 0.95 * 2048 <= ctx["value"] <= 2048 - output_tokens, ctx
+    assert ctx["unit"] == "tokens" and ctx["bounded_by"] == "max_context_setting", ctx
+
+    conc = env["max_concurrency_at_typical_context"]
+    assert conc["bounded_by"] == "kv_pool", conc
+    assert any("vllm:kv_cache_usage_perc" in e or "KV pool was" in e for e in conc["evidence"]), conc
+    # Fewer in service than offered: the rest waited for KV blocks.
+    assert 1 <= conc["value"] < conc["offered"], conc
+    # At the max context each sequence needs ceil(tokens / block) of the 40
+    # blocks, so no more than that many fit at once. (At the typical context
+    # vLLM counts partly prefilled sequences as running, so no such bound.)
+    api = next(a for a in members(collector, "vllm") if a["hello"]["role"] == "api_server")
+    block = next(s["context"]["numbers"]["vllm.block_size"]
+                 for s in collector.timeline(api["hello"]["agent_id"])["samples"]
+                 if s.get("context") and "vllm.block_size" in s["context"]["numbers"])
+    at_max = env["max_concurrency_at_max_context"]
+    fits = 40 // -(-(at_max["context_tokens"] + output_tokens) // int(block))
+    assert 1 <= at_max["value"] <= fits, (at_max, fits)
+    steps = [s for su in p["suites"] if su["suite"] == "concurrency" for s in su["steps"]]
+    assert max(s["server_load"]["max_kv_usage"] for s in steps if s.get("server_load")) >= 0.9, steps
+    # Distinct prompts: nothing was sent twice.
+    assert p["prompts"]["distinct"] == p["prompts"]["sent"], p["prompts"]
+
+
 #: What the shared instance measured, for the cgroup test after it.
 MEASURED = {}
 

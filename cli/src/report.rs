@@ -9,10 +9,19 @@ use oomscope_client::Client;
 use oomscope_proto::v1 as pb;
 use oomscope_report::Run;
 
-/// Samples fetched for one run: the collector thins longer timelines evenly
-/// and keeps every reply under the gRPC limit (their figures when whole
-/// samples would not fit, see `collector/STORAGE.md`), which bounds the page
-/// and the memory used; at a 250 ms interval this is over an hour of samples.
+/// Samples spread over a run's whole history, for the charts: the collector
+/// thins longer timelines evenly by time.
+pub const OVERVIEW_POINTS: u32 = 2_000;
+
+/// The stretch before a run's end (its incident, else its newest sample)
+/// read at full resolution, and as long after an incident: the failure, the
+/// readings just before it and the load's edges.
+pub const RECENT_WINDOW_NS: i64 = 10 * 60 * 1_000_000_000;
+
+/// The most samples of that stretch fetched (at a 250 ms interval it holds
+/// 2,400). The collector keeps every reply under the gRPC limit besides
+/// (their figures when whole samples would not fit, see
+/// `collector/STORAGE.md`), which bounds the page and the memory used.
 pub const MAX_POINTS: u32 = 20_000;
 
 /// What names a run on the command line.
@@ -49,22 +58,22 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
         (None, Some(a)) => a,
         (None, None) => unreachable!("every branch names an incident or an agent"),
     };
-    let timeline = c
+    let overview = c
         .timeline(pb::TimelineRequest {
             agent: agent.clone(),
             from_ns: 0,
             to_ns: 0,
-            max_points: MAX_POINTS,
+            max_points: OVERVIEW_POINTS,
         })
         .map_err(|e| match e.is_not_found() {
             true => anyhow::Error::new(e).context(format!("no incident or agent {agent:?}")),
             false => anyhow::Error::new(e).context(format!("fetching the timeline of {agent:?}")),
         })?;
-    let agent_id = timeline
+    let agent_id = overview
         .hello
         .as_ref()
         .map(|h| h.agent_id.clone())
-        .unwrap_or(agent);
+        .unwrap_or(agent.clone());
     // An agent named on its own stands for its latest incident, if it had one.
     let incident = match incident {
         Some(i) => Some(i),
@@ -75,6 +84,26 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
             .incidents,
         ),
     };
+    let (from_ns, to_ns) = match (&incident, overview.samples.last()) {
+        (Some(i), _) => (
+            i.time_ns.saturating_sub(RECENT_WINDOW_NS),
+            i.time_ns.saturating_add(RECENT_WINDOW_NS),
+        ),
+        (None, Some(s)) => (
+            s.sample.as_ref().map_or(0, |s| s.time_ns).saturating_sub(RECENT_WINDOW_NS),
+            0,
+        ),
+        (None, None) => (0, 0),
+    };
+    let recent = c
+        .timeline(pb::TimelineRequest {
+            agent: agent.clone(),
+            from_ns: from_ns.max(1),
+            to_ns,
+            max_points: MAX_POINTS,
+        })
+        .with_context(|| format!("fetching the newest samples of {agent:?}"))?;
+    let timeline = merge(overview, recent);
     let diagnosis = c.diagnose(pb::DiagnoseRequest {
         incident: incident.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
         agent: if incident.is_some() {
@@ -90,6 +119,24 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
         diagnosis,
         incident,
     })
+}
+
+/// One timeline of the overview's samples and the recent window's (each
+/// once, oldest first), and both replies' events (each once).
+fn merge(overview: pb::TimelineResponse, recent: pb::TimelineResponse) -> pb::TimelineResponse {
+    let mut t = overview;
+    t.samples.extend(recent.samples);
+    t.samples
+        .sort_by_key(|s| (s.sample.as_ref().map_or(i64::MIN, |s| s.time_ns), s.seq));
+    t.samples.dedup_by_key(|s| s.seq);
+    t.events.extend(recent.events);
+    t.events.sort_by(|a, b| {
+        let key = |e: &pb::TimedEvent| (e.event.as_ref().map_or(i64::MIN, |e| e.time_ns), e.seq);
+        key(a).cmp(&key(b)).then_with(|| a.agent_id.cmp(&b.agent_id))
+    });
+    t.events
+        .dedup_by(|a, b| a.seq == b.seq && a.agent_id == b.agent_id);
+    t
 }
 
 fn latest(list: Vec<pb::Incident>) -> Option<pb::Incident> {
@@ -170,4 +217,47 @@ fn write_page(path: &Path, bytes: &[u8], force: bool) -> anyhow::Result<()> {
         std::io::ErrorKind::AlreadyExists => anyhow::anyhow!("it exists; --force replaces it"),
         _ => e.into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeline(samples: &[(u64, i64)], events: &[(u64, &str)]) -> pb::TimelineResponse {
+        pb::TimelineResponse {
+            samples: samples
+                .iter()
+                .map(|&(seq, time_ns)| pb::TimedSample {
+                    seq,
+                    sample: Some(pb::Sample {
+                        time_ns,
+                        ..Default::default()
+                    }),
+                })
+                .collect(),
+            events: events
+                .iter()
+                .map(|&(seq, agent)| pb::TimedEvent {
+                    seq,
+                    event: Some(pb::Event {
+                        time_ns: seq as i64 * 10,
+                        kind: None,
+                    }),
+                    agent_id: agent.into(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_recent_window_fills_in_the_overview_once() {
+        let overview = timeline(&[(1, 10), (50, 500), (100, 1000)], &[(7, ""), (60, "")]);
+        let recent = timeline(&[(98, 980), (99, 990), (100, 1000)], &[(60, ""), (60, "w1")]);
+        let t = merge(overview, recent);
+        let seqs: Vec<u64> = t.samples.iter().map(|s| s.seq).collect();
+        assert_eq!(seqs, [1, 50, 98, 99, 100]);
+        let events: Vec<(u64, &str)> = t.events.iter().map(|e| (e.seq, e.agent_id.as_str())).collect();
+        assert_eq!(events, [(7, ""), (60, ""), (60, "w1")], "one per sender and seq");
+    }
 }

@@ -14,7 +14,7 @@ use crate::pb::agent_service_server::AgentServiceServer;
 use crate::pb::query_service_server::QueryServiceServer;
 use crate::query::QueryApi;
 use crate::server::{AgentApi, Collector};
-use crate::store::Store;
+use crate::store::{ReaderPool, Store, DEFAULT_READERS};
 
 pub struct ServeConfig {
     pub listen: SocketAddr,
@@ -41,11 +41,11 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     let db = cfg.db.clone();
     let (store, reader) = tokio::task::spawn_blocking(move || {
         let store = Store::open(&db)?;
-        Ok::<_, anyhow::Error>((store, Store::open_reader(&db)?))
+        Ok::<_, anyhow::Error>((store, ReaderPool::open(&db, DEFAULT_READERS)?))
     })
     .await
     .map_err(|e| anyhow!("opening the store: {e}"))??;
-    let collector = Collector::new(store, cfg.lost_grace).with_reader(reader);
+    let collector = Collector::new(store, cfg.lost_grace).with_readers(reader);
     Ok((listener, collector))
 }
 

@@ -25,7 +25,7 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::store::{now_ns, Store, MAX_SEQ};
+use crate::store::{now_ns, ReaderPool, Store, MAX_SEQ};
 
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
@@ -39,10 +39,10 @@ pub struct Collector {
 
 pub(crate) struct Inner {
     store: Mutex<Store>,
-    /// A second, read-only connection for queries (a file store only): with
-    /// WAL they read while an ingest writes, so a heavy query never holds
-    /// back an agent's acks.
-    reader: Option<Mutex<Store>>,
+    /// Read-only connections for queries (a file store only): with WAL they
+    /// read while an ingest writes and beside each other, so a heavy query
+    /// never holds back an agent's acks or another query.
+    readers: Option<Arc<ReaderPool>>,
     lost_grace: Duration,
     fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
@@ -71,7 +71,7 @@ impl Collector {
         Collector {
             inner: Arc::new(Inner {
                 store: Mutex::new(store),
-                reader: None,
+                readers: None,
                 lost_grace,
                 fleet,
                 links: Mutex::new(HashMap::new()),
@@ -81,11 +81,11 @@ impl Collector {
         }
     }
 
-    /// Queries go through `reader` (see [`Store::open_reader`]); call before
-    /// the collector is shared.
-    pub fn with_reader(mut self, reader: Store) -> Collector {
+    /// Queries go through `readers` (see [`ReaderPool`]); call before the
+    /// collector is shared.
+    pub fn with_readers(mut self, readers: ReaderPool) -> Collector {
         match Arc::get_mut(&mut self.inner) {
-            Some(inner) => inner.reader = Some(Mutex::new(reader)),
+            Some(inner) => inner.readers = Some(Arc::new(readers)),
             None => tracing::warn!("the collector is already shared; queries use the writer"),
         }
         self
@@ -97,32 +97,29 @@ impl Collector {
         F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
         R: Send + 'static,
     {
-        self.on_store(false, f).await
+        self.on_store(f).await
     }
 
-    /// Like [`Collector::with_store`] for reading: on the read-only
-    /// connection when there is one, else on the writer's.
+    /// Like [`Collector::with_store`] for reading: on a read-only
+    /// connection of the pool when there is one, else on the writer's.
     pub async fn with_reader_store<R, F>(&self, f: F) -> Result<R>
     where
         F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
         R: Send + 'static,
     {
-        self.on_store(true, f).await
+        match &self.inner.readers {
+            Some(pool) => pool.read(f).await,
+            None => self.on_store(f).await,
+        }
     }
 
-    async fn on_store<R, F>(&self, read: bool, f: F) -> Result<R>
+    async fn on_store<R, F>(&self, f: F) -> Result<R>
     where
         F: FnOnce(&mut Store) -> Result<R> + Send + 'static,
         R: Send + 'static,
     {
         let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || {
-            let store = match (&inner.reader, read) {
-                (Some(reader), true) => reader,
-                _ => &inner.store,
-            };
-            f(&mut store.lock())
-        })
+        tokio::task::spawn_blocking(move || f(&mut inner.store.lock()))
         .await
         .map_err(|e| anyhow!("a store task failed: {e}"))?
     }

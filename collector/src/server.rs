@@ -25,7 +25,12 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::store::{now_ns, ReaderPool, Store, MAX_SEQ};
+use crate::store::{now_ns, FileWatch, ReaderPool, Store, MAX_SEQ};
+
+/// How long a new stream may take to send its Hello before it is closed: an
+/// agent opens its stream when its Hello is ready (agent-core queues it
+/// first), so a silent stream is a stuck or hostile client holding a task.
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
@@ -43,11 +48,41 @@ pub(crate) struct Inner {
     /// read while an ingest writes and beside each other, so a heavy query
     /// never holds back an agent's acks or another query.
     readers: Option<Arc<ReaderPool>>,
+    /// The store's files as opened: every write first checks that the path
+    /// still names them (see [`FileWatch`]).
+    file: Option<Mutex<FileWatch>>,
+    /// Why the collector stopped serving: a write found its store gone.
+    pub(crate) fatal: Mutex<Option<String>>,
     lost_grace: Duration,
+    hello_timeout: Duration,
     fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
     next_generation: AtomicU64,
     pub(crate) stopping: watch::Sender<bool>,
+}
+
+impl Inner {
+    /// Fails once the store's files were deleted or replaced: a write would
+    /// then go where the next start never looks, so nothing more is acked
+    /// and the collector stops, loudly, once (see `serve_with_listener`).
+    fn check_file(&self) -> Result<()> {
+        let Some(watch) = &self.file else {
+            return Ok(());
+        };
+        let Err(e) = watch.lock().check() else {
+            return Ok(());
+        };
+        let mut fatal = self.fatal.lock();
+        if fatal.is_none() {
+            tracing::error!(
+                "{e:#}: nothing more is acked and the collector stops; start it again to open \
+                 the store afresh (agents resend what was not acked)"
+            );
+            *fatal = Some(format!("{e:#}"));
+            let _ = self.stopping.send(true);
+        }
+        Err(e)
+    }
 }
 
 /// The newest stream of one agent. `directives` is None once it ended; the
@@ -72,7 +107,10 @@ impl Collector {
             inner: Arc::new(Inner {
                 store: Mutex::new(store),
                 readers: None,
+                file: None,
+                fatal: Mutex::new(None),
                 lost_grace,
+                hello_timeout: DEFAULT_HELLO_TIMEOUT,
                 fleet,
                 links: Mutex::new(HashMap::new()),
                 next_generation: AtomicU64::new(1),
@@ -87,6 +125,26 @@ impl Collector {
         match Arc::get_mut(&mut self.inner) {
             Some(inner) => inner.readers = Some(Arc::new(readers)),
             None => tracing::warn!("the collector is already shared; queries use the writer"),
+        }
+        self
+    }
+
+    /// Writes check `watch` first, and stop the collector once it fails;
+    /// call before the collector is shared.
+    pub fn with_file_watch(mut self, watch: FileWatch) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.file = Some(Mutex::new(watch)),
+            None => tracing::warn!("the collector is already shared; its store is not watched"),
+        }
+        self
+    }
+
+    /// Closes a stream that sends no Hello within `timeout` (default
+    /// [`DEFAULT_HELLO_TIMEOUT`]); call before the collector is shared.
+    pub fn with_hello_timeout(mut self, timeout: Duration) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.hello_timeout = timeout,
+            None => tracing::warn!("the collector is already shared; the Hello timeout stays"),
         }
         self
     }
@@ -119,7 +177,11 @@ impl Collector {
         R: Send + 'static,
     {
         let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || f(&mut inner.store.lock()))
+        tokio::task::spawn_blocking(move || {
+            let mut store = inner.store.lock();
+            inner.check_file()?;
+            f(&mut store)
+        })
         .await
         .map_err(|e| anyhow!("a store task failed: {e}"))?
     }
@@ -262,8 +324,9 @@ fn log_incident(inc: &pb::Incident) {
         incident = inc.id,
         kind = inc.kind,
         domain = inc.domain,
+        // Agent-supplied text: no raw escapes or newlines in the log.
         "{}",
-        inc.summary
+        inc.summary.escape_debug()
     );
 }
 
@@ -312,7 +375,23 @@ async fn session(
     tx: ReplyTx,
     peer: Option<SocketAddr>,
 ) {
-    let hello = match inbound.message().await {
+    let waited = collector.inner.hello_timeout;
+    let first = match tokio::time::timeout(waited, inbound.message()).await {
+        Ok(first) => first,
+        Err(_) => {
+            tracing::warn!(
+                ?peer,
+                "closed a stream that sent no Hello within {waited:?}"
+            );
+            let _ = tx
+                .send(Err(Status::deadline_exceeded(format!(
+                    "no Hello within {waited:?}: open the stream when the Hello is ready"
+                ))))
+                .await;
+            return;
+        }
+    };
+    let hello = match first {
         Ok(Some(pb::AgentMessage {
             body: Some(Body::Hello(h)),
             ..

@@ -50,11 +50,15 @@ pub async fn start_with(
     fleet: oomscope_collector::fleet::FleetPolicy,
 ) -> Running {
     let store = Store::open(db).expect("open store");
+    serving(db, Collector::with_fleet_policy(store, lost_grace, fleet)).await
+}
+
+/// Serves `collector` (over the store at `db`) on an ephemeral loopback port.
+pub async fn serving(db: &Path, collector: Collector) -> Running {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().unwrap();
-    let collector = Collector::with_fleet_policy(store, lost_grace, fleet);
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(serve_with_listener(
         listener,

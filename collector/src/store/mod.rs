@@ -20,6 +20,7 @@ use crate::pb::event::Kind as EventKind;
 
 mod figures;
 mod history;
+mod file;
 mod instances;
 mod readers;
 
@@ -27,6 +28,7 @@ pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
 };
+pub use file::{FileWatch, DB_FILE_MODE};
 pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 
@@ -85,6 +87,7 @@ pub struct Store {
 impl Store {
     /// Opens (or creates) the store at `path` and brings its schema up to date.
     pub fn open(path: &Path) -> Result<Store> {
+        file::create_private(path)?;
         let conn = Connection::open(path)
             .with_context(|| format!("opening the store {}", path.display()))?;
         // WAL lets queries read while an ingest writes; FULL syncs the WAL on
@@ -95,6 +98,7 @@ impl Store {
         if !mode.eq_ignore_ascii_case("wal") {
             bail!("{}: SQLite refused WAL mode (got {mode:?})", path.display());
         }
+        file::quick_check(&conn, path)?;
         Self::init(conn).with_context(|| format!("preparing the store {}", path.display()))
     }
 

@@ -17,6 +17,13 @@ SERVER = os.path.join(ROOT, "runtimes", "pytorch-server", "server.py")
 DRIVE_DIR = os.path.join(ROOT, "runtimes", "pytorch-server")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "torch-h200")
 
+# The oomscope settings of whoever runs the tests (a collector URL, a spool,
+# a name) never reach a process a test launches: each gets its own test's
+# collector, or none. runtimes/vllm/tests load this module too.
+for _key in [k for k in os.environ if k.startswith("OOMSCOPE_")]:
+    if _key not in ("OOMSCOPE_BIN", "OOMSCOPE_LOG"):
+        del os.environ[_key]
+
 
 def oomscope_bin():
     path = os.environ.get("OOMSCOPE_BIN") or os.path.join(ROOT, "target", "debug", "oomscope")

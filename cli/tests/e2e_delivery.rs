@@ -125,7 +125,7 @@ fn garbage_on_the_wire_does_not_stop_the_collector() {
 fn an_agent_killed_without_a_goodbye_is_recorded_as_lost() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let mut sup = std::process::Command::new(bin())
+    let mut sup = oomscope()
         .args([
             "run",
             "--collector",

@@ -82,7 +82,7 @@ fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::
 
 /// `oomscope run --name NAME -- argv` reporting to `col`, spawned.
 fn spawn_run(col: &Collector, name: &str, argv: &[&str]) -> std::process::Child {
-    Command::new(bin())
+    oomscope()
         .args([
             "run",
             "--collector",
@@ -183,7 +183,7 @@ fn the_supervisor_is_never_the_victim_and_its_child_keeps_the_callers_bias() {
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     // A known starting value, set by the shell that becomes the supervisor.
-    let mut sup = Command::new("sh")
+    let mut sup = isolate(&mut Command::new("sh"))
         .arg("-c")
         .arg("echo 100 > /proc/self/oom_score_adj && exec \"$@\"")
         .args([

@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -54,7 +54,7 @@ struct Server(Child);
 
 impl Server {
     fn start(col: &Collector, name: &str, port: u16, flags: &str) -> Server {
-        let child = Command::new(bin())
+        let child = oomscope()
             .args([
                 "run",
                 "--collector",
@@ -275,10 +275,16 @@ fn restart_run(port: u16, flags: &str) -> Value {
         &format!("--load-seconds 1 --restore-seconds 8 {flags}"),
     );
     let endpoint = format!("http://127.0.0.1:{port}/v1");
+    // The launched `oomscope run` reports here: without --collector it would
+    // reach whatever collector serves the default address on this machine.
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
     // The server command follows `--`, word for word, as with `oomscope run`.
     let mut args = vec![
         "--endpoint",
         &endpoint,
+        "--collector",
+        &col.url,
         "--suite",
         "restart",
         "--launch",
@@ -352,7 +358,7 @@ fn restart_without_idempotency_processes_retries_twice() {
 
 /// A long-context-only probe of the server on `port`, compared with `baseline` when given.
 fn probe_cmp(col: &Collector, port: u16, baseline: Option<&PathBuf>) -> Value {
-    let mut c = Command::new(bin());
+    let mut c = oomscope();
     c.args([
         "probe",
         "--endpoint",

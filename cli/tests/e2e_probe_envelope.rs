@@ -102,7 +102,7 @@ impl Server {
     fn start(col: &Collector, name: &str, port: u16, flags: &str) -> Server {
         let argv = server_argv(col, name, port, flags);
         let mut c = Command::new(&argv[0]);
-        c.args(&argv[1..]);
+        isolate(&mut c).args(&argv[1..]);
         Server::spawn(c, port)
     }
 }
@@ -467,10 +467,7 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
         .iter()
         .find(|a| a["role"] == "probe")
         .unwrap_or_else(|| panic!("no probe member: {members:#?}"));
-    let sup = members
-        .iter()
-        .find(|a| a["role"] == "supervisor")
-        .unwrap();
+    let sup = members.iter().find(|a| a["role"] == "supervisor").unwrap();
     assert_eq!(probe["instance"], sup["instance"], "{members:#?}");
     assert_ne!(probe["state"], "lost", "{probe:#}");
     let incidents = col.json(&["incidents"]);

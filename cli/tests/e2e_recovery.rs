@@ -65,7 +65,7 @@ fn a_sigkilled_agents_spool_is_delivered_by_the_next_agent() {
     let url = format!("http://127.0.0.1:{port}");
 
     // No collector yet: the victim spools everything, then is SIGKILLed.
-    let mut victim = std::process::Command::new(bin())
+    let mut victim = oomscope()
         .args(["run", "--collector", &url, "--name", "victim"])
         .args([
             "--interval",

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::*;
 use oomscope_proto::v1 as pb;
 
@@ -124,7 +122,7 @@ fn malformed_capture_is_a_clear_error_and_the_collector_keeps_serving() {
     let col = Collector::start(&tmp.path().join("db"));
     let bad = tmp.path().join("bad.json");
     std::fs::write(&bad, b"{\"scenario\": \"x\", \"timeline\": [1, 2").unwrap();
-    let out = Command::new(bin())
+    let out = oomscope()
         .arg("replay")
         .arg(&bad)
         .args(["--collector", &col.url])
@@ -134,7 +132,7 @@ fn malformed_capture_is_a_clear_error_and_the_collector_keeps_serving() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.json"), "the error names the file: {err}");
     let good = fixture("weights_too_large.json");
-    let out = Command::new(bin())
+    let out = oomscope()
         .arg("replay")
         .arg(&good)
         .args(["--collector", &col.url])

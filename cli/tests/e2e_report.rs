@@ -31,7 +31,7 @@ fn the_oom(t: &pb::TimelineResponse) -> pb::Oom {
 }
 
 fn report(col: &Collector, args: &[&str]) -> std::process::Output {
-    Command::new(bin())
+    oomscope()
         .arg("report")
         .args(args)
         .args(["--collector", &col.url])

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -16,7 +15,7 @@ use serde_json::Value;
 /// `oomscope run -- sh -c 'echo "$TEXT" >&2; exit 1'`, the text passed in
 /// the environment so that no quoting can change it.
 fn fail_with(col: &Collector, name: &str, text: &str) {
-    let out = Command::new(bin())
+    let out = oomscope()
         .args([
             "run",
             "--collector",

@@ -17,7 +17,7 @@ fn sigterm_to_the_supervisor_reaches_the_child_and_stops_restarts() {
         "trap 'echo term > {}; exit 143' TERM; while true; do sleep 0.05; done",
         marker.display()
     );
-    let mut sup = std::process::Command::new(bin())
+    let mut sup = oomscope()
         .args([
             "run",
             "--collector",

@@ -16,6 +16,28 @@ pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_oomscope")
 }
 
+/// The `oomscope` binary, isolated from the environment of whoever runs the
+/// tests: see [`isolate`]. Every test launches it through this.
+pub fn oomscope() -> Command {
+    let mut c = Command::new(bin());
+    isolate(&mut c);
+    c
+}
+
+/// Removes oomscope's variables (`OOMSCOPE_COLLECTOR`, `_SPOOL`, `_DB`,
+/// `_NAME`, ...) from what `c` inherits, but the log filter: a launched
+/// process reaches the test's own collector, given on its command line, or
+/// none; never a collector or spool of the person running the tests.
+pub fn isolate(c: &mut Command) -> &mut Command {
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if key.starts_with("OOMSCOPE_") && key != "OOMSCOPE_LOG" {
+            c.env_remove(&key);
+        }
+    }
+    c
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -38,7 +60,12 @@ impl Collector {
     }
 
     pub fn start_on(db: &Path, port: u16) -> Collector {
-        let child = Command::new(bin())
+        Self::start_logged(db, port, Stdio::inherit())
+    }
+
+    /// [`Collector::start_on`] with its stderr (its log) sent to `log`.
+    pub fn start_logged(db: &Path, port: u16, log: impl Into<Stdio>) -> Collector {
+        let child = oomscope()
             .args([
                 "collector",
                 "--listen",
@@ -48,7 +75,7 @@ impl Collector {
             .arg(db)
             .args(["--lost-grace", "1s"])
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log)
             .spawn()
             .expect("start collector");
         let c = Collector {
@@ -82,7 +109,7 @@ impl Collector {
 
     /// Runs an `oomscope` query verb against this collector and parses its --json output.
     pub fn json(&self, args: &[&str]) -> serde_json::Value {
-        let out = Command::new(bin())
+        let out = oomscope()
             .args(args)
             .args(["--collector", &self.url, "--json"])
             .output()
@@ -101,7 +128,7 @@ impl Collector {
     }
 
     pub fn text(&self, args: &[&str]) -> String {
-        let out = Command::new(bin())
+        let out = oomscope()
             .args(args)
             .args(["--collector", &self.url])
             .output()
@@ -142,7 +169,7 @@ impl Drop for Collector {
 
 /// `oomscope run`'s arguments before its own extra ones: report to `url` as
 /// `name`, sampling every 50 ms.
-fn run_args<'a>(url: &'a str, name: &'a str) -> [&'a str; 7] {
+pub fn run_args<'a>(url: &'a str, name: &'a str) -> [&'a str; 7] {
     [
         "run",
         "--collector",
@@ -156,7 +183,7 @@ fn run_args<'a>(url: &'a str, name: &'a str) -> [&'a str; 7] {
 
 /// `oomscope run` with the given args before `--` and the command after it.
 pub fn run(url: &str, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
-    Command::new(bin())
+    oomscope()
         .args(run_args(url, name))
         .args(extra)
         .arg("--")
@@ -173,7 +200,7 @@ pub fn fixture(name: &str) -> PathBuf {
 /// `oomscope replay` of a capture file into `col` as `name`; fails the test
 /// if the replay fails.
 pub fn replay(col: &Collector, file: &Path, name: &str) {
-    let out = Command::new(bin())
+    let out = oomscope()
         .arg("replay")
         .arg(file)
         .args(["--collector", &col.url, "--name", name])
@@ -187,9 +214,11 @@ pub fn replay(col: &Collector, file: &Path, name: &str) {
     );
 }
 
-/// One agent's whole timeline (every sample, every event) over the real gRPC QueryService.
-pub fn timeline(url: &str, agent: &str) -> oomscope_proto::v1::TimelineResponse {
-    use oomscope_proto::v1 as pb;
+/// Runs `f` with a gRPC channel to `url`, on a runtime of its own.
+pub fn with_channel<T, F: std::future::Future<Output = T>>(
+    url: &str,
+    f: impl FnOnce(tonic::transport::Channel) -> F,
+) -> T {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -200,6 +229,14 @@ pub fn timeline(url: &str, agent: &str) -> oomscope_proto::v1::TimelineResponse 
             .connect()
             .await
             .unwrap();
+        f(ch).await
+    })
+}
+
+/// One agent's whole timeline (every sample, every event) over the real gRPC QueryService.
+pub fn timeline(url: &str, agent: &str) -> oomscope_proto::v1::TimelineResponse {
+    use oomscope_proto::v1 as pb;
+    with_channel(url, |ch| async move {
         pb::query_service_client::QueryServiceClient::new(ch)
             .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
             .timeline(pb::TimelineRequest {
@@ -296,6 +333,7 @@ impl TestCgroup {
     /// `sh -c` that moves itself into this cgroup, then execs `argv`.
     pub fn command(&self, argv: &[&str]) -> Command {
         let mut c = Command::new("sh");
+        isolate(&mut c);
         c.arg("-c")
             .arg(format!(
                 "echo $$ > {}/cgroup.procs && exec \"$@\"",
@@ -346,7 +384,7 @@ impl Drop for TestCgroup {
 /// `oomscope probe --json ARGS...` and its report. `--json` goes first: a
 /// `--launch` command after `--` takes every later word.
 pub fn probe(args: &[&str]) -> (i32, serde_json::Value) {
-    let out = Command::new(bin())
+    let out = oomscope()
         .args(["probe", "--json"])
         .args(args)
         .output()

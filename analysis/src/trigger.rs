@@ -56,6 +56,9 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             return Some((Trigger::SizeDependent, line));
         }
     } else if f.failed {
+        if let Some(line) = host::concurrency(f) {
+            return Some((Trigger::ConcurrencyDependent, line));
+        }
         if let Some(line) = host::size(f) {
             return Some((Trigger::SizeDependent, line));
         }

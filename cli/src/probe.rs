@@ -141,7 +141,10 @@ fn instance_of(client: &mut Client, agent: &str) -> Option<(String, String)> {
         })
         .max_by_key(|a| a.first_seen_ns)
         .map(|a| {
-            let name = a.hello.as_ref().map_or_else(String::new, |h| h.name.clone());
+            let name = a
+                .hello
+                .as_ref()
+                .map_or_else(String::new, |h| h.name.clone());
             (a.instance.clone(), name)
         })
 }
@@ -268,7 +271,9 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
             ..Default::default()
         };
         if !reporter.shutdown(bye, WORKLOAD_FLUSH_TIMEOUT) {
-            eprintln!("oomscope probe: the collector did not take all of the probe's workload in time");
+            eprintln!(
+                "oomscope probe: the collector did not take all of the probe's workload in time"
+            );
         }
     }
     if a.json {

@@ -165,7 +165,12 @@ mod tests {
             .collect();
         assert_eq!(
             contexts,
-            vec![(1, 100, 100, 0), (2, 400, 300, 0), (1, 300, 300, 1), (0, 0, 0, 2)]
+            vec![
+                (1, 100, 100, 0),
+                (2, 400, 300, 0),
+                (1, 300, 300, 1),
+                (0, 0, 0, 2)
+            ]
         );
         let ends: Vec<&pb::RequestBoundary> = got
             .iter()
@@ -173,7 +178,10 @@ mod tests {
             .filter(|b| !b.start)
             .collect();
         assert_eq!(ends[0].prompt_tokens, 104, "the server's count wins");
-        assert_eq!(ends[1].prompt_tokens, 300, "the estimate where it gave none");
+        assert_eq!(
+            ends[1].prompt_tokens, 300,
+            "the estimate where it gave none"
+        );
         assert_eq!(ends[1].error, "connection reset");
     }
 }

@@ -43,6 +43,15 @@ fn failed_at(f: &Findings) -> Option<i64> {
         .map(|i| i.time_ns))
 }
 
+/// What was in service when it failed: the newest reading before the
+/// failure, if it was taken inside a request and recently enough to say so.
+fn in_service_at<'a>(before: &[&'a Point], end: i64) -> Option<&'a Point> {
+    before
+        .last()
+        .copied()
+        .filter(|p| p.in_request() && end - p.time_ns <= FAILURE_CONTEXT_MAX_AGE_NS)
+}
+
 /// At one sequence, host memory rose with the tokens in service, and the
 /// failure came while serving at least the longest of them.
 pub fn size(f: &Findings) -> Option<String> {
@@ -67,14 +76,55 @@ pub fn size(f: &Findings) -> Option<String> {
     if mk.p_increasing >= SIZE_P_VALUE || line.slope * (max_t - min_t) < MIN_RISE_BYTES {
         return None;
     }
-    // What was in service when it failed: the newest reading's context.
-    let last = before.iter().rev().find(|p| p.in_request())?;
+    let last = in_service_at(&before, end)?;
     let at = tokens(last);
-    if end - last.time_ns > FAILURE_CONTEXT_MAX_AGE_NS || (at as f64) < max_t {
+    if (at as f64) < max_t {
         return None;
     }
     Some(format!(
         "at one sequence host memory rose {} per token from {min_t} to {max_t} tokens; the failure came at {at} tokens",
         bytes_short(line.slope.max(0.0) as u64),
+    ))
+}
+
+/// Host memory rose with the sequences in service, and the failure came at
+/// (or past) the most seen.
+pub fn concurrency(f: &Findings) -> Option<String> {
+    let end = failed_at(f)?;
+    let before: Vec<&Point> = f
+        .timeline
+        .points
+        .iter()
+        .filter(|p| p.time_ns <= end && !p.is_load())
+        .collect();
+    let mut levels: Vec<(u64, u64)> = Vec::new(); // (sequences, max usage)
+    for p in before.iter().filter(|p| p.active_sequences > 0) {
+        let Some(u) = usage(p) else { continue };
+        match levels.iter_mut().find(|(s, _)| *s == p.active_sequences) {
+            Some(l) => l.1 = l.1.max(u),
+            None => levels.push((p.active_sequences, u)),
+        }
+    }
+    if levels.len() < 3 {
+        return None;
+    }
+    levels.sort_unstable();
+    let pts: Vec<(f64, f64)> = levels.iter().map(|&(s, b)| (s as f64, b as f64)).collect();
+    let (lo, hi) = (levels[0], levels[levels.len() - 1]);
+    let rising = stats::mann_kendall(&pts).is_some_and(|mk| mk.tau > 0.5);
+    if !rising || (hi.1 as f64 - lo.1 as f64) < MIN_RISE_BYTES {
+        return None;
+    }
+    let last = in_service_at(&before, end)?;
+    if last.active_sequences < hi.0 || hi.0 < 2 {
+        return None;
+    }
+    Some(format!(
+        "host memory rose with sequences in service: {} at {} sequence(s), {} at {}; the failure came at {} sequences",
+        bytes_short(lo.1),
+        lo.0,
+        bytes_short(hi.1),
+        hi.0,
+        last.active_sequences
     ))
 }

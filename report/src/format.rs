@@ -95,6 +95,14 @@ pub fn agents(agents: &[pb::AgentSummary]) -> String {
     out
 }
 
+/// A whole rendering for a terminal: control characters other than its own
+/// line breaks shown visibly, as [`terminal`] shows them. The CLI passes
+/// every text it prints through it, behind the escaping of each
+/// agent-supplied field here (which also shows their newlines).
+pub fn terminal_text(s: &str) -> String {
+    s.split('\n').map(terminal).collect::<Vec<_>>().join("\n")
+}
+
 /// An agent-supplied string as a terminal should see it: control
 /// characters (escapes, bells, newlines) shown visibly, never acted on.
 pub fn terminal(s: &str) -> String {
@@ -125,12 +133,12 @@ pub fn incidents(list: &[pb::Incident]) -> String {
         let _ = writeln!(
             out,
             "{:<12} {:<24} {:<20} {:<14} {:<14}  {}",
-            i.id,
+            terminal(&i.id),
             time(i.time_ns),
-            i.agent_name,
-            i.kind,
-            domain,
-            i.summary
+            terminal(&i.agent_name),
+            terminal(&i.kind),
+            terminal(domain),
+            terminal(&i.summary)
         );
     }
     out
@@ -192,7 +200,11 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
     let _ = writeln!(
         out,
         "agent {} ({}) on {}, pid {}, runtime {}",
-        h.agent_id, h.name, h.host, h.pid, h.runtime
+        terminal(&h.agent_id),
+        terminal(&h.name),
+        terminal(&h.host),
+        h.pid,
+        terminal(&h.runtime)
     );
     let _ = writeln!(
         out,
@@ -212,7 +224,7 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
                 "{:<24} {:>6}   * {}",
                 time(ev.time_ns),
                 e.seq,
-                event_label(&ev)
+                terminal(&event_label(&ev))
             );
             events.next();
         }
@@ -255,7 +267,7 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             "{:<24} {:>6}   * {}",
             time(ev.time_ns),
             e.seq,
-            event_label(&ev)
+            terminal(&event_label(&ev))
         );
     }
     out
@@ -294,10 +306,10 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
 
 pub fn diagnosis(d: &pb::Diagnosis) -> String {
     let mut out = String::new();
-    let who = d.agent.clone().unwrap_or_else(|| "-".into());
+    let who = terminal(d.agent.as_deref().unwrap_or("-"));
     match &d.incident {
         Some(i) => {
-            let _ = writeln!(out, "Incident {i} (agent {who})");
+            let _ = writeln!(out, "Incident {} (agent {who})", terminal(i));
         }
         None => {
             let _ = writeln!(out, "Agent {who} (no incident)");
@@ -307,7 +319,8 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
         Some(dom) => {
             let _ = writeln!(
                 out,
-                "Memory domain: {dom}: {}",
+                "Memory domain: {}: {}",
+                terminal(dom),
                 Domain::from_wire(dom).title()
             );
         }
@@ -316,7 +329,7 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
         }
     }
     if let Some(t) = &d.trigger {
-        let _ = writeln!(out, "Trigger: {t}");
+        let _ = writeln!(out, "Trigger: {}", terminal(t));
     }
     if let Some(e) = &d.exit {
         match (e.code, e.signal) {
@@ -337,15 +350,15 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
         let _ = writeln!(
             out,
             "Cgroup: {} (limit {} set on {})",
-            c.path,
+            terminal(&c.path),
             bytes(c.limit_bytes),
-            c.owner_level
+            terminal(&c.owner_level)
         );
     }
     if !d.evidence.is_empty() {
         out.push_str("Evidence:\n");
         for e in &d.evidence {
-            let _ = writeln!(out, "  - {e}");
+            let _ = writeln!(out, "  - {}", terminal(e));
         }
     }
     if !d.causes.is_empty() {
@@ -355,11 +368,11 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
                 out,
                 "  {}. {} (confidence {:.2})",
                 i + 1,
-                c.kind,
+                terminal(&c.kind),
                 c.confidence
             );
             for e in &c.evidence {
-                let _ = writeln!(out, "       {e}");
+                let _ = writeln!(out, "       {}", terminal(e));
             }
             for p in &c.processes {
                 let _ = writeln!(
@@ -367,7 +380,7 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
                     "       pid {} holds {} ({})",
                     p.pid,
                     bytes(p.bytes),
-                    p.command.clone().unwrap_or_default()
+                    terminal(p.command.as_deref().unwrap_or_default())
                 );
             }
         }
@@ -375,10 +388,16 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
     if !d.fixes.is_empty() {
         out.push_str("Fixes (least risky first):\n");
         for (i, f) in d.fixes.iter().enumerate() {
-            let _ = writeln!(out, "  {}. [{} risk] {}", i + 1, f.risk, f.action);
-            let _ = writeln!(out, "       retest: {}", f.retest);
+            let _ = writeln!(
+                out,
+                "  {}. [{} risk] {}",
+                i + 1,
+                terminal(&f.risk),
+                terminal(&f.action)
+            );
+            let _ = writeln!(out, "       retest: {}", terminal(&f.retest));
             if let Some(c) = &f.caveat {
-                let _ = writeln!(out, "       caveat: {c}");
+                let _ = writeln!(out, "       caveat: {}", terminal(c));
             }
         }
     }
@@ -435,6 +454,7 @@ mod tests {
     #[test]
     fn terminal_text_shows_control_characters_visibly() {
         assert_eq!(terminal("a\x1b[31mred\x07\nb"), "a\\u{1b}[31mred\\u{7}\\nb");
+        assert_eq!(terminal_text("a\x1b[2J\nb\r\n"), "a\\u{1b}[2J\nb\\r\n");
     }
 
     #[test]

@@ -136,7 +136,19 @@ impl Readers for PythonReaders {
                 time_ns,
                 context,
                 blocks,
-            } => self.boundaries.waiting = Some((time_ns, context, blocks)),
+            } => {
+                // A boundary folded into a later one still gives its blocks.
+                let folded = self.boundaries.waiting.replace((time_ns, context, blocks));
+                if let (Some((_, c, b)), Some(s)) = (folded, self.suspicion.as_mut()) {
+                    if b > 0 {
+                        s.observe(Reading {
+                            requests_done: c.requests_done,
+                            blocks: b,
+                            rss: 0,
+                        });
+                    }
+                }
+            }
             Job::Census { budget } => {
                 // Between requests the heap holds what requests left behind,
                 // not the temporaries of one mid-step: wait (a little) for

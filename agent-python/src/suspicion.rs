@@ -42,9 +42,10 @@ pub const MAX_REQUESTS_BETWEEN: u64 = 10_000;
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Reading {
     pub requests_done: u64,
-    /// `sys.getallocatedblocks()`; 0 when it could not be read.
+    /// `sys.getallocatedblocks()`; 0 when not read (it is read every few
+    /// requests where it is costly) or unreadable.
     pub blocks: u64,
-    /// Resident bytes; 0 when unknown.
+    /// Resident bytes; 0 when not read.
     pub rss: u64,
 }
 

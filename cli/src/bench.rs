@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use oomscope_agent_core::capture::{self, CaptureItem};
+use oomscope_agent_core::capture;
 use oomscope_agent_core::{now_ns, pb};
 use prost::bytes::{Buf, BufMut};
 use prost::Message;
@@ -155,12 +155,9 @@ struct Frames {
 fn capture_samples(base_ns: i64) -> Result<Vec<pb::Sample>> {
     let cap = capture::parse(CAPTURE, CAPTURE_NAME, base_ns)?;
     let samples: Vec<pb::Sample> = cap
-        .items
-        .into_iter()
-        .filter_map(|(_, item)| match item {
-            CaptureItem::Sample(s) if !s.allocator.is_empty() => Some(s),
-            _ => None,
-        })
+        .samples()
+        .filter(|s| !s.allocator.is_empty())
+        .cloned()
         .collect();
     if samples.is_empty() {
         bail!("the built-in capture {CAPTURE_NAME} has no allocator samples");

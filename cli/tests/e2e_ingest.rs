@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use oomscope_agent_core::capture::{self, CaptureItem};
+use oomscope_agent_core::capture;
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_proto::delta;
 use oomscope_proto::v1 as pb;
@@ -120,17 +120,11 @@ fn every_capture_replayed_with_changes_stores_the_same_values() {
     );
 }
 
-/// Two readings of one capture's counters, as samples a millisecond apart.
+/// `n` of one capture's samples with allocator counters (again from the
+/// start when it has fewer), a millisecond apart.
 fn samples_of(scenario: &str, n: usize) -> Vec<pb::Sample> {
     let cap = capture::load(&fixture(scenario), 0).unwrap();
-    let source: Vec<pb::Sample> = cap
-        .items
-        .into_iter()
-        .filter_map(|(_, i)| match i {
-            CaptureItem::Sample(s) if !s.allocator.is_empty() => Some(s),
-            _ => None,
-        })
-        .collect();
+    let source: Vec<&pb::Sample> = cap.samples().filter(|s| !s.allocator.is_empty()).collect();
     (0..n)
         .map(|i| pb::Sample {
             time_ns: 1_000_000_000 + i as i64 * 1_000_000,

@@ -61,35 +61,44 @@ impl Encoder {
     }
 
     fn encode_stats(&mut self, stats: &mut AllocatorStats) {
-        let now = sorted(&stats.raw);
-        let changes = match self.previous.get(&stats.device) {
-            Some(before) if same_keys(before, &now) => Some(changes(before, &now)),
-            _ => None,
+        let Some(changes) = remember(&mut self.previous, stats.device, &stats.raw) else {
+            return;
         };
-        if let Some(changes) = changes {
-            if changes.encoded_len() + 2 < raw_len(&stats.raw) {
-                stats.raw.clear();
-                stats.raw_changes = Some(changes);
+        if changes.encoded_len() + 2 < raw_len(&stats.raw) {
+            stats.raw.clear();
+            stats.raw_changes = Some(changes);
+        }
+    }
+}
+
+/// Makes `previous[device]` hold `raw`, and returns the changes from what it
+/// held when the keys are the same: then in place, copying no key (this runs
+/// for every sample on both ends of a stream).
+fn remember(
+    previous: &mut HashMap<i32, Counters>,
+    device: i32,
+    raw: &HashMap<String, i64>,
+) -> Option<RawChanges> {
+    if let Some(before) = previous.get_mut(&device) {
+        // The same length and every old key present: the same keys.
+        let values: Option<Vec<i64>> = (before.len() == raw.len())
+            .then(|| before.iter().map(|(k, _)| raw.get(k).copied()).collect())
+            .flatten();
+        if let Some(values) = values {
+            let mut out = RawChanges::default();
+            for (i, ((_, old), new)) in before.iter_mut().zip(values).enumerate() {
+                if *old != new {
+                    // Positions fit: a map with 2^32 keys is over any message limit.
+                    out.index.push(i as u32);
+                    out.change.push(new.wrapping_sub(*old));
+                    *old = new;
+                }
             }
-        }
-        self.previous.insert(stats.device, now);
-    }
-}
-
-fn same_keys(a: &Counters, b: &Counters) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.0 == y.0)
-}
-
-fn changes(before: &Counters, now: &Counters) -> RawChanges {
-    let mut out = RawChanges::default();
-    for (i, ((_, old), (_, new))) in before.iter().zip(now).enumerate() {
-        if old != new {
-            // Positions fit: a map with 2^32 keys is over any message limit.
-            out.index.push(i as u32);
-            out.change.push(new.wrapping_sub(*old));
+            return Some(out);
         }
     }
-    out
+    previous.insert(device, sorted(raw));
+    None
 }
 
 /// Why a sample's changes could not be applied: the sender broke the
@@ -131,15 +140,16 @@ impl Decoder {
 
     fn decode_stats(&mut self, stats: &mut AllocatorStats) -> Result<(), DeltaError> {
         let Some(changes) = stats.raw_changes.take() else {
-            self.previous.insert(stats.device, sorted(&stats.raw));
+            remember(&mut self.previous, stats.device, &stats.raw);
             return Ok(());
         };
         let device = stats.device;
-        let before = self.previous.get(&device).ok_or_else(|| {
+        let counters = self.previous.get_mut(&device).ok_or_else(|| {
             DeltaError(format!(
                 "allocator counters of device {device} sent as changes, but no earlier sample of this stream had them (the first sample of a stream must be complete)"
             ))
         })?;
+        // Checked whole before any is applied: a bad sample leaves the base as it was.
         if changes.index.len() != changes.change.len() {
             return Err(DeltaError(format!(
                 "device {device}: {} changed positions but {} changes",
@@ -147,23 +157,26 @@ impl Decoder {
                 changes.change.len()
             )));
         }
-        let mut now = before.clone();
-        for (&i, &change) in changes.index.iter().zip(&changes.change) {
-            let Some((_, value)) = now.get_mut(i as usize) else {
-                return Err(DeltaError(format!(
-                    "device {device}: changed position {i} beyond the {} counters of the previous sample",
-                    before.len()
-                )));
-            };
-            *value = value.wrapping_add(change);
+        if let Some(i) = changes
+            .index
+            .iter()
+            .find(|&&i| i as usize >= counters.len())
+        {
+            return Err(DeltaError(format!(
+                "device {device}: changed position {i} beyond the {} counters of the previous sample",
+                counters.len()
+            )));
         }
         if !stats.raw.is_empty() {
             return Err(DeltaError(format!(
                 "device {device}: both full counters and changes"
             )));
         }
-        stats.raw = now.iter().cloned().collect();
-        self.previous.insert(device, now);
+        for (&i, &change) in changes.index.iter().zip(&changes.change) {
+            let value = &mut counters[i as usize].1;
+            *value = value.wrapping_add(change);
+        }
+        stats.raw = counters.iter().cloned().collect();
         Ok(())
     }
 }

@@ -1,6 +1,8 @@
 //! Reads a collector back over its QueryService, for tools and tests in
 //! Python: `oomscope.query.timeline(url, agent)` gets every field of the
-//! protos, where `oomscope timeline --json` prints a digest.
+//! protos, where `oomscope timeline --json` prints a digest. (A timeline too
+//! large to send whole comes as the samples' figures: every field but the
+//! allocators' `raw` dicts; see `collector/STORAGE.md`.)
 //!
 //! The Python objects are the messages' own serde form (oomscope-proto's
 //! `serde` feature) made by pythonize, so a field added to a `.proto` shows up

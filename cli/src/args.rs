@@ -156,7 +156,9 @@ pub enum Verb {
         /// Only the last DURATION (e.g. 10m).
         #[arg(long, value_parser = parse_since)]
         since: Option<Duration>,
-        /// Downsample to at most this many samples (events are all kept).
+        /// Thin to at most this many samples, evenly in time, first and last
+        /// kept; 0: as many as the collector sends (at most 20,000, and the
+        /// newest 4 MiB of events).
         #[arg(long, default_value_t = 200)]
         max_points: u32,
         /// Print JSON: {agent, name, samples: [{seq, time_ns, rss_bytes,

@@ -1402,7 +1402,11 @@ pub struct TimelineRequest {
     /// 0 = no upper bound.
     #[prost(int64, tag = "3")]
     pub to_ns: i64,
-    /// Downsample to at most this many samples (events are never dropped); 0 = all.
+    /// Thin the samples to at most this many, evenly in time, the first and the
+    /// last kept; 0 = as many as the collector sends. Every reply stays under
+    /// the gRPC limit: at most 20,000 samples whatever this asks, sent as their
+    /// figures (without the allocators' `raw` dicts) when whole samples would
+    /// not fit, and the newest 4 MiB of events (collector/STORAGE.md).
     #[prost(uint32, tag = "4")]
     pub max_points: u32,
 }

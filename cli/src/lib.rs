@@ -28,9 +28,14 @@ pub fn command() -> clap::Command {
     Cli::command()
 }
 
+/// The log filter without `OOMSCOPE_LOG`. Tonic says why it dropped a
+/// connection (an HTTP/2 GOAWAY, a protocol error, a reset) only at debug,
+/// and only there; the agent's stream otherwise just ends.
+const DEFAULT_LOG: &str = "warn,oomscope=info,tonic::transport::server=debug";
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OOMSCOPE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,oomscope=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

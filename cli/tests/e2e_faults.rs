@@ -498,3 +498,35 @@ fn agent_strings_are_escaped_for_terminals() {
         "shown visibly: {text}"
     );
 }
+
+/// A connection the collector drops (here: HTTP/2 frames it cannot parse)
+/// is logged with the reason, not only as a stream that ended.
+#[test]
+fn a_dropped_connection_is_logged_with_its_reason() {
+    use std::io::Write;
+    let tmp = tempdir();
+    let log = tmp.path().join("collector.log");
+    let port = free_port();
+    let col = Collector::start_logged(
+        &tmp.path().join("db"),
+        port,
+        std::fs::File::create(&log).unwrap(),
+    );
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    // The HTTP/2 preface, then a SETTINGS frame of a length no SETTINGS has.
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x05\x04\x00\x00\x00\x00\x00hello")
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let said = loop {
+        let said = std::fs::read_to_string(&log).unwrap();
+        if said.contains("failed serving connection") || std::time::Instant::now() > deadline {
+            break said;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    drop(col);
+    assert!(
+        said.contains("failed serving connection: http2 error"),
+        "{said}"
+    );
+}

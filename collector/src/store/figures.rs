@@ -34,8 +34,7 @@ pub(super) fn migrate_v3(tx: &Transaction<'_>) -> Result<()> {
            events = (SELECT count(*) FROM messages m WHERE m.agent_id = agents.agent_id AND m.kind = 'event');",
     )?;
     // Every stored sample gets its record, read in one pass in key order.
-    let mut read =
-        tx.prepare("SELECT agent_id, seq, body FROM messages WHERE kind = 'sample'")?;
+    let mut read = tx.prepare("SELECT agent_id, seq, body FROM messages WHERE kind = 'sample'")?;
     let mut rows = read.query([])?;
     while let Some(row) = rows.next()? {
         let agent_id: String = row.get(0)?;

@@ -185,7 +185,11 @@ impl Store {
         match rows.next()? {
             Some(row) => {
                 let seq = row.get::<_, i64>(0)? as u64;
-                Ok(Some(figures::decode(agent_id, seq, row.get_ref(1)?.as_blob()?)?))
+                Ok(Some(figures::decode(
+                    agent_id,
+                    seq,
+                    row.get_ref(1)?.as_blob()?,
+                )?))
             }
             None => Ok(None),
         }
@@ -201,7 +205,13 @@ impl Store {
     /// kept: the sample at or after each of `max` evenly spaced moments,
     /// found by a seek along the time index each. The work grows with `max`
     /// (and the log of the history), never with the history's length.
-    fn sample_keys(&self, agent_id: &str, from_ns: i64, to_ns: i64, max: usize) -> Result<Vec<Key>> {
+    fn sample_keys(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max: usize,
+    ) -> Result<Vec<Key>> {
         let max = max.max(1);
         let mut head = self.conn.prepare_cached(
             "SELECT time_ns, seq FROM messages
@@ -240,7 +250,9 @@ impl Store {
             // Past the previous pick, so a sparse stretch gives no repeats.
             let after = out.last().map_or(at, |p| at.max(p.0 + 1));
             let next: Option<Key> = seek
-                .query_row(params![agent_id, after, last.0], |r| Ok((r.get(0)?, r.get(1)?)))
+                .query_row(params![agent_id, after, last.0], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
                 .optional()?;
             match next {
                 Some(k) if k < last => out.push(k),
@@ -261,9 +273,9 @@ impl Store {
         keys: &[Key],
         budget: usize,
     ) -> Result<Option<Vec<pb::TimedSample>>> {
-        let mut size = self.conn.prepare_cached(
-            "SELECT length(body) FROM messages WHERE agent_id = ?1 AND seq = ?2",
-        )?;
+        let mut size = self
+            .conn
+            .prepare_cached("SELECT length(body) FROM messages WHERE agent_id = ?1 AND seq = ?2")?;
         let mut bytes = 0usize;
         for &(_, seq) in keys {
             let len: Option<i64> = size
@@ -344,7 +356,10 @@ impl Store {
             let body = row.get_ref(1)?.as_blob()?;
             bytes += body.len();
             if bytes > budget {
-                tracing::warn!(agent_id, "events before seq {seq} left out of a reply: over {budget} bytes");
+                tracing::warn!(
+                    agent_id,
+                    "events before seq {seq} left out of a reply: over {budget} bytes"
+                );
                 break;
             }
             match decode_message(agent_id, seq, body)?.body {
@@ -473,15 +488,19 @@ mod tests {
         ];
         for sql in reads {
             let plan: Vec<String> = {
-                let mut stmt = store.conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+                let mut stmt = store
+                    .conn
+                    .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                    .unwrap();
                 let rows = stmt.query_map([], |r| r.get::<_, String>(3)).unwrap();
                 rows.map(|r| r.unwrap()).collect()
             };
             let plan = plan.join("; ");
             assert!(!plan.contains("TEMP B-TREE"), "{sql}: {plan}");
             assert!(
-                plan.contains("INDEX messages_by_time (agent_id=? AND kind=? AND time_ns>? AND time_ns<?)")
-                    || plan.contains("PRIMARY KEY (agent_id=? AND time_ns>? AND time_ns<?)"),
+                plan.contains(
+                    "INDEX messages_by_time (agent_id=? AND kind=? AND time_ns>? AND time_ns<?)"
+                ) || plan.contains("PRIMARY KEY (agent_id=? AND time_ns>? AND time_ns<?)"),
                 "{sql}: {plan}"
             );
         }
@@ -494,11 +513,19 @@ mod tests {
         // The samples at or after 1 s, 250.75 s, 500.5 s, 750.25 s, and the last.
         assert_eq!(allocated(&t.samples), [1, 251, 501, 751, 1000]);
         assert_eq!(t.events.len(), 100, "every event");
-        assert!(t.events.windows(2).all(|w| w[0].seq < w[1].seq), "oldest first");
+        assert!(
+            t.events.windows(2).all(|w| w[0].seq < w[1].seq),
+            "oldest first"
+        );
         // Few enough to send whole: the raw dicts come too.
-        assert_eq!(t.samples[0].sample.as_ref().unwrap().allocator[0].raw.len(), 3);
+        assert_eq!(
+            t.samples[0].sample.as_ref().unwrap().allocator[0].raw.len(),
+            3
+        );
         // A range reads only its range.
-        let t = store.timeline("a1", 901_000_000_000, 950_000_000_000, 0).unwrap();
+        let t = store
+            .timeline("a1", 901_000_000_000, 950_000_000_000, 0)
+            .unwrap();
         assert_eq!(allocated(&t.samples), (901..=950).collect::<Vec<_>>());
         assert_eq!(t.events.len(), 5);
     }
@@ -507,7 +534,9 @@ mod tests {
     fn a_burst_thins_by_time_without_repeats() {
         let mut store = super::super::tests::store_with_a1();
         // 500 samples 1 ms apart, then 20 one second apart.
-        let times = (0..500).map(|i| i * 1_000_000).chain((1..=20).map(|i| i * 1_000_000_000));
+        let times = (0..500)
+            .map(|i| i * 1_000_000)
+            .chain((1..=20).map(|i| i * 1_000_000_000));
         let batch: Vec<pb::AgentMessage> = times
             .enumerate()
             .map(|(i, time_ns)| pb::AgentMessage {
@@ -534,39 +563,70 @@ mod tests {
         assert_eq!(keys.len(), 100);
         let whole_bytes: usize = {
             let sql = "SELECT sum(length(body)) FROM messages WHERE kind = 'sample'";
-            store.conn.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap() as usize
+            store
+                .conn
+                .query_row(sql, [], |r| r.get::<_, i64>(0))
+                .unwrap() as usize
         };
-        assert!(store.whole_samples("a1", &keys, whole_bytes).unwrap().is_some());
-        assert!(store.whole_samples("a1", &keys, whole_bytes / 2).unwrap().is_none());
+        assert!(store
+            .whole_samples("a1", &keys, whole_bytes)
+            .unwrap()
+            .is_some());
+        assert!(store
+            .whole_samples("a1", &keys, whole_bytes / 2)
+            .unwrap()
+            .is_none());
         let figures = store.figures_within("a1", &keys, whole_bytes / 2).unwrap();
-        assert_eq!(allocated(&figures), (1..=100).collect::<Vec<_>>(), "every figure fits");
-        assert!(figures.iter().all(|s| s.sample.as_ref().unwrap().allocator[0].raw.is_empty()));
+        assert_eq!(
+            allocated(&figures),
+            (1..=100).collect::<Vec<_>>(),
+            "every figure fits"
+        );
+        assert!(figures
+            .iter()
+            .all(|s| s.sample.as_ref().unwrap().allocator[0].raw.is_empty()));
         let record: usize = {
             let sql = "SELECT max(length(sample)) FROM figures";
-            store.conn.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap() as usize
+            store
+                .conn
+                .query_row(sql, [], |r| r.get::<_, i64>(0))
+                .unwrap() as usize
         };
-        assert!(record * 10 < whole_bytes / 100, "a record is a tenth of the sample: {record}");
+        assert!(
+            record * 10 < whole_bytes / 100,
+            "a record is a tenth of the sample: {record}"
+        );
         // A budget for 25 of the largest records: what comes fits it, spread, ends kept.
         let budget = 25 * record;
         let thin = store.figures_within("a1", &keys, budget).unwrap();
         let got = allocated(&thin);
-        let bytes: usize = thin.iter().map(|s| prost::Message::encoded_len(s.sample.as_ref().unwrap())).sum();
+        let bytes: usize = thin
+            .iter()
+            .map(|s| prost::Message::encoded_len(s.sample.as_ref().unwrap()))
+            .sum();
         assert!(bytes <= budget && got.len() >= 20, "{bytes} bytes: {got:?}");
         assert_eq!((got[0], *got.last().unwrap()), (1, 100));
-        assert!(got.windows(2).all(|w| w[1] - w[0] >= 3 && w[1] - w[0] <= 5), "{got:?}");
+        assert!(
+            got.windows(2).all(|w| w[1] - w[0] >= 3 && w[1] - w[0] <= 5),
+            "{got:?}"
+        );
     }
 
     #[test]
     fn events_keep_the_newest_within_their_budget() {
         let store = agent(100, 0);
-        let one = store.newest_events("a1", i64::MIN, i64::MAX, usize::MAX).unwrap();
+        let one = store
+            .newest_events("a1", i64::MIN, i64::MAX, usize::MAX)
+            .unwrap();
         assert_eq!(one.len(), 10);
         let size = prost::Message::encoded_len(&pb::AgentMessage {
             seq: 101,
             body: Some(Body::Event(one[9].event.clone().unwrap())),
         });
         // All ten are the same size but the oldest (a shorter time varint).
-        let newest = store.newest_events("a1", i64::MIN, i64::MAX, 3 * size).unwrap();
+        let newest = store
+            .newest_events("a1", i64::MIN, i64::MAX, 3 * size)
+            .unwrap();
         let seqs: Vec<u64> = newest.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, [108, 109, 110]);
     }
@@ -586,7 +646,9 @@ mod tests {
         assert_eq!(at(30_000_000_000, 1_000_000_000), None, "too old");
         let h = store.history_samples("a1", 0, i64::MAX, 5).unwrap();
         assert!(h.is_none(), "more than the limit");
-        let h = store.history_samples("a1", 3_000_000_000, 4_000_000_000, 5).unwrap();
+        let h = store
+            .history_samples("a1", 3_000_000_000, 4_000_000_000, 5)
+            .unwrap();
         assert_eq!(allocated(&h.unwrap()), [3, 4]);
     }
 

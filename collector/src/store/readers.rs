@@ -78,3 +78,76 @@ impl Drop for Lent<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::pb;
+
+    /// A pool of `n` readers over a fresh file store that knows agent "a1".
+    fn pool(dir: &tempfile::TempDir, n: usize) -> Arc<ReaderPool> {
+        let path = dir.path().join("db");
+        let mut writer = Store::open(&path).unwrap();
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            ..Default::default()
+        };
+        writer.upsert_agent(&hello, 1).unwrap();
+        Arc::new(ReaderPool::open(&path, n).unwrap())
+    }
+
+    /// Starts a read that holds its connection until `release` is sent.
+    fn hold(pool: &Arc<ReaderPool>) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let pool = pool.clone();
+        let task = tokio::spawn(async move {
+            pool.read(move |_| Ok(wait.recv().unwrap_or(())))
+                .await
+                .unwrap();
+        });
+        (release, task)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_reader_does_not_hold_back_the_next_query() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir, 2);
+        let (release, held) = hold(&pool);
+        // Loose: the point is an answer while the first read still runs.
+        let agents = tokio::time::timeout(Duration::from_secs(20), pool.read(|s| s.list_agents()))
+            .await
+            .expect("the second connection answers while the first is busy")
+            .unwrap();
+        assert_eq!(agents.len(), 1);
+        assert!(!held.is_finished(), "the first read was still running");
+        release.send(()).unwrap();
+        held.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queries_beyond_the_pool_wait_and_a_panic_loses_no_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir, 1);
+        let (release, held) = hold(&pool);
+        let waiting = {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.read(|s| s.list_agents()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished(), "one connection, and it is busy");
+        release.send(()).unwrap();
+        held.await.unwrap();
+        assert_eq!(waiting.await.unwrap().unwrap().len(), 1);
+
+        let err = pool
+            .read(|_| -> Result<()> { panic!("a query that panics") })
+            .await
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("store task failed"), "{err:#}");
+        let agents = pool.read(|s| s.list_agents()).await.unwrap();
+        assert_eq!(agents.len(), 1, "the connection came back");
+    }
+}

@@ -240,7 +240,14 @@ fn every_verb_answers_on_a_long_history_with_bounded_memory() {
         &["diagnose", "--agent", AGENT, "--json"],
     ));
     let text = d.to_string();
-    assert!(text.contains("read the newest"), "{text:.2000}");
+    let window = 20_000i64.min(n as i64);
+    let note = format!(
+        "read the newest {window} samples in full, from {}, and {} earlier ones thinned evenly from {}",
+        oomscope_analysis::units::time(first + (n as i64 - window) * INTERVAL_NS),
+        2_000.min(n as i64 - window),
+        oomscope_analysis::units::time(first),
+    );
+    assert!(n <= 20_000 || text.contains(&note), "{note}: {text:.3000}");
 
     let page = dir.path().join("scale.html");
     verb(

@@ -22,6 +22,11 @@ use crate::verdict::{diagnose, incident_ref};
 /// trigger or leak test needs.
 pub const DIAGNOSE_MAX_SAMPLES: u32 = 20_000;
 
+/// The most samples of the history before that window the analysis reads,
+/// thinned evenly in time: the start of a slow trend, at a tenth of the
+/// window's cost.
+pub const DIAGNOSE_OLDER_SAMPLES: u32 = 2_000;
+
 pub struct QueryApi {
     collector: Collector,
 }
@@ -193,11 +198,28 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         }
         _ => {}
     }
+    // Before the window, the history summarized: its samples' figures
+    // thinned evenly in time (none joined), so a slow trend has its start.
+    let older = match window_from > from_ns {
+        true => store
+            .thinned_figures(&agent_id, from_ns, window_from - 1, DIAGNOSE_OLDER_SAMPLES)
+            .map_err(internal)?,
+        false => Vec::new(),
+    };
+    let older_note = older.first().and_then(|s| s.sample.as_ref()).map(|first| {
+        format!(
+            ", and {} earlier ones thinned evenly from {}",
+            older.len(),
+            oomscope_analysis::units::time(first.time_ns)
+        )
+    });
+    history.samples.splice(0..0, older);
     let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
     if window_from > from_ns {
         diagnosis.evidence.push(format!(
-            "read the newest {DIAGNOSE_MAX_SAMPLES} samples, from {} (earlier ones are in `oomscope timeline`)",
-            oomscope_analysis::units::time(window_from)
+            "read the newest {DIAGNOSE_MAX_SAMPLES} samples in full, from {}{} (every one is in `oomscope timeline`)",
+            oomscope_analysis::units::time(window_from),
+            older_note.unwrap_or_default()
         ));
     }
     if diagnosis.agent.is_none() {
@@ -546,8 +568,12 @@ mod tests {
             .unwrap_or_else(|| panic!("{:?}", d.evidence));
         assert!(note.contains(&DIAGNOSE_MAX_SAMPLES.to_string()), "{note}");
         assert!(
-            note.contains("1970-01-01T00:08:21"),
+            note.contains("from 1970-01-01T00:08:21"),
             "sample 501 at 501 s: {note}"
+        );
+        assert!(
+            note.contains("and 500 earlier ones thinned evenly from 1970-01-01T00:00:01"),
+            "the 500 before it, from sample 1 at 1 s: {note}"
         );
 
         let short = agent_with_samples(100);

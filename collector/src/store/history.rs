@@ -170,6 +170,19 @@ impl Store {
             .into_evidence(None))
     }
 
+    /// Up to `max` samples' figures in `from_ns..=to_ns`, thinned evenly in
+    /// time (first and last kept) as a timeline is, oldest first.
+    pub fn thinned_figures(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max: u32,
+    ) -> Result<Vec<pb::TimedSample>> {
+        let keys = self.sample_keys(agent_id, from_ns, to_ns, max as usize)?;
+        self.figures_within(agent_id, &keys, DEFAULT_SAMPLE_REPLY_BYTES)
+    }
+
     /// The agent's latest sample figures in `at_ns - max_age_ns ..= at_ns`.
     pub fn sample_at(
         &self,

@@ -99,6 +99,11 @@ fn reading(t: i64, done: u64, rss: u64, limit: Limit) -> pb::Sample {
     }
 }
 
+fn rss_of(s: Option<&pb::Sample>) -> u64 {
+    s.and_then(|s| s.process.as_ref())
+        .map_or(0, |p| p.vm_rss_bytes)
+}
+
 const GROWTH_CAUSES: [&str; 3] = ["leak", "host_growth", "slow_growth"];
 
 fn growth_causes(e: &Evidence) -> Vec<String> {
@@ -158,14 +163,7 @@ fn a_planted_leak_of_a_hundredth_of_a_percent_is_found_within_200_requests() {
             "seed {seed}: bytes_per_request {got}, planted {leak}"
         );
         // The runway: what is left of the limit over the fitted growth.
-        let last_rss = e
-            .samples
-            .last()
-            .unwrap()
-            .process
-            .as_ref()
-            .unwrap()
-            .vm_rss_bytes;
+        let last_rss = rss_of(e.samples.last());
         let left = c.metrics["requests_to_limit"];
         assert!(
             left <= limit.bytes() as f64 / (0.75 * leak) && left >= 0.0,
@@ -218,13 +216,7 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
             reading(i as i64 * 1_000 * MS, i, rss, limit)
         })
         .collect();
-    let last_rss = samples
-        .last()
-        .unwrap()
-        .process
-        .as_ref()
-        .unwrap()
-        .vm_rss_bytes;
+    let last_rss = rss_of(samples.last());
     // Then idle: periodic readings for 500 s with no request must not slow
     // the observed rate.
     let mut samples = samples;

@@ -117,7 +117,7 @@ fn growth_causes(e: &Evidence) -> Vec<String> {
 
 fn limit_for(seed: u64) -> Limit {
     // Every third timeline runs under a cgroup limit.
-    if seed % 3 == 0 {
+    if seed.is_multiple_of(3) {
         Limit::Cgroup(8 * GIB)
     } else {
         Limit::MemTotal(64 * GIB)

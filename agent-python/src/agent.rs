@@ -261,7 +261,7 @@ impl Agent {
     /// a request on average. 0 when not read this time.
     fn read_blocks(&self, done: u64) -> u64 {
         let every = self.blocks_every.load(Ordering::Relaxed).max(1);
-        if done % every != 0 {
+        if !done.is_multiple_of(every) {
             return 0;
         }
         let t = Instant::now();

@@ -282,9 +282,13 @@ fn readme_synopses_name_real_verbs_and_flags() {
             .split(|c: char| c.is_whitespace() || "[]()|\\".contains(c))
             .filter(|w| !w.is_empty())
             .collect();
-        let verb = cmd
+        let mut verb = cmd
             .find_subcommand(words[1])
             .unwrap_or_else(|| panic!("README.md: `{span}`: no verb `{}`", words[1]));
+        // A verb's own verb (`bench ingest`) holds the flags.
+        if let Some(sub) = words.get(2).and_then(|w| verb.find_subcommand(w)) {
+            verb = sub;
+        }
         for flag in words.iter().filter_map(|w| w.strip_prefix("--")) {
             let flag = flag.split('=').next().unwrap();
             if flag.is_empty() {

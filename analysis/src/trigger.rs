@@ -243,6 +243,22 @@ fn burst_start_sequences(f: &Findings, failed_at_ns: i64) -> u64 {
         .unwrap_or(0)
 }
 
+/// Bytes that rise with tokens for certain over `pts` (tokens, bytes):
+/// (bytes per token, fewest tokens, most tokens). None for noise, or for a
+/// rise under [`MIN_RISE_BYTES`] across the tokens seen.
+fn rise_per_token(pts: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
+    let pts = growth::thin(pts, growth::MAX_FIT_POINTS);
+    let mk = stats::mann_kendall(&pts)?;
+    let line = stats::theil_sen(&pts)?;
+    let (min_t, max_t) = pts
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.0), h.max(p.0)));
+    if mk.p_increasing >= SIZE_P_VALUE || line.slope * (max_t - min_t) < MIN_RISE_BYTES {
+        return None;
+    }
+    Some((line.slope.max(0.0), min_t, max_t))
+}
+
 /// At one sequence, live bytes rise with its tokens (or its prompt), and the
 /// failure came at (or past) the longest seen.
 fn size(f: &Findings) -> Option<String> {
@@ -263,15 +279,7 @@ fn size(f: &Findings) -> Option<String> {
         .iter()
         .map(|p| (tokens(p) as f64, p.allocated as f64))
         .collect();
-    let pts = growth::thin(&pts, growth::MAX_FIT_POINTS);
-    let mk = stats::mann_kendall(&pts)?;
-    let line = stats::theil_sen(&pts)?;
-    let (min_t, max_t) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.0), h.max(p.0)));
-    if mk.p_increasing >= SIZE_P_VALUE || line.slope * (max_t - min_t) < MIN_RISE_BYTES {
-        return None;
-    }
+    let (slope, min_t, max_t) = rise_per_token(&pts)?;
     let at = if failure.context.active_tokens > 0 {
         failure.context.active_tokens
     } else {
@@ -286,7 +294,7 @@ fn size(f: &Findings) -> Option<String> {
     at_longest.then(|| {
         format!(
             "at one sequence live bytes rose {} per token from {min_t} to {max_t} tokens; the failure came at {}",
-            bytes_short(line.slope.max(0.0) as u64),
+            bytes_short(slope as u64),
             if at > 0 { format!("{at} tokens") } else { "a longer context".to_string() }
         )
     })

@@ -161,7 +161,7 @@ fn workload_stream(url: &str, agent: &str) -> anyhow::Result<Option<Arc<Reporter
     };
     let me = HostProbe::new(HostPaths::system(), std::process::id());
     let mut hello = Identity {
-        name,
+        name: format!("{name}{}", oomscope_proto::PROBE_NAME_SUFFIX),
         role: oomscope_proto::PROBE_ROLE.into(),
         rank: 0,
         runtime: oomscope_proto::PROBE_ROLE.into(),

@@ -340,9 +340,29 @@ fn cgroup_files(cg: &TestCgroup) -> (&'static str, &'static str, &'static str) {
     }
 }
 
-/// Limits `cg` to what the loaded server in it uses and 300 MiB more (swap
-/// included), and returns the limit: a long prompt's scores and logits (a
-/// few thousand tokens) overrun it.
+/// The reference server as `name` with `flags` and `env`, in a memory
+/// cgroup of its own limited to what it uses once loaded and 300 MiB more
+/// (swap included): a long prompt's scores and logits (a few thousand
+/// tokens) overrun it. Returns the cgroup, the server, its port and the limit.
+fn serve_capped(
+    col: &Collector,
+    name: &str,
+    flags: &str,
+    env: &[(&str, &str)],
+) -> (TestCgroup, Server, u16, u64) {
+    let cg = TestCgroup::create(None, &format!("probe-{name}"), None);
+    let port = free_port();
+    let argv = server_argv(col, name, port, flags);
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let mut c = cg.command(&argv);
+    c.envs(env.iter().copied());
+    let srv = Server::spawn(c, port);
+    let cap = cap_above_use(&cg);
+    (cg, srv, port, cap)
+}
+
+/// Limits `cg` to what the loaded server in it uses and 300 MiB more, and
+/// returns the limit.
 fn cap_above_use(cg: &TestCgroup) -> u64 {
     let (usage, limit, swap) = cgroup_files(cg);
     let used: u64 = std::fs::read_to_string(cg.dir.join(usage))
@@ -368,12 +388,7 @@ fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
     let _serial = serial();
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let cg = TestCgroup::create(None, "probe-oom", None);
-    let port = free_port();
-    let argv = server_argv(&col, "cgsrv", port, "--max-active 4");
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let srv = Server::spawn(cg.command(&argv), port);
-    let cap = cap_above_use(&cg);
+    let (_cg, srv, port, cap) = serve_capped(&col, "cgsrv", "--max-active 4", &[]);
 
     let (code, r) = probe_seeded(&[
         "--endpoint",
@@ -430,14 +445,8 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
     let _serial = serial();
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let cg = TestCgroup::create(None, "probe-noagent", None);
-    let port = free_port();
-    let argv = server_argv(&col, "bare", port, "--no-agent");
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    let mut c = cg.command(&argv);
-    c.env("OOMSCOPE_AUTOSTART", "0");
-    let srv = Server::spawn(c, port);
-    let cap = cap_above_use(&cg);
+    let (_cg, srv, port, cap) =
+        serve_capped(&col, "bare", "--no-agent", &[("OOMSCOPE_AUTOSTART", "0")]);
 
     let (code, r) = probe_seeded(&[
         "--endpoint",
@@ -457,18 +466,14 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
 
     // The probe was a member of the server's instance, and its end no death.
     let agents = col.json(&["agents"]);
-    let members: Vec<&Value> = agents
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|a| a["name"] == "bare")
-        .collect();
-    let probe = members
+    let all = agents.as_array().unwrap();
+    let probe = all
         .iter()
         .find(|a| a["role"] == "probe")
-        .unwrap_or_else(|| panic!("no probe member: {members:#?}"));
-    let sup = members.iter().find(|a| a["role"] == "supervisor").unwrap();
-    assert_eq!(probe["instance"], sup["instance"], "{members:#?}");
+        .unwrap_or_else(|| panic!("no probe member: {all:#?}"));
+    let sup = all.iter().find(|a| a["role"] == "supervisor").unwrap();
+    assert_eq!(probe["instance"], sup["instance"], "{all:#?}");
+    assert_eq!(probe["name"], "bare.probe", "never the service's own name");
     assert_ne!(probe["state"], "lost", "{probe:#}");
     let incidents = col.json(&["incidents"]);
     assert!(

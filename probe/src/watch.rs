@@ -139,7 +139,11 @@ impl Watch {
             let Some(id) = m.hello.as_ref().map(|h| h.agent_id.clone()) else {
                 continue;
             };
-            if id == main {
+            if id == main
+                || m.hello
+                    .as_ref()
+                    .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+            {
                 continue;
             }
             if let Some(mt) = self.source.timeline(&id, from_ns) {
@@ -148,9 +152,13 @@ impl Watch {
         }
         samples.retain(|s| s.time_ns >= from_ns && s.time_ns <= to_ns);
         samples.sort_by_key(|s| s.time_ns);
+        // The server's own count only: a probe's context (this one's, joined
+        // to a server with no agent, or another probe's) counts what was sent.
         let readings: Vec<Reading> = samples
             .iter()
-            .filter_map(|s| s.context.as_ref().and_then(reading_of))
+            .filter_map(|s| s.context.as_ref())
+            .filter(|c| c.phase != oomscope_proto::PROBE_PHASE)
+            .filter_map(reading_of)
             .collect();
         (!readings.is_empty()).then(|| Load::of("collector: the server's agent", &readings))
     }

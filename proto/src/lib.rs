@@ -41,6 +41,11 @@ pub const CENSUS_PHASE: &str = "census";
 pub const PROBE_ROLE: &str = "probe";
 /// The `RequestContext.phase` of the probe's context samples.
 pub const PROBE_PHASE: &str = "probe";
+/// The probe's stream is named after the server it probes with this suffix:
+/// a member of the server's instance, but never the service a name stands
+/// for, nor one of its starts or requests when the collector looks for a
+/// restart storm.
+pub const PROBE_NAME_SUFFIX: &str = ".probe";
 
 /// A duration in nanoseconds, as the messages' i64 times count them; None
 /// past i64::MAX (about 292 years), so that no conversion ever wraps.

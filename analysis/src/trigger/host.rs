@@ -4,9 +4,8 @@
 //! has no request context of its own; `oomscope probe` supplies it (the
 //! collector joins the probe's requests to the server's samples).
 
-use super::{MIN_RISE_BYTES, SIZE_P_VALUE};
+use super::{rise_per_token, MIN_RISE_BYTES};
 use crate::findings::Findings;
-use crate::growth;
 use crate::stats;
 use crate::timeline::Point;
 use crate::units::bytes_short;
@@ -52,51 +51,41 @@ fn in_service_at<'a>(before: &[&'a Point], end: i64) -> Option<&'a Point> {
         .filter(|p| p.in_request() && end - p.time_ns <= FAILURE_CONTEXT_MAX_AGE_NS)
 }
 
-/// At one sequence, host memory rose with the tokens in service, and the
-/// failure came while serving at least the longest of them.
-pub fn size(f: &Findings) -> Option<String> {
+/// The readings up to the failure (past the weights' load), and its time.
+fn before_failure<'a>(f: &'a Findings) -> Option<(i64, Vec<&'a Point>)> {
     let end = failed_at(f)?;
-    let before: Vec<&Point> = f
+    let before = f
         .timeline
         .points
         .iter()
         .filter(|p| p.time_ns <= end && !p.is_load())
         .collect();
+    Some((end, before))
+}
+
+/// At one sequence, host memory rose with the tokens in service, and the
+/// failure came while serving at least the longest of them.
+pub fn size(f: &Findings) -> Option<String> {
+    let (end, before) = before_failure(f)?;
     let single: Vec<(f64, f64)> = before
         .iter()
         .filter(|p| p.active_sequences == 1 && tokens(p) > 0)
         .filter_map(|p| Some((tokens(p) as f64, usage(p)? as f64)))
         .collect();
-    let pts = growth::thin(&single, growth::MAX_FIT_POINTS);
-    let mk = stats::mann_kendall(&pts)?;
-    let line = stats::theil_sen(&pts)?;
-    let (min_t, max_t) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.0), h.max(p.0)));
-    if mk.p_increasing >= SIZE_P_VALUE || line.slope * (max_t - min_t) < MIN_RISE_BYTES {
-        return None;
-    }
-    let last = in_service_at(&before, end)?;
-    let at = tokens(last);
-    if (at as f64) < max_t {
-        return None;
-    }
-    Some(format!(
-        "at one sequence host memory rose {} per token from {min_t} to {max_t} tokens; the failure came at {at} tokens",
-        bytes_short(line.slope.max(0.0) as u64),
-    ))
+    let (slope, min_t, max_t) = rise_per_token(&single)?;
+    let at = tokens(in_service_at(&before, end)?);
+    ((at as f64) >= max_t).then(|| {
+        format!(
+            "at one sequence host memory rose {} per token from {min_t} to {max_t} tokens; the failure came at {at} tokens",
+            bytes_short(slope as u64),
+        )
+    })
 }
 
 /// Host memory rose with the sequences in service, and the failure came at
 /// (or past) the most seen.
 pub fn concurrency(f: &Findings) -> Option<String> {
-    let end = failed_at(f)?;
-    let before: Vec<&Point> = f
-        .timeline
-        .points
-        .iter()
-        .filter(|p| p.time_ns <= end && !p.is_load())
-        .collect();
+    let (end, before) = before_failure(f)?;
     let mut levels: Vec<(u64, u64)> = Vec::new(); // (sequences, max usage)
     for p in before.iter().filter(|p| p.active_sequences > 0) {
         let Some(u) = usage(p) else { continue };

@@ -6,7 +6,8 @@
 //!   holds command lines and environment variables of the processes it saw.
 //! - **Checked**: `PRAGMA quick_check` at open. A valid header over corrupt
 //!   pages otherwise opens fine, says "serving", and fails every write. The
-//!   check reads every page once (seconds per GB), at start only.
+//!   check reads every page once, at start only: 1.5 s for 560 MB from a
+//!   cold cache, the file read ahead sequentially (BENCHMARKS.md).
 //! - **Watched**: [`FileWatch`] compares the device and inode of the paths
 //!   with those seen at open. A database deleted or replaced under a running
 //!   collector would otherwise take acked writes into an unlinked file, lost
@@ -49,6 +50,7 @@ pub fn create_private(path: &Path) -> Result<()> {
 
 /// Refuses a database whose pages are damaged, with SQLite's own findings.
 pub fn quick_check(conn: &Connection, path: &Path) -> Result<()> {
+    read_ahead(path);
     let found: Vec<String> = conn
         .prepare("PRAGMA quick_check(10)")
         .and_then(|mut stmt| {
@@ -70,6 +72,19 @@ pub fn quick_check(conn: &Connection, path: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Reads the file once, front to back, into the page cache, so that
+/// quick_check, which visits the pages in b-tree order, finds them in
+/// memory: from a cold cache a 560 MB store took 14.6 s to open by random
+/// reads, 1.5 s read ahead (BENCHMARKS.md). A read error is left to SQLite.
+fn read_ahead(path: &Path) {
+    use std::io::Read;
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return;
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    while matches!(file.read(&mut buf), Ok(n) if n > 0) {}
 }
 
 /// Which file a path named when the store was opened: (device, inode), or

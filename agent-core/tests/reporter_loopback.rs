@@ -99,6 +99,8 @@ impl AgentService for TestCollector {
                             Some(Reply::Ack(pb::Ack {
                                 from_seq: message.seq,
                                 to_seq: message.seq,
+                                // Like a collector before delta encoding.
+                                changes_accepted: false,
                             }))
                         }
                     },

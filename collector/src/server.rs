@@ -670,7 +670,12 @@ async fn ingest(
             ack_ranges(&outcome.stored)
                 .into_iter()
                 .map(|(from_seq, to_seq)| pb::CollectorMessage {
-                    body: Some(Reply::Ack(pb::Ack { from_seq, to_seq })),
+                    body: Some(Reply::Ack(pb::Ack {
+                        from_seq,
+                        to_seq,
+                        // The session's delta::Decoder rebuilds them.
+                        changes_accepted: true,
+                    })),
                 }),
         );
     for reply in replies {

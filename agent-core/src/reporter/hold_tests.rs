@@ -46,6 +46,7 @@ impl AgentService for Seen {
                 let ack = Reply::Ack(pb::Ack {
                     from_seq: m.seq,
                     to_seq: m.seq,
+                    changes_accepted: false,
                 });
                 let reply = pb::CollectorMessage { body: Some(ack) };
                 if tx.send(Ok(reply)).await.is_err() {

@@ -298,8 +298,10 @@ impl Worker {
         }
         self.ledger.resend_all();
         // Per stream: the first sample of each (so every resend after a
-        // reconnect starts) with complete counters.
+        // reconnect starts) with complete counters, and changes only once
+        // the collector's acks say it rebuilds them (an older one does not).
         let mut delta = oomscope_proto::delta::Encoder::new();
+        let mut changes_accepted = false;
         let mut acked = false;
         loop {
             tokio::select! {
@@ -310,7 +312,10 @@ impl Worker {
                     }
                 }
                 reply = inbound.message() => match reply {
-                    Ok(Some(reply)) => acked |= self.handle_reply(reply),
+                    Ok(Some(reply)) => {
+                        changes_accepted |= matches!(&reply.body, Some(Reply::Ack(a)) if a.changes_accepted);
+                        acked |= self.handle_reply(reply);
+                    }
                     Ok(None) => return SessionEnd::Failed { acked, error: "collector closed the stream".into() },
                     Err(status) => return SessionEnd::Failed { acked, error: format!("stream failed: {status}") },
                 },
@@ -326,7 +331,12 @@ impl Worker {
                 permit = out_tx.reserve(), if self.ledger.owes() => match permit {
                     Ok(permit) => {
                         if let Some(message) = self.next_to_send() {
-                            permit.send(delta.encode(message));
+                            // Until then, complete: the encoder's first
+                            // sample after that is complete too.
+                            permit.send(match changes_accepted {
+                                true => delta.encode(message),
+                                false => message,
+                            });
                         }
                     }
                     Err(_) => return SessionEnd::Failed { acked, error: "stream closed".into() },

@@ -473,6 +473,12 @@ pub struct Ack {
     pub from_seq: u64,
     #[prost(uint64, tag = "2")]
     pub to_seq: u64,
+    /// This collector rebuilds allocator counters sent as changes
+    /// (AllocatorStats.raw_changes): an agent sends them only on a stream
+    /// whose acks say so, so an older collector never gets changes it would
+    /// store as empty counters.
+    #[prost(bool, tag = "3")]
+    pub changes_accepted: bool,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -62,13 +62,7 @@ fn ramp(steps: &[(u64, u64, u64, u64)]) -> Vec<pb::Sample> {
         .iter()
         .enumerate()
         .map(|(i, &(usage, seqs, tokens, prompt))| {
-            at(
-                T0 + 1 * SEC + i as i64 * SEC / 10,
-                usage,
-                seqs,
-                tokens,
-                prompt,
-            )
+            at(T0 + SEC + i as i64 * SEC / 10, usage, seqs, tokens, prompt)
         })
         .collect()
 }

@@ -90,7 +90,10 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
             i.time_ns.saturating_add(RECENT_WINDOW_NS),
         ),
         (None, Some(s)) => (
-            s.sample.as_ref().map_or(0, |s| s.time_ns).saturating_sub(RECENT_WINDOW_NS),
+            s.sample
+                .as_ref()
+                .map_or(0, |s| s.time_ns)
+                .saturating_sub(RECENT_WINDOW_NS),
             0,
         ),
         (None, None) => (0, 0),
@@ -132,7 +135,9 @@ fn merge(overview: pb::TimelineResponse, recent: pb::TimelineResponse) -> pb::Ti
     t.events.extend(recent.events);
     t.events.sort_by(|a, b| {
         let key = |e: &pb::TimedEvent| (e.event.as_ref().map_or(i64::MIN, |e| e.time_ns), e.seq);
-        key(a).cmp(&key(b)).then_with(|| a.agent_id.cmp(&b.agent_id))
+        key(a)
+            .cmp(&key(b))
+            .then_with(|| a.agent_id.cmp(&b.agent_id))
     });
     t.events
         .dedup_by(|a, b| a.seq == b.seq && a.agent_id == b.agent_id);
@@ -253,11 +258,22 @@ mod tests {
     #[test]
     fn the_recent_window_fills_in_the_overview_once() {
         let overview = timeline(&[(1, 10), (50, 500), (100, 1000)], &[(7, ""), (60, "")]);
-        let recent = timeline(&[(98, 980), (99, 990), (100, 1000)], &[(60, ""), (60, "w1")]);
+        let recent = timeline(
+            &[(98, 980), (99, 990), (100, 1000)],
+            &[(60, ""), (60, "w1")],
+        );
         let t = merge(overview, recent);
         let seqs: Vec<u64> = t.samples.iter().map(|s| s.seq).collect();
         assert_eq!(seqs, [1, 50, 98, 99, 100]);
-        let events: Vec<(u64, &str)> = t.events.iter().map(|e| (e.seq, e.agent_id.as_str())).collect();
-        assert_eq!(events, [(7, ""), (60, ""), (60, "w1")], "one per sender and seq");
+        let events: Vec<(u64, &str)> = t
+            .events
+            .iter()
+            .map(|e| (e.seq, e.agent_id.as_str()))
+            .collect();
+        assert_eq!(
+            events,
+            [(7, ""), (60, ""), (60, "w1")],
+            "one per sender and seq"
+        );
     }
 }

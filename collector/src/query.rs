@@ -182,18 +182,30 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     // An incident: the failed agent's samples with the serving context (a
     // server with no in-process agent has the probe's requests, if any).
     match (&incident, &target) {
-        (None, Some(Target::Instance(inst))) => {
-            join_members(store, inst, &agent_id, &mut history.samples, window_from, to_ns)
-                .map_err(internal)?
-        }
+        (None, Some(Target::Instance(inst))) => join_members(
+            store,
+            inst,
+            &agent_id,
+            &mut history.samples,
+            window_from,
+            to_ns,
+        )
+        .map_err(internal)?,
         (Some(_), _) => {
             let inst = match store.instance_of(&agent_id).map_err(internal)? {
                 Some(id) => store.instance(&id).map_err(internal)?,
                 None => None,
             };
             if let Some(inst) = inst {
-                join_serving_context(store, &inst, &agent_id, &mut history.samples, window_from, to_ns)
-                    .map_err(internal)?;
+                join_serving_context(
+                    store,
+                    &inst,
+                    &agent_id,
+                    &mut history.samples,
+                    window_from,
+                    to_ns,
+                )
+                .map_err(internal)?;
             }
         }
         _ => {}
@@ -335,7 +347,9 @@ fn readings_for(
     let (Some(first), Some(last)) = (samples.first(), samples.last()) else {
         return Ok(Vec::new());
     };
-    let from = time_of(first).saturating_sub(TREE_JOIN_MAX_AGE_NS).max(from_ns);
+    let from = time_of(first)
+        .saturating_sub(TREE_JOIN_MAX_AGE_NS)
+        .max(from_ns);
     let to = time_of(last).min(to_ns);
     let limit = samples.len().saturating_mul(JOIN_RANGE_FACTOR);
     if let Some(range) = store.history_samples(agent_id, from, to, limit)? {

@@ -19,16 +19,16 @@ use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 
 mod figures;
-mod history;
 mod file;
+mod history;
 mod instances;
 mod readers;
 
+pub use file::{FileWatch, DB_FILE_MODE};
 pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
 };
-pub use file::{FileWatch, DB_FILE_MODE};
 pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 
@@ -779,22 +779,44 @@ mod tests {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(version, SCHEMA_VERSION);
-        assert_eq!(store.list_agents().unwrap()[0].samples, 5, "counted at migration");
+        assert_eq!(
+            store.list_agents().unwrap()[0].samples,
+            5,
+            "counted at migration"
+        );
         let h = store.history("a1", i64::MIN, i64::MAX).unwrap();
         let allocated: Vec<u64> = h
             .samples
             .iter()
             .map(|s| s.sample.as_ref().unwrap().allocator[0].allocated_bytes)
             .collect();
-        assert_eq!(allocated, [7, 14, 21, 28, 35], "every sample has its record");
+        assert_eq!(
+            allocated,
+            [7, 14, 21, 28, 35],
+            "every sample has its record"
+        );
         // Whole messages still come back where they fit.
         let t = store.timeline("a1", 0, 0, 0).unwrap();
         assert_eq!(t.samples.len(), 5);
-        assert_eq!(t.samples[4].sample.as_ref().unwrap().allocator[0].raw.len(), 1);
+        assert_eq!(
+            t.samples[4].sample.as_ref().unwrap().allocator[0].raw.len(),
+            1
+        );
         // And the writer goes on where the old one stopped.
         store.insert_batch("a1", &[sample(5), sample(6)]).unwrap();
-        assert_eq!(store.list_agents().unwrap()[0].samples, 6, "the resent 5 counts once");
-        assert_eq!(store.history("a1", i64::MIN, i64::MAX).unwrap().samples.len(), 6);
+        assert_eq!(
+            store.list_agents().unwrap()[0].samples,
+            6,
+            "the resent 5 counts once"
+        );
+        assert_eq!(
+            store
+                .history("a1", i64::MIN, i64::MAX)
+                .unwrap()
+                .samples
+                .len(),
+            6
+        );
     }
 
     /// An in-memory store that knows agent "a1" (named "svc").

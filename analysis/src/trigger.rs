@@ -263,21 +263,14 @@ fn rise_per_token(pts: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
 /// failure came at (or past) the longest seen.
 fn size(f: &Findings) -> Option<String> {
     let failure = f.failure.as_ref()?;
-    let tokens = |p: &Point| {
-        if p.active_tokens > 0 {
-            p.active_tokens
-        } else {
-            p.prompt_tokens
-        }
-    };
     let single: Vec<&Point> = f
         .timeline
         .device()
-        .filter(|p| p.active_sequences <= 1 && tokens(p) > 0 && !p.is_load())
+        .filter(|p| p.active_sequences <= 1 && p.tokens() > 0 && !p.is_load())
         .collect();
     let pts: Vec<(f64, f64)> = single
         .iter()
-        .map(|p| (tokens(p) as f64, p.allocated as f64))
+        .map(|p| (p.tokens() as f64, p.allocated as f64))
         .collect();
     let (slope, min_t, max_t) = rise_per_token(&pts)?;
     let at = if failure.context.active_tokens > 0 {

@@ -75,7 +75,10 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)
     // and its growth is not this process's.
     let (what, t) = match series(|p| p.rss) {
         Some(t) => ("host RSS", t),
-        None => ("cgroup usage", series(|p| p.cgroup_limit.and(p.cgroup_usage))?),
+        None => (
+            "cgroup usage",
+            series(|p| p.cgroup_limit.and(p.cgroup_usage))?,
+        ),
     };
     let (limit, limit_name) = f.host_limit()?;
     let runway = Runway {

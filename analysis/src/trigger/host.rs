@@ -23,15 +23,6 @@ fn usage(p: &Point) -> Option<u64> {
     }
 }
 
-/// The tokens a reading was taken at: those in service, else the prompt's.
-fn tokens(p: &Point) -> u64 {
-    if p.active_tokens > 0 {
-        p.active_tokens
-    } else {
-        p.prompt_tokens
-    }
-}
-
 /// When the failure came: the kernel's record of the kill, the exit, else
 /// the incident's time.
 fn failed_at(f: &Findings) -> Option<i64> {
@@ -69,11 +60,11 @@ pub fn size(f: &Findings) -> Option<String> {
     let (end, before) = before_failure(f)?;
     let single: Vec<(f64, f64)> = before
         .iter()
-        .filter(|p| p.active_sequences == 1 && tokens(p) > 0)
-        .filter_map(|p| Some((tokens(p) as f64, usage(p)? as f64)))
+        .filter(|p| p.active_sequences == 1 && p.tokens() > 0)
+        .filter_map(|p| Some((p.tokens() as f64, usage(p)? as f64)))
         .collect();
     let (slope, min_t, max_t) = rise_per_token(&single)?;
-    let at = tokens(in_service_at(&before, end)?);
+    let at = in_service_at(&before, end)?.tokens();
     ((at as f64) >= max_t).then(|| {
         format!(
             "at one sequence host memory rose {} per token from {min_t} to {max_t} tokens; the failure came at {at} tokens",

@@ -20,6 +20,8 @@ use tonic::transport::{Channel, Endpoint};
 use pb::agent_message::Body;
 use pb::collector_message::Body as Reply;
 
+use crate::output::print_out;
+
 /// Agent streams a run opens unless told otherwise.
 pub const DEFAULT_AGENTS: usize = 4;
 /// Samples each stream sends unless told otherwise.
@@ -91,10 +93,9 @@ pub fn ingest(collector_url: &str, load: Load, json: bool) -> Result<i32> {
         .enable_all()
         .build()?;
     let figures = runtime.block_on(run(collector_url, load))?;
-    if json {
-        println!("{}", figures.to_json());
-    } else {
-        print!("{}", text(&figures, collector_url));
+    match json {
+        true => print_out(&format!("{}\n", figures.to_json()))?,
+        false => print_out(&text(&figures, collector_url))?,
     }
     Ok(0)
 }

@@ -8,6 +8,7 @@ pub mod args;
 mod bench;
 mod collector;
 mod compare;
+mod output;
 mod probe;
 mod query;
 mod replay;

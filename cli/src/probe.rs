@@ -17,6 +17,7 @@ use oomscope_probe::{compare, progress, report, Probe, ProbeConfig, Suite};
 use oomscope_proto::v1 as pb;
 
 use crate::args::{ProbeArgs, SuiteArg};
+use crate::output::print_out;
 
 /// The probe's evidence, asked of the collector over its QueryService.
 /// A failed query is no evidence: the probe says "not measured".
@@ -281,13 +282,14 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
         if let Some(b) = &baseline {
             v["comparison"] = serde_json::to_value(compare::compare(b, &r))?;
         }
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        print_out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
     } else {
-        print!("{}", report::text(&r));
+        let mut text = report::text(&r);
         if let Some(b) = &baseline {
-            println!("Compared with {}:", a.compare.as_ref().unwrap().display());
-            print!("{}", compare::text(&compare::compare(b, &r)));
+            text += &format!("Compared with {}:\n", a.compare.as_ref().unwrap().display());
+            text += &compare::text(&compare::compare(b, &r));
         }
+        print_out(&text)?;
     }
     Ok(report::exit_code(&r.verdict))
 }

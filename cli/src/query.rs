@@ -7,6 +7,8 @@ use oomscope_proto::{now_ns, v1 as pb};
 use oomscope_report::format;
 use serde_json::json;
 
+use crate::output::print_out;
+
 /// A client of the collector at `url`, for one verb's queries.
 pub(crate) fn connect(url: &str) -> anyhow::Result<Client> {
     Ok(Client::connect(url)?)
@@ -32,21 +34,6 @@ pub(crate) fn show(
         false => print_out(&as_text())?,
     }
     Ok(0)
-}
-
-/// Writes `text` to stdout, its control characters but line breaks shown
-/// visibly (`format::terminal_text`: agent-supplied strings never reach the
-/// terminal raw, whichever rendering carried them). A reader that went away
-/// (`oomscope incidents | head -1`) is no error: it has what it wanted, so
-/// the verb ends quietly with status 0 instead of print!'s "Broken pipe" panic.
-pub(crate) fn print_out(text: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    let text = format::terminal_text(text);
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        r => Ok(r?),
-    }
 }
 
 pub fn agents(url: &str, json: bool) -> anyhow::Result<i32> {

@@ -81,7 +81,7 @@ pub fn run(
         );
         return Ok(1);
     }
-    crate::query::print_out(&format!(
+    crate::output::print_out(&format!(
         "replayed {} ({}): {samples} samples, {events} events as agent {agent_id}\n",
         file.display(),
         cap.scenario

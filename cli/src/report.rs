@@ -169,7 +169,7 @@ pub fn run(
                 .with_context(|| format!("cannot write the report to {}", path.display()))?;
             eprintln!("wrote {}", path.display());
         }
-        (None, true) => crate::query::print_out(&oomscope_report::markdown(&input))?,
+        (None, true) => crate::output::print_out(&oomscope_report::markdown(&input))?,
         (None, false) => bail!("choose a form: --html OUT.html or --md"),
     }
     Ok(0)
@@ -238,6 +238,7 @@ mod tests {
                         time_ns,
                         ..Default::default()
                     }),
+                    ..Default::default()
                 })
                 .collect(),
             events: events

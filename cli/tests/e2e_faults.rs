@@ -73,6 +73,7 @@ fn a_closed_stdout_ends_quietly_with_status_0() {
         &["timeline", "piped"],
         &["diagnose"],
         &["report", "--md"],
+        &["bench", "ingest", "--agents", "1", "--samples", "20"],
     ] {
         let mut child = oomscope()
             .args(args)

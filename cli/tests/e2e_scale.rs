@@ -206,6 +206,32 @@ fn every_verb_answers_on_a_long_history_with_bounded_memory() {
     let shown = t["samples"].as_array().unwrap().last().unwrap();
     assert_eq!(shown["allocated_bytes"], newest.allocated_bytes);
     assert_eq!(shown["reserved_bytes"], newest.reserved_bytes);
+    // Each point carries its stretch's lowest and highest (the rollups), so
+    // the capture's extremes, which every stretch repeats, are all drawn
+    // though few of the points themselves hold them. (The newest point
+    // stands for itself alone.)
+    let points = &t["samples"].as_array().unwrap()[..ts.len() - 1];
+    let figure = |p: &serde_json::Value, key: &str| p[key]["allocated_bytes"].as_u64().unwrap();
+    let (lo, hi) = looped.iter().fold((u64::MAX, 0), |(lo, hi), s| {
+        let a = s.allocator[0].allocated_bytes;
+        (lo.min(a), hi.max(a))
+    });
+    assert!(
+        points
+            .iter()
+            .all(|p| figure(p, "low") == lo && figure(p, "high") == hi),
+        "every point's envelope spans the capture's {lo}..{hi}: {:.2000}",
+        serde_json::to_string(&points[..3]).unwrap()
+    );
+    let on_points = points
+        .iter()
+        .filter(|p| p["allocated_bytes"].as_u64() == Some(hi))
+        .count();
+    println!(
+        "{} of {} points hold the peak themselves; every envelope holds it",
+        on_points,
+        points.len()
+    );
 
     // The newest ten minutes only, in full: every sample in the window.
     let asked = oomscope_proto::now_ns();

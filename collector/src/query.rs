@@ -274,8 +274,9 @@ fn instance_view(
     let main = inst.main().agent_id.clone();
     join_members(store, inst, &main, &mut t.samples, from_ns, to_ns)?;
     for m in inst.members.iter().filter(|m| m.agent_id != main) {
-        t.events
-            .extend(store.events_of(&m.agent_id, from_ns, to_ns)?);
+        let (events, cut_ns) = store.events_of(&m.agent_id, from_ns, to_ns)?;
+        t.events.extend(events);
+        t.events_cut_ns = t.events_cut_ns.max(cut_ns);
     }
     t.events
         .sort_by_key(|e| (e.event.as_ref().map_or(0, |e| e.time_ns), e.seq));
@@ -364,6 +365,7 @@ fn readings_for(
             out.push(pb::TimedSample {
                 seq: 0,
                 sample: Some(reading),
+                ..Default::default()
             });
         }
     }
@@ -468,6 +470,7 @@ mod tests {
                 },
                 ..Default::default()
             }),
+            ..Default::default()
         }
     }
 
@@ -483,6 +486,7 @@ mod tests {
                 }),
                 ..Default::default()
             }),
+            ..Default::default()
         };
         let theirs = [ctx(100, 1), ctx(200, 2)];
         let mut main = vec![sample(50, 0), sample(250, 0), ctx(260, 9)];

@@ -597,6 +597,7 @@ mod tests {
                 }),
                 ..Default::default()
             }),
+            ..Default::default()
         };
         let mut timeline = pb::TimelineResponse {
             hello: Some(hello),

@@ -20,9 +20,18 @@ const SWAP: &str = "#bcbd22";
 /// The charts, in domain order (GPU first); none for a domain without readings.
 pub fn charts(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> Vec<Chart> {
     let hello = t.hello.clone().unwrap_or_default();
-    let samples: Vec<&pb::Sample> = t.samples.iter().filter_map(|s| s.sample.as_ref()).collect();
+    let readings: Vec<&pb::Sample> = t.samples.iter().filter_map(|s| s.sample.as_ref()).collect();
+    // What the lines go through: each reading, and where it stands for a
+    // stretch of thinned history, that stretch's lowest and highest figures
+    // at the same time (a vertical stroke), so no spike falls between points.
+    let samples: Vec<&pb::Sample> = t
+        .samples
+        .iter()
+        .flat_map(|s| [s.low.as_ref(), s.sample.as_ref(), s.high.as_ref()])
+        .flatten()
+        .collect();
     let events: Vec<&pb::Event> = t.events.iter().filter_map(|e| e.event.as_ref()).collect();
-    let times = samples
+    let times = readings
         .iter()
         .map(|s| s.time_ns)
         .chain(events.iter().map(|e| e.time_ns))
@@ -31,7 +40,7 @@ pub fn charts(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> Vec<Ch
     if t0 > t1 {
         return Vec::new();
     }
-    let markers = || markers(&samples, &events, failure);
+    let markers = || markers(&readings, &events, failure);
     let chart = |key: String, title: String, series: Vec<Series>| Chart {
         key,
         title,
@@ -251,4 +260,41 @@ fn markers(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rss(t: i64, mib: u64) -> pb::Sample {
+        pb::Sample {
+            time_ns: t,
+            process: Some(pb::ProcessMemory {
+                vm_rss_bytes: mib << 20,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_thinned_points_envelope_is_drawn_at_its_time() {
+        let point = |t: i64, low: u64, high: u64| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(rss(t, 100)),
+            low: Some(rss(t, low)),
+            high: Some(rss(t, high)),
+        };
+        let t = pb::TimelineResponse {
+            samples: vec![point(1, 100, 100), point(2, 40, 900), point(3, 100, 100)],
+            ..Default::default()
+        };
+        let charts = charts(&t, None);
+        let host = charts.iter().find(|c| c.key == "host_rss").unwrap();
+        let points = &host.series[0].points;
+        assert!(points.contains(&(2, 900 << 20)), "{points:?}");
+        assert!(points.contains(&(2, 40 << 20)), "{points:?}");
+        // Only real readings set the time axis and the markers.
+        assert_eq!((host.t0_ns, host.t1_ns), (1, 3));
+    }
 }

@@ -206,10 +206,28 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
         h.pid,
         terminal(&h.runtime)
     );
-    let _ = writeln!(
+    if t.events_cut_ns != 0 {
+        let _ = writeln!(
+            out,
+            "(events before {} left out: over the reply's size; ask a shorter --since)",
+            time(t.events_cut_ns)
+        );
+    }
+    // Thinned points stand for a stretch each: show its peaks beside the reading.
+    let thinned = t.samples.iter().any(|s| s.high.is_some());
+    let _ = write!(
         out,
         "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
         "TIME", "SEQ", "RSS", "CGROUP", "AVAILABLE", "GPU ALLOC", "GPU RESV"
+    );
+    let _ = writeln!(
+        out,
+        "{}",
+        if thinned {
+            "    RSS MAX  ALLOC MAX"
+        } else {
+            ""
+        }
     );
     let mut events = t.events.iter().peekable();
     for s in &t.samples {
@@ -248,7 +266,7 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             .first()
             .map(|a| (bytes(a.allocated_bytes), bytes(a.reserved_bytes)))
             .unwrap_or_else(|| ("-".into(), "-".into()));
-        let _ = writeln!(
+        let _ = write!(
             out,
             "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
             time(smp.time_ns),
@@ -259,6 +277,19 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             alloc,
             resv
         );
+        match s.high.as_ref().filter(|_| thinned) {
+            Some(high) => {
+                let rss = high.process.as_ref().map(|p| bytes(p.vm_rss_bytes));
+                let alloc = high.allocator.first().map(|a| bytes(a.allocated_bytes));
+                let _ = writeln!(
+                    out,
+                    " {:>10} {:>10}",
+                    rss.as_deref().unwrap_or("-"),
+                    alloc.as_deref().unwrap_or("-")
+                );
+            }
+            None => out.push('\n'),
+        }
     }
     for e in events {
         let ev = e.event.clone().unwrap_or_default();
@@ -281,7 +312,7 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
         .map(|s| {
             let smp = s.sample.clone().unwrap_or_default();
             let a = smp.allocator.first();
-            json!({
+            let mut point = json!({
                 "seq": s.seq, "time_ns": smp.time_ns,
                 "rss_bytes": smp.process.as_ref().map(|p| p.vm_rss_bytes),
                 "cgroup_usage_bytes": smp.cgroup.first().map(|c| c.usage_bytes),
@@ -290,7 +321,23 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
                 "reserved_bytes": a.map(|a| a.reserved_bytes),
                 "inactive_split_bytes": a.map(|a| a.inactive_split_bytes),
                 "phase": smp.context.as_ref().map(|c| c.phase.clone()),
-            })
+            });
+            // A thinned point: the lowest and highest over its stretch.
+            for (key, env) in [("low", &s.low), ("high", &s.high)] {
+                if let Some(e) = env {
+                    let a = e.allocator.first();
+                    point[key] = json!({
+                        "rss_bytes": e.process.as_ref().map(|p| p.vm_rss_bytes),
+                        "cgroup_usage_bytes": e.cgroup.first().map(|c| c.usage_bytes),
+                        // Used, not available: the extreme is of what is used.
+                        "ram_used_bytes": e.system.as_ref()
+                            .map(|m| m.mem_total_bytes.saturating_sub(m.mem_available_bytes)),
+                        "allocated_bytes": a.map(|a| a.allocated_bytes),
+                        "reserved_bytes": a.map(|a| a.reserved_bytes),
+                    });
+                }
+            }
+            point
         })
         .collect();
     let events: Vec<_> = t
@@ -301,7 +348,12 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
             json!({"seq": e.seq, "time_ns": ev.time_ns, "what": event_label(&ev)})
         })
         .collect();
-    json!({"agent": h.agent_id, "name": h.name, "samples": samples, "events": events})
+    let mut out =
+        json!({"agent": h.agent_id, "name": h.name, "samples": samples, "events": events});
+    if t.events_cut_ns != 0 {
+        out["events_cut_ns"] = json!(t.events_cut_ns);
+    }
+    out
 }
 
 pub fn diagnosis(d: &pb::Diagnosis) -> String {

@@ -255,6 +255,7 @@ mod tests {
                 tree_pss_bytes: 800 << 20,
                 ..Default::default()
             }),
+            ..Default::default()
         };
         Run {
             timeline: pb::TimelineResponse {

@@ -571,6 +571,7 @@ mod tests {
                 }],
                 ..Default::default()
             }),
+            ..Default::default()
         }
     }
 
@@ -630,6 +631,7 @@ mod tests {
                 ),
             ],
             members: Vec::new(),
+            ..Default::default()
         }
     }
 
@@ -720,6 +722,7 @@ mod tests {
                 }),
                 ..Default::default()
             }),
+            ..Default::default()
         };
         pb::TimelineResponse {
             samples: vec![reading(5, 100 * MIB), reading(30, 3000 * MIB)],

@@ -15,9 +15,10 @@
 use anyhow::{anyhow, bail, Result};
 use oomscope_analysis::{Evidence, IncidentRef};
 use oomscope_proto::MAX_MESSAGE_BYTES;
+use prost::Message;
 use rusqlite::{params, OptionalExtension};
 
-use super::{decode_message, figures, Store};
+use super::{decode_message, figures, rollups, Store};
 use crate::pb;
 use crate::pb::agent_message::Body;
 
@@ -82,17 +83,95 @@ impl Store {
             0 => DEFAULT_MAX_TIMELINE_SAMPLES,
             n => n.min(DEFAULT_MAX_TIMELINE_SAMPLES),
         };
-        let keys = self.sample_keys(agent_id, from_ns, to_ns, max as usize)?;
-        let samples = match self.whole_samples(agent_id, &keys, DEFAULT_SAMPLE_REPLY_BYTES)? {
+        let (keys, thinned) = self.picked_keys(agent_id, from_ns, to_ns, max as usize)?;
+        let mut samples = match self.whole_samples(agent_id, &keys, DEFAULT_SAMPLE_REPLY_BYTES)? {
             Some(whole) => whole,
             None => self.figures_within(agent_id, &keys, DEFAULT_SAMPLE_REPLY_BYTES)?,
         };
+        if thinned {
+            samples = self.with_envelopes(agent_id, samples, DEFAULT_SAMPLE_REPLY_BYTES)?;
+        }
+        let (events, events_cut_ns) =
+            self.newest_events(agent_id, from_ns, to_ns, DEFAULT_EVENT_REPLY_BYTES)?;
         Ok(pb::TimelineResponse {
             hello: Some(hello),
             samples,
-            events: self.newest_events(agent_id, from_ns, to_ns, DEFAULT_EVENT_REPLY_BYTES)?,
+            events,
             members: Vec::new(),
+            events_cut_ns,
         })
+    }
+
+    /// Thinned points with each one's envelope (`TimedSample.low`/`high`):
+    /// the rollup buckets starting in its stretch, from its own time to the
+    /// next point's, plus its own reading. The first takes in the bucket it
+    /// falls in, which may start a little before it. Thinned further (ends
+    /// kept) while points and envelopes pass `budget` together.
+    fn with_envelopes(
+        &self,
+        agent_id: &str,
+        mut points: Vec<pb::TimedSample>,
+        budget: usize,
+    ) -> Result<Vec<pb::TimedSample>> {
+        let time = |p: &pb::TimedSample| p.sample.as_ref().map_or(0, |s| s.time_ns);
+        loop {
+            let (Some(first), Some(last)) = (points.first(), points.last()) else {
+                return Ok(points);
+            };
+            let (t0, t1) = (time(first), time(last));
+            let spacing = (t1 - t0) / (points.len() as i64 - 1).max(1);
+            let width_s = rollups::width_for(spacing);
+            let mut envelopes = vec![rollups::Envelope::default(); points.len()];
+            for (p, e) in points.iter().zip(envelopes.iter_mut()) {
+                if let Some(s) = &p.sample {
+                    e.take(s);
+                }
+            }
+            let mut stmt = self.conn.prepare_cached(
+                "SELECT bucket_ns, samples, low, high FROM rollups
+                 WHERE agent_id = ?1 AND width_s = ?2 AND bucket_ns BETWEEN ?3 AND ?4
+                 ORDER BY bucket_ns",
+            )?;
+            let mut rows = stmt.query(params![
+                agent_id,
+                width_s,
+                rollups::bucket_of(t0, width_s),
+                t1
+            ])?;
+            while let Some(row) = rows.next()? {
+                let bucket_ns: i64 = row.get(0)?;
+                let bucket = rollups::envelope(
+                    agent_id,
+                    bucket_ns,
+                    row.get(1)?,
+                    row.get_ref(2)?.as_blob()?,
+                    row.get_ref(3)?.as_blob()?,
+                )?;
+                // The last point at or before the bucket's start.
+                let at = points
+                    .partition_point(|p| time(p) <= bucket_ns)
+                    .saturating_sub(1);
+                envelopes[at].merge(&bucket);
+            }
+            let bytes: usize = points
+                .iter()
+                .zip(&envelopes)
+                .map(|(p, e)| p.encoded_len() + e.low.encoded_len() + e.high.encoded_len())
+                .sum();
+            if bytes > budget && points.len() > 2 {
+                let n = points.len();
+                let fit = (n as u128 * budget as u128 / bytes as u128) as usize;
+                points = downsample(points, fit.clamp(2, n - 1));
+                continue;
+            }
+            for (p, mut e) in points.iter_mut().zip(envelopes) {
+                let t = time(p);
+                (e.low.time_ns, e.high.time_ns) = (t, t);
+                p.low = Some(e.low);
+                p.high = Some(e.high);
+            }
+            return Ok(points);
+        }
     }
 
     /// What the analysis reads of one agent in `from_ns..=to_ns`: its
@@ -104,10 +183,12 @@ impl Store {
         let samples = self
             .history_samples(agent_id, from_ns, to_ns, usize::MAX)?
             .unwrap_or_default();
+        let (events, _) =
+            self.newest_events(agent_id, from_ns, to_ns, DEFAULT_ANALYSIS_EVENT_BYTES)?;
         Ok(AgentHistory {
             hello,
             samples,
-            events: self.newest_events(agent_id, from_ns, to_ns, DEFAULT_ANALYSIS_EVENT_BYTES)?,
+            events,
         })
     }
 
@@ -135,6 +216,7 @@ impl Store {
             samples.push(pb::TimedSample {
                 seq,
                 sample: Some(figures::decode(agent_id, seq, blob)?),
+                ..Default::default()
             });
         }
         Ok(Some(samples))
@@ -225,6 +307,17 @@ impl Store {
         to_ns: i64,
         max: usize,
     ) -> Result<Vec<Key>> {
+        Ok(self.picked_keys(agent_id, from_ns, to_ns, max)?.0)
+    }
+
+    /// [`Store::sample_keys`], and whether samples were left out.
+    fn picked_keys(
+        &self,
+        agent_id: &str,
+        from_ns: i64,
+        to_ns: i64,
+        max: usize,
+    ) -> Result<(Vec<Key>, bool)> {
         let max = max.max(1);
         let mut head = self.conn.prepare_cached(
             "SELECT time_ns, seq FROM messages
@@ -237,7 +330,7 @@ impl Store {
             })?
             .collect::<rusqlite::Result<Vec<Key>>>()?;
         if keys.len() <= max {
-            return Ok(keys);
+            return Ok((keys, false));
         }
         let first = keys[0];
         let last: Key = self.conn.query_row(
@@ -249,7 +342,7 @@ impl Store {
         )?;
         drop(keys);
         if max == 1 {
-            return Ok(vec![last]);
+            return Ok((vec![last], true));
         }
         let mut seek = self.conn.prepare_cached(
             "SELECT time_ns, seq FROM messages
@@ -273,7 +366,7 @@ impl Store {
             }
         }
         out.push(last);
-        Ok(out)
+        Ok((out, true))
     }
 
     /// The kept samples as the agent sent them, or None when their encoded
@@ -310,6 +403,7 @@ impl Store {
                 Some(Body::Sample(s)) => out.push(pb::TimedSample {
                     seq: seq as u64,
                     sample: Some(s),
+                    ..Default::default()
                 }),
                 _ => bail!("agent {agent_id} seq {seq}: stored row is not a sample"),
             }
@@ -338,6 +432,7 @@ impl Store {
             out.push(pb::TimedSample {
                 seq: seq as u64,
                 sample: Some(figures::decode(agent_id, seq as u64, blob)?),
+                ..Default::default()
             });
         }
         if bytes > budget {
@@ -348,31 +443,38 @@ impl Store {
     }
 
     /// Events in range, oldest first: the newest ones, up to `budget`
-    /// encoded bytes, read newest first along the time index.
+    /// encoded bytes, read newest first along the time index; and the time
+    /// before which events were left out (0: none were).
     pub(super) fn newest_events(
         &self,
         agent_id: &str,
         from_ns: i64,
         to_ns: i64,
         budget: usize,
-    ) -> Result<Vec<pb::TimedEvent>> {
+    ) -> Result<(Vec<pb::TimedEvent>, i64)> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT seq, body FROM messages
              WHERE agent_id = ?1 AND kind = 'event' AND time_ns BETWEEN ?2 AND ?3
              ORDER BY time_ns DESC, seq DESC",
         )?;
         let mut rows = stmt.query(params![agent_id, from_ns, to_ns])?;
-        let mut events = Vec::new();
+        let mut events: Vec<pb::TimedEvent> = Vec::new();
         let mut bytes = 0usize;
+        let mut cut_ns = 0;
         while let Some(row) = rows.next()? {
             let seq = row.get::<_, i64>(0)? as u64;
             let body = row.get_ref(1)?.as_blob()?;
             bytes += body.len();
             if bytes > budget {
-                tracing::warn!(
+                tracing::debug!(
                     agent_id,
                     "events before seq {seq} left out of a reply: over {budget} bytes"
                 );
+                // The oldest kept event's time (no earlier one is in the reply).
+                cut_ns = events
+                    .last()
+                    .and_then(|e| e.event.as_ref())
+                    .map_or(to_ns, |e| e.time_ns);
                 break;
             }
             match decode_message(agent_id, seq, body)?.body {
@@ -385,7 +487,7 @@ impl Store {
             }
         }
         events.reverse();
-        Ok(events)
+        Ok((events, cut_ns))
     }
 }
 
@@ -625,23 +727,153 @@ mod tests {
         );
     }
 
+    /// A sample of host RSS `rss_mib` at `t_s` seconds.
+    fn rss(seq: u64, t_s: i64, rss_mib: u64) -> pb::AgentMessage {
+        pb::AgentMessage {
+            seq,
+            body: Some(Body::Sample(pb::Sample {
+                time_ns: t_s * 1_000_000_000,
+                process: Some(pb::ProcessMemory {
+                    vm_rss_bytes: rss_mib << 20,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn rss_of(s: Option<&pb::Sample>) -> u64 {
+        s.and_then(|s| s.process.as_ref()).unwrap().vm_rss_bytes >> 20
+    }
+
+    #[test]
+    fn a_thinned_timeline_carries_the_spikes_between_its_points() {
+        let mut store = super::super::tests::store_with_a1();
+        // 3,000 samples 1 s apart at 100 MiB, but one spike and one dip,
+        // sent in batches as an agent sends them.
+        let level = |seq: u64| match seq {
+            1234 => 900,
+            2222 => 10,
+            _ => 100,
+        };
+        let all: Vec<pb::AgentMessage> = (1..=3000).map(|q| rss(q, q as i64, level(q))).collect();
+        for batch in all.chunks(64) {
+            store.insert_batch("a1", batch).unwrap();
+        }
+        let t = store.timeline("a1", 0, 0, 20).unwrap();
+        assert_eq!(t.samples.len(), 20);
+        let seqs: Vec<u64> = t.samples.iter().map(|s| s.seq).collect();
+        assert!(
+            !seqs.contains(&1234) && !seqs.contains(&2222),
+            "the extremes fall between points: {seqs:?}"
+        );
+        assert!(t.samples.iter().all(|p| rss_of(p.sample.as_ref()) == 100));
+        for p in &t.samples {
+            let (lo, v, hi) = (
+                rss_of(p.low.as_ref()),
+                rss_of(p.sample.as_ref()),
+                rss_of(p.high.as_ref()),
+            );
+            assert!(lo <= v && v <= hi, "seq {}: {lo} {v} {hi}", p.seq);
+        }
+        // The spike is drawn at the last point before it, the dip likewise.
+        let holder = |t_s: u64| {
+            t.samples
+                .iter()
+                .rposition(|p| p.sample.as_ref().unwrap().time_ns <= t_s as i64 * 1_000_000_000)
+                .unwrap()
+        };
+        let highs: Vec<u64> = t.samples.iter().map(|p| rss_of(p.high.as_ref())).collect();
+        let lows: Vec<u64> = t.samples.iter().map(|p| rss_of(p.low.as_ref())).collect();
+        assert_eq!(highs[holder(1234)], 900, "{highs:?}");
+        assert_eq!(lows[holder(2222)], 10, "{lows:?}");
+        assert_eq!(highs.iter().filter(|&&h| h == 900).count(), 1);
+        assert_eq!(lows.iter().filter(|&&l| l == 10).count(), 1);
+        // A timeline that is not thinned has every reading, and no envelope.
+        let whole = store.timeline("a1", 0, 0, 0).unwrap();
+        assert_eq!(whole.samples.len(), 3000);
+        assert!(whole
+            .samples
+            .iter()
+            .all(|p| p.low.is_none() && p.high.is_none()));
+    }
+
+    #[test]
+    fn rollups_stay_exact_across_a_writer_restart_and_late_samples() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
+        // Seconds and RSS of each sample; the last two arrive late, into
+        // buckets already written, and seq 3 is resent after the restart.
+        let sent: Vec<(u64, i64, u64)> = (1..=60u64)
+            .map(|q| (q, q as i64 * 3, (q * 37) % 101))
+            .chain([(61, 5, 500), (62, 299, 1)])
+            .collect();
+        let msgs: Vec<pb::AgentMessage> = sent.iter().map(|&(q, t, r)| rss(q, t, r)).collect();
+        {
+            let mut w = Store::open(&path).unwrap();
+            w.upsert_agent(&hello, 1).unwrap();
+            for batch in msgs[..30].chunks(7) {
+                w.insert_batch("a1", batch).unwrap();
+            }
+        }
+        let mut w = Store::open(&path).unwrap();
+        w.insert_batch("a1", &msgs[2..3]).unwrap();
+        for batch in msgs[30..].chunks(5) {
+            w.insert_batch("a1", batch).unwrap();
+        }
+        for width_s in rollups::WIDTHS_S {
+            let mut want: std::collections::BTreeMap<i64, (i64, u64, u64)> = Default::default();
+            for &(_, t, r) in &sent {
+                let b = rollups::bucket_of(t * 1_000_000_000, width_s);
+                let e = want.entry(b).or_insert((0, u64::MAX, 0));
+                *e = (e.0 + 1, e.1.min(r), e.2.max(r));
+            }
+            let mut stmt = w
+                .conn
+                .prepare("SELECT bucket_ns, samples, low, high FROM rollups WHERE agent_id = 'a1' AND width_s = ?1 ORDER BY bucket_ns")
+                .unwrap();
+            let got: std::collections::BTreeMap<i64, (i64, u64, u64)> = stmt
+                .query_map([width_s], |r| {
+                    let low: Vec<u8> = r.get(2)?;
+                    let high: Vec<u8> = r.get(3)?;
+                    let low = pb::Sample::decode(low.as_slice()).unwrap();
+                    let high = pb::Sample::decode(high.as_slice()).unwrap();
+                    Ok((
+                        r.get(0)?,
+                        (r.get(1)?, rss_of(Some(&low)), rss_of(Some(&high))),
+                    ))
+                })
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap();
+            assert_eq!(got, want, "width {width_s} s");
+        }
+    }
+
     #[test]
     fn events_keep_the_newest_within_their_budget() {
         let store = agent(100, 0);
-        let one = store
+        let (one, cut) = store
             .newest_events("a1", i64::MIN, i64::MAX, usize::MAX)
             .unwrap();
-        assert_eq!(one.len(), 10);
+        assert_eq!((one.len(), cut), (10, 0));
         let size = prost::Message::encoded_len(&pb::AgentMessage {
             seq: 101,
             body: Some(Body::Event(one[9].event.clone().unwrap())),
         });
         // All ten are the same size but the oldest (a shorter time varint).
-        let newest = store
+        let (newest, cut) = store
             .newest_events("a1", i64::MIN, i64::MAX, 3 * size)
             .unwrap();
         let seqs: Vec<u64> = newest.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, [108, 109, 110]);
+        let oldest_kept = newest[0].event.as_ref().unwrap().time_ns;
+        assert_eq!(cut, oldest_kept, "the reply says where it was cut");
     }
 
     #[test]

@@ -337,19 +337,20 @@ impl Store {
     }
 
     /// `agent_id`'s events in `from_ns..=to_ns`, tagged with it, oldest
-    /// first: the newest that fit a reply (see `history.rs`).
+    /// first: the newest that fit a reply (see `history.rs`), and the time
+    /// before which events were left out (0: none were).
     pub fn events_of(
         &self,
         agent_id: &str,
         from_ns: i64,
         to_ns: i64,
-    ) -> Result<Vec<pb::TimedEvent>> {
-        let mut events =
+    ) -> Result<(Vec<pb::TimedEvent>, i64)> {
+        let (mut events, cut_ns) =
             self.newest_events(agent_id, from_ns, to_ns, super::DEFAULT_EVENT_REPLY_BYTES)?;
         for e in &mut events {
             e.agent_id = agent_id.to_string();
         }
-        Ok(events)
+        Ok((events, cut_ns))
     }
 
     /// Which run of `supervisor`'s child `time_ns` falls in: the seq of the

@@ -23,6 +23,7 @@ mod file;
 mod history;
 mod instances;
 mod readers;
+mod rollups;
 
 pub use file::{FileWatch, DB_FILE_MODE};
 pub use history::{
@@ -33,7 +34,7 @@ pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 3;
+const SCHEMA_VERSION: i64 = 4;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -82,6 +83,8 @@ pub struct BatchOutcome {
 
 pub struct Store {
     conn: Connection,
+    /// The writer's open rollup buckets (unused by readers).
+    rollups: rollups::Open,
 }
 
 impl Store {
@@ -112,7 +115,10 @@ impl Store {
         )
         .with_context(|| format!("opening the store {} for reading", path.display()))?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        Ok(Store { conn })
+        Ok(Store {
+            conn,
+            rollups: Default::default(),
+        })
     }
 
     /// A throwaway store, for tests and `replay` without `--db`.
@@ -125,7 +131,10 @@ impl Store {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         // Another process (a second CLI, a backup) may hold the lock briefly.
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        let mut store = Store { conn };
+        let mut store = Store {
+            conn,
+            rollups: Default::default(),
+        };
         store.migrate()?;
         Ok(store)
     }
@@ -156,6 +165,12 @@ impl Store {
             let tx = self.conn.transaction()?;
             figures::migrate_v3(&tx)?;
             tx.pragma_update(None, "user_version", 3)?;
+            tx.commit()?;
+        }
+        if version < 4 {
+            let tx = self.conn.transaction()?;
+            rollups::migrate_v4(&tx)?;
+            tx.pragma_update(None, "user_version", 4)?;
             tx.commit()?;
         }
         Ok(())
@@ -197,6 +212,18 @@ impl Store {
         agent_id: &str,
         messages: &[pb::AgentMessage],
     ) -> Result<BatchOutcome> {
+        let stored = self.insert_batch_once(agent_id, messages);
+        if stored.is_err() {
+            self.rollups.forget();
+        }
+        stored
+    }
+
+    fn insert_batch_once(
+        &mut self,
+        agent_id: &str,
+        messages: &[pb::AgentMessage],
+    ) -> Result<BatchOutcome> {
         let mut out = BatchOutcome::default();
         let tx = self.conn.transaction()?;
         let mut max_seq = 0u64;
@@ -226,6 +253,7 @@ impl Store {
                     match &msg.body {
                         Some(Body::Sample(s)) => {
                             figures::insert(&tx, agent_id, seq, s)?;
+                            self.rollups.fold(&tx, agent_id, s)?;
                             samples += 1;
                             allocator_samples += i64::from(!s.allocator.is_empty());
                         }
@@ -252,6 +280,7 @@ impl Store {
                 ],
             )?;
         }
+        self.rollups.flush(&tx)?;
         tx.commit()
             .with_context(|| format!("committing a batch of agent {agent_id}"))?;
         out.stored.sort_unstable();
@@ -802,6 +831,20 @@ mod tests {
             t.samples[4].sample.as_ref().unwrap().allocator[0].raw.len(),
             1
         );
+        // The rollups are filled from the stored samples.
+        let bucket = |store: &Store| -> (i64, u64) {
+            let (n, high): (i64, Vec<u8>) = store
+                .conn
+                .query_row(
+                    "SELECT samples, high FROM rollups WHERE agent_id = 'a1' AND width_s = 10",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .unwrap();
+            let high = pb::Sample::decode(high.as_slice()).unwrap();
+            (n, high.allocator[0].allocated_bytes)
+        };
+        assert_eq!(bucket(&store), (5, 35));
         // And the writer goes on where the old one stopped.
         store.insert_batch("a1", &[sample(5), sample(6)]).unwrap();
         assert_eq!(
@@ -809,6 +852,7 @@ mod tests {
             6,
             "the resent 5 counts once"
         );
+        assert_eq!(bucket(&store), (6, 42), "in the rollups too");
         assert_eq!(
             store
                 .history("a1", i64::MIN, i64::MAX)

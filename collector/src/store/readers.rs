@@ -99,15 +99,24 @@ mod tests {
         Arc::new(ReaderPool::open(&path, n).unwrap())
     }
 
-    /// Starts a read that holds its connection until `release` is sent.
-    fn hold(pool: &Arc<ReaderPool>) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+    /// Starts a read that holds its connection until `release` is sent, and
+    /// returns once it holds it (else a query spawned next may win the race
+    /// for the connection).
+    async fn hold(
+        pool: &Arc<ReaderPool>,
+    ) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
         let (release, wait) = std::sync::mpsc::channel::<()>();
+        let (holding, held) = tokio::sync::oneshot::channel::<()>();
         let pool = pool.clone();
         let task = tokio::spawn(async move {
-            pool.read(move |_| Ok(wait.recv().unwrap_or(())))
-                .await
-                .unwrap();
+            pool.read(move |_| {
+                let _ = holding.send(());
+                Ok(wait.recv().unwrap_or(()))
+            })
+            .await
+            .unwrap();
         });
+        held.await.expect("the held read started");
         (release, task)
     }
 
@@ -115,7 +124,7 @@ mod tests {
     async fn a_busy_reader_does_not_hold_back_the_next_query() {
         let dir = tempfile::tempdir().unwrap();
         let pool = pool(&dir, 2);
-        let (release, held) = hold(&pool);
+        let (release, held) = hold(&pool).await;
         // Loose: the point is an answer while the first read still runs.
         let agents = tokio::time::timeout(Duration::from_secs(20), pool.read(|s| s.list_agents()))
             .await
@@ -131,7 +140,7 @@ mod tests {
     async fn queries_beyond_the_pool_wait_and_a_panic_loses_no_connection() {
         let dir = tempfile::tempdir().unwrap();
         let pool = pool(&dir, 1);
-        let (release, held) = hold(&pool);
+        let (release, held) = hold(&pool).await;
         let waiting = {
             let pool = pool.clone();
             tokio::spawn(async move { pool.read(|s| s.list_agents()).await })

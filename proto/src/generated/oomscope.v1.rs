@@ -1430,6 +1430,10 @@ pub struct TimelineResponse {
     /// single agent asked by its id.
     #[prost(message, repeated, tag = "4")]
     pub members: ::prost::alloc::vec::Vec<AgentSummary>,
+    /// Nonzero when events older than this time were left out of the reply
+    /// (over its byte budget, the newest are kept): ask a narrower range.
+    #[prost(int64, tag = "5")]
+    pub events_cut_ns: i64,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -1439,6 +1443,17 @@ pub struct TimedSample {
     pub seq: u64,
     #[prost(message, optional, tag = "2")]
     pub sample: ::core::option::Option<Sample>,
+    /// Set on the points of a thinned timeline: each figure the charts draw
+    /// (allocated, reserved and driver-used bytes per GPU, the KV cache, host
+    /// RSS, the own cgroup's usage, RAM and swap used) at its lowest and its
+    /// highest over the stretch this point stands for, read from the store's
+    /// time-bucketed rollups (collector/STORAGE.md), so a spike between two
+    /// points is still drawn. Derived figures are kept as the chart derives
+    /// them (used = total - free). Other fields are empty.
+    #[prost(message, optional, tag = "3")]
+    pub low: ::core::option::Option<Sample>,
+    #[prost(message, optional, tag = "4")]
+    pub high: ::core::option::Option<Sample>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -19,8 +19,8 @@ pub const DEFAULT_OOM_WAIT: Duration = Duration::from_millis(200);
 pub const DEFAULT_CENSUS_EVERY: u64 = 0;
 /// Censuses on suspicion (`suspicion.rs`): baselines after requests 10 and
 /// 50, and a census whenever the cheap signals read at every request
-/// boundary (allocated blocks, RSS) grow for certain. Off: only
-/// `census_every`, `census_interval_s` and on demand.
+/// boundary (allocated blocks, RSS) grow for certain; all within a 10 %
+/// duty cycle. Off: only `census_every`, `census_interval_s` and on demand.
 pub const DEFAULT_CENSUS_AUTO: bool = true;
 /// And one every this long regardless of traffic (0 = never), so an idle
 /// server's heap is still on record.

@@ -4,8 +4,9 @@
 //! Growth is a Theil–Sen slope (robust to one request's temporaries caught by
 //! a sample), judged by Mann–Kendall (order only, so allocator steps do not
 //! fool it), and it must persist: the later half of the requests must still
-//! grow at half the overall rate. Warm-up growth that plateaus (caches filling,
-//! first-call workspaces) fails that last check.
+//! grow at half the overall rate, and at an eighth of the earlier half's.
+//! Warm-up growth that plateaus (caches filling, first-call workspaces), or
+//! settles into a creep many times slower than its start, fails that check.
 
 use crate::stats::{self, Line};
 use crate::timeline::{Point, Timeline};
@@ -24,6 +25,17 @@ pub const TREND_P_VALUE: f64 = 5e-4;
 /// The later half of the requests must grow at least this share of the
 /// overall slope; a warm-up that levels off does not.
 pub const PERSISTENCE: f64 = 0.5;
+
+/// ...and at least this share of the earlier half's slope. A series whose
+/// first half rose more than eight times faster than its later half is
+/// settling, though it still creeps up: a clean Python loop's RSS rises
+/// 30 to 55 KiB a request over its first 200 requests (warm-up, then the
+/// first heap census's scratch, kept by the allocator), then 0 to 3 KiB
+/// (a later half/earlier half ratio of 0.04 to 0.08 in real runs). A
+/// steady leak keeps a ratio near 1; behind a warm-up as steep as the
+/// property tests' (up to 40 requests at twelve times the leak), 0.18 or
+/// more at 200 requests.
+pub const MIN_LATER_SHARE_OF_EARLIER: f64 = 0.125;
 
 /// The growth over the window must be at least this many times the scatter
 /// of the readings around the line (a robust sigma, from the median absolute
@@ -54,6 +66,8 @@ pub struct Trend {
     pub p_value: f64,
     /// The Theil–Sen slope over the later half of the requests.
     pub later_slope: f64,
+    /// The Theil–Sen slope over the earlier half of the requests.
+    pub earlier_slope: f64,
     pub first_bytes: f64,
     pub last_bytes: f64,
     /// 1.4826 × the median absolute residual: the noise's sigma, robustly.
@@ -74,10 +88,11 @@ impl Trend {
             && self.line.slope * self.span >= min_growth
             && self.line.slope * self.span >= MIN_SIGNAL_TO_NOISE * self.residual_sigma
             && self.later_slope >= PERSISTENCE * self.line.slope
+            && self.later_slope >= MIN_LATER_SHARE_OF_EARLIER * self.earlier_slope
     }
 
     /// Certain growth of any size: significant, above the noise, still
-    /// rising in the later half. Whether it matters is the runway's call.
+    /// rising in the later half and not settling. Whether it matters is the runway's call.
     pub fn certain(&self) -> bool {
         self.grows(f64::MIN_POSITIVE, 0.0)
     }
@@ -114,6 +129,8 @@ pub fn trend(points: &[(f64, f64)]) -> Option<Trend> {
     let mid = stats::median(&xs)?;
     let later: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.0 >= mid).collect();
     let later_slope = stats::theil_sen(&later).map_or(0.0, |l| l.slope);
+    let earlier: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.0 <= mid).collect();
+    let earlier_slope = stats::theil_sen(&earlier).map_or(0.0, |l| l.slope);
     let residuals: Vec<f64> = pts.iter().map(|p| (p.1 - line.at(p.0)).abs()).collect();
     // 1.4826: the median absolute deviation of a normal is 0.6745 sigma.
     let residual_sigma = 1.4826 * stats::median(&residuals)?;
@@ -123,6 +140,7 @@ pub fn trend(points: &[(f64, f64)]) -> Option<Trend> {
         line,
         p_value: mk.p_increasing,
         later_slope,
+        earlier_slope,
         first_bytes: pts.first()?.1,
         last_bytes: pts.last()?.1,
         residual_sigma,

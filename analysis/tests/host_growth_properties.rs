@@ -250,3 +250,86 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
     );
     assert!(d.trigger.is_none());
 }
+
+/// A clean loop's RSS settling, shaped after the Python agent's readings of
+/// tests/programs/leaky_service.py --clear (400 requests, 2026-12-01): a
+/// fast rise over the first 10 to 25 requests, one step of 5 to 6 MiB (the
+/// first heap census's scratch, kept by the allocator) by request 75, then
+/// allocator-sized steps (12 to 256 KiB) ever more rarely, the same value
+/// read again in between; one reading in ten catches a request's temporaries.
+/// Readings 20 ms apart: one a request over the slow first 50, then about
+/// one in two.
+fn settling_loop(seed: u64, requests: u64) -> Evidence {
+    const KIB: f64 = 1024.0;
+    let mut rng = Rng(seed);
+    let limit = Limit::MemTotal(24 * GIB);
+    let ramp_ends = 10.0 + 15.0 * rng.unit();
+    let step_at = (40.0 + 35.0 * rng.unit()).floor();
+    let mut rss = 500.0 * KIB * KIB;
+    let mut samples = Vec::new();
+    for i in 1..=requests {
+        let x = i as f64;
+        if x < ramp_ends {
+            rss += (50.0 + 100.0 * rng.unit()) * KIB;
+        }
+        if x == step_at {
+            rss += (5.0 + rng.unit()) * KIB * KIB;
+        }
+        // A step in one request in 30 at first, one in 200 by 400.
+        if rng.unit() < (-x / 220.0).exp() / 30.0 {
+            rss += 4.0 * KIB * (3.0 + 61.0 * rng.unit()).floor();
+        }
+        let mut read = rss;
+        if rng.unit() < 0.1 {
+            read += 16.0 * KIB * rng.unit();
+        }
+        if i <= 50 || rng.unit() < 0.45 {
+            let t = i as i64 * 15 * MS + (rng.unit() * 3e6) as i64;
+            samples.push(reading(t, i, read as u64, limit));
+        }
+    }
+    Evidence {
+        samples,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_clean_loop_settling_is_no_growth() {
+    let reported: Vec<(u64, Vec<String>)> = (0..200u64)
+        .map(|seed| (seed, growth_causes(&settling_loop(seed, 400))))
+        .filter(|(_, c)| !c.is_empty())
+        .collect();
+    println!("{} of 200 settling loops reported growth", reported.len());
+    assert!(reported.is_empty(), "settling read as growth: {reported:?}");
+}
+
+#[test]
+fn real_clean_loops_settling_are_no_growth() {
+    let text = include_str!("support/clean_loop_rss.txt");
+    let limit = Limit::MemTotal(25_275_990_016);
+    let series: Vec<Vec<(u64, u64)>> = text
+        .split("\n\n")
+        .skip(1)
+        .map(|block| {
+            block
+                .lines()
+                .filter_map(|l| l.split_once(' '))
+                .map(|(x, y)| (x.parse().unwrap(), y.parse().unwrap()))
+                .collect()
+        })
+        .collect();
+    assert_eq!(series.len(), 2);
+    for (k, pts) in series.iter().enumerate() {
+        assert!(pts.len() > 200, "series {k}: {} readings", pts.len());
+        let samples = pts
+            .iter()
+            .map(|&(done, rss)| reading(done as i64 * 15 * MS, done, rss, limit))
+            .collect();
+        let e = Evidence {
+            samples,
+            ..Default::default()
+        };
+        assert_eq!(growth_causes(&e), Vec::<String>::new(), "series {k}");
+    }
+}

@@ -8,9 +8,22 @@ use super::query::show;
 use super::report::{fetch, Which};
 
 pub fn run(url: &str, a: &str, b: &str, json: bool) -> anyhow::Result<i32> {
-    let mut c = Client::connect(url)?;
-    let ra = fetch(&mut c, Which::IncidentOrAgent(a.to_string()))?;
-    let rb = fetch(&mut c, Which::IncidentOrAgent(b.to_string()))?;
+    // Both runs at once, each on its own connection: the collector answers
+    // them on two of its readers, so a comparison takes about one report's
+    // time rather than two (BENCHMARKS.md, "a long history").
+    let one = |which: &str| -> anyhow::Result<_> {
+        let mut c = Client::connect(url)?;
+        fetch(&mut c, Which::IncidentOrAgent(which.to_string()))
+    };
+    let (ra, rb) = std::thread::scope(|s| {
+        let second = s.spawn(|| one(b));
+        let first = one(a);
+        (
+            first,
+            second.join().expect("the fetch thread does not panic"),
+        )
+    });
+    let (ra, rb) = (ra?, rb?);
     let cmp = compare::compare(&ra, &rb);
     show(json, || compare::to_json(&cmp), || compare::to_text(&cmp))
 }

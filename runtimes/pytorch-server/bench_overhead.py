@@ -6,6 +6,8 @@
   2. GIL held per regular sample: the part of a sample that runs with the
      GIL (the allocator read; host domains are read without it), and the
      request-path cost of `with oomscope.request(): ...`.
+  3. CPU per request, over the blocks with the agent on: the agent's threads
+     (oomscope-* in the server), the rest of the server, and the collector.
 
     python bench_overhead.py --oomscope-bin ../../target/release/oomscope [--requests 40] [--blocks 5] [--device cuda]
 Prints one JSON object.
@@ -44,6 +46,34 @@ def server(args, tmp, collector_url, agent, tag):
             sys.exit("server failed to start")
         time.sleep(0.1)
     return p, int(open(port_file).read())
+
+
+def cpu_s(pid, agent_threads=None):
+    """CPU seconds (user + system) of a process, or with agent_threads True /
+    False only of its oomscope-* threads / the others (live threads only)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def fields(path):
+        with open(path) as f:
+            stat = f.read()
+        return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+    if agent_threads is None:
+        _, f = fields("/proc/%d/stat" % pid)
+        return (int(f[11]) + int(f[12])) / tick
+    total = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            name, f = fields("/proc/%d/task/%s/stat" % (pid, tid))
+        except OSError:
+            continue
+        if name.startswith("oomscope-") == agent_threads:
+            total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+def cpu_now(srv, col):
+    return (cpu_s(srv.pid, True), cpu_s(srv.pid, False), cpu_s(col.pid))
 
 
 def gil_cost(n):
@@ -124,6 +154,8 @@ def main():
     url = "http://127.0.0.1:%d" % port
     lat = {"off": [], "on": []}
     blocks = {"off": [], "on": []}
+    # (agent threads, the rest of the server, the collector) seconds by mode
+    cpu = {"off": [0.0, 0.0, 0.0], "on": [0.0, 0.0, 0.0]}
     try:
         srv, sport = server(args, tmp, url, True, "ab")
         try:
@@ -136,7 +168,12 @@ def main():
                 mode = "on" if b % 4 in (1, 2) else "off"
                 drive.post(sport, "/admin/agent", {"on": mode == "on"})
                 drive.drive(sport, 3, prefix="settle%d" % b)
+                # Read around the block itself: an agent switched off takes
+                # its threads' counters with it.
+                c0 = cpu_now(srv, col)
                 r = drive.drive(sport, args.requests, prefix="%s%d" % (mode, b), keep=True)
+                c1 = cpu_now(srv, col)
+                cpu[mode] = [a + y - x for a, x, y in zip(cpu[mode], c0, c1)]
                 lat[mode] += r["latencies_ms"]
                 blocks[mode].append(round(r["p50_ms"], 3))
         finally:
@@ -148,6 +185,10 @@ def main():
     for mode in lat:
         out[mode] = {"p50_ms": drive.percentile(lat[mode], 0.5), "p99_ms": drive.percentile(lat[mode], 0.99),
                      "requests": len(lat[mode]), "block_p50s": blocks[mode]}
+        n = max(1, len(lat[mode]))
+        out[mode]["cpu_ms_per_request"] = {"agent_threads": 1e3 * cpu[mode][0] / n,
+                                           "server_other_threads": 1e3 * cpu[mode][1] / n,
+                                           "collector": 1e3 * cpu[mode][2] / n}
     out["p50_overhead_pct"] = 100 * (out["on"]["p50_ms"] / out["off"]["p50_ms"] - 1)
     out["p99_overhead_pct"] = 100 * (out["on"]["p99_ms"] / out["off"]["p99_ms"] - 1)
     print(json.dumps(out))

@@ -50,7 +50,8 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
     defaults: interval_s 1.0, oom_wait_s 0.2, census_auto True (heap censuses
     after requests 10 and 50, and whenever allocated blocks or RSS grow for
-    certain across requests), census_every 0 (none by count),
+    certain across requests, all within 10 % of wall time, so a short run
+    may have none), census_every 0 (none by count),
     census_interval_s 3600, census_budget_s 2.0 (GIL time over all of a
     census's slices, each at most 10 ms), no spool, no memory history,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;

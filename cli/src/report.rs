@@ -128,6 +128,20 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
 /// once, oldest first), and both replies' events (each once).
 fn merge(overview: pb::TimelineResponse, recent: pb::TimelineResponse) -> pb::TimelineResponse {
     let mut t = overview;
+    // Within the recent window its own readings (and, if it was thinned,
+    // its own envelopes) show the stretch: an overview point's envelope
+    // there would draw minutes of range as one stroke among them.
+    let time = |s: &pb::TimedSample| s.sample.as_ref().map(|s| s.time_ns);
+    if let (Some(from), Some(to)) = (
+        recent.samples.first().and_then(time),
+        recent.samples.last().and_then(time),
+    ) {
+        for s in &mut t.samples {
+            if time(s).is_some_and(|at| (from..=to).contains(&at)) {
+                (s.low, s.high) = (None, None);
+            }
+        }
+    }
     t.samples.extend(recent.samples);
     t.samples
         .sort_by_key(|s| (s.sample.as_ref().map_or(i64::MIN, |s| s.time_ns), s.seq));
@@ -276,5 +290,23 @@ mod tests {
             [(7, ""), (60, ""), (60, "w1")],
             "one per sender and seq"
         );
+    }
+
+    #[test]
+    fn overview_envelopes_stop_where_the_recent_window_starts() {
+        let mut overview = timeline(&[(1, 10), (50, 500), (100, 1000)], &[]);
+        for s in &mut overview.samples {
+            s.low = s.sample.clone();
+            s.high = s.sample.clone();
+        }
+        let recent = timeline(&[(60, 600), (100, 1000)], &[]);
+        let t = merge(overview, recent);
+        let enveloped: Vec<u64> = t
+            .samples
+            .iter()
+            .filter(|s| s.high.is_some())
+            .map(|s| s.seq)
+            .collect();
+        assert_eq!(enveloped, [1, 50], "seq 100 lies in the recent window");
     }
 }

@@ -297,8 +297,7 @@ impl<'py> Slices<'py> {
         true
     }
 
-    /// Ends the slice now, whatever its length: before a step that cannot
-    /// be cut (one `gc.get_referrers` scans the whole heap).
+    /// Ends the slice now, whatever its length.
     fn end_slice(&mut self) {
         let slice = self.slice_start.elapsed();
         self.longest = self.longest.max(slice);
@@ -369,7 +368,6 @@ pub fn run(
         }
     }
     let objects_ptr = objects.as_ptr() as usize;
-    drop(objects);
     let scanned = s.scanned;
     let addresses = std::mem::take(&mut s.addresses);
     s.previous = None;
@@ -384,9 +382,16 @@ pub fn run(
     let mut chain = Vec::new();
     if let Some(obj) = top.as_ref().and_then(|n| sample.get(n)) {
         slices.budget = budget;
-        chain = referrer_chain(&mut slices, top.as_deref().unwrap_or(""), obj, objects_ptr)
-            .unwrap_or_default();
+        chain = referrer_chain(
+            &mut slices,
+            top.as_deref().unwrap_or(""),
+            obj,
+            &objects,
+            objects_ptr,
+        )
+        .unwrap_or_default();
     }
+    drop(objects);
     let mut census = pb::HeapCensus {
         types: select_types(&by_type, &growth),
         gc_gen0: counts.0,
@@ -490,12 +495,13 @@ pub fn select_types(
 /// Who holds `obj`: each step is the first referrer that is not a frame,
 /// not the census's own list and not already on the chain, up to a module's
 /// globals or [`MAX_CHAIN`] steps. Outermost first.
-/// Each step is one `gc.get_referrers` scan, a slice of its own, while the
-/// census's budget lasts.
-fn referrer_chain(
-    slices: &mut Slices<'_>,
+/// Each step looks through the scanned `objects` in slices
+/// ([`referrer_among`]), while the census's budget lasts.
+fn referrer_chain<'py>(
+    slices: &mut Slices<'py>,
     census_name: &str,
-    obj: &Bound<'_, PyAny>,
+    obj: &Bound<'py, PyAny>,
+    objects: &Bound<'py, PyList>,
     skip: usize,
 ) -> PyResult<Vec<String>> {
     let gc = slices.py.import("gc")?;
@@ -503,17 +509,10 @@ fn referrer_chain(
     let mut on_chain: HashSet<usize> = HashSet::from([obj.as_ptr() as usize, skip]);
     let mut child = obj.clone();
     for _ in 0..MAX_CHAIN {
-        if !slices.step() {
-            break;
-        }
-        slices.end_slice();
-        let referrers = gc.call_method1("get_referrers", (&child,))?;
-        let referrers = referrers.cast::<PyList>()?;
-        on_chain.insert(referrers.as_ptr() as usize);
-        let next = referrers.iter().find(|r| {
+        let next = referrer_among(slices, &gc, objects, &child, |r| {
             !on_chain.contains(&(r.as_ptr() as usize))
                 && !r.get_type().name().map(|n| n == "frame").unwrap_or(false)
-        });
+        })?;
         let Some(parent) = next else { break };
         on_chain.insert(parent.as_ptr() as usize);
         let (text, is_module) = describe_holder(&parent, &child);
@@ -525,6 +524,45 @@ fn referrer_chain(
     }
     steps.reverse();
     Ok(steps)
+}
+
+/// The first of `objects` (the census's scan, in the collector's order)
+/// that refers to `child` and that `accept` takes. `gc.get_referrers` would
+/// find it in one pass over the heap that cannot be cut (18 to 24 ms with
+/// torch imported on the 2-core VM, over the 20 ms a census may hold the
+/// GIL); this asks `gc.get_referents` of [`REFERENTS_CHUNK`] objects at a
+/// time, slices between, then one by one within the chunk that holds it.
+/// A referrer created after the scan is not found: the chain stops there.
+fn referrer_among<'py>(
+    slices: &mut Slices<'py>,
+    gc: &Bound<'py, PyModule>,
+    objects: &Bound<'py, PyList>,
+    child: &Bound<'py, PyAny>,
+    accept: impl Fn(&Bound<'py, PyAny>) -> bool,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let referents = gc.getattr("get_referents")?;
+    let refers = |holders: &Bound<'py, PyTuple>| -> PyResult<bool> {
+        let held = referents.call1(holders)?;
+        Ok(held.cast::<PyList>()?.iter().any(|r| r.is(child)))
+    };
+    let n = objects.len();
+    let mut start = 0;
+    while start < n {
+        if !slices.step() {
+            return Ok(None);
+        }
+        let end = (start + REFERENTS_CHUNK).min(n);
+        let chunk = objects.get_slice(start, end);
+        if refers(&PyTuple::new(slices.py, chunk.iter())?)? {
+            for holder in chunk.iter() {
+                if accept(&holder) && refers(&PyTuple::new(slices.py, [&holder])?)? {
+                    return Ok(Some(holder));
+                }
+            }
+        }
+        start = end;
+    }
+    Ok(None)
 }
 
 fn describe_leaf(census_name: &str, obj: &Bound<'_, PyAny>) -> String {

@@ -1,0 +1,77 @@
+"""The longest GIL hold of the agent's censuses (issue #17), measured as a
+second thread sees it: the leaky test service runs under the agent (so
+censuses come on suspicion, with referrer chains), while a thread sleeping
+1 ms times its wake-ups. Then, in the same process, the raw operations a
+census cannot cut: one gc.get_objects() and one gc.get_referrers() pass.
+
+    (sleep 25) | .venv/bin/python agent-python/bench/gil_probe.py URL [REQUESTS]
+
+URL is a collector the test service reports to (its censuses land there:
+`oomscope diagnose --agent gilprobe` shows the chain). The service waits
+for stdin to close after its last request, so the censuses it owes run.
+"""
+
+import gc
+import os
+import runpy
+import sys
+import threading
+import time
+
+# Imported before the ticker starts: an import holds the GIL for long.
+import torch
+import oomscope  # noqa: F401
+
+SERVICE = os.path.join(os.path.dirname(__file__), "..", "tests", "programs", "leaky_service.py")
+
+
+class Ticker(threading.Thread):
+    """The longest gap between wake-ups of a thread sleeping 1 ms."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.longest = 0.0
+        self.running = True
+
+    def run(self):
+        last = time.perf_counter()
+        while self.running:
+            time.sleep(0.001)
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last - 0.001)
+            last = now
+
+
+def timed(fn, n=5):
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return min(out) * 1e3, max(out) * 1e3
+
+
+def main():
+    url = sys.argv[1]
+    requests = sys.argv[2] if len(sys.argv) > 2 else "500"
+    ticker = Ticker()
+    ticker.start()
+    sys.argv = [SERVICE, "--collector", url, "--name", "gilprobe", "--requests", requests]
+    try:
+        runpy.run_path(SERVICE, run_name="__main__")
+    except SystemExit:
+        pass
+    ticker.running = False
+    x = torch.randn(64, 512)
+    keep = [x]  # noqa: F841 (a referrer to find)
+    referrers = timed(lambda: gc.get_referrers(x))
+    objects = timed(gc.get_objects)
+    print(
+        "longest GIL wait of a second thread: %.1f ms; one gc.get_objects(): %.1f-%.1f ms; "
+        "one gc.get_referrers(): %.1f-%.1f ms; %d objects"
+        % ((ticker.longest * 1e3,) + objects + referrers + (len(gc.get_objects()),))
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -15,31 +15,16 @@ import gc
 import os
 import runpy
 import sys
-import threading
 import time
 
 # Imported before the ticker starts: an import holds the GIL for long.
 import torch
 import oomscope  # noqa: F401
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import Ticker  # noqa: E402 (the side-by-side loop's GIL ticker)
+
 SERVICE = os.path.join(os.path.dirname(__file__), "..", "tests", "programs", "leaky_service.py")
-
-
-class Ticker(threading.Thread):
-    """The longest gap between wake-ups of a thread sleeping 1 ms."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.longest = 0.0
-        self.running = True
-
-    def run(self):
-        last = time.perf_counter()
-        while self.running:
-            time.sleep(0.001)
-            now = time.perf_counter()
-            self.longest = max(self.longest, now - last - 0.001)
-            last = now
 
 
 def timed(fn, n=5):

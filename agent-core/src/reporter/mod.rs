@@ -95,6 +95,10 @@ pub struct ReporterConfig {
     /// the queue until [`Reporter::release`]. For agents that start in every
     /// process, helpers included, and speak up only for those that last.
     pub hold: bool,
+    /// The nice value of the reporter's thread, and of the sampler's that
+    /// runs beside it ([`crate::priority`]). 0 (the default) leaves them at
+    /// the process's.
+    pub thread_nice: i32,
 }
 
 impl ReporterConfig {
@@ -110,6 +114,7 @@ impl ReporterConfig {
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
             hold: false,
+            thread_nice: 0,
         }
     }
 }
@@ -169,6 +174,7 @@ struct Handle {
     spool_deferred: bool,
     /// The Hello as it stands; the worker resends it when it changes.
     hello: watch::Sender<pb::Hello>,
+    thread_nice: i32,
 }
 
 struct Intake {
@@ -324,6 +330,7 @@ impl Reporter {
         let (release_tx, release_rx) = watch::channel(!hold);
         let (hello_tx, hello_rx) = watch::channel(hello.clone());
 
+        let thread_nice = cfg.thread_nice;
         let worker = Worker::new(cfg, hello, shared.clone(), directive_tx, next_seq);
         let inputs = Inputs {
             queue: queue_rx,
@@ -336,6 +343,7 @@ impl Reporter {
             .name("oomscope-reporter".into())
             .spawn(move || {
                 let _exited = exited_tx;
+                crate::priority::lower_this_thread(thread_nice);
                 worker.run(inputs);
             });
         let worker = match spawned {
@@ -366,6 +374,7 @@ impl Reporter {
                 release: release_tx,
                 hello: hello_tx,
                 spool_deferred,
+                thread_nice,
             }),
         }
     }
@@ -395,6 +404,11 @@ impl Reporter {
         {
             self.inner.release.send_replace(true);
         }
+    }
+
+    /// The nice value its thread runs at (the sampler's too).
+    pub fn thread_nice(&self) -> i32 {
+        self.inner.thread_nice
     }
 
     /// Whether this reporter is held (started with `hold`, not released).

@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use crate::census::{self, Baseline};
 use crate::config::Config;
 use crate::context::{self, ContextState};
+use crate::handoff::Handoff;
 use crate::torchread;
 
 /// Jobs waiting for the sampler thread; past this, boundary samples are
@@ -41,17 +42,9 @@ pub const OOM_TOP_PROCESSES: usize = 10;
 pub use oomscope_proto::CENSUS_PHASE;
 
 pub enum Job {
-    /// A sample at a request boundary: the context as it was then; the
-    /// sampler adds the allocator (read off the request thread) and the host
-    /// domains.
-    Boundary {
-        time_ns: i64,
-        // Boxed: the context dwarfs the other jobs queued beside it.
-        context: Box<pb::RequestContext>,
-        /// `sys.getallocatedblocks()` as the request ended, 0 when not read
-        /// this time: a signal of Python objects piling up (`suspicion.rs`).
-        blocks: u64,
-    },
+    /// The hand-off was empty and now holds something: take it when the
+    /// next boundary sample is due (`handoff.rs`).
+    Handoff,
     Census {
         budget: Duration,
     },
@@ -76,14 +69,21 @@ pub struct Agent {
     pub pid: u32,
     pub context: Mutex<ContextState>,
     pub pending_oom: Mutex<Option<PendingOom>>,
+    /// What the request path leaves for the sampler (`handoff.rs`).
+    pub handoff: Mutex<Handoff>,
     pub baseline: Mutex<Option<Baseline>>,
     pub torch_hooks: AtomicBool,
     /// Children forked so far, for the next child's rank.
     pub lineage: Lineage,
+    /// Boundary samples and request events dropped for lack of room.
     pub boundary_dropped: AtomicU64,
     /// Allocated blocks are read every this many requests (`read_blocks`).
     pub blocks_every: AtomicU64,
     pub last_census: Mutex<Option<Instant>>,
+    /// A census waits for a moment with no request in flight: every request
+    /// end wakes the sampler to look, not only those that find the hand-off
+    /// empty.
+    pub census_waiting: AtomicBool,
     /// The sampling thread (agent-core's loop; `sampler.rs` plugs in its readers).
     pub sampler: Sampler<Job>,
     /// When a held start ends on its own (None: not held). The sampler
@@ -135,6 +135,7 @@ impl Agent {
         let mut rc = ReporterConfig::new(config.collector.clone());
         rc.spool_dir = config.spool_dir.clone();
         rc.hold = !config.hold.is_zero();
+        rc.thread_nice = config.thread_nice;
         let hold_until = rc.hold.then(|| Instant::now() + config.hold);
         let reporter = Reporter::start(rc, hello);
         let agent = Arc::new(Agent {
@@ -144,12 +145,14 @@ impl Agent {
             pid,
             context: Mutex::new(ContextState::default()),
             pending_oom: Mutex::new(None),
+            handoff: Mutex::new(Handoff::default()),
             baseline: Mutex::new(None),
             torch_hooks: AtomicBool::new(false),
             lineage: Lineage::default(),
             boundary_dropped: AtomicU64::new(0),
             blocks_every: AtomicU64::new(1),
             last_census: Mutex::new(None),
+            census_waiting: AtomicBool::new(false),
             sampler: Sampler::new(JOB_QUEUE),
             hold_until,
             paths,
@@ -164,6 +167,52 @@ impl Agent {
             self.boundary_dropped.fetch_add(1, Ordering::Relaxed);
         }
         queued
+    }
+
+    /// Leaves a request boundary's part in the hand-off, and wakes the
+    /// sampler only if it was empty (or, at a request `end`, while a census
+    /// waits for no request in flight). Without a sampler to take it (no
+    /// thread, or its queue full) the events go to the reporter from here
+    /// and the boundary sample is dropped (and counted).
+    fn hand_off(&self, end: bool, leave: impl FnOnce(&mut Handoff)) {
+        let was_empty = {
+            let mut h = lock(&self.handoff);
+            let was_empty = h.is_empty();
+            leave(&mut h);
+            was_empty
+        };
+        let census = end && self.census_waiting.load(Ordering::Relaxed);
+        if !(was_empty || census) {
+            return;
+        }
+        if !self.sampler.submit(Job::Handoff) && was_empty {
+            let h = std::mem::take(&mut *lock(&self.handoff));
+            let lost = h.ends.len() as u64;
+            self.forward(h.events, h.dropped + lost);
+        }
+    }
+
+    /// The hand-off's events to the reporter now, ahead of what follows
+    /// them (an OOM, a flush); its boundary sample still waits.
+    pub fn forward_events(&self) {
+        let (events, dropped) = {
+            let mut h = lock(&self.handoff);
+            (
+                std::mem::take(&mut h.events),
+                std::mem::take(&mut h.dropped),
+            )
+        };
+        self.forward(events, dropped);
+    }
+
+    /// Request events to the reporter, in their order.
+    pub fn forward(&self, events: Vec<pb::Event>, dropped: u64) {
+        if dropped > 0 {
+            self.boundary_dropped.fetch_add(dropped, Ordering::Relaxed);
+        }
+        for e in events {
+            self.reporter.send_event(e);
+        }
     }
 
     pub fn send_event(&self, kind: pb::event::Kind) -> bool {
@@ -195,10 +244,26 @@ impl Agent {
         output_tokens: u64,
         max_tokens: u64,
     ) {
+        self.begin_at(
+            now_ns().saturating_sub(started_ns_ago.max(0)),
+            id,
+            prompt_tokens,
+            max_tokens,
+        );
+        self.request_end(id, output_tokens, "");
+    }
+
+    pub fn request_begin(&self, id: &str, prompt_tokens: u64, max_tokens: u64) {
+        self.begin_at(now_ns(), id, prompt_tokens, max_tokens);
+    }
+
+    /// A request in flight from `time_ns`: counted, and its start event left
+    /// in the hand-off.
+    fn begin_at(&self, time_ns: i64, id: &str, prompt_tokens: u64, max_tokens: u64) {
         self.release();
         lock(&self.context).begin(id, prompt_tokens, max_tokens);
-        self.reporter.send_event(pb::Event {
-            time_ns: now_ns().saturating_sub(started_ns_ago.max(0)),
+        let start = pb::Event {
+            time_ns,
             kind: Some(pb::event::Kind::Request(pb::RequestBoundary {
                 request_id: id.to_string(),
                 start: true,
@@ -206,26 +271,14 @@ impl Agent {
                 max_tokens,
                 ..Default::default()
             })),
-        });
-        self.request_end(id, output_tokens, "");
+        };
+        self.hand_off(false, |h| h.push_event(start));
     }
 
-    pub fn request_begin(&self, id: &str, prompt_tokens: u64, max_tokens: u64) {
-        self.release();
-        lock(&self.context).begin(id, prompt_tokens, max_tokens);
-        self.send_event(pb::event::Kind::Request(pb::RequestBoundary {
-            request_id: id.to_string(),
-            start: true,
-            prompt_tokens,
-            max_tokens,
-            ..Default::default()
-        }));
-    }
-
-    /// The request's end event, and a boundary sample handed to the sampler
-    /// thread, which reads the allocator and the host domains: the
-    /// allocator read costs ~250 us on a GPU (measured on the H200), which a
-    /// request thread must not pay.
+    /// The request's end event and a boundary sample, left for the sampler
+    /// thread (`handoff.rs`), which reads the allocator and the host
+    /// domains: the allocator read costs ~250 us on a GPU (measured on the
+    /// H200), which a request thread must not pay.
     pub fn request_end(&self, id: &str, output_tokens: u64, error: &str) {
         let time_ns = now_ns();
         let (context, done) = {
@@ -233,18 +286,21 @@ impl Agent {
             c.end(id, output_tokens, !error.is_empty());
             (c.to_pb("after_request"), c.requests_done)
         };
-        self.send_event(pb::event::Kind::Request(pb::RequestBoundary {
-            request_id: id.to_string(),
-            start: false,
-            output_tokens,
-            error: error.to_string(),
-            ..Default::default()
-        }));
-        let blocks = self.read_blocks(done);
-        self.submit(Job::Boundary {
+        let end = pb::Event {
             time_ns,
-            context: Box::new(context),
-            blocks,
+            kind: Some(pb::event::Kind::Request(pb::RequestBoundary {
+                request_id: id.to_string(),
+                start: false,
+                output_tokens,
+                error: error.to_string(),
+                ..Default::default()
+            })),
+        };
+        let blocks = self.read_blocks(done);
+        let every = self.config.boundary_min_interval.is_zero();
+        self.hand_off(true, |h| {
+            h.push_event(end);
+            h.end(time_ns, Box::new(context), blocks, every);
         });
         let every = self.config.census_every;
         if every > 0 && done % every == 0 {
@@ -384,6 +440,8 @@ impl Agent {
             time_ns: now_ns(),
             kind: Some(pb::event::Kind::Oom(oom)),
         };
+        // The requests in flight start before the OOM on the stream.
+        self.forward_events();
         let wait = self.config.oom_wait;
         let reporter = self.reporter.clone();
         let acked = py.detach(move || reporter.send_urgent(event, wait));

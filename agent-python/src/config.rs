@@ -64,6 +64,9 @@ pub struct Config {
     pub oom_wait: Duration,
     pub census_every: u64,
     pub census_auto: bool,
+    /// The nice value of the agent's threads (0 to 19; 0, the default,
+    /// leaves them at the process's): see agent-core's `priority`.
+    pub thread_nice: i32,
     pub census_interval: Duration,
     pub census_budget: Duration,
     pub exit_flush: Duration,
@@ -164,6 +167,19 @@ impl Config {
             spool_dir: get("spool").or_else(|| get("spool_dir")).map(PathBuf::from),
             oom_wait: secs("oom_wait_s", DEFAULT_OOM_WAIT)?,
             census_every: count("census_every", DEFAULT_CENSUS_EVERY)?,
+            thread_nice: match get("thread_nice") {
+                None => 0,
+                Some(v) => v
+                    .trim()
+                    .parse::<i32>()
+                    .ok()
+                    .filter(|n| (0..=19).contains(n))
+                    .ok_or_else(|| {
+                        format!(
+                            "oomscope: thread_nice must be a whole number from 0 to 19, not {v:?}"
+                        )
+                    })?,
+            },
             census_auto: match get("census_auto").as_deref().map(str::trim) {
                 None => DEFAULT_CENSUS_AUTO,
                 Some("1" | "true" | "True") => true,
@@ -216,6 +232,7 @@ mod tests {
         assert_eq!(c.oom_wait, DEFAULT_OOM_WAIT);
         assert_eq!(c.census_every, DEFAULT_CENSUS_EVERY);
         assert_eq!(c.boundary_min_interval, DEFAULT_BOUNDARY_MIN_INTERVAL);
+        assert_eq!(c.thread_nice, 0);
         assert_eq!(c.role, "server");
         assert!(c.model.is_none());
         assert_eq!(
@@ -238,6 +255,12 @@ mod tests {
         );
         let e = Config::resolve(&map(&[("census_every", "-3")]), &none, "p").unwrap_err();
         assert!(e.contains("census_every"), "{e}");
+        for bad in ["-5", "20", "low"] {
+            let e = Config::resolve(&map(&[("thread_nice", bad)]), &none, "p").unwrap_err();
+            assert!(e.contains("thread_nice") && e.contains(bad), "{e}");
+        }
+        let c = Config::resolve(&map(&[("thread_nice", "0")]), &none, "p").unwrap();
+        assert_eq!(c.thread_nice, 0);
         let e = Config::resolve(&map(&[("census_auto", "maybe")]), &none, "p").unwrap_err();
         assert!(e.contains("census_auto") && e.contains("maybe"), "{e}");
         let c = Config::resolve(&map(&[("census_auto", "0")]), &none, "p").unwrap();

@@ -25,6 +25,7 @@ pub mod agent;
 pub mod census;
 pub mod config;
 pub mod context;
+pub mod handoff;
 pub mod pyjson;
 pub mod query;
 pub mod sampler;
@@ -404,6 +405,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
 fn flush(py: Python<'_>, timeout_s: f64) -> bool {
     let Some(a) = current() else { return false };
     a.release();
+    a.forward_events();
     let r = a.reporter.clone();
     let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
     py.detach(move || r.flush(t))

@@ -33,7 +33,7 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
         boundaries: Boundaries {
             min_interval: agent.config.boundary_min_interval,
             last: None,
-            waiting: None,
+            signalled: false,
         },
         census: None,
         suspicion: agent.config.census_auto.then(Suspicion::default),
@@ -45,34 +45,36 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
         .start(readers, agent.reporter.clone(), agent.config.interval)
 }
 
-/// Request boundaries waiting for their sample: at most one sample per
-/// `boundary_min_interval`; a boundary that comes sooner replaces the one
-/// waiting, so the sample taken carries the newest context (requests_done
-/// only grows) and a burst of requests costs one host reading, not one each.
+/// When the hand-off (`handoff.rs`) is taken: at most once per
+/// `boundary_min_interval`, so a burst of requests costs one host reading
+/// and one batch of events, not one a request.
 struct Boundaries {
     min_interval: Duration,
     last: Option<Instant>,
-    /// (time, context, allocated blocks)
-    waiting: Option<(i64, Box<pb::RequestContext>, u64)>,
+    /// The request path said the hand-off holds something.
+    signalled: bool,
 }
 
 impl Boundaries {
-    /// When the waiting boundary is due, if one waits.
+    /// When the hand-off is due, if something waits in it.
     fn due(&self) -> Option<Instant> {
-        self.waiting.as_ref()?;
+        if !self.signalled {
+            return None;
+        }
         Some(
             self.last
                 .map_or_else(Instant::now, |t| t + self.min_interval),
         )
     }
 
-    /// The waiting boundary if it is due now, counted as sampled now.
-    fn take_due(&mut self) -> Option<(i64, Box<pb::RequestContext>, u64)> {
-        if self.due()? > Instant::now() {
-            return None;
+    /// Whether the hand-off is due now; if so it counts as taken now.
+    fn take_due(&mut self) -> bool {
+        if self.due().is_none_or(|t| t > Instant::now()) {
+            return false;
         }
         self.last = Some(Instant::now());
-        self.waiting.take()
+        self.signalled = false;
+        true
     }
 }
 
@@ -95,6 +97,66 @@ impl PythonReaders {
     /// When a held start ends on its own, while it is still held.
     fn held_until(&self) -> Option<Instant> {
         self.agent.hold_until.filter(|_| self.agent.reporter.held())
+    }
+
+    /// Takes the hand-off: its events to the reporter, its readings to the
+    /// suspicion, and a boundary sample for each request end in it.
+    fn take_handoff(&mut self) {
+        let agent = self.agent.clone();
+        let h = std::mem::take(&mut *lock(&agent.handoff));
+        agent.forward(h.events, h.dropped);
+        let mut readings = h.readings.into_iter().peekable();
+        for (time_ns, context) in h.ends {
+            let requests_done = context.requests_done;
+            // Readings of the ends folded before this one go in without an
+            // RSS; this end's own goes in with the RSS read for it.
+            let mut blocks = 0;
+            while let Some((done, b)) = readings.next_if(|r| r.0 <= requests_done) {
+                if done == requests_done {
+                    blocks = b;
+                } else {
+                    self.observe(Reading {
+                        requests_done: done,
+                        blocks: b,
+                        rss: 0,
+                    });
+                }
+            }
+            let rss = boundary_sample(&agent, &self.probe, time_ns, *context);
+            self.observe(Reading {
+                requests_done,
+                blocks,
+                rss,
+            });
+        }
+        for (requests_done, blocks) in readings {
+            self.observe(Reading {
+                requests_done,
+                blocks,
+                rss: 0,
+            });
+        }
+    }
+
+    /// One boundary's signals to the suspicion; a census on suspicion is
+    /// asked for when they grow for certain.
+    fn observe(&mut self, reading: Reading) {
+        let Some(s) = self.suspicion.as_mut() else {
+            return;
+        };
+        s.observe(reading);
+        if s.due(Instant::now()).is_some() {
+            self.wait_census(self.agent.config.census_budget);
+        }
+    }
+
+    /// Between requests the heap holds what requests left behind, not the
+    /// temporaries of one mid-step: a census waits (a little) for no request
+    /// in flight, looked at as each request ends (`Agent::census_waiting`).
+    fn wait_census(&mut self, budget: Duration) {
+        self.census
+            .get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT));
+        self.agent.census_waiting.store(true, Ordering::Relaxed);
     }
 
     /// A census now (GIL in slices); the suspicion starts over from it.
@@ -132,29 +194,9 @@ impl Readers for PythonReaders {
 
     fn job(&mut self, job: Job, _: &Reporter) {
         match job {
-            Job::Boundary {
-                time_ns,
-                context,
-                blocks,
-            } => {
-                // A boundary folded into a later one still gives its blocks.
-                let folded = self.boundaries.waiting.replace((time_ns, context, blocks));
-                if let (Some((_, c, b)), Some(s)) = (folded, self.suspicion.as_mut()) {
-                    if b > 0 {
-                        s.observe(Reading {
-                            requests_done: c.requests_done,
-                            blocks: b,
-                            rss: 0,
-                        });
-                    }
-                }
-            }
+            Job::Handoff => self.boundaries.signalled = true,
             Job::Census { budget } => {
-                // Between requests the heap holds what requests left behind,
-                // not the temporaries of one mid-step: wait (a little) for
-                // no request in flight; the next request end wakes us.
-                self.census
-                    .get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT));
+                self.wait_census(budget);
             }
             Job::Snapshot { device } => {
                 Python::try_attach(|py| self.agent.snapshot(py, device));
@@ -192,27 +234,16 @@ impl Readers for PythonReaders {
             // The process has lasted: it is no passing helper.
             reporter.release();
         }
+        // The requests' events and sample first: a census due now (or made
+        // due by this sample's readings) follows them on the stream.
+        if self.boundaries.take_due() {
+            self.take_handoff();
+        }
         if let Some((budget, until)) = self.census {
             if Instant::now() >= until || lock(&agent.context).in_flight.is_empty() {
                 self.census = None;
+                self.agent.census_waiting.store(false, Ordering::Relaxed);
                 self.census_now(budget);
-            }
-        }
-        if let Some((time_ns, context, blocks)) = self.boundaries.take_due() {
-            let requests_done = context.requests_done;
-            let rss = boundary_sample(&agent, &self.probe, time_ns, *context);
-            if let Some(s) = self.suspicion.as_mut() {
-                s.observe(Reading {
-                    requests_done,
-                    blocks,
-                    rss,
-                });
-                if s.due(Instant::now()).is_some() {
-                    self.census.get_or_insert((
-                        agent.config.census_budget,
-                        Instant::now() + CENSUS_IDLE_WAIT,
-                    ));
-                }
             }
         }
         Flow::Continue
@@ -227,10 +258,8 @@ impl Readers for PythonReaders {
     }
 
     fn stop(&mut self, _: &Reporter) {
-        // The last requests' state is not lost to the spacing.
-        if let Some((time_ns, context, _)) = self.boundaries.waiting.take() {
-            boundary_sample(&self.agent, &self.probe, time_ns, *context);
-        }
+        // The last requests' events and state are not lost to the spacing.
+        self.take_handoff();
     }
 }
 

@@ -44,7 +44,7 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
           interval_s=None, role=None, rank=None, spool_dir=None, oom_wait_s=None,
           census_every=None, census_interval_s=None, census_budget_s=None,
           history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None,
-          census_auto=None):
+          census_auto=None, thread_nice=None):
     """Starts the agent (a second call does nothing and returns False).
 
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
@@ -55,7 +55,10 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     census_interval_s 3600, census_budget_s 2.0 (GIL time over all of a
     census's slices, each at most 10 ms), no spool, no memory history,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
-    a request ending sooner is folded into the next sample).
+    a request ending sooner is folded into the next sample), thread_nice 0
+    (19 runs the agent's own threads at the lowest priority, so they never
+    take a busy core from the server's threads, but on a server that keeps
+    every core busy its evidence then comes late).
     A bad value raises ValueError here, never later. Called while an
     autostarted agent runs, it returns False and ends that agent's hold.
     """
@@ -65,7 +68,8 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
         spool_dir=spool_dir, oom_wait_s=oom_wait_s, census_every=census_every,
         census_interval_s=census_interval_s, census_budget_s=census_budget_s,
         history_max_entries=history_max_entries, exit_flush_s=exit_flush_s,
-        boundary_min_interval_s=boundary_min_interval_s, census_auto=census_auto)
+        boundary_min_interval_s=boundary_min_interval_s, census_auto=census_auto,
+        thread_nice=thread_nice)
 
 
 def _start(autostart, **kwargs):

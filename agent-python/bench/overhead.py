@@ -9,6 +9,10 @@ agent's own CPU per request, from /proc/self/task/*/stat of its threads
 (named oomscope-*), and the censuses it ran.
 
     .venv/bin/python agent-python/bench/overhead.py [--requests 3000] [--collector URL]
+        [--modes plain,oomscope] [--rounds 15]
+
+With --rounds the modes run in turn that many times and the table gives
+each mode's median and minimum wall time against plain's.
 
 Without --collector the agent reports to a port nothing listens on (it keeps
 its samples in memory): the cost measured is the agent's, not a collector's.
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from statistics import median
 
 MODES = ("plain", "memray", "tracemalloc", "oomscope")
 
@@ -122,28 +127,47 @@ def main():
     p.add_argument("--collector", default="http://127.0.0.1:9",
                    help="where the agent reports (default: a closed port)")
     p.add_argument("--mode", choices=MODES, help="run one mode in this process (internal)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="the modes to compare, comma-separated (default: all four)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every mode this many times, alternating, and report medians and "
+                        "minimums: on a shared machine one run each swings by 1.5x")
     a = p.parse_args()
     if a.mode:
         print(json.dumps(one_mode(a.mode, a.requests, a.collector)))
         return
-    rows = []
-    for mode in MODES:
-        env = dict(os.environ, OOMSCOPE_AUTOSTART="0")
-        env.pop("OOMSCOPE_COLLECTOR", None)
-        r = subprocess.run([sys.executable, __file__, "--mode", mode, "--requests", str(a.requests),
-                            "--collector", a.collector], capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            print("%-12s skipped: %s" % (mode, (r.stderr.strip().splitlines() or ["?"])[-1]))
+    modes = [m for m in a.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error("unknown mode(s) %s; choose from %s" % (", ".join(unknown), ", ".join(MODES)))
+    runs = {m: [] for m in modes}
+    for _ in range(max(1, a.rounds)):
+        for mode in modes:
+            env = dict(os.environ, OOMSCOPE_AUTOSTART="0")
+            env.pop("OOMSCOPE_COLLECTOR", None)
+            r = subprocess.run([sys.executable, __file__, "--mode", mode, "--requests",
+                                str(a.requests), "--collector", a.collector],
+                               capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                print("%-12s skipped: %s" % (mode, (r.stderr.strip().splitlines() or ["?"])[-1]))
+                continue
+            runs[mode].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    plain = runs.get("plain") or []
+    print("%-12s %4s %9s %9s %7s %7s %8s %8s %12s %14s" % (
+        "mode", "runs", "wall s", "min s", "x plain", "x min", "p50 us", "p99 us",
+        "GIL wait ms", "agent ms/req"))
+    for mode, rs in runs.items():
+        if not rs:
             continue
-        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    plain = next((r for r in rows if r["mode"] == "plain"), None)
-    print("%-12s %9s %7s %8s %8s %12s %14s" % ("mode", "wall s", "x plain", "p50 us", "p99 us",
-                                              "GIL wait ms", "agent ms/req"))
-    for r in rows:
-        ratio = r["wall_s"] / plain["wall_s"] if plain else float("nan")
-        print("%-12s %9.3f %7.2f %8.0f %8.0f %12.1f %14s" % (
-            r["mode"], r["wall_s"], ratio, r["p50_us"], r["p99_us"], r["longest_gil_wait_ms"],
-            "%.4f" % r["agent_cpu_ms_per_request"] if "agent_cpu_ms_per_request" in r else "-"))
+        wall = median([r["wall_s"] for r in rs])
+        best = min(r["wall_s"] for r in rs)
+        ratio = wall / median([r["wall_s"] for r in plain]) if plain else float("nan")
+        ratio_min = best / min(r["wall_s"] for r in plain) if plain else float("nan")
+        cpu = [r["agent_cpu_ms_per_request"] for r in rs if "agent_cpu_ms_per_request" in r]
+        print("%-12s %4d %9.3f %9.3f %7.2f %7.2f %8.0f %8.0f %12.1f %14s" % (
+            mode, len(rs), wall, best, ratio, ratio_min, median([r["p50_us"] for r in rs]),
+            median([r["p99_us"] for r in rs]), max(r["longest_gil_wait_ms"] for r in rs),
+            "%.4f" % median(cpu) if cpu else "-"))
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
 def test_boundaries_closer_than_the_spacing_fold_into_one_sample(collector):
     """50 requests in well under the 5 s spacing: the first request's end
     wakes the sampler, which samples at once (with the requests that ended
-    by then); the rest fold into one sample that carries the newest
-    context, taken when the spacing allows or, here, at stop."""
+    by then: all 50 if its thread was still starting); the rest fold into
+    one sample that carries the newest context, taken when the spacing
+    allows or, here, at stop."""
     out = run_py("""
         import oomscope
         oomscope.start(collector=%r, name="fold", interval_s=60, boundary_min_interval_s=5,
@@ -116,7 +117,7 @@ def test_boundaries_closer_than_the_spacing_fold_into_one_sample(collector):
         """ % collector.url)
     t = collector.timeline(out.split("agent ")[1].strip())
     done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
-    assert len(done) == 2 and 1 <= done[0] < 50 and done[1] == 50, done
+    assert len(done) in (1, 2) and done[-1] == 50 and done == sorted(set(done)), done
     ends = [e for e in events(t, "request") if not e["start"]]
     assert len(ends) == 50, "every request is still an event"
 

@@ -44,23 +44,23 @@ pub fn lower_this_thread(nice: i32) {
     }
 }
 
-/// The calling thread's nice value (Linux; 0 elsewhere or on error).
-pub fn this_thread_nice() -> i32 {
-    #[cfg(target_os = "linux")]
-    // SAFETY: reads the calling thread's own priority.
-    unsafe {
-        *libc::__errno_location() = 0;
-        let n = libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t);
-        if *libc::__errno_location() == 0 {
-            return n;
-        }
-    }
-    0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's nice value (Linux; 0 elsewhere or on error).
+    fn this_thread_nice() -> i32 {
+        #[cfg(target_os = "linux")]
+        // SAFETY: reads the calling thread's own priority.
+        unsafe {
+            *libc::__errno_location() = 0;
+            let n = libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t);
+            if *libc::__errno_location() == 0 {
+                return n;
+            }
+        }
+        0
+    }
 
     #[test]
     fn only_the_calling_thread_is_lowered_and_0_leaves_it() {

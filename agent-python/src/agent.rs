@@ -297,10 +297,10 @@ impl Agent {
             })),
         };
         let blocks = self.read_blocks(done);
-        let every = self.config.boundary_min_interval.is_zero();
+        let every_end = self.config.boundary_min_interval.is_zero();
         self.hand_off(true, |h| {
             h.push_event(end);
-            h.end(time_ns, Box::new(context), blocks, every);
+            h.end(time_ns, Box::new(context), blocks, every_end);
         });
         let every = self.config.census_every;
         if every > 0 && done % every == 0 {

@@ -69,11 +69,7 @@ impl Handoff {
     ) {
         if blocks > 0 {
             if self.readings.len() >= MAX_READINGS {
-                let mut i = 0;
-                self.readings.retain(|_| {
-                    i += 1;
-                    i % 2 == 1
-                });
+                crate::suspicion::halve(&mut self.readings);
             }
             self.readings.push((context.requests_done, blocks));
         }

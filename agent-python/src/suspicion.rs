@@ -48,6 +48,16 @@ pub const TEST_EVERY: usize = 4;
 /// logarithmically; a look that finds the signals flat starts over.
 pub const MAX_REQUESTS_BETWEEN: u64 = 10_000;
 
+/// Drops every other reading (the first kept): a bounded list that still
+/// spans every request since it started.
+pub fn halve<T>(readings: &mut Vec<T>) {
+    let mut i = 0;
+    readings.retain(|_| {
+        i += 1;
+        i % 2 == 1
+    });
+}
+
 /// One boundary's cheap signals.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Reading {
@@ -120,11 +130,7 @@ impl Suspicion {
     /// One boundary's readings.
     pub fn observe(&mut self, r: Reading) {
         if self.readings.len() >= MAX_READINGS {
-            let mut i = 0;
-            self.readings.retain(|_| {
-                i += 1;
-                i % 2 == 1
-            });
+            halve(&mut self.readings);
         }
         self.readings.push(r);
         self.untested += 1;

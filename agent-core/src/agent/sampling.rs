@@ -165,7 +165,7 @@ impl<'a> SamplingLoop<'a> {
 }
 
 /// A sampling loop on its own thread ("oomscope-sampler", at the
-/// reporter's low priority), and the bounded
+/// reporter's thread's nice value), and the bounded
 /// queue the request path feeds it through: a full queue drops the job
 /// (`submit` says so) rather than blocking a request.
 pub struct Sampler<J> {

@@ -122,6 +122,8 @@ impl CudaAgent {
         hello.labels = cfg.labels.iter().cloned().collect();
         let mut rcfg = ReporterConfig::new(cfg.url());
         rcfg.spool_dir = cfg.spool_dir.clone();
+        // Its threads share the inference server's cores.
+        rcfg.thread_priority = oomscope_agent_core::priority::ThreadPriority::IN_PROCESS;
         let reporter = Reporter::start(rcfg, hello);
         let (p1, p2) = (pool.clone(), pool.clone());
         let inner = Arc::new(Inner {

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::{Identity, Lineage, Sampler};
+use oomscope_agent_core::priority::ThreadPriority;
 use oomscope_agent_core::probe::{HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns, pb, torch};
@@ -135,7 +136,10 @@ impl Agent {
         let mut rc = ReporterConfig::new(config.collector.clone());
         rc.spool_dir = config.spool_dir.clone();
         rc.hold = !config.hold.is_zero();
-        rc.thread_nice = config.thread_nice;
+        rc.thread_priority = ThreadPriority {
+            nice: config.thread_nice,
+            ..ThreadPriority::IN_PROCESS
+        };
         let hold_until = rc.hold.then(|| Instant::now() + config.hold);
         let reporter = Reporter::start(rc, hello);
         let agent = Arc::new(Agent {

@@ -321,11 +321,11 @@ def test_oomscope_run_starts_the_agent_with_no_code_change(collector):
     assert py["hello"]["labels"].get("supervisor_agent"), py["hello"]["labels"]
 
 
-def test_thread_nice_lowers_only_the_agents_threads():
-    """thread_nice=19: the sampler and reporter run at nice 19 (they wait for
-    a free core rather than preempting the server's threads) and the
-    server's own threads keep theirs; 0 (the default) leaves the agent's
-    alone; a bad value is a clear error at start."""
+def test_the_agents_threads_never_preempt_the_servers_and_thread_nice_lowers_them():
+    """The sampler and reporter run as SCHED_BATCH (a waking one never
+    preempts the server's threads) and thread_nice=19 lowers them too; the
+    server's own threads keep their policy and priority; 0 (the default)
+    leaves the nice alone; a bad value is a clear error at start."""
     code = """
         import os, sys, threading, time, oomscope
         nice = int(sys.argv[1])
@@ -336,7 +336,8 @@ def test_thread_nice_lowers_only_the_agents_threads():
         for tid in sorted(os.listdir("/proc/self/task")):
             with open("/proc/self/task/%s/comm" % tid) as f:
                 name = f.read().strip()
-            print(name, os.getpriority(os.PRIO_PROCESS, int(tid)))
+            batch = os.sched_getscheduler(int(tid)) == os.SCHED_BATCH
+            print(name, int(batch), os.getpriority(os.PRIO_PROCESS, int(tid)))
         oomscope.stop()
         other.join()
         """
@@ -346,10 +347,11 @@ def test_thread_nice_lowers_only_the_agents_threads():
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), nice],
                            capture_output=True, text=True, env=e, timeout=60)
         assert r.returncode == 0, r.stderr
-        prio = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())
-        assert int(prio["oomscope-sample"]) == expect, prio
-        assert int(prio["oomscope-report"]) == expect, prio
-        assert all(int(v) == 0 for k, v in prio.items() if not k.startswith("oomscope-")), prio
+        prio = {line.rsplit(" ", 2)[0]: tuple(map(int, line.rsplit(" ", 2)[1:]))
+                for line in r.stdout.splitlines()}
+        assert prio["oomscope-sample"] == (1, expect), prio
+        assert prio["oomscope-report"] == (1, expect), prio
+        assert all(v == (0, 0) for k, v in prio.items() if not k.startswith("oomscope-")), prio
     r = subprocess.run([sys.executable, "-c", "import oomscope; oomscope.start(thread_nice=-3)"],
                        capture_output=True, text=True, env=e, timeout=60)
     assert r.returncode != 0 and "thread_nice" in r.stderr and "0 to 19" in r.stderr, r.stderr

@@ -164,8 +164,8 @@ impl<'a> SamplingLoop<'a> {
     }
 }
 
-/// A sampling loop on its own thread ("oomscope-sampler", at the
-/// reporter's thread's nice value), and the bounded
+/// A sampling loop on its own thread ("oomscope-sampler", scheduled as
+/// the reporter's is), and the bounded
 /// queue the request path feeds it through: a full queue drops the job
 /// (`submit` says so) rather than blocking a request.
 pub struct Sampler<J> {
@@ -196,11 +196,11 @@ impl<J: Send + 'static> Sampler<J> {
             return false;
         };
         let directives = reporter.directives();
-        let nice = reporter.thread_nice();
+        let priority = reporter.thread_priority();
         let spawned = std::thread::Builder::new()
             .name("oomscope-sampler".into())
             .spawn(move || {
-                crate::priority::lower_this_thread(nice);
+                priority.apply_to_this_thread();
                 SamplingLoop::new(&reporter, directives.as_ref(), interval)
                     .run(&mut readers, Some(&rx));
             });

@@ -59,6 +59,8 @@ use crate::sync::lock;
 use fork::Birth;
 use stream::{Inputs, Urgent, Worker};
 
+use crate::priority::ThreadPriority;
+
 /// Messages the hot path may queue before it starts dropping: about an hour
 /// of one-second samples, or a burst of request events, while the worker is
 /// busy or (without a spool) the collector is down.
@@ -95,10 +97,10 @@ pub struct ReporterConfig {
     /// the queue until [`Reporter::release`]. For agents that start in every
     /// process, helpers included, and speak up only for those that last.
     pub hold: bool,
-    /// The nice value of the reporter's thread, and of the sampler's that
-    /// runs beside it ([`crate::priority`]). 0 (the default) leaves them at
-    /// the process's.
-    pub thread_nice: i32,
+    /// How the reporter's thread, and the sampler's that runs beside it,
+    /// are scheduled ([`crate::priority`]); the default leaves them as the
+    /// process's threads are.
+    pub thread_priority: ThreadPriority,
 }
 
 impl ReporterConfig {
@@ -114,7 +116,7 @@ impl ReporterConfig {
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
             hold: false,
-            thread_nice: 0,
+            thread_priority: ThreadPriority::default(),
         }
     }
 }
@@ -174,7 +176,7 @@ struct Handle {
     spool_deferred: bool,
     /// The Hello as it stands; the worker resends it when it changes.
     hello: watch::Sender<pb::Hello>,
-    thread_nice: i32,
+    thread_priority: ThreadPriority,
 }
 
 struct Intake {
@@ -330,7 +332,7 @@ impl Reporter {
         let (release_tx, release_rx) = watch::channel(!hold);
         let (hello_tx, hello_rx) = watch::channel(hello.clone());
 
-        let thread_nice = cfg.thread_nice;
+        let thread_priority = cfg.thread_priority;
         let worker = Worker::new(cfg, hello, shared.clone(), directive_tx, next_seq);
         let inputs = Inputs {
             queue: queue_rx,
@@ -343,7 +345,7 @@ impl Reporter {
             .name("oomscope-reporter".into())
             .spawn(move || {
                 let _exited = exited_tx;
-                crate::priority::lower_this_thread(thread_nice);
+                thread_priority.apply_to_this_thread();
                 worker.run(inputs);
             });
         let worker = match spawned {
@@ -374,7 +376,7 @@ impl Reporter {
                 release: release_tx,
                 hello: hello_tx,
                 spool_deferred,
-                thread_nice,
+                thread_priority,
             }),
         }
     }
@@ -406,9 +408,9 @@ impl Reporter {
         }
     }
 
-    /// The nice value its thread runs at (the sampler's too).
-    pub fn thread_nice(&self) -> i32 {
-        self.inner.thread_nice
+    /// How its thread is scheduled (the sampler's too).
+    pub fn thread_priority(&self) -> ThreadPriority {
+        self.inner.thread_priority
     }
 
     /// Whether this reporter is held (started with `hold`, not released).

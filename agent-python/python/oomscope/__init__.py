@@ -56,9 +56,9 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     census's slices, each at most 10 ms), no spool, no memory history,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
     a request ending sooner is folded into the next sample), thread_nice 0
-    (19 runs the agent's own threads at the lowest priority, so they never
-    take a busy core from the server's threads, but on a server that keeps
-    every core busy its evidence then comes late).
+    (the agent's own threads run as SCHED_BATCH, so a waking one never
+    preempts the server's threads; 19 lowers them further, but on a server
+    that keeps every core busy its evidence then comes late).
     A bad value raises ValueError here, never later. Called while an
     autostarted agent runs, it returns False and ends that agent's hold.
     """

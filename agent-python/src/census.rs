@@ -74,17 +74,49 @@ pub fn type_name(ty: &Bound<'_, PyType>) -> String {
     }
 }
 
+/// One type's count and bytes, and the instance its referrer chain would
+/// start at. Untracked objects (bytes, arrays) keep none: their holders are
+/// tracked and grow with them.
+#[derive(Default)]
+struct Tally<'py> {
+    count: u64,
+    bytes: u64,
+    /// The first instance the previous census did not see.
+    new: Option<Bound<'py, PyAny>>,
+    /// The last instance scanned. A new object may reuse the address of a
+    /// temporary the previous census saw, so a steady leak can show no new
+    /// instance at all; gc lists the oldest generation last and oldest
+    /// first within it, so the last one is the youngest that survived,
+    /// which in a leak is most likely a retained one, not a model weight.
+    last: Option<Bound<'py, PyAny>>,
+}
+
+impl<'py> Tally<'py> {
+    fn add(&mut self, bytes: u64, obj: Option<(&Bound<'py, PyAny>, bool)>) {
+        self.count += 1;
+        self.bytes = self.bytes.saturating_add(bytes);
+        if let Some((obj, new)) = obj {
+            if new && self.new.is_none() {
+                self.new = Some(obj.clone());
+            }
+            self.last = Some(obj.clone());
+        }
+    }
+
+    /// A new instance where there is one, else the youngest.
+    fn instance(self) -> Option<Bound<'py, PyAny>> {
+        self.new.or(self.last)
+    }
+}
+
 struct Scanner<'py> {
     py: Python<'py>,
     tensor: Option<Bound<'py, PyAny>>,
     ndarray: Option<Bound<'py, PyAny>>,
     types: HashMap<usize, TypeInfo>,
-    /// Count, bytes and one instance new since the previous census (for
-    /// the referrer chain), by type object, and for tensors by device.
-    /// Untracked objects (bytes, arrays) keep none: their holders are
-    /// tracked and grow with them.
-    plain: HashMap<usize, (u64, u64, Option<Bound<'py, PyAny>>)>,
-    tensors: HashMap<String, (u64, u64, Option<Bound<'py, PyAny>>)>,
+    /// By type object, and for tensors by device.
+    plain: HashMap<usize, Tally<'py>>,
+    tensors: HashMap<String, Tally<'py>>,
     storages: HashSet<(String, usize)>,
     seen_untracked: HashSet<usize>,
     scanned: u64,
@@ -132,8 +164,8 @@ impl<'py> Scanner<'py> {
         &self.types[&key]
     }
 
-    /// Whether `obj` may stand for its type on the referrer chain: a
-    /// tracked object the previous census did not see (any, without one).
+    /// Whether `obj` is a tracked object the previous census did not see
+    /// (any is, without one).
     fn is_new(&mut self, obj: &Bound<'py, PyAny>) -> bool {
         let address = obj.as_ptr() as usize;
         self.addresses.insert(address);
@@ -160,12 +192,8 @@ impl<'py> Scanner<'py> {
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                let e = self.tensors.entry(name).or_insert((0, 0, None));
-                e.0 += 1;
-                e.1 = e.1.saturating_add(bytes);
-                if new && e.2.is_none() {
-                    e.2 = Some(obj.clone());
-                }
+                let instance = tracked.then_some((obj, new));
+                self.tensors.entry(name).or_default().add(bytes, instance);
                 return;
             }
             Kind::Ndarray => {
@@ -186,21 +214,11 @@ impl<'py> Scanner<'py> {
                 .unwrap_or(basicsize),
             Kind::Plain => basicsize,
         };
-        match self.plain.get_mut(&key) {
-            Some(e) => {
-                e.0 += 1;
-                e.1 = e.1.saturating_add(bytes);
-                if new && e.2.is_none() {
-                    e.2 = Some(obj.clone());
-                }
-            }
-            None => {
-                self.plain.insert(key, (1, bytes, new.then(|| obj.clone())));
-            }
-        }
+        let instance = tracked.then_some((obj, new));
+        self.plain.entry(key).or_default().add(bytes, instance);
     }
 
-    /// Counts by type name, with one new instance of each where there is one.
+    /// Counts by type name, with one instance of each tracked type.
     fn finish(self) -> (Counts, HashMap<String, Bound<'py, PyAny>>) {
         let mut by_type: HashMap<String, (u64, u64)> = HashMap::new();
         let mut sample = HashMap::new();
@@ -208,12 +226,12 @@ impl<'py> Scanner<'py> {
             .plain
             .into_iter()
             .map(|(k, v)| (self.types[&k].name.clone(), v));
-        for (name, (count, bytes, obj)) in named.chain(self.tensors) {
+        for (name, tally) in named.chain(self.tensors) {
             // Two type objects may share a name (a class defined twice).
             let e = by_type.entry(name.clone()).or_default();
-            e.0 += count;
-            e.1 = e.1.saturating_add(bytes);
-            if let Some(obj) = obj {
+            e.0 += tally.count;
+            e.1 = e.1.saturating_add(tally.bytes);
+            if let Some(obj) = tally.instance() {
                 sample.insert(name, obj);
             }
         }

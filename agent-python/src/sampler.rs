@@ -161,17 +161,42 @@ impl PythonReaders {
 
     /// A census now (GIL in slices); the suspicion starts over from it.
     fn census_now(&mut self, budget: Duration) {
+        self.census_if(budget, false);
+    }
+
+    /// A census, unless `idle_only` and a request is in flight once this
+    /// thread holds the GIL: one may have begun while it waited for the GIL,
+    /// and the census would count its temporaries. False if it did not run
+    /// for that reason (the next request end looks again).
+    fn census_if(&mut self, budget: Duration, idle_only: bool) -> bool {
         let agent = &self.agent;
-        let done = lock(&agent.context).requests_done;
-        let ran = Python::try_attach(|py| match agent.census(py, budget) {
-            Ok(c) => Some(Duration::from_nanos(c.duration_ns)),
-            Err(e) => {
-                tracing::warn!(error = %e, "oomscope: heap census failed");
-                None
-            }
+        let ran = Python::try_attach(|py| {
+            let done = {
+                let c = lock(&agent.context);
+                if idle_only && !c.in_flight.is_empty() {
+                    return None;
+                }
+                c.requests_done
+            };
+            let cost = match agent.census(py, budget) {
+                Ok(c) => Some(Duration::from_nanos(c.duration_ns)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "oomscope: heap census failed");
+                    None
+                }
+            };
+            Some((done, cost))
         });
-        if let (Some(s), Some(Some(cost))) = (self.suspicion.as_mut(), ran) {
-            s.censused(done, cost, Instant::now());
+        match ran {
+            Some(None) => false,
+            Some(Some((done, Some(cost)))) => {
+                if let Some(s) = self.suspicion.as_mut() {
+                    s.censused(done, cost, Instant::now());
+                }
+                true
+            }
+            // Failed, or the interpreter is gone: no point waiting.
+            _ => true,
         }
     }
 }
@@ -240,10 +265,12 @@ impl Readers for PythonReaders {
             self.take_handoff();
         }
         if let Some((budget, until)) = self.census {
-            if Instant::now() >= until || lock(&agent.context).in_flight.is_empty() {
+            let waited = Instant::now() >= until;
+            if (waited || lock(&agent.context).in_flight.is_empty())
+                && self.census_if(budget, !waited)
+            {
                 self.census = None;
                 self.agent.census_waiting.store(false, Ordering::Relaxed);
-                self.census_now(budget);
             }
         }
         Flow::Continue

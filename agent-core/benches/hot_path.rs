@@ -83,6 +83,32 @@ fn main() {
         raw_read / 1e3,
         full / raw_read
     );
+    // Its parts, to see what a lighter sample would save.
+    let pid = std::process::id();
+    let paths = HostPaths::system();
+    let process = per_call(9, 200, || {
+        black_box(oomscope_agent_core::probe::process::read(&paths, pid).ok());
+    });
+    let cgroup = per_call(9, 200, || {
+        black_box(
+            probe
+                .memory_cgroup()
+                .map(|cg| oomscope_agent_core::probe::cgroup::read_levels(&paths, cg)),
+        );
+    });
+    let system = per_call(9, 200, || {
+        black_box(oomscope_agent_core::probe::system::read(&paths));
+    });
+    let gpus = per_call(9, 200, || {
+        black_box(probe.gpu().read());
+    });
+    println!(
+        "  parts: process {:.1} us, cgroup levels {:.1} us, system {:.1} us, gpus {:.1} us",
+        process / 1e3,
+        cgroup / 1e3,
+        system / 1e3,
+        gpus / 1e3
+    );
     let levels = probe.sample().cgroup.len();
     println!("  ({levels} cgroup levels read per sample; at the default 250 ms interval that is {:.3}% of one core)", full / 2.5e6);
     drop(reporter);

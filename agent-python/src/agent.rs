@@ -8,7 +8,7 @@
 //! parent's agent (its mutexes may have been held by a thread that does not
 //! exist in the child): it leaks it and starts its own.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,11 +31,15 @@ pub const JOB_QUEUE: usize = 1024;
 /// An OOM observer call with no exception seen this long after it is sent
 /// on its own (the server caught the error itself).
 pub const ORPHAN_OOM_AFTER: Duration = Duration::from_secs(2);
-/// The request path's average cost of reading allocated blocks (see
-/// `Agent::read_blocks`).
-pub const BLOCKS_COST_PER_REQUEST: Duration = Duration::from_micros(1);
-/// Allocated blocks are read at least once every this many requests.
-pub const MAX_BLOCKS_EVERY: u64 = 256;
+/// The share of wall time the request path may spend reading allocated
+/// blocks (see `Agent::read_blocks`): at ~30 µs a read (torch imported), one
+/// read every 15 ms at most. A server whose requests take longer than that
+/// gets a reading at every end; a tight loop of short requests one in many,
+/// and pays a fraction of a microsecond a request.
+pub const BLOCKS_TIME_SHARE: f64 = 0.002;
+/// Allocated blocks are read at least this often while requests end (a read
+/// that happened to be slow, descheduled, does not space the next by more).
+pub const MAX_BLOCKS_SPACING: Duration = Duration::from_secs(1);
 /// Host processes listed at an OOM: the largest by RSS.
 pub const OOM_TOP_PROCESSES: usize = 10;
 
@@ -78,8 +82,9 @@ pub struct Agent {
     pub lineage: Lineage,
     /// Boundary samples and request events dropped for lack of room.
     pub boundary_dropped: AtomicU64,
-    /// Allocated blocks are read every this many requests (`read_blocks`).
-    pub blocks_every: AtomicU64,
+    /// No allocated-blocks read at a request end before this (`now_ns`
+    /// time; `read_blocks`).
+    pub blocks_next_ns: AtomicI64,
     pub last_census: Mutex<Option<Instant>>,
     /// A census waits for a moment with no request in flight: every request
     /// end wakes the sampler to look, not only those that find the hand-off
@@ -154,7 +159,7 @@ impl Agent {
             torch_hooks: AtomicBool::new(false),
             lineage: Lineage::default(),
             boundary_dropped: AtomicU64::new(0),
-            blocks_every: AtomicU64::new(1),
+            blocks_next_ns: AtomicI64::new(0),
             last_census: Mutex::new(None),
             census_waiting: AtomicBool::new(false),
             sampler: Sampler::new(JOB_QUEUE),
@@ -300,7 +305,7 @@ impl Agent {
                 ..Default::default()
             })),
         };
-        let blocks = self.read_blocks(done);
+        let blocks = self.read_blocks(time_ns);
         let every_end = self.config.boundary_min_interval.is_zero();
         self.hand_off(true, |h| {
             h.push_event(end);
@@ -315,20 +320,23 @@ impl Agent {
     }
 
     /// `sys.getallocatedblocks()` on the request thread (which holds the GIL
-    /// already), once every `blocks_every` requests: on Python 3.10 and 3.11
-    /// it walks every arena (40 µs with torch imported), so the spacing
-    /// follows its measured cost to keep it near [`BLOCKS_COST_PER_REQUEST`]
-    /// a request on average. 0 when not read this time.
-    fn read_blocks(&self, done: u64) -> u64 {
-        let every = self.blocks_every.load(Ordering::Relaxed).max(1);
-        if !done.is_multiple_of(every) {
+    /// already) at `now`, unless too soon: CPython walks every arena for it
+    /// (30 to 40 µs with torch imported), so the next read waits its measured
+    /// cost over [`BLOCKS_TIME_SHARE`]. Spaced by time, not by a count of
+    /// requests, so slow requests are read at every end and a tight loop
+    /// pays the same share of its time. 0 when not read this time.
+    fn read_blocks(&self, now: i64) -> u64 {
+        if now < self.blocks_next_ns.load(Ordering::Relaxed) {
             return 0;
         }
         let t = Instant::now();
         let blocks = Python::attach(allocated_blocks);
-        let spacing = t.elapsed().as_nanos() / BLOCKS_COST_PER_REQUEST.as_nanos();
-        self.blocks_every.store(
-            (spacing as u64).clamp(1, MAX_BLOCKS_EVERY),
+        let wait = t
+            .elapsed()
+            .div_f64(BLOCKS_TIME_SHARE)
+            .min(MAX_BLOCKS_SPACING);
+        self.blocks_next_ns.store(
+            now.saturating_add(wait.as_nanos() as i64),
             Ordering::Relaxed,
         );
         blocks

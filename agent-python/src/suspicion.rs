@@ -62,8 +62,8 @@ pub fn halve<T>(readings: &mut Vec<T>) {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Reading {
     pub requests_done: u64,
-    /// `sys.getallocatedblocks()`; 0 when not read (it is read every few
-    /// requests where it is costly) or unreadable.
+    /// `sys.getallocatedblocks()`; 0 when not read (a request end reads it
+    /// only so often, see `Agent::read_blocks`) or unreadable.
     pub blocks: u64,
     /// Resident bytes; 0 when not read.
     pub rss: u64,

@@ -1,5 +1,5 @@
-//! The Python heap census: objects and bytes by type, from one
-//! `gc.get_objects()` scan (plus the untracked bytes/arrays those objects
+//! The Python heap census: objects and bytes by type, from one scan of
+//! what gc tracks (plus the untracked bytes/arrays those objects
 //! hold), under a time budget, with growth per completed request against the
 //! previous census and one referrer chain for the top grower.
 //!
@@ -39,10 +39,6 @@ const REFERENTS_CHUNK: usize = 2048;
 pub struct Baseline {
     pub by_type: HashMap<String, (u64, u64)>,
     pub requests_done: u64,
-    /// Addresses of the tracked objects it saw: the next census starts its
-    /// referrer chain at an object that is new since (8 bytes an object,
-    /// bounded by the heap itself).
-    pub addresses: HashSet<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -81,13 +77,13 @@ pub fn type_name(ty: &Bound<'_, PyType>) -> String {
 struct Tally<'py> {
     count: u64,
     bytes: u64,
-    /// The first instance the previous census did not see.
-    new: Option<Bound<'py, PyAny>>,
-    /// The last instance scanned. A new object may reuse the address of a
-    /// temporary the previous census saw, so a steady leak can show no new
-    /// instance at all; gc lists the oldest generation last and oldest
-    /// first within it, so the last one is the youngest that survived,
-    /// which in a leak is most likely a retained one, not a model weight.
+    /// The first instance in gc's young generations (0 and 1): one made in
+    /// the last few thousand allocations that survived them, between
+    /// requests most likely one the last requests kept.
+    young: Option<Bound<'py, PyAny>>,
+    /// The last instance scanned: without a young one, the one the oldest
+    /// generation took in last (gc lists it oldest first), so in a leak a
+    /// retained one rather than a model weight loaded at start.
     last: Option<Bound<'py, PyAny>>,
 }
 
@@ -95,17 +91,17 @@ impl<'py> Tally<'py> {
     fn add(&mut self, bytes: u64, obj: Option<(&Bound<'py, PyAny>, bool)>) {
         self.count += 1;
         self.bytes = self.bytes.saturating_add(bytes);
-        if let Some((obj, new)) = obj {
-            if new && self.new.is_none() {
-                self.new = Some(obj.clone());
+        if let Some((obj, young)) = obj {
+            if young && self.young.is_none() {
+                self.young = Some(obj.clone());
             }
             self.last = Some(obj.clone());
         }
     }
 
-    /// A new instance where there is one, else the youngest.
+    /// A young instance where there is one, else the oldest generation's newest.
     fn instance(self) -> Option<Bound<'py, PyAny>> {
-        self.new.or(self.last)
+        self.young.or(self.last)
     }
 }
 
@@ -120,8 +116,6 @@ struct Scanner<'py> {
     storages: HashSet<(String, usize)>,
     seen_untracked: HashSet<usize>,
     scanned: u64,
-    previous: Option<HashSet<usize>>,
-    addresses: HashSet<usize>,
 }
 
 impl<'py> Scanner<'py> {
@@ -164,18 +158,10 @@ impl<'py> Scanner<'py> {
         &self.types[&key]
     }
 
-    /// Whether `obj` is a tracked object the previous census did not see
-    /// (any is, without one).
-    fn is_new(&mut self, obj: &Bound<'py, PyAny>) -> bool {
-        let address = obj.as_ptr() as usize;
-        self.addresses.insert(address);
-        self.previous.as_ref().is_none_or(|p| !p.contains(&address))
-    }
-
-    /// Counts one object; `tracked` tells whether it came from gc.get_objects.
-    fn count(&mut self, obj: &Bound<'py, PyAny>, tracked: bool) {
+    /// Counts one object; `tracked` tells whether it came from
+    /// gc.get_objects, `young` whether from its generation 0 or 1.
+    fn count(&mut self, obj: &Bound<'py, PyAny>, tracked: bool, young: bool) {
         let key = obj.get_type().as_ptr() as usize;
-        let new = tracked && self.is_new(obj);
         let (kind, basicsize) = {
             let i = self.info(obj);
             (i.kind, i.basicsize)
@@ -192,7 +178,7 @@ impl<'py> Scanner<'py> {
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                let instance = tracked.then_some((obj, new));
+                let instance = tracked.then_some((obj, young));
                 self.tensors.entry(name).or_default().add(bytes, instance);
                 return;
             }
@@ -214,7 +200,7 @@ impl<'py> Scanner<'py> {
                 .unwrap_or(basicsize),
             Kind::Plain => basicsize,
         };
-        let instance = tracked.then_some((obj, new));
+        let instance = tracked.then_some((obj, young));
         self.plain.entry(key).or_default().add(bytes, instance);
     }
 
@@ -261,6 +247,44 @@ impl<'py> Scanner<'py> {
         }
         (name, nbytes)
     }
+}
+
+/// Every object gc tracks, young generations first, and how many of them
+/// are young (generations 0 and 1). One pass each, with the GIL held: the
+/// one step a census cannot cut. A collection between the passes (the
+/// lists' own allocation may start one) would move objects from one
+/// generation to the next and list them twice, so automatic collection is
+/// off for the passes and back as it was before the GIL is let go. Where
+/// generations cannot be listed apart (an interpreter whose gc has other
+/// generations), one list, none young.
+fn tracked_objects<'py>(gc: &Bound<'py, PyModule>) -> PyResult<(Bound<'py, PyList>, usize)> {
+    let enabled = gc.call_method0("isenabled")?.is_truthy()?;
+    if enabled {
+        gc.call_method0("disable")?;
+    }
+    let listed = list_by_generation(gc);
+    if enabled {
+        gc.call_method0("enable")?;
+    }
+    match listed {
+        Ok(split) => Ok(split),
+        Err(_) => Ok((gc.call_method0("get_objects")?.cast_into::<PyList>()?, 0)),
+    }
+}
+
+fn list_by_generation<'py>(gc: &Bound<'py, PyModule>) -> PyResult<(Bound<'py, PyList>, usize)> {
+    let generation = |g: u8| -> PyResult<Bound<'py, PyList>> {
+        let kwargs = PyDict::new(gc.py());
+        kwargs.set_item("generation", g)?;
+        Ok(gc
+            .call_method("get_objects", (), Some(&kwargs))?
+            .cast_into::<PyList>()?)
+    };
+    let objects = generation(0)?;
+    objects.call_method1("extend", (generation(1)?,))?;
+    let young = objects.len();
+    objects.call_method1("extend", (generation(2)?,))?;
+    Ok((objects, young))
 }
 
 fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'py, PyAny>> {
@@ -354,17 +378,15 @@ pub fn run(
         storages: HashSet::new(),
         seen_untracked: HashSet::new(),
         scanned: 0,
-        previous: baseline.as_mut().map(|b| std::mem::take(&mut b.addresses)),
-        addresses: HashSet::new(),
     };
-    let objects = gc.call_method0("get_objects")?.cast_into::<PyList>()?;
+    let (objects, young) = tracked_objects(&gc)?;
     let mut complete = true;
     for (i, obj) in objects.iter().enumerate() {
         if i % CLOCK_EVERY == 0 && !slices.step() {
             complete = false;
             break;
         }
-        s.count(&obj, true);
+        s.count(&obj, true, i < young);
     }
     // bytes, bytearrays and (in most numpy versions) arrays are not tracked
     // by gc: find them among what the tracked objects hold.
@@ -380,15 +402,13 @@ pub fn run(
             let args = PyTuple::new(py, chunk.iter())?;
             let referents = gc.getattr("get_referents")?.call1(args)?;
             for r in referents.cast::<PyList>()?.iter() {
-                s.count(&r, false);
+                s.count(&r, false, false);
             }
             start += REFERENTS_CHUNK;
         }
     }
     let objects_ptr = objects.as_ptr() as usize;
     let scanned = s.scanned;
-    let addresses = std::mem::take(&mut s.addresses);
-    s.previous = None;
     let (by_type, sample) = s.finish();
 
     let growth = growth_per_request(&by_type, baseline.as_ref(), requests_done);
@@ -435,7 +455,6 @@ pub fn run(
     *baseline = Some(Baseline {
         by_type,
         requests_done,
-        addresses,
     });
     Ok(census)
 }
@@ -685,7 +704,6 @@ mod tests {
                 ("Resp", 0, 0),
             ]),
             requests_done: 10,
-            addresses: HashSet::new(),
         };
         let now = counts(&[
             ("torch.Tensor[cpu]", 30, 41_000),
@@ -707,7 +725,6 @@ mod tests {
         let base = Baseline {
             by_type: counts(&[("a", 1, 1)]),
             requests_done: 10,
-            addresses: HashSet::new(),
         };
         assert!(growth_per_request(&now, Some(&base), 10).is_empty());
     }

@@ -39,6 +39,11 @@ const REFERENTS_CHUNK: usize = 2048;
 pub struct Baseline {
     pub by_type: HashMap<String, (u64, u64)>,
     pub requests_done: u64,
+    /// Addresses of the tracked objects it saw: the next census starts its
+    /// referrer chain at an object that is new since (8 bytes an object,
+    /// bounded by the heap itself; the analysis counts what it keeps
+    /// resident as the agent's, see `AFTER_CENSUS_PHASE`).
+    pub addresses: HashSet<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -77,32 +82,45 @@ pub fn type_name(ty: &Bound<'_, PyType>) -> String {
 struct Tally<'py> {
     count: u64,
     bytes: u64,
+    /// The first instance the previous census did not see.
+    new: Option<Bound<'py, PyAny>>,
     /// The first instance in gc's young generations (0 and 1): one made in
-    /// the last few thousand allocations that survived them, between
-    /// requests most likely one the last requests kept.
+    /// the last few thousand allocations that survived them. A new object
+    /// may reuse the address of a temporary the previous census saw, so a
+    /// steady leak can show no new instance at all.
     young: Option<Bound<'py, PyAny>>,
-    /// The last instance scanned: without a young one, the one the oldest
-    /// generation took in last (gc lists it oldest first), so in a leak a
-    /// retained one rather than a model weight loaded at start.
+    /// The last instance scanned, for want of both.
     last: Option<Bound<'py, PyAny>>,
 }
 
 impl<'py> Tally<'py> {
-    fn add(&mut self, bytes: u64, obj: Option<(&Bound<'py, PyAny>, bool)>) {
+    fn add(&mut self, bytes: u64, obj: Option<(&Bound<'py, PyAny>, Age)>) {
         self.count += 1;
         self.bytes = self.bytes.saturating_add(bytes);
-        if let Some((obj, young)) = obj {
-            if young && self.young.is_none() {
+        if let Some((obj, age)) = obj {
+            if age.new && self.new.is_none() {
+                self.new = Some(obj.clone());
+            }
+            if age.young && self.young.is_none() {
                 self.young = Some(obj.clone());
             }
             self.last = Some(obj.clone());
         }
     }
 
-    /// A young instance where there is one, else the oldest generation's newest.
+    /// A new instance where there is one, else a young one, else any.
     fn instance(self) -> Option<Bound<'py, PyAny>> {
-        self.young.or(self.last)
+        self.new.or(self.young).or(self.last)
     }
+}
+
+/// How recent a tracked object is, two ways.
+#[derive(Clone, Copy)]
+struct Age {
+    /// Not seen by the previous census (any is, without one).
+    new: bool,
+    /// Listed from gc's generation 0 or 1.
+    young: bool,
 }
 
 struct Scanner<'py> {
@@ -116,6 +134,8 @@ struct Scanner<'py> {
     storages: HashSet<(String, usize)>,
     seen_untracked: HashSet<usize>,
     scanned: u64,
+    previous: Option<HashSet<usize>>,
+    addresses: HashSet<usize>,
 }
 
 impl<'py> Scanner<'py> {
@@ -158,10 +178,22 @@ impl<'py> Scanner<'py> {
         &self.types[&key]
     }
 
+    /// Whether `obj` is a tracked object the previous census did not see
+    /// (any is, without one).
+    fn is_new(&mut self, obj: &Bound<'py, PyAny>) -> bool {
+        let address = obj.as_ptr() as usize;
+        self.addresses.insert(address);
+        self.previous.as_ref().is_none_or(|p| !p.contains(&address))
+    }
+
     /// Counts one object; `tracked` tells whether it came from
     /// gc.get_objects, `young` whether from its generation 0 or 1.
     fn count(&mut self, obj: &Bound<'py, PyAny>, tracked: bool, young: bool) {
         let key = obj.get_type().as_ptr() as usize;
+        let age = Age {
+            new: tracked && self.is_new(obj),
+            young,
+        };
         let (kind, basicsize) = {
             let i = self.info(obj);
             (i.kind, i.basicsize)
@@ -178,7 +210,7 @@ impl<'py> Scanner<'py> {
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                let instance = tracked.then_some((obj, young));
+                let instance = tracked.then_some((obj, age));
                 self.tensors.entry(name).or_default().add(bytes, instance);
                 return;
             }
@@ -200,7 +232,7 @@ impl<'py> Scanner<'py> {
                 .unwrap_or(basicsize),
             Kind::Plain => basicsize,
         };
-        let instance = tracked.then_some((obj, young));
+        let instance = tracked.then_some((obj, age));
         self.plain.entry(key).or_default().add(bytes, instance);
     }
 
@@ -378,6 +410,8 @@ pub fn run(
         storages: HashSet::new(),
         seen_untracked: HashSet::new(),
         scanned: 0,
+        previous: baseline.as_mut().map(|b| std::mem::take(&mut b.addresses)),
+        addresses: HashSet::new(),
     };
     let (objects, young) = tracked_objects(&gc)?;
     let mut complete = true;
@@ -409,6 +443,8 @@ pub fn run(
     }
     let objects_ptr = objects.as_ptr() as usize;
     let scanned = s.scanned;
+    let addresses = std::mem::take(&mut s.addresses);
+    s.previous = None;
     let (by_type, sample) = s.finish();
 
     let growth = growth_per_request(&by_type, baseline.as_ref(), requests_done);
@@ -455,6 +491,7 @@ pub fn run(
     *baseline = Some(Baseline {
         by_type,
         requests_done,
+        addresses,
     });
     Ok(census)
 }
@@ -704,6 +741,7 @@ mod tests {
                 ("Resp", 0, 0),
             ]),
             requests_done: 10,
+            addresses: HashSet::new(),
         };
         let now = counts(&[
             ("torch.Tensor[cpu]", 30, 41_000),
@@ -725,6 +763,7 @@ mod tests {
         let base = Baseline {
             by_type: counts(&[("a", 1, 1)]),
             requests_done: 10,
+            addresses: HashSet::new(),
         };
         assert!(growth_per_request(&now, Some(&base), 10).is_empty());
     }

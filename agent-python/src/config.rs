@@ -36,9 +36,7 @@ pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_secs(2);
 /// (~190 us of CPU) plus the allocator; a request ending sooner after the
 /// last one is folded into the next (which carries the newest context), so
 /// a server at hundreds of requests a second pays 50 readings a second, not
-/// hundreds. Where a reading costs more (a sandbox that pays for every file
-/// read), the sampler spaces them further, up to 100 ms, to keep them within
-/// 1 % of its CPU (`sampler::BOUNDARY_CPU_SHARE`). 0 samples every boundary.
+/// hundreds. 0 samples every boundary.
 pub const DEFAULT_BOUNDARY_MIN_INTERVAL: Duration = Duration::from_millis(20);
 /// At exit, how long the Goodbye may wait for the collector's acks.
 pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::{Flow, Readers};
-use oomscope_agent_core::priority::this_thread_cpu_time;
 use oomscope_agent_core::probe::HostProbe;
 use oomscope_agent_core::reporter::Reporter;
 use oomscope_agent_core::{lock, pb};
@@ -25,17 +24,6 @@ pub const PERIODIC_PHASE: &str = "periodic";
 /// request in flight; a server that is never idle gets it anyway, and a
 /// few in-flight temporaries in it.
 pub const CENSUS_IDLE_WAIT: Duration = Duration::from_secs(2);
-/// The share of its own CPU time the sampler may spend taking the hand-off
-/// (one host reading, the allocator, the events): where a take costs more
-/// than this over `boundary_min_interval`, the next waits longer. A full
-/// host reading is ~190 µs on a plain host, where 20 ms spacing is 1 %; in
-/// a sandbox that pays for every file read (gVisor) it was 500 µs, and at
-/// 2.5 % of a core the agent cost a tight torch loop on 2 busy cores 7 % of
-/// its wall time (BENCHMARKS.md, #17).
-pub const BOUNDARY_CPU_SHARE: f64 = 0.01;
-/// The spacing that cost sets stops here: a server whose requests take
-/// longer still gets a boundary sample at every end.
-pub const MAX_BOUNDARY_SPACING: Duration = Duration::from_millis(100);
 
 /// Starts `agent`'s sampler thread (agent-core's loop) with this process's readers.
 pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
@@ -44,7 +32,6 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
             .then(|| Instant::now() + agent.config.census_interval),
         boundaries: Boundaries {
             min_interval: agent.config.boundary_min_interval,
-            spacing: agent.config.boundary_min_interval,
             last: None,
             signalled: false,
         },
@@ -60,13 +47,9 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
 
 /// When the hand-off (`handoff.rs`) is taken: at most once per
 /// `boundary_min_interval`, so a burst of requests costs one host reading
-/// and one batch of events, not one a request; less often where a take
-/// costs more than [`BOUNDARY_CPU_SHARE`].
+/// and one batch of events, not one a request.
 struct Boundaries {
     min_interval: Duration,
-    /// Between two takes now: `min_interval`, or the last take's CPU time
-    /// over the share, up to [`MAX_BOUNDARY_SPACING`].
-    spacing: Duration,
     last: Option<Instant>,
     /// The request path said the hand-off holds something.
     signalled: bool,
@@ -78,19 +61,10 @@ impl Boundaries {
         if !self.signalled {
             return None;
         }
-        Some(self.last.map_or_else(Instant::now, |t| t + self.spacing))
-    }
-
-    /// A take cost `cpu`: the next waits for it. With no minimum (every end
-    /// sampled, as asked) it does not.
-    fn took(&mut self, cpu: Duration) {
-        if self.min_interval.is_zero() {
-            return;
-        }
-        let ceiling = MAX_BOUNDARY_SPACING.max(self.min_interval);
-        self.spacing = cpu
-            .div_f64(BOUNDARY_CPU_SHARE)
-            .clamp(self.min_interval, ceiling);
+        Some(
+            self.last
+                .map_or_else(Instant::now, |t| t + self.min_interval),
+        )
     }
 
     /// Whether the hand-off is due now; if so it counts as taken now.
@@ -288,11 +262,7 @@ impl Readers for PythonReaders {
         // The requests' events and sample first: a census due now (or made
         // due by this sample's readings) follows them on the stream.
         if self.boundaries.take_due() {
-            let before = this_thread_cpu_time();
             self.take_handoff();
-            if let (Some(a), Some(b)) = (before, this_thread_cpu_time()) {
-                self.boundaries.took(b.saturating_sub(a));
-            }
         }
         if let Some((budget, until)) = self.census {
             let waited = Instant::now() >= until;
@@ -366,60 +336,4 @@ fn tick(agent: &Agent, probe: &HostProbe) {
     });
     sample.context = Some(context);
     agent.reporter.send_sample(sample);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn boundaries(min_interval: Duration) -> Boundaries {
-        Boundaries {
-            min_interval,
-            spacing: min_interval,
-            last: None,
-            signalled: false,
-        }
-    }
-
-    #[test]
-    fn a_costly_take_spaces_the_next_by_its_share_within_bounds() {
-        let ms = Duration::from_millis;
-        let mut b = boundaries(ms(20));
-        // 500 µs at 1 % is 50 ms.
-        b.took(Duration::from_micros(500));
-        assert_eq!(b.spacing, ms(50));
-        // A cheap take goes back to the minimum, a very costly one stops at the ceiling.
-        b.took(Duration::from_micros(50));
-        assert_eq!(b.spacing, ms(20));
-        b.took(ms(30));
-        assert_eq!(b.spacing, MAX_BOUNDARY_SPACING);
-        // A minimum above the ceiling stays the minimum.
-        let mut slow = boundaries(ms(500));
-        slow.took(ms(3));
-        assert_eq!(slow.spacing, ms(500));
-    }
-
-    #[test]
-    fn every_end_stays_every_end_however_costly() {
-        let mut b = boundaries(Duration::ZERO);
-        b.took(Duration::from_millis(5));
-        assert_eq!(b.spacing, Duration::ZERO);
-        b.signalled = true;
-        assert!(b.take_due());
-        b.signalled = true;
-        assert!(b.take_due(), "the next end is due at once");
-    }
-
-    #[test]
-    fn the_next_take_waits_for_the_spacing() {
-        let mut b = boundaries(Duration::from_millis(20));
-        b.signalled = true;
-        assert!(b.take_due(), "the first is due at once");
-        b.took(Duration::from_micros(600));
-        b.signalled = true;
-        let due = b.due().unwrap();
-        let wait = due - b.last.unwrap();
-        assert_eq!(wait, Duration::from_millis(60));
-        assert!(!b.take_due(), "not before the spacing");
-    }
 }

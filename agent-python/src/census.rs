@@ -41,8 +41,7 @@ pub struct Baseline {
     pub requests_done: u64,
     /// Addresses of the tracked objects it saw: the next census starts its
     /// referrer chain at an object that is new since (8 bytes an object,
-    /// bounded by the heap itself; the analysis counts what it keeps
-    /// resident as the agent's, see `AFTER_CENSUS_PHASE`).
+    /// bounded by the heap itself).
     pub addresses: HashSet<usize>,
 }
 

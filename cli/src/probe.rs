@@ -269,7 +269,6 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
         let bye = pb::Goodbye {
             reason: "probe finished".into(),
             exit_code: 0,
-            ..Default::default()
         };
         if !reporter.shutdown(bye, WORKLOAD_FLUSH_TIMEOUT) {
             eprintln!(

@@ -346,7 +346,7 @@ mod tests {
     fn an_allocator_oom_and_a_restart_storm_stand_alone() {
         let kill = inc("i1", KERNEL_OOM_KILL, 10);
         assert_eq!(
-            plan(&inc("i2", "oom", 11), &[kill.clone()], &[]),
+            plan(&inc("i2", "oom", 11), std::slice::from_ref(&kill), &[]),
             Plan::Alone
         );
         assert_eq!(

@@ -111,7 +111,9 @@ mod tests {
         let task = tokio::spawn(async move {
             pool.read(move |_| {
                 let _ = holding.send(());
-                Ok(wait.recv().unwrap_or(()))
+                // Released by a send, or by the sender's drop: either ends the hold.
+                let _ = wait.recv();
+                Ok(())
             })
             .await
             .unwrap();

@@ -44,7 +44,7 @@ pub const MAX_BLOCKS_SPACING: Duration = Duration::from_secs(1);
 pub const OOM_TOP_PROCESSES: usize = 10;
 
 /// The context phase of the sample sent just before each heap census.
-pub use oomscope_proto::{AFTER_CENSUS_PHASE, CENSUS_PHASE};
+pub use oomscope_proto::CENSUS_PHASE;
 
 pub enum Job {
     /// The hand-off was empty and now holds something: take it when the
@@ -480,13 +480,6 @@ impl Agent {
         let result = census::run(py, budget, done, &mut baseline);
         *lock(&self.baseline) = baseline;
         *lock(&self.last_census) = Some(Instant::now());
-        let context = lock(&self.context).to_pb(AFTER_CENSUS_PHASE);
-        self.reporter.send_sample(pb::Sample {
-            time_ns: now_ns(),
-            process: oomscope_agent_core::probe::process::read(&self.paths, self.pid).ok(),
-            context: Some(context),
-            ..Default::default()
-        });
         let c = result?;
         self.send_event(pb::event::Kind::HeapCensus(c.clone()));
         Ok(c)

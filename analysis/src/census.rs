@@ -408,8 +408,8 @@ fn host_significance(
             .collect()
     };
     [
-        ("host RSS", series(|p| p.server_rss())),
-        ("cgroup usage", series(|p| p.server_cgroup_usage())),
+        ("host RSS", series(|p| p.rss)),
+        ("cgroup usage", series(|p| p.cgroup_usage)),
     ]
     .into_iter()
     .find_map(|(what, s)| {

@@ -42,15 +42,6 @@ pub const MIN_LATER_SHARE_OF_EARLIER: f64 = 0.125;
 /// residual): a significant but small drift inside wide noise is no verdict.
 pub const MIN_SIGNAL_TO_NOISE: f64 = 3.0;
 
-/// The least scatter a host reading (RSS, a cgroup's usage) is taken to
-/// have: it moves by whole pages and by what allocators keep at their
-/// high-water marks, the agent's own included. A clean torch loop still
-/// creeps 100 to 200 KiB after its warm-up in a few page-sized steps between
-/// long runs of equal readings, whose robust scatter is near zero; growth
-/// over the window must exceed [`MIN_SIGNAL_TO_NOISE`] times this
-/// (192 KiB): 1 KiB a request clears it over 200 requests.
-pub const HOST_READING_SCATTER: f64 = (64u64 << 10) as f64;
-
 /// A leak worth naming grows at least this much per request...
 pub const MIN_LEAK_BYTES_PER_REQUEST: f64 = (64u64 << 10) as f64;
 /// ...and at least this much over the readings seen.
@@ -109,13 +100,6 @@ impl Trend {
     /// Grows enough to be named a leak (the device's live bytes, or a trigger).
     pub fn leaks(&self) -> bool {
         self.grows(MIN_LEAK_BYTES_PER_REQUEST, MIN_LEAK_GROWTH_BYTES)
-    }
-
-    /// The same trend, its scatter taken as at least `floor` (see
-    /// [`HOST_READING_SCATTER`]).
-    pub fn with_scatter_floor(mut self, floor: f64) -> Trend {
-        self.residual_sigma = self.residual_sigma.max(floor);
-        self
     }
 
     /// "between requests {what} rose from A to B over N requests: ..."

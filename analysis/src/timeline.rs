@@ -5,7 +5,6 @@
 use crate::evidence::Evidence;
 use crate::pb;
 use crate::pb::event::Kind;
-use oomscope_proto::{AFTER_CENSUS_PHASE, CENSUS_PHASE};
 
 /// The phase replay gives the allocator reading taken after the scenario
 /// ended (after gc, empty_cache or the OOM): not part of any growth.
@@ -42,30 +41,12 @@ pub struct Point {
     pub inactive_split: u64,
     pub alloc_retries: u64,
     pub rss: Option<u64>,
-    /// What the agent's heap censuses so far left resident in the process
-    /// (each census's RSS step, from its "census" reading to its
-    /// "after_census" one): the agent's, not the server's growth.
-    pub census_footprint: u64,
-    /// Read while a census ran (a request ended during one of its slices):
-    /// its scratch is resident then, so this is no between-request reading.
-    pub during_census: bool,
     /// The innermost memory cgroup's usage.
     pub cgroup_usage: Option<u64>,
     pub cgroup_limit: Option<u64>,
 }
 
 impl Point {
-    /// The server's own RSS: the reading less the censuses' footprint.
-    pub fn server_rss(&self) -> Option<u64> {
-        self.rss.map(|r| r.saturating_sub(self.census_footprint))
-    }
-
-    /// The cgroup's usage less the censuses' footprint (charged to it too).
-    pub fn server_cgroup_usage(&self) -> Option<u64> {
-        self.cgroup_usage
-            .map(|u| u.saturating_sub(self.census_footprint))
-    }
-
     pub fn is_load(&self) -> bool {
         self.phase.starts_with("load")
     }
@@ -100,7 +81,7 @@ impl Point {
 
     /// Between requests, with nothing in flight.
     pub fn is_baseline(&self) -> bool {
-        !self.in_request() && !self.during_census && BASELINE_PHASES.contains(&self.phase.as_str())
+        !self.in_request() && BASELINE_PHASES.contains(&self.phase.as_str())
     }
 }
 
@@ -123,7 +104,6 @@ impl Timeline {
             .filter(|p| p.phase != FINAL_PHASE)
             .collect();
         points.sort_by_key(|p| p.time_ns);
-        count_census_footprint(&mut points);
         let mut t = Timeline {
             points,
             ..Default::default()
@@ -210,33 +190,6 @@ impl Timeline {
     }
 }
 
-/// Each point's `census_footprint`: the RSS steps across the censuses
-/// before it; and `during_census` for the readings between a census's two.
-/// A census whose "after_census" reading is missing (an older agent, a
-/// census that never finished) counts nothing and marks nothing.
-fn count_census_footprint(points: &mut [Point]) {
-    let mut footprint = 0u64;
-    // The census reading waiting for its "after_census" one: index and RSS.
-    let mut open: Option<(usize, Option<u64>)> = None;
-    for i in 0..points.len() {
-        match points[i].phase.as_str() {
-            CENSUS_PHASE => open = Some((i, points[i].rss)),
-            AFTER_CENSUS_PHASE => {
-                if let Some((start, before)) = open.take() {
-                    for p in &mut points[start + 1..i] {
-                        p.during_census = true;
-                    }
-                    if let (Some(b), Some(a)) = (before, points[i].rss) {
-                        footprint = footprint.saturating_add(a.saturating_sub(b));
-                    }
-                }
-            }
-            _ => {}
-        }
-        points[i].census_footprint = footprint;
-    }
-}
-
 fn point(s: &pb::Sample) -> Point {
     let ctx = s.context.clone().unwrap_or_default();
     let a = s.allocator.first();
@@ -263,8 +216,6 @@ fn point(s: &pb::Sample) -> Point {
             .as_ref()
             .map(|p| p.vm_rss_bytes)
             .filter(|&r| r > 0),
-        census_footprint: 0,
-        during_census: false,
         cgroup_usage: cg.map(|c| c.usage_bytes).filter(|&u| u > 0),
         // The tightest limit on the way to the root.
         cgroup_limit: s
@@ -280,41 +231,6 @@ fn point(s: &pb::Sample) -> Point {
 mod tests {
     use super::*;
     use crate::pb::event::Kind;
-
-    #[test]
-    fn a_census_footprint_is_its_own_step_and_counts_from_then_on() {
-        let p = |phase: &str, rss: Option<u64>| Point {
-            phase: phase.into(),
-            rss,
-            ..Default::default()
-        };
-        let mut points = vec![
-            p("after_request", Some(100)),
-            p(CENSUS_PHASE, Some(100)),
-            // A request that ended during the census: its scratch resident.
-            p("after_request", Some(150)),
-            p(AFTER_CENSUS_PHASE, Some(130)),
-            p("after_request", Some(135)),
-            // A census that never finished (no after_census) counts nothing,
-            p(CENSUS_PHASE, Some(135)),
-            p("after_request", Some(160)),
-            // nor does a reading that fell.
-            p(CENSUS_PHASE, Some(160)),
-            p(AFTER_CENSUS_PHASE, Some(150)),
-            p("after_request", Some(150)),
-        ];
-        count_census_footprint(&mut points);
-        let footprints: Vec<u64> = points.iter().map(|p| p.census_footprint).collect();
-        assert_eq!(footprints, [0, 0, 0, 30, 30, 30, 30, 30, 30, 30]);
-        assert_eq!(points[4].server_rss(), Some(105));
-        assert_eq!(points[9].server_rss(), Some(120));
-        let during: Vec<bool> = points.iter().map(|p| p.during_census).collect();
-        assert_eq!(
-            during,
-            [false, false, true, false, false, false, false, false, false, false]
-        );
-        assert!(!points[2].is_baseline() && points[4].is_baseline());
-    }
 
     #[test]
     fn requests_are_counted_from_boundaries_when_no_context_says() {

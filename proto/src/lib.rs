@@ -35,12 +35,6 @@ pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";
 /// the analysis reads censuses by it.
 pub const CENSUS_PHASE: &str = "census";
 
-/// The `Sample.phase` of the process reading the Python agent takes right
-/// after a census: its RSS less the census sample's is what the census's own
-/// scratch left resident (the allocators keep some), which the analysis does
-/// not count as the server's growth.
-pub const AFTER_CENSUS_PHASE: &str = "after_census";
-
 /// The `Hello.role` of `oomscope probe`'s own stream: the requests it sends a
 /// server, as that server's workload context. It observes the instance it
 /// joins, so its end is never the instance's death.

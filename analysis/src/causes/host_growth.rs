@@ -68,30 +68,23 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)
     if gave_back || matches!(census::verdict(f), Some(HeapVerdict::Retained(_))) {
         return None;
     }
-    let series = |v: fn(&Point) -> Option<u64>| {
-        growth::trend(&host_series(f, v))
-            .map(|t| t.with_scatter_floor(growth::HOST_READING_SCATTER))
-            .filter(|t| t.certain())
-    };
+    let series =
+        |v: fn(&Point) -> Option<u64>| growth::trend(&host_series(f, v)).filter(|t| t.certain());
     // The cgroup's usage only where its limit bounds the process: an
     // unlimited cgroup is shared (a collector's page cache, a neighbour),
     // and its growth is not this process's.
-    let (what, t) = match series(|p| p.server_rss()) {
+    let (what, t) = match series(|p| p.rss) {
         Some(t) => ("host RSS", t),
         None => (
             "cgroup usage",
-            series(|p| p.cgroup_limit.and(p.server_cgroup_usage()))?,
+            series(|p| p.cgroup_limit.and(p.cgroup_usage))?,
         ),
     };
     let (limit, limit_name) = f.host_limit()?;
-    // The trend is the server's; what the limit sees includes the agent's.
-    let footprint = host_series(f, |p| Some(p.census_footprint))
-        .last()
-        .map_or(0.0, |p| p.1);
     let runway = Runway {
         limit,
         limit_name,
-        used: (t.last_bytes + footprint).max(0.0) as u64,
+        used: t.last_bytes.max(0.0) as u64,
         per_request: t.bytes_per_request(),
         requests_per_s: runway::request_rate(&f.timeline),
     };

@@ -84,20 +84,19 @@ fn main() {
         full / raw_read
     );
     // Its parts, to see what a lighter sample would save.
-    let pid = std::process::id();
-    let paths = HostPaths::system();
+    let (paths, pid) = (probe.paths(), probe.pid());
     let process = per_call(9, 200, || {
-        black_box(oomscope_agent_core::probe::process::read(&paths, pid).ok());
+        black_box(oomscope_agent_core::probe::process::read(paths, pid).ok());
     });
     let cgroup = per_call(9, 200, || {
         black_box(
             probe
                 .memory_cgroup()
-                .map(|cg| oomscope_agent_core::probe::cgroup::read_levels(&paths, cg)),
+                .map(|cg| oomscope_agent_core::probe::cgroup::read_levels(paths, cg)),
         );
     });
     let system = per_call(9, 200, || {
-        black_box(oomscope_agent_core::probe::system::read(&paths));
+        black_box(oomscope_agent_core::probe::system::read(paths));
     });
     let gpus = per_call(9, 200, || {
         black_box(probe.gpu().read());

@@ -66,7 +66,11 @@ impl ThreadPriority {
                 // SAFETY: plain syscalls on the calling thread's own id.
                 let rc = unsafe {
                     let tid = libc::gettid();
-                    libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, self.nice.min(19))
+                    libc::setpriority(
+                        libc::PRIO_PROCESS,
+                        tid as libc::id_t,
+                        self.nice.min(LOW_THREAD_NICE),
+                    )
                 };
                 if rc != 0 {
                     fail("lower the priority");

@@ -193,6 +193,8 @@ impl<'py> Scanner<'py> {
             new: tracked && self.is_new(obj),
             young,
         };
+        // Only a tracked object may start the referrer chain.
+        let instance = tracked.then_some((obj, age));
         let (kind, basicsize) = {
             let i = self.info(obj);
             (i.kind, i.basicsize)
@@ -209,7 +211,6 @@ impl<'py> Scanner<'py> {
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                let instance = tracked.then_some((obj, age));
                 self.tensors.entry(name).or_default().add(bytes, instance);
                 return;
             }
@@ -231,7 +232,6 @@ impl<'py> Scanner<'py> {
                 .unwrap_or(basicsize),
             Kind::Plain => basicsize,
         };
-        let instance = tracked.then_some((obj, age));
         self.plain.entry(key).or_default().add(bytes, instance);
     }
 

@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod capture;
+pub mod own_heap;
 pub mod priority;
 pub mod probe;
 pub mod recovery;

@@ -479,6 +479,9 @@ impl Agent {
         let mut baseline = lock(&self.baseline).take();
         let result = census::run(py, budget, done, &mut baseline);
         *lock(&self.baseline) = baseline;
+        if self.config.census_trim {
+            py.detach(crate::own_heap::trim_after_census);
+        }
         *lock(&self.last_census) = Some(Instant::now());
         let c = result?;
         self.send_event(pb::event::Kind::HeapCensus(c.clone()));

@@ -26,6 +26,7 @@ pub mod census;
 pub mod config;
 pub mod context;
 pub mod handoff;
+pub mod own_heap;
 pub mod pyjson;
 pub mod query;
 pub mod sampler;
@@ -394,6 +395,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "torch_hooks": a.torch_hooks.load(Ordering::Relaxed),
         "requests_done": lock(&a.context).requests_done,
         "held": a.reporter.held(),
+        "agent_heap_bytes": own_heap::live_bytes(),
     });
     Ok(Some(pythonize(py, &v)?))
 }
@@ -485,6 +487,7 @@ fn query_timeout(timeout_s: f64) -> Duration {
 #[pyo3(name = "_native")]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    oomscope_agent_core::own_heap::set_reader(own_heap::live_bytes);
     m.add_function(wrap_pyfunction!(start, m)?)?;
     m.add_function(wrap_pyfunction!(stop, m)?)?;
     m.add_function(wrap_pyfunction!(is_running, m)?)?;

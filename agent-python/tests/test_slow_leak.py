@@ -5,6 +5,7 @@ KiB a request) under the Python agent with its default census settings
 (censuses on suspicion), against a real collector, read back through
 `oomscope diagnose --agent NAME --json`."""
 
+import json
 import os
 import subprocess
 import sys
@@ -113,3 +114,39 @@ def test_the_same_loop_clearing_its_list_reports_nothing(collector, tmp_path):
         # later is many times slower, which the analysis calls settling.
         found = [c["kind"] for c in d.get("causes", []) if c["kind"] in GROWTH_CAUSES]
         assert not found, "run %d: %s" % (run, d)
+
+
+FOOTPRINT = os.path.join(os.path.dirname(__file__), "programs", "census_footprint.py")
+MIB = 1 << 20
+
+
+def footprint(collector, name, **env):
+    """Runs programs/census_footprint.py (six censuses, 20 requests apart)."""
+    env = dict(os.environ, OOMSCOPE_AUTOSTART="0", **env)
+    env.pop("OOMSCOPE_COLLECTOR", None)
+    out = subprocess.run(
+        [sys.executable, FOOTPRINT, "--collector", collector.url, "--name", name],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_census_leaves_nothing_resident_that_reads_as_the_servers(collector):
+    # The control: without the trim, what censuses free stays resident
+    # (glibc keeps it) and the server's RSS steps up census after census.
+    kept = footprint(collector, "untrimmed", OOMSCOPE_CENSUS_TRIM="0")
+    rise = kept["server_after"] - kept["server_before"]
+    assert rise >= 2 * MIB, "no step to remove without the trim: %s" % kept
+    f = footprint(collector, "trimmed")
+    # What the censuses freed is given back: the server's own RSS stays put.
+    rise = f["server_after"] - f["server_before"]
+    assert abs(rise) < 1 * MIB, f
+    # What they keep (the table of the last census's addresses, 8 bytes an
+    # object or more) is counted as the agent's heap...
+    scanned = f["objects_scanned"][-1]
+    assert scanned > 10000, f
+    assert f["heap_after"] - f["heap_before"] >= 8 * scanned, f
+    # ...and reaches the collector with every sample of this process.
+    heaps = [s["process"]["agent_heap_bytes"] for s in collector.timeline("trimmed")["samples"]
+             if (s.get("process") or {}).get("agent_heap_bytes")]
+    assert heaps and max(heaps) >= 8 * min(f["objects_scanned"]), (heaps[-5:], f)

@@ -408,8 +408,9 @@ fn host_significance(
             .collect()
     };
     [
-        ("host RSS", series(|p| p.rss)),
-        ("cgroup usage", series(|p| p.cgroup_usage)),
+        // The server's own memory: the agent's heap is not its growth.
+        ("host RSS", series(Point::server_rss)),
+        ("cgroup usage", series(Point::server_cgroup_usage)),
     ]
     .into_iter()
     .find_map(|(what, s)| {

@@ -47,6 +47,15 @@ pub const MIN_LEAK_BYTES_PER_REQUEST: f64 = (64u64 << 10) as f64;
 /// ...and at least this much over the readings seen.
 pub const MIN_LEAK_GROWTH_BYTES: f64 = (16u64 << 20) as f64;
 
+/// A host reading (RSS, a cgroup's usage) must grow at least this much over
+/// its window to be any verdict. Below it, growth is the allocators' grain
+/// rather than the server's: glibc pads its heap by 128 KiB, pymalloc takes
+/// 1 MiB arenas, and a clean torch loop's RSS creeps 1 to 2 MiB over 400
+/// requests after its warm-up (measured, `test_slow_leak.py`), in steps
+/// with equal readings between them, so their scatter is no guard. A real
+/// slow leak crosses it in time: 2 KiB a request within 2,000 requests.
+pub const MIN_HOST_GROWTH_BYTES: f64 = (4u64 << 20) as f64;
+
 /// A collection gave back growth when it freed at least this share of what
 /// the baseline had gained: then the growth was garbage, not a leak.
 pub const RECLAIMED_SHARE: f64 = 0.5;
@@ -95,6 +104,11 @@ impl Trend {
     /// rising in the later half and not settling. Whether it matters is the runway's call.
     pub fn certain(&self) -> bool {
         self.grows(f64::MIN_POSITIVE, 0.0)
+    }
+
+    /// Certain, and past the host's grain (`MIN_HOST_GROWTH_BYTES`).
+    pub fn host_certain(&self) -> bool {
+        self.grows(f64::MIN_POSITIVE, MIN_HOST_GROWTH_BYTES)
     }
 
     /// Grows enough to be named a leak (the device's live bytes, or a trigger).

@@ -44,6 +44,9 @@ pub struct Point {
     /// The innermost memory cgroup's usage.
     pub cgroup_usage: Option<u64>,
     pub cgroup_limit: Option<u64>,
+    /// What the in-process agent itself held on the heap (part of both RSS
+    /// and the cgroup's usage); 0 where the agent does not count it.
+    pub agent_heap: u64,
 }
 
 impl Point {
@@ -82,6 +85,17 @@ impl Point {
     /// Between requests, with nothing in flight.
     pub fn is_baseline(&self) -> bool {
         !self.in_request() && BASELINE_PHASES.contains(&self.phase.as_str())
+    }
+
+    /// The server's own resident set: RSS without the agent's heap, whose
+    /// steps (a census's tables) are not the server's growth.
+    pub fn server_rss(&self) -> Option<u64> {
+        self.rss.map(|r| r.saturating_sub(self.agent_heap))
+    }
+
+    /// The cgroup's usage without the agent's heap.
+    pub fn server_cgroup_usage(&self) -> Option<u64> {
+        self.cgroup_usage.map(|u| u.saturating_sub(self.agent_heap))
     }
 }
 
@@ -224,6 +238,7 @@ fn point(s: &pb::Sample) -> Point {
             .map(|c| c.limit_bytes)
             .filter(|&l| crate::evidence::is_finite_limit(l))
             .min(),
+        agent_heap: s.process.as_ref().map_or(0, |p| p.agent_heap_bytes),
     }
 }
 

@@ -666,6 +666,7 @@ fn merge_process(earlier: Option<pb::ProcessMemory>, late: pb::ProcessMemory) ->
         data_limit_bytes: pick(late.data_limit_bytes, e.data_limit_bytes),
         rss_anon_bytes: pick(late.rss_anon_bytes, e.rss_anon_bytes),
         rss_shmem_bytes: pick(late.rss_shmem_bytes, e.rss_shmem_bytes),
+        agent_heap_bytes: pick(late.agent_heap_bytes, e.agent_heap_bytes),
     }
 }
 

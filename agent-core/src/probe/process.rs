@@ -5,9 +5,10 @@ use super::text::{kb_line_bytes, read_opt};
 use super::HostPaths;
 use crate::pb;
 
-/// Reads the process's status, stat and limits. Errors only when the status
-/// file itself cannot be read (the process is gone, or no such pid); a missing
-/// stat or limits file leaves those fields 0.
+/// Reads the process's status, stat and limits, and for this process the
+/// agent's own heap (see `own_heap`). Errors only when the status file itself
+/// cannot be read (the process is gone, or no such pid); a missing stat or
+/// limits file leaves those fields 0.
 pub fn read(paths: &HostPaths, pid: u32) -> std::io::Result<pb::ProcessMemory> {
     let status = std::fs::read_to_string(paths.pid_file(pid, "status"))?;
     let mut out = pb::ProcessMemory {
@@ -24,6 +25,9 @@ pub fn read(paths: &HostPaths, pid: u32) -> std::io::Result<pb::ProcessMemory> {
     }
     if let Some(limits) = read_opt(&paths.pid_file(pid, "limits")) {
         parse_limits(&limits, &mut out);
+    }
+    if pid == std::process::id() {
+        out.agent_heap_bytes = crate::own_heap::bytes();
     }
     Ok(out)
 }

@@ -44,7 +44,7 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
           interval_s=None, role=None, rank=None, spool_dir=None, oom_wait_s=None,
           census_every=None, census_interval_s=None, census_budget_s=None,
           history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None,
-          census_auto=None, thread_nice=None):
+          census_auto=None, thread_nice=None, census_trim=None):
     """Starts the agent (a second call does nothing and returns False).
 
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
@@ -53,7 +53,8 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     certain across requests, all within 10 % of wall time, so a short run
     may have none), census_every 0 (none by count),
     census_interval_s 3600, census_budget_s 2.0 (GIL time over all of a
-    census's slices, each at most 10 ms), no spool, no memory history,
+    census's slices, each at most 10 ms), census_trim True (after a census,
+    malloc_trim hands what it freed back to the system), no spool, no memory history,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
     a request ending sooner is folded into the next sample), thread_nice 0
     (the agent's own threads run as SCHED_BATCH, so a waking one never
@@ -69,7 +70,7 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
         census_interval_s=census_interval_s, census_budget_s=census_budget_s,
         history_max_entries=history_max_entries, exit_flush_s=exit_flush_s,
         boundary_min_interval_s=boundary_min_interval_s, census_auto=census_auto,
-        thread_nice=thread_nice)
+        thread_nice=thread_nice, census_trim=census_trim)
 
 
 def _start(autostart, **kwargs):

@@ -68,23 +68,27 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)
     if gave_back || matches!(census::verdict(f), Some(HeapVerdict::Retained(_))) {
         return None;
     }
-    let series =
-        |v: fn(&Point) -> Option<u64>| growth::trend(&host_series(f, v)).filter(|t| t.certain());
+    let series = |v: fn(&Point) -> Option<u64>| {
+        growth::trend(&host_series(f, v)).filter(|t| t.host_certain())
+    };
     // The cgroup's usage only where its limit bounds the process: an
     // unlimited cgroup is shared (a collector's page cache, a neighbour),
     // and its growth is not this process's.
-    let (what, t) = match series(|p| p.rss) {
+    // The server's own memory: the agent's heap is not its growth.
+    let (what, t) = match series(Point::server_rss) {
         Some(t) => ("host RSS", t),
         None => (
             "cgroup usage",
-            series(|p| p.cgroup_limit.and(p.cgroup_usage))?,
+            series(|p| p.cgroup_limit.and(p.server_cgroup_usage()))?,
         ),
     };
+    // The runway starts from what the limit sees, the agent's heap included.
+    let agent_heap = f.timeline.points.last().map_or(0, |p| p.agent_heap);
     let (limit, limit_name) = f.host_limit()?;
     let runway = Runway {
         limit,
         limit_name,
-        used: t.last_bytes.max(0.0) as u64,
+        used: t.last_bytes.max(0.0) as u64 + agent_heap,
         per_request: t.bytes_per_request(),
         requests_per_s: runway::request_rate(&f.timeline),
     };

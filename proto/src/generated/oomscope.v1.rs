@@ -27,6 +27,11 @@ pub struct ProcessMemory {
     pub rss_anon_bytes: u64,
     #[prost(uint64, tag = "11")]
     pub rss_shmem_bytes: u64,
+    /// What the in-process agent itself holds on the heap (its census tables,
+    /// queues and buffers), counted by its allocator; 0 where no agent counts
+    /// it. Part of vm_rss_bytes: the server's own growth is the rest.
+    #[prost(uint64, tag = "12")]
+    pub agent_heap_bytes: u64,
 }
 /// One level of the memory cgroup hierarchy (v1 or v2).
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]

@@ -170,35 +170,47 @@ impl PythonReaders {
     /// for that reason (the next request end looks again).
     fn census_if(&mut self, budget: Duration, idle_only: bool) -> bool {
         let agent = &self.agent;
-        let ran = Python::try_attach(|py| {
+        let attempt = Python::try_attach(|py| {
             let done = {
                 let c = lock(&agent.context);
                 if idle_only && !c.in_flight.is_empty() {
-                    return None;
+                    return Attempt::Busy;
                 }
                 c.requests_done
             };
-            let cost = match agent.census(py, budget) {
-                Ok(c) => Some(Duration::from_nanos(c.duration_ns)),
+            match agent.census(py, budget) {
+                Ok(c) => Attempt::Taken {
+                    done,
+                    cost: Duration::from_nanos(c.duration_ns),
+                },
                 Err(e) => {
                     tracing::warn!(error = %e, "oomscope: heap census failed");
-                    None
+                    Attempt::Failed
                 }
-            };
-            Some((done, cost))
+            }
         });
-        match ran {
-            Some(None) => false,
-            Some(Some((done, Some(cost)))) => {
+        match attempt.unwrap_or(Attempt::Failed) {
+            Attempt::Busy => false,
+            Attempt::Taken { done, cost } => {
                 if let Some(s) = self.suspicion.as_mut() {
                     s.censused(done, cost, Instant::now());
                 }
                 true
             }
             // Failed, or the interpreter is gone: no point waiting.
-            _ => true,
+            Attempt::Failed => true,
         }
     }
+}
+
+/// How a census the sampler asked for went.
+enum Attempt {
+    /// A request was in flight: not taken.
+    Busy,
+    /// Taken after `done` requests, holding the GIL for `cost` in all.
+    Taken { done: u64, cost: Duration },
+    /// The census failed, or the interpreter is gone.
+    Failed,
 }
 
 impl Readers for PythonReaders {

@@ -45,6 +45,44 @@ fn host_probe_samples_every_domain() {
 }
 
 #[test]
+fn a_boundary_sample_reads_this_hosts_usage_files() {
+    let probe = HostProbe::new(HostPaths::system(), std::process::id());
+    let full = probe.sample();
+    let cg = probe
+        .memory_cgroup()
+        .expect("a memory controller on this host");
+    let usage_file = match cg.version {
+        oomscope_agent_core::probe::cgroup::Version::V1 => "memory.usage_in_bytes",
+        oomscope_agent_core::probe::cgroup::Version::V2 => "memory.current",
+    };
+    let read_own = || -> u64 {
+        std::fs::read_to_string(cg.dir.join(usage_file))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let before = read_own();
+    let b = probe.boundary_sample(&full.cgroup);
+    let after = read_own();
+    assert_eq!(b.cgroup.len(), full.cgroup.len());
+    for (l, f) in b.cgroup.iter().zip(&full.cgroup) {
+        assert_eq!((&l.path, l.limit_bytes), (&f.path, f.limit_bytes));
+        assert_eq!(l.partial, f.partial, "{}", l.path);
+    }
+    // Our own level's usage, bracketed by two reads of its file (other
+    // processes share the cgroup, so allow for their movement).
+    let slack = 64 << 20;
+    let own = b.cgroup[0].usage_bytes;
+    assert!(
+        own + slack >= before.min(after) && own <= before.max(after) + slack,
+        "{own} against {before}..{after}"
+    );
+    assert!(b.process.expect("our status").vm_rss_bytes > 0);
+    assert!(b.system.is_none());
+}
+
+#[test]
 fn rlimits_match_getrlimit() {
     let mut lim = libc::rlimit {
         rlim_cur: 0,

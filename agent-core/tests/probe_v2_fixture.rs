@@ -5,6 +5,7 @@ use std::fs;
 use std::path::Path;
 
 use oomscope_agent_core::probe::cgroup::{self, Version};
+use oomscope_agent_core::probe::gpu::GpuProbe;
 use oomscope_agent_core::probe::{process, system, HostPaths, HostProbe};
 use serde_json::Value;
 
@@ -274,4 +275,69 @@ fn no_memory_controller_means_none() {
     );
     assert!(probe.sample().cgroup.is_empty());
     assert_eq!(probe.cgroup_info().version, "");
+}
+
+#[test]
+fn a_boundary_sample_reads_usage_again_and_carries_the_rest_of_the_levels() {
+    let fx = fixture();
+    let (_tmp, paths) = fake_tree(&fx);
+    let own = paths.cgroup_root.join("app.slice/inference-server");
+    let probe = HostProbe::with_gpu(paths.clone(), PID, GpuProbe::absent());
+    let full = probe.sample();
+    assert_eq!(full.cgroup[0].usage_bytes, 15224832);
+    assert!(full.system.is_some());
+
+    // After the full reading the usage and RSS move and the limit changes.
+    fs::write(own.join("memory.current"), "123456789\n").unwrap();
+    fs::write(own.join("memory.max"), "1073741824\n").unwrap();
+    let status = fx["/proc/self/status"].as_str().unwrap();
+    let status = status.replace(
+        &status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .unwrap()
+            .to_string(),
+        "VmRSS:\t   99999 kB",
+    );
+    write(&paths.proc_root.join(format!("{PID}/status")), &status);
+
+    let b = probe.boundary_sample(&full.cgroup);
+    let paths_of = |s: &oomscope_agent_core::pb::Sample| {
+        s.cgroup.iter().map(|l| l.path.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(paths_of(&b), paths_of(&full));
+    assert_eq!(b.cgroup[0].usage_bytes, 123456789, "usage read again");
+    assert_eq!(
+        b.cgroup[0].limit_bytes, full.cgroup[0].limit_bytes,
+        "the limit as the full reading had it"
+    );
+    assert_eq!(b.cgroup[0].anon_bytes, full.cgroup[0].anon_bytes);
+    assert_eq!(b.process.unwrap().vm_rss_bytes, 99999 * KIB);
+    assert!(b.system.is_none(), "the periodic sample reads the system");
+
+    // Levels that are not this cgroup's are read whole.
+    let mut elsewhere = full.cgroup.clone();
+    elsewhere[0].path = "/elsewhere".to_string();
+    for last in [&[][..], &elsewhere[..]] {
+        let whole = probe.boundary_sample(last);
+        assert_eq!(paths_of(&whole), paths_of(&full));
+        assert_eq!(
+            (whole.cgroup[0].usage_bytes, whole.cgroup[0].limit_bytes),
+            (123456789, 1073741824)
+        );
+    }
+
+    // A usage file gone: 0 and partial, as a full reading would say.
+    fs::remove_file(own.join("memory.current")).unwrap();
+    let gone = probe.boundary_sample(&full.cgroup);
+    assert!(!full.cgroup[0].partial);
+    assert_eq!(
+        (gone.cgroup[0].usage_bytes, gone.cgroup[0].partial),
+        (0, true)
+    );
+    let whole = probe.sample();
+    assert_eq!(
+        (whole.cgroup[0].usage_bytes, whole.cgroup[0].partial),
+        (0, true)
+    );
 }

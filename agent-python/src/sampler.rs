@@ -37,6 +37,7 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
         },
         census: None,
         suspicion: agent.config.census_auto.then(Suspicion::default),
+        full_levels: Vec::new(),
         agent: agent.clone(),
         probe,
     };
@@ -91,6 +92,9 @@ struct PythonReaders {
     next_census: Option<Instant>,
     /// Censuses on suspicion; None when `census_auto` is off.
     suspicion: Option<Suspicion>,
+    /// The cgroup levels of the newest periodic sample, which boundary
+    /// samples carry with their usage read again.
+    full_levels: Vec<pb::CgroupLevel>,
 }
 
 impl PythonReaders {
@@ -122,7 +126,7 @@ impl PythonReaders {
                     });
                 }
             }
-            let rss = boundary_sample(&agent, &self.probe, time_ns, *context);
+            let rss = boundary_sample(&agent, &self.probe, &self.full_levels, time_ns, *context);
             self.observe(Reading {
                 requests_done,
                 blocks,
@@ -218,7 +222,7 @@ impl Readers for PythonReaders {
 
     fn tick(&mut self, _: &Reporter) {
         let agent = self.agent.clone();
-        tick(&agent, &self.probe);
+        self.full_levels = tick(&agent, &self.probe);
         if self.next_census.is_some_and(|t| Instant::now() >= t) {
             self.next_census = Some(Instant::now() + agent.config.census_interval);
             let recent = lock(&agent.last_census)
@@ -310,6 +314,7 @@ impl Readers for PythonReaders {
 fn boundary_sample(
     agent: &Agent,
     probe: &HostProbe,
+    full_levels: &[pb::CgroupLevel],
     time_ns: i64,
     context: pb::RequestContext,
 ) -> u64 {
@@ -318,7 +323,7 @@ fn boundary_sample(
     } else {
         Vec::new()
     };
-    let mut s = probe.sample();
+    let mut s = probe.boundary_sample(full_levels);
     s.time_ns = time_ns;
     s.allocator = allocator;
     s.context = Some(context);
@@ -328,8 +333,10 @@ fn boundary_sample(
 }
 
 /// One periodic sample: host domains first (no GIL), then the allocator.
-fn tick(agent: &Agent, probe: &HostProbe) {
+/// Returns its cgroup levels.
+fn tick(agent: &Agent, probe: &HostProbe) -> Vec<pb::CgroupLevel> {
     let mut sample = probe.sample();
+    let levels = sample.cgroup.clone();
     let context = {
         let c = lock(&agent.context);
         let phase = if c.phase.is_empty() {
@@ -348,4 +355,5 @@ fn tick(agent: &Agent, probe: &HostProbe) {
     });
     sample.context = Some(context);
     agent.reporter.send_sample(sample);
+    levels
 }

@@ -688,9 +688,12 @@ pub struct Sample {
     pub time_ns: i64,
     #[prost(message, optional, tag = "2")]
     pub process: ::core::option::Option<ProcessMemory>,
-    /// Own cgroup first, then each ancestor up to the root.
+    /// Own cgroup first, then each ancestor up to the root. In a request
+    /// boundary's sample only each level's usage is read anew; its other fields
+    /// are those of the agent's latest periodic sample.
     #[prost(message, repeated, tag = "3")]
     pub cgroup: ::prost::alloc::vec::Vec<CgroupLevel>,
+    /// Absent from request boundaries' samples (the periodic sample reads it).
     #[prost(message, optional, tag = "4")]
     pub system: ::core::option::Option<SystemMemory>,
     #[prost(message, repeated, tag = "5")]

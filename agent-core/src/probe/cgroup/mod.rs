@@ -56,7 +56,47 @@ pub struct MemoryCgroup {
 /// memory.current, so it reads `partial`).
 pub fn read_levels(_paths: &crate::probe::HostPaths, cg: &MemoryCgroup) -> Vec<pb::CgroupLevel> {
     // `_paths` is kept for symmetry with the other readers: `cg` already holds resolved directories.
-    let mut levels = vec![read_level(&cg.dir, &cg.path, cg.version)];
+    level_dirs(cg)
+        .iter()
+        .map(|(dir, path)| read_level(dir, path, cg.version))
+        .collect()
+}
+
+/// `last` (a `read_levels` of the same cgroup) with each level's usage read
+/// again: one file a level instead of six or more. What else a level says
+/// (limits, stat, events) changes slowly or only matters at an event, and a
+/// full reading follows within the sampling interval. None when `last` is
+/// not this cgroup's levels (empty, or the hierarchy changed), so the caller
+/// reads them whole.
+pub fn refresh_usage(cg: &MemoryCgroup, last: &[pb::CgroupLevel]) -> Option<Vec<pb::CgroupLevel>> {
+    let dirs = level_dirs(cg);
+    if dirs.len() != last.len() || dirs.iter().zip(last).any(|((_, p), l)| *p != l.path) {
+        return None;
+    }
+    let usage_file = match cg.version {
+        Version::V1 => "memory.usage_in_bytes",
+        Version::V2 => "memory.current",
+    };
+    let levels = dirs
+        .iter()
+        .zip(last)
+        .map(|((dir, _), l)| {
+            let usage = crate::probe::text::read_opt(&dir.join(usage_file))
+                .as_deref()
+                .and_then(crate::probe::text::first_u64);
+            pb::CgroupLevel {
+                usage_bytes: usage.unwrap_or(0),
+                partial: l.partial || usage.is_none(),
+                ..l.clone()
+            }
+        })
+        .collect();
+    Some(levels)
+}
+
+/// Each level's directory and cgroup path, the pid's own first.
+fn level_dirs(cg: &MemoryCgroup) -> Vec<(PathBuf, String)> {
+    let mut levels = vec![(cg.dir.clone(), cg.path.clone())];
     if !cg.dir.starts_with(&cg.mount) {
         return levels;
     }
@@ -70,11 +110,11 @@ pub fn read_levels(_paths: &crate::probe::HostPaths, cg: &MemoryCgroup) -> Vec<p
         if dir == cg.mount {
             // Normally path == mount_root here; name the level as the mount shows it.
             if dir.join("memory.stat").exists() {
-                levels.push(read_level(&dir, &cg.mount_root, cg.version));
+                levels.push((dir.clone(), cg.mount_root.clone()));
             }
             break;
         }
-        levels.push(read_level(&dir, &path, cg.version));
+        levels.push((dir.clone(), path.clone()));
     }
     levels
 }

@@ -19,7 +19,7 @@ import time
 
 # Imported before the ticker starts: an import holds the GIL for long.
 import torch
-import oomscope  # noqa: F401
+import oomscope
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import Ticker  # noqa: E402 (the side-by-side loop's GIL ticker)
@@ -42,19 +42,31 @@ def main():
     ticker = Ticker()
     ticker.start()
     sys.argv = [SERVICE, "--collector", url, "--name", "gilprobe", "--requests", requests]
+    # The agent's own account of its censuses, read before the service stops it.
+    stats = {}
+    real_stop = oomscope.stop
+
+    def stop(*args, **kwargs):
+        stats.update(oomscope.stats() or {})
+        return real_stop(*args, **kwargs)
+
+    oomscope.stop = stop
     try:
         runpy.run_path(SERVICE, run_name="__main__")
     except SystemExit:
         pass
     ticker.running = False
+    stats = stats or oomscope.stats() or {}
     x = torch.randn(64, 512)
     keep = [x]  # noqa: F841 (a referrer to find)
     referrers = timed(lambda: gc.get_referrers(x))
     objects = timed(gc.get_objects)
     print(
+        "%d censuses, their longest GIL hold (the agent's own account): %.1f ms; "
         "longest GIL wait of a second thread: %.1f ms; one gc.get_objects(): %.1f-%.1f ms; "
         "one gc.get_referrers(): %.1f-%.1f ms; %d objects"
-        % ((ticker.longest * 1e3,) + objects + referrers + (len(gc.get_objects()),))
+        % ((stats.get("censuses", 0), stats.get("census_longest_hold_ms", 0.0),
+            ticker.longest * 1e3) + objects + referrers + (len(gc.get_objects()),))
     )
 
 

@@ -86,6 +86,10 @@ pub struct Agent {
     /// time; `read_blocks`).
     pub blocks_next_ns: AtomicI64,
     pub last_census: Mutex<Option<Instant>>,
+    /// Censuses taken, and the longest any of them held the GIL at a time
+    /// (shown by `stats()`).
+    pub censuses: AtomicU64,
+    pub census_longest_hold_ns: AtomicU64,
     /// A census waits for a moment with no request in flight: every request
     /// end wakes the sampler to look, not only those that find the hand-off
     /// empty.
@@ -161,6 +165,8 @@ impl Agent {
             boundary_dropped: AtomicU64::new(0),
             blocks_next_ns: AtomicI64::new(0),
             last_census: Mutex::new(None),
+            censuses: AtomicU64::new(0),
+            census_longest_hold_ns: AtomicU64::new(0),
             census_waiting: AtomicBool::new(false),
             sampler: Sampler::new(JOB_QUEUE),
             hold_until,
@@ -484,6 +490,9 @@ impl Agent {
         }
         *lock(&self.last_census) = Some(Instant::now());
         let c = result?;
+        self.censuses.fetch_add(1, Ordering::Relaxed);
+        self.census_longest_hold_ns
+            .fetch_max(c.longest_hold_ns, Ordering::Relaxed);
         self.send_event(pb::event::Kind::HeapCensus(c.clone()));
         Ok(c)
     }

@@ -396,6 +396,8 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "requests_done": lock(&a.context).requests_done,
         "held": a.reporter.held(),
         "agent_heap_bytes": own_heap::live_bytes(),
+        "censuses": a.censuses.load(Ordering::Relaxed),
+        "census_longest_hold_ms": a.census_longest_hold_ns.load(Ordering::Relaxed) as f64 / 1e6,
     });
     Ok(Some(pythonize(py, &v)?))
 }

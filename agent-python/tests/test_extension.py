@@ -3,6 +3,7 @@ starts, streams and stops; it never raises into user code when the collector
 is away, spools, and delivers once the collector starts; OOM evidence is
 acked before the exception propagates; fork; autostart."""
 
+import json
 import os
 import subprocess
 import sys
@@ -272,6 +273,74 @@ def test_phase_gc_and_census_events(collector):
     assert any(g["generation"] == 2 for g in events(t, "gc"))
     censuses = events(t, "heap_census")
     assert len(censuses) == 2 and censuses[1]["objects_scanned"] > 10_000
+
+
+def test_a_census_holds_the_gil_in_slices_and_says_its_longest(collector):
+    out = run_py("""
+        import json, torch, oomscope
+        oomscope.start(collector=%r, name="slices", census_every=0, census_auto=False)
+        keep = [{"i": i, "l": [i]} for i in range(100_000)]
+        c = oomscope.census(budget_s=30)
+        st = oomscope.stats()
+        print("C", json.dumps({k: c[k] for k in ("duration_ns", "longest_hold_ns",
+                                                  "objects_scanned")}))
+        print("S", json.dumps({k: st[k] for k in ("censuses", "census_longest_hold_ms")}))
+        assert oomscope.flush(10)
+        """ % collector.url)
+    c = json.loads(out.split("C ")[1].splitlines()[0])
+    st = json.loads(out.split("S ")[1].splitlines()[0])
+    assert c["objects_scanned"] > 300_000, c
+    # Held in slices: a census that kept the GIL throughout would have its
+    # longest hold equal to its whole GIL time.
+    assert 0 < c["longest_hold_ns"] < c["duration_ns"] / 2, c
+    assert st["censuses"] == 1, st
+    assert abs(st["census_longest_hold_ms"] * 1e6 - c["longest_hold_ns"]) < 1, (st, c)
+    censuses = events(collector.timeline("slices"), "heap_census")
+    assert [x["longest_hold_ns"] for x in censuses] == [c["longest_hold_ns"]], censuses
+
+
+def test_a_census_keeps_its_lists_out_of_gcs_sight(collector):
+    # A census lists every object gc tracks. Were those lists tracked, each
+    # collection while the census lasts (in any thread, between its slices)
+    # would traverse all of them; gc.get_referrers, which searches exactly
+    # what gc tracks, would find them holding `sentinel`.
+    out = run_py("""
+        import gc, threading, torch, oomscope
+        oomscope.start(collector=%r, name="untracked", census_every=0, census_auto=False)
+
+        class Sentinel:
+            pass
+
+        sentinel = Sentinel()
+        gc.collect()  # now in the oldest generation, listed with most objects
+        done = threading.Event()
+        seen = {"looks": 0, "listings": 0, "lists": 0}
+
+        def look():
+            while not done.is_set():
+                holders = gc.get_referrers(sentinel)
+                if done.is_set():
+                    break
+                seen["looks"] += 1
+                lists = [h for h in holders if isinstance(h, list)]
+                seen["lists"] += len(lists)
+                seen["listings"] += sum(len(h) > 10_000 for h in lists)
+
+        t = threading.Thread(target=look)
+        t.start()
+        c = oomscope.census(budget_s=30)
+        done.set()
+        t.join()
+        print("SEEN", seen["looks"], seen["listings"], seen["lists"], c["objects_scanned"])
+        # The control: a list of the same kind, made here, is found.
+        mine = gc.get_objects()
+        print("CONTROL", sum(h is mine for h in gc.get_referrers(sentinel)))
+        """ % collector.url)
+    looks, listings, lists, scanned = map(int, out.split("SEEN ")[1].split()[:4])
+    assert scanned > 100_000, out
+    assert looks >= 2, "the other thread looked while the census ran: " + out
+    assert (listings, lists) == (0, 0), out
+    assert "CONTROL 1" in out, out
 
 
 def test_fork_keeps_reporting_from_both_processes(collector):

@@ -974,6 +974,10 @@ pub struct HeapCensus {
     /// One referrer chain for the top grower, outermost first.
     #[prost(string, repeated, tag = "8")]
     pub referrer_chain: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// The longest the census held the GIL at a time (its slices are bounded;
+    /// listing gc's objects is one pass that cannot be cut). 0 from older agents.
+    #[prost(uint64, tag = "9")]
+    pub longest_hold_ns: u64,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

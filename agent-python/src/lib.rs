@@ -29,6 +29,7 @@ pub mod handoff;
 pub mod own_heap;
 pub mod pyjson;
 pub mod query;
+pub mod request;
 pub mod sampler;
 pub mod suspicion;
 pub mod torchread;
@@ -40,7 +41,7 @@ use config::{Config, Env, ModelSpec};
 /// GIL release (see `agent`), so a fork never finds it locked.
 static AGENT: Mutex<Option<Arc<Agent>>> = Mutex::new(None);
 
-fn current() -> Option<Arc<Agent>> {
+pub(crate) fn current() -> Option<Arc<Agent>> {
     lock(&AGENT).clone()
 }
 
@@ -497,6 +498,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_labels, m)?)?;
     m.add_function(wrap_pyfunction!(set_identity, m)?)?;
     m.add_function(wrap_pyfunction!(record_request, m)?)?;
+    m.add_class::<request::Request>()?;
     m.add_function(wrap_pyfunction!(request_begin, m)?)?;
     m.add_function(wrap_pyfunction!(request_end, m)?)?;
     m.add_function(wrap_pyfunction!(phase_edge, m)?)?;

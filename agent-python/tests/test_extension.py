@@ -209,6 +209,47 @@ def test_bad_settings_are_clear_errors():
     assert "interval_s" in out and "census_every" in out and "oom_wait_s" in out, out
 
 
+def test_a_request_reads_its_counts_as_int_and_lets_an_error_through(collector):
+    out = run_py("""
+        import numpy as np, oomscope
+        unnamed = [oomscope.request(), oomscope.request(id=None)]
+        print("IDS", [r.id for r in unnamed])
+        r = oomscope.request(id=7, prompt_tokens=np.int64(12), max_tokens=3.9)
+        print("R", r.id, r.prompt_tokens, r.max_tokens, r.output_tokens)
+        for bad in ({"prompt_tokens": "many"}, {"max_tokens": -1}):
+            try:
+                oomscope.request(**bad)
+                print("ACCEPTED", bad)
+            except (ValueError, OverflowError) as e:
+                print("REFUSED", type(e).__name__)
+        with oomscope.request(id="quiet") as q:  # no agent yet: nothing happens
+            q.output_tokens = None
+        print("QUIET", q.output_tokens)
+        oomscope.start(collector=%r, name="requests", boundary_min_interval_s=0)
+        try:
+            with oomscope.request(id="fails", prompt_tokens=5) as r:
+                r.output_tokens = 2.0
+                raise ValueError("boom " + "x" * 600)
+        except ValueError as e:
+            print("PROPAGATED", len(str(e)))
+        with oomscope.request(id="ok") as r:
+            r.output_tokens = np.int32(4)
+        assert oomscope.flush(10)
+        """ % collector.url)
+    ids = out.split("IDS ")[1].splitlines()[0]
+    first, second = [int(i.split("-")[1].rstrip("'")) for i in ids.strip("[]").split(", ")]
+    assert second == first + 1 and "req-" in ids, ids
+    assert "R 7 12 3 0" in out, out
+    assert out.count("REFUSED") == 2 and "ACCEPTED" not in out, out
+    assert "QUIET 0" in out and "PROPAGATED 605" in out, out
+    ends = [e for e in events(collector.timeline("requests"), "request") if not e.get("start")]
+    by_id = {e["request_id"]: e for e in ends}
+    assert set(by_id) == {"fails", "ok"}, ends
+    assert by_id["fails"]["error"] == "ValueError: boom " + "x" * 495, by_id["fails"]
+    assert by_id["fails"]["output_tokens"] == 2 and by_id["ok"]["output_tokens"] == 4, ends
+    assert not by_id["ok"].get("error"), by_id["ok"]
+
+
 def test_oom_evidence_is_acked_before_the_exception_propagates(collector):
     out = run_py("""
         import torch, oomscope, oomscope.query

@@ -30,8 +30,8 @@ nothing here raises into the server because the collector is away.
 import sys as _sys
 
 from . import _native
-from ._native import (__version__, agent_id, flush, is_running, record_request, set_context,
-                      set_identity, set_labels, snapshot, stats)
+from ._native import (__version__, agent_id, flush, is_running, record_request, request,
+                      set_context, set_identity, set_labels, snapshot, stats)
 
 __all__ = [
     "start", "stop", "request", "phase", "set_context", "set_labels", "set_identity",
@@ -90,41 +90,6 @@ def census(budget_s=None):
     """Runs a Python heap census now (holds the GIL up to ``budget_s``) and
     returns it: ``{"types": [{"type_name", "count", "bytes"}], ...}``."""
     return _native.census(budget_s)
-
-
-class request:
-    """Marks one request: ``with oomscope.request(id=..., prompt_tokens=...,
-    max_tokens=...) as r: ...; r.output_tokens = n``.
-
-    An out-of-memory error raised inside is reported (observer arguments,
-    allocator stats, snapshot summary, context and the error text), spooled
-    and acked within ``oom_wait_s`` before it propagates.
-    """
-
-    __slots__ = ("id", "prompt_tokens", "max_tokens", "output_tokens")
-    _counter = 0
-
-    def __init__(self, id=None, prompt_tokens=0, max_tokens=0):
-        if id is None:
-            request._counter += 1
-            id = "req-%d" % request._counter
-        self.id = str(id)
-        self.prompt_tokens = int(prompt_tokens or 0)
-        self.max_tokens = int(max_tokens or 0)
-        self.output_tokens = 0
-
-    def __enter__(self):
-        _native.request_begin(self.id, self.prompt_tokens, self.max_tokens)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        error = ""
-        if exc is not None:
-            from . import _hooks
-            _hooks.report_if_oom(exc)
-            error = "%s: %s" % (exc_type.__name__, str(exc)[:500])
-        _native.request_end(self.id, int(self.output_tokens or 0), error)
-        return False
 
 
 class phase:

@@ -1,7 +1,7 @@
 """The GPU checks of the reference server (run by tests/device/python.part.sh
 on the H200): leak, fragmentation, KV concurrency and long-context
 scenarios under --memory-cap, the GIL held per sample with a real
-allocator, and the latency overhead. Prints one JSON line per check:
+allocator and by a census, and the latency overhead. Prints one JSON line per check:
 {"check", "pass", "detail"}.
 
     python device_checks.py --bin .device/oomscope --collector http://127.0.0.1:17433 --out DIR
@@ -125,6 +125,9 @@ def check_gil(a):
     emit("py: GIL per sample (real allocator)", g["cuda"] and g["gil_per_sample_us"] < 1000,
          "%.1f us per sample, %.1f us per request context, census %.0f ms over %d objects" % (
              g["gil_per_sample_us"], g["request_context_us"], g["census_ms"], g["census_objects"]))
+    emit("py: a census's longest GIL hold (bar 20 ms)", g["census_longest_hold_ms"] <= 20.0,
+         "%.1f ms over three censuses of %d objects; one raw gc.get_objects() %.1f ms" % (
+             g["census_longest_hold_ms"], g["census_objects"], g["gc_get_objects_ms"]))
 
 
 def check_overhead(a):

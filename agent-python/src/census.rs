@@ -339,17 +339,18 @@ fn tracked_objects<'py>(gc: &Bound<'py, PyModule>) -> PyResult<Listing<'py>> {
     }
 }
 
-/// `list` (one the census made, or a tuple of a chunk) out of gc's sight. A collection traverses
-/// every tracked container of the generations it collects, and a young one
-/// runs every few hundred allocations: one of these lists, holding every
-/// object, would have each collection during the census (in any thread,
-/// the server's too) touch them all again, 17 to 20 ms for 160k objects
-/// here. Only the census refers to it, so it is in no cycle gc must break.
-fn untracked<'py, T>(list: Bound<'py, T>) -> Bound<'py, T> {
+/// `obj` (a list or tuple the census made) out of gc's sight. A collection
+/// traverses every tracked container of the generations it collects, and a
+/// young one runs every few hundred allocations: one of these lists, holding
+/// every object, would have each collection during the census (in any
+/// thread, the server's too) touch them all again, 17 to 20 ms for 160k
+/// objects here. Only the census refers to it, so it is in no cycle gc must
+/// break.
+fn untracked<'py, T>(obj: Bound<'py, T>) -> Bound<'py, T> {
     // SAFETY: the object is alive and the GIL held; untracking twice is
-    // allowed (list_dealloc untracks again).
-    unsafe { pyo3::ffi::PyObject_GC_UnTrack(list.as_ptr().cast()) };
-    list
+    // allowed (a list's or tuple's dealloc untracks again).
+    unsafe { pyo3::ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) };
+    obj
 }
 
 fn list_by_generation<'py>(gc: &Bound<'py, PyModule>) -> PyResult<Listing<'py>> {
@@ -422,7 +423,7 @@ impl<'py> Slices<'py> {
     }
 
     /// Ends the slice now, whatever its length.
-    pub fn end_slice(&mut self) {
+    fn end_slice(&mut self) {
         let slice = self.slice_start.elapsed();
         self.longest = self.longest.max(slice);
         self.held_before += slice;

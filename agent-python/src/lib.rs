@@ -499,6 +499,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_identity, m)?)?;
     m.add_function(wrap_pyfunction!(record_request, m)?)?;
     m.add_class::<request::Request>()?;
+    m.add_function(wrap_pyfunction!(request::exit_error, m)?)?;
     m.add_function(wrap_pyfunction!(request_begin, m)?)?;
     m.add_function(wrap_pyfunction!(request_end, m)?)?;
     m.add_function(wrap_pyfunction!(phase_edge, m)?)?;

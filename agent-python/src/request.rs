@@ -101,7 +101,7 @@ impl Request {
             return false;
         };
         let error = match exc.filter(|e| !e.is_none()) {
-            Some(e) => error_text(py, exc_type, e),
+            Some(e) => exit_error(py, exc_type, e),
             None => String::new(),
         };
         a.request_end(&self.id, self.output_tokens, &error);
@@ -109,9 +109,12 @@ impl Request {
     }
 }
 
-/// "Type: message" for a request's end, after the Python side has reported
-/// it if it is an out-of-memory error (it knows torch's and the host's kinds).
-fn error_text(
+/// "Type: message" for the end of a request or a phase (`oomscope.phase`
+/// calls it too), after the Python side has reported the error if it is an
+/// out-of-memory one (it knows torch's and the host's kinds).
+#[pyfunction]
+#[pyo3(signature = (exc_type, exc))]
+pub fn exit_error(
     py: Python<'_>,
     exc_type: Option<&Bound<'_, PyAny>>,
     exc: &Bound<'_, PyAny>,

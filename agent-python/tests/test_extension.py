@@ -234,6 +234,11 @@ def test_a_request_reads_its_counts_as_int_and_lets_an_error_through(collector):
             print("PROPAGATED", len(str(e)))
         with oomscope.request(id="ok") as r:
             r.output_tokens = np.int32(4)
+        try:
+            with oomscope.phase("load", model="m"):
+                raise RuntimeError("bad " + "y" * 600)
+        except RuntimeError:
+            print("PHASE PROPAGATED")
         assert oomscope.flush(10)
         """ % collector.url)
     ids = out.split("IDS ")[1].splitlines()[0]
@@ -248,6 +253,10 @@ def test_a_request_reads_its_counts_as_int_and_lets_an_error_through(collector):
     assert by_id["fails"]["error"] == "ValueError: boom " + "x" * 495, by_id["fails"]
     assert by_id["fails"]["output_tokens"] == 2 and by_id["ok"]["output_tokens"] == 4, ends
     assert not by_id["ok"].get("error"), by_id["ok"]
+    # A phase's end says its error the same way.
+    assert "PHASE PROPAGATED" in out, out
+    phase_ends = [p for p in events(collector.timeline("requests"), "phase") if not p.get("start")]
+    assert [p["error"] for p in phase_ends] == ["RuntimeError: bad " + "y" * 496], phase_ends
 
 
 def test_oom_evidence_is_acked_before_the_exception_propagates(collector):

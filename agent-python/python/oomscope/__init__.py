@@ -110,11 +110,8 @@ class phase:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        error = ""
-        if exc is not None:
-            from . import _hooks
-            _hooks.report_if_oom(exc)
-            error = "%s: %s" % (exc_type.__name__, str(exc)[:500])
+        # Reports an out-of-memory error; the text as a request's end has it.
+        error = _native.exit_error(exc_type, exc) if exc is not None else ""
         _native.ensure_torch_hooks()
         _native.phase_edge(self.name, False, self.model, self.revision, self.quantization,
                            self.dtype, error, self._before)

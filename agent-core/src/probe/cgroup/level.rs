@@ -65,7 +65,7 @@ impl LevelFiles<'_> {
 fn read_v1(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
     let limit_raw = files.number("memory.limit_in_bytes", first_u64);
     level.limit_bytes = v1_limit(limit_raw);
-    level.usage_bytes = files.number("memory.usage_in_bytes", first_u64);
+    level.usage_bytes = files.number(Version::V1.usage_file(), first_u64);
     level.peak_bytes = files.number("memory.max_usage_in_bytes", first_u64);
     level.failcnt = files.number("memory.failcnt", first_u64);
     if let Some(t) = files.required("memory.oom_control") {
@@ -90,7 +90,7 @@ fn read_v1(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
 
 fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
     level.limit_bytes = files.number("memory.max", parse_v2_max);
-    level.usage_bytes = files.number("memory.current", first_u64);
+    level.usage_bytes = files.number(Version::V2.usage_file(), first_u64);
     level.high_bytes = files.number("memory.high", parse_v2_max);
     // memory.peak arrived in Linux 5.19.
     level.peak_bytes = files

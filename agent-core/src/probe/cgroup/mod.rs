@@ -27,6 +27,14 @@ pub enum Version {
 }
 
 impl Version {
+    /// The file holding a level's current usage in bytes.
+    pub fn usage_file(self) -> &'static str {
+        match self {
+            Version::V1 => "memory.usage_in_bytes",
+            Version::V2 => "memory.current",
+        }
+    }
+
     /// As the proto spells it: "v1" or "v2".
     pub fn as_str(self) -> &'static str {
         match self {
@@ -73,15 +81,11 @@ pub fn refresh_usage(cg: &MemoryCgroup, last: &[pb::CgroupLevel]) -> Option<Vec<
     if dirs.len() != last.len() || dirs.iter().zip(last).any(|((_, p), l)| *p != l.path) {
         return None;
     }
-    let usage_file = match cg.version {
-        Version::V1 => "memory.usage_in_bytes",
-        Version::V2 => "memory.current",
-    };
     let levels = dirs
         .iter()
         .zip(last)
         .map(|((dir, _), l)| {
-            let usage = crate::probe::text::read_opt(&dir.join(usage_file))
+            let usage = crate::probe::text::read_opt(&dir.join(cg.version.usage_file()))
                 .as_deref()
                 .and_then(crate::probe::text::first_u64);
             pb::CgroupLevel {

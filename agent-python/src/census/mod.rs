@@ -9,11 +9,22 @@
 //! own thread or on demand, never on a request path.
 
 use std::collections::{HashMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use oomscope_agent_core::pb;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple, PyType};
+
+mod chain;
+mod listing;
+mod names;
+mod slices;
+
+use chain::referrer_chain;
+pub use chain::MAX_CHAIN;
+use listing::{tracked_objects, untracked, REFERENTS_CHUNK};
+pub use names::type_name;
+pub use slices::{Slices, SLICE};
 
 /// (count, bytes) by type name.
 type Counts = HashMap<String, (u64, u64)>;
@@ -21,18 +32,10 @@ type Counts = HashMap<String, (u64, u64)>;
 /// Types reported by bytes, by count and by growth (each up to this many):
 /// a torch process has thousands of types, the interesting ones are few.
 pub const TOP_TYPES: usize = 64;
-/// How far the referrer chain walks up from the top grower.
-pub const MAX_CHAIN: usize = 8;
-/// The longest a census holds the GIL at a time (plus one step of at most
-/// [`CLOCK_EVERY`] objects or one `gc.get_referents` chunk): a request
-/// thread waiting for it waits no longer.
-pub const SLICE: Duration = Duration::from_millis(10);
 /// The share of the budget the scan may use; the referrer chain has the rest.
 const SCAN_SHARE: f64 = 0.75;
 /// Objects scanned between two looks at the clock.
 const CLOCK_EVERY: usize = 256;
-/// `gc.get_referents` takes this many objects per call.
-const REFERENTS_CHUNK: usize = 2048;
 
 /// The counts of one census, kept to measure the next one's growth.
 #[derive(Debug, Default, Clone)]
@@ -60,18 +63,6 @@ struct TypeInfo {
     name: String,
     kind: Kind,
     basicsize: u64,
-}
-
-/// The name a census gives a type: `module.qualname`, builtins bare.
-pub fn type_name(ty: &Bound<'_, PyType>) -> String {
-    let qual = ty
-        .getattr("__qualname__")
-        .and_then(|q| q.extract::<String>())
-        .unwrap_or_else(|_| "?".into());
-    match ty.getattr("__module__").and_then(|m| m.extract::<String>()) {
-        Ok(m) if m != "builtins" => format!("{m}.{qual}"),
-        _ => qual,
-    }
 }
 
 /// One type's count and bytes, and the instance its referrer chain would
@@ -280,96 +271,6 @@ impl<'py> Scanner<'py> {
     }
 }
 
-/// What gc tracks, as its generations listed it, young ones (0 and 1)
-/// first. Kept as the lists gc gave rather than joined into one: joining
-/// touches every object again (6 to 8 ms more with the GIL held, for 160k
-/// objects with torch imported).
-struct Listing<'py> {
-    lists: Vec<Bound<'py, PyList>>,
-    /// How many of the objects, from the start, are young.
-    young: usize,
-}
-
-impl<'py> Listing<'py> {
-    /// Every object, in order.
-    fn iter(&self) -> impl Iterator<Item = Bound<'py, PyAny>> + '_ {
-        self.lists.iter().flat_map(|l| l.iter())
-    }
-
-    /// Consecutive runs of at most `n` objects, none across two lists.
-    fn chunks(&self, n: usize) -> impl Iterator<Item = Bound<'py, PyList>> + '_ {
-        self.lists.iter().flat_map(move |l| {
-            (0..l.len())
-                .step_by(n.max(1))
-                .map(move |start| untracked(l.get_slice(start, (start + n).min(l.len()))))
-        })
-    }
-
-    /// The lists' own addresses: they hold everything, so no referrer chain
-    /// may pass through them.
-    fn addresses(&self) -> Vec<usize> {
-        self.lists.iter().map(|l| l.as_ptr() as usize).collect()
-    }
-}
-
-/// Every object gc tracks: one pass per generation, with the GIL held,
-/// the one step a census cannot cut. A collection between the passes (the
-/// lists' own allocation may start one) would move objects from one
-/// generation to the next and list them twice, so automatic collection is
-/// off for the passes and back as it was before the GIL is let go. Where
-/// generations cannot be listed apart (an interpreter whose gc has other
-/// generations), one list, none young.
-fn tracked_objects<'py>(gc: &Bound<'py, PyModule>) -> PyResult<Listing<'py>> {
-    let enabled = gc.call_method0("isenabled")?.is_truthy()?;
-    if enabled {
-        gc.call_method0("disable")?;
-    }
-    let listed = list_by_generation(gc);
-    if enabled {
-        gc.call_method0("enable")?;
-    }
-    match listed {
-        Ok(split) => Ok(split),
-        Err(_) => Ok(Listing {
-            lists: vec![untracked(
-                gc.call_method0("get_objects")?.cast_into::<PyList>()?,
-            )],
-            young: 0,
-        }),
-    }
-}
-
-/// `obj` (a list or tuple the census made) out of gc's sight. A collection
-/// traverses every tracked container of the generations it collects, and a
-/// young one runs every few hundred allocations: one of these lists, holding
-/// every object, would have each collection during the census (in any
-/// thread, the server's too) touch them all again, 17 to 20 ms for 160k
-/// objects here. Only the census refers to it, so it is in no cycle gc must
-/// break.
-fn untracked<'py, T>(obj: Bound<'py, T>) -> Bound<'py, T> {
-    // SAFETY: the object is alive and the GIL held; untracking twice is
-    // allowed (a list's or tuple's dealloc untracks again).
-    unsafe { pyo3::ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) };
-    obj
-}
-
-fn list_by_generation<'py>(gc: &Bound<'py, PyModule>) -> PyResult<Listing<'py>> {
-    let generation = |g: u8| -> PyResult<Bound<'py, PyList>> {
-        let kwargs = PyDict::new(gc.py());
-        kwargs.set_item("generation", g)?;
-        Ok(untracked(
-            gc.call_method("get_objects", (), Some(&kwargs))?
-                .cast_into::<PyList>()?,
-        ))
-    };
-    let young = [generation(0)?, generation(1)?];
-    let old = generation(2)?;
-    Ok(Listing {
-        young: young.iter().map(|l| l.len()).sum(),
-        lists: young.into_iter().chain([old]).collect(),
-    })
-}
-
 fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'py, PyAny>> {
     let modules = py.import("sys").ok()?.getattr("modules").ok()?;
     modules
@@ -379,63 +280,6 @@ fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'
         .ok()??
         .getattr(attr)
         .ok()
-}
-
-/// The GIL's time held in slices: [`Slices::step`] lets the GIL go
-/// whenever the current slice reaches [`SLICE`], and says when the budget
-/// (of held time, over every slice) is spent.
-pub struct Slices<'py> {
-    py: Python<'py>,
-    budget: Duration,
-    held_before: Duration,
-    slice_start: Instant,
-    /// The longest single hold so far.
-    pub longest: Duration,
-}
-
-impl<'py> Slices<'py> {
-    pub fn new(py: Python<'py>, budget: Duration) -> Self {
-        Slices {
-            py,
-            budget,
-            held_before: Duration::ZERO,
-            slice_start: Instant::now(),
-            longest: Duration::ZERO,
-        }
-    }
-
-    /// GIL time held so far, this slice included.
-    pub fn held(&self) -> Duration {
-        self.held_before + self.slice_start.elapsed()
-    }
-
-    /// False once the budget is spent; otherwise ends the slice (letting
-    /// waiting threads run) when it has lasted [`SLICE`].
-    pub fn step(&mut self) -> bool {
-        let slice = self.slice_start.elapsed();
-        if self.held_before + slice > self.budget {
-            return false;
-        }
-        if slice >= SLICE {
-            self.end_slice();
-        }
-        true
-    }
-
-    /// Ends the slice now, whatever its length.
-    fn end_slice(&mut self) {
-        let slice = self.slice_start.elapsed();
-        self.longest = self.longest.max(slice);
-        self.held_before += slice;
-        // Another thread waiting for the GIL takes it here.
-        self.py.detach(std::thread::yield_now);
-        self.slice_start = Instant::now();
-    }
-
-    fn finish(&mut self) -> Duration {
-        self.longest = self.longest.max(self.slice_start.elapsed());
-        self.held()
-    }
 }
 
 /// Runs a census now. `baseline` is the previous census (updated here);
@@ -628,157 +472,6 @@ pub fn select_types(
             .then(a.type_name.cmp(&b.type_name))
     });
     out
-}
-
-/// Who holds `obj`: each step is the first referrer that is not a frame,
-/// not one of the census's own lists and not already on the chain, up to a module's
-/// globals or [`MAX_CHAIN`] steps. Outermost first.
-/// Each step looks through the scanned `objects` in slices
-/// ([`referrer_among`]), while the census's budget lasts.
-fn referrer_chain<'py>(
-    slices: &mut Slices<'py>,
-    census_name: &str,
-    obj: &Bound<'py, PyAny>,
-    objects: &Listing<'py>,
-    skip: &[usize],
-) -> PyResult<Vec<String>> {
-    let gc = slices.py.import("gc")?;
-    let mut steps = vec![describe_leaf(census_name, obj)];
-    let mut on_chain: HashSet<usize> = skip.iter().copied().collect();
-    on_chain.insert(obj.as_ptr() as usize);
-    let mut child = obj.clone();
-    for _ in 0..MAX_CHAIN {
-        let next = referrer_among(slices, &gc, objects, &child, |r| {
-            !on_chain.contains(&(r.as_ptr() as usize))
-                && !r.get_type().name().map(|n| n == "frame").unwrap_or(false)
-        })?;
-        let Some(parent) = next else { break };
-        on_chain.insert(parent.as_ptr() as usize);
-        let (text, is_module) = describe_holder(&parent, &child);
-        steps.push(text);
-        if is_module {
-            break;
-        }
-        child = parent;
-    }
-    steps.reverse();
-    Ok(steps)
-}
-
-/// The first of `objects` (the census's scan, in the collector's order)
-/// that refers to `child` and that `accept` takes. `gc.get_referrers` would
-/// find it in one pass over the heap that cannot be cut (18 to 24 ms with
-/// torch imported on the 2-core VM, over the 20 ms a census may hold the
-/// GIL); this asks `gc.get_referents` of [`REFERENTS_CHUNK`] objects at a
-/// time, slices between, then one by one within the chunk that holds it.
-/// A referrer created after the scan is not found: the chain stops there.
-fn referrer_among<'py>(
-    slices: &mut Slices<'py>,
-    gc: &Bound<'py, PyModule>,
-    objects: &Listing<'py>,
-    child: &Bound<'py, PyAny>,
-    accept: impl Fn(&Bound<'py, PyAny>) -> bool,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let referents = gc.getattr("get_referents")?;
-    let refers = |holders: &Bound<'py, PyTuple>| -> PyResult<bool> {
-        let held = referents.call1(holders)?;
-        Ok(held.cast::<PyList>()?.iter().any(|r| r.is(child)))
-    };
-    for chunk in objects.chunks(REFERENTS_CHUNK) {
-        if !slices.step() {
-            return Ok(None);
-        }
-        if refers(&untracked(PyTuple::new(slices.py, chunk.iter())?))? {
-            for holder in chunk.iter() {
-                if accept(&holder) && refers(&PyTuple::new(slices.py, [&holder])?)? {
-                    return Ok(Some(holder));
-                }
-            }
-        }
-    }
-    Ok(None)
-}
-
-fn describe_leaf(census_name: &str, obj: &Bound<'_, PyAny>) -> String {
-    // The census's own name (`torch.Tensor[cpu]`), so the chain and the
-    // type counts agree; arrays and tensors also give their shape.
-    match obj.getattr("shape").and_then(|s| s.str()) {
-        Ok(shape) if census_name.starts_with("torch") || census_name.starts_with("numpy") => {
-            format!("{census_name} {shape}")
-        }
-        _ => census_name.to_string(),
-    }
-}
-
-/// How `holder` holds `child`, and whether `holder` is a module's globals.
-fn describe_holder(holder: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> (String, bool) {
-    let short = |o: &Bound<'_, PyAny>| -> String {
-        let t = o.repr().map(|r| r.to_string()).unwrap_or_default();
-        if t.chars().count() > 40 {
-            format!("{}...", t.chars().take(40).collect::<String>())
-        } else {
-            t
-        }
-    };
-    if let Ok(d) = holder.cast::<PyDict>() {
-        let key = d.iter().find(|(_, v)| v.is(child)).map(|(k, _)| k);
-        let module = d
-            .get_item("__name__")
-            .ok()
-            .flatten()
-            .filter(|_| d.contains("__builtins__").unwrap_or(false));
-        return match (module, key) {
-            (Some(m), Some(k)) => (
-                format!(
-                    "module {} global {}",
-                    m.str().map(|s| s.to_string()).unwrap_or_default(),
-                    k.str().map(|s| s.to_string()).unwrap_or_default()
-                ),
-                true,
-            ),
-            (Some(m), None) => (
-                format!(
-                    "module {} globals",
-                    m.str().map(|s| s.to_string()).unwrap_or_default()
-                ),
-                true,
-            ),
-            (None, Some(k)) => (format!("dict[{}] ({} items)", short(&k), d.len()), false),
-            (None, None) => (format!("dict ({} items)", d.len()), false),
-        };
-    }
-    if let Ok(l) = holder.cast::<PyList>() {
-        let i = l.iter().position(|v| v.is(child));
-        return (
-            match i {
-                Some(i) => format!("list[{i}] ({} items)", l.len()),
-                None => format!("list ({} items)", l.len()),
-            },
-            false,
-        );
-    }
-    if let Ok(t) = holder.cast::<PyTuple>() {
-        let i = t
-            .iter()
-            .position(|v| v.is(child))
-            .map_or("?".into(), |i| i.to_string());
-        return (format!("tuple[{i}] ({} items)", t.len()), false);
-    }
-    let name = type_name(&holder.get_type());
-    let attr = holder.getattr("__dict__").ok().and_then(|d| {
-        d.cast::<PyDict>().ok().and_then(|d| {
-            d.iter()
-                .find(|(_, v)| v.is(child))
-                .map(|(k, _)| k.to_string())
-        })
-    });
-    (
-        match attr {
-            Some(a) => format!("{name}.{a}"),
-            None => name,
-        },
-        false,
-    )
 }
 
 #[cfg(test)]

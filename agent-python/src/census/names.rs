@@ -1,0 +1,101 @@
+//! How a census names types, and the steps of a referrer chain.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+
+/// The name a census gives a type: `module.qualname`, builtins bare.
+pub fn type_name(ty: &Bound<'_, PyType>) -> String {
+    let qual = ty
+        .getattr("__qualname__")
+        .and_then(|q| q.extract::<String>())
+        .unwrap_or_else(|_| "?".into());
+    match ty.getattr("__module__").and_then(|m| m.extract::<String>()) {
+        Ok(m) if m != "builtins" => format!("{m}.{qual}"),
+        _ => qual,
+    }
+}
+
+pub(super) fn describe_leaf(census_name: &str, obj: &Bound<'_, PyAny>) -> String {
+    // The census's own name (`torch.Tensor[cpu]`), so the chain and the
+    // type counts agree; arrays and tensors also give their shape.
+    match obj.getattr("shape").and_then(|s| s.str()) {
+        Ok(shape) if census_name.starts_with("torch") || census_name.starts_with("numpy") => {
+            format!("{census_name} {shape}")
+        }
+        _ => census_name.to_string(),
+    }
+}
+
+/// How `holder` holds `child`, and whether `holder` is a module's globals.
+pub(super) fn describe_holder(
+    holder: &Bound<'_, PyAny>,
+    child: &Bound<'_, PyAny>,
+) -> (String, bool) {
+    let short = |o: &Bound<'_, PyAny>| -> String {
+        let t = o.repr().map(|r| r.to_string()).unwrap_or_default();
+        if t.chars().count() > 40 {
+            format!("{}...", t.chars().take(40).collect::<String>())
+        } else {
+            t
+        }
+    };
+    if let Ok(d) = holder.cast::<PyDict>() {
+        let key = d.iter().find(|(_, v)| v.is(child)).map(|(k, _)| k);
+        let module = d
+            .get_item("__name__")
+            .ok()
+            .flatten()
+            .filter(|_| d.contains("__builtins__").unwrap_or(false));
+        return match (module, key) {
+            (Some(m), Some(k)) => (
+                format!(
+                    "module {} global {}",
+                    m.str().map(|s| s.to_string()).unwrap_or_default(),
+                    k.str().map(|s| s.to_string()).unwrap_or_default()
+                ),
+                true,
+            ),
+            (Some(m), None) => (
+                format!(
+                    "module {} globals",
+                    m.str().map(|s| s.to_string()).unwrap_or_default()
+                ),
+                true,
+            ),
+            (None, Some(k)) => (format!("dict[{}] ({} items)", short(&k), d.len()), false),
+            (None, None) => (format!("dict ({} items)", d.len()), false),
+        };
+    }
+    if let Ok(l) = holder.cast::<PyList>() {
+        let i = l.iter().position(|v| v.is(child));
+        return (
+            match i {
+                Some(i) => format!("list[{i}] ({} items)", l.len()),
+                None => format!("list ({} items)", l.len()),
+            },
+            false,
+        );
+    }
+    if let Ok(t) = holder.cast::<PyTuple>() {
+        let i = t
+            .iter()
+            .position(|v| v.is(child))
+            .map_or("?".into(), |i| i.to_string());
+        return (format!("tuple[{i}] ({} items)", t.len()), false);
+    }
+    let name = type_name(&holder.get_type());
+    let attr = holder.getattr("__dict__").ok().and_then(|d| {
+        d.cast::<PyDict>().ok().and_then(|d| {
+            d.iter()
+                .find(|(_, v)| v.is(child))
+                .map(|(k, _)| k.to_string())
+        })
+    });
+    (
+        match attr {
+            Some(a) => format!("{name}.{a}"),
+            None => name,
+        },
+        false,
+    )
+}

@@ -325,6 +325,46 @@ def test_phase_gc_and_census_events(collector):
     assert len(censuses) == 2 and censuses[1]["objects_scanned"] > 10_000
 
 
+def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
+    # vLLM freezes its start-up heap in every process (vllm.utils.gc_utils.
+    # freeze_gc_heap: a full collection, then gc.freeze()). gc lists nothing
+    # frozen, so the census sees only what came after, and the engine and its
+    # dict that retain the leak are in no listing.
+    out = run_py("""
+        import gc, json, torch, oomscope
+        oomscope.start(collector=%r, name="frozen", census_every=0, census_auto=False)
+
+        class Resp:
+            def __init__(self, i):
+                self.t = torch.zeros(256)
+                self.text = "reply %%d" %% i
+
+        class Engine:
+            def __init__(self):
+                self.outputs = {}
+
+        engine = Engine()
+        gc.collect(0); gc.collect(1); gc.collect(2); gc.freeze()
+        first = oomscope.census(budget_s=30)
+        for i in range(20):
+            with oomscope.request(id=str(i)):
+                engine.outputs[i] = Resp(i)
+        c = oomscope.census(budget_s=30)
+        by = {t["type_name"]: t["count"] for t in c["types"]}
+        print("C", json.dumps({"scanned": c["objects_scanned"], "resp": by.get("__main__.Resp"),
+                               "frozen": gc.get_freeze_count(), "chain": c["referrer_chain"]}))
+        assert oomscope.flush(10)
+        """ % collector.url)
+    c = json.loads(out.split("C ")[1].splitlines()[0])
+    # The scenario: most of the heap frozen, out of the census's listing.
+    assert c["frozen"] > 100_000 and c["scanned"] < 5_000, c
+    assert c["resp"] == 20, c
+    chain = c["chain"]
+    assert chain[0] == "module __main__ global engine", chain
+    assert "__main__.Engine.outputs" in chain and "__main__.Resp.t" in chain, chain
+    assert chain[-1].startswith("torch.Tensor[cpu]"), chain
+
+
 def test_a_census_holds_the_gil_in_slices_and_says_its_longest(collector):
     out = run_py("""
         import json, torch, oomscope

@@ -3,11 +3,16 @@
 use std::collections::HashSet;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::listing::{untracked, Listing, REFERENTS_CHUNK};
 use super::names::{describe_holder, describe_leaf};
 use super::slices::Slices;
+
+/// Objects walked from the modules between two looks at the clock, and
+/// referents of one object between two looks (a large dict or list).
+const WALK_CLOCK_EVERY: usize = 64;
+const HELD_CLOCK_EVERY: usize = 1024;
 
 /// How far the referrer chain walks up from the top grower.
 pub const MAX_CHAIN: usize = 8;
@@ -15,7 +20,9 @@ pub const MAX_CHAIN: usize = 8;
 /// not one of the census's own lists and not already on the chain, up to a module's
 /// globals or [`MAX_CHAIN`] steps. Outermost first.
 /// Each step looks through the scanned `objects` in slices
-/// ([`referrer_among`]), while the census's budget lasts.
+/// ([`referrer_among`]), while the census's budget lasts; where none of
+/// them holds the chain's head, the rest of the way is walked down from the
+/// modules ([`path_from_modules`]).
 pub(super) fn referrer_chain<'py>(
     slices: &mut Slices<'py>,
     census_name: &str,
@@ -33,7 +40,21 @@ pub(super) fn referrer_chain<'py>(
             !on_chain.contains(&(r.as_ptr() as usize))
                 && !r.get_type().name().map(|n| n == "frame").unwrap_or(false)
         })?;
-        let Some(parent) = next else { break };
+        let Some(parent) = next else {
+            let depth = MAX_CHAIN + 1 - steps.len();
+            if let Some(path) = path_from_modules(slices, &gc, &child, &on_chain, depth)? {
+                let mut below = child;
+                for holder in path.into_iter().rev() {
+                    let (text, is_module) = describe_holder(&holder, &below);
+                    steps.push(text);
+                    if is_module {
+                        break;
+                    }
+                    below = holder;
+                }
+            }
+            break;
+        };
         on_chain.insert(parent.as_ptr() as usize);
         let (text, is_module) = describe_holder(&parent, &child);
         steps.push(text);
@@ -75,6 +96,82 @@ fn referrer_among<'py>(
                     return Ok(Some(holder));
                 }
             }
+        }
+    }
+    Ok(None)
+}
+
+/// How the modules' globals reach `target`, outermost first: a module's
+/// globals dict, then each holder down to `target`'s own. For a head the
+/// listing has no holder of: a holder frozen with `gc.freeze()` (vLLM
+/// freezes its start-up heap in every process) is in no generation gc
+/// lists, so the global list a leak grows in would end the chain one step
+/// above the leak. A breadth-first walk of what the globals reach, at most
+/// `depth` levels, `__main__` first, in the census's slices; it skips
+/// `avoid`, frames (a request's locals are not what retains a leak) and
+/// what gc does not track (it holds nothing tracked). `None` when the budget
+/// runs out first or nothing within `depth` holds `target`.
+fn path_from_modules<'py>(
+    slices: &mut Slices<'py>,
+    gc: &Bound<'py, PyModule>,
+    target: &Bound<'py, PyAny>,
+    avoid: &HashSet<usize>,
+    depth: usize,
+) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
+    let py = slices.py;
+    let referents = gc.getattr("get_referents")?;
+    let frame = py.import("sys")?.call_method0("_getframe")?.get_type();
+    let mut globals: Vec<(bool, Bound<'py, PyAny>)> = Vec::new();
+    for (name, module) in py.import("sys")?.getattr("modules")?.cast::<PyDict>()?.iter() {
+        if let Ok(dict) = module.getattr("__dict__") {
+            let main = name.extract::<String>().is_ok_and(|n| n == "__main__");
+            globals.push((!main, dict));
+        }
+    }
+    globals.sort_by_key(|(later, _)| *later);
+    // Each object reached, and the index of the one it was reached from.
+    let mut nodes: Vec<(Bound<'py, PyAny>, usize)> = Vec::new();
+    let mut seen = avoid.clone();
+    for (_, dict) in globals {
+        if seen.insert(dict.as_ptr() as usize) {
+            nodes.push((dict, usize::MAX));
+        }
+    }
+    let mut level = 0..nodes.len();
+    for _ in 0..depth {
+        for i in level.clone() {
+            if i % WALK_CLOCK_EVERY == 0 && !slices.step() {
+                return Ok(None);
+            }
+            let held = untracked(
+                referents
+                    .call1((&nodes[i].0,))?
+                    .cast_into::<PyList>()?,
+            );
+            for (j, r) in held.iter().enumerate() {
+                if j % HELD_CLOCK_EVERY == HELD_CLOCK_EVERY - 1 && !slices.step() {
+                    return Ok(None);
+                }
+                if r.is(target) {
+                    let mut path = Vec::new();
+                    let mut at = i;
+                    while at != usize::MAX {
+                        path.push(nodes[at].0.clone());
+                        at = nodes[at].1;
+                    }
+                    path.reverse();
+                    return Ok(Some(path));
+                }
+                // SAFETY: a live object, the GIL held.
+                let tracked = unsafe { pyo3::ffi::PyObject_GC_IsTracked(r.as_ptr()) } == 1;
+                if tracked && !r.get_type().is(&frame) && seen.insert(r.as_ptr() as usize) {
+                    nodes.push((r, i));
+                }
+            }
+        }
+        level = level.end..nodes.len();
+        if level.is_empty() {
+            break;
         }
     }
     Ok(None)

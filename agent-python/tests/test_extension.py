@@ -329,10 +329,12 @@ def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
     # vLLM freezes its start-up heap in every process (vllm.utils.gc_utils.
     # freeze_gc_heap: a full collection, then gc.freeze()). gc lists nothing
     # frozen, so the census sees only what came after, and the engine and its
-    # dict that retain the leak are in no listing.
+    # dict that retain the leak are in no listing. The censuses run where a
+    # server's do, on the agent's own thread (one every 10 requests).
     out = run_py("""
-        import gc, json, torch, oomscope
-        oomscope.start(collector=%r, name="frozen", census_every=0, census_auto=False)
+        import gc, json, time, torch, oomscope
+        oomscope.start(collector=%r, name="frozen", census_every=10, census_auto=False,
+                       census_budget_s=30)
 
         class Resp:
             def __init__(self, i):
@@ -345,21 +347,25 @@ def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
 
         engine = Engine()
         gc.collect(0); gc.collect(1); gc.collect(2); gc.freeze()
-        first = oomscope.census(budget_s=30)
-        for i in range(20):
+        for i in range(30):
             with oomscope.request(id=str(i)):
                 engine.outputs[i] = Resp(i)
-        c = oomscope.census(budget_s=30)
-        by = {t["type_name"]: t["count"] for t in c["types"]}
-        print("C", json.dumps({"scanned": c["objects_scanned"], "resp": by.get("__main__.Resp"),
-                               "frozen": gc.get_freeze_count(), "chain": c["referrer_chain"]}))
+            time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while oomscope.stats()["censuses"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        print("FROZEN", gc.get_freeze_count())
         assert oomscope.flush(10)
         """ % collector.url)
-    c = json.loads(out.split("C ")[1].splitlines()[0])
+    frozen = int(out.split("FROZEN ")[1].split()[0])
+    censuses = events(collector.timeline("frozen"), "heap_census")
+    assert len(censuses) == 3, censuses
+    last = censuses[-1]
     # The scenario: most of the heap frozen, out of the census's listing.
-    assert c["frozen"] > 100_000 and c["scanned"] < 5_000, c
-    assert c["resp"] == 20, c
-    chain = c["chain"]
+    assert frozen > 100_000 and last["objects_scanned"] < 5_000, (frozen, last["objects_scanned"])
+    by = {t["type_name"]: t["count"] for t in last["types"]}
+    assert by.get("__main__.Resp") == 30, by
+    chain = last["referrer_chain"]
     assert chain[0] == "module __main__ global engine", chain
     assert "__main__.Engine.outputs" in chain and "__main__.Resp.t" in chain, chain
     assert chain[-1].startswith("torch.Tensor[cpu]"), chain

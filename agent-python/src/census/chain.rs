@@ -6,13 +6,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::listing::{untracked, Listing, REFERENTS_CHUNK};
-use super::names::{describe_holder, describe_leaf};
+use super::names::{attribute_step, describe_holder, describe_leaf, is_module_globals};
 use super::slices::Slices;
 
-/// Objects walked from the modules between two looks at the clock, and
-/// referents of one object between two looks (a large dict or list).
-const WALK_CLOCK_EVERY: usize = 64;
-const HELD_CLOCK_EVERY: usize = 1024;
+/// Objects expanded plus referents seen, walking down from the modules,
+/// between two looks at the clock.
+const WALK_CLOCK_EVERY: usize = 256;
 
 /// How far the referrer chain walks up from the top grower.
 pub const MAX_CHAIN: usize = 8;
@@ -31,38 +30,34 @@ pub(super) fn referrer_chain<'py>(
     skip: &[usize],
 ) -> PyResult<Vec<String>> {
     let gc = slices.py.import("gc")?;
-    let mut steps = vec![describe_leaf(census_name, obj)];
     let mut on_chain: HashSet<usize> = skip.iter().copied().collect();
     on_chain.insert(obj.as_ptr() as usize);
+    // Innermost first.
+    let mut holders: Vec<Bound<'py, PyAny>> = Vec::new();
     let mut child = obj.clone();
-    for _ in 0..MAX_CHAIN {
+    while holders.len() < MAX_CHAIN {
         let next = referrer_among(slices, &gc, objects, &child, |r| {
             !on_chain.contains(&(r.as_ptr() as usize))
                 && !r.get_type().name().map(|n| n == "frame").unwrap_or(false)
         })?;
         let Some(parent) = next else {
-            let depth = MAX_CHAIN + 1 - steps.len();
-            if let Some(path) = path_from_modules(slices, &gc, &child, &on_chain, depth)? {
-                let mut below = child;
-                for holder in path.into_iter().rev() {
-                    let (text, is_module) = describe_holder(&holder, &below);
-                    steps.push(text);
-                    if is_module {
-                        break;
-                    }
-                    below = holder;
-                }
+            let depth = MAX_CHAIN - holders.len();
+            // Best effort: a walk that fails keeps the steps found so far.
+            let path = path_from_modules(slices, &gc, &child, &on_chain, depth);
+            if let Some(path) = path.ok().flatten() {
+                holders.extend(path.into_iter().rev());
             }
             break;
         };
         on_chain.insert(parent.as_ptr() as usize);
-        let (text, is_module) = describe_holder(&parent, &child);
-        steps.push(text);
-        if is_module {
+        holders.push(parent.clone());
+        if is_module_globals(&parent) {
             break;
         }
         child = parent;
     }
+    let mut steps = describe_path(obj.clone(), holders);
+    steps.insert(0, describe_leaf(census_name, obj));
     steps.reverse();
     Ok(steps)
 }
@@ -101,6 +96,34 @@ fn referrer_among<'py>(
     Ok(None)
 }
 
+/// The steps from `child` up through `holders` (innermost first, each
+/// holding the one before), innermost first, to the nearest module's
+/// globals. An object and its attribute dict are one step, `Type.attr`.
+fn describe_path<'py>(child: Bound<'py, PyAny>, holders: Vec<Bound<'py, PyAny>>) -> Vec<String> {
+    let mut steps = Vec::new();
+    let mut below = child;
+    let mut up = holders.into_iter().peekable();
+    while let Some(holder) = up.next() {
+        if let Some(text) = up.peek().and_then(|o| attribute_step(o, &holder, &below)) {
+            steps.push(text);
+            match up.next() {
+                Some(owner) => {
+                    below = owner;
+                    continue;
+                }
+                None => break,
+            }
+        }
+        let (text, is_module) = describe_holder(&holder, &below);
+        steps.push(text);
+        if is_module {
+            break;
+        }
+        below = holder;
+    }
+    steps
+}
+
 /// How the modules' globals reach `target`, outermost first: a module's
 /// globals dict, then each holder down to `target`'s own. For a head the
 /// listing has no holder of: a holder frozen with `gc.freeze()` (vLLM
@@ -120,9 +143,15 @@ fn path_from_modules<'py>(
 ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
     let py = slices.py;
     let referents = gc.getattr("get_referents")?;
-    let frame = py.import("sys")?.call_method0("_getframe")?.get_type();
+    // Not `sys._getframe()`: the agent's own thread has no Python frame.
+    let frame = py.import("types")?.getattr("FrameType")?;
     let mut globals: Vec<(bool, Bound<'py, PyAny>)> = Vec::new();
-    for (name, module) in py.import("sys")?.getattr("modules")?.cast::<PyDict>()?.iter() {
+    for (name, module) in py
+        .import("sys")?
+        .getattr("modules")?
+        .cast::<PyDict>()?
+        .iter()
+    {
         if let Ok(dict) = module.getattr("__dict__") {
             let main = name.extract::<String>().is_ok_and(|n| n == "__main__");
             globals.push((!main, dict));
@@ -138,18 +167,21 @@ fn path_from_modules<'py>(
         }
     }
     let mut level = 0..nodes.len();
+    // Objects expanded and referents seen: the clock is read every
+    // WALK_CLOCK_EVERY of them, however they are spread over the nodes.
+    let mut work = 0usize;
+    let mut tick = |slices: &mut Slices<'py>| {
+        work += 1;
+        work % WALK_CLOCK_EVERY != 0 || slices.step()
+    };
     for _ in 0..depth {
         for i in level.clone() {
-            if i % WALK_CLOCK_EVERY == 0 && !slices.step() {
+            if !tick(slices) {
                 return Ok(None);
             }
-            let held = untracked(
-                referents
-                    .call1((&nodes[i].0,))?
-                    .cast_into::<PyList>()?,
-            );
-            for (j, r) in held.iter().enumerate() {
-                if j % HELD_CLOCK_EVERY == HELD_CLOCK_EVERY - 1 && !slices.step() {
+            let held = untracked(referents.call1((&nodes[i].0,))?.cast_into::<PyList>()?);
+            for r in held.iter() {
+                if !tick(slices) {
                     return Ok(None);
                 }
                 if r.is(target) {

@@ -26,6 +26,13 @@ pub(super) fn describe_leaf(census_name: &str, obj: &Bound<'_, PyAny>) -> String
     }
 }
 
+/// Whether `holder` is a module's globals, where a chain ends.
+pub(super) fn is_module_globals(holder: &Bound<'_, PyAny>) -> bool {
+    holder.cast::<PyDict>().is_ok_and(|d| {
+        d.contains("__builtins__").unwrap_or(false) && d.contains("__name__").unwrap_or(false)
+    })
+}
+
 /// How `holder` holds `child`, and whether `holder` is a module's globals.
 pub(super) fn describe_holder(
     holder: &Bound<'_, PyAny>,
@@ -98,4 +105,32 @@ pub(super) fn describe_holder(
         },
         false,
     )
+}
+
+/// `Owner.attr`, when `dict` is `owner`'s attributes (an instance's
+/// `__dict__`, a class's namespace) and holds `value` under `attr`: a walk
+/// down from the modules passes through the dict, and one step reads
+/// better than two.
+pub(super) fn attribute_step(
+    owner: &Bound<'_, PyAny>,
+    dict: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+) -> Option<String> {
+    let d = dict.cast::<PyDict>().ok()?;
+    let key = d.iter().find(|(_, v)| v.is(value)).map(|(k, _)| k)?;
+    let attr = key.extract::<String>().ok()?;
+    let name = match owner.cast::<PyType>() {
+        // A class's namespace is behind a mappingproxy: ask the class.
+        Ok(ty) => ty
+            .getattr(attr.as_str())
+            .ok()?
+            .is(value)
+            .then(|| type_name(ty))?,
+        Err(_) => owner
+            .getattr("__dict__")
+            .ok()?
+            .is(dict)
+            .then(|| type_name(&owner.get_type()))?,
+    };
+    Some(format!("{name}.{attr}"))
 }

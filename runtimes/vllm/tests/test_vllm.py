@@ -258,6 +258,45 @@ def test_a_clean_stop_is_no_incident(served):
     assert "lost" not in states.values(), states
 
 
+LEAKY_SITE = os.path.join(os.path.dirname(__file__), "leaky_site")
+
+
+def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path):
+    # leaky_site/sitecustomize.py keeps every completion with 256 KiB in a
+    # module-level list, which vLLM freezes with its start-up heap: the
+    # census must still say who holds the leak.
+    collector = harness.Collector(tmp_path).start()
+    cg = Cgroup("vllm-leak")
+    v = Vllm(tmp_path, collector, "vllm-leak", cg,
+             env={"PYTHONPATH": LEAKY_SITE, "OOMSCOPE_CENSUS_BUDGET_S": "10"})
+    try:
+        assert v.wait_ready(), v.log()[-4000:]
+        for i in range(100):
+            assert v.complete("hello %d" % i, 4)["choices"]
+        api = next(a for a in members(collector, "vllm-leak") if a["hello"]["role"] == "api_server")
+
+        def chained():
+            cs = [e["heap_census"] for e in collector.timeline(api["hello"]["agent_id"])["events"]
+                  if e["kind"] == "heap_census"]
+            return cs if len(cs) >= 3 and cs[-1]["referrer_chain"] else None
+        censuses = harness.wait_for(chained, 60)
+        assert censuses, "fewer than 3 censuses, or no chain"
+    finally:
+        v.stop()
+        collector.stop()
+        cg.remove()
+    last = censuses[-1]
+    by = {t["type_name"]: t["bytes"] for t in last["types"]}
+    assert by.get("bytes", 0) >= 20 * 256 * 1024, by
+    # vLLM froze the heap: the census lists little of it...
+    assert last["objects_scanned"] < 20_000, last["objects_scanned"]
+    # ...and the chain still climbs through the frozen list to its module.
+    chain = last["referrer_chain"]
+    assert chain[0] == "module sitecustomize global KEPT", chain
+    assert chain[1].startswith("list[") and chain[2].startswith("tuple["), chain
+    assert any(".protocol.Completion" in step for step in chain), chain
+
+
 def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_path):
     # The peak of the instance above (its 40-block pool is tiny): this one
     # reserves VLLM_CPU_KVCACHE_SPACE=1 GiB on top, 500 MiB of which cannot fit.

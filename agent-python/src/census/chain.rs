@@ -172,7 +172,7 @@ fn path_from_modules<'py>(
     let mut work = 0usize;
     let mut tick = |slices: &mut Slices<'py>| {
         work += 1;
-        work % WALK_CLOCK_EVERY != 0 || slices.step()
+        !work.is_multiple_of(WALK_CLOCK_EVERY) || slices.step()
     };
     for _ in 0..depth {
         for i in level.clone() {

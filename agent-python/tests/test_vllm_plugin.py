@@ -73,3 +73,46 @@ def test_the_plugin_tags_the_agent_and_the_stats_become_context_and_requests(col
     for rid in starts:
         assert 0.4e9 < ends[rid] - starts[rid] < 0.6e9, (rid, ends[rid] - starts[rid])
     assert "stats of this vLLM differ" in r.stderr or "stopped" in r.stderr, r.stderr
+
+
+ALONE_RUN = textwrap.dedent('''
+    import sys, time, types, oomscope
+    from oomscope import vllm as plugin
+    oomscope.start(collector=sys.argv[1], name="vllm-alone", interval_s=5, boundary_min_interval_s=0)
+    ns = types.SimpleNamespace
+    config = ns(cache_config=ns(num_gpu_blocks=40, block_size=16), scheduler_config=ns(),
+                model_config=ns(hf_config=ns()))
+    log = plugin.OomscopeStatLogger(config, engine_index=0)  # the default record interval
+    for step in range(3):
+        # A request run alone: its decode steps, then the step that finishes
+        # it, well within one record interval; vLLM counts the running
+        # requests of that last step without the finished one.
+        for _ in range(3):
+            log.record(scheduler_stats=ns(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1),
+                       iteration_stats=ns(num_preempted_reqs=0, finished_requests=[]))
+        log.record(scheduler_stats=ns(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0),
+                   iteration_stats=ns(num_preempted_reqs=0, finished_requests=[
+                       ns(request_id="r%d" % step, e2e_latency=0.05, num_prompt_tokens=10,
+                          num_generation_tokens=4, max_tokens_param=4)]))
+        time.sleep(0.05)
+    print(oomscope.agent_id())
+    assert oomscope.flush(10)
+    oomscope.stop()
+''')
+
+
+def test_a_request_run_alone_ends_between_requests(collector):
+    # The analysis reads a host's growth from the samples taken between
+    # requests; in a vLLM served one request at a time, each request's end is
+    # the only such sample, so it must not carry the step before's context.
+    from oomscope import vllm as plugin
+    assert plugin.MIN_RECORD_INTERVAL_S > 0.05  # the steps below come within one interval
+    r = subprocess.run([sys.executable, "-c", ALONE_RUN, collector.url], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    t = collector.timeline(r.stdout.strip().splitlines()[-1])
+    ends = [s["context"] for s in t["samples"]
+            if s.get("context") and s["context"].get("phase") == "after_request"]
+    assert len(ends) == 3, [s.get("context") for s in t["samples"]]
+    assert [c["active_sequences"] for c in ends] == [0, 0, 0], ends
+    assert [c["requests_done"] for c in ends] == [1, 2, 3], ends

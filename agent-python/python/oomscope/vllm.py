@@ -197,32 +197,38 @@ class OomscopeStatLogger(_base()):
         # The fields this logger reads, read strictly: on a vLLM whose stats
         # lack one, the AttributeError stops the logger (with one warning)
         # rather than recording zeros as if they were measured.
+        finished = []
         if it is not None:
             self._preemptions += int(it.num_preempted_reqs or 0)
-            for fin in it.finished_requests or []:
-                latency = float(getattr(fin, "e2e_latency", 0.0) or 0.0)
-                oomscope.record_request(
-                    id=str(getattr(fin, "request_id", "") or ""),
-                    started_s_ago=latency,
-                    prompt_tokens=int(getattr(fin, "num_prompt_tokens", 0) or 0),
-                    output_tokens=int(getattr(fin, "num_generation_tokens", 0) or 0),
-                    max_tokens=int(getattr(fin, "max_tokens_param", 0) or 0),
-                )
+            finished = list(it.finished_requests or [])
         now = time.monotonic()
-        if sched is None or now - self._last < MIN_RECORD_INTERVAL_S:
-            return
-        self._last = now
-        usage = float(sched.kv_cache_usage or 0.0)
-        context = {
-            "active_sequences": int(sched.num_running_reqs or 0),
-            "queued": int(sched.num_waiting_reqs or 0),
-            "kv_cache_usage": usage,
-            "preemptions": self._preemptions,
-        }
-        if self._pool_bytes:
-            context["kv_cache_bytes"] = int(usage * self._pool_bytes)
-            context["kv_cache_capacity_bytes"] = self._pool_bytes
-        oomscope.set_context(**context)
+        # A step that finished requests updates the context whatever its age:
+        # each end is a boundary sample, and vLLM counts this step's running
+        # requests after removing the finished ones. A context up to
+        # MIN_RECORD_INTERVAL_S old would still show the request running, so
+        # no end of a request run alone would read as between requests.
+        if sched is not None and (finished or now - self._last >= MIN_RECORD_INTERVAL_S):
+            self._last = now
+            usage = float(sched.kv_cache_usage or 0.0)
+            context = {
+                "active_sequences": int(sched.num_running_reqs or 0),
+                "queued": int(sched.num_waiting_reqs or 0),
+                "kv_cache_usage": usage,
+                "preemptions": self._preemptions,
+            }
+            if self._pool_bytes:
+                context["kv_cache_bytes"] = int(usage * self._pool_bytes)
+                context["kv_cache_capacity_bytes"] = self._pool_bytes
+            oomscope.set_context(**context)
+        for fin in finished:
+            latency = float(getattr(fin, "e2e_latency", 0.0) or 0.0)
+            oomscope.record_request(
+                id=str(getattr(fin, "request_id", "") or ""),
+                started_s_ago=latency,
+                prompt_tokens=int(getattr(fin, "num_prompt_tokens", 0) or 0),
+                output_tokens=int(getattr(fin, "num_generation_tokens", 0) or 0),
+                max_tokens=int(getattr(fin, "max_tokens_param", 0) or 0),
+            )
 
     def log(self):
         pass

@@ -234,6 +234,9 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
             older_note.unwrap_or_default()
         ));
     }
+    if let (None, Some(Target::Instance(inst))) = (&incident, &target) {
+        add_member_causes(store, inst, &agent_id, req, &mut diagnosis)?;
+    }
     if diagnosis.agent.is_none() {
         diagnosis.agent = Some(agent_id);
     }
@@ -241,6 +244,98 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         diagnosis.incident = Some(inc.id);
     }
     Ok(diagnosis)
+}
+
+/// Causes found in one process's heap that an instance's main timeline
+/// cannot show: the heap censuses are the serving process's own (a vLLM API
+/// server's), and no other member's timeline holds them.
+const MEMBER_HEAP_CAUSES: &[&str] = &["leak", "gc_retained"];
+
+/// A leak hunt on an instance reads its main agent's timeline (the process
+/// with the allocator's view, else the supervisor); each other in-process
+/// member is diagnosed on its own too, and a heap cause found there that
+/// the instance's diagnosis lacks is added, saying which member it is in.
+fn add_member_causes(
+    store: &Store,
+    inst: &Instance,
+    main: &str,
+    req: &pb::DiagnoseRequest,
+    diagnosis: &mut pb::Diagnosis,
+) -> Result<(), Status> {
+    let mut added = false;
+    let mut member_fixes = Vec::new();
+    for m in inst
+        .members
+        .iter()
+        .filter(|m| m.agent_id != main && m.role != "supervisor")
+    {
+        let own = diagnose_request(
+            store,
+            &pb::DiagnoseRequest {
+                agent: m.agent_id.clone(),
+                from_ns: req.from_ns,
+                to_ns: req.to_ns,
+                ..Default::default()
+            },
+        )?;
+        let mut from_this = false;
+        for mut cause in own.causes {
+            if !MEMBER_HEAP_CAUSES.contains(&cause.kind.as_str())
+                || diagnosis.causes.iter().any(|c| c.kind == cause.kind)
+            {
+                continue;
+            }
+            // After the runway, which stays first.
+            let at = usize::from(
+                cause
+                    .evidence
+                    .first()
+                    .is_some_and(|e| e.starts_with("runway:")),
+            );
+            cause.evidence.insert(
+                at.min(cause.evidence.len()),
+                format!(
+                    "in the {} (agent {}): its heap censuses",
+                    m.role, m.agent_id
+                ),
+            );
+            diagnosis.causes.push(cause);
+            from_this = true;
+        }
+        if from_this {
+            added = true;
+            for fix in own.fixes {
+                if !diagnosis.fixes.iter().any(|f| f.action == fix.action) {
+                    member_fixes.push(fix);
+                }
+            }
+            if diagnosis.trigger.is_none() {
+                diagnosis.trigger = own.trigger;
+            }
+        }
+    }
+    if added {
+        let top = diagnosis.causes.first().map(|c| c.confidence);
+        diagnosis
+            .causes
+            .sort_by(|a, b| b.confidence.total_cmp(&a.confidence));
+        // A member's cause that now leads brings its fixes first.
+        let leads = top.is_none_or(|t| diagnosis.causes[0].confidence > t);
+        let at = if leads { 0 } else { diagnosis.fixes.len() };
+        diagnosis.fixes.splice(at..at, member_fixes);
+        // The first cause's runway heads the evidence, as for one process.
+        if let Some(runway) = diagnosis
+            .causes
+            .first()
+            .and_then(|c| c.evidence.first())
+            .filter(|e| e.starts_with("runway:"))
+        {
+            if diagnosis.evidence.first() != Some(runway) {
+                diagnosis.evidence.insert(0, runway.clone());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How long after the kernel's record of a kill its process's end is still

@@ -264,7 +264,8 @@ LEAKY_SITE = os.path.join(os.path.dirname(__file__), "leaky_site")
 def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path):
     # leaky_site/sitecustomize.py keeps every completion with 256 KiB in a
     # module-level list, which vLLM freezes with its start-up heap: the
-    # census must still say who holds the leak.
+    # census must still say who holds the leak, and the instance's leak hunt
+    # must name it within the 100 requests.
     collector = harness.Collector(tmp_path).start()
     cg = Cgroup("vllm-leak")
     v = Vllm(tmp_path, collector, "vllm-leak", cg,
@@ -281,6 +282,13 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
             return cs if len(cs) >= 3 and cs[-1]["referrer_chain"] else None
         censuses = harness.wait_for(chained, 60)
         assert censuses, "fewer than 3 censuses, or no chain"
+
+        # The leak hunt names the instance; the censuses are its API server's.
+        def leak():
+            d = collector.cli("diagnose", "--agent", "vllm-leak", "--json", check=False)
+            return d if any(c["kind"] == "leak" for c in d.get("causes", [])) else None
+        d = harness.wait_for(leak, 30, every=1.0)
+        assert d, collector.cli("diagnose", "--agent", "vllm-leak", "--json", check=False)
     finally:
         v.stop()
         collector.stop()
@@ -295,6 +303,17 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
     assert chain[0] == "module sitecustomize global KEPT", chain
     assert chain[1].startswith("list[") and chain[2].startswith("tuple["), chain
     assert any(".protocol.Completion" in step for step in chain), chain
+    # The verdict: a leak of the planted 256 KiB a request, in the API
+    # server, held by the list, with its runway first.
+    assert d["domain"] is None, d
+    leak = d["causes"][0]
+    assert leak["kind"] == "leak", d["causes"]
+    text = "\n".join(leak["evidence"])
+    assert "in the api_server" in text and "module sitecustomize global KEPT" in text, text
+    m = leak["metrics"]
+    assert abs(m["retained_type_bytes_per_request"] - 256 * 1024) <= 0.05 * 256 * 1024, m
+    assert m["requests_seen"] <= 100, m
+    assert leak["evidence"][0].startswith("runway: at ") and d["evidence"][0] == leak["evidence"][0], d
 
 
 def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_path):

@@ -3,8 +3,11 @@ Llama under `oomscope run`, with no other step: one instance with named
 processes, the KV and queue context from the plugin, a clean stop that is no
 incident, KV pool saturation as a capacity bound, `oomscope probe`'s context
 limit and KV bound, a real cgroup OOM kill of
-the Worker diagnosed with its victim and a fix in vLLM's own setting, and a
-KV reservation that cannot fit.
+the Worker diagnosed with its victim and a fix in vLLM's own setting, a
+KV reservation that cannot fit, and a leak planted in the API server named
+through vLLM's frozen heap. The leak test runs last: the OOM-kill test sizes
+its limit from the shared instance's peak and failed once (vLLM started
+within it) when the leak test's vLLM ran between them.
 
 Each vLLM start costs 60-90 s here (--enforce-eager skips torch.compile), so
 one served instance is shared by the tests that only read it."""
@@ -258,6 +261,62 @@ def test_a_clean_stop_is_no_incident(served):
     assert "lost" not in states.values(), states
 
 
+def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_path):
+    # The peak of the instance above (its 40-block pool is tiny): this one
+    # reserves VLLM_CPU_KVCACHE_SPACE=1 GiB on top, 500 MiB of which cannot fit.
+    peak = MEASURED.get("peak") or (1770 * MIB)
+    limit = peak + 524 * MIB
+    collector = harness.Collector(tmp_path).start()
+    cg = Cgroup("vllm-kill", limit)
+    v = Vllm(tmp_path, collector, "vllm-kill", cg)
+    try:
+        assert not v.wait_ready(), "vLLM started within %d MiB (peak %d MiB)" % (limit >> 20, peak >> 20)
+        v.wait_exit()
+        time.sleep(3)
+        incs = collector.cli("incidents", "--json")
+        assert len(incs) == 1, incs
+        d = collector.cli("diagnose", "--json")
+        assert d["domain"] == "cgroup", d
+        assert d["victim"]["title"] == "VLLM::Worker", d["victim"]
+        assert any("Killed process %d" % d["victim"]["pid"] in e for e in d["evidence"]), d["evidence"]
+        kv = [f for f in d["fixes"] if "--kv-cache-memory-bytes" in f["action"]]
+        assert kv and "VLLM_CPU_KVCACHE_SPACE" in kv[0]["action"], d["fixes"]
+        # Under 1 GiB: said in bytes, since VLLM_CPU_KVCACHE_SPACE takes whole GiB.
+        proposed = int(kv[0]["action"].split("--kv-cache-memory-bytes ")[1].split("`")[0])
+        assert 0 < proposed < 1 << 30, kv[0]
+        # The retest the fix asks for: the same server, the same limit, the proposed pool.
+        v.stop()
+        again = Vllm(tmp_path, collector, "vllm-retest", cg, "--kv-cache-memory-bytes", str(proposed),
+                     env={"VLLM_CPU_KVCACHE_SPACE": None})
+        try:
+            assert again.wait_ready(), "--kv-cache-memory-bytes %s did not fit under %d MiB:\n%s" % (
+                proposed, limit >> 20, again.log()[-3000:])
+            assert again.complete("hello world", 8)["choices"]
+        finally:
+            again.stop()
+    finally:
+        v.stop()
+        collector.stop()
+        cg.remove()
+
+
+def test_a_kv_reservation_larger_than_the_machine_is_its_own_verdict(tmp_path):
+    collector = harness.Collector(tmp_path).start()
+    cg = Cgroup("vllm-kv40")
+    v = Vllm(tmp_path, collector, "vllm-kv40", cg, env={"VLLM_CPU_KVCACHE_SPACE": "40"})
+    try:
+        assert not v.wait_ready()
+        assert v.wait_exit() != 0
+        time.sleep(2)
+        d = collector.cli("diagnose", "--json")
+        assert d["causes"][0]["kind"] == "kv_reservation", d["causes"]
+        assert any("VLLM_CPU_KVCACHE_SPACE" in f["action"] for f in d["fixes"]), d["fixes"]
+    finally:
+        v.stop()
+        collector.stop()
+        cg.remove()
+
+
 LEAKY_SITE = os.path.join(os.path.dirname(__file__), "leaky_site")
 
 
@@ -314,59 +373,3 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
     assert abs(m["retained_type_bytes_per_request"] - 256 * 1024) <= 0.05 * 256 * 1024, m
     assert m["requests_seen"] <= 100, m
     assert leak["evidence"][0].startswith("runway: at ") and d["evidence"][0] == leak["evidence"][0], d
-
-
-def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_path):
-    # The peak of the instance above (its 40-block pool is tiny): this one
-    # reserves VLLM_CPU_KVCACHE_SPACE=1 GiB on top, 500 MiB of which cannot fit.
-    peak = MEASURED.get("peak") or (1770 * MIB)
-    limit = peak + 524 * MIB
-    collector = harness.Collector(tmp_path).start()
-    cg = Cgroup("vllm-kill", limit)
-    v = Vllm(tmp_path, collector, "vllm-kill", cg)
-    try:
-        assert not v.wait_ready(), "vLLM started within %d MiB (peak %d MiB)" % (limit >> 20, peak >> 20)
-        v.wait_exit()
-        time.sleep(3)
-        incs = collector.cli("incidents", "--json")
-        assert len(incs) == 1, incs
-        d = collector.cli("diagnose", "--json")
-        assert d["domain"] == "cgroup", d
-        assert d["victim"]["title"] == "VLLM::Worker", d["victim"]
-        assert any("Killed process %d" % d["victim"]["pid"] in e for e in d["evidence"]), d["evidence"]
-        kv = [f for f in d["fixes"] if "--kv-cache-memory-bytes" in f["action"]]
-        assert kv and "VLLM_CPU_KVCACHE_SPACE" in kv[0]["action"], d["fixes"]
-        # Under 1 GiB: said in bytes, since VLLM_CPU_KVCACHE_SPACE takes whole GiB.
-        proposed = int(kv[0]["action"].split("--kv-cache-memory-bytes ")[1].split("`")[0])
-        assert 0 < proposed < 1 << 30, kv[0]
-        # The retest the fix asks for: the same server, the same limit, the proposed pool.
-        v.stop()
-        again = Vllm(tmp_path, collector, "vllm-retest", cg, "--kv-cache-memory-bytes", str(proposed),
-                     env={"VLLM_CPU_KVCACHE_SPACE": None})
-        try:
-            assert again.wait_ready(), "--kv-cache-memory-bytes %s did not fit under %d MiB:\n%s" % (
-                proposed, limit >> 20, again.log()[-3000:])
-            assert again.complete("hello world", 8)["choices"]
-        finally:
-            again.stop()
-    finally:
-        v.stop()
-        collector.stop()
-        cg.remove()
-
-
-def test_a_kv_reservation_larger_than_the_machine_is_its_own_verdict(tmp_path):
-    collector = harness.Collector(tmp_path).start()
-    cg = Cgroup("vllm-kv40")
-    v = Vllm(tmp_path, collector, "vllm-kv40", cg, env={"VLLM_CPU_KVCACHE_SPACE": "40"})
-    try:
-        assert not v.wait_ready()
-        assert v.wait_exit() != 0
-        time.sleep(2)
-        d = collector.cli("diagnose", "--json")
-        assert d["causes"][0]["kind"] == "kv_reservation", d["causes"]
-        assert any("VLLM_CPU_KVCACHE_SPACE" in f["action"] for f in d["fixes"]), d["fixes"]
-    finally:
-        v.stop()
-        collector.stop()
-        cg.remove()

@@ -7,6 +7,7 @@
 //! process tree joined to them, and every member's events and incidents.
 
 use anyhow::Result;
+use oomscope_analysis::runway::RUNWAY_PREFIX;
 use tonic::{Request, Response, Status};
 
 use crate::pb;
@@ -290,10 +291,10 @@ fn add_member_causes(
                 cause
                     .evidence
                     .first()
-                    .is_some_and(|e| e.starts_with("runway:")),
+                    .is_some_and(|e| e.starts_with(RUNWAY_PREFIX)),
             );
             cause.evidence.insert(
-                at.min(cause.evidence.len()),
+                at,
                 format!(
                     "in the {} (agent {}): its heap censuses",
                     m.role, m.agent_id
@@ -323,15 +324,17 @@ fn add_member_causes(
         let leads = top.is_none_or(|t| diagnosis.causes[0].confidence > t);
         let at = if leads { 0 } else { diagnosis.fixes.len() };
         diagnosis.fixes.splice(at..at, member_fixes);
-        // The first cause's runway heads the evidence, as for one process.
+        // The first cause's runway heads the evidence, as for one process
+        // (`analysis::diagnose`): in place of the main timeline's, if any.
         if let Some(runway) = diagnosis
             .causes
             .first()
             .and_then(|c| c.evidence.first())
-            .filter(|e| e.starts_with("runway:"))
+            .filter(|e| e.starts_with(RUNWAY_PREFIX))
         {
-            if diagnosis.evidence.first() != Some(runway) {
-                diagnosis.evidence.insert(0, runway.clone());
+            match diagnosis.evidence.first_mut() {
+                Some(first) if first.starts_with(RUNWAY_PREFIX) => first.clone_from(runway),
+                _ => diagnosis.evidence.insert(0, runway.clone()),
             }
         }
     }

@@ -30,6 +30,8 @@ pub(super) fn referrer_chain<'py>(
     skip: &[usize],
 ) -> PyResult<Vec<String>> {
     let gc = slices.py.import("gc")?;
+    // Not `sys._getframe()`: the agent's own thread has no Python frame.
+    let frame = slices.py.import("types")?.getattr("FrameType")?;
     let mut on_chain: HashSet<usize> = skip.iter().copied().collect();
     on_chain.insert(obj.as_ptr() as usize);
     // Innermost first.
@@ -37,13 +39,12 @@ pub(super) fn referrer_chain<'py>(
     let mut child = obj.clone();
     while holders.len() < MAX_CHAIN {
         let next = referrer_among(slices, &gc, objects, &child, |r| {
-            !on_chain.contains(&(r.as_ptr() as usize))
-                && !r.get_type().name().map(|n| n == "frame").unwrap_or(false)
+            !on_chain.contains(&(r.as_ptr() as usize)) && !r.get_type().is(&frame)
         })?;
         let Some(parent) = next else {
             let depth = MAX_CHAIN - holders.len();
             // Best effort: a walk that fails keeps the steps found so far.
-            let path = path_from_modules(slices, &gc, &child, &on_chain, depth);
+            let path = path_from_modules(slices, &gc, &frame, &child, &on_chain, depth);
             if let Some(path) = path.ok().flatten() {
                 holders.extend(path.into_iter().rev());
             }
@@ -137,14 +138,13 @@ fn describe_path<'py>(child: Bound<'py, PyAny>, holders: Vec<Bound<'py, PyAny>>)
 fn path_from_modules<'py>(
     slices: &mut Slices<'py>,
     gc: &Bound<'py, PyModule>,
+    frame: &Bound<'py, PyAny>,
     target: &Bound<'py, PyAny>,
     avoid: &HashSet<usize>,
     depth: usize,
 ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
     let py = slices.py;
     let referents = gc.getattr("get_referents")?;
-    // Not `sys._getframe()`: the agent's own thread has no Python frame.
-    let frame = py.import("types")?.getattr("FrameType")?;
     let mut globals: Vec<(bool, Bound<'py, PyAny>)> = Vec::new();
     for (name, module) in py
         .import("sys")?
@@ -196,7 +196,7 @@ fn path_from_modules<'py>(
                 }
                 // SAFETY: a live object, the GIL held.
                 let tracked = unsafe { pyo3::ffi::PyObject_GC_IsTracked(r.as_ptr()) } == 1;
-                if tracked && !r.get_type().is(&frame) && seen.insert(r.as_ptr() as usize) {
+                if tracked && !r.get_type().is(frame) && seen.insert(r.as_ptr() as usize) {
                     nodes.push((r, i));
                 }
             }

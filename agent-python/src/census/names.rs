@@ -48,11 +48,9 @@ pub(super) fn describe_holder(
     };
     if let Ok(d) = holder.cast::<PyDict>() {
         let key = d.iter().find(|(_, v)| v.is(child)).map(|(k, _)| k);
-        let module = d
-            .get_item("__name__")
-            .ok()
-            .flatten()
-            .filter(|_| d.contains("__builtins__").unwrap_or(false));
+        let module = is_module_globals(holder)
+            .then(|| d.get_item("__name__").ok().flatten())
+            .flatten();
         return match (module, key) {
             (Some(m), Some(k)) => (
                 format!(

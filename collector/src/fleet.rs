@@ -16,9 +16,10 @@ pub struct FleetPolicy {
     /// Five minutes spans the backoff of common restart policies (systemd's
     /// default 100 ms, Kubernetes' 10 s doubling to 5 min) for three deaths.
     pub crash_loop_window: Duration,
-    /// Agents of one service starting within `storm_window` that count as
-    /// restarting together. Three or more: one restart is routine.
-    pub storm_agents: usize,
+    /// Instances of one service starting within `storm_window` that count
+    /// as restarting together. Three or more: one restart is routine. (The
+    /// processes of one instance are one start.)
+    pub storm_instances: usize,
     /// Thirty seconds: replicas restarted by one event come up within it.
     pub storm_window: Duration,
     /// How long after the first start the request burst is measured.
@@ -38,7 +39,7 @@ impl Default for FleetPolicy {
         FleetPolicy {
             crash_loop_deaths: 3,
             crash_loop_window: Duration::from_secs(300),
-            storm_agents: 3,
+            storm_instances: 3,
             storm_window: Duration::from_secs(30),
             burst_window: Duration::from_secs(30),
             burst_factor: 3.0,
@@ -57,10 +58,12 @@ pub struct Death {
     pub kind: String,
 }
 
-/// One agent of a service that started (said its first Hello).
+/// One instance of a service that started: its first agent's Hello. The
+/// processes of one instance (a vLLM's supervisor, API server, engine core
+/// and workers) start together by design; only instances restart.
 #[derive(Clone, Debug)]
 pub struct Start {
-    pub agent_id: String,
+    pub instance: String,
     pub time_ns: i64,
 }
 
@@ -124,8 +127,8 @@ pub fn crash_loop(service: &str, deaths: &[Death], p: &FleetPolicy) -> Option<Fi
     })
 }
 
-/// A restart storm: `storm_agents` starts within `storm_window`, followed by
-/// a request burst well above the service's rate before them. `requests` are
+/// A restart storm: `storm_instances` instance starts within `storm_window`,
+/// followed by a request burst well above the service's rate before them. `requests` are
 /// the times of the service's request starts, from any of its agents.
 pub fn restart_storm(
     service: &str,
@@ -133,7 +136,7 @@ pub fn restart_storm(
     requests: &[i64],
     p: &FleetPolicy,
 ) -> Option<Finding> {
-    let n = p.storm_agents.max(2);
+    let n = p.storm_instances.max(2);
     if starts.len() < n {
         return None;
     }
@@ -172,13 +175,13 @@ pub fn restart_storm(
     Some(Finding {
         time_ns: group.last().unwrap().time_ns,
         summary: format!(
-            "restart storm: {} agents of service {service:?} started within {:.1} s, then {burst} requests in {:.0} s",
+            "restart storm: {} instances of service {service:?} started within {:.1} s, then {burst} requests in {:.0} s",
             group.len(),
             secs(spread),
             p.burst_window.as_secs_f64()
         ),
         evidence: vec![
-            format!("{} agents of {service:?} started within {:.1} s (window {:.0} s)", group.len(), secs(spread), p.storm_window.as_secs_f64()),
+            format!("{} instances of {service:?} started within {:.1} s (window {:.0} s)", group.len(), secs(spread), p.storm_window.as_secs_f64()),
             format!(
                 "{burst} requests in the {:.0} s after the first start ({burst_rate:.1}/s) vs {before} in the {:.0} s before ({base_rate:.2}/s): {ratio}",
                 p.burst_window.as_secs_f64(),
@@ -225,7 +228,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, &t)| Start {
-                agent_id: format!("a{i}"),
+                instance: format!("i{i}"),
                 time_ns: t * S,
             })
             .collect();

@@ -312,7 +312,7 @@ pub fn check_fleet(
         .saturating_sub(nanos(policy.storm_window).saturating_add(nanos(policy.burst_window)));
     if !store.has_incident_of_name(&name, RESTART_STORM, storm_since)? {
         let starts = store.starts_of(&name, storm_since)?;
-        if starts.len() >= policy.storm_agents {
+        if starts.len() >= policy.storm_instances {
             let from = starts[0]
                 .time_ns
                 .saturating_sub(nanos(policy.baseline_window));

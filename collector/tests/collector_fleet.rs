@@ -1,7 +1,8 @@
 //! Fleet patterns over real gRPC: a crash loop (one service's agents dying
-//! again and again) and a restart storm (several agents of one service
+//! again and again) and a restart storm (several instances of one service
 //! starting together, then a burst of requests). Both fire on a scripted
-//! storm and stay silent on a single restart.
+//! storm and stay silent on a single restart, and on the processes of one
+//! multi-process instance starting together.
 
 #[path = "collector_support.rs"]
 mod support;
@@ -27,6 +28,28 @@ fn request(seq: u64, id: &str) -> pb::AgentMessage {
             ..Default::default()
         }),
     )
+}
+
+/// The storm's windows shrunk from minutes to seconds, so a test takes seconds.
+fn storm_policy() -> oomscope_collector::fleet::FleetPolicy {
+    oomscope_collector::fleet::FleetPolicy {
+        storm_window: Duration::from_secs(1),
+        burst_window: Duration::from_secs(5),
+        baseline_window: Duration::from_secs(10),
+        ..Default::default()
+    }
+}
+
+/// `n` replicas of service `name`, one on each of `n` nodes: each its own
+/// instance (agents of one name on one host join one instance).
+async fn replicas(run: &Running, name: &str, n: usize) -> Vec<AgentStream> {
+    let mut agents = Vec::new();
+    for i in 0..n {
+        let mut h = hello(&format!("{name}-{i}"), name);
+        h.host = format!("node-{i}");
+        agents.push(run.agent(h).await);
+    }
+    agents
 }
 
 async fn incidents_of(run: &Running, name: &str) -> Vec<pb::Incident> {
@@ -125,14 +148,7 @@ async fn a_single_restart_is_neither_a_loop_nor_a_storm() {
 #[tokio::test]
 async fn agents_restarting_together_then_a_burst_is_a_restart_storm() {
     let tmp = tempfile::tempdir().unwrap();
-    // Windows shrunk from minutes to seconds so the test takes seconds.
-    let policy = oomscope_collector::fleet::FleetPolicy {
-        storm_window: Duration::from_secs(1),
-        burst_window: Duration::from_secs(5),
-        baseline_window: Duration::from_secs(10),
-        ..Default::default()
-    };
-    let run = start_with(&tmp.path().join("db"), GRACE, policy).await;
+    let run = start_with(&tmp.path().join("db"), GRACE, storm_policy()).await;
     // Before the outage: one agent serving a trickle of 3 requests.
     let mut old = run.agent(hello("api-old", "api")).await;
     for s in 1..=3 {
@@ -142,11 +158,8 @@ async fn agents_restarting_together_then_a_burst_is_a_restart_storm() {
     old.close();
     drop(old);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    // The restart: four agents at once, each flooded with retried requests.
-    let mut agents = Vec::new();
-    for i in 0..4 {
-        agents.push(run.agent(hello(&format!("api-{i}"), "api")).await);
-    }
+    // The restart: four replicas at once, each flooded with retried requests.
+    let mut agents = replicas(&run, "api", 4).await;
     for (i, a) in agents.iter_mut().enumerate() {
         for s in 1..=10 {
             a.send(request(s, &format!("retry-{i}-{s}"))).await;
@@ -158,7 +171,7 @@ async fn agents_restarting_together_then_a_burst_is_a_restart_storm() {
         .expect("a restart storm incident");
     assert!(
         inc.summary
-            .contains("4 agents of service \"api\" started within"),
+            .contains("4 instances of service \"api\" started within"),
         "{}",
         inc.summary
     );
@@ -207,5 +220,46 @@ async fn simultaneous_starts_with_ordinary_traffic_are_no_storm() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(incidents_of(&run, "calm").await.is_empty());
+    run.stop().await;
+}
+
+/// A vLLM under `oomscope run` is four processes with agents that start
+/// within seconds (supervisor, API server, engine core, worker), and a test
+/// or a client sends its first burst right after: one start, not a storm.
+#[tokio::test]
+async fn the_processes_of_one_instance_starting_together_are_no_storm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = start_with(&tmp.path().join("db"), GRACE, storm_policy()).await;
+    let mut agents = Vec::new();
+    for (i, role) in ["supervisor", "api_server", "engine_core", "worker"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut h = hello(&format!("vllm-{i}"), "vllm");
+        h.role = role.into();
+        h.pid = 5000 + i as u32;
+        if i > 0 {
+            h.instance = "vllm-0".into(); // as `oomscope run` passes it on
+        }
+        agents.push(run.agent(h).await);
+    }
+    let api = &mut agents[1];
+    for s in 1..=40 {
+        api.send(request(s, &format!("burst-{s}"))).await;
+    }
+    api.acks_covering(&(1..=40).collect(), |_| {}).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        incidents_of(&run, "vllm").await.is_empty(),
+        "one instance's processes are one start"
+    );
+    // The same four as four separate instances (replicas) with the same
+    // burst are a storm: the count is what differs.
+    let mut replicas = replicas(&run, "replicas", 4).await;
+    for s in 1..=40 {
+        replicas[0].send(request(s, &format!("r-{s}"))).await;
+    }
+    replicas[0].acks_covering(&(1..=40).collect(), |_| {}).await;
+    assert!(wait_for(&run, "replicas", "restart_storm").await.is_some());
     run.stop().await;
 }

@@ -87,9 +87,11 @@ pub struct Agent {
     pub blocks_next_ns: AtomicI64,
     pub last_census: Mutex<Option<Instant>>,
     /// Censuses taken, and the longest any of them held the GIL at a time
-    /// (shown by `stats()`).
+    /// with the thread's CPU time in that hold, in ns (shown by `stats()`).
+    /// One lock for the pair: two censuses (the sampler's and a caller's
+    /// `census()`) can interleave between their slices.
     pub censuses: AtomicU64,
-    pub census_longest_hold_ns: AtomicU64,
+    pub census_longest_hold: Mutex<(u64, u64)>,
     /// A census waits for a moment with no request in flight: every request
     /// end wakes the sampler to look, not only those that find the hand-off
     /// empty.
@@ -166,7 +168,7 @@ impl Agent {
             blocks_next_ns: AtomicI64::new(0),
             last_census: Mutex::new(None),
             censuses: AtomicU64::new(0),
-            census_longest_hold_ns: AtomicU64::new(0),
+            census_longest_hold: Mutex::new((0, 0)),
             census_waiting: AtomicBool::new(false),
             sampler: Sampler::new(JOB_QUEUE),
             hold_until,
@@ -491,8 +493,12 @@ impl Agent {
         *lock(&self.last_census) = Some(Instant::now());
         let c = result?;
         self.censuses.fetch_add(1, Ordering::Relaxed);
-        self.census_longest_hold_ns
-            .fetch_max(c.longest_hold_ns, Ordering::Relaxed);
+        {
+            let mut longest = lock(&self.census_longest_hold);
+            if c.longest_hold_ns > longest.0 {
+                *longest = (c.longest_hold_ns, c.longest_hold_cpu_ns);
+            }
+        }
         self.send_event(pb::event::Kind::HeapCensus(c.clone()));
         Ok(c)
     }
@@ -507,19 +513,30 @@ impl Agent {
     /// `exit_flush` for the collector's acks.
     /// A held agent says nothing, not even Goodbye (see agent-core's reporter).
     pub fn stop(&self, py: Python<'_>, reason: &str, exit_code: i32) -> bool {
-        let sampler = &self.sampler;
-        let reporter = self.reporter.clone();
+        // The sampler takes the GIL for its readings: it must be released
+        // while the sampler finishes.
+        py.detach(|| {
+            self.sampler.stop();
+            self.goodbye(reason, exit_code)
+        })
+    }
+
+    /// Stops the sampler (GIL released), leaving the stream open for a
+    /// Goodbye that comes later, without Python (see `exit`).
+    pub fn stop_sampler(&self, py: Python<'_>) {
+        py.detach(|| self.sampler.stop());
+    }
+
+    /// Sends the Goodbye and waits up to `exit_flush` for the acks. Touches
+    /// no Python: the caller has released the GIL, or the interpreter is gone.
+    pub fn goodbye(&self, reason: &str, exit_code: i32) -> bool {
         let goodbye = pb::Goodbye {
             reason: reason.to_string(),
             exit_code,
         };
-        let wait = self.config.exit_flush;
-        py.detach(move || {
-            // The sampler takes the GIL for its readings: it must be released
-            // while the sampler finishes.
-            sampler.stop();
-            reporter.shutdown(goodbye, wait)
-        })
+        self.reporter
+            .clone()
+            .shutdown(goodbye, self.config.exit_flush)
     }
 }
 

@@ -25,6 +25,7 @@ pub mod agent;
 pub mod census;
 pub mod config;
 pub mod context;
+pub mod exit;
 pub mod handoff;
 pub mod own_heap;
 pub mod pyjson;
@@ -101,6 +102,7 @@ fn start(py: Python<'_>, autostart: bool, kwargs: Option<&Bound<'_, PyDict>>) ->
 fn launch(py: Python<'_>, config: Config) {
     let (agent, probe) = Agent::start(py, config);
     sampler::start(&agent, probe);
+    exit::register();
     *lock(&AGENT) = Some(agent);
 }
 
@@ -115,6 +117,22 @@ fn stop(py: Python<'_>, reason: &str, exit_code: i32) -> bool {
         Some(a) => a.stop(py, reason, exit_code),
         None => false,
     }
+}
+
+/// Python's atexit: stops the sampler while the interpreter can still
+/// answer it, and leaves the Goodbye to the process's exit, which knows the
+/// status it ends with (see `exit`). Returns False when it cannot (no agent,
+/// or no exit callback on this platform): the caller says Goodbye now.
+#[pyfunction]
+fn stop_at_exit(py: Python<'_>) -> bool {
+    if !exit::register() {
+        return false;
+    }
+    let taken = lock(&AGENT).take();
+    let Some(a) = taken else { return false };
+    a.stop_sampler(py);
+    exit::defer(a);
+    true
 }
 
 #[pyfunction]
@@ -388,6 +406,7 @@ fn ensure_torch_hooks(py: Python<'_>) {
 fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
     let Some(a) = current() else { return Ok(None) };
     let s = a.reporter.stats();
+    let longest_hold = *lock(&a.census_longest_hold);
     let v = serde_json::json!({
         "agent_id": a.agent_id, "pid": a.pid, "sent": s.sent, "acked": s.acked, "dropped": s.dropped,
         "spooled": s.spooled, "rejected": s.rejected, "connected": s.connected,
@@ -398,7 +417,8 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "held": a.reporter.held(),
         "agent_heap_bytes": own_heap::live_bytes(),
         "censuses": a.censuses.load(Ordering::Relaxed),
-        "census_longest_hold_ms": a.census_longest_hold_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        "census_longest_hold_ms": longest_hold.0 as f64 / 1e6,
+        "census_longest_hold_cpu_ms": longest_hold.1 as f64 / 1e6,
     });
     Ok(Some(pythonize(py, &v)?))
 }
@@ -493,6 +513,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     oomscope_agent_core::own_heap::set_reader(own_heap::live_bytes);
     m.add_function(wrap_pyfunction!(start, m)?)?;
     m.add_function(wrap_pyfunction!(stop, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_at_exit, m)?)?;
     m.add_function(wrap_pyfunction!(is_running, m)?)?;
     m.add_function(wrap_pyfunction!(agent_id, m)?)?;
     m.add_function(wrap_pyfunction!(set_labels, m)?)?;

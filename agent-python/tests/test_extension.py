@@ -379,8 +379,9 @@ def test_a_census_holds_the_gil_in_slices_and_says_its_longest(collector):
         c = oomscope.census(budget_s=30)
         st = oomscope.stats()
         print("C", json.dumps({k: c[k] for k in ("duration_ns", "longest_hold_ns",
-                                                  "objects_scanned")}))
-        print("S", json.dumps({k: st[k] for k in ("censuses", "census_longest_hold_ms")}))
+                                                  "longest_hold_cpu_ns", "objects_scanned")}))
+        print("S", json.dumps({k: st[k] for k in ("censuses", "census_longest_hold_ms",
+                                                  "census_longest_hold_cpu_ms")}))
         assert oomscope.flush(10)
         """ % collector.url)
     c = json.loads(out.split("C ")[1].splitlines()[0])
@@ -391,8 +392,13 @@ def test_a_census_holds_the_gil_in_slices_and_says_its_longest(collector):
     assert 0 < c["longest_hold_ns"] < c["duration_ns"] / 2, c
     assert st["censuses"] == 1, st
     assert abs(st["census_longest_hold_ms"] * 1e6 - c["longest_hold_ns"]) < 1, (st, c)
+    # The thread's CPU time in that hold: some, and no more than the hold
+    # (its clock is read just after the hold's end: 1 ms of slack).
+    assert 0 < c["longest_hold_cpu_ns"] <= c["longest_hold_ns"] + 1_000_000, c
+    assert abs(st["census_longest_hold_cpu_ms"] * 1e6 - c["longest_hold_cpu_ns"]) < 1, (st, c)
     censuses = events(collector.timeline("slices"), "heap_census")
-    assert [x["longest_hold_ns"] for x in censuses] == [c["longest_hold_ns"]], censuses
+    assert [(x["longest_hold_ns"], x["longest_hold_cpu_ns"]) for x in censuses] == [
+        (c["longest_hold_ns"], c["longest_hold_cpu_ns"])], censuses
 
 
 def test_a_census_keeps_its_lists_out_of_gcs_sight(collector):

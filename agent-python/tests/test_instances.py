@@ -77,8 +77,57 @@ def sleeper(collector, name, setup="", **kw):
                             stdout=subprocess.PIPE, text=True, **kw)
 
 
+def summary_of(collector, agent_id):
+    """The collector's summary of one agent ({} while it has none)."""
+    return next((a for a in collector.agents() if a["hello"]["agent_id"] == agent_id), {})
+
+
 def state_of(collector, agent_id):
-    return next((a["state"] for a in collector.agents() if a["hello"]["agent_id"] == agent_id), None)
+    return summary_of(collector, agent_id).get("state")
+
+
+def exit_code_of(collector, agent_id):
+    """Its Goodbye's status (absent: 0, as the proto reads it)."""
+    return (summary_of(collector, agent_id).get("goodbye") or {}).get("exit_code", 0)
+
+
+#: How a process ends: (its last line, its Goodbye's reason and status, the
+#: status the parent sees).
+ENDINGS = {
+    "returns": ("pass", "interpreter exit", 0, 0),
+    "exits": ("sys.exit(3)", "interpreter exit", 3, 3),
+    "raises": ("raise ValueError('boom')", "interpreter exit", 1, 1),
+    # The interpreter ends itself by SIGINT after its exit callbacks.
+    "interrupted": ("raise KeyboardInterrupt", "KeyboardInterrupt", 130, -signal.SIGINT),
+}
+
+
+def test_the_goodbye_carries_the_status_the_process_exits_with(collector):
+    """Python decides the exit status after its atexit callbacks: the agent
+    says the Goodbye from the C library's exit with it, so a process that
+    exits 1 is not taken for a clean stop (see the killed-worker test)."""
+    code = """
+import sys, time, oomscope
+while oomscope.stats()["held"] or not oomscope.stats()["connected"]:
+    time.sleep(0.05)
+print(oomscope.agent_id(), flush=True)
+%s
+"""
+    procs = {name: subprocess.Popen([sys.executable, "-c", code % e[0]], env=env_for(collector, OOMSCOPE_NAME=name),
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for name, e in ENDINGS.items()}
+    ids = {name: p.stdout.readline().strip() for name, p in procs.items()}
+    assert all(ids.values()), ids
+    assert {name: p.wait(30) for name, p in procs.items()} == {name: e[3] for name, e in ENDINGS.items()}
+
+    def goodbyes():
+        by_id = {a["hello"]["agent_id"]: a for a in collector.agents()}  # one listing a look
+        g = {name: by_id.get(i, {}).get("goodbye") for name, i in ids.items()}
+        return g if all(g.values()) else None
+    g = wait_for(goodbyes, 10)
+    assert g, "not every process said Goodbye: %s" % collector.agents()
+    said = {name: (x.get("reason"), x.get("exit_code", 0)) for name, x in g.items()}
+    assert said == {name: (e[1], e[2]) for name, e in ENDINGS.items()}, said
 
 
 def test_sigterm_says_goodbye_and_the_process_still_dies_by_sigterm(collector):
@@ -96,6 +145,9 @@ def test_sigterm_says_goodbye_and_the_process_still_dies_by_sigterm(collector):
         assert own.wait(20) == 3
         assert wait_for(lambda: state_of(collector, ids[default]) == "disconnected", 10), "no Goodbye on SIGTERM"
         assert wait_for(lambda: state_of(collector, ids[own]) == "disconnected", 10)
+        # Each Goodbye carries the status its process ended with.
+        assert exit_code_of(collector, ids[default]) == 128 + signal.SIGTERM
+        assert exit_code_of(collector, ids[own]) == 3
         time.sleep(1)
         assert ignored.poll() is None, "an ignored SIGTERM killed the process"
         assert state_of(collector, ids[ignored]) == "connected"
@@ -190,6 +242,11 @@ def test_a_killed_worker_takes_the_api_process_down_as_vllms_does(collector, ser
     assert wait_for(lambda: line in open(s.log.name).read(), 10, every=0.05), open(s.log.name).read()
     assert time.monotonic() - t0 < 1.5, "noticed late"
     assert s.proc.wait(60) == 1
+    # The server's Goodbye says it exited 1: no clean stop that would cover
+    # the worker's broken stream, however soon after the kill it came.
+    server_id = by_pid[s.proc.pid]["agent_id"]
+    assert wait_for(lambda: state_of(collector, server_id) == "disconnected", 10)
+    assert exit_code_of(collector, server_id) == 1
     assert wait_for(lambda: state_of(collector, by_pid[victim]["agent_id"]) == "lost", 15)
     for pid in (workers[0]["pid"], s.proc.pid):  # the rest stopped cleanly
         assert wait_for(lambda: state_of(collector, by_pid[pid]["agent_id"]) == "disconnected", 10), pid

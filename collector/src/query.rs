@@ -475,30 +475,62 @@ fn readings_for(
 pub const JOIN_RANGE_FACTOR: usize = 4;
 
 /// Gives each sample without a context of its own the latest context of
-/// `theirs` at or before it (no older than [`TREE_JOIN_MAX_AGE_NS`]).
+/// `theirs` at or before it (no older than [`TREE_JOIN_MAX_AGE_NS`]), with
+/// the KV pool at its fullest over `theirs` since the sample before: the
+/// highest usage, bytes and queue. The serving process reads more often than
+/// the main agent samples (a vLLM API server at each request end), and a
+/// pool full between two samples is the evidence of a saturation.
 fn join_context(samples: &mut [pb::TimedSample], theirs: &[pb::TimedSample]) {
-    let with_context: Vec<&pb::Sample> = theirs
+    let with_context: Vec<(&pb::Sample, &pb::RequestContext)> = theirs
         .iter()
         .filter_map(|s| s.sample.as_ref())
-        .filter(|s| s.context.is_some())
+        .filter_map(|s| Some((s, s.context.as_ref()?)))
         .collect();
-    let mut j = 0;
+    let mut next = 0;
     for s in samples.iter_mut() {
         let Some(sample) = s.sample.as_mut() else {
             continue;
         };
-        if sample.context.is_some() {
+        let mut fullest = KvFullest::default();
+        while next < with_context.len() && with_context[next].0.time_ns <= sample.time_ns {
+            fullest.see(with_context[next].1);
+            next += 1;
+        }
+        if sample.context.is_some() || next == 0 {
             continue;
         }
-        while j + 1 < with_context.len() && with_context[j + 1].time_ns <= sample.time_ns {
-            j += 1;
+        let (latest, c) = with_context[next - 1];
+        if (0..=TREE_JOIN_MAX_AGE_NS).contains(&(sample.time_ns - latest.time_ns)) {
+            let mut c = c.clone();
+            fullest.apply(&mut c);
+            sample.context = Some(c);
         }
-        if let Some(c) = with_context.get(j) {
-            let age = sample.time_ns - c.time_ns;
-            if (0..=TREE_JOIN_MAX_AGE_NS).contains(&age) {
-                sample.context = c.context.clone();
-            }
+    }
+}
+
+/// The fullest the KV pool was over a run of readings.
+#[derive(Default)]
+struct KvFullest {
+    usage: Option<f64>,
+    bytes: u64,
+    queued: u64,
+}
+
+impl KvFullest {
+    fn see(&mut self, c: &pb::RequestContext) {
+        if let Some(&u) = c.numbers.get("kv_cache_usage").filter(|u| u.is_finite()) {
+            self.usage = Some(self.usage.map_or(u, |m| m.max(u)));
         }
+        self.bytes = self.bytes.max(c.kv_cache_bytes);
+        self.queued = self.queued.max(c.queued);
+    }
+
+    fn apply(&self, c: &mut pb::RequestContext) {
+        if let Some(u) = self.usage {
+            c.numbers.insert("kv_cache_usage".into(), u);
+        }
+        c.kv_cache_bytes = c.kv_cache_bytes.max(self.bytes);
+        c.queued = c.queued.max(self.queued);
     }
 }
 
@@ -601,6 +633,57 @@ mod tests {
             })
             .collect();
         assert_eq!(queued, [None, Some(2), Some(9)]);
+    }
+
+    #[test]
+    fn a_joined_context_keeps_the_pools_fullest_moment_since_the_sample_before() {
+        let ctx = |t: i64, usage: f64, queued: u64, running: u64| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                context: Some(pb::RequestContext {
+                    queued,
+                    active_sequences: running,
+                    numbers: [("kv_cache_usage".to_string(), usage)].into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // The API server's readings: full for a moment at 150, between the
+        // main agent's samples at 50 and 210.
+        let theirs = [
+            ctx(100, 0.5, 1, 3),
+            ctx(150, 0.95, 6, 9),
+            ctx(200, 0.4, 0, 2),
+            ctx(400, 0.3, 0, 1),
+        ];
+        let mut main = vec![
+            sample(50, 0),
+            sample(210, 0),
+            sample(300, 0),
+            sample(450, 0),
+        ];
+        join_context(&mut main, &theirs);
+        let got: Vec<Option<(f64, u64, u64)>> = main
+            .iter()
+            .map(|s| {
+                let c = s.sample.as_ref().unwrap().context.as_ref()?;
+                Some((c.numbers["kv_cache_usage"], c.queued, c.active_sequences))
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                None,
+                // The fullest usage and queue since 50; the running count as of 200.
+                Some((0.95, 6, 2)),
+                // Nothing new since 210: the latest as it was.
+                Some((0.4, 0, 2)),
+                Some((0.3, 0, 1)),
+            ]
+        );
     }
 
     #[test]

@@ -84,7 +84,7 @@ pub fn agents(agents: &[pb::AgentSummary]) -> String {
                 "  {:<38} {:<20} {:<12} {:>8} {:>8} {:>7}  {}",
                 terminal(&h.agent_id),
                 terminal(&role),
-                a.state,
+                state_of(a),
                 a.samples,
                 a.events,
                 h.pid,
@@ -93,6 +93,15 @@ pub fn agents(agents: &[pb::AgentSummary]) -> String {
         }
     }
     out
+}
+
+/// An agent's state; one that said Goodbye with a failing status shows it
+/// ("exit 1"): a server that gave up after a worker died is no clean stop.
+fn state_of(a: &pb::AgentSummary) -> String {
+    match &a.goodbye {
+        Some(g) if a.state == "disconnected" && g.exit_code != 0 => format!("exit {}", g.exit_code),
+        _ => a.state.clone(),
+    }
 }
 
 /// A whole rendering for a terminal: control characters other than its own
@@ -478,10 +487,15 @@ mod tests {
 
     #[test]
     fn agents_are_listed_one_instance_per_line_with_its_processes_under_it() {
+        let mut api = agent("api", "sup", "api_server", 11, "disconnected");
+        api.goodbye = Some(pb::Goodbye {
+            reason: "interpreter exit".into(),
+            exit_code: 1,
+        });
         let text = agents(&[
             agent("sup", "sup", "supervisor", 10, "disconnected"),
-            agent("api", "sup", "api_server", 11, "connected"),
-            agent("worker", "sup", "worker", 12, "lost"),
+            api,
+            agent("worker", "sup", "worker", 12, "connected"),
             agent("solo", "solo", "server", 20, "connected"),
         ]);
         let lines: Vec<&str> = text.lines().collect();
@@ -497,6 +511,11 @@ mod tests {
         );
         assert!(
             lines[2].starts_with("  sup ") && lines[4].starts_with("  worker "),
+            "{text}"
+        );
+        // How the API server ended: its Goodbye's status.
+        assert!(
+            lines[2].contains(" disconnected ") && lines[3].contains(" exit 1 "),
             "{text}"
         );
         // A single-process instance is one line.

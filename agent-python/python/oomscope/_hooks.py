@@ -92,8 +92,16 @@ def _install_sigterm():
 
 
 def _at_exit():
+    """The Goodbye carries the status the process ends with, which is
+    decided only after atexit: the native side says it from the C library's
+    exit (stop_at_exit), or here when it cannot. An uncaught
+    KeyboardInterrupt ends the interpreter by SIGINT, past any exit
+    callback: said now, as 128 + SIGINT."""
     try:
-        _native.stop("interpreter exit")
+        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            _native.stop("KeyboardInterrupt", 128 + signal.SIGINT)
+        elif not _native.stop_at_exit():
+            _native.stop("interpreter exit")
     except Exception:  # noqa: BLE001 - exit must go on
         pass
 

@@ -439,6 +439,7 @@ impl Store {
                     samples: r.get::<_, i64>(6)? as u64,
                     events: r.get::<_, i64>(7)? as u64,
                     instance: r.get(8)?,
+                    goodbye: None,
                 },
             ))
         })?;
@@ -446,6 +447,10 @@ impl Store {
         for row in rows {
             let (agent_id, hello, mut summary) = row?;
             summary.hello = Some(decode_hello(&agent_id, &hello)?);
+            if summary.state == "disconnected" {
+                // An index seek (messages_by_time) per agent that said one.
+                summary.goodbye = self.latest_goodbye(&agent_id)?.map(|(_, g)| g);
+            }
             agents.push(summary);
         }
         Ok(agents)
@@ -542,14 +547,17 @@ impl Store {
 /// What the fleet detectors need: one service's (agent name's) starts,
 /// deaths and requests over a time range.
 impl Store {
-    /// When each agent named `name` first said Hello, from `since_ns` on (collector clock).
+    /// When each instance with agents named `name` started (its first
+    /// agent's Hello, collector clock), for the instances started from
+    /// `since_ns` on.
     pub fn starts_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Start>> {
         let mut stmt = self.conn.prepare_cached(
-            "SELECT agent_id, first_seen_ns FROM agents WHERE name = ?1 AND first_seen_ns >= ?2 ORDER BY first_seen_ns",
+            "SELECT instance, MIN(first_seen_ns) AS started FROM agents WHERE name = ?1
+             GROUP BY instance HAVING started >= ?2 ORDER BY started",
         )?;
         let rows = stmt.query_map(params![name, since_ns], |r| {
             Ok(crate::fleet::Start {
-                agent_id: r.get(0)?,
+                instance: r.get(0)?,
                 time_ns: r.get(1)?,
             })
         })?;

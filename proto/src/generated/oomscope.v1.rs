@@ -676,6 +676,9 @@ pub struct Rlimits {
 pub struct Goodbye {
     #[prost(string, tag = "1")]
     pub reason: ::prost::alloc::string::String,
+    /// The status the process exits with: the Python agent says its
+    /// interpreter's exit from the C library's exit (see agent-python's
+    /// exit.rs), 128 + N for a signal it passes on; 0 where it cannot know.
     #[prost(int32, tag = "2")]
     pub exit_code: i32,
 }
@@ -978,6 +981,11 @@ pub struct HeapCensus {
     /// listing gc's objects is one pass that cannot be cut). 0 from older agents.
     #[prost(uint64, tag = "9")]
     pub longest_hold_ns: u64,
+    /// The agent thread's CPU time in that hold. Less than longest_hold_ns when
+    /// the thread was descheduled while it held the GIL (cores shared with a busy
+    /// server): the part the machine added, not the census. 0 from older agents.
+    #[prost(uint64, tag = "10")]
+    pub longest_hold_cpu_ns: u64,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -1398,6 +1406,9 @@ pub struct AgentSummary {
     /// resolved it.
     #[prost(string, tag = "8")]
     pub instance: ::prost::alloc::string::String,
+    /// How it said it ended (state "disconnected"): its reason and exit status.
+    #[prost(message, optional, tag = "9")]
+    pub goodbye: ::core::option::Option<Goodbye>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

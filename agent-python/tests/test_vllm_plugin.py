@@ -75,14 +75,37 @@ def test_the_plugin_tags_the_agent_and_the_stats_become_context_and_requests(col
     assert "stats of this vLLM differ" in r.stderr or "stopped" in r.stderr, r.stderr
 
 
-ALONE_RUN = textwrap.dedent('''
-    import sys, time, types, oomscope
-    from oomscope import vllm as plugin
-    oomscope.start(collector=sys.argv[1], name="vllm-alone", interval_s=5, boundary_min_interval_s=0)
-    ns = types.SimpleNamespace
-    config = ns(cache_config=ns(num_gpu_blocks=40, block_size=16), scheduler_config=ns(),
-                model_config=ns(hf_config=ns()))
-    log = plugin.OomscopeStatLogger(config, engine_index=0)  # the default record interval
+def logger_run(name, steps):
+    """A script: an agent named `name` (its samples at request ends only),
+    vLLM's stat logger at its default record interval over a minimal
+    config, then `steps` (which drive `log`), then the agent id printed."""
+    return textwrap.dedent('''
+        import sys, time, types, oomscope
+        from oomscope import vllm as plugin
+        oomscope.start(collector=sys.argv[1], name=%r, interval_s=5, boundary_min_interval_s=0)
+        ns = types.SimpleNamespace
+        config = ns(cache_config=ns(num_gpu_blocks=40, block_size=16), scheduler_config=ns(),
+                    model_config=ns(hf_config=ns()))
+        log = plugin.OomscopeStatLogger(config, engine_index=0)
+    ''') % name + textwrap.dedent(steps) + textwrap.dedent('''
+        print(oomscope.agent_id())
+        assert oomscope.flush(10)
+        oomscope.stop()
+    ''')
+
+
+def request_end_contexts(collector, script):
+    """Runs `script` (a logger_run) against `collector`: the contexts of its
+    request-end samples, and its whole timeline."""
+    r = subprocess.run([sys.executable, "-c", script, collector.url], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    t = collector.timeline(r.stdout.strip().splitlines()[-1])
+    return [s["context"] for s in t["samples"]
+            if s.get("context") and s["context"].get("phase") == "after_request"], t
+
+
+ALONE_RUN = logger_run("vllm-alone", '''
     for step in range(3):
         # A request run alone: its decode steps, then the step that finishes
         # it, well within one record interval; vLLM counts the running
@@ -95,9 +118,6 @@ ALONE_RUN = textwrap.dedent('''
                        ns(request_id="r%d" % step, e2e_latency=0.05, num_prompt_tokens=10,
                           num_generation_tokens=4, max_tokens_param=4)]))
         time.sleep(0.05)
-    print(oomscope.agent_id())
-    assert oomscope.flush(10)
-    oomscope.stop()
 ''')
 
 
@@ -107,12 +127,35 @@ def test_a_request_run_alone_ends_between_requests(collector):
     # the only such sample, so it must not carry the step before's context.
     from oomscope import vllm as plugin
     assert plugin.MIN_RECORD_INTERVAL_S > 0.05  # the steps below come within one interval
-    r = subprocess.run([sys.executable, "-c", ALONE_RUN, collector.url], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    t = collector.timeline(r.stdout.strip().splitlines()[-1])
-    ends = [s["context"] for s in t["samples"]
-            if s.get("context") and s["context"].get("phase") == "after_request"]
+    ends, t = request_end_contexts(collector, ALONE_RUN)
     assert len(ends) == 3, [s.get("context") for s in t["samples"]]
     assert [c["active_sequences"] for c in ends] == [0, 0, 0], ends
     assert [c["requests_done"] for c in ends] == [1, 2, 3], ends
+
+
+PEAK_RUN = logger_run("vllm-peak", '''
+    done = ns(num_preempted_reqs=0, finished_requests=[
+        ns(request_id="r0", e2e_latency=0.05, num_prompt_tokens=10, num_generation_tokens=4, max_tokens_param=4)])
+    busy = ns(num_preempted_reqs=0, finished_requests=[])
+    log.record(scheduler_stats=ns(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5), iteration_stats=done)
+    # Within one record interval: the pool full and 7 waiting for one step, then less.
+    for usage, waiting in [(0.8, 3), (1.0, 7), (0.6, 2)]:
+        log.record(scheduler_stats=ns(num_running_reqs=2, num_waiting_reqs=waiting, kv_cache_usage=usage),
+                   iteration_stats=busy)
+    done.finished_requests[0].request_id = "r1"
+    log.record(scheduler_stats=ns(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.3), iteration_stats=done)
+    # The next record: only its own steps.
+    time.sleep(plugin.MIN_RECORD_INTERVAL_S + 0.05)
+    done.finished_requests[0].request_id = "r2"
+    log.record(scheduler_stats=ns(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.1), iteration_stats=done)
+''')
+
+
+def test_a_full_pool_between_records_is_still_recorded(collector):
+    """The logger records at most every MIN_RECORD_INTERVAL_S (or at a
+    request's end); a step between records that filled the pool must still
+    show: saturation is the evidence a KV-bound diagnosis rests on."""
+    ends, _ = request_end_contexts(collector, PEAK_RUN)
+    got = [(c["requests_done"], c["numbers"]["kv_cache_usage"], c["queued"], c["active_sequences"]) for c in ends]
+    # The steps since each record: their highest usage and queue; the running count as of the last step.
+    assert got == [(1, 0.5, 1, 2), (2, 1.0, 7, 1), (3, 0.1, 0, 0)], got

@@ -26,7 +26,9 @@ import time
 _log = logging.getLogger("oomscope.vllm")
 
 #: vLLM's stat logger runs about once per engine step (20 ms apart while
-#: busy); the context is updated at most this often, like a sample.
+#: busy); the context is updated at most this often, like a sample. The KV
+#: usage and the queue it records are the highest of the steps since the
+#: last record: a pool full for one step between records is still seen.
 MIN_RECORD_INTERVAL_S = 0.2
 
 _warned = set()
@@ -152,6 +154,8 @@ class OomscopeStatLogger(_base()):
         self._ok = True
         self._last = 0.0
         self._preemptions = 0
+        self._peak_usage = 0.0  # since the last record
+        self._peak_waiting = 0
         self._engine = engine_index
         try:
             labels, numbers, blocks, block_size = _config_facts(vllm_config)
@@ -202,6 +206,9 @@ class OomscopeStatLogger(_base()):
             self._preemptions += int(it.num_preempted_reqs or 0)
             finished = list(it.finished_requests or [])
         now = time.monotonic()
+        if sched is not None:
+            self._peak_usage = max(self._peak_usage, float(sched.kv_cache_usage or 0.0))
+            self._peak_waiting = max(self._peak_waiting, int(sched.num_waiting_reqs or 0))
         # A step that finished requests updates the context whatever its age:
         # each end is a boundary sample, and vLLM counts this step's running
         # requests after removing the finished ones. A context up to
@@ -209,10 +216,11 @@ class OomscopeStatLogger(_base()):
         # no end of a request run alone would read as between requests.
         if sched is not None and (finished or now - self._last >= MIN_RECORD_INTERVAL_S):
             self._last = now
-            usage = float(sched.kv_cache_usage or 0.0)
+            usage, waiting = self._peak_usage, self._peak_waiting
+            self._peak_usage, self._peak_waiting = 0.0, 0
             context = {
                 "active_sequences": int(sched.num_running_reqs or 0),
-                "queued": int(sched.num_waiting_reqs or 0),
+                "queued": waiting,
                 "kv_cache_usage": usage,
                 "preemptions": self._preemptions,
             }

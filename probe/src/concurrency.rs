@@ -59,14 +59,18 @@ pub fn from_first_tokens(calls: &[Timing]) -> Option<usize> {
 }
 
 /// Without streaming or the server's word: `n` requests sent together took
-/// `makespan_ms` where one alone takes `single_ms`, so about `n * single /
-/// makespan` were served at once (1 for a server that serializes, `n` for
-/// one that batches them all without slowing down).
-pub fn from_scaling(n: usize, makespan_ms: f64, single_ms: f64) -> usize {
-    if n == 0 || makespan_ms <= 0.0 || single_ms <= 0.0 {
+/// `makespan_ms`, and the first of them to finish took `fastest_ms`, so
+/// about `n * fastest / makespan` were served at once. A server serving `c`
+/// at a time ends its first wave after `fastest` and its last after `n / c`
+/// waves: 1 for a server that serializes, `n` for one that batches them all
+/// (however much the batch slows each request). The reference is the
+/// step's own, so a first request that paid for warm-up, or a machine
+/// busier at one rung than at another, does not skew it.
+pub fn from_scaling(n: usize, makespan_ms: f64, fastest_ms: f64) -> usize {
+    if n == 0 || makespan_ms <= 0.0 || fastest_ms <= 0.0 {
         return n.max(1);
     }
-    ((n as f64 * single_ms / makespan_ms).round() as usize).clamp(1, n)
+    ((n as f64 * fastest_ms / makespan_ms).round() as usize).clamp(1, n)
 }
 
 /// The effective concurrency of a step of `n` answered requests: the
@@ -74,13 +78,8 @@ pub fn from_scaling(n: usize, makespan_ms: f64, single_ms: f64) -> usize {
 /// context at the collector) and the first tokens where it streamed, the
 /// larger of the two (each can only miss requests in service: a poll
 /// between peaks, a prefill before the first token), else latency scaling
-/// against `single_ms` (the median latency of one request alone).
-pub fn effective(
-    n: usize,
-    calls: &[Timing],
-    load: Option<&Load>,
-    single_ms: Option<f64>,
-) -> Effective {
+/// ([`from_scaling`]).
+pub fn effective(n: usize, calls: &[Timing], load: Option<&Load>) -> Effective {
     if n <= 1 {
         return Effective {
             value: 1,
@@ -124,24 +123,28 @@ pub fn effective(
         .map(|c| c.start_ms)
         .fold(f64::INFINITY, f64::min);
     let end = calls.iter().map(|c| c.end_ms).fold(0.0, f64::max);
-    match single_ms {
-        Some(one) if start.is_finite() => {
-            let makespan = end - start;
-            let v = from_scaling(n, makespan, one);
-            Effective {
-                value: v as u64,
-                method: "latency_scaling".into(),
-                detail: format!(
-                    "{n} requests together took {makespan:.0} ms where one alone takes {one:.0} ms (about {:.1} served at once)",
-                    n as f64 * one / makespan.max(1.0)
-                ),
-            }
-        }
-        _ => Effective {
+    let fastest = calls
+        .iter()
+        .map(|c| c.end_ms - c.start_ms)
+        .fold(f64::INFINITY, f64::min);
+    if !start.is_finite() || !fastest.is_finite() {
+        return Effective {
             value: n as u64,
             method: "not_measured".into(),
-            detail: "no server metrics, no streaming and no single-request latency: all counted as in service".into(),
-        },
+            detail:
+                "no server metrics, no streaming and no answered request: all counted as in service"
+                    .into(),
+        };
+    }
+    let makespan = end - start;
+    let v = from_scaling(n, makespan, fastest);
+    Effective {
+        value: v as u64,
+        method: "latency_scaling".into(),
+        detail: format!(
+            "{n} requests together took {makespan:.0} ms and the first of them to finish {fastest:.0} ms (about {:.1} served at once)",
+            n as f64 * fastest / makespan.max(1.0)
+        ),
     }
 }
 
@@ -220,7 +223,7 @@ mod tests {
                 ..*c
             })
             .collect();
-        let e = effective(8, &plain, None, Some(100.0));
+        let e = effective(8, &plain, None);
         assert_eq!((e.value, e.method.as_str()), (1, "latency_scaling"));
         assert_eq!(
             queue_bound(1, 8, None, "kv", "seqs").unwrap().0,
@@ -237,7 +240,7 @@ mod tests {
                 t(0.0, Some(wave * 100.0 + 30.0), wave * 100.0 + 100.0)
             })
             .collect();
-        assert_eq!(effective(16, &calls, None, Some(100.0)).value, 4);
+        assert_eq!(effective(16, &calls, None).value, 4);
         let plain: Vec<Timing> = calls
             .iter()
             .map(|c| Timing {
@@ -245,7 +248,7 @@ mod tests {
                 ..*c
             })
             .collect();
-        assert_eq!(effective(16, &plain, None, Some(100.0)).value, 4);
+        assert_eq!(effective(16, &plain, None).value, 4);
         let (b, ev) = queue_bound(
             4,
             16,
@@ -269,7 +272,7 @@ mod tests {
             preemptions: Some(3),
         };
         let calls = vec![t(0.0, None, 50.0); 64];
-        let e = effective(64, &calls, Some(&load), Some(50.0));
+        let e = effective(64, &calls, Some(&load));
         assert_eq!((e.value, e.method.as_str()), (5, "server_metrics"));
         // A poll that missed the peak is no lower than the first tokens say.
         let sparse = Load {
@@ -279,7 +282,7 @@ mod tests {
         let streamed: Vec<Timing> = (0..4)
             .map(|i| t(0.0, Some(10.0 + i as f64), 100.0))
             .collect();
-        let e = effective(4, &streamed, Some(&sparse), None);
+        let e = effective(4, &streamed, Some(&sparse));
         assert_eq!((e.value, e.method.as_str()), (4, "first_token"));
         let (b, ev) = queue_bound(
             5,
@@ -297,6 +300,32 @@ mod tests {
     #[test]
     fn batching_without_slowdown_is_all_in_service() {
         let calls: Vec<Timing> = (0..8).map(|_| t(0.0, None, 105.0)).collect();
-        assert_eq!(effective(8, &calls, None, Some(100.0)).value, 8);
+        assert_eq!(effective(8, &calls, None).value, 8);
+        // A batch that slows each request 3x still has all 8 in service.
+        let slowed: Vec<Timing> = (0..8).map(|_| t(0.0, None, 300.0)).collect();
+        assert_eq!(effective(8, &slowed, None).value, 8);
+    }
+
+    #[test]
+    fn a_serializing_rung_is_one_whatever_one_request_took_before() {
+        // Seen on the reference server with --max-active 1: a lone request
+        // took 104 ms (warm-up), then two sent together ended at 50 and 96
+        // ms. Against the lone request that read as 2.2 in service.
+        let two = [t(0.0, None, 50.0), t(0.0, None, 96.0)];
+        let e = effective(2, &two, Some(&Load::default()));
+        assert_eq!(
+            (e.value, e.method.as_str()),
+            (1, "latency_scaling"),
+            "{e:?}"
+        );
+        assert!(e.detail.contains("first of them to finish 50 ms"), "{e:?}");
+        // The server's count with none running at its samples is no count.
+        let idle = Load {
+            readings: 3,
+            max_running: Some(0),
+            max_waiting: Some(1),
+            ..Load::default()
+        };
+        assert_eq!(effective(2, &two, Some(&idle)).method, "latency_scaling");
     }
 }

@@ -195,16 +195,38 @@ impl Load {
         }
     }
 
-    /// The KV pool was full while requests waited or were preempted: at
-    /// least [`KV_FULL`], or too full for one more sequence the size of
-    /// those running (2 long prompts at 82 % leave no room for a third).
+    /// The KV pool was full while requests waited, or the server preempted:
+    /// full is at least [`KV_FULL`], or too full for one more sequence the
+    /// size of those running (2 long prompts at 82 % leave no room for a
+    /// third). A preemption is itself the proof: vLLM's scheduler preempts
+    /// (SGLang retracts) only when no free block is left, and the counter
+    /// keeps it where the gauge's full moment fell between two polls.
     pub fn kv_bound(&self) -> bool {
         let full = match (self.max_kv_usage, self.max_running) {
             (Some(u), Some(r)) if r > 0 => u >= KV_FULL || u * (r + 1) as f64 / r as f64 > 1.0,
             (Some(u), _) => u >= KV_FULL,
             _ => false,
         };
-        full && (self.max_waiting.unwrap_or(0) > 0 || self.preemptions.unwrap_or(0) > 0)
+        (full && self.max_waiting.unwrap_or(0) > 0) || self.preemptions.unwrap_or(0) > 0
+    }
+
+    /// One step's load read two ways (the polled `/metrics` and the agent's
+    /// contexts at the collector): the peaks of both, since each can only
+    /// miss a peak, never invent one.
+    pub fn merge(self, other: Load) -> Load {
+        let max_u = |a: Option<u64>, b: Option<u64>| a.max(b);
+        let max_f = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        Load {
+            source: format!("{} and {}", self.source, other.source),
+            readings: self.readings + other.readings,
+            max_running: max_u(self.max_running, other.max_running),
+            max_waiting: max_u(self.max_waiting, other.max_waiting),
+            max_kv_usage: max_f(self.max_kv_usage, other.max_kv_usage),
+            preemptions: max_u(self.preemptions, other.preemptions),
+        }
     }
 }
 
@@ -377,6 +399,51 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 1.2e+06
             ..two
         };
         assert!(!capped.kv_bound());
+    }
+
+    #[test]
+    fn a_preemption_between_polls_is_the_bound_and_merged_peaks_keep_it() {
+        // Seen on vLLM's CPU build: 32 prompts on a 40-block pool, the polls
+        // at 49 % while the preemption counter rose by 3.
+        let polled = Load {
+            source: "vLLM /metrics".into(),
+            readings: 3,
+            max_running: Some(10),
+            max_waiting: Some(6),
+            max_kv_usage: Some(0.49),
+            preemptions: Some(3),
+        };
+        assert!(polled.kv_bound());
+        let none = Load {
+            preemptions: Some(0),
+            ..polled.clone()
+        };
+        assert!(!none.kv_bound());
+        // The agent saw the full moment the polls missed.
+        let agent = Load {
+            source: "collector: the server's agent".into(),
+            readings: 4,
+            max_running: Some(7),
+            max_waiting: Some(15),
+            max_kv_usage: Some(0.95),
+            preemptions: None,
+        };
+        let both = none.merge(agent);
+        assert_eq!(
+            (
+                both.readings,
+                both.max_running,
+                both.max_waiting,
+                both.max_kv_usage,
+                both.preemptions
+            ),
+            (7, Some(10), Some(15), Some(0.95), Some(0))
+        );
+        assert_eq!(
+            both.source,
+            "vLLM /metrics and collector: the server's agent"
+        );
+        assert!(both.kv_bound());
     }
 
     #[test]

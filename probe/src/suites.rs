@@ -181,16 +181,27 @@ impl Probe {
         )
     }
 
-    /// The server's load over a step as its agent told the collector; its
-    /// last samples may trail the answers, so an empty answer is asked again
-    /// once they have had time to land.
-    fn collector_load(&mut self, since: i64, until: i64) -> Option<Load> {
+    /// The server's load over a step: what the probe's polls read, joined
+    /// with what its agent told the collector (the peaks of both: the polls
+    /// miss what falls between them). With no polled reading the agent's is
+    /// all there is, and its last samples may trail the answers, so an empty
+    /// answer is asked again once they have had time to land.
+    fn step_load(&mut self, polled: Option<Load>, since: i64, until: i64) -> Option<Load> {
         let settle = self.cfg.settle;
-        let w = self.watch.as_mut()?;
-        w.load(since, until).or_else(|| {
-            std::thread::sleep(settle);
-            w.load(since, until)
-        })
+        let polled = polled.filter(|l| l.readings > 0);
+        let Some(w) = self.watch.as_mut() else {
+            return polled;
+        };
+        match polled {
+            Some(p) => Some(match w.load(since, until) {
+                Some(agent) => p.merge(agent),
+                None => p,
+            }),
+            None => w.load(since, until).or_else(|| {
+                std::thread::sleep(settle);
+                w.load(since, until)
+            }),
+        }
     }
 
     /// The words for prompts the server will count as about `tokens`
@@ -640,7 +651,6 @@ impl Probe {
             budget,
         ));
         let mut steps: Vec<Step> = Vec::new();
-        let mut single_ms: Option<f64> = None;
         let mut offered: Option<u64> = None;
         let mut best: Option<Effective> = None;
         let mut top_load: Option<Load> = None;
@@ -668,19 +678,13 @@ impl Probe {
             self.after_calls(&calls);
             let mut st = step(label, words, Some(tokens), n as usize, &calls);
             self.measure(&mut st, since);
-            let load = match load.filter(|l| l.readings > 0) {
-                Some(l) => Some(l),
-                None => self.collector_load(since, until),
-            };
+            let load = self.step_load(load, since, until);
             let timings: Vec<_> = calls
                 .iter()
                 .filter(|c| c.outcome == Outcome::Ok)
                 .map(Call::timing)
                 .collect();
-            let eff = concurrency::effective(n as usize, &timings, load.as_ref(), single_ms);
-            if n == 1 {
-                single_ms = st.p50_ms;
-            }
+            let eff = concurrency::effective(n as usize, &timings, load.as_ref());
             st.effective_concurrency = Some(eff.value);
             st.effective_method = Some(eff.method.clone());
             st.server_load = load.clone();

@@ -62,11 +62,12 @@ def main():
     referrers = timed(lambda: gc.get_referrers(x))
     objects = timed(gc.get_objects)
     print(
-        "%d censuses, their longest GIL hold (the agent's own account): %.1f ms; "
-        "longest GIL wait of a second thread: %.1f ms; one gc.get_objects(): %.1f-%.1f ms; "
-        "one gc.get_referrers(): %.1f-%.1f ms; %d objects"
+        "%d censuses, their longest GIL hold (the agent's own account): %.1f ms "
+        "(%.1f ms of it on CPU); longest GIL wait of a second thread: %.1f ms; "
+        "one gc.get_objects(): %.1f-%.1f ms; one gc.get_referrers(): %.1f-%.1f ms; %d objects"
         % ((stats.get("censuses", 0), stats.get("census_longest_hold_ms", 0.0),
-            ticker.longest * 1e3) + objects + referrers + (len(gc.get_objects()),))
+            stats.get("census_longest_hold_cpu_ms", 0.0), ticker.longest * 1e3)
+           + objects + referrers + (len(gc.get_objects()),))
     )
 
 

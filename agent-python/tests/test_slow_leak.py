@@ -138,9 +138,11 @@ def test_a_census_leaves_nothing_resident_that_reads_as_the_servers(collector):
     rise = kept["server_after"] - kept["server_before"]
     assert rise >= 2 * MIB, "no step to remove without the trim: %s" % kept
     f = footprint(collector, "trimmed")
-    # What the censuses freed is given back: the server's own RSS stays put.
+    # What the censuses freed is given back: the server's own RSS does not
+    # step up. It may step down: the first trim also gives back what the
+    # server's warm-up freed and glibc kept (CI saw -1.07 MiB).
     rise = f["server_after"] - f["server_before"]
-    assert abs(rise) < 1 * MIB, f
+    assert rise < 1 * MIB, f
     # What they keep (the table of the last census's addresses, 8 bytes an
     # object or more) is counted as the agent's heap...
     scanned = f["objects_scanned"][-1]

@@ -101,7 +101,8 @@ def gil_cost(n):
     # against the raw listing pass it cannot cut.
     oomscope.census(budget_s=5)
     oomscope.census(budget_s=5)
-    longest_ms = oomscope.stats()["census_longest_hold_ms"]
+    stats = oomscope.stats()
+    longest_ms, longest_cpu_ms = stats["census_longest_hold_ms"], stats["census_longest_hold_cpu_ms"]
     import gc
     listing = []
     for _ in range(3):
@@ -111,6 +112,7 @@ def gil_cost(n):
     oomscope.stop()
     return {"gil_per_sample_us": sample_us, "request_context_us": request_us, "census_ms": census_ms,
             "census_objects": census["objects_scanned"], "census_longest_hold_ms": longest_ms,
+            "census_longest_hold_cpu_ms": longest_cpu_ms,
             "gc_get_objects_ms": min(listing), "cuda": torch.cuda.is_available(), **convert}
 
 

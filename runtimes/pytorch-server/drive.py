@@ -30,8 +30,9 @@ def percentile(values, q):
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def drive(port, requests, concurrency=1, prompt=16, max_tokens=8, prefix="r", keep=False):
-    """With keep, the result also holds every successful request's latency."""
+def drive(port, requests, concurrency=1, prompt=16, max_tokens=8, prefix="r", keep=False, pause_s=0.0):
+    """With keep, the result also holds every successful request's latency;
+    pause_s is each client's pause after each of its requests."""
     lock = threading.Lock()
     todo = list(range(requests))
     statuses, latencies, errors = {}, [], []
@@ -46,6 +47,8 @@ def drive(port, requests, concurrency=1, prompt=16, max_tokens=8, prefix="r", ke
             status, body = post(port, "/generate", {"id": "%s-%d" % (prefix, i), "prompt_tokens": prompt,
                                                     "max_tokens": max_tokens})
             dt = (time.perf_counter() - t0) * 1e3
+            if pause_s:
+                time.sleep(pause_s)
             with lock:
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == 200:

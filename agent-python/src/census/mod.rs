@@ -384,6 +384,7 @@ pub fn run(
         objects_scanned: scanned,
         referrer_chain: chain,
         longest_hold_ns: slices.longest.as_nanos() as u64,
+        longest_hold_cpu_ns: slices.longest_cpu.as_nanos() as u64,
     };
     if !complete {
         census.referrer_chain.insert(

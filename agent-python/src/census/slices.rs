@@ -16,8 +16,12 @@ pub struct Slices<'py> {
     pub(super) budget: Duration,
     held_before: Duration,
     slice_start: Instant,
+    slice_cpu_start: Duration,
     /// The longest single hold so far.
     pub longest: Duration,
+    /// This thread's CPU time in that hold: less than `longest` when the
+    /// thread was descheduled while it held the GIL (a busy machine).
+    pub longest_cpu: Duration,
 }
 
 impl<'py> Slices<'py> {
@@ -27,7 +31,9 @@ impl<'py> Slices<'py> {
             budget,
             held_before: Duration::ZERO,
             slice_start: Instant::now(),
+            slice_cpu_start: thread_cpu(),
             longest: Duration::ZERO,
+            longest_cpu: Duration::ZERO,
         }
     }
 
@@ -51,16 +57,44 @@ impl<'py> Slices<'py> {
 
     /// Ends the slice now, whatever its length.
     pub(super) fn end_slice(&mut self) {
-        let slice = self.slice_start.elapsed();
-        self.longest = self.longest.max(slice);
+        let slice = self.close_slice();
         self.held_before += slice;
         // Another thread waiting for the GIL takes it here.
         self.py.detach(std::thread::yield_now);
         self.slice_start = Instant::now();
+        self.slice_cpu_start = thread_cpu();
     }
 
     pub(super) fn finish(&mut self) -> Duration {
-        self.longest = self.longest.max(self.slice_start.elapsed());
+        self.close_slice();
         self.held()
     }
+
+    /// The current slice's length, kept with its CPU time when it is the
+    /// longest yet.
+    fn close_slice(&mut self) -> Duration {
+        let slice = self.slice_start.elapsed();
+        if slice > self.longest {
+            self.longest = slice;
+            self.longest_cpu = thread_cpu().saturating_sub(self.slice_cpu_start);
+        }
+        slice
+    }
+}
+
+/// The calling thread's CPU time (zero where it cannot be read). One
+/// syscall, at slice boundaries only.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec for the call to fill.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
 }

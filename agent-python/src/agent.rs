@@ -301,7 +301,7 @@ impl Agent {
         let (context, done) = {
             let mut c = lock(&self.context);
             c.end(id, output_tokens, !error.is_empty());
-            (c.to_pb("after_request"), c.requests_done)
+            (c.take_pb("after_request"), c.requests_done)
         };
         let end = pb::Event {
             time_ns,

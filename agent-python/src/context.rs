@@ -12,6 +12,14 @@ use crate::config::ModelSpec;
 /// requests must not grow this map without end.
 pub const MAX_IN_FLIGHT: usize = 65_536;
 
+/// The `set_context` numbers a context carries at their peak since the
+/// previous one taken ([`ContextState::take_pb`]), not at their last value:
+/// how full the KV pool was and how many waited. A runtime sets them at each
+/// engine step, many times between two samples, and a pool full between two
+/// samples is the evidence of a saturation (vLLM's pool can fill and drain
+/// within 150 ms; a later step's value overwrote it).
+pub const PEAK_NUMBERS: [&str; 3] = ["kv_cache_usage", "kv_cache_bytes", "queued"];
+
 #[derive(Debug, Default, Clone)]
 pub struct InFlight {
     pub prompt_tokens: u64,
@@ -30,6 +38,8 @@ pub struct ContextState {
     pub last_output_tokens: u64,
     /// `set_context(...)` values by their own names.
     pub runtime: BTreeMap<String, f64>,
+    /// The [`PEAK_NUMBERS`] set since the last [`ContextState::take_pb`].
+    peaks: BTreeMap<String, f64>,
     /// The runtime's own text facts (a plugin's resolved settings).
     pub labels: BTreeMap<String, String>,
     pub models: Vec<(ModelSpec, u64)>,
@@ -59,6 +69,26 @@ impl ContextState {
         self.last_output_tokens = output_tokens;
     }
 
+    /// The runtime's own numbers (`set_context`): the last value of each,
+    /// and the peak of those in [`PEAK_NUMBERS`].
+    pub fn set(&mut self, values: impl IntoIterator<Item = (String, f64)>) {
+        for (key, value) in values {
+            if PEAK_NUMBERS.contains(&key.as_str()) {
+                let peak = self.peaks.entry(key.clone()).or_insert(value);
+                *peak = peak.max(value);
+            }
+            self.runtime.insert(key, value);
+        }
+    }
+
+    /// [`ContextState::to_pb`] for a sample that is sent (or folded into
+    /// one that is, `handoff.rs`): the peaks start again after it.
+    pub fn take_pb(&mut self, phase: &str) -> pb::RequestContext {
+        let c = self.to_pb(phase);
+        self.peaks.clear();
+        c
+    }
+
     /// A model that finished loading, with the device bytes the load added.
     pub fn loaded(&mut self, model: ModelSpec, bytes: u64) {
         self.models
@@ -67,7 +97,9 @@ impl ContextState {
     }
 
     /// The context as a message, with `phase` naming the moment (a
-    /// sample's "periodic", "after_request", "oom", ...).
+    /// sample's "periodic", "after_request", "oom", ...): the runtime's
+    /// numbers at their last value, those in [`PEAK_NUMBERS`] at their peak
+    /// since the last [`ContextState::take_pb`].
     pub fn to_pb(&self, phase: &str) -> pb::RequestContext {
         let mut c = pb::RequestContext {
             phase: if phase.is_empty() {
@@ -94,7 +126,8 @@ impl ContextState {
             .insert("in_flight_tokens_max".into(), tokens as f64);
         c.labels
             .extend(self.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
-        for (key, value) in &self.runtime {
+        for (key, last) in &self.runtime {
+            let value = &self.peaks.get(key).map_or(*last, |p| p.max(*last));
             let slot = match key.as_str() {
                 "active_sequences" => Some(&mut c.active_sequences),
                 "active_tokens" => Some(&mut c.active_tokens),
@@ -120,6 +153,21 @@ impl ContextState {
             c.labels.insert("active_models".into(), names.join(", "));
         }
         c
+    }
+}
+
+/// Carries into `newer` the peaks of an `older` context it replaces unsent
+/// (the hand-off keeps the newest request end only): the message fields of
+/// [`PEAK_NUMBERS`].
+pub fn fold_peaks(newer: &mut pb::RequestContext, older: &pb::RequestContext) {
+    newer.kv_cache_bytes = newer.kv_cache_bytes.max(older.kv_cache_bytes);
+    newer.queued = newer.queued.max(older.queued);
+    if let Some(&usage) = older.numbers.get("kv_cache_usage") {
+        let n = newer
+            .numbers
+            .entry("kv_cache_usage".into())
+            .or_insert(usage);
+        *n = n.max(usage);
     }
 }
 
@@ -174,6 +222,75 @@ mod tests {
         assert_eq!(c.numbers["custom"], 1.5);
         assert_eq!(c.numbers["requests_in_flight"], 1.0);
         assert_eq!(c.numbers["in_flight_tokens_max"], 60.0);
+    }
+
+    fn numbers(pairs: &[(&str, f64)]) -> Vec<(String, f64)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    }
+
+    #[test]
+    fn the_pool_numbers_carry_their_peak_since_the_last_context_taken() {
+        let mut s = ContextState::default();
+        // A step with the pool full and 12 waiting, then one that freed it.
+        let full = [
+            ("kv_cache_usage", 1.0),
+            ("kv_cache_bytes", 4096.0),
+            ("queued", 12.0),
+        ];
+        s.set(numbers(&[("active_sequences", 20.0)]));
+        s.set(numbers(&full));
+        s.set(numbers(&[
+            ("active_sequences", 0.0),
+            ("kv_cache_usage", 0.05),
+            ("kv_cache_bytes", 200.0),
+            ("queued", 0.0),
+        ]));
+        // An OOM event's context takes nothing: the sample after has it too.
+        let oom = s.to_pb("oom");
+        let taken = s.take_pb("after_request");
+        for c in [&oom, &taken] {
+            assert_eq!(c.numbers["kv_cache_usage"], 1.0);
+            assert_eq!(c.kv_cache_bytes, 4096);
+            assert_eq!(c.queued, 12);
+            // Not a peak: what runs now.
+            assert_eq!(c.active_sequences, 0);
+        }
+        // After a take, the last values until a fuller one is set.
+        let next = s.take_pb("periodic");
+        assert_eq!(next.numbers["kv_cache_usage"], 0.05);
+        assert_eq!((next.kv_cache_bytes, next.queued), (200, 0));
+        s.set(numbers(&[("queued", 3.0)]));
+        s.set(numbers(&[("queued", 1.0)]));
+        assert_eq!(s.take_pb("periodic").queued, 3);
+    }
+
+    #[test]
+    fn a_folded_context_keeps_the_peaks_of_the_one_it_replaced() {
+        let mut s = ContextState::default();
+        s.set(numbers(&[
+            ("kv_cache_usage", 0.97),
+            ("kv_cache_bytes", 4000.0),
+            ("queued", 9.0),
+        ]));
+        let older = s.take_pb("after_request");
+        s.set(numbers(&[
+            ("kv_cache_usage", 0.1),
+            ("kv_cache_bytes", 400.0),
+            ("queued", 0.0),
+        ]));
+        let mut newer = s.take_pb("after_request");
+        fold_peaks(&mut newer, &older);
+        assert_eq!(newer.numbers["kv_cache_usage"], 0.97);
+        assert_eq!((newer.kv_cache_bytes, newer.queued), (4000, 9));
+        // Each of PEAK_NUMBERS is folded: set alone, it survives the fold.
+        for key in PEAK_NUMBERS {
+            let mut s = ContextState::default();
+            s.set(numbers(&[(key, 7.0)]));
+            let older = s.take_pb("");
+            let mut newer = ContextState::default().take_pb("");
+            fold_peaks(&mut newer, &older);
+            assert_eq!(newer, older, "{key}");
+        }
     }
 
     #[test]

@@ -16,6 +16,8 @@
 
 use oomscope_agent_core::pb;
 
+use crate::context::fold_peaks;
+
 /// Request events held between two takes; past this they are dropped and
 /// counted. The sampler takes them every `boundary_min_interval` (20 ms by
 /// default), so this is 200,000 request boundaries a second.
@@ -59,11 +61,12 @@ impl Handoff {
     }
 
     /// A request ended at `time_ns` with `context`; `blocks` is 0 when it
-    /// was not read this time. `every`: keep every end, not the newest.
+    /// was not read this time. `every`: keep every end, not the newest. An
+    /// end that is dropped leaves its peaks in the one kept (`fold_peaks`).
     pub fn end(
         &mut self,
         time_ns: i64,
-        context: Box<pb::RequestContext>,
+        mut context: Box<pb::RequestContext>,
         blocks: u64,
         every: bool,
     ) {
@@ -74,9 +77,13 @@ impl Handoff {
             self.readings.push((context.requests_done, blocks));
         }
         if !every {
-            self.ends.clear();
+            for (_, older) in self.ends.drain(..) {
+                fold_peaks(&mut context, &older);
+            }
         } else if self.ends.len() >= MAX_EVENTS {
-            self.ends.pop();
+            if let Some((_, older)) = self.ends.pop() {
+                fold_peaks(&mut context, &older);
+            }
         }
         self.ends.push((time_ns, context));
     }
@@ -118,6 +125,24 @@ mod tests {
         assert_eq!(h.readings.first(), Some(&(3, 1003)));
         assert_eq!(h.readings.last(), Some(&(99, 1099)));
         assert!(h.readings.windows(2).all(|w| w[0].0 < w[1].0));
+    }
+
+    #[test]
+    fn the_newest_end_carries_the_fullest_pool_of_the_ends_it_replaced() {
+        let mut h = Handoff::default();
+        // The first end saw the pool full with 12 waiting; the later ones
+        // (the same 20 ms) saw it drained.
+        for (done, queued, usage) in [(1u64, 12u64, 1.0), (2, 0, 0.1), (3, 2, 0.3)] {
+            let mut c = context(done);
+            c.queued = queued;
+            c.numbers.insert("kv_cache_usage".into(), usage);
+            h.end(done as i64, c, 0, false);
+        }
+        assert_eq!(h.ends.len(), 1);
+        let kept = &h.ends[0].1;
+        assert_eq!(kept.requests_done, 3);
+        assert_eq!(kept.queued, 12);
+        assert_eq!(kept.numbers["kv_cache_usage"], 1.0);
     }
 
     #[test]

@@ -209,7 +209,7 @@ fn set_context(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         })?;
         values.push((key, n));
     }
-    lock(&a.context).runtime.extend(values);
+    lock(&a.context).set(values);
     Ok(())
 }
 

@@ -338,13 +338,13 @@ fn tick(agent: &Agent, probe: &HostProbe) -> Vec<pb::CgroupLevel> {
     let mut sample = probe.sample();
     let levels = sample.cgroup.clone();
     let context = {
-        let c = lock(&agent.context);
+        let mut c = lock(&agent.context);
         let phase = if c.phase.is_empty() {
             PERIODIC_PHASE
         } else {
             ""
         };
-        c.to_pb(phase)
+        c.take_pb(phase)
     };
     Python::try_attach(|py| {
         sample.allocator = torchread::read_all(py);

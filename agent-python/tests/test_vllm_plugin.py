@@ -75,19 +75,20 @@ def test_the_plugin_tags_the_agent_and_the_stats_become_context_and_requests(col
     assert "stats of this vLLM differ" in r.stderr or "stopped" in r.stderr, r.stderr
 
 
-def logger_run(name, steps):
-    """A script: an agent named `name` (its samples at request ends only),
-    vLLM's stat logger at its default record interval over a minimal
-    config, then `steps` (which drive `log`), then the agent id printed."""
+def logger_run(name, steps, boundary_min_interval_s=0):
+    """A script: an agent named `name` (its samples at request ends only, at
+    most one per `boundary_min_interval_s`), vLLM's stat logger at its
+    default record interval over a minimal config, then `steps` (which
+    drive `log`), then the agent id printed."""
     return textwrap.dedent('''
         import sys, time, types, oomscope
         from oomscope import vllm as plugin
-        oomscope.start(collector=sys.argv[1], name=%r, interval_s=5, boundary_min_interval_s=0)
+        oomscope.start(collector=sys.argv[1], name=%r, interval_s=5, boundary_min_interval_s=%r)
         ns = types.SimpleNamespace
         config = ns(cache_config=ns(num_gpu_blocks=40, block_size=16), scheduler_config=ns(),
                     model_config=ns(hf_config=ns()))
         log = plugin.OomscopeStatLogger(config, engine_index=0)
-    ''') % name + textwrap.dedent(steps) + textwrap.dedent('''
+    ''') % (name, boundary_min_interval_s) + textwrap.dedent(steps) + textwrap.dedent('''
         print(oomscope.agent_id())
         assert oomscope.flush(10)
         oomscope.stop()
@@ -159,3 +160,53 @@ def test_a_full_pool_between_records_is_still_recorded(collector):
     got = [(c["requests_done"], c["numbers"]["kv_cache_usage"], c["queued"], c["active_sequences"]) for c in ends]
     # The steps since each record: their highest usage and queue; the running count as of the last step.
     assert got == [(1, 0.5, 1, 2), (2, 1.0, 7, 1), (3, 0.1, 0, 0)], got
+
+
+def finished(rid):
+    return "ns(num_preempted_reqs=0, finished_requests=[ns(request_id=%r, e2e_latency=0.05, " \
+        "num_prompt_tokens=10, num_generation_tokens=4, max_tokens_param=4)])" % rid
+
+
+RECORDED_RUN = logger_run("vllm-recorded", '''
+    busy = ns(num_preempted_reqs=0, finished_requests=[])
+    # A record of its own (the interval has passed): 20 running fill the
+    # pool and 12 wait. The next step finishes all 20: vLLM counts the pool
+    # after freeing them, and the 12 are not yet scheduled.
+    time.sleep(plugin.MIN_RECORD_INTERVAL_S + 0.05)
+    log.record(scheduler_stats=ns(num_running_reqs=20, num_waiting_reqs=12, kv_cache_usage=1.0),
+               iteration_stats=busy)
+    log.record(scheduler_stats=ns(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0),
+               iteration_stats=%s)
+''' % finished("r0"))
+
+FOLDED_RUN = logger_run("vllm-folded", '''
+    # One end sampled at once; the next two within the 1 s that follows are
+    # one sample, the newest's. The first of them saw the pool full.
+    log.record(scheduler_stats=ns(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1),
+               iteration_stats=%s)
+    time.sleep(0.1)  # the sampler takes that end
+    log.record(scheduler_stats=ns(num_running_reqs=20, num_waiting_reqs=12, kv_cache_usage=1.0),
+               iteration_stats=ns(num_preempted_reqs=0, finished_requests=[]))
+    log.record(scheduler_stats=ns(num_running_reqs=10, num_waiting_reqs=2, kv_cache_usage=0.5),
+               iteration_stats=%s)
+    log.record(scheduler_stats=ns(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0),
+               iteration_stats=%s)
+''' % (finished("r0"), finished("r1"), finished("r2")), boundary_min_interval_s=1)
+
+
+def test_a_full_pool_recorded_between_samples_reaches_the_next_one(collector):
+    """The agent samples at request ends (and every interval_s); what the
+    logger set between two samples is overwritten by its next record before
+    any sample reads it. A pool full then is the evidence of a saturation
+    (vLLM's can fill and drain within 150 ms), so the next sample carries
+    the peak usage and queue since the one before."""
+    ends, t = request_end_contexts(collector, RECORDED_RUN)
+    got = [(c["requests_done"], c["numbers"]["kv_cache_usage"], c["queued"], c["active_sequences"]) for c in ends]
+    # The peaks since the last sample; the running count as of now.
+    assert got == [(1, 1.0, 12, 0)], [s.get("context") for s in t["samples"]]
+
+
+def test_request_ends_folded_into_one_sample_keep_the_fullest_pool(collector):
+    ends, t = request_end_contexts(collector, FOLDED_RUN)
+    got = [(c["requests_done"], c["numbers"]["kv_cache_usage"], c["queued"], c["active_sequences"]) for c in ends]
+    assert got == [(1, 0.1, 0, 1), (3, 1.0, 12, 0)], [s.get("context") for s in t["samples"]]

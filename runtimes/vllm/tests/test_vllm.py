@@ -239,6 +239,10 @@ def test_the_probe_finds_the_context_limit_and_the_kv_pool_bound(served):
     assert ctx["unit"] == "tokens" and ctx["bounded_by"] == "max_context_setting", ctx
 
     conc = env["max_concurrency_at_typical_context"]
+    steps = [s for su in p["suites"] if su["suite"] == "concurrency" for s in su["steps"]]
+    # What each rung read of the server's load (the polls and the agent's).
+    print("\n".join("%s x %s: %s" % (s["concurrency"], s.get("prompt_tokens"), s.get("server_load"))
+                    for s in steps))
     assert conc["bounded_by"] == "kv_pool", conc
     assert any("vllm:kv_cache_usage_perc" in e or "KV pool was" in e for e in conc["evidence"]), conc
     # Fewer in service than offered: the rest waited for KV blocks.
@@ -253,7 +257,6 @@ def test_the_probe_finds_the_context_limit_and_the_kv_pool_bound(served):
     at_max = env["max_concurrency_at_max_context"]
     fits = 40 // -(-(at_max["context_tokens"] + output_tokens) // int(block))
     assert 1 <= at_max["value"] <= fits, (at_max, fits)
-    steps = [s for su in p["suites"] if su["suite"] == "concurrency" for s in su["steps"]]
     assert max(s["server_load"]["max_kv_usage"] for s in steps if s.get("server_load")) >= 0.9, steps
     # Distinct prompts: nothing was sent twice.
     assert p["prompts"]["distinct"] == p["prompts"]["sent"], p["prompts"]

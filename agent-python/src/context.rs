@@ -16,8 +16,8 @@ pub const MAX_IN_FLIGHT: usize = 65_536;
 /// previous one taken ([`ContextState::take_pb`]), not at their last value:
 /// how full the KV pool was and how many waited. A runtime sets them at each
 /// engine step, many times between two samples, and a pool full between two
-/// samples is the evidence of a saturation (vLLM's pool can fill and drain
-/// within 150 ms; a later step's value overwrote it).
+/// samples is the evidence of a saturation (vLLM's was full for a few engine
+/// steps of a 0.4 s burst on CI, and the next step's value overwrote it).
 pub const PEAK_NUMBERS: [&str; 3] = ["kv_cache_usage", "kv_cache_bytes", "queued"];
 
 #[derive(Debug, Default, Clone)]

@@ -198,7 +198,7 @@ def test_a_full_pool_recorded_between_samples_reaches_the_next_one(collector):
     """The agent samples at request ends (and every interval_s); what the
     logger set between two samples is overwritten by its next record before
     any sample reads it. A pool full then is the evidence of a saturation
-    (vLLM's can fill and drain within 150 ms), so the next sample carries
+    (vLLM's, for a few engine steps of a burst), so the next sample carries
     the peak usage and queue since the one before."""
     ends, t = request_end_contexts(collector, RECORDED_RUN)
     got = [(c["requests_done"], c["numbers"]["kv_cache_usage"], c["queued"], c["active_sequences"]) for c in ends]

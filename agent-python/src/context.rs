@@ -14,11 +14,16 @@ pub const MAX_IN_FLIGHT: usize = 65_536;
 
 /// The `set_context` numbers a context carries at their peak since the
 /// previous one taken ([`ContextState::take_pb`]), not at their last value:
-/// how full the KV pool was and how many waited. A runtime sets them at each
-/// engine step, many times between two samples, and a pool full between two
-/// samples is the evidence of a saturation (vLLM's was full for a few engine
-/// steps of a 0.4 s burst on CI, and the next step's value overwrote it).
-pub const PEAK_NUMBERS: [&str; 3] = ["kv_cache_usage", "kv_cache_bytes", "queued"];
+/// how full the KV pool was, how many waited, and the largest batch run in
+/// one step. A runtime sets them at each engine step, many times between
+/// two samples, and a pool full between two samples is the evidence of a
+/// saturation (vLLM's was full for a few engine steps of a 0.4 s burst on
+/// CI, and the next step's value overwrote it). `active_sequences` is not
+/// one: it is what runs now, so a request's end can read as between
+/// requests; a batch at its peak says how many were served together (a
+/// step that finishes one of 4 leaves 3 running, and request ends sample
+/// exactly those steps).
+pub const PEAK_NUMBERS: [&str; 4] = ["kv_cache_usage", "kv_cache_bytes", "queued", "batch_size"];
 
 #[derive(Debug, Default, Clone)]
 pub struct InFlight {
@@ -162,6 +167,7 @@ impl ContextState {
 pub fn fold_peaks(newer: &mut pb::RequestContext, older: &pb::RequestContext) {
     newer.kv_cache_bytes = newer.kv_cache_bytes.max(older.kv_cache_bytes);
     newer.queued = newer.queued.max(older.queued);
+    newer.batch_size = newer.batch_size.max(older.batch_size);
     if let Some(&usage) = older.numbers.get("kv_cache_usage") {
         let n = newer
             .numbers
@@ -231,16 +237,18 @@ mod tests {
     #[test]
     fn the_pool_numbers_carry_their_peak_since_the_last_context_taken() {
         let mut s = ContextState::default();
-        // A step with the pool full and 12 waiting, then one that freed it.
+        // A step of 20 with the pool full and 12 waiting, then one that
+        // finished all 20 and freed it.
         let full = [
             ("kv_cache_usage", 1.0),
             ("kv_cache_bytes", 4096.0),
             ("queued", 12.0),
         ];
-        s.set(numbers(&[("active_sequences", 20.0)]));
+        s.set(numbers(&[("active_sequences", 20.0), ("batch_size", 20.0)]));
         s.set(numbers(&full));
         s.set(numbers(&[
             ("active_sequences", 0.0),
+            ("batch_size", 0.0),
             ("kv_cache_usage", 0.05),
             ("kv_cache_bytes", 200.0),
             ("queued", 0.0),
@@ -252,6 +260,7 @@ mod tests {
             assert_eq!(c.numbers["kv_cache_usage"], 1.0);
             assert_eq!(c.kv_cache_bytes, 4096);
             assert_eq!(c.queued, 12);
+            assert_eq!(c.batch_size, 20);
             // Not a peak: what runs now.
             assert_eq!(c.active_sequences, 0);
         }

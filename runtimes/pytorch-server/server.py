@@ -151,9 +151,10 @@ class Engine:
                         seq.done.set()
                 self.active = [s for s in self.active if not s.done.is_set()]
                 continue
+            batch = len(self.active)
             finished = [s for s in self.active if len(s.out) >= s.max_tokens]
             self.active = [s for s in self.active if len(s.out) < s.max_tokens]
-            self._report(queued)
+            self._report(queued, batch)
             for seq in finished:
                 self._finish(seq)
 
@@ -180,12 +181,15 @@ class Engine:
             if i % 2 == 0:
                 self.long_lived.append(t)
 
-    def _report(self, queued):
+    def _report(self, queued, batch):
+        """After a step: what runs now (without the finished), and the step's
+        batch (with them), which the agent keeps at its peak between samples:
+        request ends are sampled at exactly the steps that finished some."""
         if oomscope is None:
             return
         kv = sum(cache_bytes(s.cache) for s in self.active)
         oomscope.set_context(
-            active_sequences=len(self.active), queued=queued, batch_size=len(self.active),
+            active_sequences=len(self.active), queued=queued, batch_size=batch,
             active_tokens=sum(len(s.prompt) + len(s.out) for s in self.active), kv_cache_bytes=kv)
 
     def _finish(self, seq):

@@ -75,8 +75,8 @@ fn collector_down_then_up_receives_everything_once() {
 fn collector_sigkilled_mid_stream_loses_nothing_acked() {
     let tmp = tempdir();
     let db = tmp.path().join("db");
-    let port = free_port();
-    let mut col = Collector::start_on(&db, port);
+    let mut col = Collector::start(&db);
+    let port = col.port;
     let u = col.url.clone();
     let runner = std::thread::spawn(move || {
         run(&u, "midkill", &["--flush-timeout", "30s"], &["sleep", "3"])

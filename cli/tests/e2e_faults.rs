@@ -222,8 +222,8 @@ fn a_store_deleted_while_serving_stops_the_acks_and_loses_nothing_acked() {
     let tmp = tempdir();
     let db = tmp.path().join("live.db");
     let log = tmp.path().join("collector.log");
-    let port = free_port();
-    let mut col = Collector::start_logged(&db, port, std::fs::File::create(&log).unwrap());
+    let mut col = Collector::start_free(&db, Some(&log));
+    let port = col.port;
     let mark = tmp.path().join("stop");
     let mut sup = Reaped(
         oomscope()
@@ -509,13 +509,8 @@ fn a_dropped_connection_is_logged_with_its_reason() {
     use std::io::Write;
     let tmp = tempdir();
     let log = tmp.path().join("collector.log");
-    let port = free_port();
-    let col = Collector::start_logged(
-        &tmp.path().join("db"),
-        port,
-        std::fs::File::create(&log).unwrap(),
-    );
-    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let col = Collector::start_free(&tmp.path().join("db"), Some(&log));
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", col.port)).unwrap();
     // The HTTP/2 preface, then a SETTINGS frame of a length no SETTINGS has.
     tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x05\x04\x00\x00\x00\x00\x00hello")
         .unwrap();

@@ -137,8 +137,8 @@ fn samples_of(scenario: &str, n: usize) -> Vec<pb::Sample> {
 fn a_sample_after_a_reconnect_is_complete() {
     let tmp = tempdir();
     let db = tmp.path().join("db");
-    let port = free_port();
-    let mut col = Collector::start_on(&db, port);
+    let mut col = Collector::start(&db);
+    let port = col.port;
     let samples = samples_of("hf_varied_no_leak.json.gz", 20);
     let reporter = Reporter::start(
         ReporterConfig {

@@ -212,8 +212,8 @@ fn one_pass_delivers_the_dead_and_leaves_the_rest() {
 fn an_agent_already_lost_gets_its_late_evidence_and_no_second_incident() {
     let tmp = tempdir();
     let db = tmp.path().join("db");
-    let port = free_port();
-    let mut col = Collector::start_on(&db, port);
+    let mut col = Collector::start(&db);
+    let port = col.port;
     let root = tmp.path().join("spool");
     let mut cfg = ReporterConfig::new(col.url.clone());
     cfg.spool_dir = Some(root.clone());

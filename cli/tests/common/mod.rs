@@ -3,14 +3,19 @@
 //! memory cgroups (we are root).
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// The real H200 captures (shared with agent-core's tests).
 #[path = "../../../tests/support/torch_h200.rs"]
 pub mod torch_h200;
+
+#[path = "../../../tests/support/collector_log.rs"]
+mod collector_log;
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_oomscope")
@@ -49,23 +54,45 @@ pub fn free_port() -> u16 {
 
 pub struct Collector {
     pub child: Option<Child>,
+    /// The thread copying its log; joined once it exits, so the whole log
+    /// is written when a test reads it after [`Collector::kill`].
+    log: Option<JoinHandle<()>>,
     pub port: u16,
     pub db: PathBuf,
     pub url: String,
 }
 
+/// Tries of [`Collector::start`]: a free port can be taken by another
+/// process between [`free_port`] and the collector's bind.
+const START_TRIES: usize = 5;
+
 impl Collector {
+    /// On a free port: another one if the port was taken before the
+    /// collector could bind it.
     pub fn start(db: &Path) -> Collector {
-        Self::start_on(db, free_port())
+        Self::start_free(db, None)
     }
 
+    /// [`Collector::start`] with its log (stderr) written to `log`.
+    pub fn start_free(db: &Path, log: Option<&Path>) -> Collector {
+        let mut why = String::new();
+        for _ in 0..START_TRIES {
+            match Self::try_start(db, free_port(), log) {
+                Ok(c) => return c,
+                Err(e) => why = e,
+            }
+        }
+        panic!("no collector started in {START_TRIES} tries: {why}");
+    }
+
+    /// On `port` (a restart on the port agents know).
     pub fn start_on(db: &Path, port: u16) -> Collector {
-        Self::start_logged(db, port, Stdio::inherit())
+        Self::try_start(db, port, None).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`Collector::start_on`] with its stderr (its log) sent to `log`.
-    pub fn start_logged(db: &Path, port: u16, log: impl Into<Stdio>) -> Collector {
-        let child = oomscope()
+    /// Ready once the collector says it listens (`collector_log`).
+    fn try_start(db: &Path, port: u16, log: Option<&Path>) -> Result<Collector, String> {
+        let mut child = oomscope()
             .args([
                 "collector",
                 "--listen",
@@ -75,28 +102,28 @@ impl Collector {
             .arg(db)
             .args(["--lost-grace", "1s"])
             .stdout(Stdio::null())
-            .stderr(log)
+            .stderr(Stdio::piped())
             .spawn()
             .expect("start collector");
-        let c = Collector {
+        let sink: Box<dyn Write + Send> = match log {
+            Some(path) => Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .expect("open the collector's log"),
+            ),
+            None => Box::new(std::io::stderr()),
+        };
+        let copier = collector_log::wait_listening(&mut child, sink)
+            .map_err(|e| format!("port {port}: {e}"))?;
+        Ok(Collector {
             child: Some(child),
+            log: Some(copier),
             port,
             db: db.to_path_buf(),
             url: format!("http://127.0.0.1:{port}"),
-        };
-        c.wait_ready();
-        c
-    }
-
-    fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("collector on port {} never became ready", self.port);
+        })
     }
 
     /// SIGKILL: the collector gets no chance to flush anything.
@@ -104,6 +131,9 @@ impl Collector {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        if let Some(copier) = self.log.take() {
+            let _ = copier.join();
         }
     }
 

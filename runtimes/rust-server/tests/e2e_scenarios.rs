@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+#[path = "../../../tests/support/collector_log.rs"]
+mod collector_log;
+
 const MIB: u64 = 1 << 20;
 
 fn oomscope_bin() -> PathBuf {
@@ -53,31 +56,37 @@ struct Collector {
 }
 
 impl Collector {
+    /// On a free port; another if that one was taken before the bind.
     fn start() -> Collector {
         let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let child = Command::new(oomscope_bin())
-            .args([
-                "collector",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--db",
-            ])
-            .arg(dir.path().join("oomscope.db"))
-            .args(["--lost-grace", "1s"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start the collector");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "collector never listened");
-            std::thread::sleep(Duration::from_millis(50));
+        let mut why = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut child = Command::new(oomscope_bin())
+                .args([
+                    "collector",
+                    "--listen",
+                    &format!("127.0.0.1:{port}"),
+                    "--db",
+                ])
+                .arg(dir.path().join("oomscope.db"))
+                .args(["--lost-grace", "1s"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start the collector");
+            match collector_log::wait_listening(&mut child, Box::new(std::io::stderr())) {
+                Ok(_copier) => {
+                    return Collector {
+                        _child: Proc(child),
+                        url: format!("http://127.0.0.1:{port}"),
+                        _dir: dir,
+                    }
+                }
+                Err(e) => why = format!("port {port}: {e}"),
+            }
         }
-        Collector {
-            _child: Proc(child),
-            url: format!("http://127.0.0.1:{port}"),
-            _dir: dir,
-        }
+        panic!("no collector started: {why}");
     }
 
     fn json(&self, args: &[&str]) -> Value {

@@ -5,6 +5,7 @@
 #[path = "collector_support.rs"]
 mod support;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use oomscope_collector::pb;
@@ -84,10 +85,14 @@ async fn a_name_means_its_newest_instance_with_every_process_in_it() {
         .agent(member("api", "svc", "sup-new", 200, "api_server"))
         .await;
     api.send(sample(1, now())).await;
-    let worker = run
+    let mut worker = run
         .agent(member("worker-0", "svc", "sup-new", 201, "worker"))
         .await;
     worker.send(sample(2, now())).await;
+    // The parent on record before its helper says Hello, as a helper starts
+    // after its parent: a Hello is stored as the stream is read, and once
+    // the helper's came first and joined the name's oldest instance.
+    worker.acks_covering(&BTreeSet::from([2]), |_| {}).await;
     // A helper that names no instance joins through its parent's agent.
     let helper = run
         .agent(pb::Hello {

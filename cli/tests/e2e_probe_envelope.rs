@@ -361,12 +361,22 @@ fn cgroup_files(cg: &TestCgroup) -> (&'static str, &'static str, &'static str) {
 /// cgroup of its own limited to what it uses once loaded and 300 MiB more
 /// (swap included): a long prompt's scores and logits (a few thousand
 /// tokens) overrun it. Returns the cgroup, the server, its port and the limit.
+/// The reference server under `oomscope run` in a cgroup of its own, then
+/// limited to what it uses and 300 MiB more: (its cgroup, the server, its
+/// port, the limit, the supervisor's cgroup).
+///
+/// The supervisor is moved out, to a cgroup with no limit, once it has
+/// found its child's. It holds the evidence of the server's death, and it
+/// shields itself from the OOM killer with oom_score_adj -1000, which needs
+/// CAP_SYS_RESOURCE; this sandbox lacks it. In the server's cgroup, once,
+/// the supervisor needed a page 6 ms after the kernel killed the server,
+/// whose mapped files were still charged, and was the next victim (dmesg).
 fn serve_capped(
     col: &Collector,
     name: &str,
     flags: &str,
     env: &[(&str, &str)],
-) -> (TestCgroup, Server, u16, u64) {
+) -> (TestCgroup, Server, u16, u64, TestCgroup) {
     let cg = TestCgroup::create(None, &format!("probe-{name}"), None);
     let port = free_port();
     let argv = server_argv(col, name, port, flags);
@@ -374,8 +384,11 @@ fn serve_capped(
     let mut c = cg.command(&argv);
     c.envs(env.iter().copied());
     let srv = Server::spawn(c, port);
+    let sup = TestCgroup::create(None, &format!("probe-{name}-supervisor"), None);
+    std::fs::write(sup.dir.join("cgroup.procs"), srv.0.id().to_string())
+        .expect("move the supervisor out of its server's cgroup");
     let cap = cap_above_use(&cg);
-    (cg, srv, port, cap)
+    (cg, srv, port, cap, sup)
 }
 
 /// Limits `cg` to what the loaded server in it uses and 300 MiB more, and
@@ -405,7 +418,7 @@ fn a_server_its_cgroup_kills_during_the_probe_makes_the_verdict_unsafe() {
     let _serial = serial();
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let (_cg, srv, port, cap) = serve_capped(&col, "cgsrv", "--max-active 4", &[]);
+    let (_cg, srv, port, cap, _sup) = serve_capped(&col, "cgsrv", "--max-active 4", &[]);
 
     let (code, r) = probe_seeded(&[
         "--endpoint",
@@ -462,7 +475,7 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
     let _serial = serial();
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
-    let (_cg, srv, port, cap) =
+    let (_cg, srv, port, cap, _sup) =
         serve_capped(&col, "bare", "--no-agent", &[("OOMSCOPE_AUTOSTART", "0")]);
 
     let (code, r) = probe_seeded(&[

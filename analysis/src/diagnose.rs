@@ -94,7 +94,7 @@ fn victim(f: &Findings) -> Option<pb::Victim> {
     let hello = e.hello.clone().unwrap_or_default();
     let (pid, title) = match (f.kernel, f.exit) {
         (Some((_, k)), _) => (k.pid, k.task.clone()),
-        (None, Some((_, x))) => (x.pid, String::new()),
+        (None, Some((_, x))) => (x.pid, x.title.clone()),
         (None, None) => (hello.pid, hello.title.clone()),
     };
     if pid == 0 {
@@ -111,9 +111,14 @@ fn victim(f: &Findings) -> Option<pb::Victim> {
                 .flat_map(|l| l.host_top_rss.iter()),
         )
         .find(|p| p.pid == pid);
+    let member_command = f
+        .exit
+        .filter(|(_, x)| x.member && x.pid == pid && !x.command.is_empty())
+        .map(|(_, x)| x.command.clone());
     let command = known
         .map(|p| p.command.clone())
         .filter(|c| !c.is_empty())
+        .or(member_command)
         .or_else(|| {
             e.child_start(pid)
                 .map(|s| s.command.join(" "))

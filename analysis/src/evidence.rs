@@ -24,10 +24,26 @@ pub struct IncidentRef {
 
 impl Evidence {
     /// The child exit the incident is about: the one nearest the incident's
-    /// time, else the last one.
+    /// time (another process of the tree's, for a member's death), else the
+    /// last end of the child itself.
     pub fn child_exit(&self) -> Option<(i64, &pb::ChildExit)> {
+        if self.incident.is_none() {
+            return self.events.iter().rev().find_map(|e| match &e.kind {
+                Some(Kind::ChildExit(x)) if !x.member => Some((e.time_ns, x)),
+                _ => None,
+            });
+        }
         self.nearest(|k| match k {
             Kind::ChildExit(x) => Some(x),
+            _ => None,
+        })
+    }
+
+    /// The end of the child `oomscope run` started, after `after_ns`: what
+    /// the main process did once another process of its tree had died.
+    pub fn main_exit_after(&self, after_ns: i64) -> Option<(i64, &pb::ChildExit)> {
+        self.events.iter().find_map(|e| match &e.kind {
+            Some(Kind::ChildExit(x)) if !x.member && e.time_ns >= after_ns => Some((e.time_ns, x)),
             _ => None,
         })
     }

@@ -271,11 +271,26 @@ impl<'a> Findings<'a> {
             (None, Some(c)) => format!("exited with code {c}"),
             (None, None) => "ended (no exit status recorded)".to_string(),
         };
-        let mut line = format!(
-            "child pid {} {how} after {}",
-            x.pid,
-            seconds(x.runtime_ns as i64)
-        );
+        let who = match x.member {
+            true if !x.title.is_empty() => format!("member pid {} ({})", x.pid, x.title),
+            true => format!("member pid {}", x.pid),
+            false => format!("child pid {}", x.pid),
+        };
+        let mut line = format!("{who} {how} after {}", seconds(x.runtime_ns as i64));
+        if x.member {
+            let t = self.exit.map_or(0, |(t, _)| t);
+            if let Some((_, main)) = self.evidence.main_exit_after(t) {
+                let then = match (main.signal, main.exit_code) {
+                    (Some(s), _) => format!("was killed by signal {s} ({})", signal_name(s)),
+                    (None, Some(c)) => format!("exited with code {c}"),
+                    (None, None) => "ended".to_string(),
+                };
+                line.push_str(&format!(
+                    "; then the main process (pid {}) {then}: a consequence, not a clean stop",
+                    main.pid
+                ));
+            }
+        }
         if x.attempt > 0 {
             line.push_str(&format!(" (restart {})", x.attempt));
         }

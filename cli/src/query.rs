@@ -66,12 +66,19 @@ pub fn incidents(url: &str, agent: Option<String>, json: bool) -> anyhow::Result
     show(
         json,
         || {
+            let one = |i: &pb::Incident| {
+                json!({"id": i.id, "agent": i.agent_name, "agent_id": i.agent_id, "kind": i.kind,
+                       "time_ns": i.time_ns, "domain": if i.domain.is_empty() { None } else { Some(&i.domain) },
+                       "summary": i.summary})
+            };
             let v: Vec<_> = resp
                 .incidents
                 .iter()
-                .map(|i| json!({"id": i.id, "agent": i.agent_name, "agent_id": i.agent_id, "kind": i.kind,
-                                "time_ns": i.time_ns, "domain": if i.domain.is_empty() { None } else { Some(&i.domain) },
-                                "summary": i.summary}))
+                .map(|i| {
+                    let mut root = one(i);
+                    root["parts"] = json!(i.parts.iter().map(one).collect::<Vec<_>>());
+                    root
+                })
                 .collect();
             json!(v)
         },

@@ -12,7 +12,7 @@
 use anyhow::Result;
 
 use crate::kinds::{
-    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, SIGNAL,
+    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, MEMBER_DIED, SIGNAL,
 };
 use crate::pb;
 use crate::store::Store;
@@ -37,7 +37,7 @@ pub const MASS_DISCONNECT_AGENTS: usize = 3;
 pub fn strength(kind: &str) -> u8 {
     match kind {
         KERNEL_OOM_KILL => 5,
-        SIGNAL => 4,
+        SIGNAL | MEMBER_DIED => 4,
         EXIT_OOM_TEXT => 3,
         CRASH_LOOP => 2,
         MASS_DISCONNECT | AGENT_LOST => 1,
@@ -246,10 +246,17 @@ fn mass_summary(agents: usize) -> String {
     )
 }
 
+/// A member's stream that broke this soon after the instance began to stop
+/// (or even this much before it, as clocks and stream teardown go) ended
+/// with it.
+pub const STOP_SLACK_NS: i64 = 1_000_000_000;
+
 /// Whether `agent_id`, whose stream broke at `broke_at_ns`, ended with its
-/// instance rather than alone: the instance's supervisor recorded a clean
-/// end of its child (exit 0, or a stop it passed on) around then, or the
-/// instance's founding process said a clean Goodbye.
+/// instance rather than died: the instance had begun to stop by then (the
+/// supervisor passed a stop signal on, its child had ended cleanly, or the
+/// founding process had said a clean Goodbye), or the supervisor saw this
+/// member's own process end cleanly. A member that died first is a death
+/// whatever the main process did afterwards: its exit 0 is a consequence.
 pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> Result<bool> {
     let Some(instance) = store.instance_of(agent_id)? else {
         return Ok(false);
@@ -257,17 +264,26 @@ pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> R
     let Some(inst) = store.instance(&instance)? else {
         return Ok(false);
     };
-    let near = |t: i64| (t - broke_at_ns).abs() <= CORRELATION_WINDOW_NS;
+    let stopping_by = |t: i64| t <= broke_at_ns.saturating_add(STOP_SLACK_NS);
+    let own_pid = store.hello(agent_id)?.map(|h| h.pid);
     for m in inst.members.iter().filter(|m| m.agent_id != agent_id) {
         if m.role == "supervisor" {
-            if let Some((t, exit)) = store.latest_child_exit(&m.agent_id)? {
-                if near(t) && is_clean_end(&exit) {
+            if let Some(t) = store.latest_stop_forwarded(&m.agent_id)? {
+                if stopping_by(t) {
+                    return Ok(true);
+                }
+            }
+            for (t, exit) in store.child_exits(&m.agent_id)? {
+                let main_ended_cleanly = !exit.member && is_clean_end(&exit) && stopping_by(t);
+                let this_one_ended_cleanly =
+                    exit.member && Some(exit.pid) == own_pid && is_clean_end(&exit);
+                if main_ended_cleanly || this_one_ended_cleanly {
                     return Ok(true);
                 }
             }
         } else if m.agent_id == instance {
             if let Some((t, bye)) = store.latest_goodbye(&m.agent_id)? {
-                if near(t) && bye.exit_code == 0 {
+                if stopping_by(t) && bye.exit_code == 0 {
                     return Ok(true);
                 }
             }
@@ -276,38 +292,30 @@ pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> R
     Ok(false)
 }
 
-/// A child's end that is not a failure: it exited 0, or it ended after a
-/// stop signal that `oomscope run` passed on.
-pub fn is_clean_end(exit: &pb::ChildExit) -> bool {
-    !exit.crash_loop && (exit.exit_code == Some(0) || exit.stop_signal.is_some())
+/// Whether `supervisor`'s instance had begun to stop by `time_ns`: it had
+/// passed a stop signal on, or its child had ended cleanly (the supervisor
+/// restarts nothing after either). A process of the tree that dies after
+/// that ends with the instance.
+pub fn instance_stopping(store: &Store, supervisor: &str, time_ns: i64) -> Result<bool> {
+    if store
+        .latest_stop_forwarded(supervisor)?
+        .is_some_and(|t| t <= time_ns)
+    {
+        return Ok(true);
+    }
+    Ok(store
+        .child_exits(supervisor)?
+        .iter()
+        .any(|(t, x)| !x.member && *t <= time_ns && is_clean_end(x)))
 }
 
-/// After a clean end of `supervisor`'s child at `time_ns`: the members of
-/// its instance recorded lost around then were ending with it. Their
-/// incidents go, and they are marked ended.
-pub fn clean_end(store: &mut Store, supervisor: &str, time_ns: i64) -> Result<()> {
-    let Some(instance) = store.instance_of(supervisor)? else {
-        return Ok(());
-    };
-    let lost = store.incidents_of_instance(
-        &instance,
-        time_ns - CORRELATION_WINDOW_NS,
-        time_ns + CORRELATION_WINDOW_NS,
-    )?;
-    for leader in lost.into_iter().filter(|i| i.kind == AGENT_LOST) {
-        // The lost agents merged into it ended the same way.
-        let mut parts = store.merged_into(&leader.id)?;
-        parts.push(leader);
-        for i in parts {
-            store.retract_incident(&i.id)?;
-            store.set_state(&i.agent_id, "ended", crate::store::now_ns())?;
-            tracing::info!(
-                agent_id = i.agent_id,
-                "ended with its instance's clean stop: not lost"
-            );
-        }
-    }
-    Ok(())
+/// A child's end that is not a failure: it exited 0, or it ended after a
+/// stop signal that `oomscope run` passed on (or, for another process of
+/// the tree, by a stop signal).
+pub fn is_clean_end(exit: &pb::ChildExit) -> bool {
+    let stopped_by_signal = exit.member && exit.signal.is_some_and(|s| [1, 2, 15].contains(&s));
+    !exit.crash_loop
+        && (exit.exit_code == Some(0) || exit.stop_signal.is_some() || stopped_by_signal)
 }
 
 #[cfg(test)]

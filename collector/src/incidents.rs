@@ -34,6 +34,21 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
         EventKind::ChildExit(exit) if exit.stop_signal.is_some() && !exit.crash_loop => {
             return None
         }
+        // Another process of the tree: a kill or a failed exit is a death
+        // of the instance whatever the main process does next (its exit 0
+        // after its engine died is a consequence, not a clean stop). A stop
+        // signal is how servers stop their own workers: no failure.
+        EventKind::ChildExit(exit) if exit.member => {
+            let failed = match (exit.signal, exit.exit_code) {
+                (Some(sig), _) => !STOP_SIGNALS.contains(&sig),
+                (None, Some(code)) => code != 0,
+                (None, None) => false,
+            };
+            if !failed {
+                return None;
+            }
+            (MEMBER_DIED, member_summary(exit))
+        }
         EventKind::ChildExit(exit) => {
             let how = exit_summary(exit);
             if exit.crash_loop {
@@ -78,14 +93,19 @@ pub fn record(
         if store.has_incident(agent_id, incident.seq, &incident.kind)? {
             continue;
         }
+        if incident.kind == MEMBER_DIED
+            && correlate::instance_stopping(store, agent_id, incident.time_ns)?
+        {
+            tracing::info!(
+                agent_id,
+                "{}: the instance was already stopping",
+                incident.summary
+            );
+            continue;
+        }
         incident.agent_id = agent_id.to_string();
         incident.domain = attribute_domain(store, agent_id, &incident);
         recorded.extend(file(store, &incident)?);
-    }
-    for (time_ns, exit) in messages.iter().filter_map(child_exit) {
-        if correlate::is_clean_end(exit) {
-            correlate::clean_end(store, agent_id, time_ns)?;
-        }
     }
     Ok(recorded)
 }
@@ -96,16 +116,6 @@ fn file(store: &mut Store, incident: &pb::Incident) -> Result<Option<pb::Inciden
     match store.insert_incident(incident)? {
         Some(stored) => correlate::settle(store, stored),
         None => Ok(None),
-    }
-}
-
-fn child_exit(msg: &pb::AgentMessage) -> Option<(i64, &pb::ChildExit)> {
-    match &msg.body {
-        Some(Body::Event(pb::Event {
-            time_ns,
-            kind: Some(EventKind::ChildExit(x)),
-        })) => Some((*time_ns, x)),
-        _ => None,
     }
 }
 
@@ -245,6 +255,26 @@ fn kernel_kill_summary(k: &pb::KernelOomKill) -> String {
         k.pid,
         k.task,
         bytes(k.anon_rss_bytes)
+    )
+}
+
+/// Stop signals (SIGHUP, SIGINT, SIGTERM): how a server stops its workers.
+const STOP_SIGNALS: [i32; 3] = [1, 2, 15];
+
+fn member_summary(exit: &pb::ChildExit) -> String {
+    let how = match (exit.signal, exit.exit_code) {
+        (Some(sig), _) => format!("killed by signal {sig} ({})", signal_name(sig)),
+        (None, Some(code)) => format!("exited with code {code}"),
+        (None, None) => "ended".to_string(),
+    };
+    let title = match exit.title.is_empty() {
+        true => String::new(),
+        false => format!(" ({})", exit.title),
+    };
+    format!(
+        "member pid {}{title} of the instance {how} after {:.1} s",
+        exit.pid,
+        exit.runtime_ns as f64 / 1e9
     )
 }
 

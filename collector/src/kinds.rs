@@ -3,6 +3,9 @@
 
 pub const OOM: &str = "oom";
 pub const SIGNAL: &str = "signal";
+/// A process of the instance other than the one `oomscope run` started (an
+/// engine, a worker) died by a signal or failed exit, as the supervisor saw.
+pub const MEMBER_DIED: &str = "member_died";
 pub const EXIT_OOM_TEXT: &str = "exit_oom_text";
 pub const CRASH_LOOP: &str = "crash_loop";
 pub const AGENT_LOST: &str = "agent_lost";

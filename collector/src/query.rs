@@ -90,14 +90,15 @@ impl QueryService for QueryApi {
         let agent = request.into_inner().agent;
         let incidents = self
             .read(move |s| {
-                if agent.is_empty() {
-                    return s.incidents(None).map_err(internal);
-                }
-                match resolve(s, &agent)? {
-                    Target::Agent(a) => s.incidents(Some(&a)),
-                    Target::Instance(i) => s.incidents_of_instance(&i.id, i64::MIN, i64::MAX),
-                }
-                .map_err(internal)
+                let roots = if agent.is_empty() {
+                    s.incidents(None)
+                } else {
+                    match resolve(s, &agent)? {
+                        Target::Agent(a) => s.incidents(Some(&a)),
+                        Target::Instance(i) => s.incidents_of_instance(&i.id, i64::MIN, i64::MAX),
+                    }
+                };
+                with_parts(s, roots.map_err(internal)?).map_err(internal)
             })
             .await?;
         Ok(Response::new(pb::IncidentsResponse { incidents }))
@@ -242,9 +243,30 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         diagnosis.agent = Some(agent_id);
     }
     if let Some(inc) = incident {
+        // An incident joined to another answers with its root's verdict.
+        if !req.incident.is_empty() && req.incident != inc.id {
+            diagnosis.evidence.insert(
+                0,
+                format!(
+                    "{} is part of incident {} ({}): a consequence of the same failure, so this is {}'s verdict",
+                    req.incident, inc.id, inc.kind, inc.id
+                ),
+            );
+        }
         diagnosis.incident = Some(inc.id);
     }
     Ok(diagnosis)
+}
+
+/// Each incident with the incidents joined to it as its consequences.
+fn with_parts(store: &Store, roots: Vec<pb::Incident>) -> Result<Vec<pb::Incident>> {
+    roots
+        .into_iter()
+        .map(|mut i| {
+            i.parts = store.merged_into(&i.id)?;
+            Ok(i)
+        })
+        .collect()
 }
 
 /// Causes found in one process's heap that an instance's main timeline
@@ -341,8 +363,9 @@ fn add_member_causes(
     Ok(())
 }
 
-/// How long after the kernel's record of a kill its process's end is still
-/// part of it: the record comes first, the exit the supervisor reads follows.
+/// How long after the kernel's record of a kill (or a member's death) the
+/// main process's end is still part of it: the death comes first, the exit
+/// the supervisor reads follows.
 pub const KILL_SETTLE_NS: i64 = 5_000_000_000;
 
 /// Where the evidence of an incident ends: at its moment, or at the last of
@@ -351,7 +374,10 @@ pub const KILL_SETTLE_NS: i64 = 5_000_000_000;
 fn incident_end(store: &Store, inc: &pb::Incident) -> Result<i64, Status> {
     let parts = store.merged_into(&inc.id).map_err(internal)?;
     let mut end = parts.iter().map(|p| p.time_ns).fold(inc.time_ns, i64::max);
-    if inc.kind == crate::incidents::KERNEL_OOM_KILL {
+    if matches!(
+        inc.kind.as_str(),
+        crate::incidents::KERNEL_OOM_KILL | crate::incidents::MEMBER_DIED
+    ) {
         end = end.max(inc.time_ns.saturating_add(KILL_SETTLE_NS));
     }
     Ok(end)

@@ -223,14 +223,22 @@ async fn a_stop_is_no_incident_and_its_workers_ended_rather_than_lost() {
         w.acks_covering(&[1].into(), |_| {}).await;
         workers.push(w);
     }
-    // SIGTERM: the workers go first (no Goodbye), then the child ends by
-    // the signal the supervisor passed on.
+    // SIGTERM: the supervisor records that it passes it on; the workers go
+    // first (no Goodbye), and are recorded lost only after the grace, when
+    // the stop is long on record; then the child ends by the signal.
+    sup.send(event(
+        2,
+        now(),
+        Kind::StopForwarded(pb::StopForwarded { signal: 15 }),
+    ))
+    .await;
+    sup.acks_covering(&[2].into(), |_| {}).await;
     for mut w in workers {
         w.close();
     }
     tokio::time::sleep(GRACE * 2).await;
     sup.send(child_exit(
-        2,
+        3,
         now(),
         pb::ChildExit {
             pid: 200,
@@ -240,8 +248,8 @@ async fn a_stop_is_no_incident_and_its_workers_ended_rather_than_lost() {
         },
     ))
     .await;
-    sup.send(goodbye(3)).await;
-    sup.acks_covering(&[2, 3].into(), |_| {}).await;
+    sup.send(goodbye(4)).await;
+    sup.acks_covering(&[3, 4].into(), |_| {}).await;
     tokio::time::sleep(GRACE * 2).await;
     assert_eq!(
         all_incidents(&run).await,
@@ -257,6 +265,82 @@ async fn a_stop_is_no_incident_and_its_workers_ended_rather_than_lost() {
             incident_rows(&run)
         );
     }
+    run.stop().await;
+}
+
+/// #28: `kill -9` of a worker; the server then exits 0. The death is one
+/// incident (the supervisor's record of the member's end leads, the
+/// worker's lost stream joins it as a part) and stays after the exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_member_stays_one_incident_when_the_server_then_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), GRACE).await;
+    let t = now();
+    let mut sup = run.agent(supervisor("sup", "ref")).await;
+    sup.send(child_start(1, t, 200)).await;
+    sup.acks_covering(&[1].into(), |_| {}).await;
+    let mut w = run.agent(member("w0", "ref", "sup", 201, "worker")).await;
+    w.send(sample(1, t + 1)).await;
+    w.acks_covering(&[1].into(), |_| {}).await;
+    w.close();
+    sup.send(child_exit(
+        2,
+        now(),
+        pb::ChildExit {
+            pid: 201,
+            signal: Some(9),
+            member: true,
+            title: "Worker".into(),
+            status_from: "proc_events".into(),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.acks_covering(&[2].into(), |_| {}).await;
+    tokio::time::sleep(GRACE * 2).await;
+    sup.send(child_exit(
+        3,
+        now(),
+        pb::ChildExit {
+            pid: 200,
+            exit_code: Some(0),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.send(goodbye(4)).await;
+    sup.acks_covering(&[3, 4].into(), |_| {}).await;
+    tokio::time::sleep(GRACE * 2).await;
+    let incs = all_incidents(&run).await;
+    assert_eq!(incs.len(), 1, "{:#?}", incident_rows(&run));
+    assert_eq!(incs[0].kind, "member_died");
+    assert!(
+        incs[0].summary.contains("member pid 201 (Worker)"),
+        "{}",
+        incs[0].summary
+    );
+    // (Its domain needs the supervisor's counters, which this stream has
+    // not: e2e_members checks it with a real `oomscope run`.)
+    let parts: Vec<&str> = incs[0].parts.iter().map(|p| p.kind.as_str()).collect();
+    assert_eq!(parts, ["agent_lost"], "the worker's lost stream is a part");
+    assert_eq!(agent_summary(&run, "w0").await.state, "lost");
+    // The part answers with its root's verdict, and says so.
+    let d = run
+        .query()
+        .await
+        .diagnose(pb::DiagnoseRequest {
+            incident: incs[0].parts[0].id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d.incident.as_deref(), Some(incs[0].id.as_str()));
+    assert!(
+        d.evidence[0].contains("is part of incident"),
+        "{:?}",
+        d.evidence
+    );
     run.stop().await;
 }
 

@@ -149,6 +149,19 @@ pub fn incidents(list: &[pb::Incident]) -> String {
             terminal(domain),
             terminal(&i.summary)
         );
+        // The consequences joined to it, under it.
+        for p in &i.parts {
+            let _ = writeln!(
+                out,
+                "  +- {:<10} {:<24} {:<20} {:<14} {:<14}  {}",
+                terminal(&p.id),
+                time(p.time_ns),
+                terminal(&p.agent_name),
+                terminal(&p.kind),
+                "(part)",
+                terminal(&p.summary)
+            );
+        }
     }
     out
 }
@@ -182,11 +195,20 @@ fn event_label(e: &pb::Event) -> String {
         ),
         Some(Kind::HeapCensus(h)) => format!("heap census: {} types", h.types.len()),
         Some(Kind::ChildStart(c)) => format!("child {} started: {}", c.pid, c.command.join(" ")),
-        Some(Kind::ChildExit(c)) => match (c.exit_code, c.signal) {
-            (_, Some(s)) => format!("child {} killed by signal {s}", c.pid),
-            (Some(code), _) => format!("child {} exited {code}", c.pid),
-            _ => format!("child {} ended", c.pid),
-        },
+        Some(Kind::ChildExit(c)) => {
+            let who = match c.member {
+                true => format!("member {} ({})", c.pid, terminal(&c.title)),
+                false => format!("child {}", c.pid),
+            };
+            match (c.exit_code, c.signal) {
+                (_, Some(s)) => format!("{who} killed by signal {s}"),
+                (Some(code), _) => format!("{who} exited {code}"),
+                _ => format!("{who} ended (status unknown: {})", c.status_from),
+            }
+        }
+        Some(Kind::StopForwarded(s)) => {
+            format!("oomscope run passed signal {} on: stopping", s.signal)
+        }
         Some(Kind::Request(r)) => format!(
             "request {} {}",
             r.request_id,

@@ -9,6 +9,7 @@
 //! levels, `partial` says so.
 
 pub mod cgroup;
+pub mod exits;
 pub mod gpu;
 mod host;
 pub mod kmsg;

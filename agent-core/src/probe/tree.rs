@@ -11,7 +11,8 @@
 //! short-lived worker (one the OOM killer picks within milliseconds of its
 //! start) is still known as ours.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::time::Instant;
 
 use super::processes::{command_line, parse_status_fields};
 use super::text::{kb_line_bytes, read_opt};
@@ -172,39 +173,98 @@ pub fn descends_from(paths: &HostPaths, pid: u32, ancestor: u32) -> bool {
 }
 
 /// One run's tree: the latest reading's pids and every pid seen in it
-/// since the run began, to tell whether a pid the kernel names is ours.
+/// since the run began, to tell whether a pid the kernel names is ours, and
+/// what each process was (its title, command line, parent) once it is gone.
 #[derive(Debug)]
 pub struct TreeWatch {
     paths: HostPaths,
     root: u32,
+    /// Whether the root is one of the processes watched, or only the
+    /// ancestor of them (`oomscope run` after its child ended, watching the
+    /// orphans it adopted as the tree's subreaper).
+    root_listed: bool,
     /// The pids of the latest reading and of the children found since.
     current: Vec<u32>,
-    seen: HashSet<u32>,
+    /// Every pid seen, with when it was first seen.
+    seen: HashMap<u32, Instant>,
+    /// What each process was at the latest full reading that listed it.
+    listed: HashMap<u32, pb::ProcessInfo>,
+    /// Processes of the previous reading missing from the latest one.
+    gone: Vec<pb::ProcessInfo>,
 }
 
 impl TreeWatch {
     pub fn new(paths: HostPaths, root: u32) -> Self {
-        let mut seen = HashSet::new();
-        seen.insert(root);
+        let mut seen = HashMap::new();
+        seen.insert(root, Instant::now());
         TreeWatch {
             paths,
             root,
+            root_listed: true,
             current: vec![root],
             seen,
+            listed: HashMap::new(),
+            gone: Vec::new(),
         }
+    }
+
+    /// The descendants of `root` without `root` itself: what a subreaper
+    /// watches once the process it started has ended and its tree lives on.
+    /// What `previous` knew of the processes stays known.
+    pub fn descendants_of(root: u32, previous: TreeWatch) -> Self {
+        let mut w = TreeWatch {
+            root,
+            root_listed: false,
+            current: vec![root],
+            ..previous
+        };
+        w.gone.clear();
+        w
     }
 
     /// The full walk and reading, for a sample.
     pub fn read(&mut self) -> TreeReading {
-        let reading = read(&self.paths, self.root, MAX_TREE_PROCESSES);
+        let mut reading = read(&self.paths, self.root, MAX_TREE_PROCESSES);
+        if !self.root_listed {
+            if let Some(i) = reading.processes.iter().position(|p| p.pid == self.root) {
+                let me = reading.processes.remove(i);
+                reading.rss_bytes -= me.rss_bytes;
+                reading.pss_bytes -= me.pss_bytes;
+            }
+        }
+        let before: Vec<u32> = std::mem::take(&mut self.current);
         self.current = reading.processes.iter().map(|p| p.pid).collect();
-        if self.current.is_empty() {
-            self.current.push(self.root);
+        self.gone = before
+            .iter()
+            .filter(|pid| !self.current.contains(pid))
+            .filter_map(|pid| self.listed.get(pid).cloned())
+            .collect();
+        if self.current.is_empty() || !self.root_listed {
+            self.current.insert(0, self.root);
         }
         for p in &reading.processes {
             self.remember(p.pid);
+            if self.listed.len() < MAX_SEEN_PIDS || self.listed.contains_key(&p.pid) {
+                self.listed.insert(p.pid, p.clone());
+            }
         }
         reading
+    }
+
+    /// The processes the latest reading no longer found (ended, or moved
+    /// out of the tree), as the reading before it saw them.
+    pub fn gone(&self) -> &[pb::ProcessInfo] {
+        &self.gone
+    }
+
+    /// The processes of the latest reading, the root excluded where it is
+    /// not watched itself.
+    pub fn members(&self) -> Vec<u32> {
+        self.current
+            .iter()
+            .copied()
+            .filter(|&p| self.root_listed || p != self.root)
+            .collect()
     }
 
     /// Finds the children of the known processes' main threads (one small
@@ -237,17 +297,24 @@ impl TreeWatch {
     /// or descends from the root now (a process the walks missed but that
     /// is still there, a zombie included).
     pub fn owns(&self, pid: u32) -> bool {
-        self.seen.contains(&pid) || descends_from(&self.paths, pid, self.root)
+        self.seen.contains_key(&pid) || descends_from(&self.paths, pid, self.root)
     }
 
-    /// The pids seen in the tree so far.
-    pub fn seen(&self) -> &HashSet<u32> {
-        &self.seen
+    /// When `pid` was first seen in the tree, if it was.
+    pub fn first_seen(&self, pid: u32) -> Option<Instant> {
+        self.seen.get(&pid).copied()
+    }
+
+    /// What `pid` was at the latest full reading that listed it; None for
+    /// a process no full reading caught (one that lived less than a sample
+    /// interval).
+    pub fn last_listed(&self, pid: u32) -> Option<&pb::ProcessInfo> {
+        self.listed.get(&pid)
     }
 
     fn remember(&mut self, pid: u32) {
         if self.seen.len() < MAX_SEEN_PIDS {
-            self.seen.insert(pid);
+            self.seen.entry(pid).or_insert_with(Instant::now);
         }
     }
 }

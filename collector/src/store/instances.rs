@@ -309,14 +309,6 @@ impl Store {
         Ok(())
     }
 
-    /// Removes an incident that was not one (an agent recorded lost that in
-    /// fact ended with its instance's clean stop).
-    pub fn retract_incident(&mut self, id: &str) -> Result<()> {
-        self.conn
-            .execute("DELETE FROM incidents WHERE id = ?1", [id])?;
-        Ok(())
-    }
-
     /// The incidents merged into `id`.
     pub fn merged_into(&self, id: &str) -> Result<Vec<pb::Incident>> {
         let mut stmt = self.conn.prepare_cached(&format!(
@@ -368,7 +360,14 @@ impl Store {
             .optional()?
             .map(|s| s as u64))
     }
+}
 
+/// How many of a supervisor's newest child ends [`Store::child_exits`] reads:
+/// its tree's processes' ends are budgeted (60 failures a minute), so this
+/// covers the minutes around any one death.
+pub const CHILD_EXITS_READ: i64 = 200;
+
+impl Store {
     /// The newest ChildExit `agent_id` (a supervisor) sent, with its time.
     pub fn latest_child_exit(&self, agent_id: &str) -> Result<Option<(i64, pb::ChildExit)>> {
         let newest = self.newest_message(agent_id, "event", Some("child_exit"))?;
@@ -379,6 +378,42 @@ impl Store {
             }) => Some((t, x)),
             _ => None,
         }))
+    }
+
+    /// The newest [`CHILD_EXITS_READ`] ChildExits `agent_id` (a supervisor)
+    /// sent, its child's and its tree's other processes', newest first.
+    pub fn child_exits(&self, agent_id: &str) -> Result<Vec<(i64, pb::ChildExit)>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq, time_ns, body FROM messages
+             WHERE agent_id = ?1 AND kind = 'event' AND event_kind = 'child_exit'
+             ORDER BY time_ns DESC LIMIT ?2",
+        )?;
+        let rows = stmt.query_map(params![agent_id, CHILD_EXITS_READ], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, Vec<u8>>(2)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (seq, time_ns, body) = row?;
+            if let Some(Body::Event(pb::Event {
+                kind: Some(EventKind::ChildExit(x)),
+                ..
+            })) = decode_message(agent_id, seq as u64, &body)?.body
+            {
+                out.push((time_ns, x));
+            }
+        }
+        Ok(out)
+    }
+
+    /// When `agent_id` (a supervisor) last passed a stop signal on.
+    pub fn latest_stop_forwarded(&self, agent_id: &str) -> Result<Option<i64>> {
+        Ok(self
+            .newest_message(agent_id, "event", Some("stop_forwarded"))?
+            .map(|(t, _)| t))
     }
 
     /// The Goodbye `agent_id` sent, with the (collector's) time it was stored.

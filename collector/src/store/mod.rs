@@ -564,13 +564,18 @@ impl Store {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// The incidents that ended an agent named `name` (a death by signal, a
-    /// failed exit with OOM text, a lost stream), from `since_ns` on.
+    /// The failures of instances named `name` (a death by signal, of the
+    /// child or another member, a kernel kill, a failed exit with OOM text,
+    /// a lost stream), from `since_ns` on: one per instance, its first. The
+    /// deaths of several processes of one start are one failure; a crash
+    /// loop needs starts.
     pub fn deaths_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Death>> {
+        // SQLite takes the bare columns from the row with the MIN.
         let mut stmt = self.conn.prepare_cached(
-            "SELECT i.agent_id, i.time_ns, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
-             WHERE a.name = ?1 AND i.time_ns >= ?2 AND i.kind IN ('signal', 'exit_oom_text', 'agent_lost')
-             ORDER BY i.time_ns",
+            "SELECT i.agent_id, MIN(i.time_ns) AS t, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
+             WHERE a.name = ?1 AND i.time_ns >= ?2
+               AND i.kind IN ('signal', 'member_died', 'kernel_oom_kill', 'exit_oom_text', 'agent_lost')
+             GROUP BY a.instance ORDER BY t",
         )?;
         let rows = stmt.query_map(params![name, since_ns], |r| {
             Ok(crate::fleet::Death {
@@ -638,6 +643,7 @@ fn incident_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<pb::Incident> {
         domain: r.get(5)?,
         summary: r.get(6)?,
         seq: r.get::<_, i64>(7)? as u64,
+        parts: Vec::new(),
     })
 }
 
@@ -712,6 +718,7 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
         Some(EventKind::ChildExit(_)) => "child_exit",
         Some(EventKind::Request(_)) => "request",
         Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill",
+        Some(EventKind::StopForwarded(_)) => "stop_forwarded",
         None => "",
     }
 }

@@ -726,7 +726,7 @@ pub struct Sample {
 pub struct Event {
     #[prost(int64, tag = "1")]
     pub time_ns: i64,
-    #[prost(oneof = "event::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12")]
+    #[prost(oneof = "event::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13")]
     #[cfg_attr(feature = "serde", serde(flatten))]
     pub kind: ::core::option::Option<event::Kind>,
 }
@@ -768,7 +768,20 @@ pub mod event {
         #[prost(message, tag = "12")]
         #[cfg_attr(feature = "serde", serde(rename = "kernel_oom_kill"))]
         KernelOomKill(super::KernelOomKill),
+        #[prost(message, tag = "13")]
+        #[cfg_attr(feature = "serde", serde(rename = "stop_forwarded"))]
+        StopForwarded(super::StopForwarded),
     }
+}
+/// `oomscope run` passed a stop signal it received (SIGTERM, SIGINT, SIGHUP)
+/// on to its child, at the event's time: the instance is stopping from then
+/// on, so its processes that end after it are ending, not failing.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct StopForwarded {
+    #[prost(int32, tag = "1")]
+    pub signal: i32,
 }
 /// The kernel's own record of an OOM kill (from /dev/kmsg), read by `oomscope  run` and matched to a process of its instance by pid and time. It is the
 /// authoritative "at failure" figure: the victim's memory as the kernel
@@ -1068,6 +1081,26 @@ pub struct ChildExit {
     /// the kernel killed a process of the instance for memory.
     #[prost(int32, optional, tag = "12")]
     pub stop_signal: ::core::option::Option<i32>,
+    /// Set when this is not the child `oomscope run` started but another
+    /// process of its tree (an API process's engine, a worker, a Manager). Its
+    /// status comes from where `status_from` says; `before` is unset and
+    /// `after` holds the host counters read when its end was seen.
+    #[prost(bool, tag = "13")]
+    pub member: bool,
+    #[prost(uint32, tag = "14")]
+    pub parent_pid: u32,
+    /// /proc/<pid>/comm as last read (e.g. "VLLM::Worker"), and its command line.
+    #[prost(string, tag = "15")]
+    pub title: ::prost::alloc::string::String,
+    #[prost(string, tag = "16")]
+    pub command: ::prost::alloc::string::String,
+    /// How a member's status was read: "reaped" (an orphan `oomscope run`
+    /// reaped as the tree's child subreaper), "proc_events" (the kernel's
+    /// process events connector), "zombie" (/proc/<pid>/stat before its parent
+    /// reaped it), or "vanished" (gone between two readings: no status, so
+    /// exit_code and signal are unset).
+    #[prost(string, tag = "17")]
+    pub status_from: ::prost::alloc::string::String,
 }
 /// Generated client implementations.
 pub mod agent_service_client {
@@ -1500,7 +1533,7 @@ pub struct IncidentsRequest {
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Incident {
     #[prost(string, tag = "1")]
     pub id: ::prost::alloc::string::String,
@@ -1521,6 +1554,12 @@ pub struct Incident {
     /// The seq of the event that raised it (0 for agent_lost).
     #[prost(uint64, tag = "8")]
     pub seq: u64,
+    /// The incidents joined to this one as consequences of the same failure
+    /// (a worker's lost stream, the server's exit after its engine died), in
+    /// time order; each keeps its own id, and `diagnose` of it gives this
+    /// incident's verdict. Filled by `Incidents` queries; empty inside a part.
+    #[prost(message, repeated, tag = "9")]
+    pub parts: ::prost::alloc::vec::Vec<Incident>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -35,6 +35,9 @@ use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
 use oomscope_analysis::units::signal_name;
 
+mod members;
+use members::{name_processes, Members, MEMBER_EXITS_LABEL};
+
 /// How much of the child's stderr is kept as evidence. 64 KiB holds a full
 /// Python traceback or a CUDA OOM message with room to spare.
 pub const DEFAULT_STDERR_TAIL_BYTES: usize = 64 * 1024;
@@ -112,11 +115,15 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
              without the kernel's record of them"
         );
     }
+    let mut members = Members::open();
     let me = HostProbe::new(paths.clone(), std::process::id());
     let mut hello = hello(&cfg, &me);
     hello
         .labels
         .insert(KERNEL_LOG_LABEL.to_string(), kmsg.describe());
+    hello
+        .labels
+        .insert(MEMBER_EXITS_LABEL.to_string(), members.describe());
     let reporter = Reporter::start(
         ReporterConfig {
             collector_url: cfg.collector_url.clone(),
@@ -141,7 +148,14 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
             agent_id: &agent_id,
             child_oom_score_adj: shield.child_value(),
         };
-        let ending = run_once(&ctx, attempt, last_try, &mut sampling, &mut kmsg)?;
+        let ending = run_once(
+            &ctx,
+            attempt,
+            last_try,
+            &mut sampling,
+            &mut kmsg,
+            &mut members,
+        )?;
         if stop_requested() {
             // Someone asked the supervisor to stop: the child got the signal; no restart.
             break ending;
@@ -241,7 +255,7 @@ fn memory_env_labels(get: impl Fn(&str) -> Option<String>) -> Vec<(String, Strin
         .collect()
 }
 
-fn event(kind: pb::event::Kind) -> pb::Event {
+pub(crate) fn event(kind: pb::event::Kind) -> pb::Event {
     pb::Event {
         time_ns: now_ns(),
         kind: Some(kind),
@@ -265,6 +279,7 @@ fn run_once(
     last_try: bool,
     sampling: &mut SamplingLoop,
     kmsg: &mut KmsgReader,
+    members: &mut Members,
 ) -> anyhow::Result<Ending> {
     let Supervision {
         cfg,
@@ -337,24 +352,27 @@ fn run_once(
         last_process,
         kmsg,
         stop_signal: None,
+        members,
+        paths,
+        main_alive: true,
+        tree_empty: false,
     };
     sampling.run(&mut watch, None);
-    // A kill the kernel is still logging comes before the exit.
+    // A kill the kernel is still logging comes before the exit, and so do
+    // the ends of members reported meanwhile.
     watch.drain_kills(reporter);
-    let ChildWatch {
-        probe,
-        last_process,
-        stop_signal,
-        ..
-    } = watch;
+    watch
+        .members
+        .poll(&watch.tree, pid, reporter, &|| watch.probe.counters());
 
     // The child has ended but is not reaped: read what it left.
-    let after = probe.counters();
+    let after = watch.probe.counters();
     let final_process = match process::read(paths, pid) {
-        Ok(p) => merge_process(last_process, p),
-        Err(_) => last_process.unwrap_or_default(),
+        Ok(p) => merge_process(watch.last_process, p),
+        Err(_) => watch.last_process.unwrap_or_default(),
     };
-    let plist = probe.process_list(TOP_PROCESSES);
+    let plist = watch.probe.process_list(TOP_PROCESSES);
+    let stop_signal = watch.stop_signal;
 
     let status = child.wait().context("reaping the child")?;
     let ending = match (status.code(), status.signal()) {
@@ -391,9 +409,36 @@ fn run_once(
         crash_loop,
         runtime_ns: started.elapsed().as_nanos() as u64,
         stop_signal,
+        ..Default::default()
     };
     reporter.send_event(event(pb::event::Kind::ChildExit(exit)));
+    outlive(&mut watch, reporter, sampling, describe(ending));
     Ok(ending)
+}
+
+/// After the child ended: processes of its tree that live on (orphans the
+/// supervisor adopted as the tree's subreaper) keep the instance open. The
+/// supervisor says so, samples them and records how each ends, passes a
+/// stop signal it receives on to all of them, and returns once none is left.
+fn outlive(watch: &mut ChildWatch, reporter: &Reporter, sampling: &mut SamplingLoop, how: String) {
+    let survivors = watch.members.survivors(watch.paths);
+    if survivors.is_empty() {
+        return;
+    }
+    eprintln!(
+        "oomscope: the child {how}, but {} process(es) of its tree live on: {}; \
+         the instance stays open until they end (a stop signal to oomscope passes on to them)",
+        survivors.len(),
+        name_processes(&survivors)
+    );
+    let me = std::process::id();
+    let tree = std::mem::replace(&mut watch.tree, TreeWatch::new(watch.paths.clone(), me));
+    watch.tree = TreeWatch::descendants_of(me, tree);
+    watch.probe = HostProbe::new(watch.paths.clone(), survivors[0].pid);
+    watch.last_process = None;
+    watch.main_alive = false;
+    sampling.run(watch, None);
+    watch.drain_kills(reporter);
 }
 
 /// The child seen from outside, on the agent skeleton's sampling loop: a
@@ -412,6 +457,13 @@ struct ChildWatch<'k> {
     kmsg: &'k mut KmsgReader,
     /// The stop signal passed on to the child before it ended.
     stop_signal: Option<i32>,
+    /// The rest of the tree's processes: how each ended.
+    members: &'k mut Members,
+    paths: &'k HostPaths,
+    /// False once the child has ended and its tree lives on (see `outlive`).
+    main_alive: bool,
+    /// Set when a reading after the child's end found none of its tree.
+    tree_empty: bool,
 }
 
 impl ChildWatch<'_> {
@@ -447,8 +499,15 @@ impl Readers for ChildWatch<'_> {
         if let Some(p) = &s.process {
             self.last_process = Some(merge_process(self.last_process.take(), *p));
         }
-        self.tree.read().fill(&mut s);
+        let reading = self.tree.read();
+        self.tree_empty = !self.main_alive && reading.processes.is_empty();
+        reading.fill(&mut s);
         reporter.send_sample(s);
+        let probe = &self.probe;
+        self.members
+            .tick(&self.tree, self.pid, self.paths, reporter, &|| {
+                probe.counters()
+            });
     }
 
     fn poll(&mut self, reporter: &Reporter) -> Flow {
@@ -456,10 +515,20 @@ impl Readers for ChildWatch<'_> {
         // New processes first, so that a kill of one is matched to it.
         self.tree.refresh_children();
         self.send_kills(reporter);
+        let probe = &self.probe;
+        self.members
+            .poll(&self.tree, pid, reporter, &|| probe.counters());
+        if !self.main_alive {
+            return self.poll_survivors(reporter);
+        }
         let exited = wait_exited_nowait(pid);
         if !matches!(exited, Ok(true)) {
             let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
             if sig != 0 {
+                // The instance is stopping from now on: what ends after this is no failure.
+                reporter.send_event(event(pb::event::Kind::StopForwarded(pb::StopForwarded {
+                    signal: sig,
+                })));
                 // The supervisor started this child: passing a stop signal on is its job.
                 // SAFETY: kill(2) on our own, not yet reaped, child.
                 unsafe { libc::kill(pid as libc::pid_t, sig) };
@@ -482,6 +551,36 @@ impl Readers for ChildWatch<'_> {
 
     fn next_wake(&self) -> Option<Instant> {
         Some(Instant::now() + EXIT_POLL)
+    }
+}
+
+impl ChildWatch<'_> {
+    /// A poll once the child has ended and its tree lives on: a stop signal
+    /// goes to every process of the tree (all descend from the child the
+    /// supervisor started), and the watch ends when none is left.
+    fn poll_survivors(&mut self, reporter: &Reporter) -> Flow {
+        let sig = PENDING_SIGNAL.swap(0, Ordering::Relaxed);
+        if sig != 0 {
+            let pids = self.tree.members();
+            reporter.send_event(event(pb::event::Kind::StopForwarded(pb::StopForwarded {
+                signal: sig,
+            })));
+            for p in &pids {
+                // SAFETY: kill(2) on a process of the tree we started (an
+                // orphan we adopted, or one of its descendants).
+                unsafe { libc::kill(*p as libc::pid_t, sig) };
+            }
+            eprintln!(
+                "oomscope: passed signal {sig} ({}) on to the {} process(es) of the tree",
+                signal_name(sig),
+                pids.len()
+            );
+        }
+        if self.tree_empty {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        }
     }
 }
 

@@ -1,0 +1,284 @@
+//! The other processes of the supervised tree (an API server's engine, its
+//! workers, a `multiprocessing` Manager): how each one ended, and the ones
+//! that outlive the child.
+//!
+//! How a member's status is read, most reliable first:
+//! - the kernel's process events (`probe::exits`), which report every exit
+//!   with its wait status whoever reaps it: the engine a vLLM API server
+//!   reaps within milliseconds included;
+//! - `waitpid` on orphans: `oomscope run` is the tree's child subreaper
+//!   (`PR_SET_CHILD_SUBREAPER`), so a member whose parent died becomes its
+//!   child, and its status waits for it however late it looks;
+//! - without either, a member that left the tree and /proc is "vanished",
+//!   with no status (a container without CAP_NET_ADMIN).
+//!
+//! Each end is sent as a `ChildExit` with `member` set. Ends that are no
+//! failure (exit 0, a stop signal) are sent only for members a full tree
+//! reading listed, so that a server forking a short-lived helper per
+//! request sends nothing for them; failures are sent within a budget.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use oomscope_agent_core::pb;
+use oomscope_agent_core::probe::exits::{split_wait_status, ExitEvents};
+use oomscope_agent_core::probe::tree::{descendants, describe, parse_children, TreeWatch};
+use oomscope_agent_core::probe::HostPaths;
+use oomscope_agent_core::reporter::Reporter;
+
+use super::event;
+
+/// The Hello label that says how members' ends are read: "process events",
+/// or "reaped orphans only: <why>".
+pub const MEMBER_EXITS_LABEL: &str = "member_exits";
+/// The most failed member ends sent per minute: a server whose helpers fail
+/// in a loop must not flood the collector (each one may be an incident).
+pub const MEMBER_FAILURES_PER_MINUTE: u32 = 60;
+/// Stop signals: how servers stop their own workers. A member ended by one
+/// is recorded, never a failure by itself.
+const STOP_SIGNALS: [i32; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+/// The most processes the survivors' message names.
+const SURVIVORS_NAMED: usize = 8;
+
+/// (exit code, signal, core dumped) of one end.
+type Status = (Option<i32>, Option<i32>, bool);
+
+/// Whether an end is a failure: a signal other than a stop, or a non-zero
+/// exit. An unknown status (vanished) is not one by itself.
+pub fn is_failure(status: Option<Status>) -> bool {
+    match status {
+        Some((_, Some(sig), _)) => !STOP_SIGNALS.contains(&sig),
+        Some((Some(code), None, _)) => code != 0,
+        _ => false,
+    }
+}
+
+pub(super) struct Members {
+    events: Option<ExitEvents>,
+    /// Why there are no process events, where there are none.
+    no_events: Option<String>,
+    /// Members whose end was sent (or judged not worth sending).
+    reported: HashSet<u32>,
+    /// Failures left to send in the current minute.
+    budget: u32,
+    budget_since: Instant,
+    me: u32,
+}
+
+impl Members {
+    /// Becomes the child subreaper and subscribes to process exits; says
+    /// once on stderr what it cannot read.
+    pub fn open() -> Members {
+        // SAFETY: prctl with integer arguments only.
+        let reaper = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } == 0;
+        if !reaper {
+            tracing::warn!(
+                "PR_SET_CHILD_SUBREAPER failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let (events, no_events) = match ExitEvents::open() {
+            Ok(e) => (Some(e), None),
+            Err(why) => {
+                eprintln!(
+                    "oomscope: the kernel's process events are unavailable ({why}); how a \
+                     process of the tree other than the child ended is read only for orphans \
+                     (as the tree's subreaper), else it is recorded as vanished"
+                );
+                (None, Some(why))
+            }
+        };
+        Members {
+            events,
+            no_events,
+            reported: HashSet::new(),
+            budget: MEMBER_FAILURES_PER_MINUTE,
+            budget_since: Instant::now(),
+            me: std::process::id(),
+        }
+    }
+
+    /// For the Hello's [`MEMBER_EXITS_LABEL`].
+    pub fn describe(&self) -> String {
+        match &self.no_events {
+            None => "process events".to_string(),
+            Some(why) => format!("reaped orphans only: {why}"),
+        }
+    }
+
+    /// At each poll: the ends the kernel reported for processes of `tree`
+    /// other than `main` (whose end the supervisor reads itself).
+    pub fn poll(
+        &mut self,
+        tree: &TreeWatch,
+        main: u32,
+        reporter: &Reporter,
+        counters: &dyn Fn() -> pb::HostCounters,
+    ) {
+        let Some(events) = self.events.as_mut() else {
+            return;
+        };
+        for e in events.read() {
+            if e.pid != main && e.pid != self.me && tree.owns(e.pid) {
+                self.send(
+                    tree,
+                    e.pid,
+                    Some(e.status()),
+                    "proc_events",
+                    reporter,
+                    counters,
+                );
+            }
+        }
+    }
+
+    /// At each tick: orphans that ended are reaped (their status read);
+    /// without process events, members that left the tree and /proc are
+    /// recorded as vanished.
+    pub fn tick(
+        &mut self,
+        tree: &TreeWatch,
+        main: u32,
+        paths: &HostPaths,
+        reporter: &Reporter,
+        counters: &dyn Fn() -> pb::HostCounters,
+    ) {
+        for pid in own_children(paths, self.me) {
+            if pid == main {
+                continue;
+            }
+            let mut status = 0;
+            // SAFETY: waitpid on our own child (an adopted orphan), non-blocking.
+            let rc = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+            if rc == pid as libc::pid_t {
+                self.send(
+                    tree,
+                    pid,
+                    Some(split_wait_status(status as u32)),
+                    "reaped",
+                    reporter,
+                    counters,
+                );
+            }
+        }
+        if self.events.is_none() {
+            for p in tree.gone() {
+                let alive = paths.proc_root.join(p.pid.to_string()).exists();
+                if !alive && p.pid != main {
+                    self.send(tree, p.pid, None, "vanished", reporter, counters);
+                }
+            }
+        }
+    }
+
+    fn send(
+        &mut self,
+        tree: &TreeWatch,
+        pid: u32,
+        status: Option<Status>,
+        from: &str,
+        reporter: &Reporter,
+        counters: &dyn Fn() -> pb::HostCounters,
+    ) {
+        if !self.reported.insert(pid) {
+            return;
+        }
+        let listed = tree.last_listed(pid);
+        let failed = is_failure(status);
+        if !failed && listed.is_none() {
+            return; // a short-lived helper that ended well
+        }
+        if failed && !self.take_budget() {
+            tracing::warn!(
+                pid,
+                "member failures over {MEMBER_FAILURES_PER_MINUTE}/min: not sent"
+            );
+            return;
+        }
+        let info = listed.cloned().unwrap_or_default();
+        let (exit_code, signal, core_dumped) = status.unwrap_or((None, None, false));
+        let exit = pb::ChildExit {
+            pid,
+            exit_code,
+            signal,
+            core_dumped,
+            after: Some(counters()),
+            runtime_ns: tree
+                .first_seen(pid)
+                .map_or(0, |t| t.elapsed().as_nanos() as u64),
+            member: true,
+            parent_pid: info.parent_pid,
+            title: info.title,
+            command: info.command,
+            status_from: from.to_string(),
+            ..Default::default()
+        };
+        reporter.send_event(event(pb::event::Kind::ChildExit(exit)));
+    }
+
+    fn take_budget(&mut self) -> bool {
+        if self.budget_since.elapsed() >= Duration::from_secs(60) {
+            self.budget = MEMBER_FAILURES_PER_MINUTE;
+            self.budget_since = Instant::now();
+        }
+        let ok = self.budget > 0;
+        self.budget = self.budget.saturating_sub(1);
+        ok
+    }
+
+    /// The processes of the tree still alive besides the supervisor (its
+    /// child excluded, which has ended): orphans it adopted and theirs.
+    pub fn survivors(&self, paths: &HostPaths) -> Vec<pb::ProcessInfo> {
+        descendants(paths, self.me, 256)
+            .into_iter()
+            .filter(|&p| p != self.me)
+            .filter_map(|p| describe(paths, p))
+            .collect()
+    }
+}
+
+/// "pid 12 (VLLM::Worker), pid 13 (python3)" for at most [`SURVIVORS_NAMED`].
+pub fn name_processes(ps: &[pb::ProcessInfo]) -> String {
+    let mut s: Vec<String> = ps
+        .iter()
+        .take(SURVIVORS_NAMED)
+        .map(|p| format!("pid {} ({})", p.pid, p.title))
+        .collect();
+    if ps.len() > SURVIVORS_NAMED {
+        s.push(format!("{} more", ps.len() - SURVIVORS_NAMED));
+    }
+    s.join(", ")
+}
+
+/// The supervisor's own children, from each of its threads' `children`
+/// file: a subreaper's adopted orphans are children of whichever thread.
+fn own_children(paths: &HostPaths, me: u32) -> Vec<u32> {
+    let task = paths.proc_root.join(me.to_string()).join("task");
+    let Ok(threads) = std::fs::read_dir(&task) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for t in threads.flatten() {
+        if let Ok(text) = std::fs::read_to_string(t.path().join("children")) {
+            out.extend(parse_children(&text));
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_is_a_kill_a_crash_or_a_nonzero_exit_and_a_stop_is_not() {
+        assert!(is_failure(Some((None, Some(libc::SIGKILL), false))));
+        assert!(is_failure(Some((None, Some(libc::SIGSEGV), true))));
+        assert!(is_failure(Some((Some(1), None, false))));
+        assert!(!is_failure(Some((Some(0), None, false))));
+        assert!(!is_failure(Some((None, Some(libc::SIGTERM), false))));
+        assert!(!is_failure(None), "vanished: no status");
+    }
+}

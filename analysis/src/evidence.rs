@@ -115,6 +115,29 @@ impl Evidence {
         })
     }
 
+    /// The evidence came from `oomscope run`: the supervisor's own (its
+    /// Hello, or its child's start and exit), or that of an agent in a
+    /// process it started, which it handed its instance and its agent id
+    /// (`OOMSCOPE_INSTANCE`, `OOMSCOPE_SUPERVISOR_AGENT`). A probe's agent
+    /// is handed the probed server's instance, which says nothing of a
+    /// supervisor.
+    pub fn from_supervisor(&self) -> bool {
+        let supervised_events = self
+            .events
+            .iter()
+            .any(|e| matches!(e.kind, Some(Kind::ChildStart(_) | Kind::ChildExit(_))));
+        supervised_events
+            || self.hello.as_ref().is_some_and(|h| {
+                h.role == SUPERVISOR_ROLE
+                    || h.labels
+                        .get("supervisor_agent")
+                        .is_some_and(|s| !s.is_empty())
+                    || (h.role != oomscope_proto::PROBE_ROLE
+                        && !h.instance.is_empty()
+                        && h.instance != h.agent_id)
+            })
+    }
+
     /// The newest process list.
     pub fn process_list(&self) -> Option<&pb::ProcessList> {
         self.nearest(|k| match k {
@@ -193,6 +216,9 @@ impl Evidence {
         }
     }
 }
+
+/// The role in `oomscope run`'s own Hello (cli/src/supervise.rs).
+const SUPERVISOR_ROLE: &str = "supervisor";
 
 /// How long after a death the kernel's record may still be read (the
 /// supervisor waits briefly for a kill's last line).

@@ -427,6 +427,10 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     }
 }
 
+/// Where no cause says more and the evidence lacks what `oomscope run` records.
+const RERUN_SUPERVISED: &str =
+    "Rerun under `oomscope run` (or with the agent) so before/after counters and samples are recorded";
+
 /// Where no cause says more.
 fn for_domain(d: Domain, f: &Findings) -> Vec<pb::Fix> {
     match d {
@@ -447,8 +451,11 @@ fn for_domain(d: Domain, f: &Findings) -> Vec<pb::Fix> {
                 Some("empty_cache is not a capacity plan"),
             ),
         ],
+        // Evidence that `oomscope run` recorded already has its counters and
+        // samples: telling its user to rerun under it would send them in a circle.
+        _ if f.evidence.from_supervisor() => vec![],
         _ => vec![fix(
-            "Rerun under `oomscope run` (or with the agent) so before/after counters and samples are recorded",
+            RERUN_SUPERVISED,
             "low",
             "reproduce with the same workload and diagnose again",
             None,

@@ -169,9 +169,13 @@ pub enum Verb {
         json: bool,
     },
     /// Say which memory ran out, why, and what to change. Without an incident
-    /// id: the latest incident (of --agent, when given), or the agent's timeline.
+    /// id: the latest incident (of the agent, when one is named), or the
+    /// agent's timeline.
     Diagnose {
-        /// The incident id (from `oomscope incidents`).
+        /// An incident id (inc-000042, from `oomscope incidents`), or an agent
+        /// (id or name, as `--agent` takes it): a name that is not shaped like
+        /// an incident id, and that no incident has, names an agent.
+        #[arg(value_name = "INCIDENT|AGENT")]
         incident: Option<String>,
         /// Where the collector is.
         #[command(flatten)]

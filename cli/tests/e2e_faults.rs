@@ -367,42 +367,6 @@ fn a_store_with_corrupt_pages_is_refused_at_start() {
     );
 }
 
-/// Streams `messages` after `hello` to the collector at `url` as an agent
-/// would, and waits until the collector has acked every seq.
-fn stream(
-    url: &str,
-    hello: oomscope_proto::v1::Hello,
-    messages: Vec<oomscope_proto::v1::AgentMessage>,
-) {
-    use oomscope_proto::v1 as pb;
-    use tonic::codegen::tokio_stream::{self as stream, StreamExt};
-    let want: std::collections::BTreeSet<u64> = messages.iter().map(|m| m.seq).collect();
-    with_channel(url, |ch| async move {
-        let mut first = vec![pb::AgentMessage {
-            seq: 0,
-            body: Some(pb::agent_message::Body::Hello(hello)),
-        }];
-        first.extend(messages);
-        let mut replies = pb::agent_service_client::AgentServiceClient::new(ch)
-            // Kept open after the messages: a closed stream may end before its acks.
-            .connect(stream::iter(first).chain(stream::pending()))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut acked = std::collections::BTreeSet::new();
-        while !want.is_subset(&acked) {
-            let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
-                .await
-                .expect("acks within 10 s")
-                .unwrap();
-            match reply.and_then(|r| r.body) {
-                Some(pb::collector_message::Body::Ack(a)) => acked.extend(a.from_seq..=a.to_seq),
-                other => panic!("expected acks, got {other:?}"),
-            }
-        }
-    })
-}
-
 /// Strings an agent sends (its name, host, a phase label, an OOM's error
 /// text, its Goodbye's reason) reach no terminal raw: every text verb shows
 /// an escape, a bell or a newline in them visibly.

@@ -106,6 +106,25 @@ pub fn fetch_tokens(
     tokenized(&r.json().ok()?)
 }
 
+/// Why the server refused a request for want of credentials (HTTP 401
+/// or 403), and how to give them; None for any other answer. `key_given`:
+/// whether a key was sent, so the advice is to give one or to check it.
+pub fn auth_refused(status: Option<u16>, key_given: bool) -> Option<String> {
+    let what = match status? {
+        401 => "unauthorized (HTTP 401)",
+        403 => "forbidden (HTTP 403)",
+        _ => return None,
+    };
+    Some(match key_given {
+        false => format!(
+            "the server refused the request as {what}: it wants an API key. Give it with --api-key KEY or the OOMSCOPE_API_KEY variable (sent as `Authorization: Bearer KEY`)"
+        ),
+        true => format!(
+            "the server refused the API key given as {what}: check the key in --api-key or OOMSCOPE_API_KEY, and that it may use this endpoint and model"
+        ),
+    })
+}
+
 /// An answer that says the API is not served here (so `--api auto` tries the
 /// other one): no such route, or a server that says it only does chat.
 pub fn api_missing(status: Option<u16>, error: Option<&str>) -> bool {

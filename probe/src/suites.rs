@@ -442,10 +442,13 @@ impl Probe {
                 None,
             )
         } else {
-            let reason = format!(
-                "the tiny known-good request failed ({}): this is the environment or installation (wrong URL, model not loaded, server broken), not capacity",
-                st.failure.clone().unwrap_or_default()
-            );
+            let failure = st.failure.clone().unwrap_or_default();
+            let reason = match server::auth_refused(call.status, self.ep.has_api_key()) {
+                Some(why) => format!("the tiny known-good request failed ({failure}): {why}"),
+                None => format!(
+                    "the tiny known-good request failed ({failure}): this is the environment or installation (wrong URL, model not loaded, server broken), not capacity"
+                ),
+            };
             fail(reason, vec![st], findings)
         }
     }

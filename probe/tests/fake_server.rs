@@ -208,6 +208,50 @@ fn https_with_an_api_key_sends_the_key_to_the_endpoint() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A server that wants a key says so with 401 (or 403 behind some
+/// gateways): the probe's error names --api-key and OOMSCOPE_API_KEY, to
+/// give a missing key or to check a wrong one.
+#[test]
+fn a_refused_key_is_answered_with_how_to_give_one() {
+    for refusal in [401, 403] {
+        let f = Fake::start(Spec {
+            api_key: Some("sk-right".into()),
+            key_refusal: refusal,
+            ..Spec::default()
+        });
+        for (key, advice) in [
+            (None, "wants an API key"),
+            (Some("sk-wrong"), "check the key"),
+        ] {
+            let mut c = config(&f, &["smoke"]);
+            c.api_key = key.map(str::to_string);
+            let r = run(c);
+            let text = oomscope_probe::report::text(&r);
+            assert_eq!(r.verdict, "environment", "{text}");
+            let reason = r.suites[0].reason.as_deref().unwrap_or_default();
+            for needle in [
+                &format!("HTTP {refusal}") as &str,
+                "--api-key",
+                "OOMSCOPE_API_KEY",
+                advice,
+            ] {
+                assert!(reason.contains(needle), "{needle:?} not in {reason:?}");
+            }
+            assert!(text.contains(reason), "the report shows it: {text}");
+        }
+    }
+    // Any other failure of the smoke says nothing of keys.
+    let f = Fake::start(Spec {
+        completions: false,
+        chat: false,
+        ..Spec::default()
+    });
+    let r = run(config(&f, &["smoke"]));
+    let reason = r.suites[0].reason.as_deref().unwrap_or_default();
+    assert_eq!(r.verdict, "environment");
+    assert!(!reason.contains("--api-key"), "{reason}");
+}
+
 #[test]
 fn a_chat_only_endpoint_is_driven_through_chat_under_api_auto() {
     let f = Fake::start(Spec {

@@ -246,11 +246,13 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
     }
     // Thinned points stand for a stretch each: show its peaks beside the reading.
     let thinned = t.samples.iter().any(|s| s.high.is_some());
+    let serving = ServingColumns::of(&t.samples);
     let _ = write!(
         out,
         "{:<24} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11}",
         "TIME", "SEQ", "RSS", "CGROUP", "AVAILABLE", "GPU ALLOC", "GPU RESV"
     );
+    serving.header(&mut out);
     let _ = writeln!(
         out,
         "{}",
@@ -260,22 +262,11 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             ""
         }
     );
-    let mut events = t.events.iter().peekable();
+    let mut events = event_rows(&t.events).into_iter().peekable();
     for s in &t.samples {
         let smp = s.sample.clone().unwrap_or_default();
-        while let Some(e) = events.peek() {
-            let ev = e.event.clone().unwrap_or_default();
-            if ev.time_ns > smp.time_ns {
-                break;
-            }
-            let _ = writeln!(
-                out,
-                "{:<24} {:>6}   * {}",
-                time(ev.time_ns),
-                e.seq,
-                terminal(&event_label(&ev))
-            );
-            events.next();
+        while let Some(e) = events.next_if(|e| e.time_ns <= smp.time_ns) {
+            e.write(&mut out);
         }
         let rss = smp
             .process
@@ -308,6 +299,7 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             alloc,
             resv
         );
+        serving.cells(smp.context.as_ref(), &mut out);
         match s.high.as_ref().filter(|_| thinned) {
             Some(high) => {
                 let rss = high.process.as_ref().map(|p| bytes(p.vm_rss_bytes));
@@ -323,16 +315,191 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
         }
     }
     for e in events {
-        let ev = e.event.clone().unwrap_or_default();
+        e.write(&mut out);
+    }
+    out
+}
+
+/// The serving context's columns of the text timeline (the KV pool, the
+/// running and waiting requests, preemptions): shown where some sample's
+/// context has them, so a timeline without a serving runtime keeps its width.
+struct ServingColumns {
+    shown: bool,
+    /// Only vLLM's context counts preemptions.
+    preemptions: bool,
+}
+
+impl ServingColumns {
+    fn of(samples: &[pb::TimedSample]) -> ServingColumns {
+        let contexts = || samples.iter().filter_map(|s| serving(s.sample.as_ref()?));
+        ServingColumns {
+            shown: contexts().next().is_some(),
+            preemptions: contexts().any(|c| c.numbers.contains_key(PREEMPTIONS)),
+        }
+    }
+
+    fn header(&self, out: &mut String) {
+        if self.shown {
+            let _ = write!(
+                out,
+                " {:>7} {:>11} {:>7} {:>7}",
+                "KV USE", "KV CACHE", "ACTIVE", "QUEUED"
+            );
+        }
+        if self.preemptions {
+            let _ = write!(out, " {:>8}", "PREEMPT");
+        }
+    }
+
+    fn cells(&self, context: Option<&pb::RequestContext>, out: &mut String) {
+        if !self.shown {
+            return;
+        }
+        let c = context.filter(|c| has_serving(c));
+        let usage = c.and_then(kv_usage).map(|u| format!("{:.1}%", u * 100.0));
+        let kv = c
+            .filter(|c| c.kv_cache_bytes > 0 || c.kv_cache_capacity_bytes > 0)
+            .map(|c| bytes(c.kv_cache_bytes));
+        let _ = write!(
+            out,
+            " {:>7} {:>11} {:>7} {:>7}",
+            usage.as_deref().unwrap_or("-"),
+            kv.as_deref().unwrap_or("-"),
+            c.map_or("-".into(), |c| c.active_sequences.to_string()),
+            c.map_or("-".into(), |c| c.queued.to_string()),
+        );
+        if self.preemptions {
+            let n = c.and_then(|c| c.numbers.get(PREEMPTIONS));
+            let _ = write!(out, " {:>8}", n.map_or("-".into(), |n| format!("{n:.0}")));
+        }
+    }
+}
+
+/// The vLLM plugin's cumulative preemption count, in the context's numbers.
+const PREEMPTIONS: &str = "preemptions";
+
+/// A sample's context where it says anything of serving (a phase alone does not).
+fn serving(s: &pb::Sample) -> Option<&pb::RequestContext> {
+    s.context.as_ref().filter(|c| has_serving(c))
+}
+
+fn has_serving(c: &pb::RequestContext) -> bool {
+    c.numbers.contains_key("kv_cache_usage")
+        || c.numbers.contains_key(PREEMPTIONS)
+        || c.kv_cache_bytes > 0
+        || c.kv_cache_capacity_bytes > 0
+        || c.active_sequences > 0
+        || c.queued > 0
+}
+
+/// How full the KV pool was, 0..1: the runtime's own figure, else its bytes
+/// against its capacity (as the analysis reads it).
+fn kv_usage(c: &pb::RequestContext) -> Option<f64> {
+    c.numbers
+        .get("kv_cache_usage")
+        .copied()
+        .filter(|u| u.is_finite())
+        .or_else(|| {
+            (c.kv_cache_capacity_bytes > 0)
+                .then(|| c.kv_cache_bytes as f64 / c.kv_cache_capacity_bytes as f64)
+        })
+}
+
+/// One event line of the text timeline.
+struct EventRow {
+    time_ns: i64,
+    seq: u64,
+    label: String,
+}
+
+impl EventRow {
+    fn write(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "{:<24} {:>6}   * {}",
-            time(ev.time_ns),
-            e.seq,
-            terminal(&event_label(&ev))
+            time(self.time_ns),
+            self.seq,
+            terminal(&self.label)
         );
     }
-    out
+}
+
+const MINUTE_NS: i64 = 60_000_000_000;
+
+/// A process's gc collections in one minute of the clock, as one line.
+#[derive(Default)]
+struct GcMinute {
+    row: usize,
+    count: u64,
+    /// Collections by generation.
+    generations: std::collections::BTreeMap<i32, u64>,
+    collected: u64,
+    uncollectable: u64,
+    longest_ns: u64,
+    last_ns: i64,
+}
+
+impl GcMinute {
+    fn label(&self) -> String {
+        let generations: Vec<String> = self
+            .generations
+            .iter()
+            .map(|(g, n)| format!("gen{g} {n}"))
+            .collect();
+        let mut label = format!(
+            "gc x{} to {} ({}): collected {}",
+            self.count,
+            // The time of day: the line's own time gives the date.
+            time(self.last_ns).get(11..).unwrap_or_default(),
+            generations.join(", "),
+            self.collected
+        );
+        if self.uncollectable > 0 {
+            let _ = write!(label, ", {} uncollectable", self.uncollectable);
+        }
+        let _ = write!(label, ", longest {:.2} ms", self.longest_ns as f64 / 1e6);
+        label
+    }
+}
+
+/// The events as lines, oldest first. A Python server collects garbage many
+/// times a second: each process's gc collections of one minute are one line,
+/// at the first of them (their count, what they collected, the longest),
+/// so they do not bury the events around them.
+fn event_rows(events: &[pb::TimedEvent]) -> Vec<EventRow> {
+    let mut rows = Vec::with_capacity(events.len());
+    let mut minutes: std::collections::HashMap<(&str, i64), GcMinute> = Default::default();
+    for e in events {
+        let ev = e.event.clone().unwrap_or_default();
+        let row = EventRow {
+            time_ns: ev.time_ns,
+            seq: e.seq,
+            label: event_label(&ev),
+        };
+        let Some(pb::event::Kind::Gc(gc)) = &ev.kind else {
+            rows.push(row);
+            continue;
+        };
+        let minute = minutes
+            .entry((e.agent_id.as_str(), ev.time_ns.div_euclid(MINUTE_NS)))
+            .or_insert_with(|| GcMinute {
+                row: rows.len(),
+                ..Default::default()
+            });
+        if minute.count == 0 {
+            rows.push(row);
+        }
+        minute.count += 1;
+        *minute.generations.entry(gc.generation).or_default() += 1;
+        minute.collected += gc.collected;
+        minute.uncollectable += gc.uncollectable;
+        minute.longest_ns = minute.longest_ns.max(gc.duration_ns);
+        minute.last_ns = minute.last_ns.max(ev.time_ns);
+    }
+    for minute in minutes.values().filter(|m| m.count > 1) {
+        rows[minute.row].label = minute.label();
+    }
+    rows
 }
 
 pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
@@ -542,6 +709,48 @@ mod tests {
         );
         // A single-process instance is one line.
         assert!(lines[5].starts_with("solo "), "{text}");
+    }
+
+    fn gc_event(agent_id: &str, seq: u64, time_ns: i64, collected: u64) -> pb::TimedEvent {
+        pb::TimedEvent {
+            seq,
+            agent_id: agent_id.into(),
+            event: Some(pb::Event {
+                time_ns,
+                kind: Some(pb::event::Kind::Gc(pb::GcCollection {
+                    generation: 0,
+                    collected,
+                    uncollectable: seq % 2,
+                    duration_ns: seq * 100_000,
+                })),
+            }),
+        }
+    }
+
+    #[test]
+    fn each_process_has_its_own_gc_line_per_minute() {
+        const MIN: i64 = 60_000_000_000;
+        let t = pb::TimelineResponse {
+            events: vec![
+                gc_event("", 1, MIN, 10),
+                gc_event("worker", 2, MIN + 1, 1),
+                gc_event("", 3, MIN + 2, 20),
+                gc_event("", 4, 2 * MIN - 1, 30),
+                gc_event("", 5, 2 * MIN, 40),
+            ],
+            ..Default::default()
+        };
+        let text = timeline(&t);
+        let gcs: Vec<&str> = text.lines().filter(|l| l.contains("* gc")).collect();
+        assert_eq!(gcs.len(), 3, "{text}");
+        // The server's three of the first minute: their sums, at the first of them.
+        assert!(
+            gcs[0].contains(" 1   * gc x3 to 00:01:59.999Z (gen0 3): collected 60, 2 uncollectable, longest 0.40 ms"),
+            "{text}"
+        );
+        // The worker's one, and the server's next minute, as single events.
+        assert!(gcs[1].contains("gc gen0 collected 1"), "{text}");
+        assert!(gcs[2].contains(" 5   * gc gen0 collected 40"), "{text}");
     }
 
     #[test]

@@ -263,6 +263,42 @@ pub fn with_channel<T, F: std::future::Future<Output = T>>(
     })
 }
 
+/// Streams `messages` after `hello` to the collector at `url` as an agent
+/// would, and waits until the collector has acked every seq.
+pub fn stream(
+    url: &str,
+    hello: oomscope_proto::v1::Hello,
+    messages: Vec<oomscope_proto::v1::AgentMessage>,
+) {
+    use oomscope_proto::v1 as pb;
+    use tonic::codegen::tokio_stream::{self as stream, StreamExt};
+    let want: std::collections::BTreeSet<u64> = messages.iter().map(|m| m.seq).collect();
+    with_channel(url, |ch| async move {
+        let mut first = vec![pb::AgentMessage {
+            seq: 0,
+            body: Some(pb::agent_message::Body::Hello(hello)),
+        }];
+        first.extend(messages);
+        let mut replies = pb::agent_service_client::AgentServiceClient::new(ch)
+            // Kept open after the messages: a closed stream may end before its acks.
+            .connect(stream::iter(first).chain(stream::pending()))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut acked = std::collections::BTreeSet::new();
+        while !want.is_subset(&acked) {
+            let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
+                .await
+                .expect("acks within 10 s")
+                .unwrap();
+            match reply.and_then(|r| r.body) {
+                Some(pb::collector_message::Body::Ack(a)) => acked.extend(a.from_seq..=a.to_seq),
+                other => panic!("expected acks, got {other:?}"),
+            }
+        }
+    })
+}
+
 /// One agent's whole timeline (every sample, every event) over the real gRPC QueryService.
 pub fn timeline(url: &str, agent: &str) -> oomscope_proto::v1::TimelineResponse {
     use oomscope_proto::v1 as pb;

@@ -18,6 +18,8 @@ pub struct Spec {
     pub completions: bool,
     pub chat: bool,
     pub api_key: Option<String>,
+    /// What a request without that key gets: 401, or 403 as some gateways answer.
+    pub key_refusal: u16,
     pub tls: bool,
     /// Tokens per prompt word, as its tokenizer and usage count them.
     pub tokens_per_word: usize,
@@ -45,6 +47,7 @@ impl Default for Spec {
             completions: true,
             chat: true,
             api_key: None,
+            key_refusal: 401,
             tls: false,
             tokens_per_word: 1,
             chat_overhead: 0,
@@ -259,7 +262,7 @@ fn serve(state: &State, conn: Box<dyn Conn>) -> std::io::Result<()> {
         if req.header("authorization") != Some(&format!("Bearer {k}")) {
             return json(
                 w,
-                401,
+                spec.key_refusal,
                 serde_json::json!({"error": {"message": "bad or missing API key"}}),
             );
         }

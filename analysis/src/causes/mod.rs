@@ -11,7 +11,7 @@ mod cache_retention;
 mod fragmentation;
 mod gc_retained;
 mod host;
-mod host_growth;
+pub(crate) mod host_growth;
 mod kv_growth;
 mod kv_pool;
 mod leak;

@@ -24,6 +24,8 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
             .evidence
             .push(format!("trigger {}: {line}", t.as_str()));
     }
+    // A full KV pool that held its whole load is a fact, not a cause.
+    verdict.evidence.extend(causes::full_without_pressure(&f));
     // Where nothing failed yet, the runway of the most likely growth comes
     // first: how long is left matters more than how it was measured.
     if let Some(line) = causes

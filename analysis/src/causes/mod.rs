@@ -22,6 +22,8 @@ mod weights;
 
 use std::collections::HashMap;
 
+pub(crate) use kv_pool::full_without_pressure;
+
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::pb;

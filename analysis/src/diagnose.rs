@@ -24,6 +24,8 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
             .evidence
             .push(format!("trigger {}: {line}", t.as_str()));
     }
+    // A full KV pool that held its whole load is a fact, not a cause.
+    verdict.evidence.extend(causes::full_without_pressure(&f));
     // Where nothing failed yet, the runway of the most likely growth comes
     // first: how long is left matters more than how it was measured.
     if let Some(line) = causes
@@ -77,6 +79,25 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         cgroup: verdict.cgroup,
         failure: failure::of_incident(e),
         victim,
+        kernel_report: f.kernel.map(|(_, k)| kernel_report(k)),
+    }
+}
+
+/// The kernel's figures at its OOM kill, as its record gives them.
+fn kernel_report(k: &pb::KernelOomKill) -> pb::KernelReport {
+    pb::KernelReport {
+        pid: k.pid,
+        command: k.task.clone(),
+        anon_rss_bytes: k.anon_rss_bytes,
+        file_rss_bytes: k.file_rss_bytes,
+        shmem_rss_bytes: k.shmem_rss_bytes,
+        total_vm_bytes: k.total_vm_bytes,
+        constraint: k.constraint.clone(),
+        oom_memcg: k.oom_memcg.clone(),
+        task_memcg: k.task_memcg.clone(),
+        memcg_usage_bytes: k.memcg_usage_bytes,
+        memcg_limit_bytes: k.memcg_limit_bytes,
+        oom_score_adj: k.oom_score_adj,
     }
 }
 

@@ -33,6 +33,20 @@ pub fn to_json(d: &pb::Diagnosis) -> Value {
             "command": v.command,
             "title": v.title,
         })),
+        "kernel_report": d.kernel_report.as_ref().map(|k| json!({
+            "pid": k.pid,
+            "command": k.command,
+            "anon_rss_bytes": k.anon_rss_bytes,
+            "file_rss_bytes": k.file_rss_bytes,
+            "shmem_rss_bytes": k.shmem_rss_bytes,
+            "total_vm_bytes": k.total_vm_bytes,
+            "constraint": k.constraint,
+            "oom_memcg": k.oom_memcg,
+            "task_memcg": k.task_memcg,
+            "memcg_usage_bytes": k.memcg_usage_bytes,
+            "memcg_limit_bytes": k.memcg_limit_bytes,
+            "oom_score_adj": k.oom_score_adj,
+        })),
     })
 }
 

@@ -122,6 +122,29 @@ pub fn readings(e: &Evidence) -> Vec<PoolReading> {
     out
 }
 
+/// The preemptions at each reading: the rise of the runtime's cumulative
+/// counter since the previous reading that carried it (0 for the first). A
+/// counter that falls belongs to a restarted runtime, counting from zero:
+/// its value is what it preempted since, never the old count taken away.
+pub fn preemptions_at(readings: &[PoolReading]) -> Vec<f64> {
+    let mut last: Option<f64> = None;
+    readings
+        .iter()
+        .map(|r| {
+            let Some(now) = r.preemptions.filter(|p| p.is_finite()) else {
+                return 0.0;
+            };
+            let rise = match last {
+                Some(before) if now >= before => now - before,
+                Some(_) => now,
+                None => 0.0,
+            };
+            last = Some(now);
+            rise
+        })
+        .collect()
+}
+
 /// The pool's size, where the runtime reported it (the largest capacity
 /// seen: a pool is reserved once).
 pub fn pool_bytes(e: &Evidence) -> Option<u64> {

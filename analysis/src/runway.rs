@@ -16,6 +16,11 @@ pub const SLOW_GROWTH_SHARE: f64 = 1e-5;
 /// runway of its first growth cause to its own first lines.
 pub const RUNWAY_PREFIX: &str = "runway: ";
 
+/// The line of a growth with no limit in the evidence to run to (no cgroup
+/// limit, no MemTotal, no device capacity): the growth still stands, only
+/// its urgency is unknown.
+pub const RUNWAY_UNKNOWN: &str = "runway unknown: no limit in the evidence";
+
 /// A growth's way to its limit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Runway<'a> {

@@ -5,6 +5,7 @@
 //! bytes of readings taken during them (`decode`); the between-request
 //! readings of a server that frees its KV cache after each request stay flat.
 
+use crate::causes::host_growth;
 use crate::census::{self, HeapVerdict};
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
@@ -72,6 +73,17 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
         return Some((Trigger::RepeatedRequests, line));
     }
     if let Some(line) = heap_growth(f) {
+        return Some((Trigger::RepeatedRequests, line));
+    }
+    // The host growth that stands as a cause (with or without a limit to
+    // run to) is growth across repeated requests: the trigger says so too.
+    if let Some(g) = host_growth::standing(f) {
+        let line = format!(
+            "between requests {} grew {} per request over {} requests",
+            g.what,
+            bytes_short(g.trend.bytes_per_request().max(0.0) as u64),
+            g.trend.span
+        );
         return Some((Trigger::RepeatedRequests, line));
     }
     let unknown = || {

@@ -20,12 +20,15 @@ const MS: i64 = 1_000_000;
 enum Limit {
     MemTotal(u64),
     Cgroup(u64),
+    /// No limit in the evidence (no system reading, no cgroup): the noise
+    /// is still scaled to a host of this size.
+    Absent(u64),
 }
 
 impl Limit {
     fn bytes(self) -> u64 {
         match self {
-            Limit::MemTotal(b) | Limit::Cgroup(b) => b,
+            Limit::MemTotal(b) | Limit::Cgroup(b) | Limit::Absent(b) => b,
         }
     }
 }
@@ -68,15 +71,16 @@ fn cpu_server(seed: u64, requests: u64, limit: Limit, leak: f64) -> Evidence {
 
 fn reading(t: i64, done: u64, rss: u64, limit: Limit) -> pb::Sample {
     let (mem_total, cgroup) = match limit {
-        Limit::MemTotal(b) => (b, Vec::new()),
+        Limit::MemTotal(b) => (Some(b), Vec::new()),
         Limit::Cgroup(b) => (
-            4 * b,
+            Some(4 * b),
             vec![pb::CgroupLevel {
                 usage_bytes: rss + (64 << 20),
                 limit_bytes: b,
                 ..Default::default()
             }],
         ),
+        Limit::Absent(_) => (None, Vec::new()),
     };
     pb::Sample {
         time_ns: t,
@@ -85,8 +89,8 @@ fn reading(t: i64, done: u64, rss: u64, limit: Limit) -> pb::Sample {
             vm_rss_bytes: rss,
             ..Default::default()
         }),
-        system: Some(pb::SystemMemory {
-            mem_total_bytes: mem_total,
+        system: mem_total.map(|b| pb::SystemMemory {
+            mem_total_bytes: b,
             ..Default::default()
         }),
         cgroup,
@@ -143,6 +147,45 @@ fn noise_is_never_reported_as_growth() {
 }
 
 #[test]
+fn without_a_limit_noise_is_still_no_growth_and_a_leak_still_is() {
+    // With no limit there is no slow share to hide behind: certainty alone
+    // keeps noise out, as it does under a limit.
+    let limit = Limit::Absent(64 * GIB);
+    let reported: Vec<(u64, Vec<String>)> = (0..300u64)
+        .map(|seed| (seed, growth_causes(&cpu_server(seed, 200, limit, 0.0))))
+        .filter(|(_, c)| !c.is_empty())
+        .collect();
+    assert!(
+        reported.is_empty(),
+        "noise reported as growth: {reported:?}"
+    );
+    let settling: Vec<u64> = (0..100u64)
+        .filter(|&seed| !growth_causes(&settling_loop(seed, 400, limit)).is_empty())
+        .collect();
+    assert!(settling.is_empty(), "settling read as growth: {settling:?}");
+    // The planted leak is found at its size, with no runway to claim.
+    let mut found = 0;
+    for seed in 0..100u64 {
+        let leak = 1e-4 * limit.bytes() as f64;
+        let d = diagnose(&cpu_server(seed, 200, limit, leak));
+        let Some(c) = d.causes.iter().find(|c| c.kind == "host_growth") else {
+            continue;
+        };
+        found += 1;
+        let got = c.metrics["bytes_per_request"];
+        assert!((got - leak).abs() < 0.35 * leak, "seed {seed}: {got}");
+        assert_eq!(c.evidence[0], "runway unknown: no limit in the evidence");
+        assert!(
+            !c.metrics.contains_key("requests_to_limit"),
+            "{:?}",
+            c.metrics
+        );
+        assert_eq!(d.trigger.as_deref(), Some("repeated_requests"));
+    }
+    assert!(found >= 97, "found in only {found} of 100 seeds");
+}
+
+#[test]
 fn a_planted_leak_of_a_hundredth_of_a_percent_is_found_within_200_requests() {
     let mut found = 0;
     let mut first_found = Vec::new();
@@ -177,6 +220,7 @@ fn a_planted_leak_of_a_hundredth_of_a_percent_is_found_within_200_requests() {
         let limit_name = match limit {
             Limit::Cgroup(_) => "of the cgroup limit is gone in about",
             Limit::MemTotal(_) => "of MemTotal is gone in about",
+            Limit::Absent(_) => unreachable!("limit_for always gives a limit"),
         };
         assert!(c.evidence[0].contains(limit_name), "{:?}", c.evidence);
         assert_eq!(d.evidence.first(), Some(&c.evidence[0]), "the runway leads");
@@ -259,10 +303,9 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
 /// read again in between; one reading in ten catches a request's temporaries.
 /// Readings 20 ms apart: one a request over the slow first 50, then about
 /// one in two.
-fn settling_loop(seed: u64, requests: u64) -> Evidence {
+fn settling_loop(seed: u64, requests: u64, limit: Limit) -> Evidence {
     const KIB: f64 = 1024.0;
     let mut rng = Rng(seed);
-    let limit = Limit::MemTotal(24 * GIB);
     let ramp_ends = 10.0 + 15.0 * rng.unit();
     let step_at = (40.0 + 35.0 * rng.unit()).floor();
     let mut rss = 500.0 * KIB * KIB;
@@ -297,7 +340,12 @@ fn settling_loop(seed: u64, requests: u64) -> Evidence {
 #[test]
 fn a_clean_loop_settling_is_no_growth() {
     let reported: Vec<(u64, Vec<String>)> = (0..200u64)
-        .map(|seed| (seed, growth_causes(&settling_loop(seed, 400))))
+        .map(|seed| {
+            (
+                seed,
+                growth_causes(&settling_loop(seed, 400, Limit::MemTotal(24 * GIB))),
+            )
+        })
         .filter(|(_, c)| !c.is_empty())
         .collect();
     println!("{} of 200 settling loops reported growth", reported.len());

@@ -6,9 +6,35 @@ use common::*;
 use oomscope_analysis::{diagnose, pb, to_json};
 use serde_json::Value;
 
-const KEYS: [&str; 12] = [
-    "incident", "agent", "domain", "trigger", "causes", "fixes", "capacity", "evidence", "exit",
-    "cgroup", "failure", "victim",
+const KEYS: [&str; 13] = [
+    "incident",
+    "agent",
+    "domain",
+    "trigger",
+    "causes",
+    "fixes",
+    "capacity",
+    "evidence",
+    "exit",
+    "cgroup",
+    "failure",
+    "victim",
+    "kernel_report",
+];
+
+const KERNEL_REPORT_KEYS: [&str; 12] = [
+    "pid",
+    "command",
+    "anon_rss_bytes",
+    "file_rss_bytes",
+    "shmem_rss_bytes",
+    "total_vm_bytes",
+    "constraint",
+    "oom_memcg",
+    "task_memcg",
+    "memcg_usage_bytes",
+    "memcg_limit_bytes",
+    "oom_score_adj",
 ];
 
 const FAILURE_KEYS: [&str; 13] = [
@@ -91,6 +117,24 @@ fn check_top_level(j: &Value) {
         assert!(j["victim"]["pid"].is_u64());
         assert!(j["victim"]["command"].is_string() && j["victim"]["title"].is_string());
     }
+    if !j["kernel_report"].is_null() {
+        let k = &j["kernel_report"];
+        let mut keys: Vec<&str> = k.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        let mut want = KERNEL_REPORT_KEYS.to_vec();
+        want.sort();
+        assert_eq!(keys, want);
+        for key in ["command", "constraint", "oom_memcg", "task_memcg"] {
+            assert!(k[key].is_string(), "{key}: {}", k[key]);
+        }
+        assert!(k["oom_score_adj"].is_i64());
+        for key in KERNEL_REPORT_KEYS
+            .iter()
+            .filter(|key| key.ends_with("_bytes") || **key == "pid")
+        {
+            assert!(k[key].is_u64(), "{key}: {}", k[key]);
+        }
+    }
     if !j["failure"].is_null() {
         let f = &j["failure"];
         let mut keys: Vec<&str> = f.as_object().unwrap().keys().map(String::as_str).collect();
@@ -166,6 +210,42 @@ fn a_cgroup_verdict_has_every_key_with_its_type() {
     assert_eq!(j["failure"]["kind"], "signal");
     assert_eq!(j["failure"]["time_ns"], T0 + 3 * SEC);
     assert!(j["failure"]["oom_device"].is_null() && j["failure"]["stats"].is_null());
+    assert!(j["kernel_report"].is_null(), "no kernel record here");
+}
+
+#[test]
+fn a_kernel_record_is_in_the_json_whole() {
+    let (pid, anon) = (4242u32, 2u64 << 30);
+    let mut e = supervised(
+        exit(
+            None,
+            Some(9),
+            "",
+            counters(T0, vec![], system(10, 12 * GIB)),
+            counters(T0 + 3 * SEC, vec![], system(11, 12 * GIB)),
+            None,
+        ),
+        "signal",
+    );
+    e.events.push(pb::Event {
+        time_ns: T0 + 3 * SEC,
+        kind: Some(pb::event::Kind::KernelOomKill(pb::KernelOomKill {
+            pid,
+            task: "python3".into(),
+            constraint: "CONSTRAINT_NONE".into(),
+            anon_rss_bytes: anon,
+            oom_score_adj: -100,
+            ..Default::default()
+        })),
+    });
+    let j = to_json(&diagnose(&e));
+    check_top_level(&j);
+    let k = &j["kernel_report"];
+    assert_eq!(k["pid"], pid);
+    assert_eq!(k["command"], "python3");
+    assert_eq!(k["anon_rss_bytes"], anon);
+    assert_eq!(k["oom_score_adj"], -100);
+    assert_eq!(k["memcg_limit_bytes"], 0);
 }
 
 #[test]

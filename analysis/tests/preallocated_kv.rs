@@ -598,9 +598,9 @@ fn memory_another_process_took_after_the_pool_was_sized_is_named() {
     sound(&d);
 }
 
-/// The vLLM plugin's context in the API server under load: the pool fills,
-/// 157 requests wait and running ones are preempted. Nothing fails.
-fn saturated_server(command: &str) -> Evidence {
+/// The vLLM plugin's context in the API server, one sample 200 ms apart per
+/// reading of (KV usage, running, waiting, the preemption counter).
+fn pool_server(command: &str, readings: &[(f64, u64, u64, f64)]) -> Evidence {
     let mut h = hello();
     h.role = "api_server".into();
     h.runtime = "vllm".into();
@@ -628,18 +628,33 @@ fn saturated_server(command: &str) -> Evidence {
     };
     Evidence {
         hello: Some(h),
-        samples: vec![
-            sample(0, 0.1, 4, 0, 0.0),
-            sample(1, 0.6, 20, 0, 0.0),
-            sample(2, 0.97, 35, 120, 3.0),
-            sample(3, 1.0, 35, 157, 9.0),
-            sample(4, 0.99, 34, 150, 14.0),
-            sample(5, 0.98, 36, 90, 14.0),
-        ],
+        samples: readings
+            .iter()
+            .enumerate()
+            .map(|(i, &(u, r, w, p))| sample(i as i64, u, r, w, p))
+            .collect(),
         events: vec![],
         incident: None,
     }
 }
+
+/// Under load: the pool fills, 157 requests wait and running ones are
+/// preempted. Nothing fails.
+fn saturated_server(command: &str) -> Evidence {
+    pool_server(
+        command,
+        &[
+            (0.1, 4, 0, 0.0),
+            (0.6, 20, 0, 0.0),
+            (0.97, 35, 120, 3.0),
+            (1.0, 35, 157, 9.0),
+            (0.99, 34, 150, 14.0),
+            (0.98, 36, 90, 14.0),
+        ],
+    )
+}
+
+const FULL_NOTHING_WAITING: &str = "KV pool full (usage 100 %) with nothing waiting or preempted";
 
 #[test]
 fn a_full_pool_on_a_healthy_server_is_a_capacity_bound_not_an_oom() {
@@ -663,6 +678,13 @@ fn a_full_pool_on_a_healthy_server_is_a_capacity_bound_not_an_oom() {
     has(&c.evidence, "14 preemptions");
     has(&c.evidence, "not an out-of-memory failure");
     has(&c.evidence, "KV-bound: 35 sequences ran of the 256");
+    assert!(
+        d.evidence
+            .iter()
+            .all(|l| !l.starts_with(FULL_NOTHING_WAITING)),
+        "a pool that made requests wait is a cause, not a bare fact: {:?}",
+        d.evidence
+    );
     assert_eq!(
         d.fixes[0].action,
         "Cap the sequences at what the pool holds: `--max-num-seqs 35` (now 256), the running count when the pool was full, so requests wait in the queue instead of being preempted and recomputed"
@@ -719,6 +741,87 @@ fn a_pool_that_fills_once_without_waiting_is_no_verdict() {
     }
     let d = diagnose(&e);
     assert!(d.causes.iter().all(|c| c.kind != "kv_pool_saturation"));
+}
+
+/// The user's retest: `--max-num-seqs 5` applied, the pool runs full with
+/// 3 to 5 sequences and nothing waits or is preempted (the counter stays at 0).
+#[test]
+fn a_full_pool_with_nothing_waiting_or_preempted_is_a_fact_not_a_cause() {
+    let d = diagnose(&pool_server(
+        "vllm serve /m --max-num-seqs 5",
+        &[
+            (0.3, 2, 0, 0.0),
+            (0.95, 3, 0, 0.0),
+            (1.0, 5, 0, 0.0),
+            (0.97, 4, 0, 0.0),
+            (0.99, 3, 0, 0.0),
+        ],
+    ));
+    assert!(
+        d.causes.iter().all(|c| c.kind != "kv_pool_saturation"),
+        "{:?}",
+        d.causes
+    );
+    assert!(d.fixes.is_empty(), "no cause, no fix: {:#?}", d.fixes);
+    has(
+        &d.evidence,
+        "KV pool full (usage 100 %) with nothing waiting or preempted: vLLM ran every request it was given (5 at most at once, in 4 full readings)",
+    );
+}
+
+/// A counter that falls is a restarted runtime counting from zero, not
+/// preemptions: the old count (5) must not read as 5 preemptions now.
+#[test]
+fn a_preemption_counter_that_restarts_is_no_preemption() {
+    let d = diagnose(&pool_server(
+        "vllm serve /m --max-num-seqs 5",
+        &[
+            (0.95, 5, 0, 5.0),
+            (1.0, 5, 0, 5.0),
+            (0.2, 1, 0, 0.0),
+            (0.96, 3, 0, 0.0),
+            (1.0, 3, 0, 0.0),
+        ],
+    ));
+    assert!(
+        d.causes.iter().all(|c| c.kind != "kv_pool_saturation"),
+        "{:?}",
+        d.causes
+    );
+    assert!(d.fixes.iter().all(|f| !f.action.contains("--max-num-seqs")));
+    has(&d.evidence, FULL_NOTHING_WAITING);
+}
+
+/// Preempted requests are the pool's bound though none waits: the cause
+/// stands, sized from the readings that preempted.
+#[test]
+fn preemptions_without_waiting_keep_the_capacity_cause() {
+    let d = diagnose(&pool_server(
+        "vllm serve /m --max-num-seqs 5",
+        &[
+            (0.5, 2, 0, 0.0),
+            (1.0, 3, 0, 2.0),
+            (0.98, 3, 0, 5.0),
+            (0.99, 4, 0, 5.0),
+        ],
+    ));
+    let c = cause(&d, "kv_pool_saturation");
+    assert_eq!(metric(c, "preemptions"), 5.0);
+    assert_eq!(metric(c, "waiting"), 0.0);
+    assert_eq!(metric(c, "full_readings"), 2.0);
+    assert_eq!(metric(c, "running"), 3.0);
+    has(&c.evidence, "5 preemptions in the window");
+    assert!(
+        d.fixes
+            .iter()
+            .any(|f| f.action.contains("`--max-num-seqs 3` (now 5)")),
+        "{:#?}",
+        d.fixes
+    );
+    assert!(d
+        .evidence
+        .iter()
+        .all(|l| !l.starts_with(FULL_NOTHING_WAITING)));
 }
 
 /// vLLM's CPU backend on a 16 GiB host: its tree settles at 6 GiB with a

@@ -554,6 +554,39 @@ pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
     out
 }
 
+/// What ended the instance, unescaped (the text, HTML and Markdown forms
+/// escape it their own way). With the kernel's record of an OOM kill, the
+/// kill comes first: a server whose worker the kernel killed may still exit
+/// with code 0, and "code 0" alone reads as a clean end.
+pub fn exit_line(d: &pb::Diagnosis) -> Option<String> {
+    let status = d.exit.and_then(|e| match (e.code, e.signal) {
+        (_, Some(s)) => Some(format!(
+            "killed by signal {s} ({})",
+            oomscope_analysis::units::signal_name(s)
+        )),
+        (Some(c), _) => Some(format!("code {c}")),
+        _ => None,
+    });
+    let Some(k) = &d.kernel_report else {
+        return status;
+    };
+    let killed = if k.command.is_empty() {
+        format!("the kernel killed pid {} for memory", k.pid)
+    } else {
+        format!("the kernel killed pid {} ({})", k.pid, k.command)
+    };
+    Some(match d.exit.map(|e| (e.code, e.signal)) {
+        Some((_, Some(_))) => format!(
+            "{killed}; the main process was {}",
+            status.unwrap_or_default()
+        ),
+        Some((Some(c), None)) => {
+            format!("{killed}, then the main process exited with code {c}")
+        }
+        _ => killed,
+    })
+}
+
 pub fn diagnosis(d: &pb::Diagnosis) -> String {
     let mut out = String::new();
     let who = terminal(d.agent.as_deref().unwrap_or("-"));
@@ -581,20 +614,8 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
     if let Some(t) = &d.trigger {
         let _ = writeln!(out, "Trigger: {}", terminal(t));
     }
-    if let Some(e) = &d.exit {
-        match (e.code, e.signal) {
-            (_, Some(s)) => {
-                let _ = writeln!(
-                    out,
-                    "Exit: killed by signal {s} ({})",
-                    oomscope_analysis::units::signal_name(s)
-                );
-            }
-            (Some(c), _) => {
-                let _ = writeln!(out, "Exit: code {c}");
-            }
-            _ => {}
-        }
+    if let Some(line) = exit_line(d) {
+        let _ = writeln!(out, "Exit: {}", terminal(&line));
     }
     if let Some(c) = &d.cgroup {
         let _ = writeln!(
@@ -757,6 +778,55 @@ mod tests {
     fn terminal_text_shows_control_characters_visibly() {
         assert_eq!(terminal("a\x1b[31mred\x07\nb"), "a\\u{1b}[31mred\\u{7}\\nb");
         assert_eq!(terminal_text("a\x1b[2J\nb\r\n"), "a\\u{1b}[2J\nb\\r\n");
+    }
+
+    fn kernel_killed_worker() -> pb::Diagnosis {
+        pb::Diagnosis {
+            exit: Some(pb::ExitStatus {
+                code: Some(0),
+                signal: None,
+            }),
+            kernel_report: Some(pb::KernelReport {
+                pid: 123,
+                command: "VLLM::Worker".into(),
+                anon_rss_bytes: 2 << 30,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_exit_says_the_kernel_killed_first() {
+        let d = kernel_killed_worker();
+        assert!(
+            diagnosis(&d).contains(
+                "\nExit: the kernel killed pid 123 (VLLM::Worker), then the main process exited with code 0\n"
+            ),
+            "{}",
+            diagnosis(&d)
+        );
+        // Killed itself: the kill, then the signal.
+        let mut killed = d.clone();
+        killed.exit = Some(pb::ExitStatus {
+            code: None,
+            signal: Some(9),
+        });
+        assert_eq!(
+            exit_line(&killed).as_deref(),
+            Some("the kernel killed pid 123 (VLLM::Worker); the main process was killed by signal 9 (SIGKILL)")
+        );
+        // No exit seen (an in-process agent): the kill alone.
+        let mut no_exit = d.clone();
+        no_exit.exit = None;
+        assert_eq!(
+            exit_line(&no_exit).as_deref(),
+            Some("the kernel killed pid 123 (VLLM::Worker)")
+        );
+        // Without a kernel record, the status as before.
+        let mut plain = d;
+        plain.kernel_report = None;
+        assert!(diagnosis(&plain).contains("\nExit: code 0\n"));
     }
 
     #[test]

@@ -140,18 +140,8 @@ impl<'a> View<'a> {
                 v.push(("Load at failure", load.join(", ")));
             }
         }
-        if let Some(e) = &d.exit {
-            match (e.code, e.signal) {
-                (_, Some(s)) => v.push((
-                    "Exit",
-                    format!(
-                        "killed by signal {s} ({})",
-                        oomscope_analysis::units::signal_name(s)
-                    ),
-                )),
-                (Some(c), _) => v.push(("Exit", format!("code {c}"))),
-                _ => {}
-            }
+        if let Some(line) = crate::format::exit_line(d) {
+            v.push(("Exit", line));
         }
         if let Some(c) = &d.cgroup {
             v.push((
@@ -306,6 +296,34 @@ mod tests {
         assert!(!md.contains("PyTorch allocated"));
         assert!(md.contains("process tree PSS"));
         assert!(md.contains("<details>"));
+    }
+
+    #[test]
+    fn the_reports_exit_row_names_the_kernels_kill_first() {
+        let input = Run {
+            diagnosis: pb::Diagnosis {
+                domain: Some("cgroup".into()),
+                exit: Some(pb::ExitStatus {
+                    code: Some(0),
+                    signal: None,
+                }),
+                kernel_report: Some(pb::KernelReport {
+                    pid: 123,
+                    command: "VLLM::Worker".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let md = markdown(&input);
+        assert!(
+            md.contains("- **Exit**: the kernel killed pid 123 (VLLM::Worker), then the main process exited with code 0"),
+            "{md}"
+        );
+        assert!(html(&input).contains(
+            "<dt>Exit</dt><dd>the kernel killed pid 123 (VLLM::Worker), then the main process exited with code 0</dd>"
+        ));
     }
 
     #[test]

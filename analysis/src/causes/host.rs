@@ -5,7 +5,7 @@ use super::cause;
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::pb;
-use crate::units::bytes;
+use crate::units::{bytes, bytes_short};
 
 /// At or above this share of /dev/shm in use, a SIGBUS is a full /dev/shm;
 /// below it the SIGBUS may come from a truncated mapped file instead.
@@ -15,11 +15,55 @@ const SHM_FULL_FRACTION: f64 = 0.95;
 /// into the limit; below it, one oversized request did.
 const AS_NEAR_FRACTION: f64 = 0.5;
 
+/// The kernel's own figures at the kill, quoted before anything read after
+/// it: "the kernel's record at the kill: victim pid 123 (VLLM::Worker)
+/// anon-rss 2.0 GiB, file-rss 6.5 MiB, shmem-rss 0 B; cgroup /x usage
+/// 64.0 MiB of limit 64.0 MiB".
+fn kernel_figures(k: &pb::KernelOomKill) -> String {
+    let mut line = format!(
+        "the kernel's record at the kill: victim pid {} ({}) anon-rss {}, file-rss {}, shmem-rss {}",
+        k.pid,
+        k.task,
+        bytes_short(k.anon_rss_bytes),
+        bytes_short(k.file_rss_bytes),
+        bytes_short(k.shmem_rss_bytes)
+    );
+    if k.memcg_limit_bytes > 0 {
+        let memcg = if k.oom_memcg.is_empty() {
+            "the cgroup".to_string()
+        } else {
+            format!("cgroup {}", k.oom_memcg)
+        };
+        line.push_str(&format!(
+            "; {memcg} usage {} of limit {}",
+            bytes_short(k.memcg_usage_bytes),
+            bytes_short(k.memcg_limit_bytes)
+        ));
+    }
+    line
+}
+
+/// The victim's figures from the kernel's record, as metrics.
+fn kernel_metrics(k: &pb::KernelOomKill) -> [(&'static str, f64); 3] {
+    [
+        ("victim_anon_rss_bytes", k.anon_rss_bytes as f64),
+        ("victim_file_rss_bytes", k.file_rss_bytes as f64),
+        ("victim_shmem_rss_bytes", k.shmem_rss_bytes as f64),
+    ]
+}
+
 pub fn cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let Some(m) = f.memcg.as_ref() else {
         return kernel_cgroup_limit(f, v);
     };
-    let mut evidence = m.evidence.clone();
+    // The kernel measured the victim at the kill; the counters were read
+    // after it, when the victim's memory was already freed.
+    let mut evidence: Vec<String> = f
+        .kernel
+        .map(|(_, k)| kernel_figures(k))
+        .into_iter()
+        .collect();
+    evidence.extend(m.evidence.iter().cloned());
     let owner = f
         .counters
         .as_ref()
@@ -30,12 +74,24 @@ pub fn cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         ("usage_bytes", m.usage_bytes as f64),
         ("owner_depth", m.owner_depth as f64),
     ];
+    if let Some((_, k)) = f.kernel {
+        metrics.extend(kernel_metrics(k));
+    }
     if let Some(l) = owner {
         let s = l.after;
         if s.anon_bytes + s.file_bytes + s.shmem_bytes > 0 {
+            let read_after_kill = f.kernel.is_some_and(|(kill_ns, _)| {
+                let read_ns = f.counters.as_ref().map_or(0, |c| c.after.time_ns);
+                read_ns == 0 || read_ns >= kill_ns
+            });
+            let when = if read_after_kill {
+                ", read after the kill (the victim's pages already freed)"
+            } else {
+                ""
+            };
             // File and shmem pages count against the limit too; this says which grew.
             evidence.push(format!(
-                "cgroup {} memory.stat: anon {}, file {}, shmem {}",
+                "cgroup {} memory.stat{when}: anon {}, file {}, shmem {}",
                 s.path,
                 bytes(s.anon_bytes),
                 bytes(s.file_bytes),
@@ -61,17 +117,20 @@ fn kernel_cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         .cgroup
         .as_ref()
         .map_or(k.memcg_limit_bytes, |c| c.limit_bytes);
-    let evidence = vec![format!(
-        "the kernel's OOM record: the limit of {} was hit; usage {} of limit {} at the kill",
-        k.oom_memcg,
-        bytes(k.memcg_usage_bytes),
-        bytes(limit)
-    )];
-    let metrics = [
+    let evidence = vec![
+        kernel_figures(k),
+        format!(
+            "the kernel's OOM record: the limit of {} was hit; usage {} of limit {} at the kill",
+            k.oom_memcg,
+            bytes(k.memcg_usage_bytes),
+            bytes(limit)
+        ),
+    ];
+    let mut metrics = vec![
         ("limit_bytes", limit as f64),
         ("usage_bytes", k.memcg_usage_bytes as f64),
-        ("victim_anon_rss_bytes", k.anon_rss_bytes as f64),
     ];
+    metrics.extend(kernel_metrics(k));
     Some(cause("cgroup_limit", 0.95, evidence, &metrics))
 }
 
@@ -84,18 +143,20 @@ pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     let global = f.global_oom_agrees();
     let (mut evidence, mut metrics) = match (kernel, &global) {
         (Some((_, k)), _) => (
-            vec![format!(
-                "the kernel's OOM record ({}): it killed pid {} ({}) with anon-rss {}",
-                if k.constraint.is_empty() {
-                    "no constraint logged"
-                } else {
-                    k.constraint.as_str()
-                },
-                k.pid,
-                k.task,
-                bytes(k.anon_rss_bytes)
-            )],
-            vec![("victim_anon_rss_bytes", k.anon_rss_bytes as f64)],
+            vec![
+                kernel_figures(k),
+                format!(
+                    "the kernel's OOM record ({}): it killed pid {} ({})",
+                    if k.constraint.is_empty() {
+                        "no constraint logged"
+                    } else {
+                        k.constraint.as_str()
+                    },
+                    k.pid,
+                    k.task
+                ),
+            ],
+            kernel_metrics(k).to_vec(),
         ),
         (None, Some(((b, a), _))) => (
             vec![format!(

@@ -9,26 +9,54 @@ use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
-use crate::runway::{self, Runway};
+use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::timeline::Point;
 use crate::units::bytes_short;
 
-// No floor in bytes: any growth that is certain (growth::Trend::certain) and
-// has a finite runway is reported; its runway says how much it matters, and
-// growth under runway::SLOW_GROWTH_SHARE of the limit per request is
-// slow_growth's, not this.
+// No floor in bytes: any growth that is certain (growth::Trend::certain) is
+// reported; its runway says how much it matters, and growth under
+// runway::SLOW_GROWTH_SHARE of the limit per request is slow_growth's, not
+// this. Without a limit in the evidence the runway is unknown, not the
+// growth: a certain rise is still a finding.
 
-pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let (what, t, runway) = host_trend(f)?;
+/// A host growth that stands as a cause: the trend, its runway where the
+/// evidence has a limit, and the heap census's retaining type where one grows.
+pub struct Standing<'a> {
+    pub what: &'static str,
+    pub trend: Trend,
+    pub runway: Option<Runway<'static>>,
+    pub heap: Option<HeapGrowth<'a>>,
+}
+
+/// The host growth that host_growth reports, or None; the trigger reads the
+/// same, so that the two never disagree.
+pub fn standing<'a>(f: &Findings<'a>) -> Option<Standing<'a>> {
+    let (what, trend, runway) = host_trend(f)?;
     // Growth a collection gave back does not corroborate anything.
     let heap = match census::verdict(f) {
         Some(HeapVerdict::Growing(g)) => Some(g),
         _ => None,
     };
-    if heap.is_none() && runway.is_slow() {
+    if heap.is_none() && runway.is_some_and(|r| r.is_slow()) {
         return None;
     }
-    let mut evidence = vec![runway.line(), t.rise_line(what)];
+    Some(Standing {
+        what,
+        trend,
+        runway,
+        heap,
+    })
+}
+
+pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
+    let Standing {
+        what,
+        trend: t,
+        runway,
+        heap,
+    } = standing(f)?;
+    let runway_line = runway.map_or_else(|| RUNWAY_UNKNOWN.to_string(), |r| r.line());
+    let mut evidence = vec![runway_line, t.rise_line(what)];
     if f.timeline.device().next().is_some() {
         evidence.push("device live bytes between requests stayed flat".to_string());
     } else {
@@ -46,7 +74,7 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             g.top.bytes_per_request().round(),
         ));
     }
-    metrics.extend(runway.metrics());
+    metrics.extend(runway.iter().flat_map(|r| r.metrics()));
     evidence.push(
         "find what the process keeps on the host (a heap census, tracemalloc, growing Python lists or caches); more swap only slows the failure down"
             .to_string(),
@@ -56,9 +84,9 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
 }
 
 /// The host's certain growth between requests (RSS, else the usage of a
-/// limited cgroup) and its runway to the host limit, while the device's live bytes
-/// do not leak. None without a limit to run to.
-pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
+/// limited cgroup), while the device's live bytes do not leak, and its
+/// runway to the host limit (None without a limit in the evidence).
+pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'static>>)> {
     if growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks()) {
         return None;
     }
@@ -84,14 +112,13 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)
     };
     // The runway starts from what the limit sees, the agent's heap included.
     let agent_heap = f.timeline.points.last().map_or(0, |p| p.agent_heap);
-    let (limit, limit_name) = f.host_limit()?;
-    let runway = Runway {
+    let runway = f.host_limit().map(|(limit, limit_name)| Runway {
         limit,
         limit_name,
         used: t.last_bytes.max(0.0) as u64 + agent_heap,
         per_request: t.bytes_per_request(),
         requests_per_s: runway::request_rate(&f.timeline),
-    };
+    });
     Some((what, t, runway))
 }
 

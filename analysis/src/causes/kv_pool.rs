@@ -508,23 +508,25 @@ fn host_holdings(f: &Findings, death: i64) -> Option<(String, u64, Vec<Holding>)
 /// The pool was full with requests waiting (and, where counted, preempted):
 /// a capacity bound and a latency cause, not an OOM. Read from the runtime's
 /// own context (the vLLM plugin's `kv_cache_usage`, `queued`,
-/// `preemptions`), with or without a failure.
+/// `preemptions`), with or without a failure. A full pool that kept every
+/// request it was given running (nothing waited, nothing was preempted)
+/// bounded nothing: it is no cause and gets no fix (`full_without_pressure`
+/// states it as a fact).
 pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let e = f.evidence;
     let readings = kv_pool::readings(e);
+    let preempted = kv_pool::preemptions_at(&readings);
+    // Full while something waited or was preempted since the reading before.
     let full: Vec<&kv_pool::PoolReading> = readings
         .iter()
-        .filter(|r| r.usage >= KV_FULL_USAGE && r.waiting > 0)
+        .zip(&preempted)
+        .filter(|(r, p)| r.usage >= KV_FULL_USAGE && (r.waiting > 0 || **p > 0.0))
+        .map(|(r, _)| r)
         .collect();
-    let counted: Vec<f64> = readings.iter().filter_map(|r| r.preemptions).collect();
-    let preemptions = match (
-        counted.iter().copied().reduce(f64::min),
-        counted.iter().copied().reduce(f64::max),
-    ) {
-        (Some(lo), Some(hi)) => hi - lo,
-        _ => 0.0,
-    };
+    let preemptions: f64 = preempted.iter().sum();
     let peak_usage = readings.iter().map(|r| r.usage).fold(0.0, f64::max);
+    // A preemption is itself the proof of a full pool (the scheduler
+    // preempts only when no block is free), though the gauge may have missed it.
     let preempted_full = preemptions > 0.0 && peak_usage >= KV_FULL_USAGE;
     if full.len() < MIN_FULL_READINGS && !preempted_full {
         return None;
@@ -603,4 +605,28 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     // Beside a failure it is the lesser story.
     let confidence = if v.failed { 0.4 } else { 0.7 };
     Some(cause("kv_pool_saturation", confidence, evidence, &metrics))
+}
+
+/// "KV pool full (usage 100 %) with nothing waiting or preempted: ..." where
+/// the pool was full in at least MIN_FULL_READINGS readings yet no request
+/// waited and none was preempted: a fact for the diagnosis's evidence (the
+/// load fitted), not a cause.
+pub fn full_without_pressure(f: &Findings) -> Option<String> {
+    let readings = kv_pool::readings(f.evidence);
+    let full: Vec<&kv_pool::PoolReading> = readings
+        .iter()
+        .filter(|r| r.usage >= KV_FULL_USAGE)
+        .collect();
+    let preempted: f64 = kv_pool::preemptions_at(&readings).iter().sum();
+    if full.len() < MIN_FULL_READINGS || preempted > 0.0 || full.iter().any(|r| r.waiting > 0) {
+        return None;
+    }
+    let runtime = f.runtime().map_or("the runtime", Runtime::name);
+    let usage = full.iter().map(|r| r.usage).fold(0.0, f64::max);
+    let running = full.iter().map(|r| r.running).max().unwrap_or(0);
+    Some(format!(
+        "KV pool full (usage {:.0} %) with nothing waiting or preempted: {runtime} ran every request it was given ({running} at most at once, in {} full readings), so the pool bounded nothing and no capacity change follows",
+        usage * 100.0,
+        full.len()
+    ))
 }

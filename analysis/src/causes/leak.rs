@@ -12,7 +12,7 @@ use crate::findings::Findings;
 use crate::growth;
 use crate::pb;
 use crate::pb::event::Kind;
-use crate::runway::{self, Runway};
+use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::units::bytes_short;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
@@ -50,6 +50,8 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         };
         evidence.insert(0, runway.line());
         metrics.extend(runway.metrics());
+    } else {
+        evidence.insert(0, RUNWAY_UNKNOWN.to_string());
     }
     if let Some(line) = live_tensors_line(f) {
         evidence.push(line.0);
@@ -89,6 +91,8 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         };
         evidence.insert(0, runway.line());
         metrics.extend(runway.metrics());
+    } else {
+        evidence.insert(0, RUNWAY_UNKNOWN.to_string());
     }
     evidence.push(
         "no device allocator here: these are live Python objects on the host that no collection freed; drop the references after each request (the chain shows who holds them)"

@@ -11,7 +11,7 @@ mod cache_retention;
 mod fragmentation;
 mod gc_retained;
 mod host;
-mod host_growth;
+pub(crate) mod host_growth;
 mod kv_growth;
 mod kv_pool;
 mod leak;
@@ -21,6 +21,8 @@ mod slow_growth;
 mod weights;
 
 use std::collections::HashMap;
+
+pub(crate) use kv_pool::full_without_pressure;
 
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;

@@ -61,7 +61,8 @@ fn device_slow(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
 /// The host grows for certain, under the slow share, and no heap census
 /// names a retained type (that would be a leak, however slow).
 fn host_slow(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
-    let found = host_trend(f).filter(|(_, _, r)| r.is_slow())?;
+    let (what, t, runway) = host_trend(f)?;
+    let runway = runway.filter(|r| r.is_slow())?;
     let heap_grows = matches!(census::verdict(f), Some(HeapVerdict::Growing(_)));
-    (!heap_grows).then_some(found)
+    (!heap_grows).then_some((what, t, runway))
 }

@@ -1621,6 +1621,48 @@ pub struct Diagnosis {
     /// that died or failed. Unset when no process died.
     #[prost(message, optional, tag = "12")]
     pub victim: ::core::option::Option<Victim>,
+    /// The kernel's own figures at its OOM kill, from its record
+    /// (KernelOomKill), before anything read after the kill. Unset without a
+    /// kernel record.
+    #[prost(message, optional, tag = "13")]
+    pub kernel_report: ::core::option::Option<KernelReport>,
+}
+/// The kernel's record of the OOM kill, as the kernel measured at the kill:
+/// the authoritative figures (cgroup files read afterwards see the victim's
+/// memory already freed).
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct KernelReport {
+    /// The victim and its command (the kernel's `task`, its comm).
+    #[prost(uint32, tag = "1")]
+    pub pid: u32,
+    #[prost(string, tag = "2")]
+    pub command: ::prost::alloc::string::String,
+    /// The victim's memory at the kill.
+    #[prost(uint64, tag = "3")]
+    pub anon_rss_bytes: u64,
+    #[prost(uint64, tag = "4")]
+    pub file_rss_bytes: u64,
+    #[prost(uint64, tag = "5")]
+    pub shmem_rss_bytes: u64,
+    #[prost(uint64, tag = "6")]
+    pub total_vm_bytes: u64,
+    /// "CONSTRAINT_MEMCG" (a cgroup limit), "CONSTRAINT_NONE" (the machine), ...
+    #[prost(string, tag = "7")]
+    pub constraint: ::prost::alloc::string::String,
+    /// The cgroup whose limit was hit, and the victim's own.
+    #[prost(string, tag = "8")]
+    pub oom_memcg: ::prost::alloc::string::String,
+    #[prost(string, tag = "9")]
+    pub task_memcg: ::prost::alloc::string::String,
+    /// That cgroup's usage and limit at the kill; 0 where not logged.
+    #[prost(uint64, tag = "10")]
+    pub memcg_usage_bytes: u64,
+    #[prost(uint64, tag = "11")]
+    pub memcg_limit_bytes: u64,
+    #[prost(int32, tag = "12")]
+    pub oom_score_adj: i32,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -1,0 +1,101 @@
+"""Right verdicts inside multi-process servers (#28), the agent's side: a
+forked child never keeps its parent's connection (a killed parent is lost at
+once, however long the child lives).
+
+Every process here talks to the test's own collector (conftest's, with
+``--lost-grace 1s``) and nothing else."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import wait_for
+from test_instances import env_for, state_of
+
+#: conftest's collector declares an agent lost this long after its stream breaks.
+LOST_GRACE_S = 1.0
+
+
+def socket_inodes(pid):
+    """The inodes of the sockets `pid` holds open."""
+    out = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            out.add(int(link[len("socket:["):-1]))
+    return out
+
+
+def tcp_inodes_to(port, pid):
+    """The inodes of the TCP sockets (v4 and v6) whose remote port is `port`,
+    from /proc/<pid>/net/tcp*: every socket of the network namespace."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open("/proc/%d/net/%s" % (pid, table)) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and int(fields[9]):
+                found.add(int(fields[9]))
+    return found
+
+
+#: Starts its agent, waits until it is connected, forks a child that only
+#: sleeps (the agent's fork handler gives it an agent of its own), and says
+#: both pids and its agent id.
+FORKER = """
+import os, time, oomscope
+oomscope.start(collector=%r, name="forking-parent", interval_s=0.2)
+while not oomscope.stats()["connected"]:
+    time.sleep(0.05)
+pid = os.fork()
+if pid == 0:
+    time.sleep(30)
+    os._exit(0)
+print(oomscope.agent_id(), pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_child_keeps_no_connection_and_a_killed_parent_is_lost_at_once(collector):
+    env = dict(env_for(collector), OOMSCOPE_AUTOSTART="0")
+    parent = subprocess.Popen([sys.executable, "-c", FORKER % collector.url], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    child = None
+    try:
+        agent_id, child = parent.stdout.readline().split()
+        child = int(child)
+        assert state_of(collector, agent_id) == "connected"
+        # The parent's stream is a socket to the collector's port that the
+        # parent holds; the child must not hold it too (its own agent's
+        # connection is another socket).
+        time.sleep(0.5)
+        to_collector = tcp_inodes_to(collector.port, parent.pid)
+        parents = socket_inodes(parent.pid) & to_collector
+        assert parents, "the parent holds no connection to the collector"
+        assert not socket_inodes(child) & parents, "the child kept its parent's connection to the collector"
+
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        killed = time.monotonic()
+        gone = wait_for(lambda: state_of(collector, agent_id) in ("lost", "disconnected"), LOST_GRACE_S + 4, 0.1)
+        waited = time.monotonic() - killed
+        assert gone, "the killed parent still reads %r after %.1f s" % (state_of(collector, agent_id), waited)
+        os.kill(child, 0)  # the child still lives: it did not keep the stream alive
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

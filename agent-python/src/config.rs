@@ -56,7 +56,7 @@ pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);
 /// (`OOMSCOPE_HOLD_S`).
 pub const DEFAULT_AUTOSTART_HOLD: Duration = Duration::from_secs(2);
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub collector: String,
     pub name: String,
@@ -79,6 +79,8 @@ pub struct Config {
     /// A held start (see [`DEFAULT_AUTOSTART_HOLD`]): this long after the
     /// agent starts; zero = not held. Only the autostart keeps it.
     pub hold: Duration,
+    /// Started by the `.pth` autostart, not by the app's own `start()`.
+    pub autostarted: bool,
     /// `torch.cuda.memory._record_memory_history(max_entries=N)`; 0 = off.
     pub history_max_entries: u64,
     /// The role a forked child takes.
@@ -202,10 +204,40 @@ impl Config {
             census_budget: secs("census_budget_s", DEFAULT_CENSUS_BUDGET)?,
             exit_flush: secs("exit_flush_s", DEFAULT_EXIT_FLUSH)?,
             hold: secs("hold_s", DEFAULT_AUTOSTART_HOLD)?,
+            autostarted: false,
             history_max_entries: count("history_max_entries", 0)?,
             fork_role: get("fork_role").unwrap_or_else(|| "worker".to_string()),
             labels,
         })
+    }
+}
+
+impl Config {
+    /// Whether `other` says the same as this in everything a running agent
+    /// cannot change: all but its identity ([`Config::same_identity`]) and
+    /// how it was started.
+    pub fn same_settings(&self, other: &Config) -> bool {
+        let mut o = other.clone();
+        o.name.clone_from(&self.name);
+        o.role.clone_from(&self.role);
+        o.rank = self.rank;
+        o.model.clone_from(&self.model);
+        o.labels.clone_from(&self.labels);
+        o.hold = self.hold;
+        o.autostarted = self.autostarted;
+        *self == o
+    }
+
+    /// Whether the Hello says the same: name, role, rank, model, labels.
+    pub fn same_identity(&self, other: &Config) -> bool {
+        (&self.name, &self.role, self.rank, &self.model, &self.labels)
+            == (
+                &other.name,
+                &other.role,
+                other.rank,
+                &other.model,
+                &other.labels,
+            )
     }
 }
 
@@ -249,6 +281,32 @@ mod tests {
         );
         let c = Config::resolve(&map(&[("hold_s", "0")]), &env, "python").unwrap();
         assert_eq!(c.hold, Duration::ZERO);
+    }
+
+    #[test]
+    fn identity_and_settings_are_told_apart() {
+        let none = Fake(BTreeMap::new());
+        let base = Config::resolve(&BTreeMap::new(), &none, "python").unwrap();
+        let renamed = Config::resolve(
+            &map(&[
+                ("name", "app"),
+                ("role", "worker"),
+                ("rank", "3"),
+                ("model", "m"),
+            ]),
+            &none,
+            "python",
+        )
+        .unwrap();
+        assert!(base.same_settings(&renamed) && !base.same_identity(&renamed));
+        let mut started = base.clone();
+        (started.hold, started.autostarted) = (Duration::ZERO, true);
+        assert!(base.same_settings(&started) && base.same_identity(&started));
+        let slower = Config::resolve(&map(&[("interval_s", "5")]), &none, "python").unwrap();
+        assert!(!base.same_settings(&slower) && base.same_identity(&slower));
+        let elsewhere =
+            Config::resolve(&map(&[("collector", "http://other:1")]), &none, "python").unwrap();
+        assert!(!base.same_settings(&elsewhere));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 """Right verdicts inside multi-process servers (#28), the agent's side: a
 forked child never keeps its parent's connection (a killed parent is lost at
-once, however long the child lives).
+once, however long the child lives); an explicit ``oomscope.start()`` wins
+over the autostart.
 
 Every process here talks to the test's own collector (conftest's, with
 ``--lost-grace 1s``) and nothing else."""
@@ -99,3 +100,74 @@ def test_a_forked_child_keeps_no_connection_and_a_killed_parent_is_lost_at_once(
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+#: With the autostart's agent running, the app's own start(): prints what
+#: it returned, its agent id before and after, and its pid, then sleeps
+#: (checked while alive).
+RESTART = """
+import os, sys, time, oomscope
+assert oomscope.is_running(), "no autostarted agent"
+try:
+    oomscope.start(interval_s="soon")
+    raise SystemExit("a bad value was accepted")
+except ValueError:
+    assert oomscope.is_running(), "a bad value stopped the autostart's agent"
+%s
+before = oomscope.agent_id()
+returned = oomscope.start(collector=%r, **%r)
+while oomscope.stats()["held"] or not oomscope.stats()["connected"]:
+    time.sleep(0.05)
+assert oomscope.flush(10)
+print(returned, before, oomscope.agent_id(), os.getpid(), flush=True)
+time.sleep(30)
+"""
+
+
+def test_an_explicit_start_reconfigures_the_autostarted_agent(collector):
+    """Three cases: the autostart's agent still held (replaced without a
+    trace), already heard with only a new identity (a new Hello, same id),
+    and already heard with a setting it cannot change (Goodbye, then a new
+    agent). Each ends with one live agent for its pid, under the app's name."""
+    cases = {
+        # name: (what runs before start(), start()'s arguments)
+        "held": ("", dict(name="app-name", role="worker")),
+        "heard": ("oomscope.flush(10)", dict(name="app-renamed", role="worker", rank=2)),
+        "restarted": ("oomscope.flush(10)", dict(name="app-restarted", interval_s=0.1)),
+    }
+    procs = {}
+    try:
+        for case, (before, kwargs) in cases.items():
+            # The autostart's own name would be "python" (sys.argv[0] is -c).
+            procs[case] = subprocess.Popen([sys.executable, "-c", RESTART % (before, collector.url, kwargs)],
+                                           env=env_for(collector), stdout=subprocess.PIPE, text=True)
+        said = {case: p.stdout.readline().split() for case, p in procs.items()}
+        assert all(len(s) == 4 for s in said.values()), said
+
+        def wrong(listing):
+            """What is not yet as it should be ({} when all is)."""
+            out = {}
+            for case, (returned, before, after, pid) in said.items():
+                kwargs = cases[case][1]
+                mine = [a for a in listing if a["hello"]["pid"] == int(pid)]
+                live = [a["hello"] for a in mine if a["state"] == "connected"]
+                old = [a for a in mine if a["hello"]["agent_id"] == before]
+                want = [(after, kwargs["name"], kwargs.get("role", "server"), kwargs.get("rank", 0))]
+                ok = returned == "True" and [(h["agent_id"], h["name"], h["role"], h["rank"]) for h in live] == want
+                if case == "held":  # never heard: no trace of the autostart's agent
+                    ok = ok and before != after and len(mine) == 1
+                elif case == "heard":  # a new Hello, same agent
+                    ok = ok and before == after and len(mine) == 1
+                else:  # Goodbye, then a new agent
+                    ok = ok and before != after and len(mine) == 2 and old[0]["state"] == "disconnected" \
+                        and old[0]["goodbye"]["reason"] == "reconfigured"
+                if not ok:
+                    out[case] = (said[case], mine)
+            return out
+
+        assert wait_for(lambda: not wrong(collector.agents()), 10), wrong(collector.agents())
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()

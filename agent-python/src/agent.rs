@@ -98,8 +98,9 @@ pub struct Agent {
     pub census_waiting: AtomicBool,
     /// The sampling thread (agent-core's loop; `sampler.rs` plugs in its readers).
     pub sampler: Sampler<Job>,
-    /// When a held start ends on its own (None: not held). The sampler
-    /// releases the reporter then, unless something released it before.
+    /// When a held start ends on its own (None: not held, or held until
+    /// something releases it). The sampler releases the reporter then,
+    /// unless something released it before.
     pub hold_until: Option<Instant>,
     /// The settings a later `start()` gave this agent in place, where only
     /// its identity changed (`Config::same_identity`); a forked child
@@ -156,7 +157,10 @@ impl Agent {
             nice: config.thread_nice,
             ..ThreadPriority::IN_PROCESS
         };
-        let hold_until = rc.hold.then(|| Instant::now() + config.hold);
+        // Only a supervised process is released by lasting (see
+        // `DEFAULT_AUTOSTART_HOLD`); any other stays held until it serves a
+        // request, uses CUDA, hits an OOM or calls start()/flush().
+        let hold_until = (rc.hold && config.supervised).then(|| Instant::now() + config.hold);
         let reporter = Reporter::start(rc, hello);
         let agent = Arc::new(Agent {
             config,

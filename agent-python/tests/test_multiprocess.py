@@ -1,7 +1,7 @@
 """Right verdicts inside multi-process servers (#28), the agent's side: a
 forked child never keeps its parent's connection (a killed parent is lost at
 once, however long the child lives); an explicit ``oomscope.start()`` wins
-over the autostart.
+over the autostart; the autostart joins only real servers.
 
 Every process here talks to the test's own collector (conftest's, with
 ``--lost-grace 1s``) and nothing else."""
@@ -13,7 +13,7 @@ import sys
 import time
 
 from conftest import wait_for
-from test_instances import env_for, state_of
+from test_instances import env_for, named, state_of
 
 #: conftest's collector declares an agent lost this long after its stream breaks.
 LOST_GRACE_S = 1.0
@@ -171,3 +171,27 @@ def test_an_explicit_start_reconfigures_the_autostarted_agent(collector):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_the_autostart_joins_only_servers(collector):
+    """With OOMSCOPE_COLLECTOR exported, a process that only lives (a load
+    generator) never joins; one that marks a request does, and so does one
+    under a supervisor (`oomscope run`'s environment), by lasting alone."""
+    lasting = "import time, oomscope; time.sleep(4); print(oomscope.stats()['held'], flush=True)"
+    request = "import time, oomscope\nwith oomscope.request(id='r1'):\n    pass\n" + lasting.replace("; ", "\n")
+    runs = {
+        "plain": (lasting, {}),
+        "marked": (request, {}),
+        "supervised": (lasting, {"OOMSCOPE_SUPERVISOR_AGENT": "supervisor-test-host-1-1"}),
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], env=env_for(collector, OOMSCOPE_NAME=name, **extra),
+                                    stdout=subprocess.PIPE, text=True)
+             for name, (code, extra) in runs.items()}
+    out = {name: p.communicate(timeout=60)[0].strip() for name, p in procs.items()}
+    assert {name: p.returncode for name, p in procs.items()} == dict.fromkeys(runs, 0), out
+    # Held to the end, and alive: its agent ran the whole time.
+    assert out == {"plain": "True", "marked": "False", "supervised": "False"}, out
+    assert wait_for(lambda: named(collector, "marked") and named(collector, "supervised"), 10), collector.agents()
+    assert named(collector, "plain") == [], "a process that only lived joined the collector"
+    marked = named(collector, "marked")
+    assert len(marked) == 1 and marked[0]["samples"] >= 5, marked

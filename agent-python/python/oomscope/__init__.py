@@ -14,10 +14,13 @@ wheel installs ``oomscope-autostart.pth``, which starts the agent at
 interpreter start-up whenever ``OOMSCOPE_COLLECTOR`` is set (set
 ``OOMSCOPE_AUTOSTART=0`` to opt out). Every ``start()`` argument can also come
 from ``OOMSCOPE_<NAME>`` (``OOMSCOPE_NAME``, ``OOMSCOPE_INTERVAL_S``, ...).
-An autostarted agent stays silent (samples kept in memory) until its process
-has lived ``OOMSCOPE_HOLD_S`` (2 s), makes a request, hits an OOM or uses
-CUDA: the helpers a server starts come and go without appearing at the
-collector. An explicit ``start()`` or ``flush()`` ends the wait.
+An autostarted agent stays silent (samples kept in memory, a bounded queue)
+until its process makes a request, hits an OOM or uses CUDA, or, under
+``oomscope run`` only (``OOMSCOPE_SUPERVISOR_AGENT`` or ``OOMSCOPE_INSTANCE``
+set), has lived ``OOMSCOPE_HOLD_S`` (2 s): the helpers a server starts, and
+unrelated programs that share its environment (a load generator), come and
+go without appearing at the collector. An explicit ``start()`` or
+``flush()`` ends the wait.
 
 On SIGTERM the agent says Goodbye before the process dies (a handler the
 app installed before it is called instead, and one installed after it

@@ -98,9 +98,15 @@ pub struct Agent {
     pub census_waiting: AtomicBool,
     /// The sampling thread (agent-core's loop; `sampler.rs` plugs in its readers).
     pub sampler: Sampler<Job>,
-    /// When a held start ends on its own (None: not held). The sampler
-    /// releases the reporter then, unless something released it before.
+    /// When a held start ends on its own (None: not held, or held until
+    /// something releases it). The sampler releases the reporter then,
+    /// unless something released it before.
     pub hold_until: Option<Instant>,
+    /// The settings a later `start()` gave this agent in place, where only
+    /// its identity changed (`Config::same_identity`); a forked child
+    /// starts from them. Taken only with the GIL held and never across a
+    /// GIL release, like the process's slot, so a fork never finds it locked.
+    pub reconfigured: Mutex<Option<Config>>,
     paths: HostPaths,
 }
 
@@ -151,7 +157,10 @@ impl Agent {
             nice: config.thread_nice,
             ..ThreadPriority::IN_PROCESS
         };
-        let hold_until = rc.hold.then(|| Instant::now() + config.hold);
+        // Only a supervised process is released by lasting (see
+        // `DEFAULT_AUTOSTART_HOLD`); any other stays held until it serves a
+        // request, uses CUDA, hits an OOM or calls start()/flush().
+        let hold_until = (rc.hold && config.supervised).then(|| Instant::now() + config.hold);
         let reporter = Reporter::start(rc, hello);
         let agent = Arc::new(Agent {
             config,
@@ -172,6 +181,7 @@ impl Agent {
             census_waiting: AtomicBool::new(false),
             sampler: Sampler::new(JOB_QUEUE),
             hold_until,
+            reconfigured: Mutex::new(None),
             paths,
         });
         (agent, probe)
@@ -242,6 +252,32 @@ impl Agent {
     pub fn host_rss(&self) -> u64 {
         oomscope_agent_core::probe::process::read(&self.paths, self.pid)
             .map_or(0, |p| p.vm_rss_bytes)
+    }
+
+    /// The settings it runs with: as started, or as a later `start()`
+    /// re-configured its identity. Needs the GIL (see `reconfigured`).
+    pub fn settings(&self, _py: Python<'_>) -> Config {
+        lock(&self.reconfigured)
+            .clone()
+            .unwrap_or_else(|| self.config.clone())
+    }
+
+    /// Says the identity in `config` (name, role, rank, model, labels) in a
+    /// new Hello, on the open stream and at every reconnect; the agent id,
+    /// spool and stream stay. Needs the GIL (see `reconfigured`).
+    pub fn reconfigure_identity(&self, _py: Python<'_>, config: Config) {
+        self.reporter.update_hello(|h| {
+            h.name.clone_from(&config.name);
+            h.role.clone_from(&config.role);
+            h.rank = config.rank;
+            h.models = config
+                .model
+                .iter()
+                .map(|m| context::model_pb(m, 0))
+                .collect();
+            h.labels.extend(config.labels.clone());
+        });
+        *lock(&self.reconfigured) = Some(config);
     }
 
     /// Ends a held start now: this process is no passing helper. One

@@ -46,17 +46,20 @@ pub const DEFAULT_BOUNDARY_MIN_INTERVAL: Duration = Duration::from_millis(20);
 /// At exit, how long the Goodbye may wait for the collector's acks.
 pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);
 /// How long an autostarted agent (the `.pth` hook, in every Python process
-/// that has `OOMSCOPE_COLLECTOR`) stays silent unless its process makes a
+/// that has `OOMSCOPE_COLLECTOR`) under a supervisor (`oomscope run`, see
+/// [`Config::supervised`]) stays silent unless its process makes a
 /// request, hits an OOM or uses CUDA first. The autostart also runs in
 /// every helper a server starts (`python -c` one-liners, compile workers,
 /// a launcher's probes), which live well under a second or two; a server
 /// lives for minutes. Held, an agent keeps its samples in memory, so a
 /// process that lasts only pays two seconds of delay, and one that does not
-/// last leaves no agent at the collector and no spool. 0 turns it off
-/// (`OOMSCOPE_HOLD_S`).
+/// last leaves no agent at the collector and no spool. Without a supervisor
+/// a process is no server for living long alone (a load generator run from
+/// the same shell lives as long as its server): it stays held until one of
+/// those signs. 0 turns holding off (`OOMSCOPE_HOLD_S`).
 pub const DEFAULT_AUTOSTART_HOLD: Duration = Duration::from_secs(2);
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub collector: String,
     pub name: String,
@@ -77,8 +80,17 @@ pub struct Config {
     pub census_budget: Duration,
     pub exit_flush: Duration,
     /// A held start (see [`DEFAULT_AUTOSTART_HOLD`]): this long after the
-    /// agent starts; zero = not held. Only the autostart keeps it.
+    /// agent starts, when supervised; zero = not held. Only the autostart
+    /// keeps it.
     pub hold: Duration,
+    /// The environment names the supervisor `oomscope run` started this
+    /// process (or its ancestor) under: `OOMSCOPE_SUPERVISOR_AGENT` or
+    /// `OOMSCOPE_INSTANCE`. Every process of a supervised server is the
+    /// server's, so a held one that lasts joins; elsewhere lasting proves
+    /// nothing.
+    pub supervised: bool,
+    /// Started by the `.pth` autostart, not by the app's own `start()`.
+    pub autostarted: bool,
     /// `torch.cuda.memory._record_memory_history(max_entries=N)`; 0 = off.
     pub history_max_entries: u64,
     /// The role a forked child takes.
@@ -168,7 +180,9 @@ impl Config {
             dtype: get("dtype").unwrap_or_default(),
         });
         let mut labels = BTreeMap::new();
-        if let Some(sup) = env.get("supervisor_agent") {
+        let supervisor = env.get("supervisor_agent");
+        let supervised = supervisor.is_some() || env.get("instance").is_some();
+        if let Some(sup) = supervisor {
             labels.insert("supervisor_agent".to_string(), sup);
         }
         Ok(Config {
@@ -202,10 +216,42 @@ impl Config {
             census_budget: secs("census_budget_s", DEFAULT_CENSUS_BUDGET)?,
             exit_flush: secs("exit_flush_s", DEFAULT_EXIT_FLUSH)?,
             hold: secs("hold_s", DEFAULT_AUTOSTART_HOLD)?,
+            supervised,
+            autostarted: false,
             history_max_entries: count("history_max_entries", 0)?,
             fork_role: get("fork_role").unwrap_or_else(|| "worker".to_string()),
             labels,
         })
+    }
+}
+
+impl Config {
+    /// Whether `other` says the same as this in everything a running agent
+    /// cannot change: all but its identity ([`Config::same_identity`]) and
+    /// how it was started.
+    pub fn same_settings(&self, other: &Config) -> bool {
+        let mut o = other.clone();
+        o.name.clone_from(&self.name);
+        o.role.clone_from(&self.role);
+        o.rank = self.rank;
+        o.model.clone_from(&self.model);
+        o.labels.clone_from(&self.labels);
+        o.hold = self.hold;
+        o.supervised = self.supervised;
+        o.autostarted = self.autostarted;
+        *self == o
+    }
+
+    /// Whether the Hello says the same: name, role, rank, model, labels.
+    pub fn same_identity(&self, other: &Config) -> bool {
+        (&self.name, &self.role, self.rank, &self.model, &self.labels)
+            == (
+                &other.name,
+                &other.role,
+                other.rank,
+                &other.model,
+                &other.labels,
+            )
     }
 }
 
@@ -249,6 +295,44 @@ mod tests {
         );
         let c = Config::resolve(&map(&[("hold_s", "0")]), &env, "python").unwrap();
         assert_eq!(c.hold, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_supervisor_or_an_instance_in_the_environment_is_supervised() {
+        let none = Fake(BTreeMap::new());
+        let c = Config::resolve(&BTreeMap::new(), &none, "p").unwrap();
+        assert!(!c.supervised && !c.autostarted);
+        for key in ["supervisor_agent", "instance"] {
+            let env = Fake(map(&[(key, "supervisor-ref-host-1-2")]));
+            let c = Config::resolve(&BTreeMap::new(), &env, "p").unwrap();
+            assert!(c.supervised, "{key}");
+        }
+    }
+
+    #[test]
+    fn identity_and_settings_are_told_apart() {
+        let none = Fake(BTreeMap::new());
+        let base = Config::resolve(&BTreeMap::new(), &none, "python").unwrap();
+        let renamed = Config::resolve(
+            &map(&[
+                ("name", "app"),
+                ("role", "worker"),
+                ("rank", "3"),
+                ("model", "m"),
+            ]),
+            &none,
+            "python",
+        )
+        .unwrap();
+        assert!(base.same_settings(&renamed) && !base.same_identity(&renamed));
+        let mut started = base.clone();
+        (started.hold, started.autostarted) = (Duration::ZERO, true);
+        assert!(base.same_settings(&started) && base.same_identity(&started));
+        let slower = Config::resolve(&map(&[("interval_s", "5")]), &none, "python").unwrap();
+        assert!(!base.same_settings(&slower) && base.same_identity(&slower));
+        let elsewhere =
+            Config::resolve(&map(&[("collector", "http://other:1")]), &none, "python").unwrap();
+        assert!(!base.same_settings(&elsewhere));
     }
 
     #[test]

@@ -75,27 +75,64 @@ fn default_name(py: Python<'_>) -> String {
         .unwrap_or_else(|| "python".into())
 }
 
-/// Starts the agent; a second call while it runs returns False and does
-/// nothing, except that an explicit start ends the autostart's hold (the
-/// program wants its agent heard). Settings not given come from
-/// `OOMSCOPE_*` variables. `autostart=True` (the `.pth` hook only) starts
-/// held for `hold_s` (see [`config::DEFAULT_AUTOSTART_HOLD`]).
+/// Starts the agent. Settings not given come from `OOMSCOPE_*` variables.
+/// `autostart=True` (the `.pth` hook only) starts held (see
+/// [`config::DEFAULT_AUTOSTART_HOLD`]). While the autostart's agent runs,
+/// an explicit start re-configures it ([`reconfigure`]): the app's own
+/// call wins over the environment. While an agent started by the app runs,
+/// a second start does nothing and returns False.
 #[pyfunction]
 #[pyo3(signature = (autostart = false, **kwargs))]
 fn start(py: Python<'_>, autostart: bool, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<bool> {
-    if let Some(a) = current() {
-        if !autostart {
-            a.release();
+    let running = current();
+    if let Some(a) = &running {
+        if autostart || !a.config.autostarted {
+            return Ok(false);
         }
-        return Ok(false);
     }
+    // A bad value raises here, before a running agent is touched.
     let mut config =
         Config::resolve(&given(kwargs)?, &Env, &default_name(py)).map_err(PyValueError::new_err)?;
+    config.autostarted = autostart;
     if !autostart {
         config.hold = Duration::ZERO;
     }
+    if let Some(a) = running {
+        return Ok(reconfigure(py, &a, config));
+    }
     launch(py, config);
     Ok(true)
+}
+
+/// The app's explicit start() over the autostart's agent `a`: the app's
+/// settings win, and the agent is released (the program wants it heard).
+/// Returns whether anything changed. In order of preference:
+/// - the same settings: nothing to change (`oomscope run` gives the app's
+///   own `start()` the same name through the environment);
+/// - still held: nothing was said yet, so it is replaced without a trace by
+///   an agent started with the app's settings (its id carries the new name);
+/// - only the identity differs (name, role, rank, model): a new Hello on
+///   the open stream, same agent id;
+/// - a setting a running agent cannot change (collector, interval, spool,
+///   ...): it says Goodbye ("reconfigured") and a new agent starts.
+fn reconfigure(py: Python<'_>, a: &Arc<Agent>, config: Config) -> bool {
+    let running = a.settings(py);
+    if running.same_settings(&config) && running.same_identity(&config) {
+        a.release();
+        return false;
+    }
+    if !a.reporter.held() && running.same_settings(&config) {
+        a.reconfigure_identity(py, config);
+        a.release();
+        return true;
+    }
+    let taken = lock(&AGENT).take();
+    if let Some(old) = taken {
+        // Held, it leaves silently (agent-core's reporter says nothing).
+        old.stop(py, "reconfigured", 0);
+    }
+    launch(py, config);
+    true
 }
 
 /// Starts an agent and its sampler, and makes it this process's agent.
@@ -356,12 +393,13 @@ fn on_oom_exception(py: Python<'_>, error_type: &str, error_text: &str) -> bool 
 }
 
 /// After `os.fork()`, in the child: the parent's agent has no threads here.
-/// Leave it untouched (its locks may be held forever) and start our own.
+/// Leave it untouched (its locks may be held forever; its settings' lock is
+/// taken only with the GIL, see `Agent::reconfigured`) and start our own.
 #[pyfunction]
 fn after_fork_child(py: Python<'_>) {
     let old = lock(&AGENT).take();
     let Some(old) = old else { return };
-    let mut config = old.config.clone();
+    let mut config = old.settings(py);
     let (rank, parent) = old.lineage.child();
     std::mem::forget(old);
     config.labels.insert(parent.0, parent.1);

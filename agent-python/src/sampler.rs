@@ -225,9 +225,13 @@ impl Readers for PythonReaders {
         self.full_levels = tick(&agent, &self.probe);
         if self.next_census.is_some_and(|t| Instant::now() >= t) {
             self.next_census = Some(Instant::now() + agent.config.census_interval);
+            // Held, nobody hears it, and a process that never proves to be
+            // a server (a load generator, held for its whole life) should
+            // not pay for one: the hour counts again from now.
+            let held = agent.reporter.held();
             let recent = lock(&agent.last_census)
                 .is_some_and(|t| t.elapsed() < agent.config.census_interval / 2);
-            if !recent {
+            if !(held || recent) {
                 self.census_now(agent.config.census_budget);
             }
         }

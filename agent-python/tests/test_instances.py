@@ -25,6 +25,11 @@ def env_for(collector, **extra):
     return e
 
 
+#: What `oomscope run` tells the processes it starts, here without one: an
+#: autostarted agent that lasts joins only under a supervisor (#28).
+SUPERVISED = {"OOMSCOPE_SUPERVISOR_AGENT": "supervisor-test-host-1-1"}
+
+
 def host_rss(pid):
     with open("/proc/%d/status" % pid) as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
@@ -44,8 +49,9 @@ def named(collector, name):
 
 
 def test_short_lived_helpers_reach_no_collector_and_a_lasting_process_does(collector, tmp_path):
+    """Under a supervisor (its environment), as a server's helpers are."""
     spool = str(tmp_path / "spool")
-    env = env_for(collector, OOMSCOPE_NAME="helper", OOMSCOPE_SPOOL=spool)
+    env = env_for(collector, OOMSCOPE_NAME="helper", OOMSCOPE_SPOOL=spool, **SUPERVISED)
     helpers = [subprocess.Popen([sys.executable, "-c", "pass" if i % 2 else "import time; time.sleep(0.3)"],
                                 env=env) for i in range(10)]
     assert [p.wait(60) for p in helpers] == [0] * 10
@@ -73,7 +79,8 @@ time.sleep(60)
 
 
 def sleeper(collector, name, setup="", **kw):
-    return subprocess.Popen([sys.executable, "-c", SLEEPER % setup], env=env_for(collector, OOMSCOPE_NAME=name),
+    return subprocess.Popen([sys.executable, "-c", SLEEPER % setup],
+                            env=env_for(collector, OOMSCOPE_NAME=name, **SUPERVISED),
                             stdout=subprocess.PIPE, text=True, **kw)
 
 
@@ -113,7 +120,8 @@ while oomscope.stats()["held"] or not oomscope.stats()["connected"]:
 print(oomscope.agent_id(), flush=True)
 %s
 """
-    procs = {name: subprocess.Popen([sys.executable, "-c", code % e[0]], env=env_for(collector, OOMSCOPE_NAME=name),
+    procs = {name: subprocess.Popen([sys.executable, "-c", code % e[0]],
+                                    env=env_for(collector, OOMSCOPE_NAME=name, **SUPERVISED),
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for name, e in ENDINGS.items()}
     ids = {name: p.stdout.readline().strip() for name, p in procs.items()}

@@ -30,13 +30,19 @@
 //! as dropped), and `flush` times out. Compare [`Reporter::pid`] with the
 //! current pid and start a new reporter (with a new agent id) in the child.
 //!
+//! A forked child never keeps the parent's connection open: it closes its
+//! copy of each socket the reporter opened right after the fork (`fork`),
+//! so a parent that dies is seen to go at once.
+//!
 //! This file is the handle the caller holds; `stream` is the worker thread
-//! (connect, stream, ack, reconnect with backoff), `ledger` what is unacked
-//! and what to resend, `fork` how a forked child is told from its parent.
+//! (connect, stream, ack, reconnect with backoff), `connector` its TCP
+//! connections, `ledger` what is unacked and what to resend, `fork` how a
+//! forked child is told from its parent and drops its connections.
 //! [`Reporter::start`] lives in [`crate::recovery`], a client of this
 //! module: besides starting a reporter it starts the delivery of dead
 //! agents' spools.
 
+mod connector;
 mod fork;
 #[cfg(test)]
 mod hold_tests;

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Endpoint;
 
+use super::connector::Connector;
 use super::ledger::{Ledger, Released};
 use super::{ReporterConfig, Shared};
 use crate::pb;
@@ -233,7 +234,6 @@ impl Worker {
         let endpoint = match Endpoint::from_shared(self.cfg.collector_url.clone()) {
             Ok(e) => e
                 .connect_timeout(self.cfg.connect_timeout)
-                .tcp_nodelay(true)
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(KEEPALIVE_TIMEOUT)
                 .keep_alive_while_idle(true),
@@ -246,7 +246,10 @@ impl Worker {
         };
         let timeout = self.cfg.connect_timeout;
         let channel = match self
-            .offline(inputs, tokio::time::timeout(timeout, endpoint.connect()))
+            .offline(
+                inputs,
+                tokio::time::timeout(timeout, endpoint.connect_with_connector(Connector)),
+            )
             .await
         {
             None => return SessionEnd::Stopped,

@@ -14,10 +14,13 @@ wheel installs ``oomscope-autostart.pth``, which starts the agent at
 interpreter start-up whenever ``OOMSCOPE_COLLECTOR`` is set (set
 ``OOMSCOPE_AUTOSTART=0`` to opt out). Every ``start()`` argument can also come
 from ``OOMSCOPE_<NAME>`` (``OOMSCOPE_NAME``, ``OOMSCOPE_INTERVAL_S``, ...).
-An autostarted agent stays silent (samples kept in memory) until its process
-has lived ``OOMSCOPE_HOLD_S`` (2 s), makes a request, hits an OOM or uses
-CUDA: the helpers a server starts come and go without appearing at the
-collector. An explicit ``start()`` or ``flush()`` ends the wait.
+An autostarted agent stays silent (samples kept in memory, a bounded queue)
+until its process makes a request, hits an OOM or uses CUDA, or, under
+``oomscope run`` only (``OOMSCOPE_SUPERVISOR_AGENT`` or ``OOMSCOPE_INSTANCE``
+set), has lived ``OOMSCOPE_HOLD_S`` (2 s): the helpers a server starts, and
+unrelated programs that share its environment (a load generator), come and
+go without appearing at the collector. An explicit ``start()`` or
+``flush()`` ends the wait.
 
 On SIGTERM the agent says Goodbye before the process dies (a handler the
 app installed before it is called instead, and one installed after it
@@ -45,7 +48,7 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
           census_every=None, census_interval_s=None, census_budget_s=None,
           history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None,
           census_auto=None, thread_nice=None, census_trim=None):
-    """Starts the agent (a second call does nothing and returns False).
+    """Starts the agent; returns whether this call started or changed one.
 
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
     defaults: interval_s 1.0, oom_wait_s 0.2, census_auto True (heap censuses
@@ -60,8 +63,17 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     (the agent's own threads run as SCHED_BATCH, so a waking one never
     preempts the server's threads; 19 lowers them further, but on a server
     that keeps every core busy its evidence then comes late).
-    A bad value raises ValueError here, never later. Called while an
-    autostarted agent runs, it returns False and ends that agent's hold.
+    A bad value raises ValueError here, never later, and changes nothing.
+
+    Called while the autostart's agent runs (``OOMSCOPE_COLLECTOR`` set), it
+    re-configures that agent with these settings (the environment fills the
+    rest, as for a first start) and ends its hold: the app's own call wins.
+    A still-held agent, which has said nothing yet, is replaced without a
+    trace by one started with these settings; a heard one takes a new name,
+    role, rank or model in a new Hello (same agent id), and for any other
+    setting says Goodbye ("reconfigured") and is followed by a new agent.
+    The same settings as the running agent's change nothing (False). Called
+    while an agent started by ``start()`` runs, it does nothing (False).
     """
     return _start(
         False, collector=collector, name=name, model=model, revision=revision,

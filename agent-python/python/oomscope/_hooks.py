@@ -19,6 +19,7 @@ from . import _native
 GC_EVENTS_PER_S = 10
 
 _installed = False
+_observer_attached = False
 _gc_start_ns = [0]
 _gc_window = [0.0, 0]
 
@@ -156,11 +157,14 @@ def report_if_oom(exc):
 
 
 def install_torch(history_max_entries=0):
-    """Called by the agent once torch has initialised CUDA."""
+    """Called by each agent once torch has initialised CUDA (a second one
+    after start() replaced the first attaches no second observer)."""
+    global _observer_attached
     import torch
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if attach is not None:
+    if attach is not None and not _observer_attached:
         attach(_on_oom_observer)
+        _observer_attached = True
     if history_max_entries:
         torch.cuda.memory._record_memory_history(max_entries=int(history_max_entries))
     cuda = torch.cuda

@@ -7,9 +7,10 @@ use crate::evidence::Evidence;
 use crate::failure;
 use crate::findings::Findings;
 use crate::fixes;
+use crate::members;
 use crate::pb;
 use crate::runway::RUNWAY_PREFIX;
-use crate::trigger;
+use crate::trigger::{self, Trigger};
 
 /// Domain, trigger, exit, cgroup, evidence, causes, fixes and capacity for
 /// one incident, or for one agent's timeline without one (a leak hunt: no
@@ -17,8 +18,27 @@ use crate::trigger;
 pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let f = Findings::gather(e);
     let mut verdict = decide(&f);
-    let causes = causes::analyze(&f, &verdict);
-    let trigger = trigger::decide(&f, &verdict);
+    let mut causes = causes::analyze(&f, &verdict);
+    let mut trigger = trigger::decide(&f, &verdict);
+    // The instance's other processes: a member's growth is a cause of its
+    // own, and the one that took the member the failure took leads.
+    let from_members = members::causes(&f, &causes);
+    if !from_members.is_empty() {
+        let kinds: Vec<String> = from_members.iter().map(|c| c.kind.clone()).collect();
+        causes.retain(|c| !kinds.contains(&c.kind));
+        causes.extend(from_members);
+        causes.sort_by(|a, b| b.confidence.total_cmp(&a.confidence));
+        // Trigger and causes never disagree: growth that stands as a cause
+        // is growth over repeated work.
+        let growth_leads = causes
+            .first()
+            .filter(|c| ["leak", "host_growth"].contains(&c.kind.as_str()));
+        if let Some(line) = growth_leads.and_then(members::trigger_line) {
+            if !matches!(trigger, Some((Trigger::RepeatedRequests, _))) {
+                trigger = Some((Trigger::RepeatedRequests, line));
+            }
+        }
+    }
     if let Some((t, line)) = &trigger {
         verdict
             .evidence

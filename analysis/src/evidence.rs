@@ -10,6 +10,10 @@ pub struct Evidence {
     pub samples: Vec<pb::Sample>,
     pub events: Vec<pb::Event>,
     pub incident: Option<IncidentRef>,
+    /// The instance's other processes that have an agent of their own, each
+    /// with its own messages over the same span (no incident, no members of
+    /// its own): a worker's heap census is in no other timeline.
+    pub members: Vec<Evidence>,
 }
 
 /// The incident being diagnosed, as the collector recorded it.

@@ -30,6 +30,7 @@ pub mod growth;
 mod json;
 mod kv_fit;
 mod kv_pool;
+mod members;
 mod memory_domain;
 pub mod runtime_text;
 pub mod runway;

@@ -574,6 +574,7 @@ fn thrashing_samples() -> Vec<pb::Sample> {
 #[test]
 fn swap_thrash_from_samples_without_a_death() {
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples: thrashing_samples(),
         events: vec![],
@@ -615,6 +616,7 @@ fn refaults_without_stall_are_not_thrash() {
         s.system.as_mut().unwrap().vmstat_pswpin = 0;
     }
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples,
         events: vec![],
@@ -824,6 +826,7 @@ fn device_oom_is_gpu_vram() {
         ..Default::default()
     };
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples: vec![s],
         events: vec![pb::Event {
@@ -884,6 +887,7 @@ fn lost_agent_with_quiet_samples_is_unknown_with_the_last_sample_time() {
         sample(T0 + 5 * SEC, levels, system(0, 10 * GIB)),
     ];
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples,
         events: vec![],
@@ -918,6 +922,7 @@ fn lost_agent_whose_samples_show_a_cgroup_oom() {
         ),
     ];
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples,
         events: vec![],

@@ -49,6 +49,7 @@ fn replay(requests: u64, per_request: u64) -> Evidence {
         samples.push(rss_sample(t + 100 * MS, baseline));
     }
     Evidence {
+        members: Vec::new(),
         hello: Some(pb::Hello {
             agent_id: "cpu".into(),
             name: "cpu".into(),

@@ -182,6 +182,7 @@ fn serve(s: Shape) -> Run {
 
 fn evidence(r: Run) -> Evidence {
     Evidence {
+        members: Vec::new(),
         hello: Some(pb::Hello {
             agent_id: "py-leaky".into(),
             name: "leaky".into(),

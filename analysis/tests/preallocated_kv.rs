@@ -125,6 +125,7 @@ fn startup_kill(hello: pb::Hello, limit: u64, usage_gib: &[f64]) -> Evidence {
         ..Default::default()
     };
     Evidence {
+        members: Vec::new(),
         hello: Some(hello),
         samples,
         events: vec![
@@ -445,6 +446,7 @@ fn activation_oom(command: &str) -> Evidence {
         ..Default::default()
     };
     Evidence {
+        members: Vec::new(),
         hello: Some(h),
         samples: vec![
             sample(0, 70 * GIB, 0, 0),
@@ -555,6 +557,7 @@ fn memory_another_process_took_after_the_pool_was_sized_is_named() {
         ..Default::default()
     });
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(h),
         samples: vec![
             sample(0, 20 * GIB, 0),
@@ -627,6 +630,7 @@ fn pool_server(command: &str, readings: &[(f64, u64, u64, f64)]) -> Evidence {
         }
     };
     Evidence {
+        members: Vec::new(),
         hello: Some(h),
         samples: readings
             .iter()
@@ -852,6 +856,7 @@ fn host_memory_taken_after_the_pool_was_sized_proposes_a_smaller_pool() {
         ..Default::default()
     };
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(vllm_supervisor(
             "vllm serve /models/llama",
             &[("VLLM_CPU_KVCACHE_SPACE", "4")],

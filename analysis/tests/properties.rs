@@ -80,6 +80,7 @@ fn serving(seed: u64, requests: u64, limit: u64, leak: f64) -> Evidence {
         samples.push(sample(t, after_request(i), live, peak, reserved as u64));
     }
     Evidence {
+        members: Vec::new(),
         hello: Some(hello(limit)),
         samples,
         events: Vec::new(),
@@ -149,6 +150,7 @@ fn kv_batch(seed: u64, cap: u64, bpt: u64, context: u64) -> Evidence {
     let mut h = hello(140 * GIB);
     h.gpus[0].cap_bytes = cap;
     Evidence {
+        members: Vec::new(),
         hello: Some(h),
         samples,
         events: vec![pb::Event {

@@ -26,6 +26,7 @@ fn lost_server(hello: pb::Hello) -> Evidence {
         })
         .collect();
     Evidence {
+        members: Vec::new(),
         hello: Some(hello),
         samples,
         events: vec![],

@@ -113,6 +113,7 @@ fn a_leak_names_the_retained_python_type_from_the_heap_census() {
         .map(|i| between(i, GIB + 8 * MIB * i, GIB))
         .collect();
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples,
         events: vec![census(500_000_000, 0, 100), census(20_500_000_000, 20, 140)],
@@ -144,6 +145,7 @@ fn growth_that_a_gc_collection_event_frees_is_gc_retained() {
         .collect();
     samples.push(between(21, GIB, GIB));
     let e = Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples,
         events: vec![pb::Event {

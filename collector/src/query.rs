@@ -7,7 +7,6 @@
 //! process tree joined to them, and every member's events and incidents.
 
 use anyhow::Result;
-use oomscope_analysis::runway::RUNWAY_PREFIX;
 use tonic::{Request, Response, Status};
 
 use crate::pb;
@@ -228,16 +227,26 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
         )
     });
     history.samples.splice(0..0, older);
-    let mut diagnosis = diagnose(&history.into_evidence(incident.as_ref().map(incident_ref)))?;
+    let mut evidence = history.into_evidence(incident.as_ref().map(incident_ref));
+    // The instance's other processes with an agent of their own, for the
+    // analysis to judge (a worker's leak is in no other timeline).
+    let instance = match &target {
+        Some(Target::Instance(inst)) if incident.is_none() => Some(inst.clone()),
+        _ => match store.instance_of(&agent_id).map_err(internal)? {
+            Some(id) => store.instance(&id).map_err(internal)?,
+            None => None,
+        },
+    };
+    if let Some(inst) = &instance {
+        evidence.members = member_evidence(store, inst, &agent_id, from_ns, to_ns)?;
+    }
+    let mut diagnosis = diagnose(&evidence)?;
     if window_from > from_ns {
         diagnosis.evidence.push(format!(
             "read the newest {DIAGNOSE_MAX_SAMPLES} samples in full, from {}{} (every one is in `oomscope timeline`)",
             oomscope_analysis::units::time(window_from),
             older_note.unwrap_or_default()
         ));
-    }
-    if let (None, Some(Target::Instance(inst))) = (&incident, &target) {
-        add_member_causes(store, inst, &agent_id, req, &mut diagnosis)?;
     }
     if diagnosis.agent.is_none() {
         diagnosis.agent = Some(agent_id);
@@ -269,98 +278,27 @@ fn with_parts(store: &Store, roots: Vec<pb::Incident>) -> Result<Vec<pb::Inciden
         .collect()
 }
 
-/// Causes found in one process's heap that an instance's main timeline
-/// cannot show: the heap censuses are the serving process's own (a vLLM API
-/// server's), and no other member's timeline holds them.
-const MEMBER_HEAP_CAUSES: &[&str] = &["leak", "gc_retained"];
-
-/// A leak hunt on an instance reads its main agent's timeline (the process
-/// with the allocator's view, else the supervisor); each other in-process
-/// member is diagnosed on its own too, and a heap cause found there that
-/// the instance's diagnosis lacks is added, saying which member it is in.
-fn add_member_causes(
+/// Each other member of `inst` with an agent of its own (not the
+/// supervisor, whose tree `main`'s samples carry, nor a probe), as its own
+/// evidence over the same span: its newest [`DIAGNOSE_MAX_SAMPLES`].
+fn member_evidence(
     store: &Store,
     inst: &Instance,
     main: &str,
-    req: &pb::DiagnoseRequest,
-    diagnosis: &mut pb::Diagnosis,
-) -> Result<(), Status> {
-    let mut added = false;
-    let mut member_fixes = Vec::new();
-    for m in inst
-        .members
-        .iter()
-        .filter(|m| m.agent_id != main && m.role != "supervisor")
-    {
-        let own = diagnose_request(
-            store,
-            &pb::DiagnoseRequest {
-                agent: m.agent_id.clone(),
-                from_ns: req.from_ns,
-                to_ns: req.to_ns,
-                ..Default::default()
-            },
-        )?;
-        let mut from_this = false;
-        for mut cause in own.causes {
-            if !MEMBER_HEAP_CAUSES.contains(&cause.kind.as_str())
-                || diagnosis.causes.iter().any(|c| c.kind == cause.kind)
-            {
-                continue;
-            }
-            // After the runway, which stays first.
-            let at = usize::from(
-                cause
-                    .evidence
-                    .first()
-                    .is_some_and(|e| e.starts_with(RUNWAY_PREFIX)),
-            );
-            cause.evidence.insert(
-                at,
-                format!(
-                    "in the {} (agent {}): its heap censuses",
-                    m.role, m.agent_id
-                ),
-            );
-            diagnosis.causes.push(cause);
-            from_this = true;
-        }
-        if from_this {
-            added = true;
-            for fix in own.fixes {
-                if !diagnosis.fixes.iter().any(|f| f.action == fix.action) {
-                    member_fixes.push(fix);
-                }
-            }
-            if diagnosis.trigger.is_none() {
-                diagnosis.trigger = own.trigger;
-            }
-        }
+    from_ns: i64,
+    to_ns: i64,
+) -> Result<Vec<oomscope_analysis::Evidence>, Status> {
+    let mut out = Vec::new();
+    for m in inst.members.iter().filter(|m| {
+        m.agent_id != main && m.role != "supervisor" && m.role != oomscope_proto::PROBE_ROLE
+    }) {
+        let from = store
+            .window_start(&m.agent_id, from_ns, to_ns, DIAGNOSE_MAX_SAMPLES)
+            .map_err(internal)?;
+        let history = store.history(&m.agent_id, from, to_ns).map_err(internal)?;
+        out.push(history.into_evidence(None));
     }
-    if added {
-        let top = diagnosis.causes.first().map(|c| c.confidence);
-        diagnosis
-            .causes
-            .sort_by(|a, b| b.confidence.total_cmp(&a.confidence));
-        // A member's cause that now leads brings its fixes first.
-        let leads = top.is_none_or(|t| diagnosis.causes[0].confidence > t);
-        let at = if leads { 0 } else { diagnosis.fixes.len() };
-        diagnosis.fixes.splice(at..at, member_fixes);
-        // The first cause's runway heads the evidence, as for one process
-        // (`analysis::diagnose`): in place of the main timeline's, if any.
-        if let Some(runway) = diagnosis
-            .causes
-            .first()
-            .and_then(|c| c.evidence.first())
-            .filter(|e| e.starts_with(RUNWAY_PREFIX))
-        {
-            match diagnosis.evidence.first_mut() {
-                Some(first) if first.starts_with(RUNWAY_PREFIX) => first.clone_from(runway),
-                _ => diagnosis.evidence.insert(0, runway.clone()),
-            }
-        }
-    }
-    Ok(())
+    Ok(out)
 }
 
 /// How long after the kernel's record of a kill (or a member's death) the

@@ -154,6 +154,7 @@ class OomscopeStatLogger(_base()):
         self._ok = True
         self._last = 0.0
         self._preemptions = 0
+        self._steps = 0
         self._peak_usage = 0.0  # since the last record
         self._peak_waiting = 0
         self._engine = engine_index
@@ -203,6 +204,9 @@ class OomscopeStatLogger(_base()):
         # rather than recording zeros as if they were measured.
         finished = []
         if it is not None:
+            # One record with iteration stats per engine step: the count is
+            # what a worker's growth per model step is measured against.
+            self._steps += 1
             self._preemptions += int(it.num_preempted_reqs or 0)
             finished = list(it.finished_requests or [])
         now = time.monotonic()
@@ -223,6 +227,7 @@ class OomscopeStatLogger(_base()):
                 "queued": waiting,
                 "kv_cache_usage": usage,
                 "preemptions": self._preemptions,
+                "engine_steps": self._steps,
             }
             if self._pool_bytes:
                 context["kv_cache_bytes"] = int(usage * self._pool_bytes)

@@ -152,6 +152,7 @@ pub fn incident(kind: &str, time_ns: i64) -> Option<IncidentRef> {
 pub fn supervised(event: pb::Event, kind: &str) -> Evidence {
     let t = event.time_ns;
     Evidence {
+        members: Vec::new(),
         hello: Some(hello()),
         samples: vec![],
         events: vec![event],

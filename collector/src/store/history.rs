@@ -57,6 +57,7 @@ impl AgentHistory {
             samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
             events: self.events.into_iter().filter_map(|e| e.event).collect(),
             incident,
+            members: Vec::new(),
         }
     }
 }

@@ -27,6 +27,7 @@ mod failure;
 mod findings;
 mod fixes;
 pub mod growth;
+pub mod join;
 mod json;
 mod kv_fit;
 mod kv_pool;

@@ -19,10 +19,11 @@ fn events(t: &pb::TimelineResponse) -> impl Iterator<Item = &pb::event::Kind> {
         .filter_map(|e| e.event.as_ref()?.kind.as_ref())
 }
 
+/// The end of the child `oomscope run` started (not another process of its tree).
 fn child_exit(t: &pb::TimelineResponse) -> pb::ChildExit {
     events(t)
         .find_map(|k| match k {
-            pb::event::Kind::ChildExit(c) => Some(c.clone()),
+            pb::event::Kind::ChildExit(c) if !c.member => Some(c.clone()),
             _ => None,
         })
         .unwrap_or_else(|| panic!("no ChildExit: {t:#?}"))
@@ -168,7 +169,7 @@ fn the_kernels_record_names_the_grandchild_it_killed() {
         .position(|e| {
             matches!(
                 e.event.as_ref().and_then(|e| e.kind.as_ref()),
-                Some(pb::event::Kind::ChildExit(_))
+                Some(pb::event::Kind::ChildExit(x)) if !x.member
             )
         })
         .expect("ChildExit");

@@ -313,7 +313,7 @@ pub fn instance_stopping(store: &Store, supervisor: &str, time_ns: i64) -> Resul
 /// stop signal that `oomscope run` passed on (or, for another process of
 /// the tree, by a stop signal).
 pub fn is_clean_end(exit: &pb::ChildExit) -> bool {
-    let stopped_by_signal = exit.member && exit.signal.is_some_and(|s| [1, 2, 15].contains(&s));
+    let stopped_by_signal = exit.member && exit.signal.is_some_and(|s| [1, 2, 13, 15].contains(&s));
     !exit.crash_loop
         && (exit.exit_code == Some(0) || exit.stop_signal.is_some() || stopped_by_signal)
 }

@@ -258,8 +258,9 @@ fn kernel_kill_summary(k: &pb::KernelOomKill) -> String {
     )
 }
 
-/// Stop signals (SIGHUP, SIGINT, SIGTERM): how a server stops its workers.
-const STOP_SIGNALS: [i32; 3] = [1, 2, 15];
+/// Stop signals (SIGHUP, SIGINT, SIGTERM): how a server stops its workers;
+/// and SIGPIPE, a pipe whose reader went first.
+const STOP_SIGNALS: [i32; 4] = [1, 2, 13, 15];
 
 fn member_summary(exit: &pb::ChildExit) -> String {
     let how = match (exit.signal, exit.exit_code) {

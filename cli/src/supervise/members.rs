@@ -12,10 +12,9 @@
 //! - without either, a member that left the tree and /proc is "vanished",
 //!   with no status (a container without CAP_NET_ADMIN).
 //!
-//! Each end is sent as a `ChildExit` with `member` set. Ends that are no
-//! failure (exit 0, a stop signal) are sent only for members a full tree
-//! reading listed, so that a server forking a short-lived helper per
-//! request sends nothing for them; failures are sent within a budget.
+//! Each end is sent as a `ChildExit` with `member` set, for members a full
+//! tree reading listed (so a server forking a short-lived helper per request
+//! sends nothing for them), within a budget.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -31,12 +30,14 @@ use super::event;
 /// The Hello label that says how members' ends are read: "process events",
 /// or "reaped orphans only: <why>".
 pub const MEMBER_EXITS_LABEL: &str = "member_exits";
-/// The most failed member ends sent per minute: a server whose helpers fail
-/// in a loop must not flood the collector (each one may be an incident).
-pub const MEMBER_FAILURES_PER_MINUTE: u32 = 60;
-/// Stop signals: how servers stop their own workers. A member ended by one
-/// is recorded, never a failure by itself.
-const STOP_SIGNALS: [i32; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+/// The most member ends sent per minute, failed ones and others each: a
+/// server whose helpers end in a loop must not flood the collector (a
+/// failed end may be an incident).
+pub const MEMBER_ENDS_PER_MINUTE: u32 = 60;
+/// Stop signals: how servers stop their own workers (and SIGPIPE: its
+/// reader went first). A member ended by one is recorded, never a failure
+/// by itself.
+const STOP_SIGNALS: [i32; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGPIPE];
 /// The most processes the survivors' message names.
 const SURVIVORS_NAMED: usize = 8;
 
@@ -59,9 +60,10 @@ pub(super) struct Members {
     no_events: Option<String>,
     /// Members whose end was sent (or judged not worth sending).
     reported: HashSet<u32>,
-    /// Failures left to send in the current minute.
-    budget: u32,
-    budget_since: Instant,
+    /// Failed ends, and the others, left to send this minute: apart, so
+    /// that helpers ending well in a loop never crowd out a death.
+    failures: Budget,
+    ends: Budget,
     me: u32,
 }
 
@@ -92,8 +94,8 @@ impl Members {
             events,
             no_events,
             reported: HashSet::new(),
-            budget: MEMBER_FAILURES_PER_MINUTE,
-            budget_since: Instant::now(),
+            failures: Budget::new(),
+            ends: Budget::new(),
             me: std::process::id(),
         }
     }
@@ -183,19 +185,28 @@ impl Members {
         if !self.reported.insert(pid) {
             return;
         }
-        let listed = tree.last_listed(pid);
+        // Only members a full reading listed (that lived a sample interval):
+        // servers run short-lived helpers that fail as a matter of course
+        // (`ctypes.util.find_library` runs `ldconfig`, a probe runs a
+        // command), and a process the OOM killer takes within milliseconds
+        // of its start has the kernel's record of its kill instead.
+        let Some(listed) = tree.last_listed(pid) else {
+            return;
+        };
         let failed = is_failure(status);
-        if !failed && listed.is_none() {
-            return; // a short-lived helper that ended well
-        }
-        if failed && !self.take_budget() {
+        let budget = match failed {
+            true => &mut self.failures,
+            false => &mut self.ends,
+        };
+        if !budget.take() {
             tracing::warn!(
                 pid,
-                "member failures over {MEMBER_FAILURES_PER_MINUTE}/min: not sent"
+                failed,
+                "member ends over {MEMBER_ENDS_PER_MINUTE}/min: not sent"
             );
             return;
         }
-        let info = listed.cloned().unwrap_or_default();
+        let info = listed.clone();
         let (exit_code, signal, core_dumped) = status.unwrap_or((None, None, false));
         let exit = pb::ChildExit {
             pid,
@@ -216,16 +227,6 @@ impl Members {
         reporter.send_event(event(pb::event::Kind::ChildExit(exit)));
     }
 
-    fn take_budget(&mut self) -> bool {
-        if self.budget_since.elapsed() >= Duration::from_secs(60) {
-            self.budget = MEMBER_FAILURES_PER_MINUTE;
-            self.budget_since = Instant::now();
-        }
-        let ok = self.budget > 0;
-        self.budget = self.budget.saturating_sub(1);
-        ok
-    }
-
     /// The processes of the tree still alive besides the supervisor (its
     /// child excluded, which has ended): orphans it adopted and theirs.
     pub fn survivors(&self, paths: &HostPaths) -> Vec<pb::ProcessInfo> {
@@ -234,6 +235,30 @@ impl Members {
             .filter(|&p| p != self.me)
             .filter_map(|p| describe(paths, p))
             .collect()
+    }
+}
+
+/// Ends left to send in the current minute.
+struct Budget {
+    left: u32,
+    since: Instant,
+}
+
+impl Budget {
+    fn new() -> Budget {
+        Budget {
+            left: MEMBER_ENDS_PER_MINUTE,
+            since: Instant::now(),
+        }
+    }
+
+    fn take(&mut self) -> bool {
+        if self.since.elapsed() >= Duration::from_secs(60) {
+            *self = Budget::new();
+        }
+        let ok = self.left > 0;
+        self.left = self.left.saturating_sub(1);
+        ok
     }
 }
 

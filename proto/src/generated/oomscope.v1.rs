@@ -1096,9 +1096,9 @@ pub struct ChildExit {
     pub command: ::prost::alloc::string::String,
     /// How a member's status was read: "reaped" (an orphan `oomscope run`
     /// reaped as the tree's child subreaper), "proc_events" (the kernel's
-    /// process events connector), "zombie" (/proc/<pid>/stat before its parent
-    /// reaped it), or "vanished" (gone between two readings: no status, so
-    /// exit_code and signal are unset).
+    /// process events connector), or "vanished" (gone between two readings:
+    /// no status, so exit_code and signal are unset). Sent only for processes
+    /// a tree reading listed.
     #[prost(string, tag = "17")]
     pub status_from: ::prost::alloc::string::String,
 }

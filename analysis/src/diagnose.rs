@@ -39,6 +39,17 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
             }
         }
     }
+    if e.ended && !verdict.failed {
+        causes.iter_mut().for_each(members::strip_runway);
+        if causes
+            .iter()
+            .any(|c| ["leak", "host_growth"].contains(&c.kind.as_str()))
+        {
+            verdict
+                .evidence
+                .push("the process has ended: its growth has no runway left".to_string());
+        }
+    }
     if let Some((t, line)) = &trigger {
         verdict
             .evidence

@@ -197,9 +197,7 @@ pub fn causes(f: &Findings, own: &[pb::Cause]) -> Vec<pb::Cause> {
         {
             let name = who(&hello.title, Some(&hello.role), hello.pid);
             if died {
-                c.evidence
-                    .retain(|l| !l.starts_with(RUNWAY_PREFIX) && l != RUNWAY_UNKNOWN);
-                c.metrics.retain(|k, _| !is_runway_metric(k));
+                strip_runway(&mut c);
                 c.evidence.insert(
                     0,
                     format!(
@@ -288,6 +286,14 @@ pub fn causes(f: &Findings, own: &[pb::Cause]) -> Vec<pb::Cause> {
             .any(|o| o.kind == c.kind && o.confidence >= c.confidence)
     });
     out
+}
+
+/// A cause of a process that has ended, without its runway: only a live
+/// process has time left.
+pub fn strip_runway(c: &mut pb::Cause) {
+    c.evidence
+        .retain(|l| !l.starts_with(RUNWAY_PREFIX) && l != RUNWAY_UNKNOWN);
+    c.metrics.retain(|k, _| !is_runway_metric(k));
 }
 
 fn is_runway_metric(k: &str) -> bool {

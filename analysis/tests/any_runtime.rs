@@ -371,6 +371,7 @@ fn no_swap_samples(refault_file_per_s: u64, psi: Option<f64>) -> Vec<pb::Sample>
 fn quiet_window(samples: Vec<pb::Sample>) -> Evidence {
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples,
         events: vec![],

@@ -575,6 +575,7 @@ fn thrashing_samples() -> Vec<pb::Sample> {
 fn swap_thrash_from_samples_without_a_death() {
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples: thrashing_samples(),
         events: vec![],
@@ -617,6 +618,7 @@ fn refaults_without_stall_are_not_thrash() {
     }
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples,
         events: vec![],
@@ -827,6 +829,7 @@ fn device_oom_is_gpu_vram() {
     };
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples: vec![s],
         events: vec![pb::Event {
@@ -888,6 +891,7 @@ fn lost_agent_with_quiet_samples_is_unknown_with_the_last_sample_time() {
     ];
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples,
         events: vec![],
@@ -923,6 +927,7 @@ fn lost_agent_whose_samples_show_a_cgroup_oom() {
     ];
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples,
         events: vec![],

@@ -50,6 +50,7 @@ fn replay(requests: u64, per_request: u64) -> Evidence {
     }
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(pb::Hello {
             agent_id: "cpu".into(),
             name: "cpu".into(),

@@ -183,6 +183,7 @@ fn serve(s: Shape) -> Run {
 fn evidence(r: Run) -> Evidence {
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(pb::Hello {
             agent_id: "py-leaky".into(),
             name: "leaky".into(),

@@ -225,3 +225,30 @@ fn the_victims_own_agent_names_its_growth_without_a_runway() {
         .iter()
         .any(|l| l.contains("in the worker VLLM::Worker (pid 5000)")));
 }
+
+#[test]
+fn a_process_that_has_ended_has_no_runway() {
+    let live = diagnose(&worker_agent(2 * MIB));
+    let c = &live.causes[0];
+    assert_eq!(c.kind, "host_growth", "{:#?}", live.causes);
+    assert!(
+        c.evidence.iter().any(|l| l.starts_with("runway")),
+        "{:#?}",
+        c.evidence
+    );
+
+    let mut e = worker_agent(2 * MIB);
+    e.ended = true;
+    let d = diagnose(&e);
+    let c = &d.causes[0];
+    assert_eq!(c.kind, "host_growth");
+    assert!(
+        c.evidence.iter().all(|l| !l.starts_with("runway")),
+        "{:#?}",
+        c.evidence
+    );
+    assert!(d
+        .evidence
+        .iter()
+        .any(|l| l == "the process has ended: its growth has no runway left"));
+}

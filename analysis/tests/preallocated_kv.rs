@@ -126,6 +126,7 @@ fn startup_kill(hello: pb::Hello, limit: u64, usage_gib: &[f64]) -> Evidence {
     };
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello),
         samples,
         events: vec![
@@ -447,6 +448,7 @@ fn activation_oom(command: &str) -> Evidence {
     };
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(h),
         samples: vec![
             sample(0, 70 * GIB, 0, 0),
@@ -558,6 +560,7 @@ fn memory_another_process_took_after_the_pool_was_sized_is_named() {
     });
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(h),
         samples: vec![
             sample(0, 20 * GIB, 0),
@@ -631,6 +634,7 @@ fn pool_server(command: &str, readings: &[(f64, u64, u64, f64)]) -> Evidence {
     };
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(h),
         samples: readings
             .iter()
@@ -857,6 +861,7 @@ fn host_memory_taken_after_the_pool_was_sized_proposes_a_smaller_pool() {
     };
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(vllm_supervisor(
             "vllm serve /models/llama",
             &[("VLLM_CPU_KVCACHE_SPACE", "4")],

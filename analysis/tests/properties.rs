@@ -81,6 +81,7 @@ fn serving(seed: u64, requests: u64, limit: u64, leak: f64) -> Evidence {
     }
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello(limit)),
         samples,
         events: Vec::new(),
@@ -151,6 +152,7 @@ fn kv_batch(seed: u64, cap: u64, bpt: u64, context: u64) -> Evidence {
     h.gpus[0].cap_bytes = cap;
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(h),
         samples,
         events: vec![pb::Event {

@@ -27,6 +27,7 @@ fn lost_server(hello: pb::Hello) -> Evidence {
         .collect();
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello),
         samples,
         events: vec![],

@@ -114,6 +114,7 @@ fn a_leak_names_the_retained_python_type_from_the_heap_census() {
         .collect();
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples,
         events: vec![census(500_000_000, 0, 100), census(20_500_000_000, 20, 140)],
@@ -146,6 +147,7 @@ fn growth_that_a_gc_collection_event_frees_is_gc_retained() {
     samples.push(between(21, GIB, GIB));
     let e = Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples,
         events: vec![pb::Event {

@@ -229,6 +229,10 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     });
     history.samples.splice(0..0, older);
     let mut evidence = history.into_evidence(incident.as_ref().map(incident_ref));
+    evidence.ended = matches!(
+        store.state(&agent_id).map_err(internal)?.as_deref(),
+        Some("lost" | "disconnected" | "ended")
+    );
     // The instance's other processes with an agent of their own, for the
     // analysis to judge (a worker's leak is in no other timeline).
     let instance = match &target {

@@ -153,6 +153,7 @@ pub fn supervised(event: pb::Event, kind: &str) -> Evidence {
     let t = event.time_ns;
     Evidence {
         members: Vec::new(),
+        ended: false,
         hello: Some(hello()),
         samples: vec![],
         events: vec![event],

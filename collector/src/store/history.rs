@@ -58,6 +58,7 @@ impl AgentHistory {
             events: self.events.into_iter().filter_map(|e| e.event).collect(),
             incident,
             members: Vec::new(),
+            ended: false,
         }
     }
 }

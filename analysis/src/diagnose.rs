@@ -103,7 +103,9 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         fixes,
         capacity_json,
         evidence: verdict.evidence,
-        exit: f.exit.map(|(_, x)| pb::ExitStatus {
+        // What ended the instance: the main process's end, also when the
+        // failure took another process (that one's is the victim's).
+        exit: main_exit(&f).map(|x| pb::ExitStatus {
             code: x.exit_code,
             signal: x.signal,
         }),
@@ -182,9 +184,32 @@ fn victim(f: &Findings) -> Option<pb::Victim> {
         .or_else(|| known.map(|p| p.title.clone()).filter(|t| !t.is_empty()))
         .or_else(|| (pid == hello.pid).then(|| hello.title.clone()))
         .unwrap_or_default();
+    let status = f
+        .evidence
+        .events
+        .iter()
+        .find_map(|ev| match &ev.kind {
+            Some(pb::event::Kind::ChildExit(x)) if x.member && x.pid == pid => Some(x),
+            _ => None,
+        })
+        .map(|x| pb::ExitStatus {
+            code: x.exit_code,
+            signal: x.signal,
+        });
     Some(pb::Victim {
         pid,
         command,
         title,
+        status,
     })
+}
+
+/// The end of the instance's main process: the death's own where it is
+/// the main process's, else the main process's end after the death.
+fn main_exit<'a>(f: &Findings<'a>) -> Option<&'a pb::ChildExit> {
+    let (t, x) = f.exit?;
+    if !x.member {
+        return Some(x);
+    }
+    f.evidence.main_exit_after(t).map(|(_, m)| m)
 }

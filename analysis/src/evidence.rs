@@ -14,8 +14,8 @@ pub struct Evidence {
     /// with its own messages over the same span (no incident, no members of
     /// its own): a worker's heap census is in no other timeline.
     pub members: Vec<Evidence>,
-    /// The process has ended (its agent was lost, or said Goodbye): a
-    /// growth it showed has no runway left to state.
+    /// The process died (its agent was lost: no Goodbye): a growth it
+    /// showed has no runway left to state.
     pub ended: bool,
 }
 

@@ -32,6 +32,7 @@ pub fn to_json(d: &pb::Diagnosis) -> Value {
             "pid": v.pid,
             "command": v.command,
             "title": v.title,
+            "status": v.status.map(|s| json!({"code": s.code, "signal": s.signal})),
         })),
         "kernel_report": d.kernel_report.as_ref().map(|k| json!({
             "pid": k.pid,

@@ -113,8 +113,10 @@ fn check_top_level(j: &Value) {
     }
     if !j["victim"].is_null() {
         let v = j["victim"].as_object().unwrap();
-        assert_eq!(v.len(), 3);
+        assert_eq!(v.len(), 4);
         assert!(j["victim"]["pid"].is_u64());
+        let status = &j["victim"]["status"];
+        assert!(status.is_null() || status.as_object().unwrap().len() == 2);
         assert!(j["victim"]["command"].is_string() && j["victim"]["title"].is_string());
     }
     if !j["kernel_report"].is_null() {

@@ -124,7 +124,18 @@ fn a_member_killed_by_sigkill_is_one_incident_that_stays_after_the_main_process_
     assert_eq!(d["domain"], "external_kill");
     assert_eq!(d["victim"]["pid"], member);
     assert_eq!(d["victim"]["title"], "sleep");
-    assert_eq!(d["exit"]["signal"], 9, "the member's end: {d:#}");
+    assert_eq!(
+        d["victim"]["status"]["signal"], 9,
+        "the member's end: {d:#}"
+    );
+    assert_eq!(d["exit"]["code"], 0, "the main process's end: {d:#}");
+    let text = col.text(&["diagnose"]);
+    assert!(
+        text.contains(&format!(
+            "Exit: member pid {member} (sleep) was killed by signal 9 (SIGKILL), then the main process exited with code 0"
+        )),
+        "{text}"
+    );
     let evidence: Vec<&str> = d["evidence"]
         .as_array()
         .unwrap()

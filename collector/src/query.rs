@@ -231,7 +231,7 @@ pub fn diagnose_request(store: &Store, req: &pb::DiagnoseRequest) -> Result<pb::
     let mut evidence = history.into_evidence(incident.as_ref().map(incident_ref));
     evidence.ended = matches!(
         store.state(&agent_id).map_err(internal)?.as_deref(),
-        Some("lost" | "disconnected" | "ended")
+        Some("lost")
     );
     // The instance's other processes with an agent of their own, for the
     // analysis to judge (a worker's leak is in no other timeline).

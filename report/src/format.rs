@@ -568,7 +568,31 @@ pub fn exit_line(d: &pb::Diagnosis) -> Option<String> {
         _ => None,
     });
     let Some(k) = &d.kernel_report else {
-        return status;
+        // Another process of the instance died first: it, then the main one.
+        let Some((v, s)) = d.victim.as_ref().and_then(|v| Some((v, v.status?))) else {
+            return status;
+        };
+        let how = match (s.code, s.signal) {
+            (_, Some(sig)) => format!(
+                "was killed by signal {sig} ({})",
+                oomscope_analysis::units::signal_name(sig)
+            ),
+            (Some(c), _) => format!("exited with code {c}"),
+            _ => "ended".to_string(),
+        };
+        let title = match v.title.is_empty() {
+            true => String::new(),
+            false => format!(" ({})", v.title),
+        };
+        let then = match d.exit.map(|e| (e.code, e.signal)) {
+            Some((_, Some(sig))) => format!(
+                ", then the main process was killed by signal {sig} ({})",
+                oomscope_analysis::units::signal_name(sig)
+            ),
+            Some((Some(c), None)) => format!(", then the main process exited with code {c}"),
+            _ => String::new(),
+        };
+        return Some(format!("member pid {}{title} {how}{then}", v.pid));
     };
     let killed = if k.command.is_empty() {
         format!("the kernel killed pid {} for memory", k.pid)

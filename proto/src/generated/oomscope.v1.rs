@@ -1677,6 +1677,10 @@ pub struct Victim {
     /// Its process title (/proc/<pid>/comm, the kernel's `task=`), e.g. "VLLM::Worker".
     #[prost(string, tag = "3")]
     pub title: ::prost::alloc::string::String,
+    /// How it ended, where it is another process of the instance than the
+    /// main one (whose end is `Diagnosis.exit`), as `oomscope run` read it.
+    #[prost(message, optional, tag = "4")]
+    pub status: ::core::option::Option<ExitStatus>,
 }
 /// One failure as the evidence recorded it: when, what was asked, at which
 /// load, and the allocator then. The report and `compare` read it as is.

@@ -18,6 +18,7 @@
 //! a member that died has no runway: only a live process has time left.
 
 use crate::causes::cause;
+use crate::causes::host_growth::CGROUP_SERIES_METRIC;
 use crate::evidence::Evidence;
 use crate::findings::Findings;
 use crate::growth::{self, Trend};
@@ -190,11 +191,12 @@ pub fn causes(f: &Findings, own: &[pb::Cause]) -> Vec<pb::Cause> {
         };
         let theirs = crate::diagnose(m);
         let died = victim == Some(hello.pid);
-        for mut c in theirs
-            .causes
-            .into_iter()
-            .filter(|c| MEMBER_GROWTH_KINDS.contains(&c.kind.as_str()))
-        {
+        // A growth of the cgroup's usage is the instance's, whichever
+        // member's agent read it: the main timeline judges it.
+        for mut c in theirs.causes.into_iter().filter(|c| {
+            MEMBER_GROWTH_KINDS.contains(&c.kind.as_str())
+                && !c.metrics.contains_key(CGROUP_SERIES_METRIC)
+        }) {
             let name = who(&hello.title, Some(&hello.role), hello.pid);
             if died {
                 strip_runway(&mut c);

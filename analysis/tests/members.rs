@@ -252,3 +252,43 @@ fn a_process_that_has_ended_has_no_runway() {
         .iter()
         .any(|l| l == "the process has ended: its growth has no runway left"));
 }
+
+/// A member's agent whose own RSS is flat while its cgroup's usage rises
+/// (another process of the instance grows): its verdict reads the shared
+/// cgroup's growth, which is not this member's to carry.
+#[test]
+fn a_members_reading_of_the_shared_cgroup_is_not_its_growth() {
+    let mut api = worker_agent(0);
+    {
+        let h = api.hello.as_mut().unwrap();
+        h.pid = 5000;
+        h.role = "api_server".into();
+    }
+    for (i, s) in api.samples.iter_mut().enumerate() {
+        let usage = GIB + i as u64 * 48 * MIB;
+        s.cgroup = vec![v2(OWN, 5 * GIB, usage, usage, V2Events::default())];
+    }
+    let own = diagnose(&api);
+    let c = own
+        .causes
+        .iter()
+        .find(|c| c.kind == "host_growth")
+        .unwrap_or_else(|| {
+            panic!(
+                "its own verdict reads the cgroup's growth: {:#?}",
+                own.causes
+            )
+        });
+    assert_eq!(c.metrics["measured_on_cgroup_usage"], 1.0);
+
+    let mut e = killed_worker_with_tree(3 * MIB);
+    e.members.push(api);
+    let d = diagnose(&e);
+    let growth: Vec<f64> = d
+        .causes
+        .iter()
+        .filter(|c| c.kind == "host_growth")
+        .map(|c| c.metrics["member_pid"])
+        .collect();
+    assert_eq!(growth, [f64::from(WORKER_PID)], "{:#?}", d.causes);
+}

@@ -12,7 +12,8 @@
 use anyhow::Result;
 
 use crate::kinds::{
-    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, MEMBER_DIED, SIGNAL,
+    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, MEMBER_DIED,
+    MEMBER_FAILED, SIGNAL,
 };
 use crate::pb;
 use crate::store::Store;
@@ -39,6 +40,10 @@ pub fn strength(kind: &str) -> u8 {
         KERNEL_OOM_KILL => 5,
         SIGNAL | MEMBER_DIED => 4,
         EXIT_OOM_TEXT => 3,
+        // A member that gave up with a code says less than the text another
+        // process printed about why (vLLM's engine exits 1, its API server
+        // prints the KV cache's "Available memory ... less than requested").
+        MEMBER_FAILED => 2,
         CRASH_LOOP => 2,
         MASS_DISCONNECT | AGENT_LOST => 1,
         _ => 0,

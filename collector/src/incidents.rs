@@ -39,15 +39,12 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
         // after its engine died is a consequence, not a clean stop). A stop
         // signal is how servers stop their own workers: no failure.
         EventKind::ChildExit(exit) if exit.member => {
-            let failed = match (exit.signal, exit.exit_code) {
-                (Some(sig), _) => !STOP_SIGNALS.contains(&sig),
-                (None, Some(code)) => code != 0,
-                (None, None) => false,
+            let kind = match (exit.signal, exit.exit_code) {
+                (Some(sig), _) if !STOP_SIGNALS.contains(&sig) => MEMBER_DIED,
+                (None, Some(code)) if code != 0 => MEMBER_FAILED,
+                _ => return None,
             };
-            if !failed {
-                return None;
-            }
-            (MEMBER_DIED, member_summary(exit))
+            (kind, member_summary(exit))
         }
         EventKind::ChildExit(exit) => {
             let how = exit_summary(exit);
@@ -93,7 +90,7 @@ pub fn record(
         if store.has_incident(agent_id, incident.seq, &incident.kind)? {
             continue;
         }
-        if incident.kind == MEMBER_DIED
+        if [MEMBER_DIED, MEMBER_FAILED].contains(&incident.kind.as_str())
             && correlate::instance_stopping(store, agent_id, incident.time_ns)?
         {
             tracing::info!(

@@ -4,8 +4,11 @@
 pub const OOM: &str = "oom";
 pub const SIGNAL: &str = "signal";
 /// A process of the instance other than the one `oomscope run` started (an
-/// engine, a worker) died by a signal or failed exit, as the supervisor saw.
+/// engine, a worker) was killed by a signal, as the supervisor saw.
 pub const MEMBER_DIED: &str = "member_died";
+/// Such a process exited with a non-zero code: it gave up, often for a
+/// reason another process prints (an API server's out-of-memory text).
+pub const MEMBER_FAILED: &str = "member_failed";
 pub const EXIT_OOM_TEXT: &str = "exit_oom_text";
 pub const CRASH_LOOP: &str = "crash_loop";
 pub const AGENT_LOST: &str = "agent_lost";

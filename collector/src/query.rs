@@ -319,7 +319,9 @@ fn incident_end(store: &Store, inc: &pb::Incident) -> Result<i64, Status> {
     let mut end = parts.iter().map(|p| p.time_ns).fold(inc.time_ns, i64::max);
     if matches!(
         inc.kind.as_str(),
-        crate::incidents::KERNEL_OOM_KILL | crate::incidents::MEMBER_DIED
+        crate::incidents::KERNEL_OOM_KILL
+            | crate::incidents::MEMBER_DIED
+            | crate::incidents::MEMBER_FAILED
     ) {
         end = end.max(inc.time_ns.saturating_add(KILL_SETTLE_NS));
     }

@@ -344,6 +344,50 @@ async fn a_killed_member_stays_one_incident_when_the_server_then_exits_0() {
     run.stop().await;
 }
 
+/// vLLM refusing a KV reservation at start: its engine exits 1, then the
+/// API server exits 1 printing why. The text says more than the code: the
+/// server's exit with its out-of-memory text leads, the engine's is a part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_failed_exit_is_a_part_of_the_servers_out_of_memory_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), GRACE).await;
+    let t = now();
+    let mut sup = run.agent(supervisor("sup", "kv")).await;
+    sup.send(child_start(1, t, 300)).await;
+    sup.send(child_exit(
+        2,
+        t + 1_000_000,
+        pb::ChildExit {
+            pid: 301,
+            exit_code: Some(1),
+            member: true,
+            title: "VLLM::EngineCor".into(),
+            status_from: "proc_events".into(),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.send(child_exit(
+        3,
+        t + 500_000_000,
+        pb::ChildExit {
+            pid: 300,
+            exit_code: Some(1),
+            stderr_tail: "ValueError: Available memory on node 0 (1.0 GiB) is less than requested memory for kv (40.0 GiB)\n".into(),
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.acks_covering(&[1, 2, 3].into(), |_| {}).await;
+    tokio::time::sleep(GRACE).await;
+    let incs = all_incidents(&run).await;
+    assert_eq!(incs.len(), 1, "{:#?}", incident_rows(&run));
+    assert_eq!(incs[0].kind, "exit_oom_text", "{:#?}", incs);
+    let parts: Vec<&str> = incs[0].parts.iter().map(|p| p.kind.as_str()).collect();
+    assert_eq!(parts, ["member_failed"]);
+    run.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_agents_lost_at_once_are_one_incident() {
     let dir = tempfile::tempdir().unwrap();

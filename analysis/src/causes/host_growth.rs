@@ -19,6 +19,11 @@ use crate::units::bytes_short;
 // this. Without a limit in the evidence the runway is unknown, not the
 // growth: a certain rise is still a finding.
 
+/// What a growth read from the cgroup's usage (where RSS did not grow) is
+/// named, and the metric that marks such a cause.
+const CGROUP_USAGE: &str = "cgroup usage";
+pub const CGROUP_SERIES_METRIC: &str = "measured_on_cgroup_usage";
+
 /// A host growth that stands as a cause: the trend, its runway where the
 /// evidence has a limit, and the heap census's retaining type where one grows.
 pub struct Standing<'a> {
@@ -66,6 +71,11 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         ("bytes_per_request", t.bytes_per_request().round()),
         ("p_value", t.p_value),
     ];
+    if what == CGROUP_USAGE {
+        // The whole cgroup grew, not this process alone: another process's
+        // verdict must not take it for this one's (see `members`).
+        metrics.push((CGROUP_SERIES_METRIC, 1.0));
+    }
     if let Some(g) = &heap {
         evidence.push(census_line(g, t.bytes_per_request()));
         evidence.extend(g.chain_line());
@@ -106,7 +116,7 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'s
     let (what, t) = match series(Point::server_rss) {
         Some(t) => ("host RSS", t),
         None => (
-            "cgroup usage",
+            CGROUP_USAGE,
             series(|p| p.cgroup_limit.and(p.server_cgroup_usage()))?,
         ),
     };

@@ -574,7 +574,7 @@ impl Store {
         let mut stmt = self.conn.prepare_cached(
             "SELECT i.agent_id, MIN(i.time_ns) AS t, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
              WHERE a.name = ?1 AND i.time_ns >= ?2
-               AND i.kind IN ('signal', 'member_died', 'kernel_oom_kill', 'exit_oom_text', 'agent_lost')
+               AND i.kind IN ('signal', 'member_died', 'member_failed', 'kernel_oom_kill', 'exit_oom_text', 'agent_lost')
              GROUP BY a.instance ORDER BY t",
         )?;
         let rows = stmt.query_map(params![name, since_ns], |r| {

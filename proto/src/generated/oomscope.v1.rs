@@ -1541,7 +1541,7 @@ pub struct Incident {
     pub agent_id: ::prost::alloc::string::String,
     #[prost(string, tag = "3")]
     pub agent_name: ::prost::alloc::string::String,
-    /// "oom", "signal", "member_died", "exit_oom_text", "kernel_oom_kill",
+    /// "oom", "signal", "member_died", "member_failed", "exit_oom_text", "kernel_oom_kill",
     /// "agent_lost", "crash_loop", "mass_disconnect", "restart_storm".
     #[prost(string, tag = "4")]
     pub kind: ::prost::alloc::string::String,

@@ -47,8 +47,15 @@ class Cgroup:
         self.path = os.path.join(own_memory_cgroup(), "%s-%d" % (name, os.getpid()))
         os.makedirs(self.path, exist_ok=True)
         if limit_bytes:
-            with open(os.path.join(self.path, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(limit_bytes))
+            self.set_limit(limit_bytes)
+
+    def usage(self):
+        with open(os.path.join(self.path, "memory.usage_in_bytes")) as f:
+            return int(f.read())
+
+    def set_limit(self, limit_bytes):
+        with open(os.path.join(self.path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit_bytes))
 
     def peak(self):
         with open(os.path.join(self.path, "memory.max_usage_in_bytes")) as f:

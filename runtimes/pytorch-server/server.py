@@ -22,6 +22,31 @@ KV cache per sequence. Switches reproduce the incidents of the design:
                      SIGTERM stops the workers, then exits 0
   --worker-hold-mb MB  worker --worker-hold-rank (0) holds MB of host memory
                      once loaded (touched pages, kept for good)
+  --layout forked-api  the other common multi-process layout: this (main)
+                     process starts a multiprocessing Manager (a shared dict
+                     of stats: pids, requests served), forks an API process
+                     (multiprocessing "fork") that serves HTTP, and spawns one
+                     inference worker ("spawn") that loads the model and
+                     generates; the API process passes it requests over a
+                     pipe. Agents: the API process names itself role
+                     "api_server", the worker "worker" (its own
+                     oomscope.start, as apps call it), the Manager "manager",
+                     the main process "launcher". The main process only
+                     watches: when the worker (or the API process) dies, it
+                     SIGKILLs the other, shuts the Manager down and exits 1
+                     (after "... died unexpectedly"); SIGTERM/SIGINT stop the
+                     API process, then the worker, then the Manager: exit 0.
+                     The API process and the Manager die with the main
+                     process (PR_SET_PDEATHSIG), however it dies
+  --worker-leak-mb-per-request MB  with --workers or --layout forked-api:
+                     the worker keeps MB MiB of CPU torch tensors (written,
+                     so resident) per request it serves, in a module-level
+                     list, so that a memory limit kills it after enough
+                     requests
+
+Worker processes are titled (comm, what ps and the kernel's OOM report show)
+EngineWorker-N (--workers) or InferWorker-0, APIServer and SyncManager
+(--layout forked-api).
 
 A well-run front door (serving.py), each part with a switch to turn it off
 so that `oomscope probe` can show it catches a server without it:
@@ -34,13 +59,15 @@ so that `oomscope probe` can show it catches a server without it:
 
 HTTP: POST /generate {"id", "prompt_tokens", "max_tokens"} ->
 {"id", "output_tokens", "latency_ms"} (507 on out-of-memory, 400 on a bad
-request; with --workers also "worker": the rank to serve it, else round
+request; with workers also "worker": the rank to serve it, else round
 robin, and "hold_mb": that worker first holds this much more host memory);
 OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
 "prompt", "max_tokens"} (one word of the prompt is one token; 500 with the
 error text on out-of-memory); GET /health (200 once ready, else 503);
-GET /admin/stats; POST /admin/gc; POST /admin/census; POST /admin/agent {"on": bool}
-starts or stops the oomscope agent in this process (overhead benchmarks).
+GET /admin/stats (with workers, "workers": each one's rank and pid; with
+--layout forked-api, "shared": the Manager's dict); POST /admin/gc;
+POST /admin/census; POST /admin/agent {"on": bool} starts or stops the
+oomscope agent in this process (overhead benchmarks).
 
     python server.py --port 8000 [--collector http://127.0.0.1:7433] [--no-agent]
 """
@@ -53,6 +80,7 @@ import itertools
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.managers
 import os
 import random
 import signal
@@ -84,6 +112,8 @@ HELD = []
 #: way through, as a growing process crosses it.
 HOLD_CHUNK = 16 << 20
 PAGE = 4096
+#: What --worker-leak-mb-per-request keeps: tensors, one per request, for good.
+LEAKED = []
 
 
 class Completion:
@@ -244,8 +274,10 @@ def make_handler(state, args):
                 stats = {"agent": oomscope.stats() if oomscope else None,
                          "response_log": len(RESPONSE_LOG), "host_copies": len(HOST_COPIES),
                          "in_flight": adm.in_flight, "in_flight_cap": adm.cap_now(), "ready": adm.ready()}
-                if isinstance(engine, WorkerPool):
+                if isinstance(engine, RemoteEngine):
                     stats["workers"] = engine.describe()
+                if state.get("shared") is not None:
+                    stats["shared"] = dict(state["shared"])
                 self._reply(200, stats)
             else:
                 self._reply(404, {"error": "no such path"})
@@ -307,7 +339,9 @@ def make_handler(state, args):
                     if r is not None:
                         r.output_tokens = len(seq.out)
             except Exception as e:  # noqa: BLE001
+                state["count"]("failed")
                 return None, e
+            state["count"]("served")
             return list(seq.out), None
 
         def _completions(self, body):
@@ -370,7 +404,7 @@ def make_handler(state, args):
             if prompt_tokens < 1 or max_tokens < 1:
                 return self._reply(400, {"error": "prompt_tokens and max_tokens must be >= 1"})
             engine = state["engine"]
-            if worker is not None and not (isinstance(engine, WorkerPool) and 0 <= worker < len(engine.workers)):
+            if worker is not None and not (isinstance(engine, RemoteEngine) and 0 <= worker < len(engine.workers)):
                 return self._reply(400, {"error": "no worker %d (see --workers)" % worker})
             if args.max_context and prompt_tokens + max_tokens > args.max_context:
                 return self._reply(400, {"error": "context %d > --max-context %d" % (
@@ -447,10 +481,20 @@ def parse_args(argv=None):
     p.add_argument("--worker-hold-mb", type=int, default=0,
                    help="with --workers: MB of host memory worker --worker-hold-rank holds once loaded")
     p.add_argument("--worker-hold-rank", type=int, default=0)
+    p.add_argument("--layout", choices=("auto", "forked-api"), default="auto",
+                   help="auto: one process, or --workers; forked-api: main + Manager + forked API process + "
+                        "spawned worker (see the module's docstring)")
+    p.add_argument("--worker-leak-mb-per-request", type=float, default=0.0,
+                   help="with workers: MiB of CPU tensors each worker keeps per request it serves")
     p.add_argument("--no-agent", action="store_true", help="do not start oomscope (for overhead runs)")
     p.add_argument("--collector", default=None, help="else OOMSCOPE_COLLECTOR")
     p.add_argument("--name", default=None, help="agent name, else OOMSCOPE_NAME or pytorch-server")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.layout == "forked-api" and args.workers:
+        p.error("--layout forked-api has one worker; --workers is the other layout")
+    if args.worker_leak_mb_per_request and not (args.workers or args.layout == "forked-api"):
+        p.error("--worker-leak-mb-per-request needs workers (--workers N or --layout forked-api)")
+    return args
 
 
 def agent_name(args):
@@ -496,7 +540,8 @@ def front_door(args, name):
     state = {"engine": None, "vocab": args.vocab, "model_name": args.served_model_name or name,
              "admission": Admission(in_flight, args.max_total_tokens, caps=args.admission_caps,
                                     gradual=args.gradual_restore, restore_s=args.restore_seconds),
-             "idempotency": IdempotencyStore(store_path if args.idempotency else None)}
+             "idempotency": IdempotencyStore(store_path if args.idempotency else None),
+             "shared": None, "count": lambda outcome: None}
     if not args.admission_caps:
         args.max_active = 0
     # Listen first, load second: while loading, /health says 503 and (with the
@@ -524,7 +569,11 @@ def main(argv=None):
     global oomscope
     if args.no_agent:
         oomscope = None
-    elif oomscope is not None:
+    if args.layout == "forked-api":
+        # Before this process's own start(): its forked children inherit an
+        # autostarted agent (under `oomscope run`), which their own start() renames.
+        return serve_forked_api(args)
+    if oomscope is not None:
         oomscope.start(collector=args.collector, name=agent_name(args))
     if args.workers > 0:
         return serve_with_workers(args)
@@ -570,14 +619,18 @@ def remote_error(type_name, text, oom):
 
 
 class WorkerHandle:
-    """One engine worker as the API process sees it: the process, its end
-    of the pipe (sends under a lock: many HTTP threads share it) and
-    whether it has loaded its model."""
+    """One engine worker as the API process sees it: its process (None in
+    the forked API process: the main process started it), its end of the
+    pipe (sends under a lock: many HTTP threads share it), its pid (from its
+    "ready") and whether it has loaded its model."""
 
-    def __init__(self, rank, proc, conn):
+    def __init__(self, rank, proc, conn, name=None):
         self.rank, self.proc, self.conn = rank, proc, conn
+        self.name = name or (proc.name if proc is not None else "worker-%d" % rank)
+        self.pid = proc.pid if proc is not None else None
         self.send_lock = threading.Lock()
         self.ready = threading.Event()
+        self.closed = threading.Event()  # its pipe closed: it is gone
 
     def send(self, message):
         try:
@@ -586,6 +639,9 @@ class WorkerHandle:
             return True
         except (OSError, EOFError, ValueError):  # the worker is gone
             return False
+
+    def alive(self):
+        return self.proc.is_alive() if self.proc is not None else not self.closed.is_set()
 
 
 @contextlib.contextmanager
@@ -603,37 +659,23 @@ def _environ(**values):
                 os.environ[k] = v
 
 
-class WorkerPool:
-    """The engine as the API process sees it with --workers: `submit(seq)`
-    sends the sequence to a worker (the one it names, else round robin) and a
-    reader thread per worker completes it when the answer comes back, so the
-    HTTP handler is the same as with one process. A monitor thread waits on
-    every worker's sentinel and calls `on_death(proc)` for the first that
-    ends while the pool is not stopping."""
+class RemoteEngine:
+    """The engine as an API process sees it when worker processes generate:
+    `submit(seq)` sends the sequence to a worker (the one it names, else
+    round robin) and a reader thread per worker completes it when the answer
+    comes back, so the HTTP handler is the same as with one process."""
 
-    def __init__(self, args, on_death):
-        self.device = args.device
-        self.on_death = on_death
-        self.stopping = False
+    def __init__(self, device):
+        self.device = device
         self.lock = threading.Lock()
         self.pending = {}  # ticket -> (seq, worker)
         self.tickets = itertools.count(1)
         self.turn = itertools.count()
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as vLLM starts them
         self.workers = []
-        for rank in range(args.workers):
-            ours, theirs = ctx.Pipe()
-            # Each worker's own agent (the autostart, under `oomscope run`) reads
-            # its role and rank at interpreter start: the environment it gets.
-            with _environ(OOMSCOPE_ROLE="worker", OOMSCOPE_RANK=str(rank)):
-                proc = ctx.Process(target=worker_main, args=(rank, args, theirs), name="EngineWorker-%d" % rank,
-                                   daemon=True)
-                proc.start()
-            theirs.close()
-            w = WorkerHandle(rank, proc, ours)
-            self.workers.append(w)
-            threading.Thread(target=self._read, args=(w,), name="worker-%d-reader" % rank, daemon=True).start()
-        threading.Thread(target=self._monitor, name="worker-monitor", daemon=True).start()
+
+    def attach(self, w):
+        self.workers.append(w)
+        threading.Thread(target=self._read, args=(w,), name="worker-%d-reader" % w.rank, daemon=True).start()
 
     def wait_ready(self, stop):
         """True once every worker has loaded; False if `stop` came first."""
@@ -653,8 +695,8 @@ class WorkerPool:
             self._complete(ticket, None, ("WorkerGone", "worker %d is gone" % w.rank, False))
 
     def describe(self):
-        return [{"rank": w.rank, "name": w.proc.name, "pid": w.proc.pid, "alive": w.proc.is_alive(),
-                 "ready": w.ready.is_set()} for w in self.workers]
+        return [{"rank": w.rank, "name": w.name, "pid": w.pid, "alive": w.alive(), "ready": w.ready.is_set()}
+                for w in self.workers]
 
     def _complete(self, ticket, out, error):
         with self.lock:
@@ -675,15 +717,40 @@ class WorkerPool:
             except (EOFError, OSError):
                 break
             if message[0] == "ready":
+                w.pid = message[2]
                 w.ready.set()
             elif message[0] == "done":
                 _, ticket, out, error = message
                 self._complete(ticket, out, error)
         # The pipe closed: the worker is gone; what it had will not come back.
+        w.closed.set()
         with self.lock:
             lost = [t for t, (_, owner) in self.pending.items() if owner is w]
         for ticket in lost:
             self._complete(ticket, None, ("WorkerGone", "worker %d died" % w.rank, False))
+
+
+class WorkerPool(RemoteEngine):
+    """--workers: the API process starts the workers itself. A monitor
+    thread waits on every worker's sentinel and calls `on_death(proc)` for
+    the first that ends while the pool is not stopping."""
+
+    def __init__(self, args, on_death):
+        super().__init__(args.device)
+        self.on_death = on_death
+        self.stopping = False
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as vLLM starts them
+        for rank in range(args.workers):
+            ours, theirs = ctx.Pipe()
+            # Each worker's own agent (the autostart, under `oomscope run`) reads
+            # its role and rank at interpreter start: the environment it gets.
+            with _environ(OOMSCOPE_ROLE="worker", OOMSCOPE_RANK=str(rank)):
+                proc = ctx.Process(target=worker_main, args=(rank, args, theirs), name="EngineWorker-%d" % rank,
+                                   daemon=True)
+                proc.start()
+            theirs.close()
+            self.attach(WorkerHandle(rank, proc, ours))
+        threading.Thread(target=self._monitor, name="worker-monitor", daemon=True).start()
 
     def _monitor(self):
         # As vLLM's MultiprocWorkerMonitor: the first worker to end, unless
@@ -755,6 +822,24 @@ def hold_host_memory(mb):
         left -= n
 
 
+def set_title(title):
+    """This process's name in ps, top and the kernel's OOM report (15
+    characters at most), as serving frameworks name their processes."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(title[:15])
+    except OSError:
+        pass
+
+
+def leak_tensors(mb):
+    """--worker-leak-mb-per-request: `mb` MiB more of CPU tensors, kept for
+    good. torch.ones writes every page, so all of it is resident (anon RSS,
+    charged to the memory cgroup) at once."""
+    if mb > 0:
+        LEAKED.append(torch.ones(int(mb * (1 << 20)) // 4, dtype=torch.float32))
+
+
 def worker_main(rank, args, conn):
     """An engine worker: a spawned interpreter, so the autostart (under
     `oomscope run`) has already given it its own agent as role "worker" with
@@ -763,6 +848,7 @@ def worker_main(rank, args, conn):
     API process is gone (the pipe closes)."""
     # Ctrl-C reaches the whole process group: the API process stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_title(multiprocessing.current_process().name)
     global oomscope
     if args.no_agent:
         oomscope = None
@@ -808,11 +894,132 @@ def _worker_request(engine, message, send):
                 raise seq.error
             if r is not None:
                 r.output_tokens = len(seq.out)
+            leak_tensors(engine.args.worker_leak_mb_per_request)
         out = list(seq.out)
     except Exception as e:  # noqa: BLE001 - the API process answers the client
         text = str(e)
         error = (type(e).__name__, text, "out of memory" in text or isinstance(e, MemoryError))
     send(("done", ticket, out, error))
+
+
+# --layout forked-api: main process, Manager, forked API process, spawned worker
+
+
+def die_with_parent(sig, parent):
+    """PR_SET_PDEATHSIG, as serving frameworks' processes ask for it: the
+    kernel sends `sig` when the main process dies, however it dies (its
+    own OOM kill included), so that no part of the server lives on alone."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before we asked
+        os.kill(os.getpid(), sig)
+
+
+def _name_manager(args, parent):
+    """In the Manager's server process (forked, so with the main process's
+    agent if it had one): names that agent by its role. Starts none. A
+    SIGTERM ends it (not the main process's handler, inherited by the fork),
+    and so does the main process's death."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    set_title("SyncManager")
+    die_with_parent(signal.SIGTERM, parent)
+    if oomscope is not None and oomscope.is_running():
+        oomscope.start(collector=args.collector, name=agent_name(args), role="manager")
+
+
+def api_main(args, conn, theirs, shared, parent):
+    """The API process: forked from the main process (its code and imports,
+    and a copy of its agent, if any, that its own start() names
+    "api_server"). Serves HTTP and passes requests to the worker over `conn`
+    until SIGTERM/SIGINT; then tells the worker to finish."""
+    set_title("APIServer")
+    die_with_parent(signal.SIGKILL, parent)
+    # The worker's end, inherited by the fork: only the worker may hold it,
+    # or its death would never read as the pipe's end here.
+    theirs.close()
+    if oomscope is not None:
+        oomscope.start(collector=args.collector, name=agent_name(args), role="api_server")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    name = model_name(args)
+    state, server = front_door(args, name)
+    counted = threading.Lock()
+
+    def count(outcome):
+        # The Manager's dict: one writer (this process), many HTTP threads.
+        with counted:
+            shared[outcome] = shared.get(outcome, 0) + 1
+
+    state["shared"], state["count"] = shared, count
+    engine = RemoteEngine(args.device)
+    worker = WorkerHandle(0, None, conn, name="InferWorker-0")
+    engine.attach(worker)
+    if engine.wait_ready(stop):
+        state["engine"] = engine
+        state["admission"].set_ready()
+        announce(args, server.server_address[1], "%s, forked API process, 1 worker" % args.device, name)
+        stop.wait()
+    server.shutdown()
+    worker.send(None)
+
+
+def serve_forked_api(args):
+    """--layout forked-api, the main process: starts the Manager, forks the
+    API process, spawns the worker, then only watches them. Returns the exit
+    status: 1 when the worker or the API process died (the other is
+    SIGKILLed first, as serving frameworks kill their process tree), 0 after
+    SIGTERM/SIGINT stopped everything cleanly."""
+    stop = threading.Event()
+    # Before any child starts: a stop during their start still stops them.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    fork, spawn = multiprocessing.get_context("fork"), multiprocessing.get_context("spawn")
+    manager = multiprocessing.managers.SyncManager(ctx=fork)
+    manager.start(_name_manager, (args, os.getpid()))
+    manager_pid = multiprocessing.active_children()[0].pid  # our only child yet
+    shared = manager.dict(main_pid=os.getpid(), manager_pid=manager_pid, served=0, failed=0)
+    api_end, worker_end = spawn.Pipe()
+    api = fork.Process(target=api_main, args=(args, api_end, worker_end, shared, os.getpid()), name="APIServer",
+                       daemon=True)
+    api.start()
+    worker = spawn.Process(target=worker_main, args=(0, args, worker_end), name="InferWorker-0", daemon=True)
+    worker.start()
+    # The pipe's ends are theirs: the worker sees EOF when the API process ends.
+    api_end.close()
+    worker_end.close()
+    shared.update(api_pid=api.pid, worker_pid=worker.pid)
+    if oomscope is not None:
+        oomscope.start(collector=args.collector, name=agent_name(args), role="launcher")
+    children = {worker.sentinel: worker, api.sentinel: api}
+    died = None
+    while died is None and not stop.is_set():
+        # A timeout, so that the stop event is seen without a wakeup fd.
+        ended = multiprocessing.connection.wait(list(children), timeout=0.1)
+        died = children[ended[0]] if ended else None
+    if died is not None:
+        died.join(1)  # reaps it, so that exitcode is set
+        print("%s (pid %d) died unexpectedly (exit code: %s); killing the rest" % (
+            died.name, died.pid, died.exitcode), file=sys.stderr, flush=True)
+        for p in (api, worker):
+            if p is not died and p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+        manager.shutdown()
+        return 1
+    # The API process stops serving and tells the worker to finish.
+    api.terminate()
+    api.join(10)
+    worker.join(10)
+    for p in (api, worker):
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    manager.shutdown()
+    return 0
 
 
 if __name__ == "__main__":

@@ -149,7 +149,9 @@ def test_a_worker_killed_by_sigkill_is_one_incident_naming_it_that_stays(collect
         d = collector.cli("diagnose", inc["id"], "--json")
         assert d["domain"] == "external_kill", d
         assert (d["victim"]["pid"], d["victim"]["title"]) == (run.worker, WORKER_TITLE[layout]), d["victim"]
-        assert d["exit"]["signal"] == 9, d["exit"]
+        # The worker's end is the victim's; `exit` is the main process's after it.
+        assert d["victim"]["status"]["signal"] == 9, d["victim"]
+        assert d["exit"]["code"] == 1, d["exit"]
         if layout == "forked-api":
             # The main process's SIGKILL of the API process is a part, not a death of its own.
             api = "member pid %d (APIServer) of the instance killed by signal 9" % run.stats["shared"]["api_pid"]

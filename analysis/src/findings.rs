@@ -280,13 +280,25 @@ impl<'a> Findings<'a> {
         if x.member {
             let t = self.exit.map_or(0, |(t, _)| t);
             if let Some((_, main)) = self.evidence.main_exit_after(t) {
+                // The kernel may take the main process too, while the first
+                // victim's memory is still being freed: a kill of its own.
+                let killed_too = self.evidence.events.iter().any(|e| {
+                    matches!(&e.kind, Some(pb::event::Kind::KernelOomKill(k)) if k.pid == main.pid)
+                });
                 let then = match (main.signal, main.exit_code) {
+                    (Some(_), _) if killed_too => {
+                        "was OOM-killed by the kernel too (its own record)".to_string()
+                    }
                     (Some(s), _) => format!("was killed by signal {s} ({})", signal_name(s)),
                     (None, Some(c)) => format!("exited with code {c}"),
                     (None, None) => "ended".to_string(),
                 };
+                let why = match killed_too {
+                    true => "",
+                    false => ": a consequence, not a clean stop",
+                };
                 line.push_str(&format!(
-                    "; then the main process (pid {}) {then}: a consequence, not a clean stop",
+                    "; then the main process (pid {}) {then}{why}",
                     main.pid
                 ));
             }

@@ -292,3 +292,52 @@ fn a_members_reading_of_the_shared_cgroup_is_not_its_growth() {
         .collect();
     assert_eq!(growth, [f64::from(WORKER_PID)], "{:#?}", d.causes);
 }
+
+/// The kernel takes the main process too, a few ms after the worker (the
+/// worker's memory still charged): the main's end is its own kill, not the
+/// worker death's consequence.
+#[test]
+fn a_main_process_the_kernel_killed_too_is_no_consequence() {
+    let mut e = killed_worker_with_tree(0);
+    // The worker's end as oomscope run read it, at the kill.
+    e.events.push(pb::Event {
+        time_ns: T0 + 2 * SEC,
+        kind: Some(Kind::ChildExit(pb::ChildExit {
+            pid: WORKER_PID,
+            signal: Some(9),
+            member: true,
+            title: "VLLM::Worker".into(),
+            ..Default::default()
+        })),
+    });
+    let line = |e: &Evidence| {
+        diagnose(e)
+            .evidence
+            .into_iter()
+            .find(|l| l.starts_with("member pid 4243 (VLLM::Worker)"))
+            .unwrap_or_else(|| panic!("no member line"))
+    };
+    assert!(line(&e).contains("exited with code 0: a consequence, not a clean stop"));
+    // The main process killed by the kernel as well: its own record.
+    let mut both = e.clone();
+    for ev in &mut both.events {
+        if let Some(Kind::ChildExit(x)) = &mut ev.kind {
+            if !x.member {
+                x.exit_code = None;
+                x.signal = Some(9);
+            }
+        }
+    }
+    both.events.push(pb::Event {
+        time_ns: T0 + 2 * SEC + 10_000_000,
+        kind: Some(Kind::KernelOomKill(pb::KernelOomKill {
+            pid: CHILD_PID,
+            task: "python".into(),
+            constraint: "CONSTRAINT_MEMCG".into(),
+            ..Default::default()
+        })),
+    });
+    let l = line(&both);
+    assert!(l.contains("was OOM-killed by the kernel too"), "{l}");
+    assert!(!l.contains("a consequence"), "{l}");
+}

@@ -220,6 +220,16 @@ def test_a_leaking_worker_killed_by_its_cgroup_is_one_incident_naming_it(collect
         # The kernel's figure for the victim holds at least what it leaked.
         leaked = (served + 1) * LEAK_MB * MIB  # the warm-up request leaked too
         assert d["kernel_report"]["anon_rss_bytes"] > leaked, (d["kernel_report"], served)
+        # The worker's growth is why: the first cause names it, with its
+        # bytes per request, ahead of the limit it ran into, and the trigger
+        # agrees (growth over repeated requests).
+        first = d["causes"][0]
+        assert first["kind"] in ("leak", "host_growth"), d["causes"]
+        assert first["metrics"]["member_pid"] == run.worker, first
+        per_request = first["metrics"]["bytes_per_request"]
+        assert abs(per_request - LEAK_MB * MIB) <= 0.2 * LEAK_MB * MIB, first["metrics"]
+        assert any(c["kind"] == "cgroup_limit" for c in d["causes"][1:]), d["causes"]
+        assert d["trigger"] == "repeated_requests", (d["trigger"], d["evidence"])
         # The main process's end is seen: its agent is not left connected,
         # though it forked children (the API process, the Manager).
         main = agent_of(collector, run.main)

@@ -22,7 +22,12 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let mut trigger = trigger::decide(&f, &verdict);
     // The instance's other processes: a member's growth is a cause of its
     // own, and the one that took the member the failure took leads.
-    let from_members = members::causes(&f, &causes);
+    let member_verdicts = e
+        .members
+        .iter()
+        .filter_map(|m| Some((m.hello.as_ref()?, diagnose(m))))
+        .collect();
+    let from_members = members::causes(&f, &causes, member_verdicts);
     if !from_members.is_empty() {
         let kinds: Vec<String> = from_members.iter().map(|c| c.kind.clone()).collect();
         causes.retain(|c| !kinds.contains(&c.kind));

@@ -180,16 +180,18 @@ fn who(title: &str, role: Option<&str>, pid: u32) -> String {
 
 /// The growth causes of the instance's other processes, most likely first:
 /// each names its member, and the one the failure took outranks a limit.
-pub fn causes(f: &Findings, own: &[pb::Cause]) -> Vec<pb::Cause> {
+/// `theirs` are the verdicts of the members with an agent of their own
+/// (`Evidence::members`), each with its Hello.
+pub fn causes(
+    f: &Findings,
+    own: &[pb::Cause],
+    theirs: Vec<(&pb::Hello, pb::Diagnosis)>,
+) -> Vec<pb::Cause> {
     let e = f.evidence;
     let victim = victim_pid(f);
     let mut out = Vec::new();
     // Members with an agent of their own: their verdicts' growth causes.
-    for m in &e.members {
-        let Some(hello) = m.hello.as_ref() else {
-            continue;
-        };
-        let theirs = crate::diagnose(m);
+    for (hello, theirs) in theirs {
         let died = victim == Some(hello.pid);
         // A growth of the cgroup's usage is the instance's, whichever
         // member's agent read it: the main timeline judges it.

@@ -137,11 +137,11 @@ pub fn incidents(list: &[pb::Incident]) -> String {
         "{:<12} {:<24} {:<20} {:<14} {:<14}  summary",
         "ID", "TIME", "AGENT", "KIND", "DOMAIN"
     );
-    for i in list {
-        let domain = if i.domain.is_empty() { "-" } else { &i.domain };
+    // Each root, and the consequences joined to it under it.
+    let mut row = |prefix: &str, width: usize, i: &pb::Incident, domain: &str| {
         let _ = writeln!(
             out,
-            "{:<12} {:<24} {:<20} {:<14} {:<14}  {}",
+            "{prefix}{:<width$} {:<24} {:<20} {:<14} {:<14}  {}",
             terminal(&i.id),
             time(i.time_ns),
             terminal(&i.agent_name),
@@ -149,18 +149,11 @@ pub fn incidents(list: &[pb::Incident]) -> String {
             terminal(domain),
             terminal(&i.summary)
         );
-        // The consequences joined to it, under it.
+    };
+    for i in list {
+        row("", 12, i, if i.domain.is_empty() { "-" } else { &i.domain });
         for p in &i.parts {
-            let _ = writeln!(
-                out,
-                "  +- {:<10} {:<24} {:<20} {:<14} {:<14}  {}",
-                terminal(&p.id),
-                time(p.time_ns),
-                terminal(&p.agent_name),
-                terminal(&p.kind),
-                "(part)",
-                terminal(&p.summary)
-            );
+            row("  +- ", 7, p, "(part)");
         }
     }
     out
@@ -796,6 +789,28 @@ mod tests {
         // The worker's one, and the server's next minute, as single events.
         assert!(gcs[1].contains("gc gen0 collected 1"), "{text}");
         assert!(gcs[2].contains(" 5   * gc gen0 collected 40"), "{text}");
+    }
+
+    #[test]
+    fn an_incidents_parts_are_listed_under_it_in_its_columns() {
+        let inc = |id: &str, kind: &str, summary: &str| pb::Incident {
+            id: id.into(),
+            agent_name: "ref".into(),
+            kind: kind.into(),
+            domain: "external_kill".into(),
+            summary: summary.into(),
+            ..Default::default()
+        };
+        let mut root = inc("inc-000001", "member_died", "member pid 7 killed");
+        root.parts = vec![inc("inc-000002", "agent_lost", "stream broke")];
+        let text = incidents(&[root]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[1].starts_with("inc-000001 ") && lines[1].contains("external_kill"));
+        assert!(lines[2].starts_with("  +- inc-000002 "), "{text}");
+        assert!(lines[2].contains("(part)") && lines[2].ends_with("stream broke"));
+        // The kind column lines up under the root's.
+        assert_eq!(lines[1].find("member_died"), lines[2].find("agent_lost"));
     }
 
     #[test]

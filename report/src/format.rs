@@ -134,7 +134,7 @@ pub fn incidents(list: &[pb::Incident]) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<12} {:<24} {:<20} {:<14} {:<14}  summary",
+        "{:<15} {:<24} {:<20} {:<14} {:<14}  summary",
         "ID", "TIME", "AGENT", "KIND", "DOMAIN"
     );
     // Each root, and the consequences joined to it under it.
@@ -151,9 +151,9 @@ pub fn incidents(list: &[pb::Incident]) -> String {
         );
     };
     for i in list {
-        row("", 12, i, if i.domain.is_empty() { "-" } else { &i.domain });
+        row("", 15, i, if i.domain.is_empty() { "-" } else { &i.domain });
         for p in &i.parts {
-            row("  +- ", 7, p, "(part)");
+            row("  +- ", 10, p, "(part)");
         }
     }
     out

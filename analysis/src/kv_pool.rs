@@ -79,6 +79,19 @@ pub struct PoolReading {
     pub capacity_bytes: u64,
 }
 
+/// How full the KV pool was, 0..1: the runtime's own figure, else its
+/// bytes against its capacity.
+pub fn usage(c: &pb::RequestContext) -> Option<f64> {
+    c.numbers
+        .get("kv_cache_usage")
+        .copied()
+        .filter(|u| u.is_finite())
+        .or_else(|| {
+            (c.kv_cache_capacity_bytes > 0)
+                .then(|| c.kv_cache_bytes as f64 / c.kv_cache_capacity_bytes as f64)
+        })
+}
+
 /// The pool's readings, oldest first: samples whose context says how full
 /// it was, each once (an unchanged context repeated by later samples is one
 /// reading).
@@ -88,15 +101,7 @@ pub fn readings(e: &Evidence) -> Vec<PoolReading> {
         .iter()
         .filter_map(|s| {
             let c = s.context.as_ref()?;
-            let usage = c
-                .numbers
-                .get("kv_cache_usage")
-                .copied()
-                .filter(|u| u.is_finite())
-                .or_else(|| {
-                    (c.kv_cache_capacity_bytes > 0)
-                        .then(|| c.kv_cache_bytes as f64 / c.kv_cache_capacity_bytes as f64)
-                })?;
+            let usage = usage(c)?;
             Some(PoolReading {
                 time_ns: s.time_ns,
                 usage,

@@ -269,26 +269,24 @@ pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> R
     let Some(inst) = store.instance(&instance)? else {
         return Ok(false);
     };
-    let stopping_by = |t: i64| t <= broke_at_ns.saturating_add(STOP_SLACK_NS);
     let own_pid = store.hello(agent_id)?.map(|h| h.pid);
     for m in inst.members.iter().filter(|m| m.agent_id != agent_id) {
         if m.role == "supervisor" {
-            if let Some(t) = store.latest_stop_forwarded(&m.agent_id)? {
-                if stopping_by(t) {
-                    return Ok(true);
-                }
-            }
-            for (t, exit) in store.child_exits(&m.agent_id)? {
-                let main_ended_cleanly = !exit.member && is_clean_end(&exit) && stopping_by(t);
-                let this_one_ended_cleanly =
-                    exit.member && Some(exit.pid) == own_pid && is_clean_end(&exit);
-                if main_ended_cleanly || this_one_ended_cleanly {
-                    return Ok(true);
-                }
+            let stopping = instance_stopping(
+                store,
+                &m.agent_id,
+                broke_at_ns.saturating_add(STOP_SLACK_NS),
+            )?;
+            let ended_cleanly = store
+                .child_exits(&m.agent_id)?
+                .iter()
+                .any(|(_, x)| x.member && Some(x.pid) == own_pid && is_clean_end(x));
+            if stopping || ended_cleanly {
+                return Ok(true);
             }
         } else if m.agent_id == instance {
             if let Some((t, bye)) = store.latest_goodbye(&m.agent_id)? {
-                if stopping_by(t) && bye.exit_code == 0 {
+                if t <= broke_at_ns.saturating_add(STOP_SLACK_NS) && bye.exit_code == 0 {
                     return Ok(true);
                 }
             }
@@ -296,6 +294,11 @@ pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> R
     }
     Ok(false)
 }
+
+/// Stop signals (SIGHUP, SIGINT, SIGTERM): how a server stops its workers;
+/// and SIGPIPE, a pipe whose reader went first. A process of the tree ended
+/// by one did not fail.
+pub const STOP_SIGNALS: [i32; 4] = [1, 2, 13, 15];
 
 /// Whether `supervisor`'s instance had begun to stop by `time_ns`: it had
 /// passed a stop signal on, or its child had ended cleanly (the supervisor
@@ -318,7 +321,7 @@ pub fn instance_stopping(store: &Store, supervisor: &str, time_ns: i64) -> Resul
 /// stop signal that `oomscope run` passed on (or, for another process of
 /// the tree, by a stop signal).
 pub fn is_clean_end(exit: &pb::ChildExit) -> bool {
-    let stopped_by_signal = exit.member && exit.signal.is_some_and(|s| [1, 2, 13, 15].contains(&s));
+    let stopped_by_signal = exit.member && exit.signal.is_some_and(|s| STOP_SIGNALS.contains(&s));
     !exit.crash_loop
         && (exit.exit_code == Some(0) || exit.stop_signal.is_some() || stopped_by_signal)
 }

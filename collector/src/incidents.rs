@@ -40,11 +40,11 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
         // signal is how servers stop their own workers: no failure.
         EventKind::ChildExit(exit) if exit.member => {
             let kind = match (exit.signal, exit.exit_code) {
-                (Some(sig), _) if !STOP_SIGNALS.contains(&sig) => MEMBER_DIED,
+                (Some(sig), _) if !correlate::STOP_SIGNALS.contains(&sig) => MEMBER_DIED,
                 (None, Some(code)) if code != 0 => MEMBER_FAILED,
                 _ => return None,
             };
-            (kind, member_summary(exit))
+            (kind, exit_summary(exit))
         }
         EventKind::ChildExit(exit) => {
             let how = exit_summary(exit);
@@ -255,36 +255,21 @@ fn kernel_kill_summary(k: &pb::KernelOomKill) -> String {
     )
 }
 
-/// Stop signals (SIGHUP, SIGINT, SIGTERM): how a server stops its workers;
-/// and SIGPIPE, a pipe whose reader went first.
-const STOP_SIGNALS: [i32; 4] = [1, 2, 13, 15];
-
-fn member_summary(exit: &pb::ChildExit) -> String {
-    let how = match (exit.signal, exit.exit_code) {
-        (Some(sig), _) => format!("killed by signal {sig} ({})", signal_name(sig)),
-        (None, Some(code)) => format!("exited with code {code}"),
-        (None, None) => "ended".to_string(),
-    };
-    let title = match exit.title.is_empty() {
-        true => String::new(),
-        false => format!(" ({})", exit.title),
-    };
-    format!(
-        "member pid {}{title} of the instance {how} after {:.1} s",
-        exit.pid,
-        exit.runtime_ns as f64 / 1e9
-    )
-}
-
+/// "child pid 7 killed by signal 9 (SIGKILL) after 1.2 s", or for another
+/// process of the tree "member pid 8 (VLLM::Worker) of the instance ...".
 fn exit_summary(exit: &pb::ChildExit) -> String {
     let how = match (exit.signal, exit.exit_code) {
         (Some(sig), _) => format!("killed by signal {sig} ({})", signal_name(sig)),
         (None, Some(code)) => format!("exited with code {code}"),
         (None, None) => "ended (no status)".to_string(),
     };
+    let who = match (exit.member, exit.title.is_empty()) {
+        (false, _) => format!("child pid {}", exit.pid),
+        (true, true) => format!("member pid {} of the instance", exit.pid),
+        (true, false) => format!("member pid {} ({}) of the instance", exit.pid, exit.title),
+    };
     format!(
-        "child pid {} {how}{} after {:.1} s",
-        exit.pid,
+        "{who} {how}{} after {:.1} s",
         if exit.core_dumped {
             " (core dumped)"
         } else {

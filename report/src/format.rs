@@ -349,7 +349,9 @@ impl ServingColumns {
             return;
         }
         let c = context.filter(|c| has_serving(c));
-        let usage = c.and_then(kv_usage).map(|u| format!("{:.1}%", u * 100.0));
+        let usage = c
+            .and_then(oomscope_analysis::kv_pool_usage)
+            .map(|u| format!("{:.1}%", u * 100.0));
         let kv = c
             .filter(|c| c.kv_cache_bytes > 0 || c.kv_cache_capacity_bytes > 0)
             .map(|c| bytes(c.kv_cache_bytes));
@@ -383,19 +385,6 @@ fn has_serving(c: &pb::RequestContext) -> bool {
         || c.kv_cache_capacity_bytes > 0
         || c.active_sequences > 0
         || c.queued > 0
-}
-
-/// How full the KV pool was, 0..1: the runtime's own figure, else its bytes
-/// against its capacity (as the analysis reads it).
-fn kv_usage(c: &pb::RequestContext) -> Option<f64> {
-    c.numbers
-        .get("kv_cache_usage")
-        .copied()
-        .filter(|u| u.is_finite())
-        .or_else(|| {
-            (c.kv_cache_capacity_bytes > 0)
-                .then(|| c.kv_cache_bytes as f64 / c.kv_cache_capacity_bytes as f64)
-        })
 }
 
 /// One event line of the text timeline.

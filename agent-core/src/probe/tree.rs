@@ -208,18 +208,14 @@ impl TreeWatch {
         }
     }
 
-    /// The descendants of `root` without `root` itself: what a subreaper
-    /// watches once the process it started has ended and its tree lives on.
-    /// What `previous` knew of the processes stays known.
-    pub fn descendants_of(root: u32, previous: TreeWatch) -> Self {
-        let mut w = TreeWatch {
-            root,
-            root_listed: false,
-            current: vec![root],
-            ..previous
-        };
-        w.gone.clear();
-        w
+    /// From now on, the descendants of `root` without `root` itself: what a
+    /// subreaper watches once the process it started has ended and its tree
+    /// lives on. What was known of the processes stays known.
+    pub fn watch_descendants_of(&mut self, root: u32) {
+        self.root = root;
+        self.root_listed = false;
+        self.current = vec![root];
+        self.gone.clear();
     }
 
     /// The full walk and reading, for a sample.

@@ -432,8 +432,7 @@ fn outlive(watch: &mut ChildWatch, reporter: &Reporter, sampling: &mut SamplingL
         name_processes(&survivors)
     );
     let me = std::process::id();
-    let tree = std::mem::replace(&mut watch.tree, TreeWatch::new(watch.paths.clone(), me));
-    watch.tree = TreeWatch::descendants_of(me, tree);
+    watch.tree.watch_descendants_of(me);
     watch.probe = HostProbe::new(watch.paths.clone(), survivors[0].pid);
     watch.last_process = None;
     watch.main_alive = false;

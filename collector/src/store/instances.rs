@@ -368,18 +368,6 @@ impl Store {
 pub const CHILD_EXITS_READ: i64 = 200;
 
 impl Store {
-    /// The newest ChildExit `agent_id` (a supervisor) sent, with its time.
-    pub fn latest_child_exit(&self, agent_id: &str) -> Result<Option<(i64, pb::ChildExit)>> {
-        let newest = self.newest_message(agent_id, "event", Some("child_exit"))?;
-        Ok(newest.and_then(|(t, body)| match body {
-            Body::Event(pb::Event {
-                kind: Some(EventKind::ChildExit(x)),
-                ..
-            }) => Some((t, x)),
-            _ => None,
-        }))
-    }
-
     /// The newest [`CHILD_EXITS_READ`] ChildExits `agent_id` (a supervisor)
     /// sent, its child's and its tree's other processes', newest first.
     pub fn child_exits(&self, agent_id: &str) -> Result<Vec<(i64, pb::ChildExit)>> {

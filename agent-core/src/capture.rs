@@ -643,8 +643,8 @@ pub fn gpu_processes(v: &Value, device: i32) -> Option<Vec<pb::GpuProcess>> {
                 "usedMemory",
             ]) {
                 // NVML reports None where it cannot see the usage (no permission).
-                None | Some("None") | Some("null") => 0,
-                Some(v) => v.trim_end_matches(" B").trim().parse::<u64>().ok()?,
+                None | Some("None") | Some("null") => None,
+                Some(v) => Some(v.trim_end_matches(" B").trim().parse::<u64>().ok()?),
             };
             Some(pb::GpuProcess {
                 device,

@@ -117,6 +117,8 @@ pub fn allocator_stats(
         driver_total_bytes,
         raw: memory_stats.iter().map(|(k, v)| (k.clone(), *v)).collect(),
         raw_changes: None,
+        device_uuid: String::new(),
+        pci_bus_id: String::new(),
     }
 }
 
@@ -332,6 +334,7 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
                 allocated_bytes: allocated,
                 largest_free_block_bytes: largest_free,
                 pool: seg.get("segment_type").map(json_text).unwrap_or_default(),
+                private_pool: false,
             });
         }
     }
@@ -521,6 +524,7 @@ pub fn oom_event(
         snapshot,
         context,
         driver_error: driver_error(error_text),
+        device_uuid: String::new(),
     }
 }
 

@@ -210,10 +210,10 @@ fn an_error_without_an_observer_still_gives_the_requested_size() {
 fn nvml_lists_as_python_repr_text() {
     let dir = tempfile::tempdir().unwrap();
     let reprs = [
-        ("[{'pid': 422, 'usedGpuMemory': 4838129664}, {'pid': 444, 'usedGpuMemory': None}]", vec![(422, 4838129664), (444, 0)]),
+        ("[{'pid': 422, 'usedGpuMemory': 4838129664}, {'pid': 444, 'usedGpuMemory': None}]", vec![(422, Some(4838129664)), (444, None)]),
         (
             "[c_nvmlProcessInfo_t(pid: 7, usedGpuMemory: 1024 B, gpuInstanceId: 4294967295), c_nvmlProcessInfo_t(pid: 8, usedGpuMemory: 2048 B)]",
-            vec![(7, 1024), (8, 2048)],
+            vec![(7, Some(1024)), (8, Some(2048))],
         ),
         ("[]", vec![]),
     ];
@@ -221,7 +221,7 @@ fn nvml_lists_as_python_repr_text() {
         let cap = json!({"scenario": "s", "notes": {"nvml_procs_at_failure": text}, "timeline": [entry(0.0)]});
         let cap =
             capture::load(&write(dir.path(), "n.json", cap.to_string().as_bytes()), 0).unwrap();
-        let got: Vec<(u32, u64)> = cap
+        let got: Vec<(u32, Option<u64>)> = cap
             .events()
             .find_map(|e| match &e.kind {
                 Some(Kind::ProcessList(p)) => {

@@ -117,6 +117,8 @@ impl CudaAgent {
             name: info.name.clone(),
             total_bytes: info.total_bytes,
             cap_bytes: 0,
+            ordinal: Some(info.index),
+            ..Default::default()
         }];
         hello.allocator_settings = Some(pool.settings());
         hello.labels = cfg.labels.iter().cloned().collect();

@@ -492,7 +492,7 @@ fn nvml_line(f: &Findings, device: Option<i32>) -> Option<String> {
         let procs: Vec<String> = gpu
             .processes
             .iter()
-            .map(|p| format!("pid {} {}", p.pid, bytes_short(p.used_bytes)))
+            .map(|p| format!("pid {} {}", p.pid, bytes_short(p.used_bytes.unwrap_or(0))))
             .collect();
         line.push_str(&format!("; processes: {}", procs.join(", ")));
     }

@@ -818,7 +818,8 @@ fn device_oom_is_gpu_vram() {
         used_bytes: 3_294_494_720,
         processes: vec![pb::GpuProcessUsage {
             pid: 4200,
-            used_bytes: 2_641_362_944,
+            used_bytes: Some(2_641_362_944),
+            ..Default::default()
         }],
         ..Default::default()
     };

@@ -529,7 +529,11 @@ fn memory_another_process_took_after_the_pool_was_sized_is_named() {
             processes: [(WORKER_PID, worker), (7000, other)]
                 .into_iter()
                 .filter(|(_, b)| *b > 0)
-                .map(|(pid, used_bytes)| pb::GpuProcessUsage { pid, used_bytes })
+                .map(|(pid, used_bytes)| pb::GpuProcessUsage {
+                    pid,
+                    used_bytes: Some(used_bytes),
+                    ..Default::default()
+                })
                 .collect(),
             ..Default::default()
         }],

@@ -513,13 +513,12 @@ impl Ctx<'_> {
                 .flat_map(|g| g.processes.iter())
                 .collect();
             if !procs.is_empty() {
-                return Some(
-                    procs
-                        .iter()
-                        .filter(|p| !own(p.pid))
-                        .map(|p| p.used_bytes)
-                        .sum(),
-                );
+                // One neighbour whose usage NVML cannot give makes the sum unknown.
+                return procs
+                    .iter()
+                    .filter(|p| !own(p.pid))
+                    .map(|p| p.used_bytes)
+                    .sum();
             }
         }
         if !failing {
@@ -536,7 +535,7 @@ impl Ctx<'_> {
                 _ => None,
             })
             .next_back()
-            .map(|p| {
+            .and_then(|p| {
                 p.gpu
                     .iter()
                     .filter(|g| g.device == self.device && !own(g.pid))
@@ -618,12 +617,12 @@ mod tests {
                         gpu: vec![
                             pb::GpuProcess {
                                 pid: 10,
-                                used_bytes: 2500 * MIB,
+                                used_bytes: Some(2500 * MIB),
                                 ..Default::default()
                             },
                             pb::GpuProcess {
                                 pid: 77,
-                                used_bytes: 300 * MIB,
+                                used_bytes: Some(300 * MIB),
                                 ..Default::default()
                             },
                         ],

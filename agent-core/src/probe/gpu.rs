@@ -65,6 +65,9 @@ impl GpuProbe {
                 name: d.name,
                 total_bytes: d.total_bytes,
                 cap_bytes: 0,
+                pci_bus_id: d.pci_bus_id,
+                ordinal: None,
+                parent_uuid: d.parent_uuid,
             })
             .collect()
     }
@@ -80,9 +83,10 @@ fn read_device(nvml: &Nvml, index: u32) -> Option<pb::GpuDevice> {
         .map(|p| pb::GpuProcessUsage {
             pid: p.pid,
             used_bytes: match p.used_gpu_memory {
-                UsedGpuMemory::Used(bytes) => bytes,
-                UsedGpuMemory::Unavailable => 0,
+                UsedGpuMemory::Used(bytes) => Some(bytes),
+                UsedGpuMemory::Unavailable => None,
             },
+            view: pb::PidView::Unspecified as i32,
         })
         .collect();
     Some(pb::GpuDevice {
@@ -93,6 +97,9 @@ fn read_device(nvml: &Nvml, index: u32) -> Option<pb::GpuDevice> {
         free_bytes: memory.free,
         used_bytes: memory.used,
         processes,
+        pci_bus_id: String::new(),
+        parent_uuid: String::new(),
+        unreadable: String::new(),
     })
 }
 

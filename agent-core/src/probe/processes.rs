@@ -52,6 +52,8 @@ pub fn list(paths: &HostPaths, gpu: &GpuProbe, n: usize) -> pb::ProcessList {
                 command: info.command,
                 cgroup: info.cgroup,
                 used_bytes: p.used_bytes,
+                view: p.view,
+                device_uuid: String::new(),
             }
         })
         .collect();

@@ -122,6 +122,7 @@ impl Counters {
             driver_total_bytes,
             raw,
             raw_changes: None,
+            ..Default::default()
         }
     }
 }

@@ -478,6 +478,7 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
             snapshot: Some(snapshot),
             context: None,
             driver_error: CUDA_ERROR_OUT_OF_MEMORY,
+            device_uuid: String::new(),
         };
         *lock(&self.inner.last_oom) = Some(event.clone());
         if let Some(hook) = self.inner.oom_hook.get() {

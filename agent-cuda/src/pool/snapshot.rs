@@ -58,6 +58,7 @@ pub fn summarize(
                 allocated_bytes: allocated,
                 largest_free_block_bytes: largest,
                 pool: if seg.small { "small" } else { "large" }.into(),
+                private_pool: false,
             });
         }
     }

@@ -466,11 +466,11 @@ fn gpu_holdings(f: &Findings, death: i64) -> Option<(String, u64, Vec<Holding>)>
             };
             for p in &g.processes {
                 if own.contains(&p.pid) {
-                    h.own += p.used_bytes;
+                    h.own += p.used_bytes.unwrap_or(0);
                 } else {
-                    h.others += p.used_bytes;
+                    h.others += p.used_bytes.unwrap_or(0);
                     let command = commands.get(&p.pid).cloned().unwrap_or_default();
-                    h.by_pid.insert(p.pid, (p.used_bytes, command));
+                    h.by_pid.insert(p.pid, (p.used_bytes.unwrap_or(0), command));
                 }
             }
             Some(h)

@@ -148,7 +148,7 @@ fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
                 .filter(|p| on_device(p.device))
                 .map(|p| Holder {
                     pid: p.pid,
-                    bytes: p.used_bytes,
+                    bytes: p.used_bytes.unwrap_or(0),
                     user: p.user.clone(),
                     command: p.command.clone(),
                 })
@@ -174,7 +174,7 @@ fn gpu_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>)> {
             .iter()
             .map(|p| Holder {
                 pid: p.pid,
-                bytes: p.used_bytes,
+                bytes: p.used_bytes.unwrap_or(0),
                 user: String::new(),
                 command: String::new(),
             })

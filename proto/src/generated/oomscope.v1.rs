@@ -170,17 +170,23 @@ pub struct HostCounters {
     #[prost(message, optional, tag = "3")]
     pub system: ::core::option::Option<SystemMemory>,
 }
-/// One GPU as the driver (NVML) sees it.
+/// One GPU, or one MIG instance of a GPU, as the driver (NVML) sees it.
+/// Devices are joined with the allocator's and the error text's readings by
+/// `uuid` only: NVML's index is PCI order on the host, while PyTorch's ordinal
+/// counts the devices CUDA_VISIBLE_DEVICES leaves, in CUDA_DEVICE_ORDER.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct GpuDevice {
+    /// NVML's index of the GPU (of the parent GPU for a MIG instance).
     #[prost(int32, tag = "1")]
     pub index: i32,
+    /// "GPU-…", or "MIG-…" for a MIG instance.
     #[prost(string, tag = "2")]
     pub uuid: ::prost::alloc::string::String,
     #[prost(string, tag = "3")]
     pub name: ::prost::alloc::string::String,
+    /// The memory figures are those of the instance for MIG, never the parent's.
     #[prost(uint64, tag = "4")]
     pub total_bytes: u64,
     #[prost(uint64, tag = "5")]
@@ -189,6 +195,16 @@ pub struct GpuDevice {
     pub used_bytes: u64,
     #[prost(message, repeated, tag = "7")]
     pub processes: ::prost::alloc::vec::Vec<GpuProcessUsage>,
+    /// "0000:3B:00.0" as NVML writes it (shared by a GPU's MIG instances).
+    #[prost(string, tag = "8")]
+    pub pci_bus_id: ::prost::alloc::string::String,
+    /// For a MIG instance: the parent GPU's uuid (empty for a whole GPU).
+    #[prost(string, tag = "9")]
+    pub parent_uuid: ::prost::alloc::string::String,
+    /// Non-empty when NVML refused to read this device (its words, e.g.
+    /// "NotSupported", "GpuLost"): the memory figures are then unknown, not 0.
+    #[prost(string, tag = "10")]
+    pub unreadable: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -196,8 +212,12 @@ pub struct GpuDevice {
 pub struct GpuProcessUsage {
     #[prost(uint32, tag = "1")]
     pub pid: u32,
-    #[prost(uint64, tag = "2")]
-    pub used_bytes: u64,
+    /// Absent when NVML cannot give per-process usage (MIG without
+    /// privileges, some drivers and containers): unknown, never 0.
+    #[prost(uint64, optional, tag = "2")]
+    pub used_bytes: ::core::option::Option<u64>,
+    #[prost(enumeration = "PidView", tag = "3")]
+    pub view: i32,
 }
 /// One device's caching allocator, in PyTorch's vocabulary
 /// (torch.cuda.memory_stats()). The cudarc pool fills the same fields.
@@ -252,6 +272,13 @@ pub struct AllocatorStats {
     /// ("allocated_bytes.small_pool.freed", "max_split_size", ...).
     #[prost(map = "string, int64", tag = "22")]
     pub raw: ::std::collections::HashMap<::prost::alloc::string::String, i64>,
+    /// The device's identity (torch.cuda.get_device_properties(d).uuid, with
+    /// the "GPU-" prefix as NVML writes it; "MIG-…" on a MIG instance), the key
+    /// by which this reading joins NVML's. Empty when unknown (older agents).
+    #[prost(string, tag = "24")]
+    pub device_uuid: ::prost::alloc::string::String,
+    #[prost(string, tag = "25")]
+    pub pci_bus_id: ::prost::alloc::string::String,
     /// On the wire only, in a Sample: `raw` as changes against the same
     /// device's counters in the previous sample of this stream, sent instead of
     /// `raw` where that is smaller (see oomscope_proto::delta). The collector
@@ -354,6 +381,13 @@ pub struct SnapshotSummary {
     pub allocated_bytes: u64,
     #[prost(uint64, tag = "13")]
     pub requested_bytes: u64,
+    /// Segments of private pools (CUDA graphs, torch.cuda.MemPool), recognised
+    /// by `segment_pool_id`: their free space is held for the pool's owner and
+    /// is not fragmentation of the general pool.
+    #[prost(uint64, tag = "14")]
+    pub private_pool_reserved_bytes: u64,
+    #[prost(uint64, tag = "15")]
+    pub private_pool_free_bytes: u64,
 }
 /// The allocator's configuration, as the agent found it.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -402,6 +436,9 @@ pub struct SegmentFree {
     /// "large" or "small".
     #[prost(string, tag = "5")]
     pub pool: ::prost::alloc::string::String,
+    /// True for a segment of a private pool (`segment_pool_id` other than (0, 0)).
+    #[prost(bool, tag = "6")]
+    pub private_pool: bool,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -413,6 +450,49 @@ pub struct SiteBytes {
     pub bytes: u64,
     #[prost(uint64, tag = "3")]
     pub blocks: u64,
+}
+/// How a pid that NVML reports relates to the process that read it. NVML
+/// reports pids of the host's PID namespace; in a container they are not the
+/// pids the container's /proc shows.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum PidView {
+    /// An older agent or a replay: the pid is compared by number.
+    Unspecified = 0,
+    /// The reading process itself, or a process of its own tree.
+    Own = 1,
+    /// Another process, visible in the reader's /proc in the host's PID
+    /// namespace: the number means the same thing to NVML and to us.
+    Visible = 2,
+    /// Not in the reader's /proc, or the reader is in a PID namespace of its
+    /// own: the number cannot be resolved, so it is neither "own" nor "other"
+    /// by number.
+    Unresolved = 3,
+}
+impl PidView {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "PID_VIEW_UNSPECIFIED",
+            Self::Own => "PID_VIEW_OWN",
+            Self::Visible => "PID_VIEW_VISIBLE",
+            Self::Unresolved => "PID_VIEW_UNRESOLVED",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "PID_VIEW_UNSPECIFIED" => Some(Self::Unspecified),
+            "PID_VIEW_OWN" => Some(Self::Own),
+            "PID_VIEW_VISIBLE" => Some(Self::Visible),
+            "PID_VIEW_UNRESOLVED" => Some(Self::Unresolved),
+            _ => None,
+        }
+    }
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -607,6 +687,13 @@ pub struct Hello {
     /// "VLLM::Worker": what the kernel's OOM record names.
     #[prost(string, tag = "20")]
     pub title: ::prost::alloc::string::String,
+    /// The process's CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER, absent when
+    /// unset (an empty CUDA_VISIBLE_DEVICES hides every device): they map the
+    /// ordinal of an error text ("GPU 2 has a total capacity") to a device.
+    #[prost(string, optional, tag = "21")]
+    pub cuda_visible_devices: ::core::option::Option<::prost::alloc::string::String>,
+    #[prost(string, optional, tag = "22")]
+    pub cuda_device_order: ::core::option::Option<::prost::alloc::string::String>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -638,6 +725,15 @@ pub struct GpuPlacement {
     /// A per-process cap (torch.cuda.set_per_process_memory_fraction), 0 if none.
     #[prost(uint64, tag = "5")]
     pub cap_bytes: u64,
+    #[prost(string, tag = "6")]
+    pub pci_bus_id: ::prost::alloc::string::String,
+    /// The device's ordinal in the process (torch.cuda device index) where the
+    /// agent knows it; absent for devices read from NVML alone.
+    #[prost(int32, optional, tag = "7")]
+    pub ordinal: ::core::option::Option<i32>,
+    /// For a MIG instance: the parent GPU's uuid.
+    #[prost(string, tag = "8")]
+    pub parent_uuid: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -904,6 +1000,9 @@ pub struct Oom {
     /// A driver-level error code (CUDA_ERROR_OUT_OF_MEMORY = 2) where known.
     #[prost(int32, tag = "9")]
     pub driver_error: i32,
+    /// The failing device's identity (see AllocatorStats.device_uuid).
+    #[prost(string, tag = "10")]
+    pub device_uuid: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -955,6 +1054,7 @@ pub struct ProcessInfo {
 #[cfg_attr(feature = "serde", serde(default))]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct GpuProcess {
+    /// NVML's index of the GPU; `device_uuid` is the key to join by.
     #[prost(int32, tag = "1")]
     pub device: i32,
     #[prost(uint32, tag = "2")]
@@ -965,8 +1065,13 @@ pub struct GpuProcess {
     pub command: ::prost::alloc::string::String,
     #[prost(string, tag = "5")]
     pub cgroup: ::prost::alloc::string::String,
-    #[prost(uint64, tag = "6")]
-    pub used_bytes: u64,
+    /// Absent when NVML cannot give per-process usage: unknown, never 0.
+    #[prost(uint64, optional, tag = "6")]
+    pub used_bytes: ::core::option::Option<u64>,
+    #[prost(enumeration = "PidView", tag = "7")]
+    pub view: i32,
+    #[prost(string, tag = "8")]
+    pub device_uuid: ::prost::alloc::string::String,
 }
 /// Python heap census: objects retained per type.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]

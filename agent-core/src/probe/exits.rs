@@ -1,18 +1,27 @@
-//! How the processes of a tree ended, for processes that are not our
-//! children: the kernel's process events connector (`cn_proc`, netlink)
-//! reports every process's exit with its wait status, whoever reaps it.
+//! How the processes of a tree began and ended, for processes that are not
+//! our children: the kernel's process events connector (`cn_proc`, netlink)
+//! reports every process's fork with its parent, and its exit with its wait
+//! status, whoever reaps it.
 //!
 //! `oomscope run` can `waitid` only its own child (and, as the tree's child
 //! subreaper, orphans reparented to it). A vLLM EngineCore or Worker is a
 //! child of the API server, which reaps it within milliseconds, so its
 //! status is otherwise lost: this reader keeps it. It needs CAP_NET_ADMIN in
 //! the initial network namespace (root on a host, not an unprivileged
-//! container); where it cannot subscribe, [`ExitEvents::open`] says why and
+//! container); where it cannot subscribe, [`ProcessEvents::open`] says why and
 //! the supervisor falls back to reading zombies and, last, to "vanished".
 //!
+//! The events are host-wide and name processes by their pids in the initial
+//! PID namespace. A pid says which process it is only with its fork: once
+//! a process ends, its pid is free for anyone's next process (32768 pids by
+//! default), so whoever keeps pids across events must follow the forks.
+//! [`ProcessEvents::open`] checks that the events speak of this process's
+//! own pids (a supervisor in another PID namespace would read strangers'
+//! pids as its own) by forking a child and finding its fork among them.
+//!
 //! The socket is non-blocking and drained at each poll; a burst larger than
-//! its receive buffer loses events (ENOBUFS), which only sends those exits
-//! down the same fallbacks.
+//! its receive buffer loses events (ENOBUFS): a lost exit goes down the
+//! same fallbacks, and a lost fork leaves that pid to the tree's readings.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -21,12 +30,26 @@ const NETLINK_CONNECTOR: libc::c_int = 11;
 const CN_IDX_PROC: u32 = 1;
 const CN_VAL_PROC: u32 = 1;
 const PROC_CN_MCAST_LISTEN: u32 = 1;
-/// `proc_event.what` for an exit.
+/// `proc_event.what` for a fork and for an exit.
+const PROC_EVENT_FORK: u32 = 0x0000_0001;
 const PROC_EVENT_EXIT: u32 = 0x8000_0000;
 /// nlmsghdr (16 bytes) + cn_msg header (20 bytes): where the event starts.
 const EVENT_OFFSET: usize = 36;
-/// The receive buffer asked for: a few thousand exits between two polls.
+/// The receive buffer asked for: a few thousand events between two polls.
 const RECEIVE_BUFFER_BYTES: libc::c_int = 1 << 20;
+/// How long [`ProcessEvents::open`] waits for the fork of its test child.
+const SELF_CHECK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// One event of a whole process (a thread's fork or exit is none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcEvent {
+    /// `parent` started `child`: a new life of the pid `child`.
+    Fork {
+        parent: u32,
+        child: u32,
+    },
+    Exit(ProcExit),
+}
 
 /// One process's end as the kernel reported it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,16 +76,17 @@ pub fn split_wait_status(status: u32) -> (Option<i32>, Option<i32>, bool) {
     }
 }
 
-/// A subscription to the kernel's process exits.
+/// A subscription to the kernel's process forks and exits.
 #[derive(Debug)]
-pub struct ExitEvents {
+pub struct ProcessEvents {
     socket: OwnedFd,
 }
 
-impl ExitEvents {
+impl ProcessEvents {
     /// Subscribes; Err says why not (no netlink connector, no privilege, a
-    /// network namespace other than the host's).
-    pub fn open() -> Result<ExitEvents, String> {
+    /// network namespace other than the host's, events that do not name
+    /// this process's pids).
+    pub fn open() -> Result<ProcessEvents, String> {
         // SAFETY: plain socket(2); the fd is owned right after.
         let fd = unsafe {
             libc::socket(
@@ -115,12 +139,65 @@ impl ExitEvents {
                 std::io::Error::last_os_error()
             ));
         }
-        Ok(ExitEvents { socket })
+        let mut events = ProcessEvents { socket };
+        events.check_own_pids()?;
+        Ok(events)
     }
 
-    /// The exits reported since the last call (whole processes only, not
-    /// single threads). Never blocks.
-    pub fn read(&mut self) -> Vec<ProcExit> {
+    /// Forks a child that exits at once and waits for its fork among the
+    /// events, with this process as its parent: the kernel ignores a
+    /// subscriber outside the initial PID namespace or sends it pids that
+    /// are not the ones it knows, and either way its events would be wrong.
+    fn check_own_pids(&mut self) -> Result<(), String> {
+        // SAFETY: the child only calls _exit (async-signal-safe), whatever
+        // threads the parent has.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: see above.
+            unsafe { libc::_exit(0) };
+        }
+        if child < 0 {
+            return Err(format!(
+                "fork for the process events check: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let mut status = 0;
+        // SAFETY: reaps our own child.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        let me = std::process::id();
+        let deadline = std::time::Instant::now() + SELF_CHECK_WAIT;
+        loop {
+            let seen = self.read().into_iter().any(|e| {
+                e == ProcEvent::Fork {
+                    parent: me,
+                    child: child as u32,
+                }
+            });
+            if seen {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "the process events never reported the fork of this process's own \
+                     child within {} s (another PID namespace than the host's?)",
+                    SELF_CHECK_WAIT.as_secs()
+                ));
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.socket.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd we own.
+            unsafe { libc::poll(&mut pfd, 1, left.as_millis().max(1) as libc::c_int) };
+        }
+    }
+
+    /// The forks and exits reported since the last call (whole processes
+    /// only, not single threads), in the kernel's order. Never blocks.
+    pub fn read(&mut self) -> Vec<ProcEvent> {
         let mut out = Vec::new();
         let mut buf = [0u8; 4096];
         loop {
@@ -170,47 +247,59 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
-/// The exit in one datagram, if it reports one of a whole process: the
-/// event is `what`, `cpu`, `timestamp_ns`, then for an exit `pid`, `tgid`,
-/// `exit_code` (a wait status), `exit_signal`.
-pub fn parse_datagram(b: &[u8]) -> Option<ProcExit> {
-    if u32_at(b, EVENT_OFFSET)? != PROC_EVENT_EXIT {
-        return None;
-    }
+/// The fork or exit in one datagram, if it reports one of a whole process:
+/// the event is `what`, `cpu`, `timestamp_ns`, then for a fork
+/// `parent_pid`, `parent_tgid`, `child_pid`, `child_tgid`, and for an exit
+/// `pid`, `tgid`, `exit_code` (a wait status), `exit_signal`.
+pub fn parse_datagram(b: &[u8]) -> Option<ProcEvent> {
     let data = EVENT_OFFSET + 16;
-    let pid = u32_at(b, data)?;
-    let tgid = u32_at(b, data + 4)?;
-    let wait_status = u32_at(b, data + 8)?;
-    // A thread's exit is not the process's.
-    (pid == tgid).then_some(ProcExit { pid, wait_status })
+    match u32_at(b, EVENT_OFFSET)? {
+        PROC_EVENT_FORK => {
+            let parent = u32_at(b, data + 4)?;
+            let child = u32_at(b, data + 8)?;
+            let child_tgid = u32_at(b, data + 12)?;
+            // A new thread is no new process.
+            (child == child_tgid).then_some(ProcEvent::Fork { parent, child })
+        }
+        PROC_EVENT_EXIT => {
+            let pid = u32_at(b, data)?;
+            let tgid = u32_at(b, data + 4)?;
+            let wait_status = u32_at(b, data + 8)?;
+            // A thread's exit is not the process's.
+            (pid == tgid).then_some(ProcEvent::Exit(ProcExit { pid, wait_status }))
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn exit_datagram(pid: u32, tgid: u32, status: u32) -> Vec<u8> {
+    fn datagram(what: u32, fields: [u32; 4]) -> Vec<u8> {
         let mut b = vec![0u8; EVENT_OFFSET];
-        b.extend(PROC_EVENT_EXIT.to_ne_bytes());
+        b.extend(what.to_ne_bytes());
         b.extend(0u32.to_ne_bytes());
         b.extend(0u64.to_ne_bytes());
-        for v in [pid, tgid, status, 17] {
+        for v in fields {
             b.extend(v.to_ne_bytes());
         }
         b
     }
 
+    fn exit_datagram(pid: u32, tgid: u32, status: u32) -> Vec<u8> {
+        datagram(PROC_EVENT_EXIT, [pid, tgid, status, 17])
+    }
+
     #[test]
     fn an_exit_datagram_gives_the_process_and_its_wait_status() {
         let e = parse_datagram(&exit_datagram(42, 42, 9)).unwrap();
-        assert_eq!(
-            e,
-            ProcExit {
-                pid: 42,
-                wait_status: 9
-            }
-        );
-        assert_eq!(e.status(), (None, Some(9), false));
+        let exit = ProcExit {
+            pid: 42,
+            wait_status: 9,
+        };
+        assert_eq!(e, ProcEvent::Exit(exit));
+        assert_eq!(exit.status(), (None, Some(9), false));
         assert!(
             parse_datagram(&exit_datagram(43, 42, 0)).is_none(),
             "a thread"
@@ -219,9 +308,24 @@ mod tests {
             parse_datagram(&exit_datagram(42, 42, 9)[..50]).is_none(),
             "cut"
         );
-        let mut fork = exit_datagram(42, 42, 0);
-        fork[EVENT_OFFSET..EVENT_OFFSET + 4].copy_from_slice(&1u32.to_ne_bytes());
-        assert!(parse_datagram(&fork).is_none(), "not an exit");
+        let mut exec = exit_datagram(42, 42, 0);
+        exec[EVENT_OFFSET..EVENT_OFFSET + 4].copy_from_slice(&2u32.to_ne_bytes());
+        assert!(parse_datagram(&exec).is_none(), "an exec: neither");
+    }
+
+    #[test]
+    fn a_fork_datagram_gives_the_parent_process_and_the_child() {
+        // parent_pid is the forking thread (11), parent_tgid its process (10).
+        let fork = datagram(PROC_EVENT_FORK, [11, 10, 42, 42]);
+        assert_eq!(
+            parse_datagram(&fork),
+            Some(ProcEvent::Fork {
+                parent: 10,
+                child: 42
+            })
+        );
+        let thread = datagram(PROC_EVENT_FORK, [10, 10, 43, 42]);
+        assert!(parse_datagram(&thread).is_none(), "a new thread");
     }
 
     #[test]
@@ -232,12 +336,13 @@ mod tests {
         assert_eq!(split_wait_status(15), (None, Some(15), false));
     }
 
-    /// On a host where we may subscribe (root in the host's network
-    /// namespace), a child's SIGKILL is reported with its status; elsewhere
-    /// the reason is given and nothing else is checked.
+    /// On a host where we may subscribe (root in the host's network and PID
+    /// namespaces), a child's fork is reported with us as its parent, then
+    /// its SIGKILL with its status; elsewhere the reason is given and
+    /// nothing else is checked.
     #[test]
     fn a_killed_process_is_reported_where_the_kernel_lets_us_subscribe() {
-        let mut events = match ExitEvents::open() {
+        let mut events = match ProcessEvents::open() {
             Ok(e) => e,
             Err(why) => {
                 eprintln!("process events unavailable here: {why}");
@@ -252,12 +357,29 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut seen = None;
-        while seen.is_none() && std::time::Instant::now() < deadline {
-            seen = events.read().into_iter().find(|e| e.pid == pid);
+        let mut seen = Vec::new();
+        let exit = loop {
+            seen.extend(events.read().into_iter().filter(|e| match e {
+                ProcEvent::Fork { child, .. } => *child == pid,
+                ProcEvent::Exit(x) => x.pid == pid,
+            }));
+            if let Some(ProcEvent::Exit(x)) = seen.last() {
+                break *x;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the kill was reported: {seen:?}"
+            );
             std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        let e = seen.expect("the kill was reported");
-        assert_eq!(e.status(), (None, Some(9), false));
+        };
+        assert_eq!(
+            seen[0],
+            ProcEvent::Fork {
+                parent: std::process::id(),
+                child: pid
+            },
+            "the fork comes first, from this process"
+        );
+        assert_eq!(exit.status(), (None, Some(9), false));
     }
 }

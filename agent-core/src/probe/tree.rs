@@ -172,6 +172,18 @@ pub fn descends_from(paths: &HostPaths, pid: u32, ancestor: u32) -> bool {
     false
 }
 
+/// What a fork means to the tree ([`TreeWatch::forked`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fork {
+    /// The child is a process of the tree.
+    Ours,
+    /// The child holds a pid the tree knew, outside it: that pid was
+    /// freed and is someone else's now.
+    Taken,
+    /// Neither the child nor its parent is the tree's.
+    Unrelated,
+}
+
 /// One run's tree: the latest reading's pids and every pid seen in it
 /// since the run began, to tell whether a pid the kernel names is ours, and
 /// what each process was (its title, command line, parent) once it is gone.
@@ -294,6 +306,41 @@ impl TreeWatch {
     /// is still there, a zombie included).
     pub fn owns(&self, pid: u32) -> bool {
         self.seen.contains_key(&pid) || descends_from(&self.paths, pid, self.root)
+    }
+
+    /// Follows a fork the kernel reported (process events, in order): a
+    /// child of a process of the tree is ours, and a pid the run knew that
+    /// a process outside the tree now holds is not ours any more: it was
+    /// freed and taken again, and what it does now is someone else's.
+    pub fn forked(&mut self, parent: u32, child: u32) -> Fork {
+        if child == self.root || self.seen.contains_key(&parent) {
+            self.remember(child);
+            return Fork::Ours;
+        }
+        if !self.seen.contains_key(&child) {
+            return Fork::Unrelated;
+        }
+        // A parent the walks and the events missed may still be ours.
+        if descends_from(&self.paths, parent, self.root) {
+            self.remember(child);
+            return Fork::Ours;
+        }
+        self.forget(child);
+        Fork::Taken
+    }
+
+    /// `pid` begins a new life in the tree (its earlier one ended): it is
+    /// seen from now on, and what a reading listed of the earlier one no
+    /// longer describes it.
+    pub fn renew(&mut self, pid: u32) {
+        self.forget(pid);
+        self.remember(pid);
+    }
+
+    fn forget(&mut self, pid: u32) {
+        self.seen.remove(&pid);
+        self.listed.remove(&pid);
+        self.current.retain(|&p| p != pid || p == self.root);
     }
 
     /// When `pid` was first seen in the tree, if it was.
@@ -436,5 +483,54 @@ mod tests {
         assert!(w.owns(103));
         assert!(descends_from(&paths(r), 103, 100));
         assert!(!descends_from(&paths(r), 200, 100));
+    }
+
+    #[test]
+    fn forks_tell_the_trees_processes_from_a_pid_taken_by_another() {
+        let tmp = tempfile::tempdir().unwrap();
+        let r = tmp.path();
+        fake(r, 100, 1, "server", 1000, Some(800));
+        fake(r, 101, 100, "worker", 1000, Some(800));
+        fake(r, 555, 1, "other", 1000, Some(800));
+        let mut w = TreeWatch::new(paths(r), 100);
+        assert_eq!(w.read().processes.len(), 2);
+
+        // The server forks: its child is ours before any reading lists it.
+        assert_eq!(w.forked(100, 102), Fork::Ours);
+        assert!(w.owns(102));
+        // A stranger's fork of a pid nobody knew: nothing of ours.
+        assert_eq!(w.forked(555, 777), Fork::Unrelated);
+        assert!(!w.owns(777));
+
+        // The worker ends and a stranger's child takes its pid: not ours.
+        std::fs::remove_dir_all(r.join("101")).unwrap();
+        fake(r, 101, 555, "python3", 10, Some(10));
+        assert!(w.owns(101) && w.last_listed(101).is_some(), "known before");
+        assert_eq!(w.forked(555, 101), Fork::Taken);
+        assert!(!w.owns(101), "someone else's now");
+        assert!(w.last_listed(101).is_none());
+        assert!(!w.members().contains(&101));
+
+        // A child of a process the walks missed that descends from the root
+        // is ours, even with a pid the run knew.
+        fake(r, 103, 100, "sh", 10, Some(10));
+        w.remember(104);
+        assert_eq!(w.forked(103, 104), Fork::Ours);
+        assert!(w.owns(104));
+
+        // A new life of a listed pid: seen anew, the old listing gone.
+        let before = w.first_seen(100).unwrap();
+        fake(r, 102, 100, "worker", 10, Some(10));
+        w.read();
+        assert!(w.last_listed(102).is_some());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        w.renew(102);
+        assert!(w.last_listed(102).is_none());
+        assert!(w.first_seen(102).unwrap() > before);
+        assert_eq!(
+            w.forked(1, 100),
+            Fork::Ours,
+            "the root is ours whoever started it"
+        );
     }
 }

@@ -13,15 +13,25 @@
 //!   with no status (a container without CAP_NET_ADMIN).
 //!
 //! Each end is sent as a `ChildExit` with `member` set, for members a full
-//! tree reading listed (so a server forking a short-lived helper per request
-//! sends nothing for them), within a budget.
+//! tree reading listed, within a budget. A non-zero exit of a process that
+//! lived less than [`MEMBER_MIN_LIFETIME`] is a helper's answer, not a
+//! death of the instance, and is not sent: a reading is an instant, and
+//! one can list a process that lives a millisecond (pyenv's `python3` shim
+//! runs `readlink`s that exit 1; `ctypes.util.find_library` runs `ldconfig`
+//! and `gcc`).
+//!
+//! Which process a pid is, the process events' forks say: a pid of the
+//! tree that a process outside it takes again (pids are reused) is
+//! forgotten, so that neither its end nor the kernel's kill of it is ever
+//! recorded as the instance's, and a pid the tree reuses is a new member
+//! whose end is read afresh.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::exits::{split_wait_status, ExitEvents};
-use oomscope_agent_core::probe::tree::{descendants, describe, parse_children, TreeWatch};
+use oomscope_agent_core::probe::exits::{split_wait_status, ProcEvent, ProcessEvents};
+use oomscope_agent_core::probe::tree::{descendants, describe, parse_children, Fork, TreeWatch};
 use oomscope_agent_core::probe::HostPaths;
 use oomscope_agent_core::reporter::Reporter;
 
@@ -38,6 +48,12 @@ pub const MEMBER_ENDS_PER_MINUTE: u32 = 60;
 /// reader went first). A member ended by one is recorded, never a failure
 /// by itself.
 const STOP_SIGNALS: [i32; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGPIPE];
+/// The shortest life after which a non-zero exit is a member's failure:
+/// a server's helpers (a shell's `readlink`, `ldconfig`, a compiler probe)
+/// answer within a second; a member that serves lives longer. A kill by a
+/// signal is a death however short the life (a helper is seldom killed;
+/// a kill by the kernel's OOM killer has its own record anyway).
+pub const MEMBER_MIN_LIFETIME: Duration = Duration::from_secs(1);
 /// The most processes the survivors' message names.
 const SURVIVORS_NAMED: usize = 8;
 
@@ -54,16 +70,26 @@ pub fn is_failure(status: Option<Status>) -> bool {
     }
 }
 
+/// A non-zero exit after less than [`MEMBER_MIN_LIFETIME`] (or after a
+/// life of unknown length): a helper's answer, no member's failure.
+fn is_helper_answer(status: Option<Status>, lived: Option<Duration>) -> bool {
+    matches!(status, Some((Some(code), None, _)) if code != 0)
+        && lived.is_none_or(|l| l < MEMBER_MIN_LIFETIME)
+}
+
 pub(super) struct Members {
-    events: Option<ExitEvents>,
+    events: Option<ProcessEvents>,
     /// Why there are no process events, where there are none.
     no_events: Option<String>,
-    /// Members whose end was sent (or judged not worth sending).
+    /// Members whose end was sent (or judged not worth sending), until
+    /// their pid begins a new life.
     reported: HashSet<u32>,
     /// Failed ends, and the others, left to send this minute: apart, so
     /// that helpers ending well in a loop never crowd out a death.
     failures: Budget,
     ends: Budget,
+    /// Ends read from the process events, to send after the kernel's kill records.
+    pending: Vec<pb::Event>,
     me: u32,
 }
 
@@ -79,7 +105,7 @@ impl Members {
                 std::io::Error::last_os_error()
             );
         }
-        let (events, no_events) = match ExitEvents::open() {
+        let (events, no_events) = match ProcessEvents::open() {
             Ok(e) => (Some(e), None),
             Err(why) => {
                 eprintln!(
@@ -96,6 +122,7 @@ impl Members {
             reported: HashSet::new(),
             failures: Budget::new(),
             ends: Budget::new(),
+            pending: Vec::new(),
             me: std::process::id(),
         }
     }
@@ -108,29 +135,45 @@ impl Members {
         }
     }
 
-    /// At each poll: the ends the kernel reported for processes of `tree`
-    /// other than `main` (whose end the supervisor reads itself).
-    pub fn poll(
+    /// At each poll, first: the forks and the ends the kernel reported, in
+    /// its order. Forks tell `tree` which pids are its processes; the ends
+    /// of those other than `main` (whose end the supervisor reads itself)
+    /// wait for [`Members::send_ends`], so that the kernel's record of a
+    /// kill, read in between, comes before the end it caused.
+    pub fn follow_events(
         &mut self,
-        tree: &TreeWatch,
+        tree: &mut TreeWatch,
         main: u32,
-        reporter: &Reporter,
         counters: &dyn Fn() -> pb::HostCounters,
     ) {
         let Some(events) = self.events.as_mut() else {
             return;
         };
         for e in events.read() {
-            if e.pid != main && e.pid != self.me && tree.owns(e.pid) {
-                self.send(
-                    tree,
-                    e.pid,
-                    Some(e.status()),
-                    "proc_events",
-                    reporter,
-                    counters,
-                );
+            match e {
+                ProcEvent::Fork { parent, child } => match tree.forked(parent, child) {
+                    // The pid's earlier life in the tree ended: its next end is news.
+                    Fork::Ours if self.reported.remove(&child) => tree.renew(child),
+                    Fork::Taken => {
+                        self.reported.remove(&child);
+                    }
+                    Fork::Ours | Fork::Unrelated => {}
+                },
+                ProcEvent::Exit(x) => {
+                    if x.pid != main && x.pid != self.me && tree.owns(x.pid) {
+                        let end =
+                            self.end_of(tree, x.pid, Some(x.status()), "proc_events", counters);
+                        self.pending.extend(end);
+                    }
+                }
             }
+        }
+    }
+
+    /// Sends the ends [`Members::follow_events`] found.
+    pub fn send_ends(&mut self, reporter: &Reporter) {
+        for end in self.pending.drain(..) {
+            reporter.send_event(end);
         }
     }
 
@@ -145,6 +188,7 @@ impl Members {
         reporter: &Reporter,
         counters: &dyn Fn() -> pb::HostCounters,
     ) {
+        let mut ends = Vec::new();
         for pid in own_children(paths, self.me) {
             if pid == main {
                 continue;
@@ -153,46 +197,50 @@ impl Members {
             // SAFETY: waitpid on our own child (an adopted orphan), non-blocking.
             let rc = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
             if rc == pid as libc::pid_t {
-                self.send(
-                    tree,
-                    pid,
-                    Some(split_wait_status(status as u32)),
-                    "reaped",
-                    reporter,
-                    counters,
-                );
+                let status = Some(split_wait_status(status as u32));
+                ends.extend(self.end_of(tree, pid, status, "reaped", counters));
             }
         }
         if self.events.is_none() {
             for p in tree.gone() {
                 let alive = paths.proc_root.join(p.pid.to_string()).exists();
                 if !alive && p.pid != main {
-                    self.send(tree, p.pid, None, "vanished", reporter, counters);
+                    ends.extend(self.end_of(tree, p.pid, None, "vanished", counters));
                 }
             }
         }
+        for end in ends {
+            reporter.send_event(end);
+        }
     }
 
-    fn send(
+    /// The event that records how member `pid` ended, if it is to be sent.
+    fn end_of(
         &mut self,
         tree: &TreeWatch,
         pid: u32,
         status: Option<Status>,
         from: &str,
-        reporter: &Reporter,
         counters: &dyn Fn() -> pb::HostCounters,
-    ) {
+    ) -> Option<pb::Event> {
         if !self.reported.insert(pid) {
-            return;
+            return None;
         }
-        // Only members a full reading listed (that lived a sample interval):
-        // servers run short-lived helpers that fail as a matter of course
-        // (`ctypes.util.find_library` runs `ldconfig`, a probe runs a
-        // command), and a process the OOM killer takes within milliseconds
-        // of its start has the kernel's record of its kill instead.
-        let Some(listed) = tree.last_listed(pid) else {
-            return;
-        };
+        // Only members a full reading listed: it knows what they were.
+        let listed = tree.last_listed(pid)?;
+        // Servers run helpers that fail as a matter of course, and a
+        // reading may catch one in its millisecond; a process the OOM
+        // killer takes that fast has the kernel's record of its kill.
+        let lived = tree.first_seen(pid).map(|t| t.elapsed());
+        if is_helper_answer(status, lived) {
+            tracing::debug!(
+                pid,
+                title = listed.title,
+                ?lived,
+                "a helper's non-zero exit: not sent"
+            );
+            return None;
+        }
         let failed = is_failure(status);
         let budget = match failed {
             true => &mut self.failures,
@@ -204,7 +252,7 @@ impl Members {
                 failed,
                 "member ends over {MEMBER_ENDS_PER_MINUTE}/min: not sent"
             );
-            return;
+            return None;
         }
         let info = listed.clone();
         let (exit_code, signal, core_dumped) = status.unwrap_or((None, None, false));
@@ -214,9 +262,7 @@ impl Members {
             signal,
             core_dumped,
             after: Some(counters()),
-            runtime_ns: tree
-                .first_seen(pid)
-                .map_or(0, |t| t.elapsed().as_nanos() as u64),
+            runtime_ns: lived.map_or(0, |l| l.as_nanos() as u64),
             member: true,
             parent_pid: info.parent_pid,
             title: info.title,
@@ -224,7 +270,7 @@ impl Members {
             status_from: from.to_string(),
             ..Default::default()
         };
-        reporter.send_event(event(pb::event::Kind::ChildExit(exit)));
+        Some(event(pb::event::Kind::ChildExit(exit)))
     }
 
     /// The processes of the tree still alive besides the supervisor (its
@@ -305,5 +351,21 @@ mod tests {
         assert!(!is_failure(Some((Some(0), None, false))));
         assert!(!is_failure(Some((None, Some(libc::SIGTERM), false))));
         assert!(!is_failure(None), "vanished: no status");
+    }
+
+    #[test]
+    fn a_nonzero_exit_after_a_short_life_is_a_helpers_answer_and_a_kill_a_death() {
+        let exit1 = Some((Some(1), None, false));
+        let ms = Duration::from_millis;
+        assert!(is_helper_answer(exit1, Some(ms(2))), "readlink");
+        assert!(is_helper_answer(exit1, Some(ms(999))));
+        assert!(is_helper_answer(exit1, None), "a life of unknown length");
+        assert!(!is_helper_answer(exit1, Some(MEMBER_MIN_LIFETIME)));
+        assert!(!is_helper_answer(
+            Some((None, Some(libc::SIGKILL), false)),
+            Some(ms(2))
+        ));
+        assert!(!is_helper_answer(Some((Some(0), None, false)), Some(ms(2))));
+        assert!(!is_helper_answer(None, Some(ms(2))), "vanished");
     }
 }

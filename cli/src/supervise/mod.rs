@@ -360,10 +360,11 @@ fn run_once(
     sampling.run(&mut watch, None);
     // A kill the kernel is still logging comes before the exit, and so do
     // the ends of members reported meanwhile.
-    watch.drain_kills(reporter);
     watch
         .members
-        .poll(&watch.tree, pid, reporter, &|| watch.probe.counters());
+        .follow_events(&mut watch.tree, pid, &|| watch.probe.counters());
+    watch.drain_kills(reporter);
+    watch.members.send_ends(reporter);
 
     // The child has ended but is not reaped: read what it left.
     let after = watch.probe.counters();
@@ -511,12 +512,14 @@ impl Readers for ChildWatch<'_> {
 
     fn poll(&mut self, reporter: &Reporter) -> Flow {
         let pid = self.pid;
-        // New processes first, so that a kill of one is matched to it.
+        // New processes first, and pids taken by others forgotten, so that
+        // a kill is matched to the process that holds its pid now.
         self.tree.refresh_children();
-        self.send_kills(reporter);
         let probe = &self.probe;
         self.members
-            .poll(&self.tree, pid, reporter, &|| probe.counters());
+            .follow_events(&mut self.tree, pid, &|| probe.counters());
+        self.send_kills(reporter);
+        self.members.send_ends(reporter);
         if !self.main_alive {
             return self.poll_survivors(reporter);
         }

@@ -172,6 +172,7 @@ fn pci_bus_id(ctx: &CudaContext) -> Result<String, DriverError> {
     Ok(format_pci_bus_id(domain, bus, device))
 }
 
+/// NVML's form of a PCI address: 4 hex digits of domain, upper case.
 pub fn format_pci_bus_id(domain: i32, bus: i32, device: i32) -> String {
     format!("{domain:04X}:{bus:02X}:{device:02X}.0")
 }

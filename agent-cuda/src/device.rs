@@ -19,7 +19,8 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 pub struct DeviceInfo {
     pub index: i32,
     pub name: String,
-    /// "GPU-…" as NVML writes it: the key that joins this device's readings to NVML's.
+    /// "GPU-…" as NVML writes it: the key that joins this device's readings
+    /// to NVML's; empty when unknown.
     pub uuid: String,
     /// "0000:3B:00.0" as NVML writes it; empty when unknown.
     pub pci_bus_id: String,

@@ -117,8 +117,10 @@ impl CudaAgent {
             name: info.name.clone(),
             total_bytes: info.total_bytes,
             cap_bytes: 0,
+            pci_bus_id: info.pci_bus_id.clone(),
             ordinal: Some(info.index),
-            ..Default::default()
+            // A MIG instance's parent is not read through the driver API.
+            parent_uuid: String::new(),
         }];
         hello.allocator_settings = Some(pool.settings());
         hello.labels = cfg.labels.iter().cloned().collect();

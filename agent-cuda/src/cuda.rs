@@ -1,16 +1,19 @@
 //! The CUDA driver through cudarc (dynamically loaded, so a binary built
 //! here runs where there is no GPU and reports the device absent).
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
-use crate::device::{DeviceError, DeviceInfo, DeviceMemory};
+use crate::device::{ContextScope, DeviceError, DeviceInfo, DeviceMemory};
 
 /// One CUDA device's primary context. Segments come from `cuMemAlloc`
 /// (synchronous: a segment outlives any one stream's work, as in PyTorch).
+/// Every call here leaves the calling thread's current context as it was.
 pub struct Cuda {
-    ctx: Arc<CudaContext>,
+    // Dropped by hand, inside a RestoreCurrent: cudarc binds it to release it.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
     info: DeviceInfo,
 }
 
@@ -43,6 +46,34 @@ fn driver_error(e: DriverError, requested: u64) -> DeviceError {
     }
 }
 
+/// The calling thread's current context when saved, made current again on
+/// drop: for cudarc calls that bind a context themselves (creating and
+/// releasing one), which have no push/pop form.
+struct RestoreCurrent(Option<sys::CUcontext>);
+
+impl RestoreCurrent {
+    fn save() -> Result<RestoreCurrent, DeviceError> {
+        guarded("cuCtxGetCurrent", || {
+            result::ctx::get_current()
+                .map(RestoreCurrent)
+                .map_err(|e| driver_error(e, 0))
+        })
+    }
+}
+
+impl Drop for RestoreCurrent {
+    fn drop(&mut self) {
+        // Null pops what was bound onto an empty stack: the thread had none.
+        let ctx = self.0.unwrap_or(std::ptr::null_mut());
+        // SAFETY: `ctx` was current on this thread (or is null); a context
+        // the caller had current is one the caller keeps alive.
+        let set = std::panic::catch_unwind(|| unsafe { result::ctx::set_current(ctx) });
+        if !matches!(set, Ok(Ok(()))) {
+            tracing::warn!("oomscope: restoring the caller's CUDA context failed: {set:?}");
+        }
+    }
+}
+
 /// cudarc panics in some paths where a driver is half-present; a panic
 /// must never reach the caller (or cross FFI), so it becomes an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, DeviceError>) -> Result<T, DeviceError> {
@@ -61,6 +92,10 @@ impl Cuda {
             return Err(DeviceError::Absent("libcuda.so not found".into()));
         }
         guarded("open", || {
+            // cuCtxGetCurrent needs an initialised driver.
+            result::init().map_err(|e| DeviceError::Absent(format!("{e:?}")))?;
+            // CudaContext::new binds the new context to this thread.
+            let _restore = RestoreCurrent::save()?;
             let ctx =
                 CudaContext::new(ordinal).map_err(|e| DeviceError::Absent(format!("{e:?}")))?;
             let uuid = ctx
@@ -71,12 +106,18 @@ impl Cuda {
                 index: ordinal as i32,
                 name: ctx.name().unwrap_or_default(),
                 uuid,
+                pci_bus_id: pci_bus_id(&ctx).unwrap_or_default(),
                 total_bytes: ctx.total_mem().map_or(0, |t| t as u64),
             };
-            Ok(Cuda { ctx, info })
+            Ok(Cuda {
+                ctx: ManuallyDrop::new(ctx),
+                info,
+            })
         })
     }
 
+    /// cudarc's context, for kernels and streams. cudarc's own calls bind
+    /// it to the calling thread and leave it current.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -91,7 +132,7 @@ impl Cuda {
     /// `dst` must point at `size_of_val(src)` bytes of this device's memory.
     pub unsafe fn copy_to_device<T: Copy>(&self, dst: u64, src: &[T]) -> Result<(), DeviceError> {
         guarded("htod", || {
-            self.ctx.bind_to_thread().map_err(|e| driver_error(e, 0))?;
+            let _scope = ContextScope::enter(self)?;
             unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| driver_error(e, 0))
         })
     }
@@ -102,10 +143,38 @@ impl Cuda {
     /// `src` must point at `size_of_val(dst)` bytes of this device's memory.
     pub unsafe fn copy_to_host<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), DeviceError> {
         guarded("dtoh", || {
-            self.ctx.bind_to_thread().map_err(|e| driver_error(e, 0))?;
+            let _scope = ContextScope::enter(self)?;
             unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| driver_error(e, 0))
         })
     }
+}
+
+impl Drop for Cuda {
+    fn drop(&mut self) {
+        // Releasing the primary context binds it first. When the caller has
+        // this very context current it stays as the driver leaves it.
+        let restore = RestoreCurrent::save()
+            .ok()
+            .filter(|r| r.0 != Some(self.ctx.cu_ctx()));
+        // SAFETY: dropped once, here; `self.ctx` is not used after.
+        unsafe { ManuallyDrop::drop(&mut self.ctx) };
+        drop(restore);
+    }
+}
+
+/// The device's PCI address in NVML's form, "0000:3B:00.0" (domain, bus,
+/// device; a GPU is function 0).
+fn pci_bus_id(ctx: &CudaContext) -> Result<String, DriverError> {
+    use sys::CUdevice_attribute::*;
+    let domain = ctx.attribute(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+    let bus = ctx.attribute(CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+    let device = ctx.attribute(CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+    Ok(format_pci_bus_id(domain, bus, device))
+}
+
+/// NVML's form of a PCI address: 4 hex digits of domain, upper case.
+pub fn format_pci_bus_id(domain: i32, bus: i32, device: i32) -> String {
+    format!("{domain:04X}:{bus:02X}:{device:02X}.0")
 }
 
 /// The driver's 16 UUID bytes as nvidia-smi prints them: GPU-xxxxxxxx-xxxx-...
@@ -126,19 +195,39 @@ impl DeviceMemory for Cuda {
         &self.info
     }
 
+    fn push_context(&self) -> Result<(), DeviceError> {
+        guarded("cuCtxPushCurrent", || {
+            // An earlier asynchronous error of this context fails the call, as cudarc's bind does.
+            self.ctx.check_err().map_err(|e| driver_error(e, 0))?;
+            // SAFETY: our primary context, retained for as long as `self` lives.
+            unsafe { sys::cuCtxPushCurrent_v2(self.ctx.cu_ctx()) }
+                .result()
+                .map_err(|e| driver_error(e, 0))
+        })
+    }
+
+    fn pop_context(&self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the popped context into `popped`, nothing else.
+        let pop = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }.result()
+        }));
+        if !matches!(pop, Ok(Ok(()))) {
+            tracing::warn!("oomscope: restoring the caller's CUDA context failed: {pop:?}");
+        }
+    }
+
     fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
         guarded("alloc", || {
-            self.ctx
-                .bind_to_thread()
-                .map_err(|e| driver_error(e, bytes))?;
-            // SAFETY: a plain cuMemAlloc in a bound context.
+            let _scope = ContextScope::enter(self)?;
+            // SAFETY: a plain cuMemAlloc in this device's context.
             unsafe { result::malloc_sync(bytes as usize) }.map_err(|e| driver_error(e, bytes))
         })
     }
 
     unsafe fn free(&self, ptr: u64, _bytes: u64) -> Result<(), DeviceError> {
         guarded("free", || {
-            self.ctx.bind_to_thread().map_err(|e| driver_error(e, 0))?;
+            let _scope = ContextScope::enter(self)?;
             // SAFETY: the caller guarantees `ptr` came from `alloc` and is unused.
             unsafe { result::free_sync(ptr) }.map_err(|e| driver_error(e, 0))
         })
@@ -146,7 +235,7 @@ impl DeviceMemory for Cuda {
 
     fn mem_get_info(&self) -> Result<(u64, u64), DeviceError> {
         guarded("mem_get_info", || {
-            self.ctx.bind_to_thread().map_err(|e| driver_error(e, 0))?;
+            let _scope = ContextScope::enter(self)?;
             result::mem_get_info()
                 .map(|(f, t)| (f as u64, t as u64))
                 .map_err(|e| driver_error(e, 0))

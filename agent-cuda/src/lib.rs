@@ -18,7 +18,7 @@ pub use oomscope_agent_core::pb;
 
 pub use agent::{AgentConfig, CudaAgent};
 pub use cuda::{libcuda_present, Cuda};
-pub use device::{DeviceError, DeviceInfo, DeviceMemory};
+pub use device::{ContextScope, DeviceError, DeviceInfo, DeviceMemory};
 pub use pool::{OomError, Pool, PoolError, StreamId, TrackedSlice, TrackingPool, UntrackedPool};
 pub use simulated::Simulated;
 pub use tag::Tag;

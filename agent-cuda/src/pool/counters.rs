@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use crate::device::DeviceInfo;
 use crate::pb;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -64,11 +65,11 @@ fn u(v: i64) -> u64 {
 }
 
 impl Counters {
-    /// As `torch.cuda.memory_stats()` would report them, plus the driver's
-    /// `(free, total)` and the largest free cached block.
+    /// As `torch.cuda.memory_stats()` would report them for `device`, plus
+    /// the driver's `(free, total)` and the largest free cached block.
     pub fn to_pb(
         &self,
-        device: i32,
+        device: &DeviceInfo,
         mem_get_info: Option<(u64, u64)>,
         largest_free_block: u64,
     ) -> pb::AllocatorStats {
@@ -99,7 +100,7 @@ impl Counters {
         raw.insert("num_device_free".into(), self.num_device_free as i64);
         raw.insert("largest_free_block_bytes".into(), largest_free_block as i64);
         pb::AllocatorStats {
-            device,
+            device: device.index,
             allocated_bytes: u(self.allocated_bytes.all().current),
             allocated_peak_bytes: u(self.allocated_bytes.all().peak),
             reserved_bytes: u(self.reserved_bytes.all().current),
@@ -122,7 +123,8 @@ impl Counters {
             driver_total_bytes,
             raw,
             raw_changes: None,
-            ..Default::default()
+            device_uuid: device.uuid.clone(),
+            pci_bus_id: device.pci_bus_id.clone(),
         }
     }
 }

@@ -11,6 +11,11 @@
 //!
 //! Locking: one mutex per pool guards the bookkeeping and is never held
 //! across a device call or any I/O. A cache hit takes it once.
+//!
+//! Contexts: every call that reaches the device holds a [`ContextScope`], so
+//! the calling thread's current context (another device's, in a server that
+//! drives several) is the same after the call as before. A cache hit makes
+//! no device call.
 
 mod counters;
 mod sizes;
@@ -29,7 +34,7 @@ pub use sizes::{
 };
 pub use snapshot::site_name;
 
-use crate::device::{DeviceError, DeviceMemory, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::device::{ContextScope, DeviceError, DeviceMemory, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::pb;
 use crate::tag::Tag;
 use state::{Owner, State};
@@ -222,6 +227,7 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
             }
         }
         let seg = segment_size(size);
+        let _scope = ContextScope::enter(&self.inner.device)?;
         let addr = match self.inner.device.alloc(seg) {
             Ok(addr) => addr,
             Err(DeviceError::OutOfMemory { .. }) => {
@@ -246,6 +252,14 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
     /// Gives every fully free cached segment back to the device; returns
     /// the bytes released.
     fn release_cached(&self) -> u64 {
+        // Before draining: segments stay cached when the device is unreachable.
+        let _scope = match ContextScope::enter(&self.inner.device) {
+            Ok(scope) => scope,
+            Err(e) => {
+                tracing::warn!(error = %e, "oomscope pool: cannot release cached segments");
+                return 0;
+            }
+        };
         let drained = lock(&self.inner.state).drain_free_segments(TRACK);
         let mut released = 0;
         let mut freed = 0;
@@ -301,13 +315,13 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
     /// The counters in PyTorch's vocabulary, with the driver's free/total
     /// (read outside the lock).
     pub fn stats(&self) -> pb::AllocatorStats {
-        let info = self.inner.device.mem_get_info().ok();
+        // `_scope` (not `_`) keeps the context current through the call.
+        let driver = ContextScope::enter(&self.inner.device)
+            .and_then(|_scope| self.inner.device.mem_get_info())
+            .ok();
         let st = lock(&self.inner.state);
-        st.counters.to_pb(
-            self.inner.device.info().index,
-            info,
-            st.largest_free_block(),
-        )
+        st.counters
+            .to_pb(self.inner.device.info(), driver, st.largest_free_block())
     }
 
     pub fn snapshot(&self) -> pb::SnapshotSummary {
@@ -478,7 +492,7 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
             snapshot: Some(snapshot),
             context: None,
             driver_error: CUDA_ERROR_OUT_OF_MEMORY,
-            device_uuid: String::new(),
+            device_uuid: self.inner.device.info().uuid.clone(),
         };
         *lock(&self.inner.last_oom) = Some(event.clone());
         if let Some(hook) = self.inner.oom_hook.get() {

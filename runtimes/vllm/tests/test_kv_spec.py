@@ -8,6 +8,7 @@ configs are a tiny Llama's (4 layers, 2 KV heads of 64) and DeepSeek-V2-Lite's
 shape (27 MLA layers, kv_lora_rank 512 + qk_rope_head_dim 64)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -214,7 +215,7 @@ def test_the_worker_that_holds_the_pool_reports_it_to_its_agent(tmp_path):
     before vLLM allocates it, to the collector as its agent's context."""
     collector = harness.Collector(tmp_path).start()
     try:
-        tests = str(__import__("pathlib").Path(__file__).parent)
+        tests = os.path.dirname(os.path.abspath(__file__))
         r = subprocess.run([sys.executable, "-c", HOOK_RUN, collector.url, tests, str(tmp_path)],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-4000:]

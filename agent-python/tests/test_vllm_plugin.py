@@ -59,6 +59,8 @@ def test_the_plugin_tags_the_agent_and_the_stats_become_context_and_requests(col
     # 40 blocks x 16 tokens x (K+V x 4 layers x 2 heads x 64 dims x 2 bytes).
     assert last["kv_cache_capacity_bytes"] == 40 * 16 * 2 * 4 * 2 * 64 * 2, last
     assert last["kv_cache_bytes"] == last["kv_cache_capacity_bytes"]
+    # The API server holds no worker's KV cache spec: its figure says it is an estimate.
+    assert last["labels"]["vllm.kv_pool_from"] == "estimate: model config, all workers", last["labels"]
     assert last["labels"]["vllm.kv_cache_dtype"] == "auto", last["labels"]
     assert last["numbers"]["vllm.max_num_seqs"] == 32
     loads = [e["phase"] for e in t["events"] if e["kind"] == "phase" and e["phase"]["name"] == "load"]

@@ -206,6 +206,30 @@ def test_the_stat_logger_context_reaches_the_collector(served):
     assert capacity == 40 * numbers["vllm.block_size"] * 2 * 4 * 2 * 64 * 2, capacity
     requests = [e for e in t["events"] if e["kind"] == "request" and not e["request"]["start"]]
     assert len(requests) >= 24, len(requests)
+    # No worker's spec in the API server: the figure is the model config's, and says so.
+    assert contexts[-1]["labels"]["vllm.kv_pool_from"] == "estimate: model config, all workers"
+
+
+def test_the_worker_reports_its_own_kv_pool_from_its_spec(served):
+    """The worker that holds the pool reports it, from the KV cache config
+    vLLM hands it (its own spec per layer): with one worker, all 4 layers'
+    K and V, the API server's estimate for the whole instance."""
+    collector, v, _ = served
+    agents = members(collector, "vllm")
+    worker = next(a for a in agents if a["hello"]["role"] == "worker")
+    t = collector.timeline(worker["hello"]["agent_id"])
+    contexts = [s["context"] for s in t["samples"]
+                if "vllm.kv_block_bytes" in (s.get("context") or {}).get("numbers", {})]
+    assert contexts, [s.get("context") for s in t["samples"][-2:]]
+    numbers = contexts[-1]["numbers"]
+    assert contexts[-1]["labels"]["vllm.kv_pool_from"] == "kv_cache_spec", contexts[-1]["labels"]
+    assert numbers["vllm.kv_block_bytes"] == numbers["vllm.block_size"] * 2 * 4 * 2 * 64 * 2, numbers
+    assert (numbers["vllm.num_gpu_blocks"], numbers["vllm.kv_layers"]) == (40, 4), numbers
+    assert numbers["vllm.kv_pool_bytes"] == 40 * numbers["vllm.kv_block_bytes"], numbers
+    api = next(a for a in agents if a["hello"]["role"] == "api_server")
+    api_samples = collector.timeline(api["hello"]["agent_id"])["samples"]
+    capacity = max(s["context"]["kv_cache_capacity_bytes"] for s in api_samples if s.get("context"))
+    assert capacity == numbers["vllm.kv_pool_bytes"], (capacity, numbers)
 
 
 def test_kv_pool_saturation_is_a_capacity_bound_with_the_vllm_setting(served):

@@ -12,7 +12,7 @@ use std::path::Path;
 use fake_nvml::{FakeDevice, FakeNvml};
 use oomscope_agent_core::pb;
 use oomscope_agent_core::probe::gpu::{GpuProbe, MemoryInfo, NvmlError};
-use oomscope_agent_core::probe::processes::{PidViews, HOST_PID_NAMESPACE};
+use oomscope_agent_core::probe::pid_views::{PidViews, HOST_PID_NAMESPACE};
 use oomscope_agent_core::probe::{HostPaths, HostProbe};
 
 const GIB: u64 = 1 << 30;

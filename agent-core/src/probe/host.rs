@@ -4,7 +4,7 @@
 
 use super::cgroup::{self, MemoryCgroup};
 use super::gpu::GpuProbe;
-use super::processes::PidViews;
+use super::pid_views::PidViews;
 use super::{process, processes, system, HostPaths};
 use crate::pb;
 

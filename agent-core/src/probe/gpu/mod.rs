@@ -10,6 +10,9 @@
 //! Cost: what does not change while the process runs (each device's uuid,
 //! name, PCI bus id and total, the MIG layout) is read once, when the probe
 //! opens; a sample reads only each device's memory and compute processes.
+//! So a MIG instance created later is seen by the next probe only (the
+//! supervisor opens one per child start), and one destroyed meanwhile reads
+//! as unreadable.
 
 pub mod nvml;
 
@@ -125,7 +128,8 @@ struct Device {
     handle: Option<DeviceHandle>,
     /// NVML's error name where it refused this device at open.
     refused: String,
-    /// From the first memory reading; None where that was refused.
+    /// From the first memory reading; None where that was refused (the
+    /// Hello's placement then says 0: its total has no "unknown").
     total_bytes: Option<u64>,
 }
 
@@ -227,10 +231,13 @@ impl GpuProbe {
 fn layout(api: &dyn NvmlApi, calls: &mut Calls, count: u32) -> Vec<Device> {
     let mut devices = Vec::new();
     for index in 0..count {
-        let (gpu, handle) = match identify(api, index, "", api.device_by_index(index)) {
+        let found = api
+            .device_by_index(index)
+            .and_then(|h| identify(api, index, "", h));
+        let (gpu, handle) = match found {
             Ok(found) => found,
-            Err(refused) => {
-                devices.push(refused);
+            Err(e) => {
+                devices.push(Device::refused(index, "", &e));
                 continue;
             }
         };
@@ -280,9 +287,9 @@ fn mig_instances(
             continue;
         }
         // MIG instances share their GPU's PCI address.
-        let instance = match identify(api, gpu.index, &gpu.uuid, found) {
+        let instance = match found.and_then(|h| identify(api, gpu.index, &gpu.uuid, h)) {
             Ok((d, handle)) => with_total(api, calls, d, handle),
-            Err(refused) => refused,
+            Err(e) => Device::refused(gpu.index, &gpu.uuid, &e),
         };
         out.push(Device {
             pci_bus_id: gpu.pci_bus_id.clone(),
@@ -291,18 +298,15 @@ fn mig_instances(
     }
 }
 
-/// A device's handle, uuid and name; the refused device when its handle or
-/// uuid cannot be had (a device without identity cannot be joined to
-/// anything).
+/// A device's uuid and name; NVML's refusal when the uuid cannot be had (a
+/// device without identity cannot be joined to anything).
 fn identify(
     api: &dyn NvmlApi,
     index: u32,
     parent_uuid: &str,
-    handle: Result<DeviceHandle, NvmlError>,
-) -> Result<(Device, DeviceHandle), Device> {
-    let refused = |e: &NvmlError| Device::refused(index, parent_uuid, e);
-    let handle = handle.map_err(|e| refused(&e))?;
-    let uuid = api.uuid(handle).map_err(|e| refused(&e))?;
+    handle: DeviceHandle,
+) -> Result<(Device, DeviceHandle), NvmlError> {
+    let uuid = api.uuid(handle)?;
     let device = Device {
         index,
         uuid,

@@ -101,12 +101,18 @@ fn main() {
     let gpus = per_call(9, 200, || {
         black_box(probe.gpu().read());
     });
+    let devices = probe.gpu().read().len();
     println!(
-        "  parts: process {:.1} us, cgroup levels {:.1} us, system {:.1} us, gpus {:.1} us",
+        "  parts: process {:.1} us, cgroup levels {:.1} us, system {:.1} us, gpus {:.1} us ({devices} NVML devices{})",
         process / 1e3,
         cgroup / 1e3,
         system / 1e3,
-        gpus / 1e3
+        gpus / 1e3,
+        if devices > 0 {
+            format!(", {:.1} us per device", gpus / 1e3 / devices as f64)
+        } else {
+            String::new()
+        }
     );
     // 3. A request boundary's reading (process and each level's usage, the
     //    rest carried from the last full sample) against the full sample.

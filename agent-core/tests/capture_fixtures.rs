@@ -408,7 +408,10 @@ fn other_process_shared_lists_the_gpu_processes() {
         .collect();
     assert_eq!(lists.len(), 1);
     let gpu: Vec<(u32, Option<u64>)> = lists[0].gpu.iter().map(|p| (p.pid, p.used_bytes)).collect();
-    assert_eq!(gpu, vec![(422, Some(4838129664)), (444, Some(144732848128))]);
+    assert_eq!(
+        gpu,
+        vec![(422, Some(4838129664)), (444, Some(144732848128))]
+    );
     assert!(
         !cap.hello.labels.contains_key("nvml_procs_at_failure"),
         "parsed, so not a label"

@@ -1,8 +1,9 @@
 //! NVML on a machine that has an NVIDIA GPU; skipped (with a note) elsewhere.
 //! Run on the GPU machine: the readings must be the driver's real numbers.
 
+use oomscope_agent_core::pb;
 use oomscope_agent_core::probe::gpu::GpuProbe;
-use oomscope_agent_core::probe::{processes, HostPaths};
+use oomscope_agent_core::probe::{HostPaths, HostProbe};
 
 fn has_nvidia_device() -> bool {
     std::path::Path::new("/dev/nvidiactl").exists()
@@ -21,12 +22,22 @@ fn nvml_reads_each_device() {
     );
     let devices = gpu.read();
     assert!(!devices.is_empty());
-    for (i, d) in devices.iter().enumerate() {
+    for d in &devices {
         eprintln!(
-            "gpu {} {} {} total={} free={} used={} processes={:?}",
-            d.index, d.uuid, d.name, d.total_bytes, d.free_bytes, d.used_bytes, d.processes
+            "gpu {} {} {} pci={} parent={:?} unreadable={:?} total={} free={} used={} processes={:?}",
+            d.index,
+            d.uuid,
+            d.name,
+            d.pci_bus_id,
+            d.parent_uuid,
+            d.unreadable,
+            d.total_bytes,
+            d.free_bytes,
+            d.used_bytes,
+            d.processes
         );
-        assert_eq!(d.index, i as i32);
+        assert!(d.unreadable.is_empty(), "{}", d.unreadable);
+        assert!(!d.pci_bus_id.is_empty());
         assert!(
             d.uuid.starts_with("GPU-") || d.uuid.starts_with("MIG-"),
             "{}",
@@ -40,8 +51,13 @@ fn nvml_reads_each_device() {
     assert_eq!(placements.len(), devices.len());
     assert_eq!(placements[0].total_bytes, devices[0].total_bytes);
     assert_eq!(placements[0].uuid, devices[0].uuid);
+    assert_eq!(placements[0].pci_bus_id, devices[0].pci_bus_id);
 
-    let list = processes::list(&HostPaths::system(), &gpu, 5);
-    let on_gpus: usize = devices.iter().map(|d| d.processes.len()).sum();
-    assert_eq!(list.gpu.len(), on_gpus);
+    let host = HostProbe::with_gpu(HostPaths::system(), std::process::id(), gpu);
+    let list = host.process_list(5);
+    for p in &list.gpu {
+        eprintln!("process {} on {} view {:?}", p.pid, p.device_uuid, p.view());
+        assert!(devices.iter().any(|d| d.uuid == p.device_uuid));
+        assert_ne!(p.view(), pb::PidView::Unspecified);
+    }
 }

@@ -126,7 +126,7 @@ fn top_processes_by_rss_include_us() {
     );
     assert!(top.iter().all(|p| p.rss_bytes > 0 && !p.command.is_empty()));
 
-    let all = processes::list(&paths, &GpuProbe::absent(), usize::MAX);
+    let all = processes::list(&paths, &[], usize::MAX);
     let me = all
         .host_top_rss
         .iter()

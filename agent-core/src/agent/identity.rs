@@ -24,6 +24,11 @@ pub struct Identity {
 /// (and theirs) which instance they belong to: its own agent id.
 pub const INSTANCE_ENV: &str = "OOMSCOPE_INSTANCE";
 
+/// The variables that map a process's CUDA ordinals to devices: which
+/// devices it sees (by index, GPU or MIG uuid) and in which order.
+pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+pub const CUDA_DEVICE_ORDER: &str = "CUDA_DEVICE_ORDER";
+
 /// The one agent-id scheme: unique per process start, and readable, since
 /// spools and logs are named by it: `<runtime>-<name>-<host>-<pid>-<start>`.
 pub fn agent_id(runtime: &str, name: &str, host: &str, pid: u32, start_ns: i64) -> String {
@@ -32,8 +37,10 @@ pub fn agent_id(runtime: &str, name: &str, host: &str, pid: u32, start_ns: i64) 
 
 impl Identity {
     /// The Hello of this process, started now, with `probe`'s readings of
-    /// its cgroup and rlimits, its parent and title, and the instance that
-    /// `OOMSCOPE_INSTANCE` names (empty: the collector decides). `versions`
+    /// its cgroup and rlimits, its parent and title, its CUDA device
+    /// variables (absent when unset; set but empty stays empty: it hides
+    /// every device), and the instance that `OOMSCOPE_INSTANCE` names
+    /// (empty: the collector decides). `versions`
     /// gets "oomscope"; `gpus` stays for the agent to fill (NVML's
     /// placements, or the pool's own device).
     pub fn hello(&self, probe: &HostProbe) -> pb::Hello {
@@ -63,9 +70,16 @@ impl Identity {
             title: std::fs::read_to_string(probe.paths().pid_file(pid, "comm"))
                 .map(|t| t.trim_end().to_string())
                 .unwrap_or_default(),
+            cuda_visible_devices: env_value(CUDA_VISIBLE_DEVICES),
+            cuda_device_order: env_value(CUDA_DEVICE_ORDER),
             ..Default::default()
         }
     }
+}
+
+/// A variable of this process's environment as text; None when unset.
+fn env_value(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ mod interval;
 mod lineage;
 mod sampling;
 
-pub use identity::{agent_id, Identity, INSTANCE_ENV};
+pub use identity::{agent_id, Identity, CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES, INSTANCE_ENV};
 pub use interval::{check_interval, IntervalTooShort, MIN_SAMPLE_INTERVAL};
 pub use lineage::{Lineage, PARENT_PID_LABEL};
 pub use sampling::{Control, Flow, Readers, Sampler, SamplingLoop};

@@ -1,8 +1,10 @@
 //! One probe for one process over every host domain, cheap enough to sample
-//! every second: the cgroup location and NVML are resolved once.
+//! every second: the cgroup location, NVML's static facts and our PID
+//! namespace are resolved once.
 
 use super::cgroup::{self, MemoryCgroup};
 use super::gpu::GpuProbe;
+use super::pid_views::PidViews;
 use super::{process, processes, system, HostPaths};
 use crate::pb;
 
@@ -12,6 +14,7 @@ pub struct HostProbe {
     pid: u32,
     cgroup: Option<MemoryCgroup>,
     gpu: GpuProbe,
+    pids: PidViews,
 }
 
 impl HostProbe {
@@ -21,14 +24,18 @@ impl HostProbe {
     }
 
     /// As `new`, with a GPU probe of the caller's choosing (one NVML handle
-    /// shared by several probes, or `GpuProbe::absent()`).
+    /// shared by several probes, or `GpuProbe::absent()`). The GPU
+    /// processes that are ours are the pid's tree and the reader's (a
+    /// supervisor's, whose tree keeps orphans of the pid's as its subreaper).
     pub fn with_gpu(paths: HostPaths, pid: u32, gpu: GpuProbe) -> Self {
         let cgroup = cgroup::locate(&paths, pid);
+        let pids = PidViews::new(&paths, &[pid, std::process::id()]);
         HostProbe {
             paths,
             pid,
             cgroup,
             gpu,
+            pids,
         }
     }
 
@@ -44,6 +51,13 @@ impl HostProbe {
         &self.gpu
     }
 
+    /// Every GPU device now, each process's pid view set.
+    pub fn gpus(&self) -> Vec<pb::GpuDevice> {
+        let mut gpus = self.gpu.read();
+        self.pids.fill(&mut gpus);
+        gpus
+    }
+
     /// Where the memory controller is, if there is one.
     pub fn memory_cgroup(&self) -> Option<&MemoryCgroup> {
         self.cgroup.as_ref()
@@ -56,15 +70,16 @@ impl HostProbe {
             process: process::read(&self.paths, self.pid).ok(),
             cgroup: self.cgroup_levels(),
             system: Some(system::read(&self.paths)),
-            gpus: self.gpu.read(),
+            gpus: self.gpus(),
             ..Default::default()
         }
     }
 
     /// A reading for a request boundary, taken up to 50 times a second: the
     /// process and each cgroup level's usage fresh, the levels' other fields
-    /// as `last_levels` (the newest `sample`'s) had them, and no system
-    /// reading (the periodic `sample` has it). About a third of `sample`'s
+    /// as `last_levels` (the newest `sample`'s) had them, and neither a
+    /// system nor an NVML reading (the periodic `sample` has them; no `gpus`
+    /// here means "not read", not "no GPU"). About a third of `sample`'s
     /// file reads; the whole levels when `last_levels` is not this cgroup's.
     pub fn boundary_sample(&self, last_levels: &[pb::CgroupLevel]) -> pb::Sample {
         let cgroup = match &self.cgroup {
@@ -77,7 +92,7 @@ impl HostProbe {
             process: process::read(&self.paths, self.pid).ok(),
             cgroup,
             system: None,
-            gpus: self.gpu.read(),
+            gpus: Vec::new(),
             ..Default::default()
         }
     }
@@ -106,7 +121,7 @@ impl HostProbe {
     /// The top `n` host processes by RSS and every GPU process: evidence for an
     /// event, too slow (a full /proc scan) for every sample.
     pub fn process_list(&self, n: usize) -> pb::ProcessList {
-        processes::list(&self.paths, &self.gpu, n)
+        processes::list(&self.paths, &self.gpus(), n)
     }
 
     fn cgroup_levels(&self) -> Vec<pb::CgroupLevel> {

@@ -1,6 +1,6 @@
 //! Host-domain probes: process, cgroup (v1 and v2), system, GPU (NVML), the
-//! other processes on the host, a supervised process tree, and the kernel's
-//! record of OOM kills (`/dev/kmsg`). Read-only: nothing here signals anyone.
+//! other processes on the host (and how NVML's pids relate to ours), a
+//! supervised process tree, and the kernel's record of OOM kills (`/dev/kmsg`). Read-only: nothing here signals anyone.
 //!
 //! Each domain has pure parsers (`parse_*`, text in, proto message out) and a
 //! thin reader over a [`HostPaths`], so tests can point every reader at a fake
@@ -13,6 +13,7 @@ pub mod exits;
 pub mod gpu;
 mod host;
 pub mod kmsg;
+pub mod pid_views;
 pub mod process;
 pub mod processes;
 pub mod system;

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::cgroup::parse_proc_cgroup;
-use super::gpu::GpuProbe;
 use super::text::{kb_line_bytes, read_opt};
 use super::HostPaths;
 use crate::pb;
@@ -32,28 +31,33 @@ pub fn top_by_rss(paths: &HostPaths, n: usize) -> Vec<pb::ProcessInfo> {
     all
 }
 
-/// The top `n` by RSS plus every GPU compute process NVML reports.
-pub fn list(paths: &HostPaths, gpu: &GpuProbe, n: usize) -> pb::ProcessList {
+/// The top `n` by RSS plus every GPU compute process of `gpus` (an NVML
+/// reading, its pids' views filled by [`super::pid_views::PidViews::fill`]).
+pub fn list(paths: &HostPaths, gpus: &[pb::GpuDevice], n: usize) -> pb::ProcessList {
     let users = read_users();
-    let gpu_processes = gpu
-        .read()
-        .into_iter()
-        .flat_map(|d| {
-            let device = d.index;
-            d.processes.into_iter().map(move |p| (device, p))
-        })
-        .map(|(device, p)| {
-            // A pid in another pid namespace is not in our /proc: keep NVML's numbers alone.
-            let info = describe(paths, p.pid, &users).unwrap_or_default();
+    let gpu_processes = gpus
+        .iter()
+        .flat_map(|d| d.processes.iter().map(move |p| (d, p)))
+        .map(|(d, p)| {
+            // Only a pid that means the same to NVML and to our /proc is
+            // described: an unresolved one would describe a stranger.
+            let resolved = matches!(
+                p.view(),
+                pb::PidView::Own | pb::PidView::Visible | pb::PidView::Unspecified
+            );
+            let info = resolved
+                .then(|| describe(paths, p.pid, &users))
+                .flatten()
+                .unwrap_or_default();
             pb::GpuProcess {
-                device,
+                device: d.index,
                 pid: p.pid,
                 user: info.user,
                 command: info.command,
                 cgroup: info.cgroup,
                 used_bytes: p.used_bytes,
                 view: p.view,
-                device_uuid: String::new(),
+                device_uuid: d.uuid.clone(),
             }
         })
         .collect();

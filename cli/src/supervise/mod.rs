@@ -228,6 +228,8 @@ fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
         runtime: "supervisor".into(),
     }
     .hello(me);
+    // Its CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER are the child's: the
+    // child inherits them (`run_once` adds only OOMSCOPE_* variables).
     // The supervisor is its instance: every process it starts joins it.
     hello.instance = hello.agent_id.clone();
     hello.gpus = me.gpu().placements();

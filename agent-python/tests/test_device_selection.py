@@ -128,3 +128,19 @@ def test_under_cuda_malloc_async_the_other_hooks_install_and_the_oom_still_arriv
                                   "active_bytes.all.current", "active_bytes.all.peak",
                                   "reserved_bytes.all.current", "reserved_bytes.all.peak"} for r in raw), raw[:1]
     assert any(r.get("reserved_bytes.all.current") == GIB for r in raw)
+
+
+def test_a_held_helper_reads_no_device_until_it_uses_one(collector):
+    """A held agent (the autostart's, in a process that may be a passing
+    helper) only asks whether the process uses a device; once it does, the
+    agent is released and reads it."""
+    report = run(collector, "dev-held", "held")
+    assert report["held"] is True
+    held_calls = [c for c in report["held_calls"] if c[2] != "MainThread"]
+    assert held_calls, "the sampler looked"
+    assert {c[0] for c in held_calls} == {"has_primary_context"}, held_calls
+    assert report["contexts"] == [2]
+    assert report["stats"]["held"] is False
+
+    got = readings(collector.timeline("dev-held"))
+    assert got and {(a["device"], a["device_uuid"]) for a in got} == {(2, uuid(2))}

@@ -8,7 +8,10 @@ scripted ``torch`` of fake_torch_cuda.py (installed before the agent starts):
   allocation on device 3 fails;
 - async: backend:cudaMallocAsync on device 1: the observer and the memory
   history are refused; empty_cache is called; a request fails with the
-  async backend's OOM.
+  async backend's OOM;
+- held: the autostart's held agent in a process where CUDA is initialised
+  but no device used (a helper); then the process allocates on device 2,
+  which releases it.
 
 Prints one JSON line at the end: the fake's calls and contexts, and the
 agent's stats().
@@ -45,7 +48,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--collector", required=True)
     p.add_argument("--name", required=True)
-    p.add_argument("--case", choices=["one-device", "device-map", "async"], required=True)
+    p.add_argument("--case", choices=["one-device", "device-map", "async", "held"], required=True)
     p.add_argument("--no-primary-context", action="store_true",
                    help="a torch without _cuda_hasPrimaryContext")
     a = p.parse_args()
@@ -55,10 +58,21 @@ def main():
     import torch  # the fake
 
     import oomscope
-    oomscope.start(collector=a.collector, name=a.name, interval_s=0.05,
-                   history_max_entries=1000 if a.case == "async" else None)
     cuda = torch.cuda
     caught = None
+    extra = {}
+    if a.case == "held":
+        # As at interpreter start-up (the .pth), then torch.cuda initialised with nothing allocated.
+        oomscope._start(True, collector=a.collector, name=a.name, interval_s=0.05)
+        fake.initialized = True
+        time.sleep(0.5)
+        extra["held_calls"] = list(fake.calls)
+        extra["held"] = oomscope.stats()["held"]
+        cuda.alloc(GIB, 2)
+        time.sleep(0.5)
+    else:
+        oomscope.start(collector=a.collector, name=a.name, interval_s=0.05,
+                       history_max_entries=1000 if a.case == "async" else None)
     if a.case == "one-device":
         cuda.set_device(2)
         cuda.alloc(GIB)
@@ -70,7 +84,7 @@ def main():
         serve(oomscope, 5, "r")
         time.sleep(0.5)
         caught = oom_request(oomscope, cuda, 3, 6 * GIB)
-    else:
+    elif a.case == "async":
         cuda.set_device(1)
         cuda.alloc(GIB)
         serve(oomscope, 3, "r")
@@ -80,7 +94,7 @@ def main():
     time.sleep(0.2)
     flushed = oomscope.flush(10)
     report = fake.report()
-    report.update(stats=oomscope.stats(), flushed=flushed, oom_caught=caught,
+    report.update(extra, stats=oomscope.stats(), flushed=flushed, oom_caught=caught,
                   empty_cache_wrapped=bool(getattr(cuda.empty_cache, "_oomscope_wrapped", False)))
     print(json.dumps(report), flush=True)
     oomscope.stop()

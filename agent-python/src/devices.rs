@@ -73,7 +73,7 @@ enum Read {
 #[derive(Default)]
 pub struct Devices {
     /// Ordinals (bit d; below 64) seen current on the server's threads or
-    /// named by the OOM observer: read from then on.
+    /// read for an OOM: looked at by every reading from then on.
     noted: AtomicU64,
     /// The devices the latest scan found in use.
     in_use: Mutex<Vec<i32>>,
@@ -91,26 +91,21 @@ impl Devices {
     }
 
     /// Notes the calling thread's current device, when CUDA is up.
-    pub fn note_current(&self, py: Python<'_>) -> bool {
-        match TorchCuda::get(py).and_then(|c| c.current_device()) {
-            Some(d) => {
-                self.note(d);
-                true
-            }
-            None => false,
+    pub fn note_current(&self, py: Python<'_>) {
+        if let Some(d) = TorchCuda::get(py).and_then(|c| c.current_device()) {
+            self.note(d);
         }
     }
 
-    /// [`Self::note_current`] on the request path: once a thread has a
-    /// device noted, at most every [`NOTE_SPACING_NS`].
+    /// [`Self::note_current`] on the request path: at most every
+    /// [`NOTE_SPACING_NS`] on each thread.
     pub fn note_current_spaced(&self, py: Python<'_>) {
         let now = now_ns();
         if now < NEXT_NOTE_NS.with(Cell::get) {
             return;
         }
-        if self.note_current(py) {
-            NEXT_NOTE_NS.with(|n| n.set(now.saturating_add(NOTE_SPACING_NS)));
-        }
+        NEXT_NOTE_NS.with(|n| n.set(now.saturating_add(NOTE_SPACING_NS)));
+        self.note_current(py);
     }
 
     /// One reading per device the process uses, by ordinal.
@@ -139,9 +134,10 @@ impl Devices {
 
     /// A reading of `device` (the OOM's), which is read from now on.
     pub fn read_one(&self, py: Python<'_>, device: i32) -> Option<pb::AllocatorStats> {
-        self.note(device);
         let cuda = TorchCuda::get(py)?;
-        self.read_devices(&cuda, &[device], Read::Named).0.pop()
+        let stats = self.read_devices(&cuda, &[device], Read::Named).0.pop()?;
+        self.note(device);
+        Some(stats)
     }
 
     /// The device a reading with none named is of: the first in use.

@@ -8,12 +8,14 @@
 //! parent's agent (its mutexes may have been held by a thread that does not
 //! exist in the child): it leaks it and starts its own.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::{Identity, Lineage, Sampler};
 use oomscope_agent_core::priority::ThreadPriority;
+use oomscope_agent_core::probe::gpu::GpuProbe;
 use oomscope_agent_core::probe::{HostPaths, HostProbe};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns, pb, torch};
@@ -22,8 +24,9 @@ use pyo3::prelude::*;
 use crate::census::{self, Baseline};
 use crate::config::Config;
 use crate::context::{self, ContextState};
+use crate::devices::{self, Devices, Which};
 use crate::handoff::Handoff;
-use crate::torchread;
+use crate::torchread::{self, TorchCuda};
 
 /// Jobs waiting for the sampler thread; past this, boundary samples are
 /// dropped (and counted by the caller) rather than queued without bound.
@@ -107,6 +110,14 @@ pub struct Agent {
     /// starts from them. Taken only with the GIL held and never across a
     /// GIL release, like the process's slot, so a fork never finds it locked.
     pub reconfigured: Mutex<Option<Config>>,
+    /// The devices the process uses, and who they are.
+    pub devices: Devices,
+    /// The torch hooks that could not be installed, with torch's words
+    /// (`cudaMallocAsync` takes no OOM observer and keeps no history).
+    pub hooks_missing: Mutex<BTreeMap<String, String>>,
+    /// Started held: NVML is opened only once released (the sampler opens
+    /// it), so a passing helper never reads it.
+    pub nvml_deferred: bool,
     paths: HostPaths,
 }
 
@@ -117,7 +128,12 @@ impl Agent {
     pub fn start(py: Python<'_>, config: Config) -> (Arc<Agent>, HostProbe) {
         let pid = std::process::id();
         let paths = HostPaths::system();
-        let probe = HostProbe::new(paths.clone(), pid);
+        let held = !config.hold.is_zero();
+        let probe = if held {
+            HostProbe::with_gpu(paths.clone(), pid, GpuProbe::absent())
+        } else {
+            HostProbe::new(paths.clone(), pid)
+        };
         let mut hello = Identity {
             name: config.name.clone(),
             role: config.role.clone(),
@@ -152,7 +168,7 @@ impl Agent {
         }
         let mut rc = ReporterConfig::new(config.collector.clone());
         rc.spool_dir = config.spool_dir.clone();
-        rc.hold = !config.hold.is_zero();
+        rc.hold = held;
         rc.thread_priority = ThreadPriority {
             nice: config.thread_nice,
             ..ThreadPriority::IN_PROCESS
@@ -182,6 +198,9 @@ impl Agent {
             sampler: Sampler::new(JOB_QUEUE),
             hold_until,
             reconfigured: Mutex::new(None),
+            devices: Devices::default(),
+            hooks_missing: Mutex::new(BTreeMap::new()),
+            nvml_deferred: held,
             paths,
         });
         (agent, probe)
@@ -311,9 +330,10 @@ impl Agent {
     }
 
     /// A request in flight from `time_ns`: counted, and its start event left
-    /// in the hand-off.
+    /// in the hand-off. The thread's current device is noted (spaced).
     fn begin_at(&self, time_ns: i64, id: &str, prompt_tokens: u64, max_tokens: u64) {
         self.release();
+        Python::attach(|py| self.devices.note_current_spaced(py));
         lock(&self.context).begin(id, prompt_tokens, max_tokens);
         let start = pb::Event {
             time_ns,
@@ -386,8 +406,9 @@ impl Agent {
         blocks
     }
 
-    /// A load (or other phase) edge: device and host bytes now. Returns the
-    /// device bytes, so the end can tell how much the load added.
+    /// A load (or other phase) edge: device and host bytes now, over every
+    /// device the process uses (a load may spread a model over several).
+    /// Returns the device bytes, so the end can tell how much the load added.
     pub fn phase_edge(
         &self,
         py: Python<'_>,
@@ -397,9 +418,12 @@ impl Agent {
         error: &str,
         before: u64,
     ) -> u64 {
-        let allocated = torchread::read_all(py)
-            .first()
-            .map_or(0, |a| a.allocated_bytes);
+        self.devices.note_current(py);
+        let allocated = self
+            .devices
+            .read(py, Which::Scan)
+            .iter()
+            .fold(0u64, |sum, a| sum.saturating_add(a.allocated_bytes));
         {
             let mut c = lock(&self.context);
             c.phase = if start {
@@ -432,9 +456,8 @@ impl Agent {
     pub fn oom_observed(&self, py: Python<'_>, observer: pb::OomObserver) {
         self.release();
         let device = i32::try_from(observer.device).ok();
-        let stats =
-            torchread::cuda(py).and_then(|c| torchread::allocator_stats(&c, device.unwrap_or(0)));
-        let snapshot = torchread::snapshot(py, device);
+        let stats = device.and_then(|d| self.devices.read_one(py, d));
+        let snapshot = device.and_then(|d| torchread::snapshot(py, d));
         *lock(&self.pending_oom) = Some(PendingOom {
             at: Instant::now(),
             observer,
@@ -444,7 +467,10 @@ impl Agent {
     }
 
     /// An out-of-memory exception on its way up: everything known about it,
-    /// spooled and acked (bounded by `oom_wait`) before it propagates.
+    /// spooled and acked (bounded by `oom_wait`) before it propagates. Called
+    /// on the thread that caught it. Without the observer (it did not fire,
+    /// or cannot attach: `cudaMallocAsync`) the failing device is the one its
+    /// text names, else this thread's current device.
     pub fn oom_exception(&self, py: Python<'_>, error_type: &str, error_text: &str) -> bool {
         let pending = lock(&self.pending_oom)
             .take()
@@ -454,10 +480,15 @@ impl Agent {
             None => (None, None, None),
         };
         if stats.is_none() {
-            stats = torchread::read_all(py).into_iter().next();
+            let device = devices::error_text_device(error_text)
+                .or_else(|| TorchCuda::get(py).and_then(|c| c.current_device()))
+                .or_else(|| self.devices.first_in_use());
+            stats = device.and_then(|d| self.devices.read_one(py, d));
         }
         if snapshot.is_none() {
-            snapshot = torchread::snapshot(py, stats.as_ref().map(|s| s.device));
+            snapshot = stats
+                .as_ref()
+                .and_then(|s| torchread::snapshot(py, s.device));
         }
         let context = lock(&self.context).to_pb("oom");
         let oom = torch::oom_event(
@@ -491,7 +522,14 @@ impl Agent {
         }
     }
 
-    fn deliver_oom(&self, py: Python<'_>, oom: pb::Oom) -> bool {
+    fn deliver_oom(&self, py: Python<'_>, mut oom: pb::Oom) -> bool {
+        // A device failed (the observer fired, or a device was read for it):
+        // say which by identity.
+        oom.device_uuid = match &oom.stats {
+            Some(s) if s.device == oom.device && !s.device_uuid.is_empty() => s.device_uuid.clone(),
+            _ if oom.observer.is_some() || oom.stats.is_some() => self.devices.uuid(py, oom.device),
+            _ => String::new(),
+        };
         let event = pb::Event {
             time_ns: now_ns(),
             kind: Some(pb::event::Kind::Oom(oom)),
@@ -516,7 +554,7 @@ impl Agent {
         self.reporter.send_sample(pb::Sample {
             time_ns: now_ns(),
             process: oomscope_agent_core::probe::process::read(&self.paths, self.pid).ok(),
-            allocator: torchread::read_all(py),
+            allocator: self.devices.read(py, Which::Known),
             context: Some(context),
             ..Default::default()
         });
@@ -539,8 +577,9 @@ impl Agent {
         Ok(c)
     }
 
+    /// A snapshot summary of `device` (None: the first device in use).
     pub fn snapshot(&self, py: Python<'_>, device: Option<i32>) -> Option<pb::SnapshotSummary> {
-        let s = torchread::snapshot(py, device)?;
+        let s = torchread::snapshot(py, device.or_else(|| self.devices.first_in_use())?)?;
         self.send_event(pb::event::Kind::Snapshot(s.clone()));
         Some(s)
     }

@@ -25,6 +25,7 @@ pub mod agent;
 pub mod census;
 pub mod config;
 pub mod context;
+pub mod devices;
 pub mod exit;
 pub mod handoff;
 pub mod own_heap;
@@ -97,11 +98,18 @@ fn start(py: Python<'_>, autostart: bool, kwargs: Option<&Bound<'_, PyDict>>) ->
     if !autostart {
         config.hold = Duration::ZERO;
     }
-    if let Some(a) = running {
-        return Ok(reconfigure(py, &a, config));
+    let changed = match running {
+        Some(a) => reconfigure(py, &a, config),
+        None => {
+            launch(py, config);
+            true
+        }
+    };
+    // The caller's thread is the server's: its device is one the agent reads.
+    if let Some(a) = current() {
+        a.devices.note_current(py);
     }
-    launch(py, config);
-    Ok(true)
+    Ok(changed)
 }
 
 /// The app's explicit start() over the autostart's agent `a`: the app's
@@ -306,9 +314,11 @@ fn record_request(
 #[pyfunction]
 #[pyo3(signature = (device = None))]
 fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Option<Bound<'_, PyAny>>> {
+    // Without a device named: the caller's current device.
+    let device = device.or_else(|| torchread::TorchCuda::get(py)?.current_device());
     let summary = match current() {
         Some(a) => a.snapshot(py, device),
-        None => torchread::snapshot(py, device),
+        None => device.and_then(|d| torchread::snapshot(py, d)),
     };
     Ok(summary.map(|s| pythonize(py, &s)).transpose()?)
 }
@@ -415,7 +425,9 @@ fn after_fork_parent() {
     }
 }
 
-/// Installs the OOM observer and the empty_cache wrapper once CUDA is up.
+/// Installs the OOM observer, the empty_cache wrapper and the memory
+/// history once CUDA is up, each on its own; those torch refuses are kept
+/// for `stats()`. The Hello's backend is torch's from then on.
 /// CUDA in use ends a held start: a process that touches the GPU matters.
 pub fn install_torch_hooks(py: Python<'_>, agent: &Agent) {
     if agent.torch_hooks.swap(true, Ordering::Relaxed) {
@@ -424,16 +436,28 @@ pub fn install_torch_hooks(py: Python<'_>, agent: &Agent) {
     agent.release();
     let result = py
         .import("oomscope._hooks")
-        .and_then(|m| m.call_method1("install_torch", (agent.config.history_max_entries,)));
-    if let Err(e) = result {
-        tracing::warn!(error = %e, "oomscope: cannot hook torch");
+        .and_then(|m| m.call_method1("install_torch", (agent.config.history_max_entries,)))
+        .and_then(|missing| missing.extract::<BTreeMap<String, String>>());
+    match result {
+        Ok(missing) => {
+            for (hook, why) in &missing {
+                tracing::warn!(hook, why, "oomscope: torch hook not installed");
+            }
+            lock(&agent.hooks_missing).extend(missing);
+        }
+        Err(e) => tracing::warn!(error = %e, "oomscope: cannot hook torch"),
+    }
+    if let Some(backend) = torchread::TorchCuda::get(py).and_then(|c| c.backend()) {
+        agent
+            .reporter
+            .update_hello(|h| h.allocator_settings.get_or_insert_default().backend = backend);
     }
 }
 
 #[pyfunction]
 fn ensure_torch_hooks(py: Python<'_>) {
     if let Some(a) = current() {
-        if !a.torch_hooks.load(Ordering::Relaxed) && torchread::cuda(py).is_some() {
+        if !a.torch_hooks.load(Ordering::Relaxed) && torchread::TorchCuda::get(py).is_some() {
             install_torch_hooks(py, &a);
         }
     }
@@ -457,6 +481,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "censuses": a.censuses.load(Ordering::Relaxed),
         "census_longest_hold_ms": longest_hold.0 as f64 / 1e6,
         "census_longest_hold_cpu_ms": longest_hold.1 as f64 / 1e6,
+        "torch_hooks_missing": lock(&a.hooks_missing).clone(),
     });
     Ok(Some(pythonize(py, &v)?))
 }
@@ -478,7 +503,11 @@ fn flush(py: Python<'_>, timeout_s: f64) -> bool {
 /// the GIL-held part is what a regular sample costs the server).
 #[pyfunction]
 fn read_allocator(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    Ok(pythonize(py, &torchread::read_all(py))?)
+    let stats = match current() {
+        Some(a) => a.devices.read(py, devices::Which::Scan),
+        None => devices::Devices::default().read(py, devices::Which::Scan),
+    };
+    Ok(pythonize(py, &stats)?)
 }
 
 /// The live agent's conversion of a `memory_stats()` dict (what each sample

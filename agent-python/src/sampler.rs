@@ -15,8 +15,8 @@ use oomscope_agent_core::{lock, pb};
 use pyo3::prelude::*;
 
 use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
+use crate::devices::{self, Which};
 use crate::suspicion::{Reading, Suspicion};
-use crate::torchread;
 
 /// The phase of a sample taken on the clock rather than at a boundary.
 pub const PERIODIC_PHASE: &str = "periodic";
@@ -38,6 +38,7 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
         census: None,
         suspicion: agent.config.census_auto.then(Suspicion::default),
         full_levels: Vec::new(),
+        nvml_deferred: agent.nvml_deferred,
         agent: agent.clone(),
         probe,
     };
@@ -95,9 +96,24 @@ struct PythonReaders {
     /// The cgroup levels of the newest periodic sample, which boundary
     /// samples carry with their usage read again.
     full_levels: Vec<pb::CgroupLevel>,
+    /// Started held, the probe has no NVML yet (see `Agent::nvml_deferred`).
+    nvml_deferred: bool,
 }
 
 impl PythonReaders {
+    /// Opens NVML once a held start has been released: the probe reads the
+    /// GPUs from then on, and the Hello lists them.
+    fn open_nvml_once_released(&mut self) {
+        if !self.nvml_deferred || self.agent.reporter.held() {
+            return;
+        }
+        self.nvml_deferred = false;
+        self.probe = HostProbe::new(self.probe.paths().clone(), self.probe.pid());
+        let mut gpus = self.probe.gpu().placements();
+        devices::merge_placements(&mut gpus, &self.agent.devices.identities());
+        self.agent.reporter.update_hello(|h| h.gpus = gpus);
+    }
+
     /// When a held start ends on its own, while it is still held.
     fn held_until(&self) -> Option<Instant> {
         self.agent.hold_until.filter(|_| self.agent.reporter.held())
@@ -222,6 +238,7 @@ impl Readers for PythonReaders {
 
     fn tick(&mut self, _: &Reporter) {
         let agent = self.agent.clone();
+        self.open_nvml_once_released();
         self.full_levels = tick(&agent, &self.probe);
         if self.next_census.is_some_and(|t| Instant::now() >= t) {
             self.next_census = Some(Instant::now() + agent.config.census_interval);
@@ -247,6 +264,8 @@ impl Readers for PythonReaders {
                 Python::try_attach(|py| self.agent.snapshot(py, device));
             }
             Job::ProcessList => {
+                // Asked at an OOM, which released the agent: with the GPUs.
+                self.open_nvml_once_released();
                 self.agent.send_event(pb::event::Kind::ProcessList(
                     self.probe.process_list(OOM_TOP_PROCESSES),
                 ));
@@ -323,7 +342,7 @@ fn boundary_sample(
     context: pb::RequestContext,
 ) -> u64 {
     let allocator = if agent.torch_hooks.load(Ordering::Relaxed) {
-        Python::try_attach(torchread::read_all).unwrap_or_default()
+        Python::try_attach(|py| agent.devices.read(py, Which::Known)).unwrap_or_default()
     } else {
         Vec::new()
     };
@@ -336,8 +355,10 @@ fn boundary_sample(
     rss
 }
 
-/// One periodic sample: host domains first (no GIL), then the allocator.
-/// Returns its cgroup levels.
+/// One periodic sample: host domains first (no GIL), then the allocator of
+/// every device the process uses. A held process is only asked whether it
+/// uses one (CUDA in use releases it: see `install_torch_hooks`); its devices
+/// are not read while it stays held. Returns its cgroup levels.
 fn tick(agent: &Agent, probe: &HostProbe) -> Vec<pb::CgroupLevel> {
     let mut sample = probe.sample();
     let levels = sample.cgroup.clone();
@@ -351,9 +372,20 @@ fn tick(agent: &Agent, probe: &HostProbe) -> Vec<pb::CgroupLevel> {
         c.take_pb(phase)
     };
     Python::try_attach(|py| {
-        sample.allocator = torchread::read_all(py);
-        if !sample.allocator.is_empty() && !agent.torch_hooks.load(Ordering::Relaxed) {
+        let hooked = agent.torch_hooks.load(Ordering::Relaxed);
+        if agent.reporter.held() && !hooked && agent.devices.any_in_use(py) {
             crate::install_torch_hooks(py, agent);
+        }
+        if !agent.reporter.held() {
+            sample.allocator = agent.devices.read(py, Which::Scan);
+            if !sample.allocator.is_empty() && !agent.torch_hooks.load(Ordering::Relaxed) {
+                crate::install_torch_hooks(py, agent);
+            }
+            if let Some(ours) = agent.devices.unannounced() {
+                agent
+                    .reporter
+                    .update_hello(|h| devices::merge_placements(&mut h.gpus, &ours));
+            }
         }
         agent.orphan_oom(py);
     });

@@ -1,13 +1,29 @@
-//! Reads PyTorch's CUDA caching allocator, with the GIL held. Active only
-//! when torch is already imported and CUDA is initialised: the agent never
-//! imports torch and never initialises CUDA itself (that would put a CUDA
-//! context on a GPU the server may not use).
+//! Reads PyTorch's CUDA state, with the GIL held. Active only when torch is
+//! already imported and CUDA is initialised: the agent never imports torch
+//! and never initialises CUDA itself (that would put a CUDA context on a GPU
+//! the server may not use).
+//!
+//! Every call the agent makes into `torch.cuda` goes through [`TorchCuda`],
+//! found in `sys.modules` at each use: the one seam between the agent and
+//! PyTorch's CUDA, so a test can put a scripted `torch` there and see every
+//! device each call touched (tests/test_device_selection.py). What the calls
+//! cost a device, from PyTorch's source:
+//! - `device_count`, `_cuda_hasPrimaryContext(d)`, `_cuda_memoryStats(d)`
+//!   (and `memory_stats(d)` over it), `get_device_properties(d)`,
+//!   `memory._snapshot()` and `get_allocator_backend()` read state the host
+//!   already has: none creates a CUDA context. (`cudaMallocAsync`'s stats
+//!   "return 0s without creating a context" on a device it has not used.)
+//! - `mem_get_info(d)` makes `d` current for the call: a context of 300 to
+//!   600 MB on `d` when the process had none there. Only asked where the
+//!   process has one already.
+//! - `current_device()` is the *calling thread's* device (a new thread's is
+//!   0): only asked on the server's own threads, never on the sampler's.
 
 use std::collections::BTreeMap;
 
 use oomscope_agent_core::{pb, torch};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::pyjson;
 
@@ -17,43 +33,197 @@ fn imported_torch(py: Python<'_>) -> Option<Bound<'_, PyAny>> {
     modules.cast::<PyDict>().ok()?.get_item("torch").ok()?
 }
 
-/// `torch.cuda`, when torch is imported and CUDA is initialised.
-pub fn cuda<'py>(py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-    let cuda = imported_torch(py)?.getattr("cuda").ok()?;
-    let ready = cuda.call_method0("is_initialized").ok()?.is_truthy().ok()?;
-    ready.then_some(cuda)
+/// Who a device is, read once from `get_device_properties`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceIdentity {
+    /// As NVML writes it: "GPU-…", or "MIG-…" on a MIG instance; empty
+    /// where this torch does not say.
+    pub uuid: String,
+    /// "00000000:3B:00.0" as NVML writes it; empty where torch does not say.
+    pub pci_bus_id: String,
+    pub name: String,
+    pub total_bytes: u64,
 }
 
-/// The device the server allocates on now.
-pub fn current_device(cuda: &Bound<'_, PyAny>) -> i32 {
-    cuda.call_method0("current_device")
-        .and_then(|d| d.extract::<i32>())
-        .unwrap_or(0)
+/// `torch.cuda` as the agent uses it, when torch is imported and CUDA is
+/// initialised (see the module's note for what each call costs a device).
+pub struct TorchCuda<'py> {
+    torch: Bound<'py, PyAny>,
+    cuda: Bound<'py, PyAny>,
 }
 
-/// The allocator's counters and `mem_get_info(device)` as AllocatorStats,
-/// through the same function `oomscope replay` uses.
-///
-/// The counters come from the nested dict torch builds in C++
-/// (`torch._C._cuda_memoryStats`, what `memory_stats()` itself calls),
-/// flattened here: `memory_stats()` flattens and sorts its ~120 entries in
-/// Python, the larger part of a sample's GIL time (66 us of Python on the
-/// CI machine, see BENCHMARKS.md). Falls back to `memory_stats()` should a
-/// torch lack the private call.
-pub fn allocator_stats(cuda: &Bound<'_, PyAny>, device: i32) -> Option<pb::AllocatorStats> {
-    let nested = imported_torch(cuda.py())
-        .and_then(|t| t.getattr("_C").ok())
-        .and_then(|c| c.call_method1("_cuda_memoryStats", (device,)).ok())
-        .filter(|d| d.is_instance_of::<PyDict>());
-    let stats = match nested {
-        Some(d) => d,
-        None => cuda.call_method1("memory_stats", (device,)).ok()?,
-    };
-    let info = cuda
-        .call_method1("mem_get_info", (device,))
-        .and_then(|t| t.extract::<(u64, u64)>())
-        .ok();
-    stats_from_dict(&stats, device, info)
+impl<'py> TorchCuda<'py> {
+    pub fn get(py: Python<'py>) -> Option<Self> {
+        let torch = imported_torch(py)?;
+        let cuda = torch.getattr("cuda").ok()?;
+        let ready = cuda.call_method0("is_initialized").ok()?.is_truthy().ok()?;
+        ready.then_some(TorchCuda { torch, cuda })
+    }
+
+    pub fn device_count(&self) -> i32 {
+        self.cuda
+            .call_method0("device_count")
+            .and_then(|n| n.extract::<i32>())
+            .unwrap_or(0)
+    }
+
+    /// The calling thread's current device.
+    pub fn current_device(&self) -> Option<i32> {
+        self.cuda
+            .call_method0("current_device")
+            .and_then(|d| d.extract::<i32>())
+            .ok()
+    }
+
+    /// Whether the process has CUDA's primary context on `device` (the
+    /// driver's answer; creates none). None where this torch cannot say.
+    pub fn has_context(&self, device: i32) -> Option<bool> {
+        self.torch
+            .getattr("_C")
+            .and_then(|c| c.call_method1("_cuda_hasPrimaryContext", (device,)))
+            .and_then(|b| b.is_truthy())
+            .ok()
+    }
+
+    /// The allocator's counters of `device`, flattened as `memory_stats()`
+    /// names them ("allocated_bytes.all.current", ...).
+    ///
+    /// They come from the nested dict torch builds in C++
+    /// (`torch._C._cuda_memoryStats`, what `memory_stats()` itself calls),
+    /// flattened here: `memory_stats()` flattens and sorts its ~120 entries
+    /// in Python, the larger part of a sample's GIL time (66 us of Python on
+    /// the CI machine, see BENCHMARKS.md). Falls back to `memory_stats()`
+    /// should a torch lack the private call.
+    pub fn counters(&self, device: i32) -> Option<BTreeMap<String, i64>> {
+        let nested = self
+            .torch
+            .getattr("_C")
+            .and_then(|c| c.call_method1("_cuda_memoryStats", (device,)))
+            .ok()
+            .filter(|d| d.is_instance_of::<PyDict>());
+        let stats = match nested {
+            Some(d) => d,
+            None => self.cuda.call_method1("memory_stats", (device,)).ok()?,
+        };
+        let mut map = BTreeMap::new();
+        flatten(stats.cast::<PyDict>().ok()?, &mut String::new(), &mut map);
+        Some(map)
+    }
+
+    /// `mem_get_info(device)` as (free, total): creates a context on a
+    /// device that has none (see the module's note).
+    pub fn mem_get_info(&self, device: i32) -> Option<(u64, u64)> {
+        self.cuda
+            .call_method1("mem_get_info", (device,))
+            .and_then(|t| t.extract::<(u64, u64)>())
+            .ok()
+    }
+
+    pub fn identity(&self, device: i32) -> Option<DeviceIdentity> {
+        let p = self
+            .cuda
+            .call_method1("get_device_properties", (device,))
+            .ok()?;
+        let name: String = p
+            .getattr("name")
+            .and_then(|n| n.extract())
+            .unwrap_or_default();
+        let int = |k: &str| p.getattr(k).and_then(|v| v.extract::<u32>()).ok();
+        let pci_bus_id = match (
+            int("pci_domain_id"),
+            int("pci_bus_id"),
+            int("pci_device_id"),
+        ) {
+            (Some(domain), Some(bus), Some(dev)) => nvml_pci_bus_id(domain, bus, dev),
+            _ => String::new(),
+        };
+        let uuid = p.getattr("uuid").ok().map_or_else(String::new, |u| {
+            // torch 2.x: a `_CUuuid` with the 16 bytes; older ones a string.
+            match u.getattr("bytes").ok() {
+                Some(b) if b.is_instance_of::<PyBytes>() => {
+                    let b: Vec<u8> = b.extract().unwrap_or_default();
+                    nvml_uuid(&uuid_text(&b), &name)
+                }
+                _ => nvml_uuid(&u.str().map(|s| s.to_string()).unwrap_or_default(), &name),
+            }
+        });
+        Some(DeviceIdentity {
+            uuid,
+            pci_bus_id,
+            total_bytes: p
+                .getattr("total_memory")
+                .and_then(|t| t.extract())
+                .unwrap_or(0),
+            name,
+        })
+    }
+
+    /// `torch.cuda.memory._snapshot()` (every device's segments; the
+    /// `cudaMallocAsync` backend has none and raises).
+    pub fn snapshot(&self) -> Option<Bound<'py, PyAny>> {
+        self.cuda
+            .getattr("memory")
+            .ok()?
+            .call_method0("_snapshot")
+            .ok()
+    }
+
+    /// The allocator backend (`native`, `cudaMallocAsync`).
+    pub fn backend(&self) -> Option<String> {
+        self.cuda
+            .call_method0("get_allocator_backend")
+            .ok()?
+            .extract()
+            .ok()
+    }
+}
+
+/// 16 bytes as "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"; empty for any other length.
+pub fn uuid_text(bytes: &[u8]) -> String {
+    if bytes.len() != 16 {
+        return String::new();
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+/// A device uuid as NVML writes it: CUDA's (and torch's `str()` of it) has
+/// no prefix; NVML's is "GPU-…", or "MIG-…" for a MIG instance, which CUDA
+/// names "… MIG 1g.10gb". Text that is no uuid gives "".
+pub fn nvml_uuid(text: &str, device_name: &str) -> String {
+    let text = text.trim();
+    if text.starts_with("GPU-") || text.starts_with("MIG-") {
+        return text.to_string();
+    }
+    let is_uuid = text.len() == 36
+        && text.char_indices().all(|(i, c)| {
+            if [8, 13, 18, 23].contains(&i) {
+                c == '-'
+            } else {
+                c.is_ascii_hexdigit()
+            }
+        });
+    if !is_uuid {
+        return String::new();
+    }
+    let mig = device_name.split_whitespace().any(|w| w == "MIG");
+    format!(
+        "{}-{}",
+        if mig { "MIG" } else { "GPU" },
+        text.to_ascii_lowercase()
+    )
+}
+
+/// A PCI address as NVML's `busId` writes it ("00000000:3B:00.0").
+pub fn nvml_pci_bus_id(domain: u32, bus: u32, device: u32) -> String {
+    format!("{domain:08X}:{bus:02X}:{device:02X}.0")
 }
 
 /// A `memory_stats()` dict, or the nested one torch's C++ returns, (and
@@ -94,35 +264,10 @@ fn flatten(dict: &Bound<'_, PyDict>, prefix: &mut String, out: &mut BTreeMap<Str
     }
 }
 
-/// Stats of the current device (one entry, or none without CUDA).
-pub fn read_all(py: Python<'_>) -> Vec<pb::AllocatorStats> {
-    let Some(cuda) = cuda(py) else {
-        return Vec::new();
-    };
-    allocator_stats(&cuda, current_device(&cuda))
-        .into_iter()
-        .collect()
-}
-
 /// `torch.cuda.memory._snapshot()` summarised for `device`.
-pub fn snapshot(py: Python<'_>, device: Option<i32>) -> Option<pb::SnapshotSummary> {
-    let cuda = cuda(py)?;
-    let device = device.unwrap_or_else(|| current_device(&cuda));
-    let raw = cuda
-        .getattr("memory")
-        .ok()?
-        .call_method0("_snapshot")
-        .ok()?;
+pub fn snapshot(py: Python<'_>, device: i32) -> Option<pb::SnapshotSummary> {
+    let raw = TorchCuda::get(py)?.snapshot()?;
     Some(torch::snapshot_summary(&pyjson::to_json(&raw), device))
-}
-
-/// The allocator backend (`native`, `cudaMallocAsync`) where torch says.
-pub fn backend(py: Python<'_>) -> Option<String> {
-    let cuda = cuda(py)?;
-    cuda.call_method0("get_allocator_backend")
-        .ok()?
-        .extract()
-        .ok()
 }
 
 /// The allocator's settings from the environment (and the backend, when
@@ -132,7 +277,7 @@ pub fn settings(py: Python<'_>) -> pb::AllocatorSettings {
         .or_else(|_| std::env::var("PYTORCH_ALLOC_CONF"))
         .unwrap_or_default();
     let mut s = torch::alloc_conf_settings(&conf);
-    if let Some(b) = backend(py) {
+    if let Some(b) = TorchCuda::get(py).and_then(|c| c.backend()) {
         s.backend = b;
     }
     s
@@ -155,4 +300,35 @@ pub fn versions(py: Python<'_>) -> Vec<(String, String)> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_uuid_is_written_as_nvml_writes_it() {
+        let bytes: Vec<u8> = (0u8..16).map(|i| i * 17).collect();
+        let text = uuid_text(&bytes);
+        assert_eq!(text, "00112233-4455-6677-8899-aabbccddeeff");
+        assert_eq!(
+            nvml_uuid(&text, "NVIDIA H200"),
+            "GPU-00112233-4455-6677-8899-aabbccddeeff"
+        );
+        assert_eq!(
+            nvml_uuid(&text.to_uppercase(), "NVIDIA A100-SXM4-40GB MIG 1g.5gb"),
+            "MIG-00112233-4455-6677-8899-aabbccddeeff"
+        );
+        // Already prefixed (an older torch's string) stays; no uuid, no guess.
+        assert_eq!(nvml_uuid(" GPU-abc ", "x"), "GPU-abc");
+        assert_eq!(nvml_uuid("", "x"), "");
+        assert_eq!(nvml_uuid("not-a-uuid", "x"), "");
+        assert_eq!(uuid_text(&[1, 2, 3]), "");
+    }
+
+    #[test]
+    fn a_pci_address_is_written_as_nvml_writes_it() {
+        assert_eq!(nvml_pci_bus_id(0, 0x3b, 0), "00000000:3B:00.0");
+        assert_eq!(nvml_pci_bus_id(1, 0xc1, 0x1f), "00000001:C1:1F.0");
+    }
 }

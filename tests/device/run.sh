@@ -3,7 +3,7 @@
 #   cargo build --release -p oomscope -p oomscope-rust-server && scripts/setup-python && rm -rf .device \
 #     && mkdir .device && cp target/release/{oomscope,oomscope-rust-server,oomscope-cuda-check} .whl/oomscope-*.whl .device/
 # and run `bash tests/device/run.sh` there with `.device` carried (about 30 MiB; the whole suite takes
-# about 6 minutes). It prints a short table of checks and writes details to $OUT (when set).
+# about 7 minutes). It prints a short table of checks and writes details to $OUT (when set).
 # A dry run of the script itself here: see tests/device/cuda.part.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

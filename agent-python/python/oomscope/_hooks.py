@@ -158,23 +158,51 @@ def report_if_oom(exc):
 
 def install_torch(history_max_entries=0):
     """Called by each agent once torch has initialised CUDA (a second one
-    after start() replaced the first attaches no second observer)."""
-    global _observer_attached
+    after start() replaced the first attaches no second observer). Each hook
+    is installed on its own, so one torch refuses leaves the others in place:
+    under ``backend:cudaMallocAsync`` torch takes no OOM observer and keeps
+    no memory history (an OOM is then caught as its exception passes a
+    request, a phase or the excepthook). Returns ``{hook: why}`` for each
+    hook not installed."""
     import torch
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if attach is not None and not _observer_attached:
-        attach(_on_oom_observer)
-        _observer_attached = True
+    hooks = [("oom_observer", _attach_observer), ("empty_cache", _wrap_empty_cache)]
     if history_max_entries:
-        torch.cuda.memory._record_memory_history(max_entries=int(history_max_entries))
+        hooks.append(("memory_history", lambda t: t.cuda.memory._record_memory_history(
+            max_entries=int(history_max_entries))))
+    missing = {}
+    for name, install_hook in hooks:
+        try:
+            install_hook(torch)
+        except Exception as e:  # noqa: BLE001 - the next hook is still worth having
+            missing[name] = ("%s: %s" % (type(e).__name__, e))[:300]
+    return missing
+
+
+def _attach_observer(torch):
+    global _observer_attached
+    if _observer_attached:
+        return
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        raise RuntimeError("this torch has no OOM observer")
+    attach(_on_oom_observer)
+    _observer_attached = True
+
+
+def _wrap_empty_cache(torch):
     cuda = torch.cuda
     original = cuda.empty_cache
     if getattr(original, "_oomscope_wrapped", False):
         return
 
     def empty_cache():
-        before = cuda.memory_reserved()
+        try:
+            before = cuda.memory_reserved()
+        except Exception:  # noqa: BLE001 - the caller's empty_cache still runs
+            before = None
         original()
+        if before is None:
+            return
         try:
             frame = sys._getframe(1)
             caller = "%s:%d %s" % (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)

@@ -6,7 +6,7 @@
 //! device by UUID, the first cause with its key numbers, and that no process
 //! is blamed that is not to blame.
 //!
-//! To add a deployment, add a `Row` to `ROWS` with a builder of its evidence.
+//! To add a deployment, add a `Row` to `rows()` with a builder of its evidence.
 
 mod common;
 
@@ -29,130 +29,169 @@ struct Row {
     check: fn(&pb::Diagnosis),
 }
 
-const ROWS: &[Row] = &[
+/// A row whose first cause is fragmentation: 6 GiB cached but split, the
+/// request (and the cached bytes) in `metrics`.
+fn split_cache(
+    name: &'static str,
+    evidence: fn() -> Evidence,
+    uuid: &'static str,
+    metrics: &'static [(&'static str, f64)],
+    innocent: &'static [u32],
+    check: fn(&pb::Diagnosis),
+) -> Row {
     Row {
-        name: "CUDA_VISIBLE_DEVICES=3, by index",
-        evidence: || visible_devices_3(Some("3")),
-        uuid: H100_UUIDS[3],
+        name,
+        evidence,
+        uuid,
         first: "fragmentation",
-        metrics: &[
-            ("request_bytes", 2.0 * GIB_F),
-            ("reserved_unallocated_bytes", 6.0 * GIB_F),
-        ],
-        innocent: &[9999],
-        check: |d| {
-            has(
-                &d.evidence,
-                "CUDA_VISIBLE_DEVICES=3 makes ordinal 0 the GPU at index 3: NVML GPU 3",
-            );
-            has(
-                &d.evidence,
-                "NVML GPU 3 (NVIDIA H100 80GB HBM3): used 78.1 GiB",
-            );
-            assert!(d.device.as_ref().unwrap().certain);
-        },
-    },
-    Row {
-        name: "CUDA_VISIBLE_DEVICES=GPU-…, by uuid",
-        evidence: || visible_devices_3(Some(H100_UUIDS[3])),
-        uuid: H100_UUIDS[3],
-        first: "fragmentation",
-        metrics: &[
-            ("request_bytes", 2.0 * GIB_F),
-            ("reserved_unallocated_bytes", 6.0 * GIB_F),
-        ],
-        innocent: &[9999],
-        check: |d| {
-            let dev = d.device.as_ref().unwrap();
-            assert_eq!((dev.ordinal, dev.nvml_index), (Some(0), Some(3)));
-        },
-    },
-    Row {
-        name: "a container: NVML reports host pids (the agent marks them unresolved)",
-        evidence: || container(PidView::Unresolved, true),
-        uuid: H100_UUIDS[0],
-        first: "fragmentation",
-        metrics: &[
-            ("request_bytes", 1.5 * GIB_F),
-            ("reserved_unallocated_bytes", 6.0 * GIB_F),
-        ],
-        innocent: &[CONTAINER_HOST_PID],
-        check: container_says_why,
-    },
-    Row {
-        name: "a container, read by an older agent (PyTorch's text tells the namespace)",
-        evidence: || container(PidView::Unspecified, false),
-        uuid: H100_UUIDS[0],
-        first: "fragmentation",
-        metrics: &[
-            ("request_bytes", 1.5 * GIB_F),
-            ("reserved_unallocated_bytes", 6.0 * GIB_F),
-        ],
-        innocent: &[CONTAINER_HOST_PID],
-        check: container_says_why,
-    },
-    Row {
-        name: "\"GPU 2 has a total capacity\" under oomscope run, a 50 GiB job on GPU 0",
-        evidence: supervised_gpu_2,
-        uuid: H100_UUIDS[2],
-        first: "fragmentation",
-        metrics: &[
-            ("request_bytes", 2.0 * GIB_F),
-            ("reserved_unallocated_bytes", 6.0 * GIB_F),
-        ],
-        innocent: &[5000],
-        check: |d| {
-            has(&d.evidence, "the error text is on ordinal 2");
-            has(&d.evidence, "NVML lists the process on this GPU alone");
-        },
-    },
-    Row {
-        name: "a MIG instance of 9.5 GiB, a neighbour in another slice",
-        evidence: mig_slice,
-        uuid: MIG_OURS,
-        first: "weights_too_large",
-        metrics: &[
-            // The instance's own total, never the parent's 80 GiB.
-            ("limit_bytes", MIG_TOTAL as f64),
-            ("model_bytes", 14.0 * GIB_F),
-        ],
-        innocent: &[MIG_NEIGHBOUR],
-        check: |d| {
-            let dev = d.device.as_ref().unwrap();
-            assert_eq!(dev.parent_uuid, A100_UUID);
-            assert_eq!(dev.total_bytes, Some(MIG_TOTAL));
-            assert!(d.causes.iter().all(|c| c.kind != "other_process"));
-        },
-    },
-    Row {
-        name: "per-process memory unavailable: the neighbour's bytes from the device's used",
-        evidence: usage_unavailable,
-        uuid: A100_UUID,
-        first: "other_process",
-        metrics: &[
-            // 79.5 GiB used on the device less this process's 36 GiB reserved.
-            ("other_bytes", 43.5 * GIB_F),
-        ],
-        innocent: &[AGENT_PID],
-        check: |d| {
-            let c = &d.causes[0];
-            assert_eq!(c.processes.len(), 1);
-            assert_eq!(c.processes[0].pid, 8888);
-            assert!(
-                c.confidence <= 0.6,
-                "derived bytes weigh less: {}",
-                c.confidence
-            );
-            has(&c.evidence, "pid 8888 holds about 43.5 GiB");
-            has(&c.evidence, "NVML gives no per-process usage for pid 8888");
-            has(&d.evidence, "pid 8888 (usage not given by NVML)");
-        },
-    },
+        metrics,
+        innocent,
+        check,
+    }
+}
+
+const SPLIT_2_GIB: &[(&str, f64)] = &[
+    ("request_bytes", 2.0 * GIB_F),
+    ("reserved_unallocated_bytes", 6.0 * GIB_F),
 ];
+const SPLIT_1_5_GIB: &[(&str, f64)] = &[
+    ("request_bytes", 1.5 * GIB_F),
+    ("reserved_unallocated_bytes", 6.0 * GIB_F),
+];
+
+fn rows() -> Vec<Row> {
+    vec![
+        split_cache(
+            "CUDA_VISIBLE_DEVICES=3, by index",
+            || visible_devices_3(Some("3")),
+            H100_UUIDS[3],
+            SPLIT_2_GIB,
+            &[9999],
+            |d| {
+                has(
+                    &d.evidence,
+                    "CUDA_VISIBLE_DEVICES=3 makes ordinal 0 the GPU at index 3: NVML GPU 3",
+                );
+                has(
+                    &d.evidence,
+                    "NVML GPU 3 (NVIDIA H100 80GB HBM3): used 78.1 GiB",
+                );
+                assert!(d.device.as_ref().unwrap().certain);
+            },
+        ),
+        split_cache(
+            "CUDA_VISIBLE_DEVICES=GPU-…, by uuid",
+            || visible_devices_3(Some(H100_UUIDS[3])),
+            H100_UUIDS[3],
+            SPLIT_2_GIB,
+            &[9999],
+            |d| {
+                let dev = d.device.as_ref().unwrap();
+                assert_eq!((dev.ordinal, dev.nvml_index), (Some(0), Some(3)));
+            },
+        ),
+        split_cache(
+            "a container: NVML reports host pids (the agent marks them unresolved)",
+            || container(PidView::Unresolved, true),
+            H100_UUIDS[0],
+            SPLIT_1_5_GIB,
+            &[CONTAINER_HOST_PID],
+            container_says_why,
+        ),
+        split_cache(
+            "a container, read by an older agent (PyTorch's text tells the namespace)",
+            || container(PidView::Unspecified, false),
+            H100_UUIDS[0],
+            SPLIT_1_5_GIB,
+            &[CONTAINER_HOST_PID],
+            container_says_why,
+        ),
+        split_cache(
+            "\"GPU 2 has a total capacity\" under oomscope run, a 50 GiB job on GPU 0",
+            supervised_gpu_2,
+            H100_UUIDS[2],
+            SPLIT_2_GIB,
+            &[5000],
+            |d| {
+                has(&d.evidence, "the error text is on ordinal 2");
+                has(&d.evidence, "NVML lists the process on this GPU alone");
+            },
+        ),
+        Row {
+            name: "two containers on one GPU: the neighbour only seen from another namespace",
+            evidence: two_containers,
+            uuid: H100_UUIDS[0],
+            first: "other_process",
+            metrics: &[("other_bytes", 38.0 * GIB_F)],
+            innocent: &[CONTAINER_HOST_PID],
+            check: |d| {
+                let c = &d.causes[0];
+                assert_eq!(c.processes.len(), 1);
+                assert_eq!(c.processes[0].pid, NEIGHBOUR_HOST_PID);
+                assert!(c.confidence <= 0.5, "{}", c.confidence);
+                has(
+                    &c.evidence,
+                    "pid 2718281 (in another PID namespace, not resolvable here) holds 38.0 GiB",
+                );
+                // Named, never to be killed or stopped from here.
+                for f in &d.fixes {
+                    let a = f.action.to_lowercase();
+                    assert!(!a.contains("kill") && !a.contains("stop"), "{}", f.action);
+                }
+                has(
+                    &d.evidence,
+                    "pid 2718281 (38.0 GiB) is not this process by its own 40.0 GiB (reserved by PyTorch): another process",
+                );
+            },
+        },
+        Row {
+            name: "a MIG instance of 9.5 GiB, a neighbour in another slice",
+            evidence: mig_slice,
+            uuid: MIG_OURS,
+            first: "weights_too_large",
+            metrics: &[
+                // The instance's own total, never the parent's 80 GiB.
+                ("limit_bytes", MIG_TOTAL as f64),
+                ("model_bytes", 14.0 * GIB_F),
+            ],
+            innocent: &[MIG_NEIGHBOUR],
+            check: |d| {
+                let dev = d.device.as_ref().unwrap();
+                assert_eq!(dev.parent_uuid, A100_UUID);
+                assert_eq!(dev.total_bytes, Some(MIG_TOTAL));
+                assert!(d.causes.iter().all(|c| c.kind != "other_process"));
+            },
+        },
+        Row {
+            name: "per-process memory unavailable: the neighbour's bytes from the device's used",
+            evidence: usage_unavailable,
+            uuid: A100_UUID,
+            first: "other_process",
+            metrics: &[
+                // 79.5 GiB used on the device less this process's 36 GiB reserved.
+                ("other_bytes", 43.5 * GIB_F),
+            ],
+            innocent: &[AGENT_PID],
+            check: |d| {
+                let c = &d.causes[0];
+                assert_eq!(c.processes.len(), 1);
+                assert_eq!(c.processes[0].pid, 8888);
+                assert!(
+                    c.confidence <= 0.6,
+                    "derived bytes weigh less: {}",
+                    c.confidence
+                );
+                has(&c.evidence, "pid 8888 holds about 43.5 GiB");
+                has(&c.evidence, "NVML gives no per-process usage for pid 8888");
+                has(&d.evidence, "pid 8888 (usage not given by NVML)");
+            },
+        },
+    ]
+}
 
 #[test]
 fn each_deployment_gets_its_device_domain_and_first_cause() {
-    for row in ROWS {
+    for row in &rows() {
         let e = (row.evidence)();
         let d = diagnose(&e);
         let ctx = format!("{}: {:#?}\n{:#?}", row.name, d.evidence, d.causes);
@@ -536,6 +575,48 @@ fn container(view: PidView, agent_reads_uuid: bool) -> Evidence {
         server_hello(7, None, std::slice::from_ref(&gpu)),
         samples,
         oom.event(T0 + 3 * SEC, uuid),
+    )
+}
+
+const NEIGHBOUR_HOST_PID: u32 = 2_718_281;
+
+/// Two containers share one H100: this server (pid 7 inside, 3141592 on
+/// the host) holds 40.5 GiB, another container's job (2718281) 38 GiB; the
+/// agent can resolve neither host pid.
+fn two_containers() -> Evidence {
+    let ours = gib(40.5);
+    let gpu = on(
+        nvml(0, H100_UUIDS[0], H100, H100_NVML_TOTAL, gib(79.0)),
+        &[
+            (CONTAINER_HOST_PID, Some(ours), PidView::Unresolved),
+            (NEIGHBOUR_HOST_PID, Some(38 * GIB), PidView::Unresolved),
+        ],
+    );
+    let oom = TorchOom {
+        ordinal: 0,
+        requested: 2 * GIB,
+        total: gib(79.19),
+        free: 190 * MIB,
+        processes: &[
+            Named::Pid(CONTAINER_HOST_PID, Some(ours)),
+            Named::Pid(NEIGHBOUR_HOST_PID, Some(38 * GIB)),
+        ],
+        allocated: 39 * GIB,
+        unallocated: GIB,
+    };
+    let samples = (0..3)
+        .map(|i| {
+            sample(
+                i,
+                vec![gpu.clone()],
+                vec![reading(0, H100_UUIDS[0], 39 * GIB, 40 * GIB, gib(79.19))],
+            )
+        })
+        .collect();
+    in_process(
+        server_hello(7, None, std::slice::from_ref(&gpu)),
+        samples,
+        oom.event(T0 + 3 * SEC, H100_UUIDS[0]),
     )
 }
 

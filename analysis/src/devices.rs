@@ -455,7 +455,8 @@ impl<'a> Devices<'a> {
             };
             // Another reading already tied this ordinal to a device.
             let tied = (0..self.list.len()).find(|&j| {
-                j != i && self.list[j].ordinal == Some(k) && self.list[j].nvml_index.is_some()
+                let t = &self.list[j];
+                j != i && t.ordinal == Some(k) && (t.uuid.is_some() || t.nvml_index.is_some())
             });
             let target = match tied {
                 Some(j) => Ok((j, None)),
@@ -893,6 +894,48 @@ mod tests {
         assert!(!same_uuid("", ""));
         assert!(uuid_prefix("GPU-68e7", "GPU-68e78067-40bf"));
         assert!(!uuid_prefix("GPU-", "GPU-68e78067-40bf"));
+    }
+
+    #[test]
+    fn readings_with_and_without_the_uuid_are_one_device() {
+        let reading = |uuid: &str| pb::Sample {
+            allocator: vec![pb::AllocatorStats {
+                device: 1,
+                device_uuid: uuid.into(),
+                driver_total_bytes: 80 << 30,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let e = Evidence {
+            samples: vec![
+                reading(""),
+                reading("GPU-3b1c2a9e-7d4f-5e60-8a1b-2c3d4e5f6a71"),
+            ],
+            events: vec![pb::Event {
+                time_ns: 1,
+                kind: Some(Kind::Oom(pb::Oom {
+                    device: 1,
+                    ..Default::default()
+                })),
+            }],
+            ..Default::default()
+        };
+        let d = Devices::of(&e);
+        assert_eq!(d.list.len(), 1, "{:?}", d.list);
+        let f = d.failed_device().unwrap();
+        assert_eq!(
+            (f.uuid.as_str(), f.ordinal, f.total_bytes),
+            (
+                "GPU-3b1c2a9e-7d4f-5e60-8a1b-2c3d4e5f6a71",
+                Some(1),
+                Some(80 << 30)
+            )
+        );
+        assert_eq!(
+            f.identified_by,
+            "the OOM event is on ordinal 1; the agent's readings tie that ordinal to its uuid"
+        );
     }
 
     fn holder(pid: u32, gib: Option<u64>, whose: Whose) -> Holder {

@@ -402,17 +402,17 @@ enum Named {
 }
 
 /// PyTorch's CUDA OOM message, in the exact form of the H200 captures.
-struct TorchOom<'a> {
+struct TorchOom {
     ordinal: i32,
     requested: u64,
     total: u64,
     free: u64,
-    processes: &'a [Named],
+    processes: Vec<Named>,
     allocated: u64,
     unallocated: u64,
 }
 
-impl TorchOom<'_> {
+impl TorchOom {
     fn text(&self) -> String {
         let procs: String = self
             .processes
@@ -473,6 +473,13 @@ fn sample(i: i64, gpus: Vec<pb::GpuDevice>, allocator: Vec<pb::AllocatorStats>) 
     }
 }
 
+/// Three readings alike before the failure: NVML's and the allocator's.
+fn steady(gpus: Vec<pb::GpuDevice>, allocator: pb::AllocatorStats) -> Vec<pb::Sample> {
+    (0..3)
+        .map(|i| sample(i, gpus.clone(), vec![allocator.clone()]))
+        .collect()
+}
+
 fn reading(
     ordinal: i32,
     uuid: &str,
@@ -501,6 +508,20 @@ fn in_process(hello: pb::Hello, samples: Vec<pb::Sample>, oom: pb::Event) -> Evi
     }
 }
 
+/// An H100's OOM with 6 GiB cached but split: 2 GiB asked, 71.5 GiB live,
+/// this process holding `ours` in NVML's count.
+fn split_cache_oom(ordinal: i32, ours: u64) -> TorchOom {
+    TorchOom {
+        ordinal,
+        requested: 2 * GIB,
+        total: gib(79.19),
+        free: gib(1.0625),
+        processes: vec![Named::This(Some(ours))],
+        allocated: gib(71.5),
+        unallocated: 6 * GIB,
+    }
+}
+
 /// Four H100s; another user's job (pid 9999) holds 60 GiB on NVML GPU 0;
 /// this server runs on NVML GPU 3 as its ordinal 0 (the agent could not
 /// read the device's uuid) and fails with 6 GiB cached but split.
@@ -518,24 +539,11 @@ fn visible_devices_3(env: Option<&str>) -> Evidence {
             &[(AGENT_PID, Some(ours), PidView::Own)],
         ),
     ];
-    let oom = TorchOom {
-        ordinal: 0,
-        requested: 2 * GIB,
-        total: gib(79.19),
-        free: gib(1.0625),
-        processes: &[Named::This(Some(ours))],
-        allocated: gib(71.5),
-        unallocated: 6 * GIB,
-    };
-    let samples = (0..3)
-        .map(|i| {
-            sample(
-                i,
-                gpus.clone(),
-                vec![reading(0, "", gib(71.5), gib(77.5), gib(79.19))],
-            )
-        })
-        .collect();
+    let oom = split_cache_oom(0, ours);
+    let samples = steady(
+        gpus.clone(),
+        reading(0, "", gib(71.5), gib(77.5), gib(79.19)),
+    );
     in_process(
         server_hello(AGENT_PID, env, &gpus),
         samples,
@@ -558,19 +566,14 @@ fn container(view: PidView, agent_reads_uuid: bool) -> Evidence {
         requested: gib(1.5),
         total: gib(79.19),
         free: 180 * MIB,
-        processes: &[Named::Pid(CONTAINER_HOST_PID, Some(ours))],
+        processes: vec![Named::Pid(CONTAINER_HOST_PID, Some(ours))],
         allocated: gib(72.3),
         unallocated: 6 * GIB,
     };
-    let samples = (0..3)
-        .map(|i| {
-            sample(
-                i,
-                vec![gpu.clone()],
-                vec![reading(0, uuid, gib(72.3), gib(78.3), gib(79.19))],
-            )
-        })
-        .collect();
+    let samples = steady(
+        vec![gpu.clone()],
+        reading(0, uuid, gib(72.3), gib(78.3), gib(79.19)),
+    );
     in_process(
         server_hello(7, None, std::slice::from_ref(&gpu)),
         samples,
@@ -597,22 +600,17 @@ fn two_containers() -> Evidence {
         requested: 2 * GIB,
         total: gib(79.19),
         free: 190 * MIB,
-        processes: &[
+        processes: vec![
             Named::Pid(CONTAINER_HOST_PID, Some(ours)),
             Named::Pid(NEIGHBOUR_HOST_PID, Some(38 * GIB)),
         ],
         allocated: 39 * GIB,
         unallocated: GIB,
     };
-    let samples = (0..3)
-        .map(|i| {
-            sample(
-                i,
-                vec![gpu.clone()],
-                vec![reading(0, H100_UUIDS[0], 39 * GIB, 40 * GIB, gib(79.19))],
-            )
-        })
-        .collect();
+    let samples = steady(
+        vec![gpu.clone()],
+        reading(0, H100_UUIDS[0], 39 * GIB, 40 * GIB, gib(79.19)),
+    );
     in_process(
         server_hello(7, None, std::slice::from_ref(&gpu)),
         samples,
@@ -649,16 +647,7 @@ fn supervised_gpu_2() -> Evidence {
         ),
         nvml(3, H100_UUIDS[3], H100, H100_NVML_TOTAL, gib(0.5)),
     ];
-    let text = TorchOom {
-        ordinal: 2,
-        requested: 2 * GIB,
-        total: gib(79.19),
-        free: gib(1.0625),
-        processes: &[Named::This(Some(ours))],
-        allocated: gib(71.5),
-        unallocated: 6 * GIB,
-    }
-    .text();
+    let text = split_cache_oom(2, ours).text();
     let stderr = format!(
         "Traceback (most recent call last):\n  File \"/app/train.py\", line 88, in <module>\n    logits = model(batch)\ntorch.OutOfMemoryError: {text}\n"
     );
@@ -707,7 +696,7 @@ fn mig_slice() -> Evidence {
         free: 712 * MIB,
         // PyTorch asks NVML about the parent GPU: every slice's process,
         // none with a usage.
-        processes: &[Named::Pid(MIG_NEIGHBOUR, None), Named::This(None)],
+        processes: vec![Named::Pid(MIG_NEIGHBOUR, None), Named::This(None)],
         allocated: gib(8.3125),
         unallocated: 6 * MIB,
     };
@@ -768,19 +757,14 @@ fn usage_unavailable() -> Evidence {
         requested: 4 * GIB,
         total: gib(79.25),
         free: 500 * MIB,
-        processes: &[Named::This(None), Named::Pid(8888, None)],
+        processes: vec![Named::This(None), Named::Pid(8888, None)],
         allocated: gib(35.5),
         unallocated: 512 * MIB,
     };
-    let samples = (0..3)
-        .map(|i| {
-            sample(
-                i,
-                vec![gpu.clone()],
-                vec![reading(0, A100_UUID, gib(35.5), 36 * GIB, gib(79.25))],
-            )
-        })
-        .collect();
+    let samples = steady(
+        vec![gpu.clone()],
+        reading(0, A100_UUID, gib(35.5), 36 * GIB, gib(79.25)),
+    );
     in_process(
         server_hello(AGENT_PID, None, std::slice::from_ref(&gpu)),
         samples,

@@ -8,8 +8,9 @@
 
 use serde::Serialize;
 
+use crate::devices::Devices;
 use crate::evidence::Evidence;
-use crate::failure::{device_limit, AtFailure};
+use crate::failure::AtFailure;
 use crate::kv_fit::{self, TokenFit};
 use crate::stats;
 use crate::timeline::Timeline;
@@ -42,7 +43,7 @@ pub struct Capacity {
 /// no limit, no reading inside requests that fits, or one passing request.
 pub fn capacity(e: &Evidence) -> Option<Capacity> {
     let tl = Timeline::from_evidence(e);
-    let failure = AtFailure::from_evidence(e, e.oom(), &tl);
+    let failure = AtFailure::from_evidence(e, e.oom(), &tl, &Devices::of(e));
     estimate(e, &tl, failure.as_ref())
 }
 
@@ -58,7 +59,7 @@ pub(crate) fn estimate(
     let limit_bytes = failure
         .map(|f| f.limit_bytes)
         .filter(|&l| l > 0)
-        .unwrap_or_else(|| device_limit(e));
+        .unwrap_or_else(|| Devices::of(e).limit_bytes());
     if limit_bytes == 0 {
         return None;
     }

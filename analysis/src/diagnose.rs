@@ -118,6 +118,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         failure: failure::of_incident(e),
         victim,
         kernel_report: f.kernel.map(|(_, k)| kernel_report(k)),
+        device: verdict.device,
     }
 }
 

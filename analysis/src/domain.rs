@@ -1,5 +1,6 @@
 //! Which memory domain ran out: the first question of every diagnosis.
 
+use crate::devices::{Holder, Whose};
 use crate::evidence::Evidence;
 use crate::findings::{Findings, SIGBUS, SIGKILL};
 use crate::pb;
@@ -17,6 +18,9 @@ pub struct DomainVerdict {
     pub evidence: Vec<String>,
     /// Set when the domain is `Cgroup`.
     pub cgroup: Option<pb::CgroupVerdict>,
+    /// The device that ran out, when the domain is `GpuVram` and the
+    /// evidence says which.
+    pub device: Option<pb::FailedDevice>,
 }
 
 pub fn attribute_domain(e: &Evidence) -> DomainVerdict {
@@ -38,6 +42,9 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             failed: true,
             evidence: std::mem::take(lines),
             cgroup: None,
+            device: (domain == Domain::GpuVram)
+                .then(|| f.devices.failed_device())
+                .flatten(),
         }
     };
 
@@ -58,6 +65,7 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
                 failed: false,
                 evidence: lines,
                 cgroup: None,
+                device: None,
             };
         }
         // No death: only a slowdown can be an incident.
@@ -77,6 +85,7 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             failed: false,
             evidence: lines,
             cgroup: None,
+            device: None,
         };
     }
 
@@ -421,9 +430,7 @@ fn address_space_lines(f: &Findings) -> Vec<String> {
 
 fn gpu_lines(f: &Findings) -> Vec<String> {
     let mut ev = Vec::new();
-    let mut device = None;
     if let Some((_, o)) = f.oom {
-        device = Some(o.device);
         ev.push(format!(
             "device OOM on GPU {}: requested {}",
             o.device,
@@ -460,9 +467,8 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
     } else if let Some(line) = &f.cuda_line {
         ev.push(format!("stderr: {line}"));
     }
-    if let Some(line) = nvml_line(f, device) {
-        ev.push(line);
-    }
+    ev.extend(device_line(f));
+    ev.extend(nvml_lines(f));
     if let Some(limit) = f.as_limit {
         ev.push(format!(
             "note: RLIMIT_AS is finite ({}); CUDA error 2 can be a host address-space failure, since GPU runtimes reserve virtual address space",
@@ -472,31 +478,104 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
     ev
 }
 
-/// The newest NVML reading of the failing device (or the first device).
-fn nvml_line(f: &Findings, device: Option<i32>) -> Option<String> {
-    let gpu = f
-        .evidence
-        .samples
-        .iter()
-        .rev()
-        .find_map(|s| s.gpus.iter().find(|g| device.is_none_or(|d| g.index == d)))?;
-    let mut line = format!(
-        "NVML GPU {} ({}): used {} of {}, free {}",
-        gpu.index,
-        gpu.name,
-        bytes_short(gpu.used_bytes),
-        bytes_short(gpu.total_bytes),
-        bytes(gpu.free_bytes)
-    );
-    if !gpu.processes.is_empty() {
-        let procs: Vec<String> = gpu
-            .processes
-            .iter()
-            .map(|p| format!("pid {} {}", p.pid, bytes_short(p.used_bytes.unwrap_or(0))))
-            .collect();
-        line.push_str(&format!("; processes: {}", procs.join(", ")));
+/// Which device failed and how the evidence says so; or why it cannot,
+/// where several GPUs were in sight.
+fn device_line(f: &Findings) -> Option<String> {
+    let d = &f.devices;
+    match (d.failing(), d.failing_how()) {
+        (Some(dev), Some(how)) if dev.uuid.is_some() || dev.mapped.is_some() => {
+            Some(format!("the failing device is {}: {how}", dev.label()))
+        }
+        (Some(_), Some(how)) if d.unmapped.is_some() => Some(format!("the failing device: {how}")),
+        (None, _) if d.list.len() > 1 => Some(format!(
+            "which of the {} GPUs in the evidence failed is unknown{}",
+            d.list.len(),
+            d.unmapped
+                .as_ref()
+                .map_or(String::new(), |why| format!(": {why}"))
+        )),
+        _ => None,
     }
-    Some(line)
+}
+
+/// NVML's newest reading of the failing device, its processes, and what
+/// could not be resolved; never another device's.
+fn nvml_lines(f: &Findings) -> Vec<String> {
+    let Some(dev) = f.devices.failing() else {
+        return Vec::new();
+    };
+    let mut ev = Vec::new();
+    if let Some(why) = &dev.unreadable {
+        ev.push(format!(
+            "NVML could not read {} ({why}): its memory figures are unknown",
+            dev.label()
+        ));
+    }
+    let holders = f.gpu_holders();
+    if let Some(gpu) = dev.nvml {
+        let which = match (&dev.uuid, dev.is_mig()) {
+            (Some(u), true) => format!("{u}, a MIG instance of GPU {}", gpu.index),
+            _ => format!("GPU {}", gpu.index),
+        };
+        let mut line = format!(
+            "NVML {which} ({}): used {} of {}, free {}",
+            gpu.name,
+            bytes_short(gpu.used_bytes),
+            bytes_short(gpu.total_bytes),
+            bytes(gpu.free_bytes)
+        );
+        if !holders.is_empty() {
+            let procs: Vec<String> = holders.iter().map(Holder::describe).collect();
+            line.push_str(&format!("; processes: {}", procs.join(", ")));
+        }
+        ev.push(line);
+    }
+    ev.extend(namespace_line(f, &holders));
+    ev
+}
+
+/// Says when NVML's pids could not be resolved in this process's PID
+/// namespace, and what each was taken for.
+fn namespace_line(f: &Findings, holders: &[Holder]) -> Option<String> {
+    let foreign: Vec<&Holder> = holders
+        .iter()
+        .filter(|h| {
+            matches!(
+                h.whose,
+                Whose::Unresolved | Whose::OwnUnresolved | Whose::OtherUnresolved
+            )
+        })
+        .collect();
+    if foreign.is_empty() {
+        return None;
+    }
+    let own = f.own_gpu_bytes();
+    let each: Vec<String> = foreign
+        .iter()
+        .map(|h| {
+            let used = h
+                .used_bytes
+                .map_or("an unknown amount".to_string(), bytes_short);
+            let verdict = match (h.whose, own) {
+                (Whose::OwnUnresolved, Some((o, what))) => {
+                    format!(
+                        "matches this process's own {} ({what}): it is this process",
+                        bytes_short(o)
+                    )
+                }
+                (Whose::OtherUnresolved, Some((o, what))) => format!(
+                    "is not this process by its own {} ({what}): another process",
+                    bytes_short(o)
+                ),
+                _ => "cannot be placed by the figures at hand".to_string(),
+            };
+            format!("pid {} ({used}) {verdict}", h.pid)
+        })
+        .collect();
+    Some(format!(
+        "NVML's pids are not resolvable in this process's PID namespace (a container, or pids the agent could not find in /proc): none is taken for this process or another by its number; {}",
+        each.join("; ")
+    ))
 }
 
 #[cfg(test)]

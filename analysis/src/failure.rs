@@ -7,6 +7,7 @@
 //! `Failure` (the diagnosis's `failure`) is the incident's side of it: the
 //! facts a report shows, read once here so that no client reads them again.
 
+use crate::devices::Devices;
 use crate::evidence::Evidence;
 use crate::pb;
 use crate::pb::event::Kind;
@@ -31,6 +32,9 @@ pub struct AtFailure {
     /// The failure came while loading weights.
     pub in_load: bool,
     pub text: TorchOomText,
+    /// Read from PyTorch's text on the exit's stderr alone (`oomscope run`
+    /// without an in-process agent): no allocator event stands behind it.
+    pub from_text: bool,
 }
 
 impl AtFailure {
@@ -42,8 +46,11 @@ impl AtFailure {
         e: &Evidence,
         oom: Option<(i64, &pb::Oom)>,
         tl: &Timeline,
+        devices: &Devices,
     ) -> Option<AtFailure> {
-        let (time_ns, oom) = oom?;
+        let Some((time_ns, oom)) = oom else {
+            return from_stderr(e, tl, devices);
+        };
         let text = torch_text::parse(&oom.error_text);
         let stats = oom.stats.clone().unwrap_or_default();
         let snap = oom.snapshot.as_ref().filter(|s| s.reserved_bytes > 0);
@@ -64,7 +71,7 @@ impl AtFailure {
         let expandable_segments = snap.is_some_and(|s| s.expandable_segments)
             || settings(oom.snapshot.as_ref().and_then(|s| s.settings.as_ref()))
             || settings(e.hello.as_ref().and_then(|h| h.allocator_settings.as_ref()));
-        let (limit_bytes, limit_source) = limit(e, oom, &text);
+        let (limit_bytes, limit_source) = limit(devices, oom, &text);
         let in_load = in_load(e, time_ns, tl);
         Some(AtFailure {
             time_ns,
@@ -80,19 +87,50 @@ impl AtFailure {
             context: oom.context.clone().unwrap_or_default(),
             in_load,
             text,
+            from_text: false,
         })
     }
 }
 
-/// The device limit the process ran into: a per-process cap (announced, or
-/// "X allowed" in the text), else the device total. The observer's
-/// `device_allocated` is the cap or the total, so it serves for either.
-fn limit(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> (u64, &'static str) {
-    let placement = e
-        .hello
-        .as_ref()
-        .and_then(|h| h.gpus.iter().find(|g| g.index == oom.device));
-    if let Some(cap) = placement.map(|g| g.cap_bytes).filter(|&c| c > 0) {
+/// The failure as PyTorch's text on the exit's stderr tells it, where no
+/// OOM event does: `oomscope run` sees a worker's crash only there. Only a
+/// text that says what was asked and what PyTorch had allocated stands for it.
+fn from_stderr(e: &Evidence, tl: &Timeline, devices: &Devices) -> Option<AtFailure> {
+    let (time_ns, exit) = e.child_exit()?;
+    let text = torch_text::parse(&exit.stderr_tail);
+    let (requested_bytes, allocated_bytes) = (text.requested_bytes?, text.allocated_bytes?);
+    let reserved_bytes = allocated_bytes + text.reserved_unallocated_bytes.unwrap_or(0);
+    let (limit_bytes, limit_source) = limit(devices, &pb::Oom::default(), &text);
+    Some(AtFailure {
+        time_ns,
+        requested_bytes,
+        allocated_bytes,
+        reserved_bytes,
+        largest_free_block_bytes: None,
+        inactive_split_bytes: 0,
+        alloc_retries: 0,
+        expandable_segments: e
+            .hello
+            .as_ref()
+            .and_then(|h| h.allocator_settings.as_ref())
+            .is_some_and(|s| s.expandable_segments),
+        limit_bytes,
+        limit_source,
+        context: pb::RequestContext::default(),
+        in_load: in_load(e, time_ns, tl),
+        text,
+        from_text: true,
+    })
+}
+
+/// The limit the process ran into on the failing device: a per-process cap
+/// (announced, or "X allowed" in the text), else the device's own total (a
+/// MIG instance's, not its parent's). The observer's `device_allocated` is
+/// the cap or the total as CUDA sees the device, so it serves for either.
+/// Never another GPU's figures.
+fn limit(devices: &Devices, oom: &pb::Oom, text: &TorchOomText) -> (u64, &'static str) {
+    let device = devices.failing();
+    if let Some(cap) = device.and_then(|d| d.cap_bytes) {
         return (cap, "the per-process cap");
     }
     if let Some(cap) = text.allowed_bytes {
@@ -106,10 +144,11 @@ fn limit(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> (u64, &'static str
     {
         return (b as u64, "the device's limit");
     }
-    let total = placement
-        .map(|g| g.total_bytes)
-        .filter(|&t| t > 0)
-        .or(text.total_bytes)
+    if let Some((total, what)) = device.and_then(|d| d.limit()) {
+        return (total, what);
+    }
+    let total = text
+        .total_bytes
         .or_else(|| {
             oom.stats
                 .as_ref()
@@ -139,24 +178,6 @@ fn in_load(e: &Evidence, time_ns: i64, tl: &Timeline) -> bool {
         .find(|p| p.time_ns <= time_ns)
         .is_some_and(|p| p.is_load());
     open || last_sample_loading
-}
-
-/// The device limit for a timeline without a failure: the announced cap,
-/// else the device total (announced, or the driver's).
-pub fn device_limit(e: &Evidence) -> u64 {
-    let placement = e.hello.as_ref().and_then(|h| h.gpus.first());
-    placement
-        .map(|g| g.cap_bytes)
-        .filter(|&c| c > 0)
-        .or_else(|| placement.map(|g| g.total_bytes).filter(|&t| t > 0))
-        .or_else(|| {
-            e.samples
-                .iter()
-                .rev()
-                .find_map(|s| s.allocator.first().map(|a| a.driver_total_bytes))
-                .filter(|&t| t > 0)
-        })
-        .unwrap_or(0)
 }
 
 /// The facts of the failure the incident names, as a diagnosis carries them;

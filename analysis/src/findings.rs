@@ -2,8 +2,9 @@
 //! The domain verdict, the causes and the fixes all read these.
 
 use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
+use crate::devices::{Devices, Holder};
 use crate::evidence::Evidence;
-use crate::failure::{device_limit, AtFailure};
+use crate::failure::AtFailure;
 use crate::memory_domain::Domain;
 use crate::pb;
 use crate::runtime_text::{self, cuda_oom_line, TextMatch};
@@ -56,8 +57,11 @@ pub struct Findings<'a> {
     pub timeline: Timeline,
     /// The device allocator at the failed allocation.
     pub failure: Option<AtFailure>,
-    /// The device limit: the failure's, else the announced cap or total; 0 if unknown.
+    /// The device limit: the failure's, else the failing (or only used)
+    /// device's cap or total; 0 if unknown.
     pub device_limit: u64,
+    /// The GPU readings joined by device identity, and the failing device.
+    pub devices: Devices<'a>,
     /// The runtime's settings: its command line and recorded environment
     /// (see `runtime_settings`).
     pub settings: Settings,
@@ -103,12 +107,13 @@ impl<'a> Findings<'a> {
             near.then_some((s.committed_as_bytes, s.commit_limit_bytes))
         });
         let timeline = Timeline::from_evidence(e);
-        let failure = AtFailure::from_evidence(e, oom, &timeline);
+        let devices = Devices::of(e);
+        let failure = AtFailure::from_evidence(e, oom, &timeline, &devices);
         let device_limit = failure
             .as_ref()
             .map(|f| f.limit_bytes)
             .filter(|&l| l > 0)
-            .unwrap_or_else(|| device_limit(e));
+            .unwrap_or_else(|| devices.limit_bytes());
         let settings = runtime_settings(e, text.as_ref());
         Findings {
             evidence: e,
@@ -116,6 +121,7 @@ impl<'a> Findings<'a> {
             timeline,
             failure,
             device_limit,
+            devices,
             exit,
             oom,
             signal,
@@ -133,6 +139,28 @@ impl<'a> Findings<'a> {
             strict_commit,
             failed,
         }
+    }
+
+    /// What this process is known to hold on the failing device at least,
+    /// and where that figure comes from: PyTorch's "this process has"
+    /// (non-PyTorch memory included), else its allocator's reserved bytes.
+    pub fn own_gpu_bytes(&self) -> Option<(u64, &'static str)> {
+        let x = self.failure.as_ref();
+        x.and_then(|x| x.text.process_bytes)
+            .map(|b| (b, "PyTorch's \"this process has\""))
+            .or_else(|| {
+                x.map(|x| x.reserved_bytes)
+                    .filter(|&r| r > 0)
+                    .map(|r| (r, "reserved by PyTorch"))
+            })
+    }
+
+    /// The processes NVML (or PyTorch's text) reports on the failing
+    /// device, each placed as this process's or another's where the
+    /// evidence can tell.
+    pub fn gpu_holders(&self) -> Vec<Holder> {
+        let own = self.own_gpu_bytes().map(|(b, _)| b);
+        self.devices.failing_holders(self.evidence, own)
     }
 
     /// The runtime, where the evidence names one.

@@ -28,6 +28,7 @@ pub fn to_json(d: &pb::Diagnosis) -> Value {
             "owner_level": c.owner_level,
         })),
         "failure": d.failure.as_ref().map(failure),
+        "device": d.device.as_ref().map(device),
         "victim": d.victim.as_ref().map(|v| json!({
             "pid": v.pid,
             "command": v.command,
@@ -74,6 +75,21 @@ fn failure(f: &pb::Failure) -> Value {
         })),
         "stats_from_ns": f.stats_from_ns,
         "expandable_segments": f.expandable_segments,
+    })
+}
+
+/// The failing device; an identity that is not known is null, never "".
+fn device(d: &pb::FailedDevice) -> Value {
+    let known = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    json!({
+        "uuid": known(&d.uuid),
+        "ordinal": d.ordinal,
+        "nvml_index": d.nvml_index,
+        "name": known(&d.name),
+        "parent_uuid": known(&d.parent_uuid),
+        "total_bytes": d.total_bytes,
+        "identified_by": d.identified_by,
+        "certain": d.certain,
     })
 }
 

@@ -20,6 +20,7 @@ mod capacity;
 mod causes;
 mod census;
 mod counters;
+pub mod devices;
 mod diagnose;
 mod domain;
 mod evidence;

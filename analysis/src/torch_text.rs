@@ -21,8 +21,15 @@ pub struct TorchOomText {
     pub reserved_unallocated_bytes: Option<u64>,
     /// This process, non-PyTorch memory included.
     pub process_bytes: Option<u64>,
-    /// Other processes: (pid, bytes).
-    pub others: Vec<(u32, u64)>,
+    /// The message has the "this process has" line: PyTorch found its own
+    /// pid among NVML's, so NVML's pids are in this process's namespace.
+    pub names_this_process: bool,
+    /// Other processes as NVML reports them: (pid, bytes), the bytes None
+    /// where NVML could not give them.
+    pub others: Vec<(u32, Option<u64>)>,
+    /// The failing device's ordinal in the process ("GPU 2 has a total
+    /// capacity"); None when absent, or when the text names several.
+    pub ordinal: Option<i32>,
 }
 
 pub fn parse(text: &str) -> TorchOomText {
@@ -31,7 +38,9 @@ pub fn parse(text: &str) -> TorchOomText {
         allowed_bytes: size_before(text, " allowed"),
         allocated_bytes: size_before(text, " is allocated by PyTorch"),
         reserved_unallocated_bytes: size_before(text, " is reserved by PyTorch but unallocated"),
-        process_bytes: size_after(text, "this process has "),
+        process_bytes: size_after(text, "this process has ").and_then(usage),
+        names_this_process: text.contains("this process has "),
+        ordinal: ordinal(text),
         ..Default::default()
     };
     if let Some(i) = text.find("total capacity of ") {
@@ -51,10 +60,31 @@ pub fn parse(text: &str) -> TorchOomText {
             .and_then(leading_size)
             .map(|(b, _)| b)
         {
-            t.others.push((pid, bytes));
+            t.others.push((pid, usage(bytes)));
         }
     }
     t
+}
+
+/// NVML answers "not available" (per-process usage under MIG, in some
+/// containers) with all ones, which PyTorch prints as "17179869184.00 GiB":
+/// no device holds an exbibyte, so such a figure is unknown.
+fn usage(bytes: u64) -> Option<u64> {
+    (bytes < 1 << 60).then_some(bytes)
+}
+
+/// The N of "GPU N has a total capacity", where every such phrase agrees.
+fn ordinal(text: &str) -> Option<i32> {
+    let mut found = text.match_indices("GPU ").filter_map(|(i, m)| {
+        let rest = &text[i + m.len()..];
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        rest[digits.len()..]
+            .starts_with(" has a total capacity")
+            .then(|| digits.parse::<i32>().ok())
+            .flatten()
+    });
+    let first = found.next()?;
+    found.all(|n| n == first).then_some(first)
 }
 
 fn size_after(text: &str, marker: &str) -> Option<u64> {
@@ -120,10 +150,29 @@ mod tests {
     #[test]
     fn other_processes_and_zero_bytes_are_read() {
         let t = parse("Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 499.56 MiB is free. Including non-PyTorch memory, this process has 4.51 GiB memory in use. Process 444 has 134.79 GiB memory in use. Of the allocated memory 4.00 GiB is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated.");
-        assert_eq!(t.others, vec![(444, (134.79 * GIB as f64).round() as u64)]);
+        assert_eq!(
+            t.others,
+            vec![(444, Some((134.79 * GIB as f64).round() as u64))]
+        );
+        assert!(t.names_this_process);
+        assert_eq!(t.ordinal, Some(0));
         assert_eq!(t.reserved_unallocated_bytes, Some(0));
         assert_eq!(t.allocated_bytes, Some(4 * GIB));
         assert_eq!(t.allowed_bytes, None);
+    }
+
+    #[test]
+    fn the_ordinal_and_nvmls_unavailable_usage_are_read() {
+        // PyTorch's text in a container on GPU 2, NVML's usage not available
+        // (all ones, printed as an exbibyte-sized figure).
+        let t = parse("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 2 has a total capacity of 79.19 GiB of which 1.06 GiB is free. Process 3141592 has 17179869184.00 GiB memory in use. Of the allocated memory 71.50 GiB is allocated by PyTorch, and 6.02 GiB is reserved by PyTorch but unallocated.");
+        assert_eq!(t.ordinal, Some(2));
+        assert_eq!(t.others, vec![(3141592, None)]);
+        assert!(!t.names_this_process);
+        assert_eq!(t.process_bytes, None);
+        // Two workers' texts naming different devices name no one device.
+        let two = "GPU 0 has a total capacity of 79.19 GiB of which 1.00 GiB is free.\nGPU 1 has a total capacity of 79.19 GiB of which 1.00 GiB is free.";
+        assert_eq!(parse(two).ordinal, None);
     }
 
     #[test]

@@ -48,8 +48,10 @@ impl Trigger {
 /// `v` is the domain verdict: a failure without a device allocator record is
 /// immediate only where memory ran out on the host side.
 pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
-    let failed = f.failure.is_some();
-    if failed {
+    // A failure read from the error text alone has no allocator series
+    // behind it: the host's readings speak for its trigger.
+    let device_failure = f.failure.as_ref().filter(|x| !x.from_text);
+    if device_failure.is_some() {
         if let Some(line) = concurrency(f) {
             return Some((Trigger::ConcurrencyDependent, line));
         }
@@ -92,7 +94,7 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             "no growth pattern before the failure".to_string(),
         )
     };
-    let Some(failure) = f.failure.as_ref() else {
+    let Some(failure) = device_failure else {
         if !f.failed {
             return None;
         }

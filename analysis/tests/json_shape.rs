@@ -6,7 +6,8 @@ use common::*;
 use oomscope_analysis::{diagnose, pb, to_json};
 use serde_json::Value;
 
-const KEYS: [&str; 13] = [
+const KEYS: [&str; 14] = [
+    "device",
     "incident",
     "agent",
     "domain",
@@ -35,6 +36,17 @@ const KERNEL_REPORT_KEYS: [&str; 12] = [
     "memcg_usage_bytes",
     "memcg_limit_bytes",
     "oom_score_adj",
+];
+
+const DEVICE_KEYS: [&str; 8] = [
+    "certain",
+    "identified_by",
+    "name",
+    "nvml_index",
+    "ordinal",
+    "parent_uuid",
+    "total_bytes",
+    "uuid",
 ];
 
 const FAILURE_KEYS: [&str; 13] = [
@@ -136,6 +148,20 @@ fn check_top_level(j: &Value) {
         {
             assert!(k[key].is_u64(), "{key}: {}", k[key]);
         }
+    }
+    if !j["device"].is_null() {
+        let d = &j["device"];
+        let mut keys: Vec<&str> = d.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, DEVICE_KEYS);
+        for k in ["uuid", "name", "parent_uuid"] {
+            assert!(d[k].is_string() || d[k].is_null(), "{k}: {}", d[k]);
+        }
+        for k in ["ordinal", "nvml_index"] {
+            assert!(d[k].is_i64() || d[k].is_null(), "{k}: {}", d[k]);
+        }
+        assert!(d["total_bytes"].is_u64() || d["total_bytes"].is_null());
+        assert!(d["identified_by"].is_string() && d["certain"].is_boolean());
     }
     if !j["failure"].is_null() {
         let f = &j["failure"];
@@ -306,6 +332,18 @@ fn a_device_oom_carries_its_failure() {
     assert_eq!(f["stats"]["reserved_bytes"], 72 * GIB);
     assert_eq!(f["stats_from_ns"], T0, "the stats are the last reading's");
     assert_eq!(f["expandable_segments"], false);
+    // Ordinal 1, read by no NVML and tied to no uuid: the device is known by
+    // its ordinal alone, its identity null rather than guessed.
+    let d = &j["device"];
+    assert_eq!(d["ordinal"], 1);
+    assert!(d["uuid"].is_null() && d["nvml_index"].is_null());
+    assert!(
+        d["identified_by"]
+            .as_str()
+            .unwrap()
+            .contains("the OOM event is on ordinal 1"),
+        "{d}"
+    );
 }
 
 #[test]

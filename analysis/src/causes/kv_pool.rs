@@ -15,7 +15,7 @@
 //! Each cause carries the figures a fix proposes a setting from
 //! (`proposed_*` metrics); `fixes` names the runtime's own setting.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use super::cause;
 use crate::domain::{Domain, DomainVerdict};
@@ -435,18 +435,17 @@ pub fn taken_after_profiling(f: &Findings, v: &DomainVerdict) -> Option<pb::Caus
     Some(c)
 }
 
-/// NVML's per-process use of the failing device, before the death.
+/// NVML's per-process use of the failing device, before the death; pids
+/// that cannot be placed as this process's or another's count for neither.
 fn gpu_holdings(f: &Findings, death: i64) -> Option<(String, u64, Vec<Holding>)> {
     let e = f.evidence;
-    let own: HashSet<u32> = e.own_pids().into_iter().collect();
-    let device = f.oom.map(|(_, o)| o.device);
+    let dev = f.devices.failing()?;
     let commands: HashMap<u32, String> = e
         .process_list()
         .into_iter()
         .flat_map(|l| l.gpu.iter().map(|p| (p.pid, p.command.clone())))
         .collect();
     let mut total = 0;
-    let mut index = None;
     let series: Vec<Holding> = e
         .samples
         .iter()
@@ -455,29 +454,33 @@ fn gpu_holdings(f: &Findings, death: i64) -> Option<(String, u64, Vec<Holding>)>
             let g = s
                 .gpus
                 .iter()
-                .find(|g| device.is_none_or(|d| g.index == d) && !g.processes.is_empty())?;
+                .find(|g| dev.read_by(g) && !g.processes.is_empty())?;
             total = g.total_bytes;
-            index = Some(g.index);
+            let reserved = s
+                .allocator
+                .iter()
+                .find(|a| Some(a.device) == dev.ordinal)
+                .map(|a| a.reserved_bytes);
             let mut h = Holding {
                 time_ns: s.time_ns,
                 own: 0,
                 others: 0,
                 by_pid: HashMap::new(),
             };
-            for p in &g.processes {
-                if own.contains(&p.pid) {
-                    h.own += p.used_bytes.unwrap_or(0);
-                } else {
-                    h.others += p.used_bytes.unwrap_or(0);
+            for p in f.devices.reading_holders(e, g, reserved) {
+                let Some(used) = p.used_bytes else { continue };
+                if p.is_own() {
+                    h.own += used;
+                } else if p.is_other() {
+                    h.others += used;
                     let command = commands.get(&p.pid).cloned().unwrap_or_default();
-                    h.by_pid.insert(p.pid, (p.used_bytes.unwrap_or(0), command));
+                    h.by_pid.insert(p.pid, (used, command));
                 }
             }
             Some(h)
         })
         .collect();
-    let place = index.map_or("on the GPU".to_string(), |i| format!("on GPU {i}"));
-    (!series.is_empty()).then_some((place, total, series))
+    (!series.is_empty()).then_some((dev.place(), total, series))
 }
 
 /// Host RAM held by others: MemTotal − MemAvailable − the supervised tree's RSS.

@@ -1732,6 +1732,43 @@ pub struct Diagnosis {
     /// kernel record.
     #[prost(message, optional, tag = "13")]
     pub kernel_report: ::core::option::Option<KernelReport>,
+    /// The device that ran out (domain "gpu_vram"), by identity; unset when
+    /// the evidence does not say which device failed.
+    #[prost(message, optional, tag = "14")]
+    pub device: ::core::option::Option<FailedDevice>,
+}
+/// The failing GPU, or MIG instance, as the analysis joined its readings.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct FailedDevice {
+    /// "GPU-…" or "MIG-…"; empty when no reading ties the failing ordinal to
+    /// a device (the identity is then unknown, never guessed).
+    #[prost(string, tag = "1")]
+    pub uuid: ::prost::alloc::string::String,
+    /// PyTorch's ordinal of it in the failing process, where known.
+    #[prost(int32, optional, tag = "2")]
+    pub ordinal: ::core::option::Option<i32>,
+    /// NVML's index (the parent GPU's for a MIG instance), where NVML read it.
+    #[prost(int32, optional, tag = "3")]
+    pub nvml_index: ::core::option::Option<i32>,
+    #[prost(string, tag = "4")]
+    pub name: ::prost::alloc::string::String,
+    /// For a MIG instance: the parent GPU's uuid.
+    #[prost(string, tag = "5")]
+    pub parent_uuid: ::prost::alloc::string::String,
+    /// The device's own total (a MIG instance's, not its parent's), where read.
+    #[prost(uint64, optional, tag = "6")]
+    pub total_bytes: ::core::option::Option<u64>,
+    /// How the device was found and tied to its uuid, e.g. "the OOM event
+    /// names it" or "ordinal 0 is CUDA_VISIBLE_DEVICES=3's first entry".
+    #[prost(string, tag = "7")]
+    pub identified_by: ::prost::alloc::string::String,
+    /// False where the tie rests on an assumption (an index entry of
+    /// CUDA_VISIBLE_DEVICES under CUDA's default FASTEST_FIRST order over
+    /// unlike GPUs).
+    #[prost(bool, tag = "8")]
+    pub certain: bool,
 }
 /// The kernel's record of the OOM kill, as the kernel measured at the kill:
 /// the authoritative figures (cgroup files read afterwards see the victim's

@@ -10,6 +10,7 @@
 use crate::evidence::Evidence;
 use crate::pb;
 use crate::pb::event::Kind;
+use crate::settings::ENV_LABEL_PREFIX;
 use crate::timeline::Timeline;
 use crate::torch_text::{self, TorchOomText};
 
@@ -23,6 +24,13 @@ pub struct AtFailure {
     pub inactive_split_bytes: u64,
     pub alloc_retries: u64,
     pub expandable_segments: bool,
+    /// Free space in private pools (CUDA graphs, MemPool), from the
+    /// snapshot: reserved but held for the pool's owner.
+    pub private_pool_free_bytes: u64,
+    /// The allocator was `backend:cudaMallocAsync`: it keeps no segment,
+    /// split, retry or device-allocation counters, so theirs read 0 for
+    /// unknown (`inactive_split_bytes`, `alloc_retries` among them).
+    pub cuda_malloc_async: bool,
     /// The per-process cap, else the device total; 0 when unknown.
     pub limit_bytes: u64,
     /// "a per-process cap of ..." or "the device total".
@@ -49,7 +57,12 @@ impl AtFailure {
         let snap = oom.snapshot.as_ref().filter(|s| s.reserved_bytes > 0);
         let (allocated_bytes, reserved_bytes) = match (snap, text.allocated_bytes) {
             (Some(s), _) => (s.allocated_bytes, s.reserved_bytes),
-            (None, Some(a)) => (a, a + text.reserved_unallocated_bytes.unwrap_or(0)),
+            (None, Some(a)) => match text.reserved_unallocated_bytes {
+                Some(r) => (a, a + r),
+                // cudaMallocAsync's text leaves the pool's reserved bytes
+                // out: the stats of the same failure have them.
+                None => (a, stats.reserved_bytes.max(a)),
+            },
             (None, None) => (stats.allocated_bytes, stats.reserved_bytes),
         };
         let requested_bytes = [
@@ -66,6 +79,7 @@ impl AtFailure {
             || settings(e.hello.as_ref().and_then(|h| h.allocator_settings.as_ref()));
         let (limit_bytes, limit_source) = limit(e, oom, &text);
         let in_load = in_load(e, time_ns, tl);
+        let cuda_malloc_async = cuda_malloc_async(e, oom, &text);
         Some(AtFailure {
             time_ns,
             requested_bytes,
@@ -75,6 +89,8 @@ impl AtFailure {
             inactive_split_bytes: stats.inactive_split_bytes,
             alloc_retries: stats.num_alloc_retries,
             expandable_segments,
+            private_pool_free_bytes: snap.map_or(0, |s| s.private_pool_free_bytes),
+            cuda_malloc_async,
             limit_bytes,
             limit_source,
             context: oom.context.clone().unwrap_or_default(),
@@ -82,6 +98,38 @@ impl AtFailure {
             text,
         })
     }
+}
+
+/// The backend named in PyTorch's words.
+const CUDA_MALLOC_ASYNC: &str = "cudaMallocAsync";
+
+/// The failing allocator was `backend:cudaMallocAsync`: its message says so,
+/// the settings name it (the agent's, a snapshot's, the recorded
+/// PYTORCH_CUDA_ALLOC_CONF), or the failure's stats are a memory_stats()
+/// with bytes reserved and no segment: the native allocator reserves only
+/// in segments, that backend counts none.
+fn cuda_malloc_async(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> bool {
+    let names = |s: Option<&pb::AllocatorSettings>| {
+        s.is_some_and(|s| {
+            s.backend == CUDA_MALLOC_ASYNC || s.alloc_conf.contains(CUDA_MALLOC_ASYNC)
+        })
+    };
+    let hello = e.hello.as_ref();
+    let recorded_conf = hello
+        .and_then(|h| {
+            h.labels
+                .get(&format!("{ENV_LABEL_PREFIX}PYTORCH_CUDA_ALLOC_CONF"))
+        })
+        .is_some_and(|c| c.contains(CUDA_MALLOC_ASYNC));
+    let segmentless = oom
+        .stats
+        .as_ref()
+        .is_some_and(|s| s.reserved_bytes > 0 && s.raw.get("segment.all.current") == Some(&0));
+    text.cuda_malloc_async
+        || names(hello.and_then(|h| h.allocator_settings.as_ref()))
+        || names(oom.snapshot.as_ref().and_then(|s| s.settings.as_ref()))
+        || recorded_conf
+        || segmentless
 }
 
 /// The device limit the process ran into: a per-process cap (announced, or
@@ -193,7 +241,15 @@ pub fn of_incident(e: &Evidence) -> Option<pb::Failure> {
     Some(pb::Failure {
         time_ns: incident.time_ns,
         kind: incident.kind.clone(),
-        requested_bytes: oom.and_then(|o| nonzero(o.requested_bytes)),
+        // The event's, else its text's (cudaMallocAsync's "Requested : …",
+        // where no observer could attach).
+        requested_bytes: oom.and_then(|o| {
+            nonzero(o.requested_bytes).or_else(|| {
+                torch_text::parse(&o.error_text)
+                    .requested_bytes
+                    .and_then(nonzero)
+            })
+        }),
         phase: context.and_then(|c| text(&c.phase)),
         active_tokens: context.and_then(|c| nonzero(c.active_tokens)),
         active_sequences: context.and_then(|c| nonzero(c.active_sequences)),

@@ -460,8 +460,16 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
     } else if let Some(line) = &f.cuda_line {
         ev.push(format!("stderr: {line}"));
     }
-    if let Some(line) = nvml_line(f, device) {
-        ev.push(line);
+    match nvml_line(f, device) {
+        Some(line) => ev.push(line),
+        // Without NVML (NVIDIA_DRIVER_CAPABILITIES=compute, say) the text
+        // alone named the device: say what shows the GPU.
+        None if f.oom.is_none() => ev.extend(
+            f.evidence
+                .gpu_evidence()
+                .map(|why| format!("no NVML reading; a GPU is in use: {why}")),
+        ),
+        None => {}
     }
     if let Some(limit) = f.as_limit {
         ev.push(format!(

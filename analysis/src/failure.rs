@@ -106,8 +106,10 @@ const CUDA_MALLOC_ASYNC: &str = "cudaMallocAsync";
 /// The failing allocator was `backend:cudaMallocAsync`: its message says so,
 /// the settings name it (the agent's, a snapshot's, the recorded
 /// PYTORCH_CUDA_ALLOC_CONF), or the failure's stats are a memory_stats()
-/// with bytes reserved and no segment: the native allocator reserves only
-/// in segments, that backend counts none.
+/// with bytes reserved and neither a segment nor a device allocation
+/// counted: that backend counts neither, while the native allocator counts
+/// its device allocations (under expandable segments its segments read 0
+/// too, as on the H200 capture).
 fn cuda_malloc_async(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> bool {
     let names = |s: Option<&pb::AllocatorSettings>| {
         s.is_some_and(|s| {
@@ -121,10 +123,11 @@ fn cuda_malloc_async(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> bool {
                 .get(&format!("{ENV_LABEL_PREFIX}PYTORCH_CUDA_ALLOC_CONF"))
         })
         .is_some_and(|c| c.contains(CUDA_MALLOC_ASYNC));
-    let segmentless = oom
-        .stats
-        .as_ref()
-        .is_some_and(|s| s.reserved_bytes > 0 && s.raw.get("segment.all.current") == Some(&0));
+    let segmentless = oom.stats.as_ref().is_some_and(|s| {
+        s.reserved_bytes > 0
+            && s.raw.get("segment.all.current") == Some(&0)
+            && s.raw.get("num_device_alloc") == Some(&0)
+    });
     text.cuda_malloc_async
         || names(hello.and_then(|h| h.allocator_settings.as_ref()))
         || names(oom.snapshot.as_ref().and_then(|s| s.settings.as_ref()))

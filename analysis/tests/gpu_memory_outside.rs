@@ -711,6 +711,24 @@ fn the_backend_is_recognised_from_its_stats_alone() {
         "{:?}",
         c.metrics
     );
+
+    // The native allocator under expandable segments reads 0 segments too
+    // (the H200 capture: segment.all.current 0, num_device_alloc 100), but
+    // counts its device allocations: not that backend.
+    if let Some(Kind::Oom(o)) = &mut e.events[0].kind {
+        let stats = o.stats.as_mut().unwrap();
+        stats.raw.insert("num_device_alloc".into(), 100);
+        stats.num_device_alloc = 100;
+    }
+    let d = diagnose(&e);
+    let c = &d.causes[0];
+    assert_eq!(c.kind, "fragmentation");
+    assert_eq!(c.metrics.get("cuda_malloc_async"), None, "{:?}", c.metrics);
+    assert!(
+        c.metrics.contains_key("inactive_split_bytes"),
+        "{:?}",
+        c.metrics
+    );
 }
 
 #[test]

@@ -239,7 +239,11 @@ fn json_bool(v: &Value) -> Option<bool> {
 /// segments of `torch.cuda.memory_snapshot()`) for one device: segments and
 /// reserved bytes, blocks by state, the largest free (`inactive`) block per
 /// segment and overall, live bytes by allocation site and by tag, the trace
-/// actions and the allocator settings.
+/// actions and the allocator settings. Segments of private pools (CUDA
+/// graphs, `MemPool`) count in the reserved and allocated bytes and, apart,
+/// in `private_pool_reserved_bytes`/`private_pool_free_bytes`; the overall
+/// largest free block is the general pool's, the one a failed request could
+/// have taken.
 ///
 /// `segments_free` lists at most [`MAX_SEGMENTS_FREE`] segments that have
 /// free space, largest free block first. `live_by_site` names the innermost
@@ -326,7 +330,18 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
         }
         summary.allocated_bytes = summary.allocated_bytes.saturating_add(allocated);
         summary.requested_bytes = summary.requested_bytes.saturating_add(requested);
-        summary.largest_free_block_bytes = summary.largest_free_block_bytes.max(largest_free);
+        let private_pool = in_private_pool(seg);
+        if private_pool {
+            summary.private_pool_reserved_bytes =
+                summary.private_pool_reserved_bytes.saturating_add(total);
+            summary.private_pool_free_bytes = summary
+                .private_pool_free_bytes
+                .saturating_add(total.saturating_sub(allocated));
+        } else {
+            // A private pool's free block serves only its owner (a graph's
+            // replay, a MemPool's scope), never the request that failed.
+            summary.largest_free_block_bytes = summary.largest_free_block_bytes.max(largest_free);
+        }
         if total > allocated || largest_free > 0 {
             segments_free.push(pb::SegmentFree {
                 address: field_u64(seg, "address"),
@@ -334,7 +349,7 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
                 allocated_bytes: allocated,
                 largest_free_block_bytes: largest_free,
                 pool: seg.get("segment_type").map(json_text).unwrap_or_default(),
-                private_pool: false,
+                private_pool,
             });
         }
     }
@@ -373,6 +388,16 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
         *summary.trace_actions.entry(action.to_string()).or_default() += 1;
     }
     summary
+}
+
+/// The segment belongs to a private pool (a CUDA graph's, a
+/// `torch.cuda.MemPool`): its `segment_pool_id` is a pair other than
+/// (0, 0), the general pool's. A segment without the key (older PyTorch)
+/// is taken as the general pool's.
+fn in_private_pool(seg: &Map<String, Value>) -> bool {
+    seg.get("segment_pool_id")
+        .and_then(Value::as_array)
+        .is_some_and(|id| id.iter().any(|part| json_u64(part).is_some_and(|n| n != 0)))
 }
 
 /// Counts one block of `bytes` at `site` (or tag) for [`top_sites`].
@@ -545,10 +570,16 @@ pub fn driver_error(text: &str) -> i32 {
 }
 
 /// The size in PyTorch's "Tried to allocate 96.00 MiB" as bytes (rounded:
-/// the text has two decimals).
+/// the text has two decimals). Under `backend:cudaMallocAsync` PyTorch
+/// words it differently (c10/cuda/CUDAMallocAsyncAllocator.cpp): "Allocation
+/// on device 0 would exceed allowed memory. (out of memory)\nCurrently
+/// allocated     : 9.43 GiB\nRequested               : 640.00 MiB\n...".
 pub fn tried_to_allocate(text: &str) -> Option<u64> {
     const MARK: &str = "Tried to allocate ";
-    let rest = &text[text.find(MARK)? + MARK.len()..];
+    let rest = match text.find(MARK) {
+        Some(i) => &text[i + MARK.len()..],
+        None => async_requested(text)?,
+    };
     let mut words = rest.split_whitespace();
     let number: f64 = words.next()?.parse().ok()?;
     let unit = words.next()?.trim_end_matches(['.', ';', ',']);
@@ -563,6 +594,15 @@ pub fn tried_to_allocate(text: &str) -> Option<u64> {
     };
     let bytes = (number * scale).round();
     (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+/// What follows "Requested               : " in cudaMallocAsync's message.
+fn async_requested(text: &str) -> Option<&str> {
+    const FORM: &str = "would exceed allowed memory";
+    const FIELD: &str = "Requested";
+    let body = &text[text.find(FORM)?..];
+    let rest = &body[body.find(FIELD)? + FIELD.len()..];
+    rest.trim_start().strip_prefix(':')
 }
 
 /// The request context a server reports (`oomscope.set_context(...)`, or a

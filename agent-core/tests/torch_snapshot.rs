@@ -54,6 +54,10 @@ fn expected(snapshot: &Value) -> Expected {
         by_state: BTreeMap::new(),
         actions: BTreeMap::new(),
     };
+    for seg in segs {
+        let general = seg["segment_pool_id"] == json!([0, 0]);
+        assert!(general, "the H200 captures hold no private pool");
+    }
     for b in segs.iter().flat_map(|s| s["blocks"].as_array().unwrap()) {
         let size = b["size"].as_u64().unwrap();
         let state = b["state"].as_str().unwrap().to_string();
@@ -271,6 +275,78 @@ fn tags_come_from_blocks_or_the_trace() {
         (1, 1000, 0)
     );
     assert!(d1.trace_actions.is_empty());
+}
+
+/// A snapshot shaped like `torch.cuda.memory._snapshot()` after a CUDA
+/// graph was captured: the graph's pool (`segment_pool_id` (0, 1), as
+/// `torch.cuda.graph_pool_handle()` numbers it) holds a 64 MiB segment with
+/// 40 MiB free for its replays; the general pool (0, 0) holds one 20 MiB
+/// segment with a 4 MiB free block.
+fn graph_pool_snapshot() -> Value {
+    let block = |address: u64, size: u64, state: &str| json!({"address": address, "size": size, "requested_size": size, "state": state, "frames": []});
+    json!({
+        "segments": [
+            {"device": 0, "address": 1 << 30, "total_size": 20 * MIB, "allocated_size": 16 * MIB,
+             "active_size": 16 * MIB, "requested_size": 16 * MIB, "stream": 0, "segment_type": "large",
+             "segment_pool_id": [0, 0], "is_expandable": false, "frames": [],
+             "blocks": [block(1 << 30, 16 * MIB, "active_allocated"),
+                        block((1 << 30) + 16 * MIB, 4 * MIB, "inactive")]},
+            {"device": 0, "address": 2 << 30, "total_size": 64 * MIB, "allocated_size": 24 * MIB,
+             "active_size": 24 * MIB, "requested_size": 24 * MIB, "stream": 0, "segment_type": "large",
+             "segment_pool_id": [0, 1], "is_expandable": false, "frames": [],
+             "blocks": [block(2 << 30, 24 * MIB, "active_allocated"),
+                        block((2 << 30) + 24 * MIB, 40 * MIB, "inactive")]}
+        ],
+        "device_traces": [[]],
+        "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": null, "max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": false}
+    })
+}
+
+#[test]
+fn a_graph_pools_segment_is_counted_apart() {
+    let s = torch::snapshot_summary(&graph_pool_snapshot(), 0);
+    // Both pools are reserved by the allocator...
+    assert_eq!(
+        (s.segments, s.reserved_bytes, s.allocated_bytes),
+        (2, 84 * MIB, 40 * MIB)
+    );
+    // ...but the graph's pool is held for its replays.
+    assert_eq!(s.private_pool_reserved_bytes, 64 * MIB);
+    assert_eq!(s.private_pool_free_bytes, 40 * MIB);
+    // The largest free block a general request could take is 4 MiB, not
+    // the graph pool's 40 MiB.
+    assert_eq!(s.largest_free_block_bytes, 4 * MIB);
+    let flags: Vec<(u64, bool)> = s
+        .segments_free
+        .iter()
+        .map(|f| (f.largest_free_block_bytes, f.private_pool))
+        .collect();
+    assert_eq!(flags, vec![(40 * MIB, true), (4 * MIB, false)]);
+}
+
+#[test]
+fn a_pool_id_that_is_missing_or_odd_is_the_general_pool() {
+    let mut snap = graph_pool_snapshot();
+    for id in [Value::Null, json!("graph"), json!([]), json!([0, 0])] {
+        snap["segments"][1]["segment_pool_id"] = id.clone();
+        let s = torch::snapshot_summary(&snap, 0);
+        assert_eq!(
+            (s.private_pool_reserved_bytes, s.private_pool_free_bytes),
+            (0, 0),
+            "{id}"
+        );
+        assert_eq!(s.largest_free_block_bytes, 40 * MIB, "{id}");
+    }
+    // A MemPool's id is numbered in the first place: (1, 0).
+    snap["segments"][1]["segment_pool_id"] = json!([1, 0]);
+    let s = torch::snapshot_summary(&snap, 0);
+    assert_eq!(s.private_pool_reserved_bytes, 64 * MIB);
+    snap["segments"].as_array_mut().unwrap().remove(1);
+    snap["segments"][0]["segment_pool_id"] = json!([3, 0]);
+    assert_eq!(
+        torch::snapshot_summary(&snap, 0).private_pool_free_bytes,
+        4 * MIB
+    );
 }
 
 #[test]

@@ -225,6 +225,33 @@ fn tried_to_allocate_reads_every_fixture_error_text() {
 }
 
 #[test]
+fn cuda_malloc_async_words_its_request_differently() {
+    // c10/cuda/CUDAMallocAsyncAllocator.cpp, mallocAsync: "Allocation on
+    // device ", device, " would exceed allowed memory. (out of memory)",
+    // "\nCurrently allocated     : ", ..., "\nRequested               : ",
+    // format_size(size), "\nDevice limit            : ", ..., "\nFree
+    // (according to CUDA): ", ..., "\nPyTorch limit (set by user-supplied
+    // memory fraction)\n                        : ", ...
+    let text = "Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 9.43 GiB\nRequested               : 640.00 MiB\nDevice limit            : 11.59 GiB\nFree (according to CUDA): 7.12 MiB\nPyTorch limit (set by user-supplied memory fraction)\n                        : 17179869184.00 GiB";
+    assert_eq!(torch::tried_to_allocate(text), Some(640 << 20));
+    // The observer cannot attach under that backend: the text is the source.
+    let oom = torch::oom_event(None, "OutOfMemoryError", text, None, None, None);
+    assert_eq!(oom.requested_bytes, 640 << 20);
+    assert_eq!(oom.driver_error, 0);
+    // "Requested" outside that message is not a request size.
+    assert_eq!(
+        torch::tried_to_allocate("Requested               : 640.00 MiB"),
+        None
+    );
+    assert_eq!(
+        torch::tried_to_allocate(
+            "Allocation on device 0 would exceed allowed memory. (out of memory)"
+        ),
+        None
+    );
+}
+
+#[test]
 fn oom_event_prefers_the_observer_and_keeps_the_text() {
     let observer = torch::oom_observer(&json!({"device": 0, "alloc": 100663296, "device_allocated": 2147483648u64, "device_free": 147460325376u64})).unwrap();
     let stats = pb::AllocatorStats {

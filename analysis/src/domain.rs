@@ -468,7 +468,17 @@ fn gpu_lines(f: &Findings) -> Vec<String> {
         ev.push(format!("stderr: {line}"));
     }
     ev.extend(device_line(f));
-    ev.extend(nvml_lines(f));
+    let nvml = nvml_lines(f);
+    if nvml.is_empty() && f.oom.is_none() {
+        // Without NVML (NVIDIA_DRIVER_CAPABILITIES=compute, say) the text
+        // alone named the device: say what shows the GPU.
+        ev.extend(
+            f.evidence
+                .gpu_evidence()
+                .map(|why| format!("no NVML reading; a GPU is in use: {why}")),
+        );
+    }
+    ev.extend(nvml);
     if let Some(limit) = f.as_limit {
         ev.push(format!(
             "note: RLIMIT_AS is finite ({}); CUDA error 2 can be a host address-space failure, since GPU runtimes reserve virtual address space",

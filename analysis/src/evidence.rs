@@ -2,6 +2,7 @@
 
 use crate::pb;
 use crate::pb::event::Kind;
+use crate::settings::ENV_LABEL_PREFIX;
 
 /// Everything known about one agent around one incident, oldest first.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -97,12 +98,49 @@ impl Evidence {
 
     /// The evidence shows a GPU: announced, read by NVML, or an allocator's.
     pub fn gpu_seen(&self) -> bool {
-        self.hello.as_ref().is_some_and(|h| !h.gpus.is_empty())
-            || self
-                .samples
-                .iter()
-                .any(|s| !s.gpus.is_empty() || !s.allocator.is_empty())
-            || self.oom().is_some()
+        self.gpu_evidence().is_some()
+    }
+
+    /// What shows a GPU, in words: a device reading (announced, NVML's, an
+    /// allocator's, a device OOM), else what says CUDA is in use without NVML
+    /// (a CUDA build of torch in the Hello's versions, CUDA_VISIBLE_DEVICES
+    /// naming a device), here or in a member's evidence. vLLM's CPU build
+    /// has none of these.
+    pub fn gpu_evidence(&self) -> Option<String> {
+        let h = self.hello.as_ref();
+        if h.is_some_and(|h| !h.gpus.is_empty()) {
+            return Some("the agent announced its GPUs".to_string());
+        }
+        if self.samples.iter().any(|s| !s.gpus.is_empty()) {
+            return Some("NVML read the GPUs".to_string());
+        }
+        if self.samples.iter().any(|s| !s.allocator.is_empty()) {
+            return Some("a device allocator was read".to_string());
+        }
+        if self.oom().is_some() {
+            return Some("a device allocation failed".to_string());
+        }
+        if let Some(cuda) = h
+            .and_then(|h| h.versions.get("cuda"))
+            .filter(|v| !v.trim().is_empty())
+        {
+            return Some(format!("CUDA {cuda} in the agent's versions"));
+        }
+        let visible = h.and_then(|h| {
+            h.cuda_visible_devices.clone().or_else(|| {
+                h.labels
+                    .get(&format!("{ENV_LABEL_PREFIX}CUDA_VISIBLE_DEVICES"))
+                    .cloned()
+            })
+        });
+        if let Some(v) = visible.filter(|v| names_a_device(v)) {
+            return Some(format!("CUDA_VISIBLE_DEVICES={v}"));
+        }
+        self.members.iter().find_map(|m| {
+            let h = m.hello.as_ref()?;
+            m.gpu_evidence()
+                .map(|why| format!("{why} (pid {}, {})", h.pid, h.role))
+        })
     }
 
     /// The Hello's `kernel_log` label when it says the log could not be read:
@@ -222,6 +260,16 @@ impl Evidence {
             None => found.last(),
         }
     }
+}
+
+/// CUDA_VISIBLE_DEVICES leaves a device visible: its first entry is an
+/// ordinal or a GPU/MIG uuid. CUDA stops at the first entry it cannot read,
+/// so "", "-1" or "NoDevFiles" hide every device.
+pub fn names_a_device(cuda_visible_devices: &str) -> bool {
+    let first = cuda_visible_devices.split(',').next().unwrap_or("").trim();
+    (!first.is_empty() && first.bytes().all(|b| b.is_ascii_digit()))
+        || first.starts_with("GPU-")
+        || first.starts_with("MIG-")
 }
 
 /// The role in `oomscope run`'s own Hello (cli/src/supervise.rs).

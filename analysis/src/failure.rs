@@ -11,6 +11,7 @@ use crate::devices::Devices;
 use crate::evidence::Evidence;
 use crate::pb;
 use crate::pb::event::Kind;
+use crate::settings::ENV_LABEL_PREFIX;
 use crate::timeline::Timeline;
 use crate::torch_text::{self, TorchOomText};
 
@@ -24,6 +25,13 @@ pub struct AtFailure {
     pub inactive_split_bytes: u64,
     pub alloc_retries: u64,
     pub expandable_segments: bool,
+    /// Free space in private pools (CUDA graphs, MemPool), from the
+    /// snapshot: reserved but held for the pool's owner.
+    pub private_pool_free_bytes: u64,
+    /// The allocator was `backend:cudaMallocAsync`: it keeps no segment,
+    /// split, retry or device-allocation counters, so theirs read 0 for
+    /// unknown (`inactive_split_bytes`, `alloc_retries` among them).
+    pub cuda_malloc_async: bool,
     /// The per-process cap, else the device total; 0 when unknown.
     pub limit_bytes: u64,
     /// "a per-process cap of ..." or "the device total".
@@ -56,7 +64,12 @@ impl AtFailure {
         let snap = oom.snapshot.as_ref().filter(|s| s.reserved_bytes > 0);
         let (allocated_bytes, reserved_bytes) = match (snap, text.allocated_bytes) {
             (Some(s), _) => (s.allocated_bytes, s.reserved_bytes),
-            (None, Some(a)) => (a, a + text.reserved_unallocated_bytes.unwrap_or(0)),
+            (None, Some(a)) => match text.reserved_unallocated_bytes {
+                Some(r) => (a, a + r),
+                // cudaMallocAsync's text leaves the pool's reserved bytes
+                // out: the stats of the same failure have them.
+                None => (a, stats.reserved_bytes.max(a)),
+            },
             (None, None) => (stats.allocated_bytes, stats.reserved_bytes),
         };
         let requested_bytes = [
@@ -73,6 +86,7 @@ impl AtFailure {
             || settings(e.hello.as_ref().and_then(|h| h.allocator_settings.as_ref()));
         let (limit_bytes, limit_source) = limit(devices, oom, &text);
         let in_load = in_load(e, time_ns, tl);
+        let cuda_malloc_async = cuda_malloc_async(e, oom, &text);
         Some(AtFailure {
             time_ns,
             requested_bytes,
@@ -82,6 +96,8 @@ impl AtFailure {
             inactive_split_bytes: stats.inactive_split_bytes,
             alloc_retries: stats.num_alloc_retries,
             expandable_segments,
+            private_pool_free_bytes: snap.map_or(0, |s| s.private_pool_free_bytes),
+            cuda_malloc_async,
             limit_bytes,
             limit_source,
             context: oom.context.clone().unwrap_or_default(),
@@ -90,6 +106,41 @@ impl AtFailure {
             from_text: false,
         })
     }
+}
+
+/// The backend named in PyTorch's words.
+const CUDA_MALLOC_ASYNC: &str = "cudaMallocAsync";
+
+/// The failing allocator was `backend:cudaMallocAsync`: its message says so,
+/// the settings name it (the agent's, a snapshot's, the recorded
+/// PYTORCH_CUDA_ALLOC_CONF), or the failure's stats are a memory_stats()
+/// with bytes reserved and neither a segment nor a device allocation
+/// counted: that backend counts neither, while the native allocator counts
+/// its device allocations (under expandable segments its segments read 0
+/// too, as on the H200 capture).
+fn cuda_malloc_async(e: &Evidence, oom: &pb::Oom, text: &TorchOomText) -> bool {
+    let names = |s: Option<&pb::AllocatorSettings>| {
+        s.is_some_and(|s| {
+            s.backend == CUDA_MALLOC_ASYNC || s.alloc_conf.contains(CUDA_MALLOC_ASYNC)
+        })
+    };
+    let hello = e.hello.as_ref();
+    let recorded_conf = hello
+        .and_then(|h| {
+            h.labels
+                .get(&format!("{ENV_LABEL_PREFIX}PYTORCH_CUDA_ALLOC_CONF"))
+        })
+        .is_some_and(|c| c.contains(CUDA_MALLOC_ASYNC));
+    let segmentless = oom.stats.as_ref().is_some_and(|s| {
+        s.reserved_bytes > 0
+            && s.raw.get("segment.all.current") == Some(&0)
+            && s.raw.get("num_device_alloc") == Some(&0)
+    });
+    text.cuda_malloc_async
+        || names(hello.and_then(|h| h.allocator_settings.as_ref()))
+        || names(oom.snapshot.as_ref().and_then(|s| s.settings.as_ref()))
+        || recorded_conf
+        || segmentless
 }
 
 /// The failure as PyTorch's text on the exit's stderr tells it, where no
@@ -101,6 +152,7 @@ fn from_stderr(e: &Evidence, tl: &Timeline, devices: &Devices) -> Option<AtFailu
     let (requested_bytes, allocated_bytes) = (text.requested_bytes?, text.allocated_bytes?);
     let reserved_bytes = allocated_bytes + text.reserved_unallocated_bytes.unwrap_or(0);
     let (limit_bytes, limit_source) = limit(devices, &pb::Oom::default(), &text);
+    let cuda_malloc_async = cuda_malloc_async(e, &pb::Oom::default(), &text);
     Some(AtFailure {
         time_ns,
         requested_bytes,
@@ -120,6 +172,8 @@ fn from_stderr(e: &Evidence, tl: &Timeline, devices: &Devices) -> Option<AtFailu
         in_load: in_load(e, time_ns, tl),
         text,
         from_text: true,
+        cuda_malloc_async,
+        private_pool_free_bytes: 0,
     })
 }
 
@@ -214,7 +268,15 @@ pub fn of_incident(e: &Evidence) -> Option<pb::Failure> {
     Some(pb::Failure {
         time_ns: incident.time_ns,
         kind: incident.kind.clone(),
-        requested_bytes: oom.and_then(|o| nonzero(o.requested_bytes)),
+        // The event's, else its text's (cudaMallocAsync's "Requested : …",
+        // where no observer could attach).
+        requested_bytes: oom.and_then(|o| {
+            nonzero(o.requested_bytes).or_else(|| {
+                torch_text::parse(&o.error_text)
+                    .requested_bytes
+                    .and_then(nonzero)
+            })
+        }),
         phase: context.and_then(|c| text(&c.phase)),
         active_tokens: context.and_then(|c| nonzero(c.active_tokens)),
         active_sequences: context.and_then(|c| nonzero(c.active_sequences)),

@@ -125,8 +125,16 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         }
         "fragmentation" => {
             let expandable = c.metrics.get("expandable_segments").is_some_and(|v| *v > 0.0);
+            let async_pool = c.metrics.get("cuda_malloc_async").is_some_and(|v| *v > 0.0);
             let mut v = Vec::new();
-            if expandable {
+            if async_pool {
+                v.push(fix(
+                    "backend:cudaMallocAsync ignores expandable_segments and max_split_size_mb: trim its pool before the large allocations (torch.cuda.empty_cache() trims it to nothing), or switch to the native backend with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    "low",
+                    format!("{SAME_WORKLOAD} the pool's reserved − allocated at the failure"),
+                    Some("retest: the native backend divides memory differently"),
+                ));
+            } else if expandable {
                 v.push(fix(
                     "expandable_segments is already on and the failure remains: set max_split_size_mb (e.g. 128) so large blocks are not split",
                     "low",

@@ -307,6 +307,15 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         fix: "",
     },
     RuntimeText {
+        runtime: "PyTorch",
+        words: Words::InOrder(&["allocation on device", "would exceed allowed memory"]),
+        example: "Allocation on device 0 would exceed allowed memory. (out of memory)",
+        memory: Memory::Gpu,
+        cause: None,
+        meaning: "PyTorch's cudaMallocAsync backend could not get device memory from the driver's pool",
+        fix: "",
+    },
+    RuntimeText {
         runtime: "CUDA",
         words: Words::CudaError(2),
         example: "DriverError: CUDA error 2",

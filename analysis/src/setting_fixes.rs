@@ -154,8 +154,81 @@ pub fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         "activation_headroom" => activation_headroom(c, f),
         "taken_after_profiling" => taken_after_profiling(c, f),
         "kv_pool_saturation" => kv_pool_saturation(c, f),
+        "non_pytorch_memory" => non_pytorch_memory(c, f),
         _ => Vec::new(),
     }
+}
+
+/// A variable every PyTorch process reads, by name (`NCCL_BUFFSIZE`).
+fn variable(name: &str) -> Option<&'static Setting> {
+    SETTINGS
+        .iter()
+        .find(|s| s.runtime == Runtime::Pytorch && s.name == name)
+}
+
+/// Memory outside PyTorch's allocator explained the failure: fewer captured
+/// CUDA graphs (or none), smaller NCCL buffers and cuBLAS workspaces, each
+/// retested by that memory at the failure.
+fn non_pytorch_memory(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
+    let lacked_bytes = metric(c, "lacked_bytes").unwrap_or(0.0);
+    // A bare context's worth explains it, but nothing here gives it back.
+    if metric(c, "beyond_context_bytes").unwrap_or(0.0) < lacked_bytes {
+        return Vec::new();
+    }
+    let lacked = bytes_short(lacked_bytes as u64);
+    let outside = bytes_short(metric(c, "non_pytorch_bytes").unwrap_or(0.0) as u64);
+    let retest = |what: &str| {
+        restart_retest(
+            f,
+            &format!(
+                "{what}; the process's use of the device outside PyTorch (NVML's figure for it, or \"this process has … in use\" in PyTorch's message, minus torch.cuda.memory_reserved()) was {outside} and must fall by more than the {lacked} the allocation lacked"
+            ),
+        )
+    };
+    let graphs = match (knob(f, Knob::CudaGraphs), knob(f, Knob::Eager)) {
+        // Eager already: no graphs to capture fewer of.
+        _ if f.settings.get(Knob::Eager).is_some() => None,
+        (Some(sizes), Some(eager)) => Some(format!(
+            "Capture CUDA graphs for fewer batch sizes: lower {sizes}, or capture none with {eager}"
+        )),
+        _ => Some("Where the process captures CUDA graphs (torch.cuda.graph, torch.compile's reduce-overhead mode), capture fewer batch sizes or run those steps eagerly".to_string()),
+    };
+    let mut out: Vec<pb::Fix> = graphs
+        .into_iter()
+        .map(|action| {
+            fix(
+                action,
+                "low",
+                retest("the same workload must pass"),
+                Some("without graphs decoding is slower: retest the latency too"),
+            )
+        })
+        .collect();
+    if let Some(s) = variable("NCCL_BUFFSIZE") {
+        out.push(fix(
+            format!(
+                "Where the process uses NCCL (tensor or pipeline parallel), shrink its buffers: {} (NCCL's default: 4194304 bytes for each pair of GPUs), e.g. {}",
+                named(f, s),
+                assign(s, "1048576")
+            ),
+            "medium",
+            retest("collectives must still run at the expected speed"),
+            Some("smaller buffers can slow collectives"),
+        ));
+    }
+    if let Some(s) = variable("CUBLAS_WORKSPACE_CONFIG") {
+        out.push(fix(
+            format!(
+                "Bound cuBLAS's workspaces (one per handle and stream): {}, e.g. {}",
+                named(f, s),
+                assign(s, ":16:8")
+            ),
+            "medium",
+            retest("matmul throughput must stay acceptable"),
+            Some("a few MiB per stream: it matters with many streams or threads"),
+        ));
+    }
+    out
 }
 
 fn runtime_name(f: &Findings) -> &'static str {

@@ -91,6 +91,13 @@ pub enum Knob {
     KvCacheDtype,
     /// Skips CUDA graphs and compilation (less memory, slower).
     Eager,
+    /// How many batch sizes are captured as CUDA graphs (each holds memory
+    /// outside PyTorch's allocator).
+    CudaGraphs,
+    /// NCCL's communication buffers (outside PyTorch's allocator).
+    CommBuffers,
+    /// cuBLAS's workspaces (outside PyTorch's allocator).
+    Workspaces,
     /// Layers on the GPU (llama.cpp).
     GpuLayers,
     /// Prefill chunk size.
@@ -160,6 +167,18 @@ pub const SETTINGS: &[Setting] = &[
     ),
     s(Runtime::Vllm, "--enforce-eager", Knob::Eager, "switch"),
     s(
+        Runtime::Vllm,
+        "--max-cudagraph-capture-size",
+        Knob::CudaGraphs,
+        "tokens",
+    ),
+    s(
+        Runtime::Vllm,
+        "--cudagraph-capture-sizes",
+        Knob::CudaGraphs,
+        "sizes",
+    ),
+    s(
         Runtime::Sglang,
         "--mem-fraction-static",
         Knob::MemoryFraction,
@@ -188,6 +207,18 @@ pub const SETTINGS: &[Setting] = &[
         "--kv-cache-dtype",
         Knob::KvCacheDtype,
         "dtype",
+    ),
+    s(
+        Runtime::Sglang,
+        "--cuda-graph-max-bs",
+        Knob::CudaGraphs,
+        "sequences",
+    ),
+    s(
+        Runtime::Sglang,
+        "--disable-cuda-graph",
+        Knob::Eager,
+        "switch",
     ),
     s(Runtime::LlamaCpp, "--ctx-size", Knob::MaxContext, "tokens"),
     s(Runtime::LlamaCpp, "--parallel", Knob::MaxSequences, "slots"),
@@ -276,6 +307,18 @@ pub const SETTINGS: &[Setting] = &[
         Knob::AllocatorConf,
         "options",
     ),
+    s(
+        Runtime::Pytorch,
+        "NCCL_BUFFSIZE",
+        Knob::CommBuffers,
+        "bytes",
+    ),
+    s(
+        Runtime::Pytorch,
+        "CUBLAS_WORKSPACE_CONFIG",
+        Knob::Workspaces,
+        "options",
+    ),
 ];
 
 /// Short flags that mean the same as a long one, per runtime.
@@ -311,6 +354,9 @@ pub const MEMORY_ENV: &[&str] = &[
     "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_VISIBLE_DEVICES",
     "OMP_NUM_THREADS",
+    // Memory outside PyTorch's allocator: NCCL's buffers, cuBLAS's workspaces.
+    "NCCL_BUFFSIZE",
+    "CUBLAS_WORKSPACE_CONFIG",
 ];
 
 /// How `oomscope run` records a memory variable of its environment: the Hello

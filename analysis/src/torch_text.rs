@@ -7,6 +7,20 @@
 //! memory in use. 2.00 GiB allowed; Of the allocated memory 800.00 MiB is
 //! allocated by PyTorch, and 1.17 GiB is reserved by PyTorch but unallocated."
 //!
+//! Under `backend:cudaMallocAsync` PyTorch words it differently
+//! (c10/cuda/CUDAMallocAsyncAllocator.cpp, `mallocAsync`):
+//!
+//! "Allocation on device 0 would exceed allowed memory. (out of memory)
+//! Currently allocated     : 9.43 GiB
+//! Requested               : 640.00 MiB
+//! Device limit            : 11.59 GiB
+//! Free (according to CUDA): 7.12 MiB
+//! PyTorch limit (set by user-supplied memory fraction)
+//!                         : 17179869184.00 GiB"
+//!
+//! "Currently allocated" is what PyTorch has handed out; the pool's reserved
+//! bytes are not in it. Without a memory fraction the limit is UINT64_MAX.
+//!
 //! The message rounds to two decimals, so these are approximate.
 
 /// What the message says, each part where present.
@@ -30,9 +44,18 @@ pub struct TorchOomText {
     /// The failing device's ordinal in the process ("GPU 2 has a total
     /// capacity"); None when absent, or when the text names several.
     pub ordinal: Option<i32>,
+    /// The message is cudaMallocAsync's: that backend keeps no segments,
+    /// splits or retries.
+    pub cuda_malloc_async: bool,
 }
 
+/// The words that open cudaMallocAsync's out-of-memory message.
+const ASYNC_FORM: &str = "would exceed allowed memory";
+
 pub fn parse(text: &str) -> TorchOomText {
+    if let Some(i) = text.find(ASYNC_FORM) {
+        return parse_async(&text[i..]);
+    }
     let mut t = TorchOomText {
         requested_bytes: size_after(text, "Tried to allocate "),
         allowed_bytes: size_before(text, " allowed"),
@@ -85,6 +108,30 @@ fn ordinal(text: &str) -> Option<i32> {
     });
     let first = found.next()?;
     found.all(|n| n == first).then_some(first)
+}
+
+/// cudaMallocAsync's message, from its opening words on.
+fn parse_async(text: &str) -> TorchOomText {
+    let total_bytes = field(text, "Device limit");
+    // UINT64_MAX (no memory fraction) or the whole device is no cap.
+    let allowed_bytes = field(text, "PyTorch limit (set by user-supplied memory fraction)")
+        .filter(|&l| l < total_bytes.unwrap_or(u64::MAX) && l < 1 << 62);
+    TorchOomText {
+        requested_bytes: field(text, "Requested"),
+        total_bytes,
+        free_bytes: field(text, "Free (according to CUDA)"),
+        allowed_bytes,
+        allocated_bytes: field(text, "Currently allocated"),
+        cuda_malloc_async: true,
+        ..Default::default()
+    }
+}
+
+/// The size in "Label     : 1.00 GiB" (the colon may follow a line break).
+fn field(text: &str, label: &str) -> Option<u64> {
+    let i = text.find(label)?;
+    let rest = text[i + label.len()..].trim_start().strip_prefix(':')?;
+    leading_size(rest).map(|(b, _)| b)
 }
 
 fn size_after(text: &str, marker: &str) -> Option<u64> {
@@ -173,6 +220,28 @@ mod tests {
         // Two workers' texts naming different devices name no one device.
         let two = "GPU 0 has a total capacity of 79.19 GiB of which 1.00 GiB is free.\nGPU 1 has a total capacity of 79.19 GiB of which 1.00 GiB is free.";
         assert_eq!(parse(two).ordinal, None);
+    }
+
+    #[test]
+    fn cuda_malloc_async_words_are_read() {
+        // As PyTorch raises it under backend:cudaMallocAsync (the order and
+        // the padding of c10/cuda/CUDAMallocAsyncAllocator.cpp).
+        let t = parse("torch.OutOfMemoryError: Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 9.43 GiB\nRequested               : 640.00 MiB\nDevice limit            : 11.59 GiB\nFree (according to CUDA): 7.12 MiB\nPyTorch limit (set by user-supplied memory fraction)\n                        : 17179869184.00 GiB");
+        assert!(t.cuda_malloc_async);
+        assert_eq!(t.requested_bytes, Some(640 * MIB));
+        assert_eq!(t.allocated_bytes, Some((9.43 * GIB as f64).round() as u64));
+        assert_eq!(t.total_bytes, Some((11.59 * GIB as f64).round() as u64));
+        assert_eq!(t.free_bytes, Some((7.12 * MIB as f64).round() as u64));
+        assert_eq!(t.allowed_bytes, None, "UINT64_MAX is no cap");
+        assert_eq!(t.reserved_unallocated_bytes, None, "not in this message");
+        assert_eq!(t.process_bytes, None);
+        // A memory fraction of 0.5 is a cap.
+        let capped = parse("Allocation on device 1 would exceed allowed memory. (out of memory)\nCurrently allocated     : 39.00 GiB\nRequested               : 2.00 GiB\nDevice limit            : 79.25 GiB\nFree (according to CUDA): 38.00 GiB\nPyTorch limit (set by user-supplied memory fraction)\n                        : 39.62 GiB");
+        assert_eq!(
+            capped.allowed_bytes,
+            Some((39.62 * GIB as f64).round() as u64)
+        );
+        assert_eq!(capped.requested_bytes, Some(2 * GIB));
     }
 
     #[test]

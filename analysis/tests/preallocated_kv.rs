@@ -436,6 +436,9 @@ fn activation_oom(command: &str) -> Evidence {
         device: 0,
         requested_bytes: 2 * GIB,
         error_type: "torch.OutOfMemoryError".into(),
+        // The process's own use of the device, as PyTorch reads it from NVML:
+        // 79.5 GiB in use − 77 GiB reserved = 2.5 GiB outside PyTorch.
+        error_text: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 80.00 GiB of which 512.00 MiB is free. Including non-PyTorch memory, this process has 79.50 GiB memory in use. Of the allocated memory 76.00 GiB is allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.".into(),
         stats: Some(pb::AllocatorStats {
             allocated_bytes: 76 * GIB,
             reserved_bytes: 77 * GIB,

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::cause;
+use super::{cause, non_pytorch};
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::kv_pool::{self, FIT_SHARE, GIB, KV_FULL_USAGE, MIN_FULL_READINGS, NEED_MARGIN};
@@ -156,18 +156,11 @@ struct AtOom {
 
 fn at_oom(f: &Findings) -> Option<AtOom> {
     if let Some(x) = &f.failure {
-        let stats = f.oom.and_then(|(_, o)| o.stats.as_ref());
-        let non_torch = stats
-            .filter(|s| s.driver_total_bytes > 0)
-            .map(|s| {
-                (s.driver_total_bytes - s.driver_free_bytes.min(s.driver_total_bytes))
-                    .saturating_sub(x.reserved_bytes)
-            })
-            .or_else(|| {
-                x.text
-                    .process_bytes
-                    .map(|p| p.saturating_sub(x.reserved_bytes))
-            });
+        // This process's own, never the device's use minus reserved (that
+        // counts other processes too).
+        let uuid = f.oom.map_or("", |(_, o)| o.device_uuid.as_str());
+        let non_torch =
+            non_pytorch::measure(f, &x.text, x.reserved_bytes, x.time_ns, uuid).map(|m| m.bytes);
         return Some(AtOom {
             time_ns: x.time_ns,
             allocated: x.allocated_bytes,
@@ -187,7 +180,7 @@ fn at_oom(f: &Findings) -> Option<AtOom> {
         time_ns: t,
         allocated,
         requested: text.requested_bytes?,
-        non_torch: text.process_bytes.map(|p| p.saturating_sub(reserved)),
+        non_torch: non_pytorch::measure(f, &text, reserved, t, "").map(|m| m.bytes),
         total: text.allowed_bytes.or(text.total_bytes),
         context: pb::RequestContext::default(),
         in_load: false,
@@ -279,13 +272,16 @@ pub fn activation_headroom(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
     let mut metrics = vec![
         ("total_bytes", total as f64),
         ("held_bytes", held as f64),
-        ("non_torch_bytes", non_torch as f64),
         ("headroom_bytes", headroom as f64),
         ("activation_peak_bytes", need as f64),
         ("requested_bytes", at.requested as f64),
         ("active_sequences", sequences as f64),
         ("batch_tokens", tokens as f64),
     ];
+    // Unknown stays out, never 0.
+    if let Some(n) = at.non_torch {
+        metrics.push(("non_torch_bytes", n as f64));
+    }
     if let Some(w) = weights {
         metrics.push(("weights_bytes", w as f64));
     }

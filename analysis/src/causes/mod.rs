@@ -3,8 +3,8 @@
 //!
 //! This file holds the lists. Host-side analyzers of a failure live in `host`;
 //! each timeline analyzer (leak, gc, cache, fragmentation, KV growth, weights,
-//! other processes, host growth, slow growth) and the runtime's own text have a module of
-//! their own; the verdicts of runtimes with a preallocated KV pool (vLLM,
+//! other processes, host growth, slow growth), memory outside PyTorch's
+//! allocator and the runtime's own text have a module of their own; the verdicts of runtimes with a preallocated KV pool (vLLM,
 //! SGLang, llama.cpp) live in `kv_pool`.
 
 mod cache_retention;
@@ -15,6 +15,7 @@ pub(crate) mod host_growth;
 mod kv_growth;
 mod kv_pool;
 mod leak;
+mod non_pytorch;
 mod other_process;
 mod runtime_text;
 mod slow_growth;
@@ -43,6 +44,7 @@ pub const ANALYZERS: &[Analyzer] = &[
     host::external_kill,
     other_process::other_process,
     fragmentation::fragmentation,
+    non_pytorch::non_pytorch_memory,
     kv_growth::kv_growth,
     weights::weights_too_large,
     runtime_text::runtime_text,

@@ -92,7 +92,9 @@ def test_timeline_returns_the_gpu_facts_of_a_replayed_capture(collector):
 
     [gpu] = t["hello"]["gpus"]
     assert gpu == {"index": 0, "uuid": "", "name": notes["device_name"],
-                   "total_bytes": notes["total_memory"], "cap_bytes": 0}
+                   "total_bytes": notes["total_memory"], "cap_bytes": 0,
+                   "pci_bus_id": "", "ordinal": gpu["ordinal"], "parent_uuid": ""}
+    assert gpu["ordinal"] in (None, 0)
     [procs] = events(t, "process_list")
     assert procs["host_top_rss"] == []
     assert procs["gpu"] == [{"device": 0, "pid": p["pid"], "user": "", "command": "", "cgroup": "",

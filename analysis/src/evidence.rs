@@ -120,12 +120,8 @@ impl Evidence {
         if self.oom().is_some() {
             return Some("a device allocation failed".to_string());
         }
-        if let Some(cuda) = h
-            .and_then(|h| h.versions.get("cuda"))
-            .filter(|v| !v.trim().is_empty())
-        {
-            return Some(format!("CUDA {cuda} in the agent's versions"));
-        }
+        // A CUDA build of torch in the versions is no evidence: pip's
+        // default torch is one, on CPU-only hosts too.
         let visible = h.and_then(|h| {
             h.cuda_visible_devices.clone().or_else(|| {
                 h.labels

@@ -431,11 +431,22 @@ fn rows() -> Vec<Row> {
             fixes: vec!["raise gpu_memory_utilization where the device is not shared"],
         },
         Row {
-            name: "no NVML, vLLM's KV text, a CUDA build of torch in the worker",
-            evidence: vllm_without_nvml(|_, m| m.push(worker(&[("torch", "2.9.0+cu128"), ("cuda", "12.8")]))),
+            name: "no NVML, vLLM's KV text, the worker's agent placed its device through torch",
+            evidence: vllm_without_nvml(|_, m| {
+                let mut w = worker(&[("torch", "2.9.0+cu128"), ("cuda", "12.8")]);
+                if let Some(h) = w.hello.as_mut() {
+                    h.gpus.push(pb::GpuPlacement {
+                        index: -1,
+                        uuid: "GPU-5e3a1c9d-8f21-4b7e-a0c4-2d9f6b1e7a30".into(),
+                        ordinal: Some(0),
+                        ..Default::default()
+                    });
+                }
+                m.push(w)
+            }),
             domain: "gpu_vram",
             first: Some(("kv_no_room", vec![])),
-            says: vec!["no NVML reading; a GPU is in use: CUDA 12.8 in the agent's versions (pid 4300, worker)"],
+            says: vec!["no NVML reading; a GPU is in use: the agent announced its GPUs (pid 4300, worker)"],
             not_causes: vec!["other_process"],
             fixes: vec![],
         },

@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use crate::census::{self, Baseline};
 use crate::config::Config;
 use crate::context::{self, ContextState};
-use crate::devices::{self, Devices, Which};
+use crate::devices::{Devices, Which};
 use crate::handoff::Handoff;
 use crate::torchread::{self, TorchCuda};
 
@@ -480,7 +480,7 @@ impl Agent {
             None => (None, None, None),
         };
         if stats.is_none() {
-            let device = devices::error_text_device(error_text)
+            let device = oomscope_analysis::oom_text_ordinal(error_text)
                 .or_else(|| TorchCuda::get(py).and_then(|c| c.current_device()))
                 .or_else(|| self.devices.first_in_use());
             stats = device.and_then(|d| self.devices.read_one(py, d));

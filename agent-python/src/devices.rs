@@ -297,22 +297,6 @@ pub fn merge_placements(gpus: &mut Vec<pb::GpuPlacement>, ours: &[(i32, DeviceId
     }
 }
 
-/// The device ordinal an out-of-memory text names: the caching
-/// allocator's "GPU 3 has a total capacity", `cudaMallocAsync`'s
-/// "Allocation on device 3 would exceed". The process's own numbering.
-pub fn error_text_device(text: &str) -> Option<i32> {
-    const MARKS: [(&str, &str); 2] = [("GPU ", " has a total capacity"), ("on device ", " ")];
-    MARKS.iter().find_map(|(before, after)| {
-        text.match_indices(before).find_map(|(i, m)| {
-            let rest = &text[i + m.len()..];
-            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
-            (digits > 0 && rest[digits..].starts_with(after))
-                .then(|| rest[..digits].parse().ok())
-                .flatten()
-        })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,19 +308,6 @@ mod tests {
             name: "NVIDIA H200".into(),
             total_bytes: 150,
         }
-    }
-
-    #[test]
-    fn the_failing_device_is_read_from_either_backends_text() {
-        let native = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a total capacity \
-                      of 79.19 GiB of which 1.00 GiB is free. Process 77 has 78.1 GiB memory in use.";
-        assert_eq!(error_text_device(native), Some(3));
-        let asynchronous = "Allocation on device 12 would exceed allowed memory. (out of memory)\n\
-                            Currently allocated     : 79.00 GiB\nRequested               : 1.00 GiB";
-        assert_eq!(error_text_device(asynchronous), Some(12));
-        // A driver error names no device; "GPU 0" elsewhere is not the ordinal.
-        assert_eq!(error_text_device("CUDA error: out of memory"), None);
-        assert_eq!(error_text_device("GPU 0 is busy"), None);
     }
 
     #[test]

@@ -57,4 +57,5 @@ pub use thrash::{
     THRASH_MIN_REFAULT_PAGES, THRASH_MIN_REFAULT_SHARE, THRASH_MIN_SOME_AVG10,
     THRASH_MIN_STALL_SHARE,
 };
+pub use torch_text::ordinal as oom_text_ordinal;
 pub use trigger::Trigger;

@@ -54,7 +54,10 @@ const ASYNC_FORM: &str = "would exceed allowed memory";
 
 pub fn parse(text: &str) -> TorchOomText {
     if let Some(i) = text.find(ASYNC_FORM) {
-        return parse_async(&text[i..]);
+        return TorchOomText {
+            ordinal: ordinal(text),
+            ..parse_async(&text[i..])
+        };
     }
     let mut t = TorchOomText {
         requested_bytes: size_after(text, "Tried to allocate "),
@@ -96,15 +99,22 @@ fn usage(bytes: u64) -> Option<u64> {
     (bytes < 1 << 60).then_some(bytes)
 }
 
-/// The N of "GPU N has a total capacity", where every such phrase agrees.
-fn ordinal(text: &str) -> Option<i32> {
-    let mut found = text.match_indices("GPU ").filter_map(|(i, m)| {
-        let rest = &text[i + m.len()..];
-        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-        rest[digits.len()..]
-            .starts_with(" has a total capacity")
-            .then(|| digits.parse::<i32>().ok())
-            .flatten()
+/// The failing device's ordinal in the process, where every phrase naming
+/// one agrees: the caching allocator's "GPU N has a total capacity",
+/// cudaMallocAsync's "Allocation on device N would exceed allowed memory".
+pub fn ordinal(text: &str) -> Option<i32> {
+    const MARKS: [(&str, &str); 2] = [
+        ("GPU ", " has a total capacity"),
+        ("on device ", " would exceed allowed memory"),
+    ];
+    let mut found = MARKS.iter().flat_map(|&(before, after)| {
+        text.match_indices(before).filter_map(move |(i, m)| {
+            let rest = &text[i + m.len()..];
+            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            (digits > 0 && rest[digits..].starts_with(after))
+                .then(|| rest[..digits].parse::<i32>().ok())
+                .flatten()
+        })
     });
     let first = found.next()?;
     found.all(|n| n == first).then_some(first)
@@ -220,6 +230,13 @@ mod tests {
         // Two workers' texts naming different devices name no one device.
         let two = "GPU 0 has a total capacity of 79.19 GiB of which 1.00 GiB is free.\nGPU 1 has a total capacity of 79.19 GiB of which 1.00 GiB is free.";
         assert_eq!(parse(two).ordinal, None);
+        // A driver error names no device; "GPU 0" elsewhere is not the ordinal.
+        assert_eq!(ordinal("CUDA error: out of memory"), None);
+        assert_eq!(ordinal("GPU 0 is busy"), None);
+        assert_eq!(
+            ordinal("Allocation on device 12 would exceed allowed memory. (out of memory)"),
+            Some(12)
+        );
     }
 
     #[test]
@@ -228,6 +245,7 @@ mod tests {
         // the padding of c10/cuda/CUDAMallocAsyncAllocator.cpp).
         let t = parse("torch.OutOfMemoryError: Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 9.43 GiB\nRequested               : 640.00 MiB\nDevice limit            : 11.59 GiB\nFree (according to CUDA): 7.12 MiB\nPyTorch limit (set by user-supplied memory fraction)\n                        : 17179869184.00 GiB");
         assert!(t.cuda_malloc_async);
+        assert_eq!(t.ordinal, Some(0), "the async form names its device too");
         assert_eq!(t.requested_bytes, Some(640 * MIB));
         assert_eq!(t.allocated_bytes, Some((9.43 * GIB as f64).round() as u64));
         assert_eq!(t.total_bytes, Some((11.59 * GIB as f64).round() as u64));

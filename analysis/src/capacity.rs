@@ -42,8 +42,9 @@ pub struct Capacity {
 /// The estimate from one agent's evidence, or None where it would be a guess:
 /// no limit, no reading inside requests that fits, or one passing request.
 pub fn capacity(e: &Evidence) -> Option<Capacity> {
-    let tl = Timeline::from_evidence(e);
-    let failure = AtFailure::from_evidence(e, e.oom(), &tl, &Devices::of(e));
+    let devices = Devices::of(e);
+    let tl = Timeline::of_device(e, devices.failing_key().as_ref());
+    let failure = AtFailure::from_evidence(e, e.oom(), &tl, &devices);
     estimate(e, &tl, failure.as_ref())
 }
 

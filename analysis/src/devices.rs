@@ -113,22 +113,94 @@ impl Device<'_> {
         self.nvml.map(|g| g.used_bytes)
     }
 
+    /// The keys that find this device's readings.
+    pub fn key(&self) -> DeviceKey {
+        DeviceKey {
+            uuid: self.uuid.clone(),
+            ordinal: self.ordinal,
+            nvml_index: self.nvml_index,
+            mig: self.is_mig(),
+        }
+    }
+
     /// `g` is an NVML reading of this device.
     pub fn read_by(&self, g: &pb::GpuDevice) -> bool {
+        self.key().reads(g)
+    }
+
+    fn lists(&self, p: &pb::GpuProcess) -> bool {
+        self.key().lists(p)
+    }
+}
+
+/// What identifies one device in each party's readings: PyTorch's by uuid,
+/// else by ordinal; NVML's by uuid, else by index. The timeline, the report's
+/// memory table and the holders all pick readings through it, so a process
+/// that fails on its GPU 3 is never shown GPU 0's numbers.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceKey {
+    pub uuid: Option<String>,
+    pub ordinal: Option<i32>,
+    pub nvml_index: Option<i32>,
+    pub mig: bool,
+}
+
+impl DeviceKey {
+    /// The failing device as a diagnosis carries it.
+    pub fn of_failed(d: &pb::FailedDevice) -> DeviceKey {
+        DeviceKey {
+            uuid: (!d.uuid.is_empty()).then(|| d.uuid.clone()),
+            ordinal: d.ordinal,
+            nvml_index: d.nvml_index,
+            mig: !d.parent_uuid.is_empty(),
+        }
+    }
+
+    /// An older diagnosis's failure, known by PyTorch's ordinal alone.
+    pub fn of_ordinal(ordinal: i32) -> DeviceKey {
+        DeviceKey {
+            ordinal: Some(ordinal),
+            ..Default::default()
+        }
+    }
+
+    /// This device's allocator reading among a sample's. A key that names
+    /// nothing (the device is unknown) takes the first, as the one device
+    /// such a process reads; a known device takes only its own, never
+    /// another's numbers.
+    pub fn allocator<'s>(
+        key: Option<&DeviceKey>,
+        stats: &'s [pb::AllocatorStats],
+    ) -> Option<&'s pb::AllocatorStats> {
+        match key.filter(|k| k.uuid.is_some() || k.ordinal.is_some()) {
+            None => stats.first(),
+            Some(k) => stats.iter().find(|a| k.is_allocator(a)),
+        }
+    }
+
+    fn is_allocator(&self, a: &pb::AllocatorStats) -> bool {
+        match (&self.uuid, a.device_uuid.is_empty()) {
+            (Some(u), false) => same_uuid(u, &a.device_uuid),
+            _ => self.ordinal == Some(a.device),
+        }
+    }
+
+    /// `g` is an NVML reading of this device.
+    pub fn reads(&self, g: &pb::GpuDevice) -> bool {
         match (&self.uuid, g.uuid.is_empty()) {
             (Some(u), false) => same_uuid(u, &g.uuid),
-            (None, true) => !self.is_mig() && self.nvml_index == Some(g.index),
-            _ => false,
+            (_, true) => !self.mig && self.nvml_index == Some(g.index),
+            (None, false) => false,
         }
     }
 
     /// A process list's entry is on this device: by uuid, or (an older
     /// agent's entry without one) by NVML's index on a whole GPU; an index
     /// alone cannot say which MIG instance.
-    fn lists(&self, p: &pb::GpuProcess) -> bool {
+    pub fn lists(&self, p: &pb::GpuProcess) -> bool {
         match (&self.uuid, p.device_uuid.is_empty()) {
             (Some(u), false) => same_uuid(u, &p.device_uuid),
-            (_, true) => !self.is_mig() && self.nvml_index == Some(p.device),
+            (_, true) => !self.mig && self.nvml_index == Some(p.device),
             (None, false) => false,
         }
     }
@@ -235,6 +307,11 @@ impl<'a> Devices<'a> {
     /// the process uses (or the one in sight). None where that is unknown.
     pub fn failing(&self) -> Option<&Device<'a>> {
         self.failing.as_ref().map(|(i, _)| &self.list[*i])
+    }
+
+    /// The keys that find the failing device's readings.
+    pub fn failing_key(&self) -> Option<DeviceKey> {
+        self.failing().map(Device::key)
     }
 
     /// How the failing device was found.

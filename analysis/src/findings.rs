@@ -106,8 +106,8 @@ impl<'a> Findings<'a> {
                     >= s.commit_limit_bytes as f64 * COMMIT_NEAR_FRACTION;
             near.then_some((s.committed_as_bytes, s.commit_limit_bytes))
         });
-        let timeline = Timeline::from_evidence(e);
         let devices = Devices::of(e);
+        let timeline = Timeline::of_device(e, devices.failing_key().as_ref());
         let failure = AtFailure::from_evidence(e, oom, &timeline, &devices);
         let device_limit = failure
             .as_ref()

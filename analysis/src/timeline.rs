@@ -2,6 +2,7 @@
 //! bytes against requests, tokens and sequences, with each sample's place in
 //! the request lifecycle.
 
+use crate::devices::{DeviceKey, Devices};
 use crate::evidence::Evidence;
 use crate::pb;
 use crate::pb::event::Kind;
@@ -110,11 +111,20 @@ pub struct Timeline {
 }
 
 impl Timeline {
+    /// The timeline of the failing device (without a failure, of the one
+    /// device the process uses).
     pub fn from_evidence(e: &Evidence) -> Timeline {
+        Timeline::of_device(e, Devices::of(e).failing_key().as_ref())
+    }
+
+    /// The timeline with `device`'s allocator readings: samples that carry
+    /// only other devices' have none (`has_allocator` false), so a process
+    /// that fails on its GPU 3 is never judged by GPU 0's numbers.
+    pub fn of_device(e: &Evidence, device: Option<&DeviceKey>) -> Timeline {
         let mut points: Vec<Point> = e
             .samples
             .iter()
-            .map(point)
+            .map(|s| point(s, device))
             .filter(|p| p.phase != FINAL_PHASE)
             .collect();
         points.sort_by_key(|p| p.time_ns);
@@ -204,9 +214,9 @@ impl Timeline {
     }
 }
 
-fn point(s: &pb::Sample) -> Point {
+fn point(s: &pb::Sample, device: Option<&DeviceKey>) -> Point {
     let ctx = s.context.clone().unwrap_or_default();
-    let a = s.allocator.first();
+    let a = DeviceKey::allocator(device, &s.allocator);
     // Own cgroup first: its usage is what this process charges.
     let cg = s.cgroup.first();
     Point {

@@ -166,3 +166,52 @@ fn growth_that_a_gc_collection_event_frees_is_gc_retained() {
     assert!(d.causes.iter().all(|c| c.kind != "leak"));
     assert_eq!(d.trigger.as_deref(), Some("repeated_requests"));
 }
+
+/// A `device_map="auto"` process: its first GPU holds a flat 1 GiB, its
+/// second grows 8 MiB a request until the allocation there fails. The
+/// growth is read on the failing device, not on the first one read.
+#[test]
+fn growth_is_read_on_the_failing_device_not_the_first() {
+    let samples: Vec<pb::Sample> = (0..=20u64)
+        .map(|i| {
+            let mut s = between(i, GIB, GIB);
+            s.allocator[0].device_uuid = "GPU-aaaa0000".into();
+            let mut second = s.allocator[0].clone();
+            second.device = 1;
+            second.device_uuid = "GPU-dddd3333".into();
+            second.allocated_bytes = 2 * GIB + 8 * MIB * i;
+            second.allocated_peak_bytes = second.allocated_bytes;
+            second.reserved_bytes = second.allocated_bytes;
+            s.allocator.push(second);
+            s
+        })
+        .collect();
+    let oom = pb::Event {
+        time_ns: 20_500_000_000,
+        kind: Some(Kind::Oom(pb::Oom {
+            device: 1,
+            device_uuid: "GPU-dddd3333".into(),
+            requested_bytes: 64 * MIB,
+            error_type: "OutOfMemoryError".into(),
+            ..Default::default()
+        })),
+    };
+    let e = Evidence {
+        members: Vec::new(),
+        ended: false,
+        hello: Some(hello()),
+        samples,
+        events: vec![oom],
+        incident: None,
+    };
+    let d = diagnose(&e);
+    let leak = d
+        .causes
+        .iter()
+        .find(|c| c.kind == "leak")
+        .unwrap_or_else(|| panic!("a leak on the failing device: {:?}", d.causes));
+    assert_eq!(leak.metrics["bytes_per_request"], (8 * MIB) as f64);
+    assert_eq!(d.trigger.as_deref(), Some("repeated_requests"));
+    let device = d.device.as_ref().expect("the failing device");
+    assert_eq!(device.uuid, "GPU-dddd3333");
+}

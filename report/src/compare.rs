@@ -139,7 +139,7 @@ fn summary(side: &Run, hello: &pb::Hello) -> SideSummary {
         agent_id: hello.agent_id.clone(),
         name: hello.name.clone(),
         incident: side.incident.as_ref().map(|i| i.id.clone()),
-        memory: memory::table(&side.timeline, d.failure.as_ref()),
+        memory: memory::table(&side.timeline, d.failure.as_ref(), d.device.as_ref()),
         failure: d.failure.clone(),
         domain: d.domain.clone(),
         trigger: d.trigger.clone(),

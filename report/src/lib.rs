@@ -54,7 +54,7 @@ impl<'a> View<'a> {
         let failure = input.diagnosis.failure.as_ref();
         let hello = input.timeline.hello.clone().unwrap_or_default();
         View {
-            table: memory::table(&input.timeline, failure),
+            table: memory::table(&input.timeline, failure, input.diagnosis.device.as_ref()),
             cause: input
                 .diagnosis
                 .causes

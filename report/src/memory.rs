@@ -9,6 +9,7 @@
 
 use crate::pb;
 use crate::pb::event::Kind;
+use oomscope_analysis::devices::DeviceKey;
 
 /// One row of the memory table: its key (JSON), its title (people), what
 /// it is made of, and when a table shows it.
@@ -175,7 +176,11 @@ pub struct MemoryTable {
 }
 
 /// Builds the table from one agent's timeline and its failure, if any.
-pub fn table(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> MemoryTable {
+pub fn table(
+    t: &pb::TimelineResponse,
+    failure: Option<&pb::Failure>,
+    device: Option<&pb::FailedDevice>,
+) -> MemoryTable {
     let hello = t.hello.clone().unwrap_or_default();
     let samples: Vec<&pb::Sample> = t.samples.iter().filter_map(|s| s.sample.as_ref()).collect();
     let events: Vec<&pb::Event> = t.events.iter().filter_map(|e| e.event.as_ref()).collect();
@@ -184,7 +189,13 @@ pub fn table(t: &pb::TimelineResponse, failure: Option<&pb::Failure>) -> MemoryT
         .as_ref()
         .is_some_and(|s| s.expandable_segments)
         || failure.is_some_and(|f| f.expandable_segments);
-    let device = failure.and_then(|f| f.oom_device).unwrap_or(0);
+    // The failing device as the analysis joined it; an older diagnosis's
+    // failure names PyTorch's ordinal only.
+    let device = device.map(DeviceKey::of_failed).or_else(|| {
+        failure
+            .and_then(|f| f.oom_device)
+            .map(DeviceKey::of_ordinal)
+    });
     let own_pids = own_pids(&hello, &events);
     let mut notes = Vec::new();
 
@@ -352,7 +363,9 @@ impl LoadEdges {
 struct Ctx<'a> {
     samples: &'a [&'a pb::Sample],
     events: &'a [&'a pb::Event],
-    device: i32,
+    /// The device whose readings the table shows; None where unknown (the
+    /// process's one device, or nothing where it reads several).
+    device: Option<DeviceKey>,
     expandable: bool,
     own_pids: &'a [u32],
     load_end_weights: Option<u64>,
@@ -383,12 +396,7 @@ impl Ctx<'_> {
             };
         }
         let stats = failure.and_then(|f| f.stats.as_ref()).or_else(|| {
-            sample.and_then(|s| {
-                s.allocator
-                    .iter()
-                    .find(|a| a.device == self.device)
-                    .or(s.allocator.first())
-            })
+            sample.and_then(|s| DeviceKey::allocator(self.device.as_ref(), &s.allocator))
         });
         let at = time_ns.unwrap_or(i64::MAX);
         let mut set = |key: &str, v: Option<u64>| {
@@ -406,7 +414,7 @@ impl Ctx<'_> {
                 .map(|c| c.kv_cache_bytes)
                 .filter(|&b| b > 0),
         };
-        let other_gpu = self.other_processes_at(sample, at, failure.is_some());
+        let other_gpu = self.other_processes_at(idx, at, failure.is_some());
         if let Some(a) = stats {
             let live_parts = weights.unwrap_or(0).saturating_add(kv.unwrap_or(0));
             set("weights", weights);
@@ -496,20 +504,16 @@ impl Ctx<'_> {
         })
     }
 
-    /// Device bytes of other pids: from the sample's NVML reading, or (at a
-    /// failure) from the process list taken then.
-    fn other_processes_at(
-        &self,
-        sample: Option<&pb::Sample>,
-        at: i64,
-        failing: bool,
-    ) -> Option<u64> {
+    /// Device bytes of other pids: from the newest NVML reading up to the
+    /// sample (a request-boundary sample reads no NVML, so the periodic one
+    /// before it stands), or (at a failure) from the process list taken then.
+    fn other_processes_at(&self, idx: Option<usize>, at: i64, failing: bool) -> Option<u64> {
         let own = |pid: u32| self.own_pids.contains(&pid);
-        if let Some(s) = sample {
-            let procs: Vec<&pb::GpuProcessUsage> = s
-                .gpus
-                .iter()
-                .filter(|g| g.index == self.device)
+        let read = idx.and_then(|i| self.samples[..=i].iter().rev().find(|s| !s.gpus.is_empty()));
+        if let Some(s) = read {
+            let procs: Vec<&pb::GpuProcessUsage> = self
+                .nvml_reading(&s.gpus)
+                .into_iter()
                 .flat_map(|g| g.processes.iter())
                 .collect();
             if !procs.is_empty() {
@@ -527,21 +531,58 @@ impl Ctx<'_> {
         // The list taken at the failure (a capture's NVML list lands at the
         // OOM's instant; a live agent's follows it within moments).
         const AFTER_FAILURE_NS: i64 = 5_000_000_000;
-        self.events
+        let list = self
+            .events
             .iter()
             .filter(|e| e.time_ns <= at.saturating_add(AFTER_FAILURE_NS))
             .filter_map(|e| match &e.kind {
                 Some(Kind::ProcessList(p)) if !p.gpu.is_empty() => Some(p),
                 _ => None,
             })
-            .next_back()
-            .and_then(|p| {
-                p.gpu
+            .next_back()?;
+        let on_device: Vec<&pb::GpuProcess> = match self.nvml_key() {
+            Some(k) => list.gpu.iter().filter(|g| k.lists(g)).collect(),
+            // An unknown device: the list stands only where it names one.
+            None => {
+                let first = &list.gpu[0];
+                let one = list
+                    .gpu
                     .iter()
-                    .filter(|g| g.device == self.device && !own(g.pid))
-                    .map(|g| g.used_bytes)
-                    .sum()
-            })
+                    .all(|g| g.device == first.device && g.device_uuid == first.device_uuid);
+                match one {
+                    true => list.gpu.iter().collect(),
+                    false => Vec::new(),
+                }
+            }
+        };
+        if on_device.is_empty() {
+            return None;
+        }
+        on_device
+            .iter()
+            .filter(|g| !own(g.pid))
+            .map(|g| g.used_bytes)
+            .sum()
+    }
+
+    /// The device key where it can find NVML's readings (by uuid or NVML's
+    /// index; PyTorch's ordinal is not NVML's index).
+    fn nvml_key(&self) -> Option<&DeviceKey> {
+        self.device
+            .as_ref()
+            .filter(|k| k.uuid.is_some() || k.nvml_index.is_some())
+    }
+
+    /// The failing device's NVML reading among a sample's; for an unknown
+    /// device, the one GPU the sample reads.
+    fn nvml_reading<'g>(&self, gpus: &'g [pb::GpuDevice]) -> Option<&'g pb::GpuDevice> {
+        match self.nvml_key() {
+            Some(k) => gpus.iter().find(|g| k.reads(g)),
+            None => match gpus {
+                [one] => Some(one),
+                _ => None,
+            },
+        }
     }
 }
 
@@ -643,10 +684,110 @@ mod tests {
         }
     }
 
+    /// A `device_map="auto"` process reads GPU 0 (ordinal 0) and GPU 3
+    /// (ordinal 1, NVML index 3) and fails on the second; its last sample
+    /// before the failure is a request boundary's, which reads no NVML.
+    fn two_device_timeline() -> pb::TimelineResponse {
+        let stats = |ordinal: i32, uuid: &str, alloc: u64, reserved: u64| pb::AllocatorStats {
+            device: ordinal,
+            device_uuid: uuid.into(),
+            allocated_bytes: alloc,
+            reserved_bytes: reserved,
+            driver_total_bytes: 10_000 * MIB,
+            driver_free_bytes: 10_000 * MIB - reserved - 700 * MIB,
+            ..Default::default()
+        };
+        let gpu = |index: i32, uuid: &str, neighbour: u64| pb::GpuDevice {
+            index,
+            uuid: uuid.into(),
+            processes: vec![
+                pb::GpuProcessUsage {
+                    pid: 10,
+                    used_bytes: Some(4000 * MIB),
+                    ..Default::default()
+                },
+                pb::GpuProcessUsage {
+                    pid: 77,
+                    used_bytes: Some(neighbour),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let at = |t: i64, a: u64, b: u64, gpus: Vec<pb::GpuDevice>| pb::TimedSample {
+            seq: t as u64,
+            sample: Some(pb::Sample {
+                time_ns: t,
+                allocator: vec![
+                    stats(0, "GPU-aaaa0000", a, a + 100 * MIB),
+                    stats(1, "GPU-dddd3333", b, b + 200 * MIB),
+                ],
+                gpus,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        pb::TimelineResponse {
+            hello: Some(pb::Hello {
+                pid: 10,
+                ..Default::default()
+            }),
+            samples: vec![
+                at(
+                    20,
+                    1000 * MIB,
+                    3000 * MIB,
+                    vec![
+                        gpu(0, "GPU-aaaa0000", 100 * MIB),
+                        gpu(3, "GPU-dddd3333", 600 * MIB),
+                    ],
+                ),
+                at(30, 1100 * MIB, 3500 * MIB, Vec::new()),
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_failing_devices_readings_not_the_first_devices() {
+        let t = two_device_timeline();
+        let fail = pb::Failure {
+            time_ns: 40,
+            kind: "oom".into(),
+            oom_device: Some(1),
+            ..Default::default()
+        };
+        let device = pb::FailedDevice {
+            uuid: "GPU-dddd3333".into(),
+            ordinal: Some(1),
+            nvml_index: Some(3),
+            ..Default::default()
+        };
+        let m = table(&t, Some(&fail), Some(&device));
+        let at = &m.points[2];
+        assert_eq!(
+            at.get("allocated"),
+            Some(3500 * MIB),
+            "GPU 3's, not GPU 0's 1100 MiB"
+        );
+        assert_eq!(at.get("reserved"), Some(3700 * MIB));
+        assert_eq!(
+            at.get("other_processes"),
+            Some(600 * MIB),
+            "pid 77 on NVML GPU 3, read by the periodic sample before the boundary one"
+        );
+        // An older diagnosis without the joined device: PyTorch's ordinal
+        // still picks the allocator; NVML's index is not that ordinal, so
+        // with two GPUs in sight nobody's bytes are guessed.
+        let m = table(&t, Some(&fail), None);
+        assert_eq!(m.points[2].get("allocated"), Some(3500 * MIB));
+        assert_eq!(m.points[2].get("other_processes"), None);
+    }
+
     #[test]
     fn three_moments_from_load_phases() {
         let t = timeline();
-        let m = table(&t, Some(&failure()));
+        let m = table(&t, Some(&failure()), None);
         let [before, after, at] = &m.points;
         assert_eq!(before.time_ns, Some(5));
         assert_eq!(before.get("allocated"), Some(0));
@@ -689,7 +830,7 @@ mod tests {
                 ..Default::default()
             }),
         );
-        let m = table(&t, Some(&failure()));
+        let m = table(&t, Some(&failure()), None);
         assert_eq!(m.points[1].time_ns, None);
         assert!(m.points[1].values.iter().all(Option::is_none));
         assert!(m.notes.iter().any(|n| n.contains("never finished")));
@@ -731,7 +872,7 @@ mod tests {
 
     #[test]
     fn a_server_without_an_allocator_shows_host_and_cgroup_rows() {
-        let m = table(&host_only_timeline(), Some(&failure()));
+        let m = table(&host_only_timeline(), Some(&failure()), None);
         assert!(!m.allocator);
         let keys: Vec<&str> = m.shown_rows().map(|(_, r)| r.key).collect();
         assert_eq!(
@@ -756,7 +897,7 @@ mod tests {
         assert_eq!(at.get("mem_available"), Some(6000 * MIB));
 
         // With an allocator, its rows come back; a timeline without a tree hides the tree's rows.
-        let m = table(&timeline(), Some(&failure()));
+        let m = table(&timeline(), Some(&failure()), None);
         assert!(m.allocator);
         let keys: Vec<&str> = m.shown_rows().map(|(_, r)| r.key).collect();
         assert!(keys.contains(&"allocated") && keys.contains(&"host_rss"));
@@ -765,7 +906,7 @@ mod tests {
 
     #[test]
     fn an_empty_timeline_gives_an_empty_table() {
-        let m = table(&pb::TimelineResponse::default(), None);
+        let m = table(&pb::TimelineResponse::default(), None, None);
         assert!(m
             .points
             .iter()

@@ -5,8 +5,9 @@
 
 use crate::pb;
 
-/// Gives each sample without a context of its own the latest context of
-/// `theirs` at or before it (no older than [`TREE_JOIN_MAX_AGE_NS`]), with
+/// Gives each sample the latest context of `theirs` at or before it (a
+/// sample with a context of its own takes only what it lacks: see
+/// [`fill_missing`]) (no older than [`TREE_JOIN_MAX_AGE_NS`]), with
 /// the KV pool at its fullest over `theirs` since the sample before: the
 /// highest usage, bytes and queue. The serving process reads more often than
 /// the main agent samples (a vLLM API server at each request end), and a
@@ -27,14 +28,71 @@ pub fn join_context(samples: &mut [pb::TimedSample], theirs: &[pb::TimedSample])
             fullest.see(with_context[next].1);
             next += 1;
         }
-        if sample.context.is_some() || next == 0 {
+        if next == 0 {
             continue;
         }
         let (latest, c) = with_context[next - 1];
-        if (0..=TREE_JOIN_MAX_AGE_NS).contains(&(sample.time_ns - latest.time_ns)) {
-            let mut c = c.clone();
-            fullest.apply(&mut c);
-            sample.context = Some(c);
+        if !(0..=TREE_JOIN_MAX_AGE_NS).contains(&(sample.time_ns - latest.time_ns)) {
+            continue;
+        }
+        let mut c = c.clone();
+        fullest.apply(&mut c);
+        match sample.context.as_mut() {
+            Some(own) => fill_missing(own, c),
+            None => sample.context = Some(c),
+        }
+    }
+}
+
+/// A sample with a context of its own (a vLLM GPU worker's: its share of
+/// the KV pool, from the plugin's worker hook) takes what only the serving
+/// process knows (how full the pool is, the queue, the running requests)
+/// and keeps its own figures. Its own pool size wins over the instance's
+/// (a tensor-parallel worker holds its shard), and the bytes in use are the
+/// usage of that pool.
+fn fill_missing(own: &mut pb::RequestContext, theirs: pb::RequestContext) {
+    let own_pool = crate::kv_pool::own_pool_bytes(own);
+    for (k, v) in theirs.numbers {
+        own.numbers.entry(k).or_insert(v);
+    }
+    for (k, v) in theirs.labels {
+        own.labels.entry(k).or_insert(v);
+    }
+    let fill = |mine: &mut u64, theirs: u64| {
+        if *mine == 0 {
+            *mine = theirs;
+        }
+    };
+    // A process that counts requests itself keeps its counts whole: a 0
+    // there is its own reading, not a gap.
+    let counts_requests = !own.phase.is_empty()
+        || own.requests_done > 0
+        || own.active_sequences > 0
+        || own.active_tokens > 0
+        || own.queued > 0;
+    if !counts_requests {
+        own.phase = theirs.phase;
+        own.active_sequences = theirs.active_sequences;
+        own.active_tokens = theirs.active_tokens;
+        own.queued = theirs.queued;
+        own.batch_size = theirs.batch_size;
+        own.requests_done = theirs.requests_done;
+    }
+    match own_pool {
+        Some(pool) => {
+            own.kv_cache_capacity_bytes = pool;
+            if own.kv_cache_bytes == 0 {
+                if let Some(u) = own.numbers.get("kv_cache_usage").filter(|u| u.is_finite()) {
+                    own.kv_cache_bytes = (u.clamp(0.0, 1.0) * pool as f64) as u64;
+                }
+            }
+        }
+        None => {
+            fill(
+                &mut own.kv_cache_capacity_bytes,
+                theirs.kv_cache_capacity_bytes,
+            );
+            fill(&mut own.kv_cache_bytes, theirs.kv_cache_bytes);
         }
     }
 }

@@ -150,19 +150,31 @@ pub fn preemptions_at(readings: &[PoolReading]) -> Vec<f64> {
         .collect()
 }
 
-/// The pool's size, where the runtime reported it (the largest capacity
-/// seen: a pool is reserved once).
+/// The pool's size, where the runtime reported it (the largest seen: a pool
+/// is reserved once).
 pub fn pool_bytes(e: &Evidence) -> Option<u64> {
     let from_oom = e.events.iter().filter_map(|ev| match &ev.kind {
-        Some(Kind::Oom(o)) => o.context.as_ref().map(|c| c.kv_cache_capacity_bytes),
+        Some(Kind::Oom(o)) => o.context.as_ref().and_then(own_pool_bytes),
         _ => None,
     });
     e.samples
         .iter()
-        .filter_map(|s| s.context.as_ref().map(|c| c.kv_cache_capacity_bytes))
+        .filter_map(|s| s.context.as_ref().and_then(own_pool_bytes))
         .chain(from_oom)
         .max()
+}
+
+/// The pool a context's process holds: its capacity, else (a vLLM GPU
+/// worker, whose plugin reads its own share of the pool) `vllm.kv_pool_bytes`.
+pub fn own_pool_bytes(c: &pb::RequestContext) -> Option<u64> {
+    Some(c.kv_cache_capacity_bytes)
         .filter(|&b| b > 0)
+        .or_else(|| {
+            c.numbers
+                .get("vllm.kv_pool_bytes")
+                .filter(|b| b.is_finite() && **b >= 1.0)
+                .map(|&b| b as u64)
+        })
 }
 
 /// The plugin's name for what a command-line setting resolved to: the vLLM

@@ -914,3 +914,76 @@ fn host_memory_taken_after_the_pool_was_sized_proposes_a_smaller_pool() {
     );
     sound(&d);
 }
+
+/// A tensor-parallel GPU worker (rank 1 of 2) whose plugin reported its own
+/// share of the pool: joined with the API server's readings, its timeline
+/// shows the saturation, sized by its own shard, not the instance's pool.
+#[test]
+fn a_gpu_worker_joined_with_the_api_server_sees_the_saturation_on_its_shard() {
+    let api = saturated_server(
+        "/venv/bin/vllm serve /models/tiny-llama --tensor-parallel-size 2 --port 8000",
+    );
+    let instance_pool = 40 * 16 * 64 * 1024u64;
+    let shard = instance_pool / 2;
+    let mut h = hello();
+    h.role = "worker".into();
+    h.runtime = "vllm".into();
+    h.pid = WORKER_PID;
+    let worker_sample = |i: i64| {
+        let mut numbers = std::collections::HashMap::new();
+        numbers.insert("vllm.kv_pool_bytes".to_string(), shard as f64);
+        numbers.insert("vllm.num_gpu_blocks".to_string(), 40.0);
+        numbers.insert("vllm.block_size".to_string(), 16.0);
+        pb::TimedSample {
+            seq: i as u64,
+            // Just after each API server reading.
+            sample: Some(pb::Sample {
+                time_ns: T0 + i * SEC / 5 + SEC / 20,
+                context: Some(pb::RequestContext {
+                    numbers,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    };
+    let mut samples: Vec<pb::TimedSample> =
+        (0..api.samples.len() as i64).map(worker_sample).collect();
+    let theirs: Vec<pb::TimedSample> = api
+        .samples
+        .iter()
+        .map(|s| pb::TimedSample {
+            sample: Some(s.clone()),
+            ..Default::default()
+        })
+        .collect();
+    oomscope_analysis::join::join_context(&mut samples, &theirs);
+    let at_full = samples[3]
+        .sample
+        .as_ref()
+        .unwrap()
+        .context
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        at_full.kv_cache_capacity_bytes, shard,
+        "the worker's own shard"
+    );
+    assert_eq!(at_full.kv_cache_bytes, shard, "100 % of the shard");
+    assert_eq!(at_full.queued, 157);
+    let worker = Evidence {
+        members: Vec::new(),
+        ended: false,
+        hello: Some(h),
+        samples: samples.into_iter().filter_map(|s| s.sample).collect(),
+        events: vec![],
+        incident: None,
+    };
+    let d = diagnose(&worker);
+    let c = cause(&d, "kv_pool_saturation");
+    assert_eq!(metric(c, "waiting"), 157.0);
+    assert_eq!(metric(c, "running"), 35.0);
+    assert_eq!(metric(c, "preemptions"), 14.0);
+    assert_eq!(metric(c, "kv_pool_bytes"), shard as f64);
+}

@@ -440,3 +440,26 @@ fn a_boundary_sample_reads_no_nvml() {
     assert_eq!(host.sample().gpus.len(), 1);
     assert_eq!(fake.total_calls(), before + 2);
 }
+
+#[test]
+fn a_refused_process_list_is_unknown_not_empty() {
+    let gpus = vec![
+        FakeDevice::gpu("GPU-0", 80 * GIB, 60 * GIB)
+            .with_processes(&[(900, Some(30 * GIB))])
+            .refusing("compute_processes_v3", || NvmlError::NoPermission),
+        FakeDevice::gpu("GPU-1", 80 * GIB, 0),
+    ];
+    let fake = FakeNvml::new(gpus);
+    let read = probe(&fake).read();
+    assert_eq!(read[0].processes_unreadable, "NoPermission");
+    assert!(read[0].processes.is_empty());
+    assert_eq!(
+        read[0].used_bytes,
+        60 * GIB,
+        "the device's own figures stand"
+    );
+    assert_eq!(
+        read[1].processes_unreadable, "",
+        "an empty list it did give"
+    );
+}

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
+use oomscope_agent_core::probe::gpu::nvml_pci_bus_id;
+
 use crate::device::{ContextScope, DeviceError, DeviceInfo, DeviceMemory};
 
 /// One CUDA device's primary context. Segments come from `cuMemAlloc`
@@ -162,19 +164,13 @@ impl Drop for Cuda {
     }
 }
 
-/// The device's PCI address in NVML's form, "0000:3B:00.0" (domain, bus,
-/// device; a GPU is function 0).
+/// The device's PCI address in NVML's `busId` form, "00000000:3B:00.0".
 fn pci_bus_id(ctx: &CudaContext) -> Result<String, DriverError> {
     use sys::CUdevice_attribute::*;
     let domain = ctx.attribute(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
     let bus = ctx.attribute(CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
     let device = ctx.attribute(CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
-    Ok(format_pci_bus_id(domain, bus, device))
-}
-
-/// NVML's form of a PCI address: 4 hex digits of domain, upper case.
-pub fn format_pci_bus_id(domain: i32, bus: i32, device: i32) -> String {
-    format!("{domain:04X}:{bus:02X}:{device:02X}.0")
+    Ok(nvml_pci_bus_id(domain as u32, bus as u32, device as u32))
 }
 
 /// The driver's 16 UUID bytes as nvidia-smi prints them: GPU-xxxxxxxx-xxxx-...

@@ -157,13 +157,6 @@ fn stats_and_oom_carry_the_devices_uuid_and_bus_id() {
 }
 
 #[test]
-fn the_driver_paths_pci_bus_id_is_in_nvmls_form() {
-    use oomscope_agent_cuda::cuda::format_pci_bus_id;
-    assert_eq!(format_pci_bus_id(0, 0x3B, 0), "0000:3B:00.0");
-    assert_eq!(format_pci_bus_id(1, 0xC1, 0x1F), "0001:C1:1F.0");
-}
-
-#[test]
 fn a_scope_pops_what_it_pushed_on_the_error_path_too() {
     use oomscope_agent_cuda::ContextScope;
     on_thread_with_device_1_current(|still_device_1| {

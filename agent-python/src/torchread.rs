@@ -21,6 +21,7 @@
 
 use std::collections::BTreeMap;
 
+use oomscope_agent_core::probe::gpu::nvml_pci_bus_id;
 use oomscope_agent_core::{pb, torch};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
@@ -221,11 +222,6 @@ pub fn nvml_uuid(text: &str, device_name: &str) -> String {
     )
 }
 
-/// A PCI address as NVML's `busId` writes it ("00000000:3B:00.0").
-pub fn nvml_pci_bus_id(domain: u32, bus: u32, device: u32) -> String {
-    format!("{domain:08X}:{bus:02X}:{device:02X}.0")
-}
-
 /// A `memory_stats()` dict, or the nested one torch's C++ returns, (and
 /// `mem_get_info()`) as AllocatorStats: the live path, also reachable from
 /// Python to compare with a replay.
@@ -324,11 +320,5 @@ mod tests {
         assert_eq!(nvml_uuid("", "x"), "");
         assert_eq!(nvml_uuid("not-a-uuid", "x"), "");
         assert_eq!(uuid_text(&[1, 2, 3]), "");
-    }
-
-    #[test]
-    fn a_pci_address_is_written_as_nvml_writes_it() {
-        assert_eq!(nvml_pci_bus_id(0, 0x3b, 0), "00000000:3B:00.0");
-        assert_eq!(nvml_pci_bus_id(1, 0xc1, 0x1f), "00000001:C1:1F.0");
     }
 }

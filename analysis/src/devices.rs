@@ -914,11 +914,18 @@ fn visible_entries(env: &str) -> Vec<Entry> {
 
 fn normal(uuid: &str) -> String {
     let u = uuid.trim().to_ascii_lowercase();
-    u.strip_prefix("gpu-").map(str::to_string).unwrap_or(u)
+    u.strip_prefix("gpu-")
+        .or_else(|| u.strip_prefix("mig-"))
+        .map(str::to_string)
+        .unwrap_or(u)
 }
 
-/// The same device: uuids compare without case and with or without "GPU-"
-/// (PyTorch's uuid has no prefix).
+/// The same device: uuids compare without case and with or without their
+/// prefix. PyTorch's uuid has none; the driver API's 16 bytes do not say
+/// whether they name a MIG instance, so a Rust agent writes "GPU-" before a
+/// MIG instance's hex, which NVML writes "MIG-". The hex alone is unique.
+/// (A pre-R470 "MIG-GPU-<parent>/gi/ci" name keeps its "gpu-<parent>/…"
+/// and never equals its parent.)
 pub fn same_uuid(a: &str, b: &str) -> bool {
     !a.trim().is_empty() && normal(a) == normal(b)
 }

@@ -538,6 +538,12 @@ fn nvml_lines(f: &Findings) -> Vec<String> {
             let procs: Vec<String> = holders.iter().map(Holder::describe).collect();
             line.push_str(&format!("; processes: {}", procs.join(", ")));
         }
+        if !gpu.processes_unreadable.is_empty() {
+            line.push_str(&format!(
+                "; NVML refused its process list ({}): who else holds memory there is unknown",
+                gpu.processes_unreadable
+            ));
+        }
         ev.push(line);
     }
     ev.extend(namespace_line(f, &holders));

@@ -163,6 +163,23 @@ fn rows() -> Vec<Row> {
             },
         },
         Row {
+            name:
+                "a MIG slice read through the driver API: its uuid written GPU-<the instance's hex>",
+            evidence: mig_slice_driver_api,
+            uuid: MIG_OURS,
+            first: "weights_too_large",
+            metrics: &[("limit_bytes", MIG_TOTAL as f64)],
+            innocent: &[MIG_NEIGHBOUR],
+            check: |d| {
+                let dev = d.device.as_ref().unwrap();
+                assert_eq!(
+                    dev.parent_uuid, A100_UUID,
+                    "joined with NVML's MIG instance"
+                );
+                assert_eq!(dev.total_bytes, Some(MIG_TOTAL));
+            },
+        },
+        Row {
             name: "per-process memory unavailable: the neighbour's bytes from the device's used",
             evidence: usage_unavailable,
             uuid: A100_UUID,
@@ -301,6 +318,26 @@ fn an_unreadable_device_is_said_not_dropped() {
         "NVML could not read GPU-c2d4e6f8-0a1b-4c3d-9e8f-7a6b5c4d3e2f (NVIDIA H100 80GB HBM3) (GpuLost): its memory figures are unknown",
     );
     assert_not_blamed(&d, 9999, "unreadable");
+}
+
+#[test]
+fn a_refused_process_list_is_said_unknown_not_taken_for_none() {
+    let mut e = visible_devices_3(Some("3"));
+    for s in &mut e.samples {
+        let g = &mut s.gpus[3];
+        g.processes.clear();
+        g.processes_unreadable = "NoPermission".into();
+    }
+    let d = diagnose(&e);
+    assert_eq!(d.device.as_ref().unwrap().uuid, H100_UUIDS[3]);
+    has(
+        &d.evidence,
+        "NVML GPU 3 (NVIDIA H100 80GB HBM3): used 78.1 GiB",
+    );
+    has(
+        &d.evidence,
+        "NVML refused its process list (NoPermission): who else holds memory there is unknown",
+    );
 }
 
 // ---- the deployments ----
@@ -738,6 +775,32 @@ fn mig_slice() -> Evidence {
         oom.event(T0 + 3 * SEC, MIG_OURS),
     );
     e.events.insert(0, load_start);
+    e
+}
+
+/// The same slice as a Rust binary's agent reads it: cuDeviceGetUuid_v2
+/// gives the instance's 16 bytes, which it writes with the "GPU-" prefix
+/// (the driver API does not say the device is a MIG instance).
+fn mig_slice_driver_api() -> Evidence {
+    let as_driver = MIG_OURS.replacen("MIG-", "GPU-", 1);
+    let mut e = mig_slice();
+    for p in e.hello.iter_mut().flat_map(|h| h.gpus.iter_mut()) {
+        if p.uuid == MIG_OURS {
+            p.uuid.clone_from(&as_driver);
+            p.parent_uuid.clear();
+        }
+    }
+    for a in e.samples.iter_mut().flat_map(|s| s.allocator.iter_mut()) {
+        a.device_uuid.clone_from(&as_driver);
+    }
+    for ev in &mut e.events {
+        if let Some(Kind::Oom(o)) = &mut ev.kind {
+            o.device_uuid.clone_from(&as_driver);
+            if let Some(st) = o.stats.as_mut() {
+                st.device_uuid.clone_from(&as_driver);
+            }
+        }
+    }
     e
 }
 

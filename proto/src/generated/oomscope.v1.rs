@@ -195,7 +195,8 @@ pub struct GpuDevice {
     pub used_bytes: u64,
     #[prost(message, repeated, tag = "7")]
     pub processes: ::prost::alloc::vec::Vec<GpuProcessUsage>,
-    /// "0000:3B:00.0" as NVML writes it (shared by a GPU's MIG instances).
+    /// "00000000:3B:00.0" as NVML's busId writes it (shared by a GPU's MIG
+    /// instances).
     #[prost(string, tag = "8")]
     pub pci_bus_id: ::prost::alloc::string::String,
     /// For a MIG instance: the parent GPU's uuid (empty for a whole GPU).
@@ -205,6 +206,10 @@ pub struct GpuDevice {
     /// "NotSupported", "GpuLost"): the memory figures are then unknown, not 0.
     #[prost(string, tag = "10")]
     pub unreadable: ::prost::alloc::string::String,
+    /// Non-empty when NVML refused this device's process list (its words, e.g.
+    /// "NoPermission"): `processes` is then unknown, not "none".
+    #[prost(string, tag = "11")]
+    pub processes_unreadable: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

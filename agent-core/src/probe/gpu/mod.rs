@@ -24,6 +24,13 @@ pub use nvml_wrapper::error::NvmlError;
 use crate::pb;
 use crate::sync::lock;
 
+/// A PCI address as NVML's `busId` writes it ("00000000:3B:00.0": 8 hex
+/// digits of domain, upper case; a GPU is function 0). Every agent writes
+/// this one form, so readings of one device compare equal.
+pub fn nvml_pci_bus_id(domain: u32, bus: u32, device: u32) -> String {
+    format!("{domain:08X}:{bus:02X}:{device:02X}.0")
+}
+
 /// An NVML device handle as the [`NvmlApi`] implementation chose it (a
 /// pointer for the real library, a table index for a fake).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -350,17 +357,21 @@ fn sample(api: &dyn NvmlApi, calls: &mut Calls, d: &Device) -> pb::GpuDevice {
         }
         Err(e) => out.unreadable = error_name(&e),
     }
-    // A refused process list reads as none: the proto has no "unknown" for
-    // it, and a device's figures above stand on their own.
-    out.processes = processes(api, calls, handle)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|p| pb::GpuProcessUsage {
-            pid: p.pid,
-            used_bytes: p.used_bytes,
-            view: pb::PidView::Unspecified as i32,
-        })
-        .collect();
+    // A refused process list is unknown, not empty: the device's figures
+    // above stand on their own.
+    match processes(api, calls, handle) {
+        Ok(list) => {
+            out.processes = list
+                .into_iter()
+                .map(|p| pb::GpuProcessUsage {
+                    pid: p.pid,
+                    used_bytes: p.used_bytes,
+                    view: pb::PidView::Unspecified as i32,
+                })
+                .collect()
+        }
+        Err(e) => out.processes_unreadable = error_name(&e),
+    }
     out
 }
 
@@ -427,6 +438,12 @@ fn guarded<T>(f: impl FnOnce() -> Option<T>) -> Option<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pci_address_is_written_as_nvml_writes_it() {
+        assert_eq!(nvml_pci_bus_id(0, 0x3b, 0), "00000000:3B:00.0");
+        assert_eq!(nvml_pci_bus_id(1, 0xc1, 0x1f), "00000001:C1:1F.0");
+    }
 
     #[test]
     fn an_error_is_named_as_nvml_names_it() {

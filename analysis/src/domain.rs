@@ -116,6 +116,17 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
         return verdict(Domain::Shm, ev, &mut lines);
     }
 
+    // The process's own words for a full /dev/shm (ENOSPC, PyTorch's shm
+    // texts): they name the domain on their own; the fill level, read
+    // around the death, only supports them.
+    if f.text_domain == Some(Domain::Shm) {
+        let mut ev = text_lines(f);
+        ev.extend(shm_writer_line(f));
+        ev.push(shm_line(f));
+        ev.push(f.counters_line());
+        return verdict(Domain::Shm, ev, &mut lines);
+    }
+
     // A cgroup limit: decided by the counters of the level that owns it.
     if let Some(m) = &f.memcg {
         let mut ev = m.evidence.clone();
@@ -191,7 +202,7 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     let mut ev = Vec::new();
     if let Some(text) = &f.oom_line {
         ev.push(format!(
-            "stderr: {text}; an allocation failed, but no RLIMIT_AS, no strict overcommit and no OOM counter explains it"
+            "stderr: {text}; an allocation failed, but no RLIMIT_AS, no strict overcommit and no OOM counter explains it (and RLIMIT_DATA is unlimited)"
         ));
     }
     if f.signal.is_some() {
@@ -321,7 +332,7 @@ fn own_failure(f: &Findings) -> Option<(Domain, Vec<String>)> {
         return Some((Domain::GpuVram, gpu_lines(f)));
     }
     let text = f.oom_line.as_ref()?;
-    if f.as_limit.is_some() || f.strict_commit.is_some() {
+    if f.as_limit.is_some() || f.data_limit.is_some() || f.strict_commit.is_some() {
         let mut ev = vec![format!("stderr: {text}")];
         ev.extend(address_space_lines(f));
         ev.push(f.counters_line());
@@ -370,15 +381,51 @@ fn lost_line(f: &Findings) -> Option<String> {
 }
 
 fn shm_line(f: &Findings) -> String {
-    match f.evidence.last_system() {
-        Some(s) if s.shm_total_bytes > 0 => format!(
-            "/dev/shm used {} of {} ({:.1}%)",
-            bytes(s.shm_used_bytes),
-            bytes(s.shm_total_bytes),
-            100.0 * s.shm_used_bytes as f64 / s.shm_total_bytes as f64
-        ),
-        _ => "/dev/shm usage was not read".to_string(),
+    match &f.shm {
+        Some(s) => {
+            let mut line = format!(
+                "/dev/shm used {} of {} ({:.1}%), {}",
+                bytes(s.used),
+                bytes(s.bound),
+                100.0 * s.share(),
+                s.label
+            );
+            if let Some(after) = s.after {
+                line.push_str(&format!("; {} after the death", bytes(after)));
+            }
+            line
+        }
+        None => "/dev/shm usage was not read".to_string(),
     }
+}
+
+/// Who wrote the segment that found no room: the creator a PyTorch segment
+/// names, else the process whose stderr said so.
+fn shm_writer_line(f: &Findings) -> Option<String> {
+    let t = f.text.as_ref()?;
+    if let Some(pid) = crate::before_death::segment_creator(&t.line) {
+        return Some(format!(
+            "the segment was created by pid {pid}{} (its name carries the creator's pid)",
+            title_of(f, pid).map_or(String::new(), |t| format!(" ({t})"))
+        ));
+    }
+    let (_, x) = f.exit?;
+    Some(format!(
+        "the writer: pid {}{}, whose stderr reported it",
+        x.pid,
+        title_of(f, x.pid).map_or(String::new(), |t| format!(" ({t})"))
+    ))
+}
+
+/// A process's title from the supervised tree's samples.
+fn title_of(f: &Findings, pid: u32) -> Option<String> {
+    f.evidence
+        .samples
+        .iter()
+        .rev()
+        .flat_map(|s| s.tree.iter())
+        .find(|p| p.pid == pid && !p.title.is_empty())
+        .map(|p| p.title.clone())
 }
 
 fn no_level_at_limit_line(f: &Findings) -> String {
@@ -417,13 +464,27 @@ fn address_space_lines(f: &Findings) -> Vec<String> {
             .unwrap_or_else(|| "VmPeak/VmSize not read".to_string());
         ev.push(format!("RLIMIT_AS {}; {vm}", bytes(limit)));
     }
-    if let Some((committed, limit)) = f.strict_commit {
+    if let Some(limit) = f.data_limit {
+        let vm = f
+            .vm_line()
+            .unwrap_or_else(|| "VmPeak/VmSize not read".to_string());
         ev.push(format!(
-            "strict overcommit (vm.overcommit_memory = 2): Committed_AS {} of CommitLimit {} ({:.1}%)",
+            "RLIMIT_DATA {} (brk and private writable mappings count against it); {vm}",
+            bytes(limit)
+        ));
+    }
+    if let (Some((committed, limit)), Some((c, _))) = (f.strict_commit, &f.commit) {
+        let mut line = format!(
+            "strict overcommit (vm.overcommit_memory = 2): Committed_AS {} of CommitLimit {} ({:.1}%), {}",
             bytes(committed),
             bytes(limit),
-            100.0 * committed as f64 / limit as f64
-        ));
+            100.0 * committed as f64 / limit as f64,
+            c.label
+        );
+        if let Some(after) = c.after {
+            line.push_str(&format!("; {} after the death", bytes(after)));
+        }
+        ev.push(line);
     }
     ev
 }

@@ -234,6 +234,20 @@ impl Evidence {
             .find(|&b| is_finite_limit(b))
     }
 
+    /// The soft RLIMIT_DATA in force, if finite, read like RLIMIT_AS.
+    pub fn data_limit(&self) -> Option<u64> {
+        let from_process = self.last_process().map(|p| p.data_limit_bytes);
+        let from_hello = self
+            .hello
+            .as_ref()
+            .and_then(|h| h.rlimits.as_ref())
+            .map(|r| r.data_bytes);
+        [from_process, from_hello]
+            .into_iter()
+            .flatten()
+            .find(|&b| is_finite_limit(b))
+    }
+
     /// The newest system reading: at the child's exit, else the last sample.
     pub fn last_system(&self) -> Option<&pb::SystemMemory> {
         self.child_exit()

@@ -1,13 +1,14 @@
 //! The measurements a verdict is made of, gathered once from the evidence.
 //! The domain verdict, the causes and the fixes all read these.
 
+use crate::before_death::{self, PeakReading};
 use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
 use crate::devices::{Devices, Holder};
 use crate::evidence::Evidence;
 use crate::failure::AtFailure;
 use crate::memory_domain::Domain;
 use crate::pb;
-use crate::runtime_text::{self, cuda_oom_line, TextMatch};
+use crate::runtime_text::{self, cuda_oom_line, Memory, TextMatch};
 use crate::settings::{self, Runtime, Settings};
 use crate::thrash::{read_thrash, ThrashReading};
 use crate::timeline::Timeline;
@@ -49,8 +50,19 @@ pub struct Findings<'a> {
     pub oom_line: Option<String>,
     pub cuda_line: Option<String>,
     pub as_limit: Option<u64>,
-    /// (Committed_AS, CommitLimit) when overcommit is strict and near its limit.
+    /// The finite soft RLIMIT_DATA.
+    pub data_limit: Option<u64>,
+    /// (Committed_AS, CommitLimit) when overcommit is strict and it refused:
+    /// near its limit, or an allocation refused whatever the share (one
+    /// large request). Committed_AS is the peak before the death.
     pub strict_commit: Option<(u64, u64)>,
+    /// Committed_AS against CommitLimit at its peak before the death, and
+    /// the overcommit mode.
+    pub commit: Option<(PeakReading, i32)>,
+    /// /dev/shm use at its peak before the death.
+    pub shm: Option<PeakReading>,
+    /// The size of the failed request, where the stderr gives one.
+    pub requested_bytes: Option<u64>,
     /// Something failed: a non-clean exit, a device OOM, or an incident with neither.
     pub failed: bool,
     /// The samples as series to fit.
@@ -99,12 +111,16 @@ impl<'a> Findings<'a> {
         let cuda_line = cuda_oom_line(stderr).or_else(|| cuda_oom_line(&oom_error));
         let text = runtime_text::find(stderr);
         let text_domain = text.as_ref().and_then(|t| t.domain(e.gpu_seen()));
-        let strict_commit = e.last_system().and_then(|s| {
-            let near = s.overcommit_mode == 2
-                && s.commit_limit_bytes > 0
-                && s.committed_as_bytes as f64
-                    >= s.commit_limit_bytes as f64 * COMMIT_NEAR_FRACTION;
-            near.then_some((s.committed_as_bytes, s.commit_limit_bytes))
+        let commit = before_death::commit(e);
+        // Strict overcommit refuses by reservation: a host allocation that
+        // failed under mode 2 was refused by it, however far below the
+        // limit the rest sat (one large request).
+        let refused = text
+            .as_ref()
+            .is_some_and(|t| matches!(t.text.memory, Memory::Unsaid | Memory::Host));
+        let strict_commit = commit.as_ref().and_then(|(c, mode)| {
+            let strict = *mode == 2 && (refused || c.share() >= COMMIT_NEAR_FRACTION);
+            strict.then_some((c.used, c.bound))
         });
         let devices = Devices::of(e);
         let timeline = Timeline::of_device(e, devices.failing_key().as_ref());
@@ -136,7 +152,11 @@ impl<'a> Findings<'a> {
             text_domain,
             cuda_line,
             as_limit: e.address_space_limit(),
+            data_limit: e.data_limit(),
             strict_commit,
+            commit,
+            shm: before_death::shm(e),
+            requested_bytes: before_death::requested_bytes(stderr),
             failed,
         }
     }

@@ -371,26 +371,77 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "overcommit_limit" => vec![fix(
-            "Add swap or raise vm.overcommit_ratio so CommitLimit covers the reservations, or lower them",
-            "medium",
-            "rerun the same failing request and compare Committed_AS with CommitLimit",
-            Some("strict overcommit refuses by reservation, not by use; it is a host-wide setting"),
-        )],
-        "shm_full" => vec![
-            fix(
-                "Find what fills /dev/shm (stale segments of crashed workers, DataLoader/IPC buffers)",
-                "low",
-                "watch `df /dev/shm` during the same workload",
-                None,
-            ),
-            fix(
-                "Enlarge /dev/shm (docker --shm-size, a tmpfs size= option) to the measured need plus headroom",
-                "medium",
-                "rerun the same failing workload and watch /dev/shm use",
-                Some("/dev/shm pages are RAM and count against the cgroup limit"),
-            ),
-        ],
+        "overcommit_limit" => {
+            let room = metric(c, "commit_room_bytes");
+            let request = match metric(c, "requested_bytes") {
+                0 => String::new(),
+                r => format!(" (the failed request: {})", bytes_short(r)),
+            };
+            vec![
+                fix(
+                    format!(
+                        "Reserve less at once: CommitLimit had {} left{request}; lower the largest reservation (batch, buffer or pool size) below it",
+                        bytes_short(room)
+                    ),
+                    "low",
+                    "rerun the same failing request and compare Committed_AS with CommitLimit",
+                    None,
+                ),
+                fix(
+                    "Add swap or raise vm.overcommit_ratio (or vm.overcommit_kbytes) so CommitLimit covers the reservations",
+                    "medium",
+                    "rerun the same failing request and compare Committed_AS with CommitLimit",
+                    Some("strict overcommit refuses by reservation, not by use; it is a host-wide setting"),
+                ),
+            ]
+        }
+        "data_limit" => {
+            let limit = metric(c, "limit_bytes");
+            vec![
+                fix(
+                    format!(
+                        "Check where RLIMIT_DATA ({}) comes from (ulimit -d, systemd LimitDATA=, prlimit, the launcher) and whether it is intended",
+                        bytes_short(limit)
+                    ),
+                    "low",
+                    "print `cat /proc/<pid>/limits` (Max data size) in the server's environment",
+                    None,
+                ),
+                fix(
+                    "Raise or remove RLIMIT_DATA; bound resident memory with a cgroup limit instead",
+                    "medium",
+                    "rerun the same failing request; it must pass under the new limit",
+                    Some("since Linux 4.7 RLIMIT_DATA counts private writable mmaps too, so allocator arenas and anonymous buffers run into it"),
+                ),
+            ]
+        }
+        "shm_full" => {
+            let total = metric(c, "shm_total_bytes");
+            let size = match total {
+                0 => String::new(),
+                t => format!(" (it is {} here; Docker's default is 64 MiB)", bytes_short(t)),
+            };
+            vec![
+                fix(
+                    "Find what fills /dev/shm (stale segments of crashed workers, DataLoader/IPC buffers): `ls -la /dev/shm`, `df /dev/shm`",
+                    "low",
+                    "watch `df /dev/shm` during the same workload",
+                    None,
+                ),
+                fix(
+                    "Put less in /dev/shm at once: fewer DataLoader workers (num_workers, prefetch_factor), or `torch.multiprocessing.set_sharing_strategy('file_system')`",
+                    "low",
+                    "rerun the same workload and watch /dev/shm use at its peak",
+                    Some("file_system sharing leaves files behind if a process dies; fewer workers load slower"),
+                ),
+                fix(
+                    format!("Enlarge /dev/shm to the measured need plus headroom{size}: `docker run --shm-size`, a memory-backed volume on /dev/shm (Kubernetes emptyDir medium: Memory with a sizeLimit), or a tmpfs size= option"),
+                    "medium",
+                    "rerun the same failing workload and watch /dev/shm use",
+                    Some("/dev/shm pages are RAM and count against the cgroup limit"),
+                ),
+            ]
+        }
         "swap_thrash" => vec![
             fix(
                 with_knobs(f, "Cap concurrency and batch size to shrink the working set", &[Knob::MaxSequences, Knob::MaxBatchTokens]),

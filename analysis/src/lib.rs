@@ -16,6 +16,7 @@
 
 pub use oomscope_proto::v1 as pb;
 
+mod before_death;
 mod capacity;
 mod causes;
 mod census;

@@ -23,6 +23,8 @@ pub enum Memory {
     /// An allocation failed, but the text does not say where: the host's
     /// limits (RLIMIT_AS, strict overcommit, the counters) must decide.
     Unsaid,
+    /// /dev/shm (a tmpfs): a shared-memory segment found no room there.
+    Shm,
 }
 
 impl Memory {
@@ -34,6 +36,7 @@ impl Memory {
             Memory::Runtime if gpu_seen => Some(Domain::GpuVram),
             Memory::Runtime => Some(Domain::HostRam),
             Memory::Unsaid => None,
+            Memory::Shm => Some(Domain::Shm),
         }
     }
 }
@@ -260,6 +263,59 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         meaning: "TGI's warm-up runs the largest prefill batch it will admit, and that batch ran out of memory",
         fix: "Lower --max-batch-prefill-tokens (the largest prefill batch), then warm up again",
     },
+    // /dev/shm out of room. PyTorch's libshm (`torch/lib/libshm/core.cpp`,
+    // `c10/core/MapAllocator.cpp`) names its segments `/torch_<pid>_<n>_<n>`
+    // and reserves each with posix_fallocate, so a full /dev/shm fails there
+    // with ENOSPC; the DataLoader (`torch/csrc/DataLoader.cpp`) reports a
+    // worker's SIGBUS with the shm words below. vLLM's shm_broadcast logs only
+    // "No available shared memory broadcast block found in N seconds", which
+    // is a reader that hangs, not a full /dev/shm: it is not in this table (a
+    // ring buffer that cannot be backed dies of SIGBUS, which the signal decides).
+    RuntimeText {
+        runtime: "PyTorch",
+        words: Words::InOrder(&["unable to allocate shared memory(shm) for file"]),
+        example: "RuntimeError: unable to allocate shared memory(shm) for file </torch_4012_3046393498_0>: No space left on device (28)",
+        memory: Memory::Shm,
+        cause: Some("shm_full"),
+        meaning: "PyTorch reserves every tensor it shares between processes (DataLoader batches, torch.multiprocessing queues) as a file in /dev/shm, and /dev/shm had no room for the next one",
+        fix: SHM_FIX,
+    },
+    RuntimeText {
+        runtime: "PyTorch",
+        words: Words::InOrder(&["unable to write to file </torch_"]),
+        example: "RuntimeError: unable to write to file </torch_2217_1573264347_0>: No space left on device (28)",
+        memory: Memory::Shm,
+        cause: Some("shm_full"),
+        meaning: "PyTorch writes every tensor it shares between processes into a file in /dev/shm (where posix_fallocate is not supported), and /dev/shm had no room for the next one",
+        fix: SHM_FIX,
+    },
+    RuntimeText {
+        runtime: "PyTorch",
+        words: Words::InOrder(&["dataloader worker", "is killed by signal: bus error"]),
+        example: "RuntimeError: DataLoader worker (pid 4012) is killed by signal: Bus error. It is possible that dataloader's workers are out of shared memory. Please try to raise your shared memory limit.",
+        memory: Memory::Shm,
+        cause: Some("shm_full"),
+        meaning: "a DataLoader worker died of SIGBUS writing a batch into a shared-memory segment that /dev/shm could not back",
+        fix: SHM_FIX,
+    },
+    RuntimeText {
+        runtime: "PyTorch",
+        words: Words::InOrder(&["bus error", "insufficient shared memory"]),
+        example: "ERROR: Unexpected bus error encountered in worker. This might be caused by insufficient shared memory (shm).",
+        memory: Memory::Shm,
+        cause: Some("shm_full"),
+        meaning: "a DataLoader worker took SIGBUS writing a batch into a shared-memory segment that /dev/shm could not back",
+        fix: SHM_FIX,
+    },
+    RuntimeText {
+        runtime: "libc",
+        words: Words::All(&["no space left on device", "/dev/shm"]),
+        example: "OSError: [Errno 28] No space left on device: '/dev/shm/batch-7'",
+        memory: Memory::Shm,
+        cause: Some("shm_full"),
+        meaning: "a write to /dev/shm failed with ENOSPC: the tmpfs is at its size",
+        fix: SHM_FIX,
+    },
     // The generic texts: they say that an allocation failed, not why.
     RuntimeText {
         runtime: "CUDA",
@@ -370,6 +426,10 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         fix: "",
     },
 ];
+
+/// What to change first when /dev/shm is full: its size (Docker gives 64
+/// MiB), or less in it at once.
+const SHM_FIX: &str = "Give /dev/shm room for what is in flight: `docker run --shm-size=<measured peak + headroom>` (or `--ipc=host`), a memory-backed volume on /dev/shm (Kubernetes: emptyDir medium Memory with a sizeLimit); or put less in it at once: fewer DataLoader workers (num_workers, prefetch_factor) or `torch.multiprocessing.set_sharing_strategy('file_system')`";
 
 /// The entry that speaks for a stderr, and the line it quotes.
 #[derive(Clone, Debug)]
@@ -561,6 +621,35 @@ mod tests {
         ));
         assert!(!is_oom_text(
             "Not enough memory to handle image header (ihdr)"
+        ));
+    }
+
+    #[test]
+    fn a_full_dev_shm_speaks_for_itself() {
+        let shm = |s: &str| find(s).and_then(|m| m.domain(true));
+        for text in [
+            "Traceback (most recent call last):\nOSError: [Errno 28] No space left on device: '/dev/shm/seg-3'",
+            "write /dev/shm/nccl-abc: no space left on device",
+            "RuntimeError: unable to allocate shared memory(shm) for file </torch_77_1_0>: No space left on device (28)",
+            "RuntimeError: DataLoader worker (pid(s) 81, 82) is killed by signal: Bus error. It is possible that dataloader's workers are out of shared memory.",
+        ] {
+            assert_eq!(shm(text), Some(Domain::Shm), "{text}");
+            assert!(is_oom_text(text) && !is_cuda_oom_text(text), "{text}");
+        }
+        // The shm words win over a generic text on a later line.
+        let m = find("RuntimeError: unable to write to file </torch_9_1_2>: No space left on device (28)\nMemoryError\n").unwrap();
+        assert_eq!(m.text.cause, Some("shm_full"));
+    }
+
+    #[test]
+    fn other_full_disks_and_shm_hangs_are_not_memory() {
+        assert!(!is_oom_text(
+            "OSError: [Errno 28] No space left on device: '/tmp/ckpt.pt'"
+        ));
+        // vLLM's ring buffer waiting on a slow reader: a hang, not a full /dev/shm.
+        assert!(!is_oom_text("INFO [shm_broadcast.py:548] No available shared memory broadcast block found in 60 seconds. This typically happens when some processes are hanging or doing some time-consuming work (e.g. compilation, weight/kv cache quantization)."));
+        assert!(!is_oom_text(
+            "RuntimeError: DataLoader worker (pid 4012) is killed by signal: Killed."
         ));
     }
 

@@ -226,43 +226,131 @@ pub fn address_space_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
     Some(cause("address_space_limit", confidence, evidence, &metrics))
 }
 
+/// RLIMIT_DATA refuses brk and private writable mappings (malloc's arenas,
+/// anonymous mmap) past it: the address-space domain, like RLIMIT_AS.
+pub fn data_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
+    if v.domain != Domain::AddressSpace {
+        return None;
+    }
+    let limit = f.data_limit?;
+    let p = f.evidence.last_process();
+    let vm_peak = p.map_or(0, |p| p.vm_peak_bytes);
+    let vm_size = p.map_or(0, |p| p.vm_size_bytes);
+    let mut evidence = vec![format!(
+        "RLIMIT_DATA {}: the kernel refuses brk and private writable mappings past it; VmPeak {}, VmSize {} (code, stacks and shared mappings are in these but not in the limit)",
+        bytes(limit),
+        bytes(vm_peak),
+        bytes(vm_size)
+    )];
+    if let Some(line) = &f.oom_line {
+        evidence.insert(0, format!("stderr: {line}"));
+    }
+    let mut metrics = vec![
+        ("limit_bytes", limit as f64),
+        ("vm_peak_bytes", vm_peak as f64),
+        ("vm_size_bytes", vm_size as f64),
+    ];
+    if let Some(r) = f.requested_bytes {
+        evidence.push(format!("the failed request: {}", bytes(r)));
+        metrics.push(("requested_bytes", r as f64));
+    }
+    // A tighter RLIMIT_AS, or strict overcommit, could have refused it as well.
+    let confidence = match (f.as_limit, f.strict_commit) {
+        (Some(a), _) if a <= limit => 0.5,
+        (_, Some(_)) => 0.6,
+        _ => 0.85,
+    };
+    Some(cause("data_limit", confidence, evidence, &metrics))
+}
+
+/// Strict overcommit (mode 2) refused a reservation. Committed_AS is its
+/// peak before the death: read after it, the dead process's commit is gone.
 pub fn overcommit_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     if v.domain != Domain::AddressSpace {
         return None;
     }
     let (committed, limit) = f.strict_commit?;
-    let evidence = vec![format!(
-        "vm.overcommit_memory = 2: Committed_AS {} of CommitLimit {}",
+    let share = committed as f64 / limit as f64;
+    let mut line = format!(
+        "vm.overcommit_memory = 2: Committed_AS {} of CommitLimit {} ({:.1}%)",
         bytes(committed),
-        bytes(limit)
-    )];
-    let metrics = [
+        bytes(limit),
+        share * 100.0
+    );
+    let mut metrics = vec![
         ("committed_as_bytes", committed as f64),
         ("commit_limit_bytes", limit as f64),
+        ("commit_share", share),
+        ("commit_room_bytes", limit.saturating_sub(committed) as f64),
     ];
-    // With a finite RLIMIT_AS as well, either could have refused the request.
-    let confidence = if f.as_limit.is_some() { 0.5 } else { 0.85 };
+    if let Some((c, _)) = &f.commit {
+        line.push_str(&format!(", {}", c.label));
+        if let Some(after) = c.after {
+            line.push_str(&format!("; {} after the death", bytes(after)));
+            metrics.push(("committed_as_after_bytes", after as f64));
+        }
+    }
+    let mut evidence = vec![line];
+    if let Some(text) = &f.oom_line {
+        evidence.push(format!("stderr: {text}"));
+    }
+    if share < crate::findings::COMMIT_NEAR_FRACTION {
+        evidence.push(format!(
+            "below {:.0}% of CommitLimit: one request larger than the {} left was refused",
+            crate::findings::COMMIT_NEAR_FRACTION * 100.0,
+            bytes(limit.saturating_sub(committed))
+        ));
+    }
+    if let Some(r) = f.requested_bytes {
+        evidence.push(format!("the failed request: {}", bytes(r)));
+        metrics.push(("requested_bytes", r as f64));
+    }
+    // With a finite RLIMIT_AS or RLIMIT_DATA as well, either could have refused it.
+    let confidence = if f.as_limit.is_some() || f.data_limit.is_some() {
+        0.5
+    } else {
+        0.85
+    };
     Some(cause("overcommit_limit", confidence, evidence, &metrics))
 }
 
+/// /dev/shm ran out: a SIGBUS on a shared page, or the process's own words
+/// (ENOSPC on /dev/shm, PyTorch's shm texts). The fill level is the peak
+/// before the death: segments are unlinked as their processes die.
 pub fn shm_full(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     if v.domain != Domain::Shm {
         return None;
     }
-    let mut evidence = vec![f.signal_text()];
+    let said = f.text_domain == Some(Domain::Shm);
+    let mut evidence = match (&f.text, said) {
+        (Some(t), true) => vec![
+            format!("stderr: {}", t.line),
+            format!("{}: {}", t.text.runtime, t.text.meaning),
+        ],
+        _ => vec![f.signal_text()],
+    };
     let mut metrics = Vec::new();
-    let mut confidence = 0.6;
-    match f.evidence.last_system().filter(|s| s.shm_total_bytes > 0) {
+    let mut confidence = if said { 0.9 } else { 0.6 };
+    match &f.shm {
         Some(s) => {
-            let share = s.shm_used_bytes as f64 / s.shm_total_bytes as f64;
-            evidence.push(format!(
-                "/dev/shm used {} of {} ({:.1}%)",
-                bytes(s.shm_used_bytes),
-                bytes(s.shm_total_bytes),
-                share * 100.0
-            ));
-            if share >= SHM_FULL_FRACTION {
+            let mut line = format!(
+                "/dev/shm used {} of {} ({:.1}%), {}",
+                bytes(s.used),
+                bytes(s.bound),
+                s.share() * 100.0,
+                s.label
+            );
+            if let Some(after) = s.after {
+                line.push_str(&format!("; {} after the death", bytes(after)));
+                metrics.push(("shm_used_after_bytes", after as f64));
+            }
+            evidence.push(line);
+            if s.share() >= SHM_FULL_FRACTION {
                 confidence = 0.9;
+            } else if said {
+                evidence.push(
+                    "the readings missed the fill (a sample lies between fills and frees); the process's words decide".to_string(),
+                );
             } else {
                 evidence.push(
                     "/dev/shm is not full: a truncated memory-mapped file also raises SIGBUS"
@@ -271,11 +359,26 @@ pub fn shm_full(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
                 confidence = 0.4;
             }
             metrics.extend([
-                ("shm_used_bytes", s.shm_used_bytes as f64),
-                ("shm_total_bytes", s.shm_total_bytes as f64),
+                ("shm_used_bytes", s.used as f64),
+                ("shm_total_bytes", s.bound as f64),
             ]);
         }
         None => evidence.push("/dev/shm usage was not read".to_string()),
+    }
+    if let Some(pid) = f
+        .oom_line
+        .as_deref()
+        .filter(|_| said)
+        .and_then(crate::before_death::segment_creator)
+    {
+        evidence.push(format!("the segment's creator: pid {pid}"));
+        metrics.push(("writer_pid", pid as f64));
+    } else if let Some((_, x)) = f.exit.filter(|_| said) {
+        evidence.push(format!(
+            "the writer: pid {}, whose stderr reported it",
+            x.pid
+        ));
+        metrics.push(("writer_pid", x.pid as f64));
     }
     Some(cause("shm_full", confidence, evidence, &metrics))
 }

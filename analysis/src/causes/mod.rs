@@ -38,6 +38,7 @@ pub const ANALYZERS: &[Analyzer] = &[
     host::cgroup_limit,
     host::host_ram_exhausted,
     host::address_space_limit,
+    host::data_limit,
     host::overcommit_limit,
     host::shm_full,
     host::swap_thrash,

@@ -109,7 +109,12 @@ impl<'a> Findings<'a> {
             .map(|(_, o)| format!("{}: {}", o.error_type, o.error_text))
             .unwrap_or_default();
         let cuda_line = cuda_oom_line(stderr).or_else(|| cuda_oom_line(&oom_error));
-        let text = runtime_text::find(stderr);
+        let shm = before_death::shm(e);
+        // A bare ENOSPC names no filesystem: /dev/shm's fill says whether it is its.
+        let text = runtime_text::find(stderr).or_else(|| {
+            shm.as_ref()
+                .and_then(|s| runtime_text::enospc_on_full_shm(stderr, s.used, s.bound))
+        });
         let text_domain = text.as_ref().and_then(|t| t.domain(e.gpu_seen()));
         let commit = before_death::commit(e);
         // Strict overcommit refuses by reservation: a host allocation that
@@ -155,7 +160,7 @@ impl<'a> Findings<'a> {
             data_limit: e.data_limit(),
             strict_commit,
             commit,
-            shm: before_death::shm(e),
+            shm,
             requested_bytes: before_death::requested_bytes(stderr),
             failed,
         }

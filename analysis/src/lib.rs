@@ -53,7 +53,9 @@ pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef};
 pub use json::to_json;
 pub use kv_pool::usage as kv_pool_usage;
-pub use runtime_text::{is_cuda_oom_text, is_oom_text, oom_line, RuntimeText, RUNTIME_TEXTS};
+pub use runtime_text::{
+    enospc_on_full_shm, is_cuda_oom_text, is_oom_text, oom_line, RuntimeText, RUNTIME_TEXTS,
+};
 pub use thrash::{
     THRASH_MIN_REFAULT_PAGES, THRASH_MIN_REFAULT_SHARE, THRASH_MIN_SOME_AVG10,
     THRASH_MIN_STALL_SHARE,

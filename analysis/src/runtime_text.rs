@@ -431,6 +431,40 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
 /// MiB), or less in it at once.
 const SHM_FIX: &str = "Give /dev/shm room for what is in flight: `docker run --shm-size=<measured peak + headroom>` (or `--ipc=host`), a memory-backed volume on /dev/shm (Kubernetes: emptyDir medium Memory with a sizeLimit); or put less in it at once: fewer DataLoader workers (num_workers, prefetch_factor) or `torch.multiprocessing.set_sharing_strategy('file_system')`";
 
+/// ENOSPC with no path, as a failed write prints it ("OSError: [Errno 28] No
+/// space left on device"): it names no filesystem, so it is not in the table;
+/// it speaks of /dev/shm only where /dev/shm was full (see [`enospc_on_full_shm`]).
+pub static ENOSPC_ON_FULL_SHM: RuntimeText = RuntimeText {
+    runtime: "libc",
+    words: Words::InOrder(&["no space left on device"]),
+    example: "OSError: [Errno 28] No space left on device",
+    memory: Memory::Shm,
+    cause: Some("shm_full"),
+    meaning: "a write failed with ENOSPC while /dev/shm was full: the tmpfs is at its size",
+    fix: SHM_FIX,
+};
+
+/// At or above this share of its size /dev/shm is full: a bare ENOSPC then
+/// speaks of it (and a SIGBUS is a full /dev/shm, not a truncated file).
+pub const SHM_FULL_FRACTION: f64 = 0.95;
+
+/// The bare ENOSPC of a stderr, taken for /dev/shm's when /dev/shm was full
+/// (`shm_used` of `shm_total`, at its fullest around the death).
+pub fn enospc_on_full_shm(stderr: &str, shm_used: u64, shm_total: u64) -> Option<TextMatch> {
+    let full = shm_total > 0 && shm_used as f64 >= shm_total as f64 * SHM_FULL_FRACTION;
+    if !full {
+        return None;
+    }
+    let line = stderr.lines().rev().find(|l| {
+        ENOSPC_ON_FULL_SHM.words.matches(l, &l.to_ascii_lowercase()) || has_word(l, "ENOSPC")
+    })?;
+    Some(TextMatch {
+        text: &ENOSPC_ON_FULL_SHM,
+        line: clip(line.trim(), 240),
+        gpu_line: false,
+    })
+}
+
 /// The entry that speaks for a stderr, and the line it quotes.
 #[derive(Clone, Debug)]
 pub struct TextMatch {
@@ -639,6 +673,22 @@ mod tests {
         // The shm words win over a generic text on a later line.
         let m = find("RuntimeError: unable to write to file </torch_9_1_2>: No space left on device (28)\nMemoryError\n").unwrap();
         assert_eq!(m.text.cause, Some("shm_full"));
+    }
+
+    #[test]
+    fn a_bare_enospc_speaks_of_dev_shm_only_when_it_was_full() {
+        let err =
+            "Traceback (most recent call last):\nOSError: [Errno 28] No space left on device\n";
+        let m = enospc_on_full_shm(err, 32 << 20, 32 << 20).unwrap();
+        assert_eq!(m.line, "OSError: [Errno 28] No space left on device");
+        assert_eq!(m.domain(false), Some(Domain::Shm));
+        assert!(enospc_on_full_shm("write: ENOSPC", 31 << 20, 32 << 20).is_some());
+        assert!(
+            enospc_on_full_shm(err, 20 << 20, 32 << 20).is_none(),
+            "a full disk elsewhere"
+        );
+        assert!(enospc_on_full_shm(err, 0, 0).is_none(), "no reading");
+        assert!(enospc_on_full_shm("MemoryError", 32 << 20, 32 << 20).is_none());
     }
 
     #[test]

@@ -6,8 +6,8 @@
 
 use anyhow::Result;
 
-use oomscope_analysis::is_oom_text;
 use oomscope_analysis::units::{bytes_short as bytes, signal_name};
+use oomscope_analysis::{enospc_on_full_shm, is_oom_text};
 
 use crate::correlate;
 use crate::fleet::{self, nanos, FleetPolicy};
@@ -56,8 +56,13 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
             } else if exit.signal.is_some() {
                 (SIGNAL, how)
             } else if exit.exit_code.unwrap_or(0) != 0 {
-                let line = oom_line(&exit.stderr_tail)?;
-                (EXIT_OOM_TEXT, format!("{how}; stderr: {}", clip(line, 160)))
+                let line = oom_line(&exit.stderr_tail)
+                    .map(str::to_string)
+                    .or_else(|| shm_enospc_line(exit))?;
+                (
+                    EXIT_OOM_TEXT,
+                    format!("{how}; stderr: {}", clip(&line, 160)),
+                )
             } else {
                 return None;
             }
@@ -286,6 +291,18 @@ fn oom_line(stderr_tail: &str) -> Option<&str> {
         .rev()
         .find(|l| is_oom_text(l))
         .map(str::trim)
+}
+
+/// A bare ENOSPC ("No space left on device", no path) while /dev/shm was
+/// full at the exit's readings: a write to /dev/shm that found no room.
+fn shm_enospc_line(exit: &pb::ChildExit) -> Option<String> {
+    let (used, total) = [&exit.before, &exit.after]
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.system.as_ref())
+        .map(|s| (s.shm_used_bytes, s.shm_total_bytes))
+        .max_by_key(|&(u, _)| u)?;
+    enospc_on_full_shm(&exit.stderr_tail, used, total).map(|m| m.line)
 }
 
 fn clip(s: &str, max_chars: usize) -> String {

@@ -123,15 +123,22 @@ fn line_request(line: &str) -> Option<u64> {
     None
 }
 
-/// The pid in a PyTorch shared-memory segment's name (`/torch_<pid>_<n>_<n>`):
-/// the process that created it.
-pub fn segment_creator(line: &str) -> Option<u32> {
-    let i = line.find("/torch_")?;
-    let digits: String = line[i + "/torch_".len()..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect();
-    digits.parse().ok().filter(|&p| p > 0)
+/// The process that wrote to /dev/shm, where the text names it: the pid in
+/// a PyTorch segment's name (`/torch_<pid>_<n>_<n>`, its creator), or the
+/// DataLoader worker that died ("DataLoader worker (pid 4012)", "(pid(s) 81, 82)").
+pub fn shm_writer(line: &str) -> Option<u32> {
+    let after = |marker: &str| {
+        let i = line.find(marker)?;
+        let digits: String = line[i + marker.len()..]
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect();
+        digits.parse().ok().filter(|&p: &u32| p > 0)
+    };
+    after("/torch_")
+        .or_else(|| after("worker (pid(s)"))
+        .or_else(|| after("worker (pid"))
 }
 
 #[cfg(test)]
@@ -165,14 +172,23 @@ mod tests {
     }
 
     #[test]
-    fn a_torch_segment_names_its_creator() {
+    fn a_torch_segment_or_a_dataloader_worker_names_the_writer() {
         assert_eq!(
-            segment_creator("unable to allocate shared memory(shm) for file </torch_4012_3046393498_0>: No space"),
+            shm_writer("unable to allocate shared memory(shm) for file </torch_4012_3046393498_0>: No space"),
+            Some(4012)
+        );
+        assert_eq!(shm_writer("No space left on device: '/dev/shm/x'"), None);
+        assert_eq!(
+            shm_writer(
+                "RuntimeError: DataLoader worker (pid 4012) is killed by signal: Bus error."
+            ),
             Some(4012)
         );
         assert_eq!(
-            segment_creator("No space left on device: '/dev/shm/x'"),
-            None
+            shm_writer(
+                "RuntimeError: DataLoader worker (pid(s) 81, 82) is killed by signal: Bus error."
+            ),
+            Some(81)
         );
     }
 }

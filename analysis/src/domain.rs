@@ -403,9 +403,9 @@ fn shm_line(f: &Findings) -> String {
 /// names, else the process whose stderr said so.
 fn shm_writer_line(f: &Findings) -> Option<String> {
     let t = f.text.as_ref()?;
-    if let Some(pid) = crate::before_death::segment_creator(&t.line) {
+    if let Some(pid) = crate::before_death::shm_writer(&t.line) {
         return Some(format!(
-            "the segment was created by pid {pid}{} (its name carries the creator's pid)",
+            "the writer: pid {pid}{}, named in the text (a PyTorch segment's creator or the DataLoader worker)",
             title_of(f, pid).map_or(String::new(), |t| format!(" ({t})"))
         ));
     }

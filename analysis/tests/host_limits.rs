@@ -113,7 +113,7 @@ fn torchs_shm_text_decides_without_a_full_reading_and_names_the_creator() {
     });
     let d = diagnose(&e);
     assert_eq!(d.domain.as_deref(), Some("shm"), "{:#?}", d.evidence);
-    has(&d.evidence, "the segment was created by pid 5120");
+    has(&d.evidence, "the writer: pid 5120, named in the text");
     let c = cause(&d, "shm_full");
     assert_eq!(metric(c, "writer_pid"), 5120.0);
     assert_eq!(metric(c, "shm_used_bytes"), (20 * MIB) as f64);

@@ -369,9 +369,9 @@ pub fn shm_full(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         .oom_line
         .as_deref()
         .filter(|_| said)
-        .and_then(crate::before_death::segment_creator)
+        .and_then(crate::before_death::shm_writer)
     {
-        evidence.push(format!("the segment's creator: pid {pid}"));
+        evidence.push(format!("the writer: pid {pid}, named in the text"));
         metrics.push(("writer_pid", pid as f64));
     } else if let Some((_, x)) = f.exit.filter(|_| said) {
         evidence.push(format!(

@@ -191,6 +191,29 @@ fn one_large_request_refused_under_strict_overcommit_is_overcommit_at_any_share(
         d.fixes
     );
 
+    // A plain MemoryError gives no size: the same verdict, no request figure.
+    let e = recorded(
+        1,
+        "Traceback (most recent call last):\nMemoryError\n",
+        3,
+        None,
+        |_, s| {
+            s.overcommit_mode = 2;
+            s.commit_limit_bytes = 10 * GIB;
+            s.committed_as_bytes = 3 * GIB;
+        },
+    );
+    let d = diagnose(&e);
+    assert_eq!(
+        d.domain.as_deref(),
+        Some("address_space"),
+        "{:#?}",
+        d.evidence
+    );
+    let c = cause(&d, "overcommit_limit");
+    assert_eq!(metric(c, "commit_share"), 0.3);
+    assert!(!c.metrics.contains_key("requested_bytes"), "{c:#?}");
+
     // Heuristic overcommit (mode 0) at the same figures: no commit verdict.
     let e = recorded(1, stderr, 3, None, |_, s| {
         s.overcommit_mode = 0;

@@ -408,3 +408,77 @@ fn a_kill_while_another_cgroup_thrashes_is_external_not_the_victims_thrash() {
     drop(victim);
     drop(neighbour);
 }
+
+#[test]
+fn a_supervisor_that_cannot_move_says_so_once_and_the_oom_is_still_a_cgroup_oom() {
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let limit = 96 * MIB;
+    let cg = TestCgroup::create(None, "oomscope-ro", Some(limit));
+    if cg.version == "v1" {
+        let _ = std::fs::write(cg.dir.join("memory.memsw.limit_in_bytes"), "-1");
+    }
+    // The cgroup filesystem's mount point: the directory less the cgroup path.
+    let dir = cg.dir.display().to_string();
+    let mount = dir
+        .strip_suffix(&cg.path)
+        .expect("the dir ends with the path");
+    let file = tmp_file("ro-cache");
+    write_file(&file, 48);
+    let script = grower(&file);
+    // In the cgroup first, then a private mount namespace whose cgroupfs is read-only.
+    let remount = format!("mount -o remount,ro,bind {mount} && exec \"$@\"");
+    let mut argv = vec![
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        &remount,
+        "sh",
+        bin(),
+    ];
+    argv.extend(run_args(&col.url, "readonly"));
+    argv.extend(["--", "python3", "-c", &script]);
+    let out = cg
+        .command(&argv)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let said = stderr
+        .matches("the supervisor stays in the memory cgroup it watches")
+        .count();
+    assert_eq!(said, 1, "said once: {stderr}");
+    assert!(stderr.contains("Read-only file system"), "{stderr}");
+    // Whether the kernel took the supervisor too or not, every process ends.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(cg.dir.join("cgroup.procs"))
+        .unwrap()
+        .trim()
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "the child was not killed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let incs = col.incidents_of("readonly", 1, Duration::from_secs(15));
+    assert!(!incs.is_empty());
+    for inc in &incs {
+        let d = col.json(&["diagnose", inc["id"].as_str().unwrap()]);
+        assert_eq!(d["domain"], "cgroup", "{d:#}");
+        assert_eq!(d["cgroup"]["limit_bytes"], limit, "{d:#}");
+        let ev = evidence_text(&d);
+        if d["failure"]["kind"] == "agent_lost" {
+            assert!(
+                ev.contains(&format!(
+                    "the supervisor stayed in {}, the cgroup it watches: cannot create",
+                    cg.path
+                )),
+                "{ev}"
+            );
+        }
+    }
+}

@@ -9,9 +9,10 @@
 //! Each sample carries the whole supervised tree (the child and its
 //! descendants), and the kernel's log is polled for OOM kills of any process
 //! of that tree: the kernel's record is the authoritative figure at the kill.
-//! The supervisor shields itself from the OOM killer (oom_score_adj -1000)
-//! and gives the child its own value back, so that it is never the victim
-//! that takes the evidence with it. It signals nothing but its own child,
+//! The supervisor leaves the capped memory cgroup it watches (see `place`)
+//! and shields itself from the OOM killer (oom_score_adj -1000, giving the
+//! child its own value back), so that it is never the victim that takes the
+//! evidence with it. It signals nothing but its own child,
 //! and that only to pass on a stop signal it received.
 
 use std::collections::VecDeque;

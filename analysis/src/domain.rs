@@ -188,6 +188,25 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
                 ];
                 return verdict(Domain::ExternalKill, ev, &mut lines);
             }
+            // On a busy host another process's OOM kill moves the host-wide
+            // counter: with none of its cgroups' counters moving and the
+            // kernel's log, read throughout, holding no kill of this
+            // instance, the kill still came from outside.
+            if let Some((b, a)) = f
+                .global_oom
+                .filter(|_| f.evidence.kernel_log_readable() && !c.levels().any(|l| l.any_moved()))
+            {
+                let ev = vec![
+                    format!(
+                        "{} with no OOM counter of its cgroups moving and no kernel OOM record of it",
+                        f.signal_text()
+                    ),
+                    format!(
+                        "/proc/vmstat oom_kill {b} -> {a}, but the kernel's log, read throughout, records no OOM kill of this instance: another process's kill on this host"
+                    ),
+                ];
+                return verdict(Domain::ExternalKill, ev, &mut lines);
+            }
         }
     }
 

@@ -176,6 +176,15 @@ impl Evidence {
             .filter(|s| !s.is_empty())
     }
 
+    /// The agent read the kernel's log throughout (its Hello's `kernel_log`
+    /// label says "readable"): a kill of this instance would be on record.
+    pub fn kernel_log_readable(&self) -> bool {
+        self.hello
+            .as_ref()
+            .and_then(|h| h.labels.get("kernel_log"))
+            .is_some_and(|l| l == "readable")
+    }
+
     /// The ChildStart of the given pid, the last one if restarts reused it.
     pub fn child_start(&self, pid: u32) -> Option<&pb::ChildStart> {
         self.events.iter().rev().find_map(|e| match &e.kind {

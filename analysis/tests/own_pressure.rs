@@ -137,3 +137,36 @@ fn the_root_cgroups_refaults_are_the_hosts_not_the_process() {
     e.samples = host_thrash("/", |i| (10_000 * i, 8_000 * i, 4_000 * i));
     assert_eq!(diagnose(&e).domain.as_deref(), Some("swap_thrash"));
 }
+
+/// A SIGKILL while another process's OOM kill moved the host-wide counter.
+fn killed_on_a_busy_host(kernel_log: Option<&str>) -> Evidence {
+    let level = vec![v1(OWN, 8 * GIB, GIB, GIB, 0, 0)];
+    let before = counters(T0, level.clone(), system(79, 12 * GIB));
+    let after = counters(T0 + 6 * SEC, level, system(81, 12 * GIB));
+    let mut e = supervised(exit(None, Some(9), "", before, after, None), "signal");
+    if let Some(l) = kernel_log {
+        e.hello
+            .as_mut()
+            .unwrap()
+            .labels
+            .insert("kernel_log".into(), l.into());
+    }
+    e
+}
+
+#[test]
+fn a_sigkill_on_a_busy_host_with_the_kernel_log_silent_about_it_is_external_kill() {
+    let d = diagnose(&killed_on_a_busy_host(Some("readable")));
+    assert_eq!(
+        d.domain.as_deref(),
+        Some("external_kill"),
+        "{:#?}",
+        d.evidence
+    );
+    has(&d.evidence, "/proc/vmstat oom_kill 79 -> 81, but the kernel's log, read throughout, records no OOM kill of this instance");
+    // Without the kernel's log the host-wide counter cannot be told apart.
+    let d = diagnose(&killed_on_a_busy_host(Some("unreadable: EPERM")));
+    assert_eq!(d.domain.as_deref(), Some("unknown"), "{:#?}", d.evidence);
+    let d = diagnose(&killed_on_a_busy_host(None));
+    assert_eq!(d.domain.as_deref(), Some("unknown"), "{:#?}", d.evidence);
+}

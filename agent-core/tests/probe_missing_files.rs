@@ -135,3 +135,20 @@ fn swap_limit_tells_unlimited_from_no_swap_allowed() {
     let l = cgroup::read_level(v1.path(), "/x", Version::V1);
     assert_eq!(l.swap_limit_bytes, None);
 }
+
+#[test]
+fn v2_memory_oom_group_is_read_and_optional() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::write(tmp.path().join("memory.max"), "1048576\n").unwrap();
+    let read = |group: Option<&str>| {
+        let path = tmp.path().join("memory.oom.group");
+        match group {
+            Some(text) => fs::write(&path, text).unwrap(),
+            None => drop(fs::remove_file(&path)),
+        }
+        cgroup::read_level(tmp.path(), "/x", Version::V2).oom_group
+    };
+    assert!(read(Some("1\n")), "the whole group is killed");
+    assert!(!read(Some("0\n")));
+    assert!(!read(None), "kernels before 4.19 have no such file");
+}

@@ -24,7 +24,7 @@ impl CounterChange {
     /// last samples (an in-process agent, or a lost one).
     pub fn from_evidence(e: &Evidence) -> Option<CounterChange> {
         let first_sample = e.samples.first().map(sample_counters);
-        if let Some((_, exit)) = e.child_exit() {
+        if let Some((_, exit)) = e.incident_exit() {
             if let Some(after) = &exit.after {
                 let before = exit
                     .before
@@ -295,6 +295,7 @@ pub fn find_memcg_oom(change: &CounterChange, sigkill: bool) -> Option<MemcgOom>
             }
         }
     }
+    evidence.extend(oom_group_lines(&levels, false));
     // v1's telling detail: the owner's own oom_kill stays put while the victim's rises.
     let v1_victim = levels.iter().find(|l| l.rose(|c| c.oom_control_oom_kill));
     if let Some(v) = v1_victim.filter(|v| v.depth != owner.depth) {
@@ -320,6 +321,87 @@ pub fn find_memcg_oom(change: &CounterChange, sigkill: bool) -> Option<MemcgOom>
         confidence,
         evidence,
     })
+}
+
+/// How sure a lost agent's cgroup OOM is: its last readings show the limit
+/// hit and reclaim failing, but no kill counter read after the kill confirms it.
+pub const LOST_MEMCG_CONFIDENCE: f64 = 0.7;
+
+/// A usage at or above this share of the limit in the last reading counts as
+/// "at the limit" where the level has no peak file.
+const NEAR_LIMIT_FRACTION: f64 = 0.95;
+
+/// For an agent lost without a goodbye (SIGKILL takes the supervisor with
+/// its child, e.g. when it shares the cgroup it watches): the nearest level
+/// at its limit whose `failcnt` (v1) or `max` events (v2) rose over its last
+/// readings is the likely owner of a cgroup OOM. No kill counter could be
+/// read after the kill, so the confidence says "likely".
+pub fn find_lost_memcg_oom(change: &CounterChange) -> Option<MemcgOom> {
+    let levels: Vec<LevelChange> = change.levels().collect();
+    let own_path = levels.first()?.after.path.clone();
+    let owner = levels.iter().find(|l| {
+        let near = l.peak_at_limit()
+            || l.limit()
+                .is_some_and(|lim| l.after.usage_bytes as f64 >= lim as f64 * NEAR_LIMIT_FRACTION);
+        near && (l.rose(|c| c.failcnt) || l.rose(|c| c.events_max))
+    })?;
+    let (name, (b, a)) = if owner.rose(|c| c.failcnt) {
+        ("memory.failcnt", owner.pair(|c| c.failcnt))
+    } else {
+        ("memory.events max", owner.pair(|c| c.events_max))
+    };
+    let limit_bytes = owner.limit().unwrap_or(0);
+    let mut evidence = vec![
+        format!(
+            "cgroup {} ({}) {}; usage {} of it in the last reading; {name} {b} -> {a} (the nearest level at its limit)",
+            owner.after.path,
+            owner.relation(),
+            owner.limit_and_peak(),
+            bytes(owner.after.usage_bytes)
+        ),
+        format!(
+            "the agent was lost without a goodbye while this limit was being hit: likely killed by a cgroup OOM (confidence {LOST_MEMCG_CONFIDENCE:.2}; no kill counter could be read after it)"
+        ),
+    ];
+    evidence.extend(oom_group_lines(&levels, true));
+    Some(MemcgOom {
+        own_path,
+        owner_path: owner.after.path.clone(),
+        owner_depth: owner.depth,
+        limit_bytes,
+        peak_bytes: owner.after.peak_bytes,
+        usage_bytes: owner.after.usage_bytes,
+        version: owner.after.version.clone(),
+        confidence: LOST_MEMCG_CONFIDENCE,
+        evidence,
+    })
+}
+
+/// v2 `memory.oom.group` levels: a kill there takes every task of the group
+/// (the supervisor too, unless at oom_score_adj -1000). Named when its
+/// `oom_group_kill` rose, or, for a lost agent (whose readings end before
+/// the kill), whenever it is set.
+fn oom_group_lines(levels: &[LevelChange], lost: bool) -> Vec<String> {
+    levels
+        .iter()
+        .filter(|l| l.after.oom_group)
+        .filter_map(|l| {
+            let (b, a) = l.pair(|c| c.events_oom_group_kill);
+            if a > b {
+                Some(format!(
+                    "cgroup {} memory.oom.group = 1 and memory.events oom_group_kill {b} -> {a}: the kernel killed the whole group, not only the chosen victim",
+                    l.after.path
+                ))
+            } else if lost {
+                Some(format!(
+                    "cgroup {} memory.oom.group = 1: an OOM kill there takes every task of the group, the supervisor included unless at oom_score_adj -1000",
+                    l.after.path
+                ))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// A global (system RAM) OOM kill: /proc/vmstat oom_kill rose.

@@ -33,10 +33,13 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
     let lost = lost_line(f);
     // Without the kernel's log, a verdict must say what it could not check.
     let kernel_log = f.kernel.is_none().then(|| f.kernel_log_line()).flatten();
+    // Other jobs' pressure on the host: context, never the domain.
+    let neighbour = f.thrash.as_ref().and_then(|t| t.neighbour_line());
     let verdict = |domain, mut ev: Vec<String>, lines: &mut Vec<String>| {
         lines.append(&mut ev);
         lines.extend(lost.clone());
         lines.extend(kernel_log.clone());
+        lines.extend(neighbour.clone());
         DomainVerdict {
             domain,
             failed: true,
@@ -80,6 +83,7 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
         if let Some(t) = &f.thrash {
             lines.extend(t.evidence());
         }
+        lines.extend(neighbour);
         return DomainVerdict {
             domain: Domain::Unknown,
             failed: false,
@@ -192,6 +196,25 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
                 let ev = vec![
                     format!("{} with no kernel OOM counter moving", f.signal_text()),
                     f.counters_line(),
+                ];
+                return verdict(Domain::ExternalKill, ev, &mut lines);
+            }
+            // On a busy host another process's OOM kill moves the host-wide
+            // counter: with none of its cgroups' counters moving and the
+            // kernel's log, read throughout, holding no kill of this
+            // instance, the kill still came from outside.
+            if let Some((b, a)) = f
+                .global_oom
+                .filter(|_| f.evidence.kernel_log_readable() && !c.levels().any(|l| l.any_moved()))
+            {
+                let ev = vec![
+                    format!(
+                        "{} with no OOM counter of its cgroups moving and no kernel OOM record of it",
+                        f.signal_text()
+                    ),
+                    format!(
+                        "/proc/vmstat oom_kill {b} -> {a}, but the kernel's log, read throughout, records no OOM kill of this instance: another process's kill on this host"
+                    ),
                 ];
                 return verdict(Domain::ExternalKill, ev, &mut lines);
             }
@@ -366,7 +389,7 @@ fn lost_line(f: &Findings) -> Option<String> {
         .incident
         .as_ref()
         .filter(|i| i.kind == "agent_lost")?;
-    Some(match f.evidence.samples.last() {
+    let mut line = match f.evidence.samples.last() {
         Some(s) => format!(
             "last sample at {} ({} before the stream broke at {})",
             time(s.time_ns),
@@ -377,7 +400,12 @@ fn lost_line(f: &Findings) -> Option<String> {
             "no sample received before the stream broke at {}",
             time(inc.time_ns)
         ),
-    })
+    };
+    // Whether the supervisor shared its child's cgroup says whether one OOM could take both.
+    if let Some(place) = f.evidence.supervisor_cgroup() {
+        line.push_str(&format!("; the supervisor {place}"));
+    }
+    Some(line)
 }
 
 fn shm_line(f: &Findings) -> String {

@@ -4,6 +4,11 @@ use crate::pb;
 use crate::pb::event::Kind;
 use crate::settings::ENV_LABEL_PREFIX;
 
+/// The Hello label where `oomscope run` says where it placed itself: moved
+/// out of the cgroup it watches (so an OOM there cannot take it), or why it
+/// stayed in it.
+pub const SUPERVISOR_CGROUP_LABEL: &str = "supervisor_cgroup";
+
 /// Everything known about one agent around one incident, oldest first.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Evidence {
@@ -45,6 +50,18 @@ impl Evidence {
             Kind::ChildExit(x) => Some(x),
             _ => None,
         })
+    }
+
+    /// The exit that is this incident's: [`Self::child_exit`], but for a
+    /// lost agent, whose incident is its own loss, never a member that
+    /// ended cleanly before it (a launcher shim such as pyenv's, a helper).
+    pub fn incident_exit(&self) -> Option<(i64, &pb::ChildExit)> {
+        let lost = self
+            .incident
+            .as_ref()
+            .is_some_and(|i| i.kind == "agent_lost");
+        self.child_exit()
+            .filter(|(_, x)| !(lost && x.member && x.signal.is_none() && x.exit_code == Some(0)))
     }
 
     /// The end of the child `oomscope run` started, after `after_ns`: what
@@ -146,6 +163,26 @@ impl Evidence {
         label
             .strip_prefix("unreadable")
             .map(|why| why.trim_start_matches([':', ' ']))
+    }
+
+    /// Where `oomscope run` placed itself against the cgroup it watches (its
+    /// Hello's [`SUPERVISOR_CGROUP_LABEL`]), as it said it.
+    pub fn supervisor_cgroup(&self) -> Option<&str> {
+        self.hello
+            .as_ref()?
+            .labels
+            .get(SUPERVISOR_CGROUP_LABEL)
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+
+    /// The agent read the kernel's log throughout (its Hello's `kernel_log`
+    /// label says "readable"): a kill of this instance would be on record.
+    pub fn kernel_log_readable(&self) -> bool {
+        self.hello
+            .as_ref()
+            .and_then(|h| h.labels.get("kernel_log"))
+            .is_some_and(|l| l == "readable")
     }
 
     /// The ChildStart of the given pid, the last one if restarts reused it.

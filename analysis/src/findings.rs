@@ -2,7 +2,9 @@
 //! The domain verdict, the causes and the fixes all read these.
 
 use crate::before_death::{self, PeakReading};
-use crate::counters::{find_memcg_oom, global_oom_kill, CounterChange, MemcgOom};
+use crate::counters::{
+    find_lost_memcg_oom, find_memcg_oom, global_oom_kill, CounterChange, MemcgOom,
+};
 use crate::devices::{Devices, Holder};
 use crate::evidence::Evidence;
 use crate::failure::AtFailure;
@@ -81,7 +83,8 @@ pub struct Findings<'a> {
 
 impl<'a> Findings<'a> {
     pub fn gather(e: &'a Evidence) -> Findings<'a> {
-        let exit = e.child_exit();
+        let agent_lost = e.incident.as_ref().is_some_and(|i| i.kind == "agent_lost");
+        let exit = e.incident_exit();
         let oom = e.oom();
         let signal = exit.and_then(|(_, x)| match (x.signal, x.exit_code) {
             (Some(s), _) => Some((s, false)),
@@ -102,7 +105,12 @@ impl<'a> Findings<'a> {
             || (exit.is_none() && e.incident.is_some());
         let counters = CounterChange::from_evidence(e);
         let sigkill = signal.is_some_and(|(s, _)| s == SIGKILL);
-        let memcg = counters.as_ref().and_then(|c| find_memcg_oom(c, sigkill));
+        // A supervisor lost without a goodbye cannot report its child's
+        // death: its last readings must speak for it.
+        let lost = exit.is_none() && agent_lost;
+        let memcg = counters.as_ref().and_then(|c| {
+            find_memcg_oom(c, sigkill).or_else(|| lost.then(|| find_lost_memcg_oom(c)).flatten())
+        });
         let global_oom = counters.as_ref().and_then(global_oom_kill);
         let stderr = exit.map_or("", |(_, x)| x.stderr_tail.as_str());
         let oom_error = oom

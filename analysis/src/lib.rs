@@ -50,15 +50,15 @@ pub use capacity::{capacity, Capacity};
 pub use counters::LIMIT_SLACK_BYTES;
 pub use diagnose::diagnose;
 pub use domain::{attribute_domain, Domain, DomainVerdict};
-pub use evidence::{is_finite_limit, Evidence, IncidentRef};
+pub use evidence::{is_finite_limit, Evidence, IncidentRef, SUPERVISOR_CGROUP_LABEL};
 pub use json::to_json;
 pub use kv_pool::usage as kv_pool_usage;
 pub use runtime_text::{
     enospc_on_full_shm, is_cuda_oom_text, is_oom_text, oom_line, RuntimeText, RUNTIME_TEXTS,
 };
 pub use thrash::{
-    THRASH_MIN_REFAULT_PAGES, THRASH_MIN_REFAULT_SHARE, THRASH_MIN_SOME_AVG10,
-    THRASH_MIN_STALL_SHARE,
+    OWN_MIN_MAJOR_FAULTS, THRASH_MIN_REFAULT_PAGES, THRASH_MIN_REFAULT_SHARE,
+    THRASH_MIN_SOME_AVG10, THRASH_MIN_STALL_SHARE,
 };
 pub use torch_text::ordinal as oom_text_ordinal;
 pub use trigger::Trigger;

@@ -28,6 +28,11 @@ pub const THRASH_MIN_STALL_SHARE: f64 = 0.05;
 /// Refaults and swap-in are counted in pages of this size.
 const PAGE_BYTES: u64 = 4096;
 
+/// The process's own major faults (or its cgroup's `pgmajfault`) over the
+/// window at or above which its own pages were being read back: 4 MiB of
+/// 4 KiB pages, above the few faults of a process that merely runs.
+pub const OWN_MIN_MAJOR_FAULTS: u64 = 1024;
+
 /// PSI some avg10 (percent) that counts as stalling when the totals are not
 /// available: a tenth of wall time waiting on memory is felt as a slowdown.
 pub const THRASH_MIN_SOME_AVG10: f64 = 10.0;
@@ -53,8 +58,22 @@ pub struct ThrashReading {
     pub full_avg10: f64,
     pub some_stall_us: u64,
     pub full_stall_us: u64,
-    /// The thresholds above were met.
+    /// The process's own major faults over the window (its `process` readings).
+    pub own_major_faults: u64,
+    /// Its own (non-root) cgroup's refaults and `pgmajfault` over the window;
+    /// 0 when it lives in the root cgroup, whose counters are the host's.
+    pub cgroup_refaults: u64,
+    pub cgroup_major_faults: u64,
+    /// Its own cgroup's PSI showed it waiting on memory.
+    pub cgroup_stalled: bool,
+    /// The pressure was the process's own: its major faults, or its
+    /// cgroup's refaults, major faults or PSI moved.
+    pub own_pressure: bool,
+    /// The thresholds above were met, and the pressure was its own.
     pub thrashing: bool,
+    /// The thresholds were met host-wide but nothing of the process's own
+    /// moved: other jobs' pressure, a context fact, never its domain or cause.
+    pub neighbour_pressure: bool,
 }
 
 impl ThrashReading {
@@ -127,7 +146,36 @@ impl ThrashReading {
                 "no swap on this host: only page-cache refaults that slowed the process (PSI) count as thrash".to_string(),
             );
         }
+        lines.push(self.own_line());
         lines
+    }
+
+    /// What moved of the process's own: its major faults, its cgroup's.
+    pub fn own_line(&self) -> String {
+        format!(
+            "its own pressure: major faults +{} (threshold {OWN_MIN_MAJOR_FAULTS}), its cgroup's refaults +{} (threshold {THRASH_MIN_REFAULT_PAGES}) and pgmajfault +{}, its cgroup's PSI {}",
+            self.own_major_faults,
+            self.cgroup_refaults,
+            self.cgroup_major_faults,
+            if self.cgroup_stalled { "stalled" } else { "quiet or not read" }
+        )
+    }
+
+    /// The context line of pressure that was not the process's own.
+    pub fn neighbour_line(&self) -> Option<String> {
+        self.neighbour_pressure.then(|| {
+            format!(
+                "neighbour_pressure: the host thrashed ({} refaults +{} pages over {:.1} s, {:.1}% of the working set; {} PSI some avg10 {:.2}%, stall {:.1}% of the window), but not this process: {}; other jobs' pressure, context only",
+                self.refault_scope,
+                self.refaults(),
+                self.window_s,
+                self.refault_share() * 100.0,
+                if self.psi_scope.is_empty() { "no" } else { self.psi_scope.as_str() },
+                self.some_avg10,
+                self.stall_share() * 100.0,
+                self.own_line()
+            )
+        })
     }
 }
 
@@ -143,8 +191,9 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
         (Some(b), Some(a)) => a.saturating_sub(b),
         _ => 0,
     };
-    // The own cgroup's refaults are the process's; the system's include its
-    // neighbours, which slow it just the same. Take the larger.
+    // The figures are read at the larger scope (the own cgroup's, else the
+    // system's, which includes the neighbours); whose pressure it was is
+    // decided apart, from the process's own counters (`own_pressure`).
     let own = |s: &pb::Sample| s.cgroup.first().cloned();
     let cg_file = grow(&|s| own(s).map(|l| l.workingset_refault_file));
     let cg_anon = grow(&|s| own(s).map(|l| l.workingset_refault_anon));
@@ -206,6 +255,28 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
         some_stall_us = grow(&|s| pressure_of(s, use_cgroup).map(|p| p.some_total_us));
         full_stall_us = grow(&|s| pressure_of(s, use_cgroup).map(|p| p.full_total_us));
     }
+    // The root cgroup's counters are the host's: nothing of them is the process's own.
+    let own_cgroup = |s: &pb::Sample| own(s).filter(|l| l.path != "/");
+    let cgroup_refaults =
+        grow(&|s| own_cgroup(s).map(|l| l.workingset_refault_file + l.workingset_refault_anon));
+    let cgroup_major_faults = grow(&|s| own_cgroup(s).map(|l| l.pgmajfault));
+    let own_major_faults = grow(&|s| s.process.map(|p| p.major_faults));
+    let cgroup_stalled = {
+        let stall = grow(&|s| {
+            own_cgroup(s)
+                .and_then(|l| l.pressure)
+                .map(|p| p.some_total_us)
+        });
+        let avg10 = samples
+            .iter()
+            .filter_map(|s| own_cgroup(s).and_then(|l| l.pressure))
+            .fold(0.0f64, |m, p| m.max(p.some_avg10));
+        stall as f64 / (window_s * 1e6) >= THRASH_MIN_STALL_SHARE || avg10 >= THRASH_MIN_SOME_AVG10
+    };
+    let own_pressure = own_major_faults >= OWN_MIN_MAJOR_FAULTS
+        || cgroup_major_faults >= OWN_MIN_MAJOR_FAULTS
+        || cgroup_refaults >= THRASH_MIN_REFAULT_PAGES
+        || cgroup_stalled;
     let pswpin = grow(&|s| s.system.map(|m| m.vmstat_pswpin));
     let pswpout = grow(&|s| s.system.map(|m| m.vmstat_pswpout));
 
@@ -223,14 +294,22 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
         full_avg10,
         some_stall_us,
         full_stall_us,
+        own_major_faults,
+        cgroup_refaults,
+        cgroup_major_faults,
+        cgroup_stalled,
+        own_pressure,
         thrashing: false,
+        neighbour_pressure: false,
     };
-    reading.thrashing = thrashing(&reading);
+    let pressure = thrashing(&reading);
+    reading.thrashing = pressure && own_pressure;
+    reading.neighbour_pressure = pressure && !own_pressure;
     Some(reading)
 }
 
-/// The rule: enough of the working set refaulted, and the process waited on
-/// it. Without swap only page cache can refault, and only PSI can show the
+/// The rule: enough of the working set refaulted, and tasks waited on it
+/// (whose pressure it was is `own_pressure`'s question). Without swap only page cache can refault, and only PSI can show the
 /// wait (there is no swap-in to stand for it).
 fn thrashing(r: &ThrashReading) -> bool {
     let pages = if r.swap { r.refaults() } else { r.refault_file };

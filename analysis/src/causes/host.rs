@@ -410,8 +410,19 @@ pub fn external_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     if v.domain != Domain::ExternalKill {
         return None;
     }
+    let counted = f
+        .counters
+        .as_ref()
+        .is_some_and(|c| c.any_oom_counter_moved());
     let evidence = vec![
-        format!("{} and no kernel OOM counter moved", f.signal_text()),
+        if counted {
+            format!(
+                "{}, no OOM counter of its cgroups moved and the kernel's log records no OOM kill of it",
+                f.signal_text()
+            )
+        } else {
+            format!("{} and no kernel OOM counter moved", f.signal_text())
+        },
         "the kill came from outside the kernel's OOM paths: an orchestrator (liveness probe, eviction), a stop timeout, a userspace OOM daemon, or a person".to_string(),
     ];
     let runtime_s = f.exit.map_or(0.0, |(_, x)| x.runtime_ns as f64 / 1e9);

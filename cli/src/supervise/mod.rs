@@ -9,9 +9,10 @@
 //! Each sample carries the whole supervised tree (the child and its
 //! descendants), and the kernel's log is polled for OOM kills of any process
 //! of that tree: the kernel's record is the authoritative figure at the kill.
-//! The supervisor shields itself from the OOM killer (oom_score_adj -1000)
-//! and gives the child its own value back, so that it is never the victim
-//! that takes the evidence with it. It signals nothing but its own child,
+//! The supervisor leaves the capped memory cgroup it watches (see `place`)
+//! and shields itself from the OOM killer (oom_score_adj -1000, giving the
+//! child its own value back), so that it is never the victim that takes the
+//! evidence with it. It signals nothing but its own child,
 //! and that only to pass on a stop signal it received.
 
 use std::collections::VecDeque;
@@ -36,7 +37,10 @@ use oomscope_agent_core::{now_ns, pb};
 use oomscope_analysis::units::signal_name;
 
 mod members;
+mod place;
 use members::{name_processes, Members, MEMBER_EXITS_LABEL};
+pub use place::STAY_IN_CGROUP_ENV;
+use place::{join_cgroup, Placement};
 
 /// How much of the child's stderr is kept as evidence. 64 KiB holds a full
 /// Python traceback or a CUDA OOM message with room to spare.
@@ -106,7 +110,19 @@ impl Ending {
 pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     let interval = check_interval(cfg.interval)?;
     let paths = HostPaths::system();
-    let shield = OomShield::engage();
+    let me = HostProbe::new(paths.clone(), std::process::id());
+    // Read before the supervisor leaves its cgroup: the Hello's cgroup is the child's.
+    let mut hello = hello(&cfg, &me);
+    let placement = Placement::engage(&paths);
+    hello.labels.insert(
+        oomscope_analysis::SUPERVISOR_CGROUP_LABEL.to_string(),
+        placement.description.clone(),
+    );
+    let shield = if placement.test_stay {
+        OomShield::expose()
+    } else {
+        OomShield::engage()
+    };
     // Opened before the first child: kills logged before are not ours.
     let mut kmsg = KmsgReader::open();
     if let Some(why) = kmsg.unavailable() {
@@ -116,8 +132,6 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
         );
     }
     let mut members = Members::open();
-    let me = HostProbe::new(paths.clone(), std::process::id());
-    let mut hello = hello(&cfg, &me);
     hello
         .labels
         .insert(KERNEL_LOG_LABEL.to_string(), kmsg.describe());
@@ -147,6 +161,7 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
             reporter: &reporter,
             agent_id: &agent_id,
             child_oom_score_adj: shield.child_value(),
+            child_cgroup: placement.child_cgroup_procs(),
         };
         let ending = run_once(
             &ctx,
@@ -270,6 +285,8 @@ struct Supervision<'a> {
     paths: &'a HostPaths,
     reporter: &'a Reporter,
     agent_id: &'a str,
+    /// The cgroup.procs the child joins before exec, where the supervisor left it.
+    child_cgroup: Option<&'a std::ffi::CString>,
     /// The oom_score_adj the child gets back, where the supervisor changed its own.
     child_oom_score_adj: Option<i32>,
 }
@@ -289,6 +306,7 @@ fn run_once(
         reporter,
         agent_id,
         child_oom_score_adj,
+        child_cgroup,
     } = *ctx;
     let started = Instant::now();
     let mut cmd = Command::new(&cfg.command[0]);
@@ -300,6 +318,13 @@ fn run_once(
         .stdin(Stdio::inherit())
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped());
+    if let Some(procs) = child_cgroup.cloned() {
+        // SAFETY: the closure only calls open/write/close (async-signal-safe)
+        // on memory allocated before the fork; a failure stops the exec.
+        unsafe {
+            cmd.pre_exec(move || join_cgroup(&procs));
+        }
+    }
     if let Some(adj) = child_oom_score_adj {
         // Formatted before the fork: the child may only make raw system calls.
         let value = format!("{adj}\n").into_bytes();
@@ -660,6 +685,23 @@ impl OomShield {
         }
         OomShield {
             previous: (now < previous).then_some(previous),
+        }
+    }
+
+    /// Test only ([`STAY_IN_CGROUP_ENV`]): the supervisor the OOM killer's
+    /// first choice (raising needs no privilege), the child at the value
+    /// the supervisor had.
+    fn expose() -> Self {
+        let previous = std::fs::read_to_string(OOM_SCORE_ADJ_PATH)
+            .ok()
+            .and_then(|t| parse_oom_score_adj(&t));
+        match (previous, set_own_oom_score_adj(1000)) {
+            (Some(p), Ok(())) => OomShield { previous: Some(p) },
+            (_, Err(e)) => {
+                eprintln!("oomscope: cannot raise the supervisor's oom_score_adj to 1000: {e}");
+                OomShield { previous: None }
+            }
+            (None, Ok(())) => OomShield { previous: Some(0) },
         }
     }
 

@@ -104,6 +104,10 @@ pub struct CgroupLevel {
     /// True where a file was missing or unreadable; the reading is partial.
     #[prost(bool, tag = "25")]
     pub partial: bool,
+    /// v2 memory.oom.group: an OOM kill at or below this level takes every
+    /// task of the group (those at oom_score_adj -1000 excepted).
+    #[prost(bool, tag = "40")]
+    pub oom_group: bool,
 }
 /// /proc/pressure/memory or a cgroup's memory.pressure.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]

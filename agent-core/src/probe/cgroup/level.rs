@@ -107,6 +107,12 @@ fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
     if let Some(t) = files.required("memory.stat") {
         parse_v2_stat(&t, level);
     }
+    // memory.oom.group arrived in Linux 4.19.
+    level.oom_group = files
+        .optional("memory.oom.group")
+        .as_deref()
+        .and_then(first_u64)
+        .is_some_and(|v| v == 1);
     // The swap files are absent without swap accounting, PSI without CONFIG_PSI.
     level.swap_bytes = files
         .optional("memory.swap.current")

@@ -121,6 +121,12 @@ fn read_v2(files: &mut LevelFiles, level: &mut pb::CgroupLevel) {
     level.pressure = files
         .optional("memory.pressure")
         .map(|t| parse_pressure(&t));
+    // memory.oom.group arrived in Linux 4.19.
+    level.oom_group = files
+        .optional("memory.oom.group")
+        .as_deref()
+        .and_then(first_u64)
+        == Some(1);
 }
 
 /// A v1 limit in bytes, with the "no limit" sentinel mapped to 0.
@@ -199,6 +205,7 @@ pub fn parse_v2_stat(text: &str, level: &mut pb::CgroupLevel) {
 pub fn parse_v2_events(text: &str, level: &mut pb::CgroupLevel) {
     for (key, value) in key_values(text) {
         match key {
+            "high" => level.events_high = value,
             "max" => level.events_max = value,
             "oom" => level.events_oom = value,
             "oom_kill" => level.events_oom_kill = value,

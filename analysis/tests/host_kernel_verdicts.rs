@@ -451,3 +451,42 @@ fn swap_max_is_named_only_where_it_bounds_the_hosts_swap() {
         d.evidence
     );
 }
+
+#[test]
+fn throttling_before_a_kill_is_the_warning_under_the_limit_that_killed() {
+    // The throttled minute, then the kernel's memcg kill in the same cgroup.
+    let fx = v2_fixture("memory_high_throttled.json");
+    let before = counters(v2_time(&fx, 0), vec![v2_level(&fx, 0)], system(0, 12 * GIB));
+    let after = counters(v2_time(&fx, 1), vec![v2_level(&fx, 1)], system(0, 12 * GIB));
+    let mut x = exit(None, Some(9), "", before, after, None);
+    x.time_ns = v2_time(&fx, 1);
+    if let Some(Kind::ChildExit(c)) = x.kind.as_mut() {
+        c.pid = 311;
+        c.runtime_ns = 60 * SEC as u64;
+    }
+    let mut e = supervised(x, "signal");
+    let victim = parse_kills(&kmsg("cgroup_v2_oom_group.kmsg")).remove(0);
+    e.events.insert(
+        0,
+        pb::Event {
+            time_ns: v2_time(&fx, 1) - SEC,
+            kind: Some(Kind::KernelOomKill(victim)),
+        },
+    );
+    let d = diagnose(&e);
+    assert_eq!(d.domain.as_deref(), Some("cgroup"), "{:#?}", d.evidence);
+    assert_eq!(d.causes[0].kind, "cgroup_limit", "{:#?}", d.causes);
+    let t = cause(&d, "memory_high_throttling");
+    assert_eq!(
+        t.confidence, 0.5,
+        "a warning before the kill, ranked under it"
+    );
+    assert_eq!(t.metrics["events_high"], 1843.0);
+    assert!(
+        d.evidence
+            .iter()
+            .any(|l| l.contains("memory.events high 0 -> 1843")),
+        "the cgroup verdict says it was throttled first: {:#?}",
+        d.evidence
+    );
+}

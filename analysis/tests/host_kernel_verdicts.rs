@@ -490,3 +490,27 @@ fn throttling_before_a_kill_is_the_warning_under_the_limit_that_killed() {
         d.evidence
     );
 }
+
+#[test]
+fn without_zone_lists_memavailable_before_the_kill_decides_with_less_confidence() {
+    let mut k = parse_kills(&kmsg("high_order_kill.kmsg")).remove(0);
+    k.zones.clear();
+    // 20 GiB of 64 GiB available a second before the kill: memory was free.
+    let d = diagnose(&high_order_kill(k.clone()));
+    let c = &d.causes[0];
+    assert_eq!(c.kind, "host_fragmentation", "{:#?}", d.causes);
+    assert_eq!(c.confidence, 0.7);
+    assert_eq!(c.metrics["mem_available_bytes"], (20 * GIB) as f64);
+    assert!(c
+        .evidence
+        .iter()
+        .any(|l| l.contains("the record has no zone lists")));
+    // 2 GiB of 64 GiB (under a tenth): the same order is exhaustion.
+    let sys = pb::SystemMemory {
+        mem_total_bytes: 64 * GIB,
+        mem_available_bytes: 2 * GIB,
+        ..Default::default()
+    };
+    let d = diagnose(&killed(k, vec![], sys));
+    assert_eq!(d.causes[0].kind, "host_ram_exhausted", "{:#?}", d.causes);
+}

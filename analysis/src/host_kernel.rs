@@ -4,6 +4,7 @@
 //! large enough (fragmentation). Both are host RAM, and neither is cured by
 //! more RAM. Measured here once; `causes::host_kernel` and `domain` read it.
 
+use crate::evidence::KMSG_LAG_NS;
 use crate::findings::{Findings, LOW_AVAILABLE_FRACTION};
 use crate::pb;
 use crate::units::{bytes_short, seconds};
@@ -353,10 +354,18 @@ pub fn high_order(f: &Findings) -> Option<HighOrder> {
 }
 
 /// The newest "page allocation failure" the kernel logged for a process of
-/// this instance (`oomscope run` sends only its own tree's).
+/// this instance (`oomscope run` sends only its own tree's); where an exit
+/// is judged, within that child's life (as the kernel's kill record is).
 pub fn alloc_failure(e: &crate::Evidence) -> Option<(i64, &pb::KernelAllocFailure)> {
+    let life = e.child_exit().map(|(t, x)| {
+        t.saturating_sub(x.runtime_ns as i64 + KMSG_LAG_NS)..=t.saturating_add(KMSG_LAG_NS)
+    });
     e.events.iter().rev().find_map(|ev| match &ev.kind {
-        Some(pb::event::Kind::KernelAllocFailure(a)) => Some((ev.time_ns, a)),
+        Some(pb::event::Kind::KernelAllocFailure(a))
+            if life.as_ref().is_none_or(|l| l.contains(&ev.time_ns)) =>
+        {
+            Some((ev.time_ns, a))
+        }
         _ => None,
     })
 }

@@ -514,3 +514,26 @@ fn without_zone_lists_memavailable_before_the_kill_decides_with_less_confidence(
     let d = diagnose(&killed(k, vec![], sys));
     assert_eq!(d.causes[0].kind, "host_ram_exhausted", "{:#?}", d.causes);
 }
+
+#[test]
+fn an_allocation_failure_from_before_the_childs_life_is_not_its_cause() {
+    let a = parse_alloc_failures(&kmsg("page_alloc_failure.kmsg")).remove(0);
+    let before = counters(T0, vec![], system(3, 12 * GIB));
+    let after = counters(T0 + 3 * SEC, vec![], system(3, 12 * GIB));
+    let mut x = exit(Some(1), None, "", before, after, None);
+    if let Some(Kind::ChildExit(c)) = x.kind.as_mut() {
+        c.pid = a.pid;
+    }
+    let mut e = supervised(x, "signal");
+    // An hour before this child started (3 s before its exit).
+    e.events.insert(
+        0,
+        pb::Event {
+            time_ns: T0 - 3600 * SEC,
+            kind: Some(Kind::KernelAllocFailure(a)),
+        },
+    );
+    let d = diagnose(&e);
+    assert_ne!(d.domain.as_deref(), Some("host_ram"), "{:#?}", d.evidence);
+    assert!(d.causes.iter().all(|c| c.kind != "host_fragmentation"));
+}

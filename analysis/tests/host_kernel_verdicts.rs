@@ -537,3 +537,47 @@ fn an_allocation_failure_from_before_the_childs_life_is_not_its_cause() {
     assert_ne!(d.domain.as_deref(), Some("host_ram"), "{:#?}", d.evidence);
     assert!(d.causes.iter().all(|c| c.kind != "host_fragmentation"));
 }
+
+/// A v2 cgroup whose anonymous pages refault heavily (100k pages over 10 s)
+/// with 30% stall, on a host with swap, its own memory.swap.max as given.
+fn anon_refaults(swap_max: Option<u64>) -> Evidence {
+    let level = |t: i64, refaults: u64, stall_us: u64| {
+        let mut l = v2("/svc", 0, GIB, GIB, V2Events::default());
+        l.workingset_refault_anon = refaults;
+        l.swap_limit_bytes = swap_max;
+        l.pressure = Some(pb::Pressure {
+            some_avg10: 30.0,
+            some_total_us: stall_us,
+            ..Default::default()
+        });
+        sample(T0 + t * SEC, vec![l], system(0, 12 * GIB))
+    };
+    Evidence {
+        members: Vec::new(),
+        ended: false,
+        hello: Some(hello()),
+        samples: vec![level(0, 0, 0), level(10, 100_000, 3_000_000)],
+        events: Vec::new(),
+        incident: None,
+    }
+}
+
+#[test]
+fn a_cgroup_that_may_not_swap_does_not_thrash_on_anonymous_refaults() {
+    // The host's 2 GiB of swap counts for a cgroup allowed to swap...
+    let d = diagnose(&anon_refaults(None));
+    assert_eq!(
+        d.domain.as_deref(),
+        Some("swap_thrash"),
+        "{:#?}",
+        d.evidence
+    );
+    // ...not for one at memory.swap.max 0: its anonymous pages cannot be
+    // swapped out, so anonymous refaults are not swap-ins of its own.
+    let d = diagnose(&anon_refaults(Some(0)));
+    assert_eq!(d.domain, None, "{:#?}", d.evidence);
+    assert!(d
+        .causes
+        .iter()
+        .all(|c| c.kind != "swap_thrash" || c.confidence < 0.8));
+}

@@ -137,6 +137,10 @@ fn kernel_report(k: &pb::KernelOomKill) -> pb::KernelReport {
         memcg_usage_bytes: k.memcg_usage_bytes,
         memcg_limit_bytes: k.memcg_limit_bytes,
         oom_score_adj: k.oom_score_adj,
+        order: k.order,
+        nodemask: k.nodemask.clone(),
+        mems_allowed: k.mems_allowed.clone(),
+        cpuset: k.cpuset.clone(),
     }
 }
 

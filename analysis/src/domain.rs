@@ -3,6 +3,8 @@
 use crate::devices::{Holder, Whose};
 use crate::evidence::Evidence;
 use crate::findings::{Findings, SIGBUS, SIGKILL};
+use crate::host_kernel::{high_order, numa_binding};
+use crate::memory_high::{high_throttle, oom_group_line, swap_bound_line};
 use crate::pb;
 use crate::units::{bytes, bytes_short, seconds, signal_name, time};
 
@@ -76,6 +78,21 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             let ev = f.thrash.as_ref().map(|t| t.evidence()).unwrap_or_default();
             return verdict(Domain::SwapThrash, ev, &mut lines);
         }
+        // memory.high throttled the group until it stalled: a slowdown of
+        // the cgroup domain, before any OOM.
+        if let Some(t) = high_throttle(f).filter(|t| t.slowed) {
+            let mut v = verdict(Domain::Cgroup, t.evidence(), &mut lines);
+            v.cgroup = Some(pb::CgroupVerdict {
+                path: f
+                    .counters
+                    .as_ref()
+                    .and_then(|c| c.after.cgroup.first())
+                    .map_or_else(|| t.path.clone(), |l| l.path.clone()),
+                limit_bytes: t.max_bytes,
+                owner_level: t.path,
+            });
+            return v;
+        }
         lines.push(match f.exit {
             Some(_) => "a clean exit is not an incident".to_string(),
             None => "no failure in the evidence".to_string(),
@@ -101,6 +118,12 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             if let Some(m) = &f.memcg {
                 ev.extend(m.evidence.iter().cloned());
             }
+            ev.extend(cgroup_v2_lines(f));
+        } else {
+            // Bound to some nodes, or a block size the memory could not
+            // give: the record says which host RAM ran out, and how.
+            ev.extend(numa_binding(f).map(|b| b.evidence()).unwrap_or_default());
+            ev.extend(high_order(f).map(|h| h.evidence()).unwrap_or_default());
         }
         let mut v = verdict(domain, ev, &mut lines);
         if domain == Domain::Cgroup {
@@ -140,6 +163,7 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             ));
         }
         ev.extend(code_signal_line(f));
+        ev.extend(cgroup_v2_lines(f));
         let mut v = verdict(Domain::Cgroup, ev, &mut lines);
         v.cgroup = Some(pb::CgroupVerdict {
             path: m.own_path.clone(),
@@ -147,6 +171,14 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
             owner_level: m.owner_path.clone(),
         });
         return v;
+    }
+
+    // The kernel refused a high-order allocation of a process of the
+    // instance ("page allocation failure", no kill) and the process failed.
+    if let Some(h) = high_order(f).filter(|h| h.warning) {
+        let mut ev = h.evidence();
+        ev.extend(ram_line(f));
+        return verdict(Domain::HostRam, ev, &mut lines);
     }
 
     // A process that was not killed failed by itself: its own record (a
@@ -337,6 +369,18 @@ fn kernel_cgroup(f: &Findings, k: &pb::KernelOomKill) -> pb::CgroupVerdict {
             k.oom_memcg.clone()
         },
     }
+}
+
+/// cgroup v2's details of a cgroup verdict: memory.oom.group (did the kill
+/// take the whole group), memory.swap.max (what the group may swap), and
+/// memory.high throttling before the kill.
+fn cgroup_v2_lines(f: &Findings) -> Vec<String> {
+    let mut ev: Vec<String> = oom_group_line(f).into_iter().collect();
+    ev.extend(swap_bound_line(f));
+    if let Some(t) = high_throttle(f) {
+        ev.push(t.evidence().remove(0));
+    }
+    ev
 }
 
 /// A signal read from a shell's 128+N exit code, which the exit line does not spell out.

@@ -88,10 +88,18 @@ impl Evidence {
     /// (a kill from an earlier restart does not explain a later exit); the
     /// kernel's log may come a few seconds after the death.
     pub fn kernel_oom_kill(&self) -> Option<(i64, &pb::KernelOomKill)> {
-        let found = self.nearest(|k| match k {
-            Kind::KernelOomKill(x) => Some(x),
-            _ => None,
-        })?;
+        // The victim the kernel chose, not the tasks memory.oom.group took with it.
+        let found = self
+            .nearest(|k| match k {
+                Kind::KernelOomKill(x) if x.oom_group.is_empty() => Some(x),
+                _ => None,
+            })
+            .or_else(|| {
+                self.nearest(|k| match k {
+                    Kind::KernelOomKill(x) => Some(x),
+                    _ => None,
+                })
+            })?;
         match self.child_exit() {
             Some((t, x)) => {
                 let born = t.saturating_sub(x.runtime_ns as i64 + KMSG_LAG_NS);

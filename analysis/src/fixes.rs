@@ -482,7 +482,101 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
+        "numa_binding" | "host_fragmentation" | "memory_high_throttling" => {
+            host_kernel_fixes(c, f)
+        }
         _ => gpu_timeline_fixes(c, f),
+    }
+}
+
+/// Fixes for what the kernel's record tells apart from plain exhaustion,
+/// and for memory.high throttling. None of them adds RAM: the RAM was there.
+fn host_kernel_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
+    match c.kind.as_str() {
+        "numa_binding" => {
+            let nodes = f
+                .kernel
+                .map(|(_, k)| {
+                    if k.constraint == "CONSTRAINT_CPUSET" || k.nodemask == "(null)" {
+                        format!("cpuset {} (mems_allowed {})", k.cpuset, k.mems_allowed)
+                    } else {
+                        format!("the memory policy's nodemask {}", k.nodemask)
+                    }
+                })
+                .unwrap_or_else(|| "the binding".to_string());
+            vec![
+                fix(
+                    format!("Check that the NUMA binding is intended: {nodes}; `numactl --show` and the cpuset's cpuset.mems in the server's environment"),
+                    "low",
+                    "print the binding where the server starts; compare with each node's MemFree in /sys/devices/system/node/node*/meminfo",
+                    None,
+                ),
+                fix(
+                    with_knobs(f, "Shrink what each bound node must hold: fewer workers or less concurrency per node, a smaller per-node KV cache (vLLM CPU: VLLM_CPU_KVCACHE_SPACE), or one model shard per node", &[Knob::MaxSequences, Knob::MaxBatchTokens]),
+                    "low",
+                    format!("{SAME_WORKLOAD} the bound nodes' MemFree at the peak"),
+                    None,
+                ),
+                fix(
+                    "Widen the binding to nodes with free memory: add nodes to cpuset.mems or `numactl --membind`, or interleave (`numactl --interleave=all`)",
+                    "medium",
+                    format!("{SAME_WORKLOAD} latency too: memory on a remote node is slower"),
+                    Some("the host had memory free on the other nodes; adding RAM does not help a process that may not use it"),
+                ),
+            ]
+        }
+        "host_fragmentation" => vec![
+            fix(
+                "Compact memory and see whether the failure recurs: `echo 1 > /proc/sys/vm/compact_memory` (as root); watch /proc/buddyinfo for blocks of the failing order",
+                "low",
+                "rerun the same workload after compaction and compare /proc/buddyinfo's high orders at the failure",
+                Some("compaction is a one-off: fragmentation returns with the same allocation pattern"),
+            ),
+            fix(
+                "Raise vm.min_free_kbytes (about 1-3% of RAM) so the kernel keeps larger free blocks in reserve",
+                "medium",
+                "rerun the same workload and check /proc/buddyinfo and the kernel log for page allocation failures",
+                Some("memory kept free is memory the workload cannot use"),
+            ),
+            fix(
+                "Reserve fewer huge pages (vm.nr_hugepages), or reserve them at boot rather than at run time, so they do not split the free memory",
+                "medium",
+                "rerun the same workload with the new reservation and check HugePages_Total/HugePages_Free",
+                None,
+            ),
+        ],
+        "memory_high_throttling" => {
+            let high = metric(c, "high_bytes");
+            let path = f
+                .counters
+                .as_ref()
+                .and_then(|x| x.levels().find(|l| l.after.high_bytes == high))
+                .map_or("the cgroup".to_string(), |l| l.after.path.clone());
+            vec![
+                fix(
+                    format!("Find what grows in {path} past memory.high: compare memory.stat anon, file and shmem over the run"),
+                    "low",
+                    format!("{SAME_WORKLOAD} memory.events high and memory.pressure"),
+                    Some("page cache counts toward memory.high too, and is reclaimed first"),
+                ),
+                fix(
+                    with_knobs(f, "Cap concurrency so usage stays under memory.high", &[Knob::MaxSequences, Knob::MaxBatchTokens]),
+                    "low",
+                    format!("{SAME_WORKLOAD} memory.events high: it must stop rising"),
+                    None,
+                ),
+                fix(
+                    format!(
+                        "Raise memory.high on {path} (now {}) to the measured peak plus headroom, below memory.max",
+                        bytes_short(high)
+                    ),
+                    "medium",
+                    format!("{SAME_WORKLOAD} latency and memory.pressure"),
+                    Some("memory.high is the warning before memory.max: past memory.max the kernel kills"),
+                ),
+            ]
+        }
+        _ => Vec::new(),
     }
 }
 

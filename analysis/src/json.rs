@@ -48,6 +48,10 @@ pub fn to_json(d: &pb::Diagnosis) -> Value {
             "memcg_usage_bytes": k.memcg_usage_bytes,
             "memcg_limit_bytes": k.memcg_limit_bytes,
             "oom_score_adj": k.oom_score_adj,
+            "order": k.order,
+            "nodemask": k.nodemask,
+            "mems_allowed": k.mems_allowed,
+            "cpuset": k.cpuset,
         })),
     })
 }

@@ -222,7 +222,9 @@ pub fn read_thrash(samples: &[pb::Sample]) -> Option<ThrashReading> {
         })
         .max()
         .unwrap_or(0);
-    let swap = last.system.is_some_and(|m| m.swap_total_bytes > 0);
+    // The host's swap, unless the own cgroup may not swap (memory.swap.max 0).
+    let swap = last.system.is_some_and(|m| m.swap_total_bytes > 0)
+        && own(last).and_then(|l| l.swap_limit_bytes) != Some(0);
 
     let pressure_of = |s: &pb::Sample, cgroup: bool| -> Option<pb::Pressure> {
         if cgroup {

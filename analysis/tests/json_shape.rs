@@ -23,7 +23,7 @@ const KEYS: [&str; 14] = [
     "kernel_report",
 ];
 
-const KERNEL_REPORT_KEYS: [&str; 12] = [
+const KERNEL_REPORT_KEYS: [&str; 16] = [
     "pid",
     "command",
     "anon_rss_bytes",
@@ -36,6 +36,10 @@ const KERNEL_REPORT_KEYS: [&str; 12] = [
     "memcg_usage_bytes",
     "memcg_limit_bytes",
     "oom_score_adj",
+    "order",
+    "nodemask",
+    "mems_allowed",
+    "cpuset",
 ];
 
 const DEVICE_KEYS: [&str; 8] = [
@@ -138,7 +142,16 @@ fn check_top_level(j: &Value) {
         let mut want = KERNEL_REPORT_KEYS.to_vec();
         want.sort();
         assert_eq!(keys, want);
-        for key in ["command", "constraint", "oom_memcg", "task_memcg"] {
+        assert!(k["order"].is_null() || k["order"].is_u64());
+        for key in [
+            "command",
+            "constraint",
+            "oom_memcg",
+            "task_memcg",
+            "nodemask",
+            "mems_allowed",
+            "cpuset",
+        ] {
             assert!(k[key].is_string(), "{key}: {}", k[key]);
         }
         assert!(k["oom_score_adj"].is_i64());

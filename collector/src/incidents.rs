@@ -28,6 +28,9 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
     };
     let (kind, summary) = match event.kind.as_ref()? {
         EventKind::Oom(oom) => (OOM, oom_summary(oom)),
+        // A task memory.oom.group took with the victim: the victim's record
+        // is the incident; this one is its evidence.
+        EventKind::KernelOomKill(k) if !k.oom_group.is_empty() => return None,
         EventKind::KernelOomKill(k) => (KERNEL_OOM_KILL, kernel_kill_summary(k)),
         // A stop `oomscope run` passed on is not a failure; a kernel kill
         // during it has its own record, and so its own incident.
@@ -250,6 +253,16 @@ fn kernel_kill_summary(k: &pb::KernelOomKill) -> String {
     let scope = match k.constraint.as_str() {
         "CONSTRAINT_MEMCG" => format!("the memory cgroup {} at its limit", k.oom_memcg),
         "CONSTRAINT_NONE" => "the whole machine out of memory".to_string(),
+        "CONSTRAINT_CPUSET" => format!(
+            "NUMA node(s) {} of cpuset {} out of memory",
+            k.mems_allowed, k.cpuset
+        ),
+        "CONSTRAINT_MEMORY_POLICY" => {
+            format!(
+                "NUMA node(s) {} of its memory policy out of memory",
+                k.nodemask
+            )
+        }
         other => other.to_string(),
     };
     format!(
@@ -452,6 +465,48 @@ mod tests {
             "{}",
             inc.summary
         );
+    }
+
+    fn kill_event(k: pb::KernelOomKill) -> pb::AgentMessage {
+        pb::AgentMessage {
+            seq: 9,
+            body: Some(Body::Event(pb::Event {
+                time_ns: 42,
+                kind: Some(EventKind::KernelOomKill(k)),
+            })),
+        }
+    }
+
+    #[test]
+    fn a_numa_bound_kill_names_its_nodes_and_group_members_raise_none() {
+        let numa = detect(&kill_event(pb::KernelOomKill {
+            pid: 5120,
+            task: "VLLM::Worker".into(),
+            constraint: "CONSTRAINT_CPUSET".into(),
+            cpuset: "numa0".into(),
+            mems_allowed: "0".into(),
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!(numa.kind, KERNEL_OOM_KILL);
+        assert!(
+            numa.summary
+                .contains("NUMA node(s) 0 of cpuset numa0 out of memory"),
+            "{}",
+            numa.summary
+        );
+        let member = pb::KernelOomKill {
+            pid: 312,
+            constraint: "CONSTRAINT_MEMCG".into(),
+            oom_group: "/kubepods.slice/pod".into(),
+            ..Default::default()
+        };
+        assert!(detect(&kill_event(member.clone())).is_none());
+        let victim = pb::KernelOomKill {
+            oom_group: String::new(),
+            ..member
+        };
+        assert!(detect(&kill_event(victim)).is_some());
     }
 
     #[test]

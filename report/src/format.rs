@@ -214,6 +214,10 @@ fn event_label(e: &pb::Event) -> String {
             bytes(k.anon_rss_bytes),
             k.constraint
         ),
+        Some(Kind::KernelAllocFailure(a)) => format!(
+            "kernel page allocation failure of {} ({}): order {}",
+            a.pid, a.task, a.order
+        ),
         None => "event".into(),
     }
 }

@@ -5,7 +5,7 @@
 use super::cgroup::{self, MemoryCgroup};
 use super::gpu::GpuProbe;
 use super::pid_views::PidViews;
-use super::{process, processes, system, HostPaths};
+use super::{numa, process, processes, system, HostPaths};
 use crate::pb;
 
 #[derive(Debug)]
@@ -71,6 +71,7 @@ impl HostProbe {
             cgroup: self.cgroup_levels(),
             system: Some(system::read(&self.paths)),
             gpus: self.gpus(),
+            numa_nodes: numa::read_nodes(&numa::node_root(&self.paths)),
             ..Default::default()
         }
     }

@@ -8,6 +8,12 @@
 //! keeps them for quoting, never the task table (it names every process of
 //! the cgroup).
 //!
+//! It also reads what decides between domains of a machine-wide kill: the
+//! failed allocation's order and the allowed nodes (nodemask, cpuset,
+//! mems_allowed), and the zones' free lists the kernel prints with it; and
+//! the kernel's "page allocation failure" warnings (a high-order allocation
+//! refused without a kill), folded into [`pb::KernelAllocFailure`].
+//!
 //! The parser is pure and incremental (records in, kills out), because a
 //! reader polling the log may see the first half of a kill in one read and
 //! the rest in the next. [`KmsgReader`] is the thin I/O shell around it.
@@ -32,6 +38,15 @@ const MAX_LINES: usize = 4;
 /// A kept line is cut here: a kernel line is short, but a cgroup path in
 /// the oom-kill line can be long, and the evidence must stay bounded.
 const MAX_LINE_CHARS: usize = 1024;
+/// Zones kept per record: a few per node, and machines have few nodes; the
+/// evidence must stay bounded on a large one.
+const MAX_ZONES: usize = 64;
+/// Orders kept per zone: the kernel has 11 (MAX_PAGE_ORDER 10), some
+/// configurations more.
+const MAX_ORDERS: usize = 16;
+/// Allocation failures held until taken: the kernel rate-limits them, and a
+/// reader takes them every poll.
+const MAX_FAILURES: usize = 16;
 
 /// One /dev/kmsg record: its header fields and its message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,6 +123,14 @@ fn unescape(s: &str) -> String {
 pub struct OomRecordParser {
     /// Boxed: a reader holds a parser, and is mostly idle.
     pending: Option<Box<pb::KernelOomKill>>,
+    /// A "page allocation failure" whose stack and free lists are still
+    /// coming; it ends at show_mem's "pages RAM" line or the next record's start.
+    failure: Option<Box<pb::KernelAllocFailure>>,
+    /// Completed failures, until taken.
+    failures: Vec<pb::KernelAllocFailure>,
+    /// The group memory.oom.group is killing after the last victim: the
+    /// "Killed process" lines that follow name its other tasks.
+    group: Option<String>,
 }
 
 impl OomRecordParser {
@@ -118,20 +141,77 @@ impl OomRecordParser {
     /// True while a kill has begun and its "Killed process" line has not
     /// come yet: a reader at a process's end waits briefly for the rest.
     pub fn has_pending(&self) -> bool {
-        self.pending.is_some()
+        self.pending.is_some() || self.failure.is_some()
+    }
+
+    /// The "page allocation failure" records completed so far (oldest
+    /// first), and any still open: a reader at a process's end takes them all.
+    pub fn take_alloc_failures(&mut self) -> Vec<pb::KernelAllocFailure> {
+        self.finish_failure();
+        std::mem::take(&mut self.failures)
+    }
+
+    /// The failures completed so far; one still being logged stays.
+    pub fn take_completed_alloc_failures(&mut self) -> Vec<pb::KernelAllocFailure> {
+        std::mem::take(&mut self.failures)
+    }
+
+    fn finish_failure(&mut self) {
+        if let Some(f) = self.failure.take() {
+            if self.failures.len() < MAX_FAILURES {
+                self.failures.push(*f);
+            }
+        }
     }
 
     /// Takes one record; returns the kill it completes, if any.
     pub fn push(&mut self, rec: &KmsgRecord) -> Option<pb::KernelOomKill> {
         let msg = rec.message.as_str();
-        if let Some(invoker) = msg.split_once(" invoked oom-killer:").map(|(who, _)| who) {
+        if let Some((task, rest)) = msg.split_once(": page allocation failure: ") {
+            self.finish_failure();
+            let mut f = pb::KernelAllocFailure {
+                task: task.trim().to_string(),
+                line: msg.chars().take(MAX_LINE_CHARS).collect(),
+                kernel_time_us: rec.time_us,
+                ..Default::default()
+            };
+            parse_alloc_failure_fields(rest, &mut f);
+            self.failure = Some(Box::new(f));
+        } else if let Some((invoker, rest)) = msg.split_once(" invoked oom-killer:") {
             // A new kill: one that never reached its "Killed process" (no
             // killable task was found) is dropped.
-            self.pending = Some(Box::new(pb::KernelOomKill {
+            self.finish_failure();
+            self.group = None;
+            let mut kill = pb::KernelOomKill {
                 invoked_by: invoker.trim().to_string(),
                 ..Default::default()
-            }));
+            };
+            parse_invoked_fields(rest, &mut kill);
+            self.pending = Some(Box::new(kill));
             self.keep_line(msg);
+        } else if let Some(group) = msg
+            .strip_prefix("Tasks in ")
+            .and_then(|r| r.strip_suffix(" are going to be killed due to memory.oom.group set"))
+        {
+            self.group = Some(group.chars().take(MAX_LINE_CHARS).collect());
+        } else if let Some(pid) = stack_pid(msg) {
+            // The stack dump's header names the failing task's pid.
+            if let Some(f) = self.failure.as_mut().filter(|f| f.pid == 0) {
+                f.pid = pid;
+            }
+        } else if let Some(zone) = parse_zone_free(msg).or_else(|| parse_zone_watermarks(msg)) {
+            // The failure being logged, else the kill: show_mem prints for whichever began.
+            let zones = match (self.failure.as_mut(), self.pending.as_mut()) {
+                (Some(f), _) => Some(&mut f.zones),
+                (None, Some(p)) => Some(&mut p.zones),
+                _ => None,
+            };
+            if let Some(zones) = zones {
+                merge_zone(zones, zone);
+            }
+        } else if msg.trim_end().ends_with(" pages RAM") {
+            // show_mem's summary follows the free lists: the failure's record is whole.
+            self.finish_failure();
         } else if let Some(rest) = msg.strip_prefix("memory: usage ") {
             if let Some(p) = self.pending.as_mut() {
                 if p.memcg_limit_bytes == 0 {
@@ -147,7 +227,12 @@ impl OomRecordParser {
             parse_oom_kill_fields(rest, p);
             self.keep_line(msg);
         } else if let Some(rest) = msg.split_once("Killed process ").map(|(_, r)| r) {
+            let begun = self.pending.is_some();
             let mut kill = *self.pending.take().unwrap_or_default();
+            if !begun {
+                // Killed with the victim's group, not chosen.
+                kill.oom_group = self.group.clone().unwrap_or_default();
+            }
             if !parse_killed_process(rest, &mut kill) {
                 // Not the line it looked like: keep waiting for the real one.
                 self.pending = Some(Box::new(kill));
@@ -185,6 +270,160 @@ pub fn parse_kills(text: &str) -> Vec<pb::KernelOomKill> {
         .collect()
 }
 
+/// Every "page allocation failure" in `text`, a dump of records one per line.
+pub fn parse_alloc_failures(text: &str) -> Vec<pb::KernelAllocFailure> {
+    let mut parser = OomRecordParser::new();
+    for r in parse_records(text) {
+        parser.push(&r);
+    }
+    parser.take_alloc_failures()
+}
+
+/// ` gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0` (the flag names
+/// are joined by '|', so ", " separates the fields).
+fn parse_invoked_fields(rest: &str, out: &mut pb::KernelOomKill) {
+    for piece in rest.split(", ") {
+        match piece.trim().split_once('=') {
+            Some(("gfp_mask", v)) => out.gfp_mask = v.to_string(),
+            Some(("order", v)) => out.order = v.trim().parse().ok(),
+            _ => {}
+        }
+    }
+}
+
+/// The keys of a "page allocation failure" line; as in the oom-kill line, a
+/// piece that does not begin with one belongs to the previous value (a node
+/// list such as "0-1,3" holds commas).
+const ALLOC_FAILURE_KEYS: &[&str] = &["order", "mode", "nodemask", "cpuset", "mems_allowed"];
+
+/// `order:4, mode:0x40dc0(GFP_KERNEL|__GFP_COMP|__GFP_ZERO), nodemask=(null),cpuset=/,mems_allowed=0`.
+fn parse_alloc_failure_fields(rest: &str, out: &mut pb::KernelAllocFailure) {
+    let mut fields: Vec<(&str, String)> = Vec::new();
+    for piece in rest.split(',') {
+        let kv = piece
+            .trim_start()
+            .split_once([':', '='])
+            .filter(|(k, _)| ALLOC_FAILURE_KEYS.contains(k));
+        match kv {
+            Some((k, v)) => fields.push((k, v.to_string())),
+            None => {
+                if let Some((_, v)) = fields.last_mut() {
+                    v.push(',');
+                    v.push_str(piece);
+                }
+            }
+        }
+    }
+    for (k, v) in fields {
+        let v = v.trim().to_string();
+        match k {
+            "order" => out.order = v.parse().unwrap_or(0),
+            "mode" => out.gfp_mask = v,
+            "nodemask" => out.nodemask = v,
+            "cpuset" => out.cpuset = v,
+            "mems_allowed" => out.mems_allowed = v,
+            _ => {}
+        }
+    }
+}
+
+/// The pid of a stack dump's header: `CPU: 3 UID: 0 PID: 4242 Comm: python3
+/// Not tainted ...` (kernels before 6.10 print no UID).
+fn stack_pid(msg: &str) -> Option<u32> {
+    let rest = msg.strip_prefix("CPU: ")?;
+    let (_, after) = rest.split_once(" PID: ")?;
+    after.split_whitespace().next()?.parse().ok()
+}
+
+/// Folds one line's reading of a zone into the zone's entry: the
+/// watermark line and the free-list line each fill their own fields.
+fn merge_zone(zones: &mut Vec<pb::KernelZoneFree>, z: pb::KernelZoneFree) {
+    let at = zones
+        .iter()
+        .position(|e| e.node == z.node && e.zone == z.zone);
+    match at {
+        Some(i) => {
+            let e = &mut zones[i];
+            if !z.blocks.is_empty() {
+                e.blocks = z.blocks;
+                e.page_bytes = z.page_bytes;
+                e.free_bytes = z.free_bytes;
+            }
+            if z.high_bytes > 0 {
+                e.min_bytes = z.min_bytes;
+                e.high_bytes = z.high_bytes;
+                if e.free_bytes == 0 {
+                    e.free_bytes = z.free_bytes;
+                }
+            }
+        }
+        None if zones.len() < MAX_ZONES => zones.push(z),
+        None => {}
+    }
+}
+
+/// A zone's watermark line: `Node 0 Normal free:2449600kB boost:0kB
+/// min:42256kB low:52820kB high:63384kB reserved_highatomic:0KB ...`.
+fn parse_zone_watermarks(msg: &str) -> Option<pb::KernelZoneFree> {
+    let rest = msg.strip_prefix("Node ")?;
+    let (node, rest) = rest.split_once(' ')?;
+    let (zone, rest) = rest.split_once(" free:")?;
+    if zone.is_empty() || zone.contains(' ') {
+        return None;
+    }
+    let mut out = pb::KernelZoneFree {
+        node: node.parse().ok()?,
+        zone: zone.to_string(),
+        ..Default::default()
+    };
+    let mut tokens = rest.split_whitespace();
+    out.free_bytes = kb_value(tokens.next()?)?;
+    for t in tokens {
+        match t.split_once(':') {
+            Some(("min", v)) => out.min_bytes = kb_value(v)?,
+            Some(("high", v)) => out.high_bytes = kb_value(v)?,
+            _ => {}
+        }
+    }
+    (out.high_bytes > 0).then_some(out)
+}
+
+/// A zone's free lists as show_mem prints them:
+/// `Node 0 Normal: 1063*4kB (UME) 523*8kB (UME) 0*16kB ... = 14452kB`.
+/// None for the other "Node N ..." lines (`Node 0 DMA free:...`,
+/// `Node 0 active_anon:...`, the hugepages line).
+fn parse_zone_free(msg: &str) -> Option<pb::KernelZoneFree> {
+    let rest = msg.strip_prefix("Node ")?;
+    let (node, rest) = rest.split_once(' ')?;
+    let node = node.parse().ok()?;
+    let (zone, lists) = rest.split_once(": ")?;
+    if zone.is_empty() || zone.contains(' ') {
+        return None;
+    }
+    let (lists, total) = lists.rsplit_once("= ")?;
+    let mut out = pb::KernelZoneFree {
+        node,
+        zone: zone.to_string(),
+        free_bytes: kb_value(total.trim())?,
+        ..Default::default()
+    };
+    for token in lists.split_whitespace() {
+        // Migration types ("(UME)") follow a non-empty count.
+        if token.starts_with('(') {
+            continue;
+        }
+        let (count, size) = token.split_once('*')?;
+        let size = kb_value(size)?;
+        if out.blocks.is_empty() {
+            out.page_bytes = size;
+        }
+        if out.blocks.len() < MAX_ORDERS {
+            out.blocks.push(count.parse().ok()?);
+        }
+    }
+    (!out.blocks.is_empty()).then_some(out)
+}
+
 /// `65536kB, limit 65536kB, failcnt 76` -> (usage, limit) in bytes.
 fn parse_memory_usage(rest: &str) -> Option<(u64, u64)> {
     let mut parts = rest.split(',').map(str::trim);
@@ -220,6 +459,8 @@ fn parse_oom_kill_fields(rest: &str, out: &mut pb::KernelOomKill) {
     for piece in rest.split(',') {
         match piece.split_once('=') {
             Some((k, v)) if OOM_KILL_KEYS.contains(&k) => fields.push((k, v.to_string())),
+            // A global kill says so in place of oom_memcg=; it ends mems_allowed's list.
+            None if piece == "global_oom" => fields.push(("global_oom", String::new())),
             _ => {
                 if let Some((_, v)) = fields.last_mut() {
                     v.push(',');
@@ -239,6 +480,9 @@ fn parse_oom_kill_fields(rest: &str, out: &mut pb::KernelOomKill) {
                     out.pid = p;
                 }
             }
+            "nodemask" => out.nodemask = v,
+            "cpuset" => out.cpuset = v,
+            "mems_allowed" => out.mems_allowed = v,
             _ => {}
         }
     }
@@ -344,6 +588,16 @@ impl KmsgReader {
     /// True while a kill has been read in part.
     pub fn has_pending(&self) -> bool {
         matches!(self, KmsgReader::Open { parser, .. } if parser.has_pending())
+    }
+
+    /// The "page allocation failure" records read by `read_new` so far; with
+    /// `all`, also one whose free lists are still coming (at a process's end).
+    pub fn take_alloc_failures(&mut self, all: bool) -> Vec<pb::KernelAllocFailure> {
+        match self {
+            KmsgReader::Open { parser, .. } if all => parser.take_alloc_failures(),
+            KmsgReader::Open { parser, .. } => parser.take_completed_alloc_failures(),
+            KmsgReader::Unavailable(_) => Vec::new(),
+        }
     }
 
     /// The kills completed by the records logged since the last call. Never

@@ -13,6 +13,7 @@ pub mod exits;
 pub mod gpu;
 mod host;
 pub mod kmsg;
+pub mod numa;
 pub mod pid_views;
 pub mod process;
 pub mod processes;

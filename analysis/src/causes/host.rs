@@ -135,7 +135,7 @@ fn kernel_cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
 }
 
 pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
-    if v.domain != Domain::HostRam {
+    if v.domain != Domain::HostRam || super::host_kernel::more_specific_than_exhaustion(f) {
         return None;
     }
     // The kernel's record, else the machine-wide counter where the death agrees with it.

@@ -12,6 +12,7 @@ mod fragmentation;
 mod gc_retained;
 mod host;
 pub(crate) mod host_growth;
+mod host_kernel;
 mod kv_growth;
 mod kv_pool;
 mod leak;
@@ -43,6 +44,8 @@ pub const ANALYZERS: &[Analyzer] = &[
     host::shm_full,
     host::swap_thrash,
     host::external_kill,
+    host_kernel::numa_binding_cause,
+    host_kernel::host_fragmentation,
     other_process::other_process,
     fragmentation::fragmentation,
     non_pytorch::non_pytorch_memory,
@@ -63,6 +66,7 @@ pub const TIMELINE_ANALYZERS: &[Analyzer] = &[
     host_growth::host_growth,
     slow_growth::slow_growth,
     kv_pool::kv_pool_saturation,
+    host_kernel::memory_high_throttling,
 ];
 
 /// Every cause found, most likely first.

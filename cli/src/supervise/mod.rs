@@ -502,6 +502,18 @@ impl ChildWatch<'_> {
                 reporter.send_event(event(pb::event::Kind::KernelOomKill(kill)));
             }
         }
+        self.send_alloc_failures(reporter, false);
+    }
+
+    /// The kernel's "page allocation failure" warnings of this run's
+    /// processes (a high-order allocation refused without a kill); with
+    /// `all`, also one whose free lists are still being logged.
+    fn send_alloc_failures(&mut self, reporter: &Reporter, all: bool) {
+        for failure in self.kmsg.take_alloc_failures(all) {
+            if failure.pid == self.pid || self.tree.owns(failure.pid) {
+                reporter.send_event(event(pb::event::Kind::KernelAllocFailure(failure)));
+            }
+        }
     }
 
     /// At the child's end: the records logged so far, and a kill still
@@ -511,6 +523,7 @@ impl ChildWatch<'_> {
         loop {
             self.send_kills(reporter);
             if !self.kmsg.has_pending() || Instant::now() >= deadline {
+                self.send_alloc_failures(reporter, true);
                 return;
             }
             std::thread::sleep(Duration::from_millis(5));

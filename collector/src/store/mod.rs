@@ -719,6 +719,7 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
         Some(EventKind::Request(_)) => "request",
         Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill",
         Some(EventKind::StopForwarded(_)) => "stop_forwarded",
+        Some(EventKind::KernelAllocFailure(_)) => "kernel_alloc_failure",
         None => "",
     }
 }

@@ -104,9 +104,13 @@ pub struct CgroupLevel {
     /// True where a file was missing or unreadable; the reading is partial.
     #[prost(bool, tag = "25")]
     pub partial: bool,
-    /// v2 memory.oom.group: an OOM kill at or below this level takes every
-    /// task of the group (those at oom_score_adj -1000 excepted).
-    #[prost(bool, tag = "40")]
+    /// v2 memory.events `high`: times usage went over memory.high, so the
+    /// kernel reclaimed and throttled the group's allocations (a slowdown).
+    #[prost(uint64, tag = "30")]
+    pub events_high: u64,
+    /// v2 memory.oom.group: an OOM kill here kills every task of the group
+    /// (those at oom_score_adj -1000 excepted).
+    #[prost(bool, tag = "31")]
     pub oom_group: bool,
 }
 /// /proc/pressure/memory or a cgroup's memory.pressure.
@@ -161,6 +165,25 @@ pub struct SystemMemory {
     pub shm_total_bytes: u64,
     #[prost(uint64, tag = "16")]
     pub shm_used_bytes: u64,
+}
+/// One NUMA node's memory.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NumaNode {
+    #[prost(uint32, tag = "1")]
+    pub node: u32,
+    #[prost(uint64, tag = "2")]
+    pub mem_total_bytes: u64,
+    #[prost(uint64, tag = "3")]
+    pub mem_free_bytes: u64,
+    /// Page cache on the node (FilePages): partly reclaimable.
+    #[prost(uint64, tag = "4")]
+    pub file_bytes: u64,
+    /// HugePages_Total: huge pages reserved on the node (a count), memory no
+    /// ordinary allocation can use.
+    #[prost(uint64, tag = "5")]
+    pub huge_pages_total: u64,
 }
 /// Counters read at a point in time, to compare before and after an exit.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -824,6 +847,11 @@ pub struct Sample {
     pub tree_rss_bytes: u64,
     #[prost(uint64, tag = "12")]
     pub tree_pss_bytes: u64,
+    /// Each NUMA node's memory (/sys/devices/system/node/node\*/meminfo), read
+    /// with `system`; empty where absent (no NUMA support, a masked /sys). A
+    /// kill bound to some nodes ran out there, whatever the host had free.
+    #[prost(message, repeated, tag = "30")]
+    pub numa_nodes: ::prost::alloc::vec::Vec<NumaNode>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -831,7 +859,7 @@ pub struct Sample {
 pub struct Event {
     #[prost(int64, tag = "1")]
     pub time_ns: i64,
-    #[prost(oneof = "event::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13")]
+    #[prost(oneof = "event::Kind", tags = "2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 30")]
     #[cfg_attr(feature = "serde", serde(flatten))]
     pub kind: ::core::option::Option<event::Kind>,
 }
@@ -876,6 +904,10 @@ pub mod event {
         #[prost(message, tag = "13")]
         #[cfg_attr(feature = "serde", serde(rename = "stop_forwarded"))]
         StopForwarded(super::StopForwarded),
+        /// Field 30: far from the kinds other work adds next.
+        #[prost(message, tag = "30")]
+        #[cfg_attr(feature = "serde", serde(rename = "kernel_alloc_failure"))]
+        KernelAllocFailure(super::KernelAllocFailure),
     }
 }
 /// `oomscope run` passed a stop signal it received (SIGTERM, SIGINT, SIGHUP)
@@ -893,7 +925,7 @@ pub struct StopForwarded {
 /// measured it when it chose to kill.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct KernelOomKill {
     /// The killed process and its name as the kernel logged it (comm).
     #[prost(uint32, tag = "1")]
@@ -933,6 +965,89 @@ pub struct KernelOomKill {
     pub lines: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     /// Microseconds since boot, as /dev/kmsg stamps it.
     #[prost(uint64, tag = "15")]
+    pub kernel_time_us: u64,
+    /// The failed allocation, from "invoked oom-killer: gfp_mask=0x...(...),
+    /// order=N": its size is 2^order pages; unset where the line was not read.
+    #[prost(uint32, optional, tag = "30")]
+    pub order: ::core::option::Option<u32>,
+    #[prost(string, tag = "31")]
+    pub gfp_mask: ::prost::alloc::string::String,
+    /// The nodes the allocation could use: the memory policy's (nodemask,
+    /// "(null)" without one) and the cpuset's (mems_allowed), in the kernel's
+    /// list form ("0-1,3"); the cpuset's path.
+    #[prost(string, tag = "32")]
+    pub nodemask: ::prost::alloc::string::String,
+    #[prost(string, tag = "33")]
+    pub cpuset: ::prost::alloc::string::String,
+    #[prost(string, tag = "34")]
+    pub mems_allowed: ::prost::alloc::string::String,
+    /// The free lists of the zones the kernel showed (the allowed nodes' only,
+    /// for a global kill), at the kill.
+    #[prost(message, repeated, tag = "35")]
+    pub zones: ::prost::alloc::vec::Vec<KernelZoneFree>,
+    /// Set on a task the kernel killed because memory.oom.group took its whole
+    /// group ("Tasks in <group> are going to be killed due to memory.oom.group
+    /// set"), not because it was chosen: the group's path.
+    #[prost(string, tag = "36")]
+    pub oom_group: ::prost::alloc::string::String,
+}
+/// One zone's free lists as the kernel's OOM or allocation-failure record
+/// shows them ("Node 0 Normal: 12*4kB (UME) 3*8kB ... = 72kB").
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct KernelZoneFree {
+    #[prost(uint32, tag = "1")]
+    pub node: u32,
+    #[prost(string, tag = "2")]
+    pub zone: ::prost::alloc::string::String,
+    /// Free blocks of each order (index = order; a block is 2^order pages).
+    #[prost(uint64, repeated, tag = "3")]
+    pub blocks: ::prost::alloc::vec::Vec<u64>,
+    /// The block size of order 0 (the page size), in bytes.
+    #[prost(uint64, tag = "4")]
+    pub page_bytes: u64,
+    /// The line's own total ("= 72kB").
+    #[prost(uint64, tag = "5")]
+    pub free_bytes: u64,
+    /// The zone's watermarks from its "Node 0 Normal free:... min:...kB
+    /// low:...kB high:...kB" line; 0 where that line was not read. Free memory
+    /// above `high` with no block of the order asked for is fragmentation.
+    #[prost(uint64, tag = "6")]
+    pub min_bytes: u64,
+    #[prost(uint64, tag = "7")]
+    pub high_bytes: u64,
+}
+/// The kernel's warning that an allocation failed with no OOM kill
+/// ("X: page allocation failure: order:N, mode:0x...(...), nodemask=...,
+/// cpuset=...,mems_allowed=..."): costly (high-order) allocations fail this
+/// way, and the caller sees ENOMEM. Read by `oomscope run` like a kill.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct KernelAllocFailure {
+    /// The failing task: its comm from the line, its pid from the stack dump
+    /// that follows ("CPU: 3 UID: 0 PID: 4242 Comm: ..."); 0 where not read.
+    #[prost(uint32, tag = "1")]
+    pub pid: u32,
+    #[prost(string, tag = "2")]
+    pub task: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "3")]
+    pub order: u32,
+    #[prost(string, tag = "4")]
+    pub gfp_mask: ::prost::alloc::string::String,
+    #[prost(string, tag = "5")]
+    pub nodemask: ::prost::alloc::string::String,
+    #[prost(string, tag = "6")]
+    pub cpuset: ::prost::alloc::string::String,
+    #[prost(string, tag = "7")]
+    pub mems_allowed: ::prost::alloc::string::String,
+    #[prost(message, repeated, tag = "8")]
+    pub zones: ::prost::alloc::vec::Vec<KernelZoneFree>,
+    /// The record's first line, for quoting.
+    #[prost(string, tag = "9")]
+    pub line: ::prost::alloc::string::String,
+    #[prost(uint64, tag = "10")]
     pub kernel_time_us: u64,
 }
 /// A model load (or another named phase): memory before and after.
@@ -1815,6 +1930,17 @@ pub struct KernelReport {
     pub memcg_limit_bytes: u64,
     #[prost(int32, tag = "12")]
     pub oom_score_adj: i32,
+    /// The failed allocation's order (2^order pages); unset where not logged.
+    #[prost(uint32, optional, tag = "30")]
+    pub order: ::core::option::Option<u32>,
+    /// The nodes it could use: the memory policy's nodemask ("(null)" without
+    /// one) and the cpuset's mems_allowed, as the kernel lists them ("0-1").
+    #[prost(string, tag = "31")]
+    pub nodemask: ::prost::alloc::string::String,
+    #[prost(string, tag = "32")]
+    pub mems_allowed: ::prost::alloc::string::String,
+    #[prost(string, tag = "33")]
+    pub cpuset: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -205,6 +205,7 @@ pub fn parse_v2_stat(text: &str, level: &mut pb::CgroupLevel) {
 pub fn parse_v2_events(text: &str, level: &mut pb::CgroupLevel) {
     for (key, value) in key_values(text) {
         match key {
+            "high" => level.events_high = value,
             "max" => level.events_max = value,
             "oom" => level.events_oom = value,
             "oom_kill" => level.events_oom_kill = value,

@@ -94,8 +94,10 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
         return Some((Trigger::RepeatedRequests, line));
     }
     // With no request marks the same growth is read against time (host_growth
-    // reports it too); a timeline with marks never reaches this.
-    if let Some(g) = time_growth::standing(f) {
+    // reports it too); a timeline with marks never reaches this. The host's
+    // growth sets off no failure on a device.
+    let on_device = v.failed && v.domain == Domain::GpuVram;
+    if let Some(g) = time_growth::standing(f).filter(|_| !on_device) {
         return Some((Trigger::GrowthOverTime, g.trigger_line()));
     }
     let unknown = || {

@@ -112,6 +112,13 @@ fn steady_growth_without_requests_is_host_growth_with_a_runway_in_time() {
     );
     assert!(c.evidence[1].starts_with("without request marks, host RSS rose from"));
     assert!(c.evidence[2].starts_with("the first 2.7 s of the process's life are left out"));
+    // No Python heap to census: the first fix says how to find a native growth.
+    assert!(
+        d.fixes[0].action.contains("allocator's heap profile")
+            && d.fixes[0].retest.contains("over time"),
+        "{:?}",
+        d.fixes
+    );
     // Before the failure the runway leads the verdict's own lines.
     assert_eq!(d.evidence[0], c.evidence[0]);
     // The trigger agrees with the cause.
@@ -299,4 +306,31 @@ fn a_tree_that_grows_in_its_children_grows_in_pss() {
     );
     assert!(close(c.metrics["bytes_per_second"], 5.0 * MIB as f64, 0.02));
     assert_eq!(d.trigger.as_deref(), Some("growth_over_time"));
+}
+
+#[test]
+fn host_growth_over_time_does_not_trigger_a_device_oom() {
+    // A CUDA OOM at 9 s, while the host RSS grew 10 MiB/s with no request marks.
+    let mut e = run_of(9.0, None, |t| 20 * MIB + (10.0 * MIB as f64 * t) as u64);
+    let oom_at = T0 + 9 * SEC + 50 * MS;
+    e.events.push(pb::Event {
+        time_ns: oom_at,
+        kind: Some(Kind::Oom(pb::Oom {
+            device: 0,
+            requested_bytes: 2 * GIB,
+            error_type: "OutOfMemoryError".into(),
+            error_text: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 1.33 GiB is free.".into(),
+            ..Default::default()
+        })),
+    });
+    e.incident = incident("oom", oom_at);
+    let d = diagnose(&e);
+    assert_eq!(d.domain.as_deref(), Some("gpu_vram"), "{:?}", d.evidence);
+    assert_ne!(d.trigger.as_deref(), Some("growth_over_time"));
+    // The host's growth is still a finding of its own.
+    assert!(close(
+        host_growth(&d).metrics["bytes_per_second"],
+        10.0 * MIB as f64,
+        0.02
+    ));
 }

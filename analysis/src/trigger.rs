@@ -96,8 +96,13 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
     // With no request marks the same growth is read against time (host_growth
     // reports it too); a timeline with marks never reaches this. The host's
     // growth sets off no failure on a device.
+    // Before a failure it must also rise past the floor under which the
+    // failure is `immediate` (host_immediate), so the two never disagree.
     let on_device = v.failed && v.domain == Domain::GpuVram;
-    if let Some(g) = time_growth::standing(f).filter(|_| !on_device) {
+    let sets_off = |g: &time_growth::TimeGrowth| {
+        !on_device && (!v.failed || g.bytes_per_second() * g.trend.span >= MIN_RISE_BYTES)
+    };
+    if let Some(g) = time_growth::standing(f).filter(sets_off) {
         return Some((Trigger::GrowthOverTime, g.trigger_line()));
     }
     let unknown = || {

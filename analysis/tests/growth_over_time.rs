@@ -178,12 +178,9 @@ fn growth_inside_a_load_phase_only_is_not_growth() {
     assert_eq!(d.trigger, None);
 }
 
-#[test]
-fn after_a_cgroup_kill_the_trigger_is_growth_over_time() {
-    // 30 MiB/s from 20 MiB in a 300 MiB cgroup: the kernel kills it at 9 s.
-    let rate = 30.0 * MIB as f64;
-    let mut e = run_of(9.0, Some(300 * MIB), |t| 20 * MIB + (rate * t) as u64);
-    let dead = T0 + 9 * SEC + 100 * MS;
+/// The kernel's kill in the 300 MiB cgroup, 100 ms after the newest reading.
+fn killed_at_the_limit(e: &mut Evidence) {
+    let dead = e.samples.last().unwrap().time_ns + 100 * MS;
     let levels = |usage, failcnt, kills| vec![v1(OWN, 300 * MIB, usage, usage, failcnt, kills)];
     e.events.push(pb::Event {
         time_ns: dead,
@@ -201,6 +198,30 @@ fn after_a_cgroup_kill_the_trigger_is_growth_over_time() {
         })),
     });
     e.incident = incident("signal", dead);
+}
+
+#[test]
+fn a_kill_after_a_small_growth_is_immediate_not_growth_over_time() {
+    // 1 MiB/s for 9 s, then one allocation the 300 MiB limit refuses: the
+    // growth (6 MiB in the window) stands, but did not set the kill off.
+    let mut e = run_of(9.0, Some(300 * MIB), |t| 20 * MIB + (MIB as f64 * t) as u64);
+    killed_at_the_limit(&mut e);
+    let d = diagnose(&e);
+    assert_eq!(d.domain.as_deref(), Some("cgroup"), "{:?}", d.evidence);
+    assert_eq!(d.trigger.as_deref(), Some("immediate"), "{:?}", d.evidence);
+    assert!(close(
+        host_growth(&d).metrics["bytes_per_second"],
+        MIB as f64,
+        0.05
+    ));
+}
+
+#[test]
+fn after_a_cgroup_kill_the_trigger_is_growth_over_time() {
+    // 30 MiB/s from 20 MiB in a 300 MiB cgroup: the kernel kills it at 9 s.
+    let rate = 30.0 * MIB as f64;
+    let mut e = run_of(9.0, Some(300 * MIB), |t| 20 * MIB + (rate * t) as u64);
+    killed_at_the_limit(&mut e);
     let d = diagnose(&e);
     assert_eq!(d.domain.as_deref(), Some("cgroup"), "{:?}", d.evidence);
     assert_eq!(d.trigger.as_deref(), Some("growth_over_time"));

@@ -263,10 +263,17 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             ),
         ],
         "slow_growth" => vec![fix(
-            format!(
-                "Nothing urgent: the limit lasts about {} more requests at this rate; if that is shorter than the time between restarts or deploys, take heap censuses far apart to name what grows",
-                metric(c, "requests_to_limit")
-            ),
+            if c.metrics.contains_key("bytes_per_second") {
+                format!(
+                    "Nothing urgent: the limit lasts {} at this rate; if that is shorter than the time between restarts or deploys, take heap profiles far apart to name what grows",
+                    crate::runway::duration_text(c.metrics.get("seconds_to_limit").copied().unwrap_or(f64::INFINITY))
+                )
+            } else {
+                format!(
+                    "Nothing urgent: the limit lasts about {} more requests at this rate; if that is shorter than the time between restarts or deploys, take heap censuses far apart to name what grows",
+                    metric(c, "requests_to_limit")
+                )
+            },
             "low",
             format!("{SAME_WORKLOAD} over more requests: the runway must not shrink"),
             None,

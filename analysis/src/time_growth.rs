@@ -62,6 +62,12 @@ impl TimeGrowth {
         self.trend.line.slope
     }
 
+    /// Its limit lasts longer than [`SLOW_TIME_RUNWAY_S`].
+    pub fn is_slow(&self) -> bool {
+        self.runway
+            .is_some_and(|r| r.seconds_left() > SLOW_TIME_RUNWAY_S)
+    }
+
     /// "host RSS rose from A to B between 2.0 s and 6.1 s after the start: 30.0 MiB/s (...)"
     pub fn rise_line(&self) -> String {
         let t = &self.trend;
@@ -153,10 +159,21 @@ pub fn has_request_marks(f: &Findings) -> bool {
             .any(|e| matches!(e.kind, Some(Kind::Request(_))))
 }
 
-/// The growth against time that stands, or None: the process has request
-/// marks (growth is then per request), no series grows for certain past the
-/// host's grain, or its runway is longer than [`SLOW_TIME_RUNWAY_S`].
+/// The growth against time that stands as `host_growth`, or None: the
+/// process has request marks (growth is then per request), no series grows
+/// for certain past the host's grain, or it is slow.
 pub fn standing(f: &Findings) -> Option<TimeGrowth> {
+    fit(f).filter(|g| !g.is_slow())
+}
+
+/// Growth against time whose runway is longer than [`SLOW_TIME_RUNWAY_S`]:
+/// `slow_growth`'s, reported with its runway, never as a leak.
+pub fn slow(f: &Findings) -> Option<TimeGrowth> {
+    fit(f).filter(TimeGrowth::is_slow)
+}
+
+/// The certain growth against time of a process with no request marks.
+fn fit(f: &Findings) -> Option<TimeGrowth> {
     if has_request_marks(f) {
         return None;
     }
@@ -191,9 +208,6 @@ pub fn standing(f: &Findings) -> Option<TimeGrowth> {
     .into_iter()
     .find_map(|(what, v)| series(v).map(|t| (what, t)))?;
     let runway = bounding_runway(f, &window, trend.line.slope);
-    if runway.is_some_and(|r| r.seconds_left() > SLOW_TIME_RUNWAY_S) {
-        return None;
-    }
     let (from_s, to_s) = window
         .iter()
         .map(|p| secs(p.time_ns))

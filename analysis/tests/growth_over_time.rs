@@ -355,3 +355,39 @@ fn host_growth_over_time_does_not_trigger_a_device_oom() {
         0.02
     ));
 }
+
+#[test]
+fn growth_whose_limit_lasts_months_is_slow_growth() {
+    // 3 KiB/s for 40 minutes, no cgroup: 12 GiB available lasts about 49 days.
+    let rate = 3.0 * 1024.0;
+    let e = run_of(2400.0, None, |t| GIB + (rate * t) as u64);
+    let d = diagnose(&e);
+    let kinds: Vec<&str> = d.causes.iter().map(|c| c.kind.as_str()).collect();
+    assert_eq!(kinds, ["slow_growth"], "{:?}", d.causes);
+    let c = &d.causes[0];
+    assert!(
+        close(c.metrics["bytes_per_second"], rate, 0.05),
+        "{:?}",
+        c.metrics
+    );
+    let secs = c.metrics["seconds_to_limit"];
+    assert!(close(secs, (12 * GIB) as f64 / rate, 0.05), "{secs}");
+    assert!(
+        c.evidence[0].contains("is gone in about 7 weeks"),
+        "{:?}",
+        c.evidence
+    );
+    assert!(
+        d.fixes[0]
+            .action
+            .starts_with("Nothing urgent: the limit lasts about 7 weeks"),
+        "{:?}",
+        d.fixes
+    );
+    // Slow growth sets nothing off.
+    assert_eq!(d.trigger, None);
+    // Ten times faster, it is host growth (about 5 days).
+    let e = run_of(2400.0, None, |t| GIB + (10.0 * rate * t) as u64);
+    let c = host_growth(&diagnose(&e)).clone();
+    assert!(close(c.metrics["bytes_per_second"], 10.0 * rate, 0.05));
+}

@@ -32,9 +32,10 @@ pub const WARMUP_NS: i64 = 30_000_000_000;
 /// overall rate) still turns away a warm-up that levels off.
 pub const WARMUP_MAX_SHARE_OF_LIFE: f64 = 1.0 / 3.0;
 
-/// Growth that takes longer than this to fill its limit is not named a
-/// host growth from time alone: a server's allocator drift over weeks is
-/// no leak to hunt, and without requests there is no rate to say more.
+/// Growth that takes longer than this to fill its limit is `slow_growth`,
+/// not `host_growth`: a server's allocator drift over weeks is no leak to
+/// hunt (it stays on record with its runway), and without requests there
+/// is no per-request share to judge it by instead.
 pub const SLOW_TIME_RUNWAY_S: f64 = 30.0 * 86_400.0;
 
 pub const HOST_RSS: &str = "host RSS";

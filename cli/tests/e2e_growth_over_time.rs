@@ -141,6 +141,7 @@ fn growth_without_request_marks_has_a_runway_in_time_and_its_own_trigger() {
         "runway {secs} s at {bps} B/s is {headroom} B; the cgroup has {now_left} B left"
     );
     let first = live["evidence"][0].as_str().unwrap();
+    eprintln!("live: {first}; the process did {did:.0} B/s");
     assert!(
         first.starts_with("runway: at ") && first.contains("of the cgroup limit"),
         "the runway leads: {live:#}"
@@ -175,5 +176,9 @@ fn growth_without_request_marks_has_a_runway_in_time_and_its_own_trigger() {
         .filter_map(|l| l.as_str())
         .find(|l| l.starts_with("trigger growth_over_time: with no request marks, host RSS grew"));
     assert!(line.is_some(), "{d:#}");
+    eprintln!(
+        "after the kill: {}; the process did {did:.0} B/s",
+        line.unwrap()
+    );
     drop(col);
 }

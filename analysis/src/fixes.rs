@@ -233,12 +233,22 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             ),
         ],
         "host_growth" => vec![
-            fix(
-                "Find what the process keeps on the host: a heap census by type, tracemalloc, growing caches or queues",
-                "low",
-                format!("{SAME_WORKLOAD} host RSS between requests: it must plateau"),
-                None,
-            ),
+            // Growth against time (no request marks): no Python heap to census.
+            if c.metrics.contains_key("bytes_per_second") {
+                fix(
+                    "Find what the process keeps on the host: its allocator's heap profile (heaptrack, jemalloc or tcmalloc profiling), growing caches or queues",
+                    "low",
+                    format!("{SAME_WORKLOAD} host memory over time past its warm-up: it must plateau"),
+                    None,
+                )
+            } else {
+                fix(
+                    "Find what the process keeps on the host: a heap census by type, tracemalloc, growing caches or queues",
+                    "low",
+                    format!("{SAME_WORKLOAD} host RSS between requests: it must plateau"),
+                    None,
+                )
+            },
             fix(
                 "Until it is fixed, restart the worker before the limit",
                 "medium",
@@ -253,10 +263,17 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             ),
         ],
         "slow_growth" => vec![fix(
-            format!(
-                "Nothing urgent: the limit lasts about {} more requests at this rate; if that is shorter than the time between restarts or deploys, take heap censuses far apart to name what grows",
-                metric(c, "requests_to_limit")
-            ),
+            if c.metrics.contains_key("bytes_per_second") {
+                format!(
+                    "Nothing urgent: the limit lasts {} at this rate; if that is shorter than the time between restarts or deploys, take heap profiles far apart to name what grows",
+                    crate::runway::duration_text(c.metrics.get("seconds_to_limit").copied().unwrap_or(f64::INFINITY))
+                )
+            } else {
+                format!(
+                    "Nothing urgent: the limit lasts about {} more requests at this rate; if that is shorter than the time between restarts or deploys, take heap censuses far apart to name what grows",
+                    metric(c, "requests_to_limit")
+                )
+            },
             "low",
             format!("{SAME_WORKLOAD} over more requests: the runway must not shrink"),
             None,

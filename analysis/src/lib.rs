@@ -43,6 +43,7 @@ mod setting_fixes;
 pub mod settings;
 pub mod stats;
 mod thrash;
+mod time_growth;
 mod timeline;
 mod torch_text;
 mod trigger;

@@ -48,6 +48,8 @@ pub struct Point {
     /// What the in-process agent itself held on the heap (part of both RSS
     /// and the cgroup's usage); 0 where the agent does not count it.
     pub agent_heap: u64,
+    /// `oomscope run`: the PSS of the supervised process tree.
+    pub tree_pss: Option<u64>,
 }
 
 impl Point {
@@ -249,6 +251,7 @@ fn point(s: &pb::Sample, device: Option<&DeviceKey>) -> Point {
             .filter(|&l| crate::evidence::is_finite_limit(l))
             .min(),
         agent_heap: s.process.as_ref().map_or(0, |p| p.agent_heap_bytes),
+        tree_pss: Some(s.tree_pss_bytes).filter(|&b| b > 0),
     }
 }
 

@@ -1,5 +1,6 @@
 //! What set the failure off, from the pattern of growth before it, tested in
-//! this order: concurrency, size, repeated requests, immediate, unknown.
+//! this order: concurrency, size, repeated requests, growth over time (no
+//! request marks), immediate, unknown.
 //!
 //! Peak stats are cumulative, so growth inside requests is read from the live
 //! bytes of readings taken during them (`decode`); the between-request
@@ -12,6 +13,7 @@ use crate::findings::Findings;
 use crate::growth;
 use crate::pb;
 use crate::stats;
+use crate::time_growth;
 use crate::timeline::Point;
 use crate::units::bytes_short;
 
@@ -28,6 +30,8 @@ pub enum Trigger {
     SizeDependent,
     ConcurrencyDependent,
     RepeatedRequests,
+    /// Growth against time, where nothing marks requests (`time_growth`).
+    GrowthOverTime,
     Unknown,
 }
 
@@ -38,6 +42,7 @@ impl Trigger {
             Trigger::SizeDependent => "size_dependent",
             Trigger::ConcurrencyDependent => "concurrency_dependent",
             Trigger::RepeatedRequests => "repeated_requests",
+            Trigger::GrowthOverTime => "growth_over_time",
             Trigger::Unknown => "unknown",
         }
     }
@@ -87,6 +92,18 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             g.trend.span
         );
         return Some((Trigger::RepeatedRequests, line));
+    }
+    // With no request marks the same growth is read against time (host_growth
+    // reports it too); a timeline with marks never reaches this. The host's
+    // growth sets off no failure on a device.
+    // Before a failure it must also rise past the floor under which the
+    // failure is `immediate` (host_immediate), so the two never disagree.
+    let on_device = v.failed && v.domain == Domain::GpuVram;
+    let sets_off = |g: &time_growth::TimeGrowth| {
+        !on_device && (!v.failed || g.bytes_per_second() * g.trend.span >= MIN_RISE_BYTES)
+    };
+    if let Some(g) = time_growth::standing(f).filter(sets_off) {
+        return Some((Trigger::GrowthOverTime, g.trigger_line()));
     }
     let unknown = || {
         (

@@ -10,6 +10,7 @@ use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
 use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
+use crate::time_growth;
 use crate::timeline::Point;
 use crate::units::bytes_short;
 
@@ -54,12 +55,15 @@ pub fn standing<'a>(f: &Findings<'a>) -> Option<Standing<'a>> {
 }
 
 pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let Standing {
+    let Some(Standing {
         what,
         trend: t,
         runway,
         heap,
-    } = standing(f)?;
+    }) = standing(f)
+    else {
+        return over_time(f);
+    };
     let runway_line = runway.map_or_else(|| RUNWAY_UNKNOWN.to_string(), |r| r.line());
     let mut evidence = vec![runway_line, t.rise_line(what)];
     if f.timeline.device().next().is_some() {
@@ -130,6 +134,34 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'s
         requests_per_s: runway::request_rate(&f.timeline),
     });
     Some((what, t, runway))
+}
+
+/// Growth against time of a process with no request marks (see
+/// `time_growth`): the same cause, its rate in bytes per second and its
+/// runway in time.
+fn over_time(f: &Findings) -> Option<pb::Cause> {
+    let g = time_growth::standing(f)?;
+    let runway_line = g
+        .runway
+        .map_or_else(|| RUNWAY_UNKNOWN.to_string(), |r| r.line());
+    let evidence = vec![
+        runway_line,
+        g.rise_line(),
+        g.warmup_line(),
+        "no request marks (no in-process agent counting requests, no request boundaries): growth is fitted against time, not requests".to_string(),
+        "find what the process keeps on the host (its allocator's heap profile, growing caches or queues); more swap only slows the failure down".to_string(),
+    ];
+    let mut metrics = vec![
+        ("bytes_per_second", g.bytes_per_second().round()),
+        ("p_value", g.trend.p_value),
+        ("fitted_seconds", g.to_s - g.from_s),
+    ];
+    if g.what == time_growth::CGROUP_USAGE {
+        metrics.push((CGROUP_SERIES_METRIC, 1.0));
+    }
+    metrics.extend(g.runway.iter().flat_map(|r| r.metrics()));
+    let confidence = if f.failed { 0.7 } else { 0.6 };
+    Some(cause("host_growth", confidence, evidence, &metrics))
 }
 
 /// "the heap census names the retaining type: torch.Tensor[cpu] +250 KiB per request (49% of the host growth) ..."

@@ -12,13 +12,16 @@ use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
 use crate::runway::{self, Runway, SLOW_GROWTH_SHARE};
+use crate::time_growth;
 
 /// Far below every leak and host growth (0.6 to 0.9): slow growth explains
 /// no failure on its own.
 pub const SLOW_GROWTH_CONFIDENCE: f64 = 0.3;
 
 pub fn slow_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
-    let (what, t, runway) = device_slow(f).or_else(|| host_slow(f))?;
+    let Some((what, t, runway)) = device_slow(f).or_else(|| host_slow(f)) else {
+        return slow_over_time(f);
+    };
     let evidence = vec![
         runway.line(),
         t.rise_line(what),
@@ -65,4 +68,30 @@ fn host_slow(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
     let runway = runway.filter(|r| r.is_slow())?;
     let heap_grows = matches!(census::verdict(f), Some(HeapVerdict::Growing(_)));
     (!heap_grows).then_some((what, t, runway))
+}
+
+/// Growth against time (no request marks) whose limit lasts longer than
+/// `time_growth::SLOW_TIME_RUNWAY_S`.
+fn slow_over_time(f: &Findings) -> Option<pb::Cause> {
+    let g = time_growth::slow(f)?;
+    let runway = g.runway?;
+    let evidence = vec![
+        runway.line(),
+        g.rise_line(),
+        format!(
+            "slow growth, not a leak: its limit lasts more than {} at this rate",
+            runway::duration_text(time_growth::SLOW_TIME_RUNWAY_S)
+        ),
+    ];
+    let mut metrics = vec![
+        ("bytes_per_second", g.bytes_per_second().round()),
+        ("p_value", g.trend.p_value),
+    ];
+    metrics.extend(runway.metrics());
+    Some(cause(
+        "slow_growth",
+        SLOW_GROWTH_CONFIDENCE,
+        evidence,
+        &metrics,
+    ))
 }

@@ -1826,7 +1826,9 @@ pub struct Diagnosis {
     #[prost(string, optional, tag = "3")]
     pub domain: ::core::option::Option<::prost::alloc::string::String>,
     /// "immediate", "size_dependent", "concurrency_dependent",
-    /// "repeated_requests", "unknown"; unset when not assessed.
+    /// "repeated_requests" (growth per request), "growth_over_time" (growth
+    /// against time, where nothing marks requests), "unknown"; unset when not
+    /// assessed.
     #[prost(string, optional, tag = "4")]
     pub trigger: ::core::option::Option<::prost::alloc::string::String>,
     /// Most likely first.

@@ -10,13 +10,6 @@ use oomscope_analysis::pb::{self, event::Kind};
 use oomscope_analysis::runtime_text::Memory;
 use oomscope_analysis::{attribute_domain, diagnose, Domain, Evidence, RUNTIME_TEXTS};
 
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
 const OWN: &str = "/oomtest/child";
 const SIGTERM: i32 = 15;
 

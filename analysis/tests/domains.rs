@@ -7,26 +7,6 @@ use common::*;
 use oomscope_analysis::pb::{self, event::Kind};
 use oomscope_analysis::{attribute_domain, diagnose, Domain, Evidence};
 
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
-fn cause<'a>(d: &'a pb::Diagnosis, kind: &str) -> &'a pb::Cause {
-    d.causes
-        .iter()
-        .find(|c| c.kind == kind)
-        .unwrap_or_else(|| panic!("no {kind} cause in {:#?}", d.causes))
-}
-
-fn metric(c: &pb::Cause, name: &str) -> f64 {
-    *c.metrics
-        .get(name)
-        .unwrap_or_else(|| panic!("no metric {name} in {:?}", c.metrics))
-}
-
 const OWN: &str = "/oomtest/child";
 
 #[test]

@@ -837,13 +837,6 @@ fn usage_unavailable() -> Evidence {
 
 // ---- checks ----
 
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
 fn all_lines(d: &pb::Diagnosis) -> impl Iterator<Item = &String> {
     d.evidence
         .iter()

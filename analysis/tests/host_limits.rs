@@ -10,26 +10,6 @@ use oomscope_analysis::{diagnose, Evidence};
 
 const OWN: &str = "/oomtest/child";
 
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
-fn cause<'a>(d: &'a pb::Diagnosis, kind: &str) -> &'a pb::Cause {
-    d.causes
-        .iter()
-        .find(|c| c.kind == kind)
-        .unwrap_or_else(|| panic!("no {kind} cause in {:#?}", d.causes))
-}
-
-fn metric(c: &pb::Cause, name: &str) -> f64 {
-    *c.metrics
-        .get(name)
-        .unwrap_or_else(|| panic!("no metric {name} in {:?}", c.metrics))
-}
-
 fn levels() -> Vec<pb::CgroupLevel> {
     vec![v1(OWN, V1_UNLIMITED, 300 * MIB, 310 * MIB, 0, 0)]
 }

@@ -9,13 +9,6 @@ use oomscope_analysis::{diagnose, pb, Evidence, SUPERVISOR_CGROUP_LABEL};
 
 const OWN: &str = "/demo";
 
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
 fn cgroup_limit(d: &pb::Diagnosis) -> &pb::Cause {
     d.causes
         .iter()

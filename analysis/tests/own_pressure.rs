@@ -9,13 +9,6 @@ use oomscope_analysis::{diagnose, pb, Evidence, OWN_MIN_MAJOR_FAULTS};
 
 const OWN: &str = "/jobs/server";
 
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
 /// Seven samples over 60 s of a host without swap whose page cache thrashes
 /// (60,000 file refaults, a 4 GiB working set, system PSI stalling 20% of the
 /// time); the process's own cgroup and faults move by `own(i)`.

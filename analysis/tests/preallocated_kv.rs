@@ -25,26 +25,6 @@ fn gib(x: f64) -> u64 {
     (x * GIB as f64) as u64
 }
 
-fn cause<'a>(d: &'a pb::Diagnosis, kind: &str) -> &'a pb::Cause {
-    d.causes
-        .iter()
-        .find(|c| c.kind == kind)
-        .unwrap_or_else(|| panic!("no {kind} cause in {:#?}", d.causes))
-}
-
-fn metric(c: &pb::Cause, name: &str) -> f64 {
-    *c.metrics
-        .get(name)
-        .unwrap_or_else(|| panic!("no metric {name} in {:?}", c.metrics))
-}
-
-fn has(lines: &[String], needle: &str) {
-    assert!(
-        lines.iter().any(|l| l.contains(needle)),
-        "no line contains {needle:?} in {lines:#?}"
-    );
-}
-
 /// Every fix has a retest; none suggests killing a process.
 fn sound(d: &pb::Diagnosis) {
     for f in &d.fixes {

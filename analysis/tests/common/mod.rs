@@ -169,3 +169,26 @@ pub fn sample(time_ns: i64, cgroup: Vec<pb::CgroupLevel>, system: pb::SystemMemo
         ..Default::default()
     }
 }
+
+/// Some line of `lines` contains `needle` (the failure lists them all).
+pub fn has(lines: &[String], needle: &str) {
+    assert!(
+        lines.iter().any(|l| l.contains(needle)),
+        "no line contains {needle:?} in {lines:#?}"
+    );
+}
+
+/// The cause of `kind`; its absence fails with the causes found.
+pub fn cause<'a>(d: &'a pb::Diagnosis, kind: &str) -> &'a pb::Cause {
+    d.causes
+        .iter()
+        .find(|c| c.kind == kind)
+        .unwrap_or_else(|| panic!("no {kind} cause in {:#?}", d.causes))
+}
+
+/// A cause's metric; its absence fails with the metrics found.
+pub fn metric(c: &pb::Cause, name: &str) -> f64 {
+    *c.metrics
+        .get(name)
+        .unwrap_or_else(|| panic!("no metric {name} in {:?}", c.metrics))
+}

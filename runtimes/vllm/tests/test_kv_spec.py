@@ -50,6 +50,19 @@ DEEPSEEK_V2_LITE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _environ_left_as_found():
+    """Building a VllmConfig in this process sets process-wide environment
+    (LD_PRELOAD of torch's libgomp, LOCAL_WORLD_SIZE,
+    VLLM_WORKER_MULTIPROC_METHOD, ...); left in place it reaches every vLLM
+    server the later tests launch with a copy of os.environ, whose worker then
+    never took its VLLM::Worker title."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def engine_config(tmp_path, hf, tp=1, pp=1):
     """vLLM's config for the model `hf` on tp x pp workers."""
     model_dir = tmp_path / hf["model_type"]

@@ -20,8 +20,14 @@ use crate::Run;
 pub const CLEAR_CHANGE: f64 = 0.10;
 
 /// Labels that describe a run's provenance or its outcome, not its
-/// configuration: they differ between any two runs and are no variable.
-const NOT_SETTINGS: [&str; 3] = ["capture_file", "failed_at", "self_pid"];
+/// configuration: they differ between any two runs and are no variable
+/// (where the supervisor placed itself names its own pid).
+const NOT_SETTINGS: [&str; 4] = [
+    "capture_file",
+    "failed_at",
+    "self_pid",
+    oomscope_analysis::SUPERVISOR_CGROUP_LABEL,
+];
 /// Label suffix of observations made at the failure (e.g. a capture's
 /// `nvml_memory_at_failure`).
 const OBSERVATION_SUFFIX: &str = "_at_failure";

@@ -147,8 +147,10 @@ impl TimeRunway {
     }
 }
 
-/// Whether anything in the evidence counts requests: a request context, a
-/// reading inside a request, a request boundary.
+/// Whether anything in the evidence counts work: a request context, a
+/// reading inside a request, a request boundary, or a runtime's engine
+/// steps (a vLLM instance's, joined from its API server: a member's growth
+/// is then read per step, `members`).
 pub fn has_request_marks(f: &Findings) -> bool {
     f.timeline
         .points
@@ -158,6 +160,13 @@ pub fn has_request_marks(f: &Findings) -> bool {
             .events
             .iter()
             .any(|e| matches!(e.kind, Some(Kind::Request(_))))
+        || f.evidence.samples.iter().any(|s| {
+            s.context.as_ref().is_some_and(|c| {
+                c.numbers
+                    .get(crate::members::ENGINE_STEPS)
+                    .is_some_and(|&n| n > 0.0)
+            })
+        })
 }
 
 /// The growth against time that stands as `host_growth`, or None: the

@@ -4,6 +4,10 @@ use crate::pb;
 use crate::pb::event::Kind;
 use crate::settings::ENV_LABEL_PREFIX;
 
+/// The runtime's count of engine steps in a context's numbers (the vLLM
+/// plugin's): a worker's growth per model step is read against it.
+pub const ENGINE_STEPS: &str = "engine_steps";
+
 /// The Hello label where `oomscope run` says where it placed itself: moved
 /// out of the cgroup it watches (so an OOM there cannot take it), or why it
 /// stayed in it.

@@ -37,9 +37,7 @@ pub const VICTIM_GROWTH_CONFIDENCE: f64 = 0.97;
 /// A member's growth when another process failed, or nothing failed yet.
 pub const MEMBER_GROWTH_CONFIDENCE: f64 = 0.75;
 
-/// The runtime's count of engine steps in a context's numbers (the vLLM
-/// plugin's): a worker's growth per model step is read against it.
-pub const ENGINE_STEPS: &str = "engine_steps";
+pub use crate::evidence::ENGINE_STEPS;
 
 /// The pid the failure took: the kernel's victim, else a member's or the
 /// child's end, else none.

@@ -163,7 +163,7 @@ pub fn has_request_marks(f: &Findings) -> bool {
         || f.evidence.samples.iter().any(|s| {
             s.context.as_ref().is_some_and(|c| {
                 c.numbers
-                    .get(crate::members::ENGINE_STEPS)
+                    .get(crate::evidence::ENGINE_STEPS)
                     .is_some_and(|&n| n > 0.0)
             })
         })

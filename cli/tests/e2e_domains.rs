@@ -11,25 +11,6 @@ use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
 
-fn evidence_text(d: &Value) -> String {
-    let mut all: Vec<String> = d["evidence"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e.as_str().unwrap().to_string())
-        .collect();
-    for c in d["causes"].as_array().unwrap() {
-        all.extend(
-            c["evidence"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|e| e.as_str().unwrap().to_string()),
-        );
-    }
-    all.join("\n")
-}
-
 /// The only incident of `name`, diagnosed.
 fn diagnose_only(col: &Collector, name: &str) -> Value {
     let incs = col.incidents_of(name, 1, Duration::from_secs(10));

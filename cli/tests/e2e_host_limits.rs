@@ -17,25 +17,6 @@ const MIB: f64 = 1048576.0;
 /// The shared venv's Python, which has torch.
 const TORCH_PYTHON: &str = "/work/main/.venv/bin/python";
 
-fn evidence_text(d: &Value) -> String {
-    let mut all: Vec<&str> = d["evidence"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e.as_str().unwrap())
-        .collect();
-    for c in d["causes"].as_array().unwrap() {
-        all.extend(
-            c["evidence"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|e| e.as_str().unwrap()),
-        );
-    }
-    all.join("\n")
-}
-
 fn cause<'a>(d: &'a Value, kind: &str) -> &'a Value {
     d["causes"]
         .as_array()

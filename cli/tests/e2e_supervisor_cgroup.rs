@@ -12,28 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
-
-fn evidence_text(d: &Value) -> String {
-    let mut all: Vec<String> = d["evidence"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e.as_str().unwrap().to_string())
-        .collect();
-    for c in d["causes"].as_array().unwrap() {
-        all.extend(
-            c["evidence"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|e| e.as_str().unwrap().to_string()),
-        );
-    }
-    all.join("\n")
-}
 
 /// The README's cgroup example: the `sh` block after "To see a cgroup verdict".
 fn readme_cgroup_example() -> String {

@@ -474,3 +474,23 @@ pub fn suite<'a>(r: &'a serde_json::Value, name: &str) -> &'a serde_json::Value 
         .find(|s| s["suite"] == name)
         .unwrap_or_else(|| panic!("no {name} suite in {r:#}"))
 }
+
+/// A diagnosis's evidence lines and its causes', one per line, to search.
+pub fn evidence_text(d: &serde_json::Value) -> String {
+    let mut all: Vec<String> = d["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap().to_string())
+        .collect();
+    for c in d["causes"].as_array().unwrap() {
+        all.extend(
+            c["evidence"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e.as_str().unwrap().to_string()),
+        );
+    }
+    all.join("\n")
+}

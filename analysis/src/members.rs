@@ -24,6 +24,7 @@ use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
 use crate::runway::{RUNWAY_PREFIX, RUNWAY_UNKNOWN};
+use crate::time_growth::PER_SECOND_METRIC;
 use crate::units::bytes_short;
 
 /// Causes a member's own timeline shows that the instance's main timeline
@@ -187,7 +188,12 @@ pub fn causes(
 ) -> Vec<pb::Cause> {
     let e = f.evidence;
     let victim = victim_pid(f);
+    let tree = tree_growth(e);
     let mut out = Vec::new();
+    // What members' own agents saw grow against time (they count no work
+    // of theirs), where the tree reads the same process against the
+    // instance's work: the work fit is the verdict, this its support.
+    let mut over_time: Vec<(u32, String)> = Vec::new();
     // Members with an agent of their own: their verdicts' growth causes.
     for (hello, theirs) in theirs {
         let died = victim == Some(hello.pid);
@@ -197,6 +203,19 @@ pub fn causes(
             MEMBER_GROWTH_KINDS.contains(&c.kind.as_str())
                 && !c.metrics.contains_key(CGROUP_SERIES_METRIC)
         }) {
+            if let Some(per_s) = c.metrics.get(PER_SECOND_METRIC) {
+                if tree.iter().any(|g| g.process.pid == hello.pid) {
+                    over_time.push((
+                        hello.pid,
+                        format!(
+                            "its own agent (agent {}), which counts no work of its own, saw it grow {}/s",
+                            hello.agent_id,
+                            bytes_short(per_s.max(0.0).round() as u64)
+                        ),
+                    ));
+                    continue;
+                }
+            }
             let name = who(&hello.title, Some(&hello.role), hello.pid);
             if died {
                 strip_runway(&mut c);
@@ -228,7 +247,7 @@ pub fn causes(
     }
     // The supervised tree: members' RSS against the work, where no agent of
     // theirs already named the growth.
-    for g in tree_growth(e) {
+    for g in tree {
         let pid = g.process.pid;
         let named = out
             .iter()
@@ -250,6 +269,12 @@ pub fn causes(
             t.points,
             t.p_value
         )];
+        evidence.extend(
+            over_time
+                .iter()
+                .filter(|(p, _)| *p == pid)
+                .map(|(_, l)| l.clone()),
+        );
         if died {
             evidence.push(
                 "the failure took this process: its growth is why the limit was reached; no runway, it already died"

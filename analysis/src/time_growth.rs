@@ -42,6 +42,10 @@ pub const HOST_RSS: &str = "host RSS";
 pub const TREE_PSS: &str = "the process tree's PSS";
 pub const CGROUP_USAGE: &str = "cgroup usage";
 
+/// The metric of a growth fitted against time: a cause carrying it counted
+/// no work.
+pub const PER_SECOND_METRIC: &str = "bytes_per_second";
+
 /// A growth against time that stands (as `host_growth`, and as the
 /// `growth_over_time` trigger).
 #[derive(Clone, Debug, PartialEq)]

@@ -341,3 +341,58 @@ fn a_main_process_the_kernel_killed_too_is_no_consequence() {
     assert!(l.contains("was OOM-killed by the kernel too"), "{l}");
     assert!(!l.contains("a consequence"), "{l}");
 }
+
+/// The worker's own agent counts no work (a vLLM worker's agent sees no
+/// requests): its verdict is growth against time. The supervised tree reads
+/// the same process against the instance's engine steps: that is the
+/// verdict, per step, and the agent's rate is its support.
+#[test]
+fn a_members_growth_against_time_yields_to_the_trees_per_step_fit() {
+    let per_step = 3 * MIB;
+    let mut worker = worker_agent(0);
+    for (i, s) in worker.samples.iter_mut().enumerate() {
+        let steps = (i as u64 + 1) * STEPS_PER_SAMPLE;
+        s.context = None;
+        s.process.as_mut().unwrap().vm_rss_bytes = 900 * MIB + steps * per_step;
+    }
+    let own = diagnose(&worker);
+    let c = own
+        .causes
+        .iter()
+        .find(|c| c.kind == "host_growth")
+        .unwrap_or_else(|| panic!("{:#?}", own.causes));
+    let per_s = c.metrics["bytes_per_second"];
+    assert!(
+        per_s > 0.0,
+        "its own verdict is against time: {:#?}",
+        c.metrics
+    );
+
+    let mut e = killed_worker_with_tree(per_step);
+    e.members.push(worker);
+    let d = diagnose(&e);
+    let first = &d.causes[0];
+    assert_eq!(first.kind, "host_growth", "{:#?}", d.causes);
+    assert_eq!(first.metrics["member_pid"], f64::from(WORKER_PID));
+    let got = first.metrics["bytes_per_step"];
+    assert!(
+        (got - per_step as f64).abs() <= 0.2 * per_step as f64,
+        "{got} bytes per step against {per_step} planted: {:#?}",
+        first.metrics
+    );
+    assert!(!first.metrics.contains_key("bytes_per_second"));
+    assert!(
+        first
+            .evidence
+            .iter()
+            .any(|l| l.contains("its own agent (agent worker-agent)") && l.ends_with("/s")),
+        "{:#?}",
+        first.evidence
+    );
+    assert_eq!(
+        d.causes.iter().filter(|c| c.kind == "host_growth").count(),
+        1,
+        "one cause for one process: {:#?}",
+        d.causes
+    );
+}

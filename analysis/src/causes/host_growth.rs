@@ -152,7 +152,7 @@ fn over_time(f: &Findings) -> Option<pb::Cause> {
         "find what the process keeps on the host (its allocator's heap profile, growing caches or queues); more swap only slows the failure down".to_string(),
     ];
     let mut metrics = vec![
-        ("bytes_per_second", g.bytes_per_second().round()),
+        (time_growth::PER_SECOND_METRIC, g.bytes_per_second().round()),
         ("p_value", g.trend.p_value),
         ("fitted_seconds", g.to_s - g.from_s),
     ];

@@ -9,6 +9,7 @@
 //! verdict unsafe. Every suite is bounded in requests and time and talks
 //! only to the endpoint it was given.
 
+pub mod answer;
 pub mod compare;
 pub mod concurrency;
 pub mod http;
@@ -436,6 +437,7 @@ pub(crate) struct Asker<'a> {
     /// Words to tokens, for each request's expected tokens.
     cal: &'a tokens::Calibration,
     workload: Option<&'a Arc<workload::Workload>>,
+    lean: &'a load::Lean,
 }
 
 impl Asker<'_> {
@@ -455,6 +457,7 @@ impl Asker<'_> {
             stream: self.stream,
             prompt_tokens: self.cal.tokens_for(words),
             workload: self.workload.cloned(),
+            lean: self.lean.clone(),
         }
     }
 
@@ -494,6 +497,8 @@ pub struct Probe {
     current: String,
     /// Where each request goes as the server's workload (the collector).
     workload: Option<Arc<workload::Workload>>,
+    /// The server rejects the optional request fields (learned once).
+    lean: load::Lean,
 }
 
 impl Probe {
@@ -541,6 +546,7 @@ impl Probe {
             deliberate: None,
             current: String::new(),
             workload: None,
+            lean: load::Lean::default(),
         })
     }
 
@@ -563,6 +569,7 @@ impl Probe {
             stream: self.server.stream,
             cal: &self.cal,
             workload: self.workload.as_ref(),
+            lean: &self.lean,
         }
     }
 

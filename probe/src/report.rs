@@ -18,7 +18,7 @@
 //!  deaths: [Death],
 //!  warnings: [str]}
 //! Step   = {label, prompt_words, prompt_tokens|null, context_tokens|null, concurrency, calls, ok,
-//!           refused, rejected, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
+//!           refused, rejected, empty, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
 //!           first_token_p50_ms|null, effective_concurrency|null, effective_method|null,
 //!           server_load: Load|null,
 //!           memory: {allocated_bytes, reserved_bytes, rss_bytes, cgroup_usage_bytes,
@@ -106,6 +106,9 @@ pub struct Step {
     pub ok: usize,
     pub refused: usize,
     pub rejected: usize,
+    /// Answered 200 with no generated token: a refusal at that size.
+    #[serde(default)]
+    pub empty: usize,
     pub server_errors: usize,
     pub timeouts: usize,
     pub unreachable: usize,
@@ -315,13 +318,16 @@ pub fn text(r: &ProbeReport) -> String {
                 Some(e) if (e as usize) < st.concurrency => format!(" in service {e}"),
                 _ => String::new(),
             };
+            let refused = match st.empty {
+                0 => st.refused.to_string(),
+                n => format!("{} empty {n}", st.refused),
+            };
             let _ = writeln!(
                 out,
-                "        {:<28} ok {}/{} refused {} errors {} timeouts {} p99 {}{served}{mem}{}",
+                "        {:<28} ok {}/{} refused {refused} errors {} timeouts {} p99 {}{served}{mem}{}",
                 st.label,
                 st.ok,
                 st.calls,
-                st.refused,
                 st.server_errors + st.unreachable,
                 st.timeouts,
                 st.p99_ms.map_or("-".into(), |p| format!("{p:.0} ms")),

@@ -41,6 +41,7 @@ fn step(
         ok: count(calls, Outcome::Ok),
         refused: count(calls, Outcome::Refused),
         rejected: count(calls, Outcome::Rejected),
+        empty: count(calls, Outcome::Empty),
         server_errors: count(calls, Outcome::ServerError),
         timeouts: count(calls, Outcome::Timeout),
         unreachable: count(calls, Outcome::Unreachable),
@@ -253,7 +254,11 @@ impl Probe {
         }
         let bound = if calls.iter().any(|c| c.is_oom()) {
             "out_of_memory"
-        } else if calls.iter().any(|c| c.outcome == Outcome::Rejected) {
+        } else if calls
+            .iter()
+            .any(|c| matches!(c.outcome, Outcome::Rejected | Outcome::Empty))
+        {
+            // An empty 200 is the server refusing the size without saying so.
             "max_context_setting"
         } else if calls.iter().any(|c| c.outcome == Outcome::Refused) {
             "admission_cap"

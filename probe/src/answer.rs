@@ -6,12 +6,12 @@
 //! success needs evidence of generation (a token, `completion_tokens > 0`
 //! or a finish reason); a 200 without any is [`Outcome::Empty`], a refusal
 //! at that size. An error inside a stream is a server error, unless its text
-//! is about the context length: then it is the server refusing the size.
+//! is about the context length: then it is the server refusing the size
+//! ([`crate::load::outcome`] maps an answer to its outcome).
 
 use serde_json::Value;
 
 use crate::http::Response;
-use crate::load::Outcome;
 
 /// What an answer said: usage, id, the first token's time, or an error.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -169,23 +169,6 @@ pub fn is_context_refusal(text: &str) -> bool {
     CONTEXT_TEXTS.iter().any(|c| t.contains(c))
 }
 
-/// How one HTTP answer ended: 200 needs evidence of generation (else
-/// [`Outcome::Empty`]); an error in a 200 stream is a server error unless it
-/// is about the context length; 429/503 refused; other 4xx rejected.
-pub fn outcome(status: u16, p: &Parsed) -> Outcome {
-    match status {
-        200..=299 => match (&p.error, p.generated()) {
-            (Some(e), false) if is_context_refusal(e) => Outcome::Rejected,
-            (Some(_), false) => Outcome::ServerError,
-            (_, true) => Outcome::Ok,
-            (None, false) => Outcome::Empty,
-        },
-        429 | 503 => Outcome::Refused,
-        400..=499 => Outcome::Rejected,
-        _ => Outcome::ServerError,
-    }
-}
-
 /// The request fields a server may not know; a server that rejects one of
 /// them by name gets the request again without them.
 pub const OPTIONAL_FIELDS: [&str; 2] = ["ignore_eos", "temperature"];
@@ -201,11 +184,11 @@ pub fn rejects_optional_fields(status: u16, error: Option<&str>) -> bool {
 pub fn empty_text(resp: &Response) -> String {
     if resp.is_event_stream() {
         let n = resp.events.iter().filter(|e| e.data != "[DONE]").count();
-        format!("HTTP 200 with no generated token: an event stream of {n} events without text, usage or finish reason (a refusal at this size)")
+        format!("no generated token: an event stream of {n} events without text, usage or finish reason (a refusal at this size)")
     } else {
         let head = resp.text_head(120);
         format!(
-            "HTTP 200 with no generated token: {} (a refusal at this size)",
+            "no generated token: {} (a refusal at this size)",
             if head.trim().is_empty() {
                 "an empty body".to_string()
             } else {
@@ -219,6 +202,7 @@ pub fn empty_text(resp: &Response) -> String {
 mod tests {
     use super::*;
     use crate::http::SseEvent;
+    use crate::load::{outcome, Outcome};
     use std::time::Duration;
 
     fn sse(events: &[&str]) -> Response {

@@ -10,6 +10,7 @@
 //! only to the endpoint it was given.
 
 pub mod answer;
+pub mod calibrate;
 pub mod compare;
 pub mod concurrency;
 pub mod http;
@@ -227,6 +228,9 @@ pub struct ProbeConfig {
     pub seed: Option<u64>,
     /// How often the server's metrics are read during a step.
     pub metrics_poll: Duration,
+    /// Stream requests: auto (where the server streams and counts tokens
+    /// without a non-streamed answer), on or off; chosen once per run.
+    pub stream: calibrate::StreamChoice,
 }
 
 impl ProbeConfig {
@@ -263,6 +267,7 @@ impl ProbeConfig {
             progress: progress::Mode::Quiet,
             seed: None,
             metrics_poll: metrics::DEFAULT_POLL,
+            stream: calibrate::StreamChoice::Auto,
         }
     }
 
@@ -936,6 +941,8 @@ impl Probe {
             api: self.server.api.name().into(),
             streaming: self.server.stream,
             tokenizer: self.server.tokenizer,
+            token_count: self.server.token_count.name().into(),
+            tokenize_path: self.server.tokenize.map(|r| r.shown(&self.ep)),
             load_source: self.server.load.as_ref().map(metrics::Source::label),
             runtime: self
                 .server

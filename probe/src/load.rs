@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::answer::{self, parse};
+use super::answer::{self, parse, Parsed};
 use super::http::{request, Endpoint, Failure, HttpError, Response};
 
 /// How one request ended.
@@ -152,6 +152,23 @@ pub fn body(ask: &Ask) -> Value {
     b
 }
 
+/// How one HTTP answer ended: 200 needs evidence of generation (else
+/// [`Outcome::Empty`]); an error in a 200 stream is a server error unless it
+/// is about the context length; 429/503 refused; other 4xx rejected.
+pub fn outcome(status: u16, p: &Parsed) -> Outcome {
+    match status {
+        200..=299 => match (&p.error, p.generated()) {
+            (Some(e), false) if answer::is_context_refusal(e) => Outcome::Rejected,
+            (Some(_), false) => Outcome::ServerError,
+            (_, true) => Outcome::Ok,
+            (None, false) => Outcome::Empty,
+        },
+        429 | 503 => Outcome::Refused,
+        400..=499 => Outcome::Rejected,
+        _ => Outcome::ServerError,
+    }
+}
+
 /// One completion; never fails: every ending is an Outcome. A server that
 /// rejects an optional field by name gets the request again without them
 /// (once; the run remembers it).
@@ -231,7 +248,7 @@ fn call_of(
         },
         Ok(resp) => {
             let p = parse(&resp);
-            let outcome = answer::outcome(resp.status, &p);
+            let outcome = outcome(resp.status, &p);
             let error = match outcome {
                 Outcome::Ok => None,
                 Outcome::Empty => Some(answer::empty_text(&resp)),
@@ -474,6 +491,6 @@ mod tests {
             elapsed: Duration::ZERO,
         };
         assert_eq!(parse(&r).error.as_deref(), Some("OutOfMemoryError: x"));
-        assert_eq!(answer::outcome(500, &parse(&r)), Outcome::ServerError);
+        assert_eq!(outcome(500, &parse(&r)), Outcome::ServerError);
     }
 }

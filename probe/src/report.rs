@@ -13,7 +13,7 @@
 //!  envelope: {max_context_at_concurrency_1, max_concurrency_at_typical_context,
 //!             max_concurrency_at_max_context: Figure,
 //!             shared_prefix_tokens|null, server_death: Death|null}|null,
-//!  server: {api, streaming, tokenizer, load_source|null, runtime|null, max_model_len|null},
+//!  server: {api, streaming, tokenizer, token_count, tokenize_path|null, load_source|null, runtime|null, max_model_len|null},
 //!  prompts: {sent, distinct, shared_prefix_tokens|null},
 //!  deaths: [Death],
 //!  warnings: [str]}
@@ -25,7 +25,7 @@
 //!                    cgroup_limit_bytes, gpu_used_bytes, gpu_total_bytes}|null,
 //!           failure|null}
 //! Figure = {value|null, unit: "tokens"|"sequences", context_tokens|null, concurrency|null,
-//!           bounded_by, evidence: [str], offered|null, method|null}
+//!           bounded_by, evidence: [str], offered|null, method|null, estimated?: true}
 //! Death  = {suite, time_ns, source: "collector"|"connection_refused", incident|null,
 //!           kind|null, domain|null, cause|null, summary}
 //! ```
@@ -41,7 +41,9 @@
 //! the collector named no domain), "suite_budget" (the budget
 //! ran out first: the suite is incomplete), "not_measured" (its suite did
 //! not run) or "probe_limit" (the probe's own ceiling was reached without a
-//! failure).
+//! failure) or "estimated" (no failure up to the probe's ceiling, in tokens
+//! the server never counted). A figure with `estimated: true` is in tokens
+//! estimated from words.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -167,6 +169,10 @@ pub struct Figure {
     /// ("server_metrics", "collector", "first_token", "latency_scaling").
     #[serde(default)]
     pub method: Option<String>,
+    /// Its tokens are estimates from words: the server counted none the
+    /// probe could read (its refusals still bound it where it refused).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estimated: bool,
 }
 
 impl Figure {
@@ -221,8 +227,16 @@ pub struct ServerFacts {
     pub api: String,
     /// It streams (so the time to first token is measured).
     pub streaming: bool,
-    /// It counts tokens for us (`/tokenize`).
+    /// It counts tokens for us (a tokenize endpoint).
     pub tokenizer: bool,
+    /// How the probe counted tokens: "tokenize", "usage" (non-streamed
+    /// answers), "stream_usage", "echo_logprobs", or "none" (figures in
+    /// tokens are estimates from words).
+    #[serde(default)]
+    pub token_count: String,
+    /// The tokenize endpoint's path, when one answered.
+    #[serde(default)]
+    pub tokenize_path: Option<String>,
     /// Where its load is read ("vLLM /metrics", "llama.cpp /slots").
     pub load_source: Option<String>,
     pub runtime: Option<String>,
@@ -273,7 +287,10 @@ fn figure_line(name: &str, f: &Figure) -> String {
     }
     let v = f
         .value
-        .map_or("none found".to_string(), |v| format!("{v} {}", f.unit));
+        .map_or("none found".to_string(), |v| match f.estimated {
+            true => format!("~{v} {} (estimated: not counted by the server)", f.unit),
+            false => format!("{v} {}", f.unit),
+        });
     let at = match (f.context_tokens, f.concurrency) {
         (Some(c), Some(n)) => format!(" (context {c} tokens, concurrency {n})"),
         (Some(c), None) => format!(" (context {c} tokens)"),
@@ -296,6 +313,24 @@ pub fn text(r: &ProbeReport) -> String {
         r.model.as_deref().unwrap_or("default model")
     );
     let _ = writeln!(out, "Verdict: {}", r.verdict);
+    if !r.server.token_count.is_empty() {
+        let path = r
+            .server
+            .tokenize_path
+            .as_ref()
+            .map(|p| format!(" ({p})"))
+            .unwrap_or_default();
+        let how = match r.server.token_count.as_str() {
+            "none" => " (figures in tokens are estimates from words)",
+            _ => "",
+        };
+        let _ = writeln!(
+            out,
+            "Tokens counted by: {}{path}{how}; streaming {}",
+            r.server.token_count,
+            if r.server.streaming { "on" } else { "off" }
+        );
+    }
     for s in &r.suites {
         let status = match s.status {
             Status::Pass => "PASS",

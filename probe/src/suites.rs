@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use super::calibrate::StreamChoice;
 use super::concurrency::{self, Effective};
 use super::http::request;
 use super::load::{burst, complete, count, first_token_percentile, percentile, Api, Call, Outcome};
@@ -123,15 +124,22 @@ impl Clock {
 
 /// Where the token counts came from, for a figure's evidence.
 fn counted_by(p: &Probe, server_counted: bool) -> String {
-    if server_counted {
-        "tokens as the server counted them (usage.prompt_tokens)".into()
-    } else if p.server.tokenizer {
-        "tokens as the server's /tokenize counted them".into()
-    } else {
-        format!(
-            "tokens estimated from words (the server reported no token counts; {:.2} tokens a word)",
+    use super::calibrate::Method;
+    let path = p.server.tokenize.map(|r| r.shown(&p.ep));
+    match (server_counted, p.server.token_count) {
+        (true, Method::Tokenize | Method::None) => Method::Usage.described(None),
+        (true, m) => m.described(None),
+        (false, Method::None) => format!(
+            "{} ({:.2} tokens a word)",
+            Method::None.described(None),
             p.cal.fit().1
-        )
+        ),
+        (false, Method::Tokenize) => Method::Tokenize.described(path.as_deref()),
+        (false, m) => format!(
+            "tokens from the words, at the rate fitted to the server's counts ({}: {:.2} tokens a word)",
+            m.name(),
+            p.cal.fit().1
+        ),
     }
 }
 
@@ -213,12 +221,7 @@ impl Probe {
         if self.server.tokenizer {
             for _ in 0..TOKENIZE_ROUNDS {
                 let sample = self.sample(words);
-                let Some((n, _)) = server::fetch_tokens(
-                    &self.ep,
-                    self.cfg.model.as_deref(),
-                    &sample,
-                    DISCOVERY_TIMEOUT,
-                ) else {
+                let Some((n, _)) = self.count_tokens(&sample, DISCOVERY_TIMEOUT) else {
                     break;
                 };
                 let counted = n + self.server.overhead_tokens;
@@ -346,17 +349,6 @@ impl Probe {
             }
         };
         self.server.load = metrics::discover(&self.ep, clock.timeout(DISCOVERY_TIMEOUT));
-        let probe_text = self.sample(SMOKE_WORDS);
-        let tokenized = server::fetch_tokens(
-            &self.ep,
-            self.cfg.model.as_deref(),
-            &probe_text,
-            clock.timeout(DISCOVERY_TIMEOUT),
-        );
-        if let Some((_, Some(len))) = tokenized {
-            self.server.max_model_len.get_or_insert(len);
-        }
-        self.server.tokenizer = tokenized.is_some();
         let mut prompt = String::new();
 
         // The API and streaming: each candidate streamed first (for the time
@@ -373,7 +365,11 @@ impl Probe {
                 "smoke: a tiny request on /{}",
                 api.path().trim_start_matches('/')
             ));
-            for stream in [true, false] {
+            let streams: &[bool] = match self.cfg.stream {
+                StreamChoice::Off => &[false],
+                _ => &[true, false],
+            };
+            for &stream in streams {
                 let (call, sent) = self.tiny(api, stream, clock.timeout(self.cfg.request_timeout));
                 prompt = sent;
                 let status = call.status;
@@ -396,16 +392,11 @@ impl Probe {
         }
         let call = answer.expect("at least one API is tried");
         self.after_calls(std::slice::from_ref(&call));
-        if let Some(pt) = call.prompt_tokens.filter(|_| self.server.tokenizer) {
-            // What the server adds around this very prompt (a chat template).
-            if let Some((n, _)) = server::fetch_tokens(
-                &self.ep,
-                self.cfg.model.as_deref(),
-                &prompt,
-                clock.timeout(DISCOVERY_TIMEOUT),
-            ) {
-                self.server.overhead_tokens = pt.saturating_sub(n);
-            }
+        if call.outcome == Outcome::Ok {
+            self.progress.doing("smoke: how the server counts tokens");
+            let streams = self.server.stream;
+            let smoke = call.prompt_tokens.map(|n| (prompt.as_str(), n));
+            self.calibrate(streams, smoke, clock.timeout(DISCOVERY_TIMEOUT));
         }
         if let Some(n) = self.cfg.shared_prefix {
             let words = self.size(n as u64);
@@ -427,6 +418,7 @@ impl Probe {
             "api": self.server.api.name(),
             "streaming": self.server.stream,
             "tokenizer": self.server.tokenizer,
+            "token_count": self.server.token_count.name(),
             "load_source": self.server.load.as_ref().map(metrics::Source::label),
             "max_model_len": self.server.max_model_len,
             "tried": tried,
@@ -606,6 +598,14 @@ impl Probe {
         }
         if fig.value.is_some() {
             fig.evidence.push(counted_by(self, server_counted));
+        }
+        // Nothing counted: the figure is words at an assumed rate, however
+        // far the ramp went; it is labelled so, never as a measured bound.
+        if !server_counted && self.server.token_count == super::calibrate::Method::None {
+            fig.estimated = true;
+            if fig.bounded_by == "probe_limit" {
+                fig.bounded_by = "estimated".into();
+            }
         }
         let verdict = match (fig.value, budget_out) {
             (Some(v), false) => format!(

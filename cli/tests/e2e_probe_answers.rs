@@ -202,3 +202,49 @@ fn five_tokens_a_word_without_a_tokenizer_or_usage_in_streams_are_counted_from_a
     let forced = assert_within_5_percent(&r, 2000.0);
     assert!((forced - v).abs() <= 0.05 * 2000.0, "{forced} vs {v}");
 }
+
+#[test]
+fn a_server_that_counts_no_tokens_gets_figures_labelled_estimated() {
+    let _serial = serial();
+    let port = free_port();
+    let _srv = Server::start(
+        port,
+        "--streams --max-context 2000 --no-tokenize --no-usage",
+    );
+    let r = long_context(port, &[]);
+    assert_eq!(r["server"]["token_count"], "none", "{:#}", r["server"]);
+    // Bisected from the server's own refusals, in words at 1 token a word
+    // (which this server's tokenizer happens to make), and labelled so.
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    assert_eq!(fig["estimated"], true, "{fig:#}");
+    assert_eq!(fig["bounded_by"], "max_context_setting", "{fig:#}");
+    let v = fig["value"].as_f64().unwrap();
+    assert!((v - 2000.0).abs() <= 0.05 * 2000.0, "{fig:#}");
+    assert!(
+        fig["evidence"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e.as_str().unwrap().contains("tokens estimated from words")),
+        "{fig:#}"
+    );
+    // No refusal up to the probe's ceiling: not claimed as its limit.
+    let ep = format!("http://127.0.0.1:{port}/v1");
+    let (code, r) = probe(&[
+        "--seed",
+        "15",
+        "--endpoint",
+        &ep,
+        "--suite",
+        "long-context",
+        "--max-context",
+        "512",
+    ]);
+    assert_eq!(code, 0, "{r:#}");
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    assert_eq!(
+        (fig["bounded_by"].as_str(), fig["estimated"].as_bool()),
+        (Some("estimated"), Some(true)),
+        "{fig:#}"
+    );
+}

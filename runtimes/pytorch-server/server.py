@@ -59,6 +59,8 @@ How it answers, for probing clients against behaviours of other servers:
                      /tokenize, usage and the --max-context check count them
   --no-tokenize      POST /tokenize answers 404 and streams carry no usage,
                      so a client must count tokens from non-streamed usage
+  --no-usage         no answer carries usage (with --no-tokenize the server
+                     counts tokens nowhere a client can read)
 
 Worker processes are titled (comm, what ps and the kernel's OOM report show)
 EngineWorker-N (--workers) or InferWorker-0, APIServer and SyncManager
@@ -419,7 +421,8 @@ def make_handler(state, args):
                 usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
                 rid, created = "cmpl-%s" % os.urandom(8).hex(), int(time.time())
                 if stream:
-                    with_usage = bool((body.get("stream_options") or {}).get("include_usage")) and not args.no_tokenize
+                    with_usage = (bool((body.get("stream_options") or {}).get("include_usage"))
+                                  and not args.no_tokenize and not args.no_usage)
                     return self._stream(completion_events(rid, state["model_name"], created,
                                                           [" t%d" % t for t in out], usage, with_usage))
                 response = {"id": rid, "object": "text_completion", "created": created,
@@ -427,6 +430,8 @@ def make_handler(state, args):
                             "choices": [{"index": 0, "text": " ".join("t%d" % t for t in out), "finish_reason": "length",
                                          "logprobs": None}],
                             "usage": usage}
+                if args.no_usage:
+                    del response["usage"]
                 self._reply(200, response)
             finally:
                 if key:
@@ -521,6 +526,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens-per-word", type=int, default=1, help="tokens the tokenizer makes of each prompt word")
     p.add_argument("--no-tokenize", action="store_true",
                    help="no /tokenize (404) and no usage in streams: a client must count tokens otherwise")
+    p.add_argument("--no-usage", action="store_true", help="no usage in any answer (with --no-tokenize: no count at all)")
     p.add_argument("--load-seconds", type=float, default=0.0, help="extra time the model load takes (a big model's)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
     p.add_argument("--workers", type=int, default=0,

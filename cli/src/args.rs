@@ -442,7 +442,7 @@ pub enum ApiArg {
 pub enum StreamArg {
     /// Where the server streams and its tokens are counted without JSON answers.
     Auto,
-    /// Always ask for a stream.
+    /// Wherever the server streams, counted or not.
     On,
     /// Never.
     Off,

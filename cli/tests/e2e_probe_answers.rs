@@ -200,6 +200,15 @@ fn five_tokens_a_word_without_a_tokenizer_or_usage_in_streams_are_counted_from_a
     assert_eq!(r["server"]["streaming"], true, "{:#}", r["server"]);
     assert_eq!(r["server"]["token_count"], "usage");
     let forced = assert_within_5_percent(&r, 2000.0);
+    // Its streams carried no count: the largest size was counted again, unstreamed.
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    assert!(
+        fig["evidence"].as_array().unwrap().iter().any(|e| e
+            .as_str()
+            .unwrap()
+            .starts_with("re-checked at the largest size")),
+        "{fig:#}"
+    );
     assert!((forced - v).abs() <= 0.05 * 2000.0, "{forced} vs {v}");
 }
 

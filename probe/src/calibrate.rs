@@ -164,6 +164,7 @@ pub enum StreamChoice {
     /// a non-streamed answer (a tokenize endpoint, usage in its streams).
     #[default]
     Auto,
+    /// Wherever the server streams, its tokens counted or not.
     On,
     Off,
 }
@@ -186,7 +187,8 @@ impl std::str::FromStr for StreamChoice {
 /// same answer every run.
 pub fn choose_stream(choice: StreamChoice, streams: bool, counted: bool) -> bool {
     match choice {
-        StreamChoice::On => true,
+        // A server that refused or ignored the stream is not asked for one again.
+        StreamChoice::On => streams,
         StreamChoice::Off => false,
         StreamChoice::Auto => streams && counted,
     }
@@ -284,64 +286,67 @@ impl Probe {
             }
             return Method::Tokenize;
         }
-        for (stream, method) in [(false, Method::Usage), (true, Method::StreamUsage)] {
-            if stream && !streams {
-                continue;
+        let mut tried = vec![Method::Usage];
+        if streams {
+            tried.push(Method::StreamUsage);
+        }
+        if self.server.api == Api::Completions {
+            tried.push(Method::EchoLogprobs);
+        }
+        for method in tried {
+            let mut counted = 0;
+            for words in SIZES {
+                if let Some(n) = self.count_by(method, words, timeout) {
+                    self.cal.observe(words, n);
+                    counted += 1;
+                }
             }
-            let counted = self.usage_points(stream, timeout);
             if counted > 0 {
                 return method;
             }
         }
-        if self.server.api == Api::Completions && self.echo_points(timeout) > 0 {
-            return Method::EchoLogprobs;
-        }
         Method::None
     }
 
-    /// Calibration requests of each size, streamed or not; how many counted.
-    fn usage_points(&mut self, stream: bool, timeout: Duration) -> usize {
-        let mut counted = 0;
-        for words in SIZES {
-            let mut ask = self.ask(words, 1, timeout);
-            ask.stream = stream;
-            let call = complete(&self.ep, &ask, Instant::now());
-            if let (Outcome::Ok, Some(n)) = (&call.outcome, call.prompt_tokens) {
-                self.cal.observe(call.prompt_words, n);
-                counted += 1;
+    /// The tokens the server counts for a prompt of `words` words, by
+    /// `method`: a request of one output token (or a tokenized sample).
+    fn count_by(&mut self, method: Method, words: usize, timeout: Duration) -> Option<u64> {
+        let ask = self.ask(words, 1, timeout);
+        match method {
+            Method::Tokenize => self
+                .count_tokens(&ask.prompt, timeout)
+                .map(|(n, _)| n + self.server.overhead_tokens),
+            Method::Usage | Method::StreamUsage => {
+                let ask = crate::load::Ask {
+                    stream: method == Method::StreamUsage,
+                    ..ask
+                };
+                let call = complete(&self.ep, &ask, Instant::now());
+                call.prompt_tokens.filter(|_| call.outcome == Outcome::Ok)
             }
+            Method::EchoLogprobs => {
+                let mut b = crate::load::body(&ask);
+                b["echo"] = json!(true);
+                b["logprobs"] = json!(1);
+                let path = Api::Completions.path();
+                let resp = request(&self.ep, "POST", path, Some(&b), &[], timeout).ok()?;
+                (resp.status == 200)
+                    .then(|| resp.json().ok())
+                    .flatten()
+                    .and_then(|v| echoed(&v, 1))
+            }
+            Method::None => None,
         }
-        counted
     }
 
-    /// Completions with `echo` and `logprobs`: the echoed prompt's tokens.
-    fn echo_points(&mut self, timeout: Duration) -> usize {
-        let mut counted = 0;
-        for words in SIZES {
-            let ask = self.ask(words, 1, timeout);
-            let mut b = crate::load::body(&ask);
-            b["echo"] = json!(true);
-            b["logprobs"] = json!(1);
-            let Ok(resp) = request(
-                &self.ep,
-                "POST",
-                Api::Completions.path(),
-                Some(&b),
-                &[],
-                timeout,
-            ) else {
-                continue;
-            };
-            let n = (resp.status == 200)
-                .then(|| resp.json().ok())
-                .flatten()
-                .and_then(|v| echoed(&v, 1));
-            if let Some(n) = n {
-                self.cal.observe(words, n);
-                counted += 1;
-            }
-        }
-        counted
+    /// Re-checks the calibration at the largest size the run reached (its
+    /// answers there carried no count, e.g. streams without usage): the
+    /// server's count of a prompt of `words` words, by the run's method,
+    /// taken into the fit.
+    pub(crate) fn recheck(&mut self, words: usize, timeout: Duration) -> Option<u64> {
+        let n = self.count_by(self.server.token_count, words, timeout)?;
+        self.cal.observe(words, n);
+        Some(n)
     }
 }
 
@@ -421,7 +426,11 @@ mod tests {
         // Counts only from non-streamed answers: JSON, so every answer counts.
         assert!(!choose_stream(Auto, true, false));
         assert!(!choose_stream(Auto, false, true));
-        assert!(choose_stream(On, false, false));
+        assert!(choose_stream(On, true, false));
+        assert!(
+            !choose_stream(On, false, true),
+            "a server that does not stream"
+        );
         assert!(!choose_stream(Off, true, true));
         assert_eq!("on".parse::<StreamChoice>(), Ok(On));
         assert!("yes".parse::<StreamChoice>().is_err());

@@ -127,8 +127,8 @@ fn counted_by(p: &Probe, server_counted: bool) -> String {
     use super::calibrate::Method;
     let path = p.server.tokenize.map(|r| r.shown(&p.ep));
     match (server_counted, p.server.token_count) {
-        (true, Method::Tokenize | Method::None) => Method::Usage.described(None),
-        (true, m) => m.described(None),
+        (true, Method::None) => Method::Usage.described(None),
+        (true, m) => m.described(path.as_deref()),
         (false, Method::None) => format!(
             "{} ({:.2} tokens a word)",
             Method::None.described(None),
@@ -577,6 +577,20 @@ impl Probe {
                 fig.evidence.push(format!(
                     "bisected ({bisected} more requests) to within {:.0} % of the bound: {lo} tokens passed, {hi} failed",
                     100.0 * self.cfg.context_tolerance
+                ));
+            }
+        }
+        // The answers at the largest passing size carried no count: count it again.
+        if let Some((target, None)) = best.filter(|_| !self.down) {
+            let words = steps
+                .iter()
+                .rev()
+                .find(|s| s.ok == s.calls && s.context_tokens == Some(target))
+                .map_or_else(|| self.cal.words_for(target), |s| s.prompt_words);
+            if let Some(n) = self.recheck(words, clock.timeout(self.cfg.request_timeout)) {
+                best = Some((target, Some(n)));
+                fig.evidence.push(format!(
+                    "re-checked at the largest size reached: {words} words are {n} tokens"
                 ));
             }
         }

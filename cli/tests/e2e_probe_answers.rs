@@ -257,3 +257,34 @@ fn a_server_that_counts_no_tokens_gets_figures_labelled_estimated() {
         "{fig:#}"
     );
 }
+
+#[test]
+fn a_strict_fastapi_server_without_done_is_probed_like_any_other() {
+    let _serial = serial();
+    let port = free_port();
+    // As transformers serve answers: unknown fields refused (422 naming
+    // ignore_eos), {"detail": ...} errors, streams without [DONE].
+    let _srv = Server::start(
+        port,
+        "--streams --fastapi-shapes --max-context 2000 --tokens-per-word 3",
+    );
+    let r = long_context(port, &[]);
+    assert_within_5_percent(&r, 2000.0);
+    assert_eq!(r["server"]["token_count"], "tokenize", "{:#}", r["server"]);
+    assert_eq!(r["server"]["streaming"], true);
+    // The refusal's text came from FastAPI's detail.
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    assert!(
+        fig["evidence"][0]
+            .as_str()
+            .unwrap()
+            .contains("> --max-context 2000"),
+        "{fig:#}"
+    );
+    // Every rung under the limit was answered, streamed to its finish reason.
+    let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
+    for s in steps.iter().filter(|s| s["ok"] == 1) {
+        assert!(s["first_token_p50_ms"].as_f64().is_some(), "{s:#}");
+    }
+    assert_eq!(suite(&r, "smoke")["status"], "pass");
+}

@@ -59,6 +59,12 @@ How it answers, for probing clients against behaviours of other servers:
                      /tokenize, usage and the --max-context check count them
   --no-tokenize      POST /tokenize answers 404 and streams carry no usage,
                      so a client must count tokens from non-streamed usage
+  --fastapi-shapes   as `transformers serve` answers: errors are FastAPI's
+                     {"detail": ...} (400 over --max-context), a request
+                     field outside OpenAI's is refused with pydantic's 422
+                     (`extra_forbidden`), and streams end without
+                     `data: [DONE]` (the connection closes after the finish
+                     reason)
   --no-usage         no answer carries usage (with --no-tokenize the server
                      counts tokens nowhere a client can read)
 
@@ -254,6 +260,11 @@ class Engine:
         seq.done.set()
 
 
+#: The /v1/completions request fields a strict server (--fastapi-shapes) knows.
+OPENAI_FIELDS = {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n",
+                 "stop", "seed", "user", "echo", "logprobs", "presence_penalty", "frequency_penalty"}
+
+
 def make_handler(state, args):
     """`state` holds the engine once the model is loaded (None before), the
     admission counters, the idempotency store and the served model name."""
@@ -377,6 +388,13 @@ def make_handler(state, args):
             return list(seq.out), None
 
         def _completions(self, body):
+            if args.fastapi_shapes:
+                # A strict schema, as FastAPI + pydantic with extra="forbid" answers.
+                extra = sorted(set(body) - OPENAI_FIELDS)
+                if extra:
+                    return self._reply(422, {"detail": [
+                        {"type": "extra_forbidden", "loc": ["body", k], "msg": "Extra inputs are not permitted",
+                         "input": body[k]} for k in extra]})
             model = body.get("model")
             if model not in (None, "", state["model_name"]):
                 return self._reply(404, {"error": {"message": "model %r not found; this server serves %r" % (
@@ -398,8 +416,10 @@ def make_handler(state, args):
                 return self._reply(200, {"id": "cmpl-%s" % os.urandom(8).hex(), "object": "text_completion",
                                          "created": int(time.time()), "model": state["model_name"], "choices": []})
             if over:
-                return self._reply(400, {"error": {"message": "context %d > --max-context %d" % (
-                    len(ids) + max_tokens, args.max_context), "type": "context_length_exceeded"}})
+                text = "context %d > --max-context %d" % (len(ids) + max_tokens, args.max_context)
+                if args.fastapi_shapes:
+                    return self._reply(400, {"detail": text})
+                return self._reply(400, {"error": {"message": text, "type": "context_length_exceeded"}})
             key = self.headers.get("Idempotency-Key") if args.idempotency else None
             tokens = len(ids) + max_tokens
             if key:
@@ -424,7 +444,8 @@ def make_handler(state, args):
                     with_usage = (bool((body.get("stream_options") or {}).get("include_usage"))
                                   and not args.no_tokenize and not args.no_usage)
                     return self._stream(completion_events(rid, state["model_name"], created,
-                                                          [" t%d" % t for t in out], usage, with_usage))
+                                                          [" t%d" % t for t in out], usage, with_usage,
+                                                          done=not args.fastapi_shapes))
                 response = {"id": rid, "object": "text_completion", "created": created,
                             "model": state["model_name"],
                             "choices": [{"index": 0, "text": " ".join("t%d" % t for t in out), "finish_reason": "length",
@@ -526,6 +547,9 @@ def parse_args(argv=None):
     p.add_argument("--tokens-per-word", type=int, default=1, help="tokens the tokenizer makes of each prompt word")
     p.add_argument("--no-tokenize", action="store_true",
                    help="no /tokenize (404) and no usage in streams: a client must count tokens otherwise")
+    p.add_argument("--fastapi-shapes", action="store_true",
+                   help="FastAPI-shaped errors ({\"detail\": ...}), unknown request fields refused (422), "
+                        "streams without data: [DONE]")
     p.add_argument("--no-usage", action="store_true", help="no usage in any answer (with --no-tokenize: no count at all)")
     p.add_argument("--load-seconds", type=float, default=0.0, help="extra time the model load takes (a big model's)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models lists")

@@ -125,6 +125,7 @@ fn an_over_context_prompt_answered_200_with_an_empty_stream_is_a_refusal_at_that
     // Counted by the server's tokenizer, streamed (its streams carry usage).
     assert_eq!(r["server"]["token_count"], "tokenize", "{:#}", r["server"]);
     assert_eq!(r["server"]["tokenize_path"], "/tokenize");
+    assert_eq!(r["server"]["strict_fields"], false);
     assert_eq!(r["server"]["streaming"], true);
     // The rungs over the limit were empty answers, none counted as ok.
     let steps = suite(&r, "long-context")["steps"].as_array().unwrap();
@@ -272,6 +273,8 @@ fn a_strict_fastapi_server_without_done_is_probed_like_any_other() {
     assert_within_5_percent(&r, 2000.0);
     assert_eq!(r["server"]["token_count"], "tokenize", "{:#}", r["server"]);
     assert_eq!(r["server"]["streaming"], true);
+    // ignore_eos was refused by name, so the run dropped the optional fields.
+    assert_eq!(r["server"]["strict_fields"], true);
     // The refusal's text came from FastAPI's detail.
     let fig = &r["envelope"]["max_context_at_concurrency_1"];
     assert!(

@@ -943,6 +943,7 @@ impl Probe {
             tokenizer: self.server.tokenizer,
             token_count: self.server.token_count.name().into(),
             tokenize_path: self.server.tokenize.map(|r| r.shown(&self.ep)),
+            strict_fields: self.lean.load(std::sync::atomic::Ordering::Relaxed),
             load_source: self.server.load.as_ref().map(metrics::Source::label),
             runtime: self
                 .server

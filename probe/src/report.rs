@@ -13,7 +13,7 @@
 //!  envelope: {max_context_at_concurrency_1, max_concurrency_at_typical_context,
 //!             max_concurrency_at_max_context: Figure,
 //!             shared_prefix_tokens|null, server_death: Death|null}|null,
-//!  server: {api, streaming, tokenizer, token_count, tokenize_path|null, load_source|null, runtime|null, max_model_len|null},
+//!  server: {api, streaming, tokenizer, token_count, tokenize_path|null, strict_fields, load_source|null, runtime|null, max_model_len|null},
 //!  prompts: {sent, distinct, shared_prefix_tokens|null},
 //!  deaths: [Death],
 //!  warnings: [str]}
@@ -237,6 +237,10 @@ pub struct ServerFacts {
     /// The tokenize endpoint's path, when one answered.
     #[serde(default)]
     pub tokenize_path: Option<String>,
+    /// It refused the optional request fields (`ignore_eos`, `temperature`)
+    /// by name, so the run sent none of them.
+    #[serde(default)]
+    pub strict_fields: bool,
     /// Where its load is read ("vLLM /metrics", "llama.cpp /slots").
     pub load_source: Option<String>,
     pub runtime: Option<String>,

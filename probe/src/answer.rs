@@ -298,6 +298,8 @@ mod tests {
             "Requested tokens (10331) exceed context window of 8192",
             "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`",
             "`inputs` must have less than 1024 tokens. Given: 1300",
+            // transformers serve 5.x (its 400 detail, as it said here).
+            "The prompt has 1049 tokens, but the model takes at most 1024, prompt and answer (`--max-model-len`).",
             "Input length of input_ids is 5000, but `max_length` is set to 4096. This can lead to unexpected behavior. The prompt exceeds the maximum",
         ] {
             let body = serde_json::json!({"error": {"message": text}}).to_string();

@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::builder::PossibleValue;
 use clap::{Parser, Subcommand, ValueEnum};
 use oomscope_agent_core::agent::check_interval;
+use oomscope_probe::calibrate::StreamChoice;
 use oomscope_probe::{ApiChoice, ProbeConfig, Suite};
 
 /// The first lines of an investigation; `oomscope --help` ends with them.
@@ -303,6 +304,12 @@ pub struct ProbeArgs {
     /// offers it, else /v1/chat/completions.
     #[arg(long, value_enum, default_value = "auto")]
     pub api: ApiArg,
+    /// Stream requests (to time the first token): auto streams where the
+    /// server streams and counts tokens without a non-streamed answer (a
+    /// tokenize endpoint, usage in its streams); chosen once, after the
+    /// token calibration, the same way every run.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub stream: StreamArg,
     /// Sent as `Authorization: Bearer KEY` to --endpoint and nowhere else
     /// (no other key is ever sent).
     #[arg(long, env = "OOMSCOPE_API_KEY", hide_env_values = true)]
@@ -428,6 +435,27 @@ pub enum ApiArg {
     Completions,
     /// /v1/chat/completions.
     Chat,
+}
+
+/// `--stream`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StreamArg {
+    /// Where the server streams and its tokens are counted without JSON answers.
+    Auto,
+    /// Wherever the server streams, counted or not.
+    On,
+    /// Never.
+    Off,
+}
+
+impl From<StreamArg> for StreamChoice {
+    fn from(a: StreamArg) -> StreamChoice {
+        match a {
+            StreamArg::Auto => StreamChoice::Auto,
+            StreamArg::On => StreamChoice::On,
+            StreamArg::Off => StreamChoice::Off,
+        }
+    }
 }
 
 impl From<ApiArg> for ApiChoice {

@@ -191,6 +191,7 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     }
     // The knobs' defaults are clap's, taken from ProbeConfig::new (see args.rs).
     cfg.api = a.api.into();
+    cfg.stream = a.stream.into();
     cfg.api_key = a.api_key;
     cfg.ca_cert = a.ca_cert;
     cfg.max_context = a.max_context;

@@ -358,6 +358,9 @@ pub fn request(
             match r.read_line(&mut line) {
                 Ok(0) => break,
                 Ok(_) => {}
+                // A stream that never sends `data: [DONE]` (transformers serve)
+                // is whole once a finish reason came, however the connection then ends.
+                Err(_) if out.events.iter().any(|e| finished(&e.data)) => break,
                 Err(e) => {
                     let kind = if started.elapsed() >= timeout {
                         Failure::Timeout
@@ -384,6 +387,16 @@ pub fn request(
     }
     out.elapsed = started.elapsed();
     Ok(out)
+}
+
+/// An event whose choice carries a finish reason: the stream's last word.
+fn finished(data: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(data).is_ok_and(|v| {
+        v["choices"].as_array().is_some_and(|c| {
+            c.iter()
+                .any(|c| c["finish_reason"].as_str().is_some_and(|f| !f.is_empty()))
+        })
+    })
 }
 
 #[cfg(test)]
@@ -511,6 +524,41 @@ mod tests {
         assert!(head.contains("idempotency-key: k1"), "{head}");
         assert!(head.contains(&format!("host: 127.0.0.1:{port}")), "{head}");
         assert!(seen[0].ends_with("{\"prompt\":\"hi\"}"), "{}", seen[0]);
+    }
+
+    #[test]
+    fn a_stream_without_done_is_whole_once_its_finish_reason_came() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        // Chunked, cut off without the last chunk: once after a finish
+        // reason (complete), once before it (broken).
+        let server = serve(l, vec![
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n48\r\ndata: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":\"length\"}]}\n\n\r\n".to_string(),
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n2f\r\ndata: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\r\n".to_string(),
+        ]);
+        let ep = Endpoint::parse(&format!("http://127.0.0.1:{port}/v1")).unwrap();
+        let body = serde_json::json!({});
+        let r = request(
+            &ep,
+            "POST",
+            "/chat/completions",
+            Some(&body),
+            &[],
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(r.events.len(), 1);
+        let e = request(
+            &ep,
+            "POST",
+            "/chat/completions",
+            Some(&body),
+            &[],
+            Duration::from_secs(5),
+        )
+        .unwrap_err();
+        assert_eq!(e.kind, Failure::Dropped, "{e}");
+        server.join().unwrap();
     }
 
     #[test]

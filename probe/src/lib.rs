@@ -9,6 +9,8 @@
 //! verdict unsafe. Every suite is bounded in requests and time and talks
 //! only to the endpoint it was given.
 
+pub mod answer;
+pub mod calibrate;
 pub mod compare;
 pub mod concurrency;
 pub mod http;
@@ -226,6 +228,9 @@ pub struct ProbeConfig {
     pub seed: Option<u64>,
     /// How often the server's metrics are read during a step.
     pub metrics_poll: Duration,
+    /// Stream requests: auto (where the server streams and counts tokens
+    /// without a non-streamed answer), on or off; chosen once per run.
+    pub stream: calibrate::StreamChoice,
 }
 
 impl ProbeConfig {
@@ -262,6 +267,7 @@ impl ProbeConfig {
             progress: progress::Mode::Quiet,
             seed: None,
             metrics_poll: metrics::DEFAULT_POLL,
+            stream: calibrate::StreamChoice::Auto,
         }
     }
 
@@ -436,6 +442,7 @@ pub(crate) struct Asker<'a> {
     /// Words to tokens, for each request's expected tokens.
     cal: &'a tokens::Calibration,
     workload: Option<&'a Arc<workload::Workload>>,
+    lean: &'a load::Lean,
 }
 
 impl Asker<'_> {
@@ -455,6 +462,7 @@ impl Asker<'_> {
             stream: self.stream,
             prompt_tokens: self.cal.tokens_for(words),
             workload: self.workload.cloned(),
+            lean: self.lean.clone(),
         }
     }
 
@@ -494,6 +502,8 @@ pub struct Probe {
     current: String,
     /// Where each request goes as the server's workload (the collector).
     workload: Option<Arc<workload::Workload>>,
+    /// The server rejects the optional request fields (learned once).
+    lean: load::Lean,
 }
 
 impl Probe {
@@ -541,6 +551,7 @@ impl Probe {
             deliberate: None,
             current: String::new(),
             workload: None,
+            lean: load::Lean::default(),
         })
     }
 
@@ -563,6 +574,7 @@ impl Probe {
             stream: self.server.stream,
             cal: &self.cal,
             workload: self.workload.as_ref(),
+            lean: &self.lean,
         }
     }
 
@@ -929,6 +941,9 @@ impl Probe {
             api: self.server.api.name().into(),
             streaming: self.server.stream,
             tokenizer: self.server.tokenizer,
+            token_count: self.server.token_count.name().into(),
+            tokenize_path: self.server.tokenize.map(|r| r.shown(&self.ep)),
+            strict_fields: self.lean.load(std::sync::atomic::Ordering::Relaxed),
             load_source: self.server.load.as_ref().map(metrics::Source::label),
             runtime: self
                 .server

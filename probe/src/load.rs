@@ -3,19 +3,25 @@
 //! to first token), and every ending classified as an [`Outcome`]. The body
 //! and answer parsing are pure; [`complete`] and [`burst`] do the I/O.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::answer::{self, parse, Parsed};
 use super::http::{request, Endpoint, Failure, HttpError, Response};
 
 /// How one request ended.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
-    /// 200 with a completion.
+    /// 200 with evidence of generation (a token, completion tokens, a finish reason).
     Ok,
+    /// 200 without any evidence of generation (no event, an empty body, no
+    /// choices): a refusal at that size, seen on servers that answer a
+    /// prompt over their context window so.
+    Empty,
     /// 429 or 503: the server refused it cleanly (overload, not ready, restoring).
     Refused,
     /// 400/413/422: the request itself was refused (context too long, bad model).
@@ -116,7 +122,13 @@ pub struct Ask {
     pub prompt_tokens: u64,
     /// Where the request is reported as the server's workload, if anywhere.
     pub workload: Option<std::sync::Arc<crate::workload::Workload>>,
+    /// Shared by a run's requests: the server rejected our optional fields
+    /// ([`answer::OPTIONAL_FIELDS`]) once, so none of them is sent again.
+    pub lean: Lean,
 }
+
+/// Whether the server rejects the optional request fields (set once, read by every request of a run).
+pub type Lean = std::sync::Arc<std::sync::atomic::AtomicBool>;
 
 /// The request body for `ask`.
 pub fn body(ask: &Ask) -> Value {
@@ -125,7 +137,11 @@ pub fn body(ask: &Ask) -> Value {
         Api::Chat => json!({"messages": [{"role": "user", "content": ask.prompt}]}),
     };
     b["max_tokens"] = json!(ask.max_tokens);
-    b["temperature"] = json!(0);
+    if !ask.lean.load(Ordering::Relaxed) {
+        // Greedy, and the whole max_tokens (vLLM's and SGLang's ignore_eos): each request costs alike.
+        b["temperature"] = json!(0);
+        b["ignore_eos"] = json!(true);
+    }
     if ask.stream {
         b["stream"] = json!(true);
         b["stream_options"] = json!({"include_usage": true});
@@ -136,97 +152,38 @@ pub fn body(ask: &Ask) -> Value {
     b
 }
 
-/// What an answer said: usage, id, the first token's time, or an error.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Parsed {
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    pub id: Option<String>,
-    /// ms after the request was sent (streams only).
-    pub first_token_ms: Option<f64>,
-    pub error: Option<String>,
-}
-
-fn error_text(v: &Value) -> Option<String> {
-    v["error"]["message"]
-        .as_str()
-        .or_else(|| v["error"].as_str())
-        .or_else(|| v["detail"].as_str())
-        .or_else(|| v["message"].as_str().filter(|_| v.get("choices").is_none()))
-        .map(str::to_string)
-}
-
-fn has_token(choice: &Value) -> bool {
-    let nonempty = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
-    nonempty(&choice["text"])
-        || nonempty(&choice["delta"]["content"])
-        || nonempty(&choice["delta"]["reasoning_content"])
-}
-
-/// Reads a JSON answer or an event stream (usage from whichever event carries it).
-pub fn parse(resp: &Response) -> Parsed {
-    if !resp.events.is_empty() || resp.is_event_stream() {
-        let mut p = Parsed::default();
-        let mut tokens = 0u64;
-        for e in &resp.events {
-            if e.data == "[DONE]" {
-                continue;
-            }
-            let Ok(v) = serde_json::from_str::<Value>(&e.data) else {
-                continue;
-            };
-            if let Some(err) = error_text(&v) {
-                p.error.get_or_insert(err);
-            }
-            if p.id.is_none() {
-                p.id = v["id"].as_str().map(str::to_string);
-            }
-            if v["choices"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(has_token))
-            {
-                tokens += 1;
-                p.first_token_ms.get_or_insert(e.at_ms);
-            }
-            if let Some(u) = v["usage"].as_object() {
-                p.prompt_tokens = u
-                    .get("prompt_tokens")
-                    .and_then(Value::as_u64)
-                    .or(p.prompt_tokens);
-                p.completion_tokens = u
-                    .get("completion_tokens")
-                    .and_then(Value::as_u64)
-                    .or(p.completion_tokens);
-            }
-        }
-        if p.completion_tokens.is_none() && tokens > 0 {
-            p.completion_tokens = Some(tokens);
-        }
-        return p;
-    }
-    let v = resp.json().unwrap_or(Value::Null);
-    Parsed {
-        prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
-        completion_tokens: v["usage"]["completion_tokens"].as_u64(),
-        id: v["id"].as_str().map(str::to_string),
-        first_token_ms: None,
-        error: error_text(&v),
-    }
-}
-
-/// The outcome of an HTTP status (an error event inside a 200 stream is a server error).
-pub fn outcome_of(status: u16, stream_error: bool) -> Outcome {
+/// How one HTTP answer ended: 200 needs evidence of generation (else
+/// [`Outcome::Empty`]); an error in a 200 stream is a server error unless it
+/// is about the context length; 429/503 refused; other 4xx rejected.
+pub fn outcome(status: u16, p: &Parsed) -> Outcome {
     match status {
-        200..=299 if stream_error => Outcome::ServerError,
-        200..=299 => Outcome::Ok,
+        200..=299 => match (&p.error, p.generated()) {
+            (Some(e), false) if answer::is_context_refusal(e) => Outcome::Rejected,
+            (Some(_), false) => Outcome::ServerError,
+            (_, true) => Outcome::Ok,
+            (None, false) => Outcome::Empty,
+        },
         429 | 503 => Outcome::Refused,
         400..=499 => Outcome::Rejected,
         _ => Outcome::ServerError,
     }
 }
 
-/// One completion; never fails: every ending is an Outcome.
+/// One completion; never fails: every ending is an Outcome. A server that
+/// rejects an optional field by name gets the request again without them
+/// (once; the run remembers it).
 pub fn complete(ep: &Endpoint, ask: &Ask, t0: Instant) -> Call {
+    let call = complete_once(ep, ask, t0);
+    let rejected = call
+        .status
+        .is_some_and(|s| answer::rejects_optional_fields(s, call.error.as_deref()));
+    if rejected && !ask.lean.swap(true, Ordering::Relaxed) {
+        return complete_once(ep, ask, t0);
+    }
+    call
+}
+
+fn complete_once(ep: &Endpoint, ask: &Ask, t0: Instant) -> Call {
     let payload = body(ask);
     let mut headers: Vec<(&str, &str)> = Vec::new();
     if let Some(k) = &ask.idempotency_key {
@@ -291,11 +248,12 @@ fn call_of(
         },
         Ok(resp) => {
             let p = parse(&resp);
-            let stream_error =
-                resp.is_event_stream() && p.error.is_some() && p.completion_tokens.is_none();
-            let outcome = outcome_of(resp.status, stream_error);
-            let error = (outcome != Outcome::Ok)
-                .then(|| p.error.clone().unwrap_or_else(|| resp.text_head(300)));
+            let outcome = outcome(resp.status, &p);
+            let error = match outcome {
+                Outcome::Ok => None,
+                Outcome::Empty => Some(answer::empty_text(&resp)),
+                _ => Some(p.error.clone().unwrap_or_else(|| resp.text_head(300))),
+            };
             Call {
                 outcome,
                 status: Some(resp.status),
@@ -383,6 +341,7 @@ mod tests {
             stream,
             prompt_tokens: 0,
             workload: None,
+            lean: Lean::default(),
         }
     }
 
@@ -401,6 +360,76 @@ mod tests {
             (Some(true), Some(true))
         );
         assert_eq!(b["model"], "m");
+        assert_eq!(
+            (b["ignore_eos"].as_bool(), b["temperature"].as_i64()),
+            (Some(true), Some(0))
+        );
+        let a = ask(Api::Chat, true);
+        a.lean.store(true, Ordering::Relaxed);
+        let b = body(&a);
+        assert!(
+            b.get("ignore_eos").is_none() && b.get("temperature").is_none(),
+            "{b}"
+        );
+        assert_eq!(b["stream"], true, "what the request needs stays");
+    }
+
+    /// A server that rejects unknown fields (422 naming `ignore_eos`, as
+    /// FastAPI does) gets the request again without them, once per run.
+    #[test]
+    fn a_rejected_optional_field_is_dropped_and_remembered() {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let mut bodies = Vec::new();
+            for _ in 0..3 {
+                let (mut s, _) = l.accept().unwrap();
+                let mut buf = vec![0u8; 65536];
+                let mut n = 0;
+                while !String::from_utf8_lossy(&buf[..n]).ends_with('}') {
+                    n += s.read(&mut buf[n..]).unwrap();
+                }
+                let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                let body = req.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+                let reply = if body.contains("ignore_eos") {
+                    r#"{"detail":[{"type":"extra_forbidden","loc":["body","ignore_eos"],"msg":"Extra inputs are not permitted"}]}"#
+                        .to_string()
+                } else {
+                    r#"{"id":"c","choices":[{"text":"x","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#
+                        .to_string()
+                };
+                let status = if body.contains("ignore_eos") {
+                    "422 Unprocessable Entity"
+                } else {
+                    "200 OK"
+                };
+                let _ = s.write_all(
+                    format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}", reply.len())
+                        .as_bytes(),
+                );
+                bodies.push(body);
+            }
+            bodies
+        });
+        let ep = Endpoint::parse(&format!("http://127.0.0.1:{port}/v1")).unwrap();
+        let a = ask(Api::Completions, false);
+        let c = complete(&ep, &a, Instant::now());
+        assert_eq!(
+            (c.outcome.clone(), c.prompt_tokens),
+            (Outcome::Ok, Some(3)),
+            "{c:?}"
+        );
+        assert!(a.lean.load(Ordering::Relaxed));
+        // The next request of the run goes lean at once.
+        let c = complete(&ep, &a.clone(), Instant::now());
+        assert_eq!(c.outcome, Outcome::Ok);
+        let bodies = server.join().unwrap();
+        assert!(bodies[0].contains("ignore_eos"));
+        assert!(
+            !bodies[1].contains("ignore_eos") && !bodies[2].contains("ignore_eos"),
+            "{bodies:?}"
+        );
     }
 
     fn sse(events: &[(f64, &str)]) -> Response {
@@ -462,10 +491,6 @@ mod tests {
             elapsed: Duration::ZERO,
         };
         assert_eq!(parse(&r).error.as_deref(), Some("OutOfMemoryError: x"));
-        assert_eq!(outcome_of(200, false), Outcome::Ok);
-        assert_eq!(outcome_of(200, true), Outcome::ServerError);
-        assert_eq!(outcome_of(429, false), Outcome::Refused);
-        assert_eq!(outcome_of(404, false), Outcome::Rejected);
-        assert_eq!(outcome_of(500, false), Outcome::ServerError);
+        assert_eq!(outcome(500, &parse(&r)), Outcome::ServerError);
     }
 }

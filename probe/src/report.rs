@@ -13,19 +13,19 @@
 //!  envelope: {max_context_at_concurrency_1, max_concurrency_at_typical_context,
 //!             max_concurrency_at_max_context: Figure,
 //!             shared_prefix_tokens|null, server_death: Death|null}|null,
-//!  server: {api, streaming, tokenizer, load_source|null, runtime|null, max_model_len|null},
+//!  server: {api, streaming, tokenizer, token_count, tokenize_path|null, strict_fields, load_source|null, runtime|null, max_model_len|null},
 //!  prompts: {sent, distinct, shared_prefix_tokens|null},
 //!  deaths: [Death],
 //!  warnings: [str]}
 //! Step   = {label, prompt_words, prompt_tokens|null, context_tokens|null, concurrency, calls, ok,
-//!           refused, rejected, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
+//!           refused, rejected, empty, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
 //!           first_token_p50_ms|null, effective_concurrency|null, effective_method|null,
 //!           server_load: Load|null,
 //!           memory: {allocated_bytes, reserved_bytes, rss_bytes, cgroup_usage_bytes,
 //!                    cgroup_limit_bytes, gpu_used_bytes, gpu_total_bytes}|null,
 //!           failure|null}
 //! Figure = {value|null, unit: "tokens"|"sequences", context_tokens|null, concurrency|null,
-//!           bounded_by, evidence: [str], offered|null, method|null}
+//!           bounded_by, evidence: [str], offered|null, method|null, estimated?: true}
 //! Death  = {suite, time_ns, source: "collector"|"connection_refused", incident|null,
 //!           kind|null, domain|null, cause|null, summary}
 //! ```
@@ -41,7 +41,9 @@
 //! the collector named no domain), "suite_budget" (the budget
 //! ran out first: the suite is incomplete), "not_measured" (its suite did
 //! not run) or "probe_limit" (the probe's own ceiling was reached without a
-//! failure).
+//! failure) or "estimated" (no failure up to the probe's ceiling, in tokens
+//! the server never counted). A figure with `estimated: true` is in tokens
+//! estimated from words.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -106,6 +108,9 @@ pub struct Step {
     pub ok: usize,
     pub refused: usize,
     pub rejected: usize,
+    /// Answered 200 with no generated token: a refusal at that size.
+    #[serde(default)]
+    pub empty: usize,
     pub server_errors: usize,
     pub timeouts: usize,
     pub unreachable: usize,
@@ -164,6 +169,10 @@ pub struct Figure {
     /// ("server_metrics", "collector", "first_token", "latency_scaling").
     #[serde(default)]
     pub method: Option<String>,
+    /// Its tokens are estimates from words: the server counted none the
+    /// probe could read (its refusals still bound it where it refused).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estimated: bool,
 }
 
 impl Figure {
@@ -218,8 +227,20 @@ pub struct ServerFacts {
     pub api: String,
     /// It streams (so the time to first token is measured).
     pub streaming: bool,
-    /// It counts tokens for us (`/tokenize`).
+    /// It counts tokens for us (a tokenize endpoint).
     pub tokenizer: bool,
+    /// How the probe counted tokens: "tokenize", "usage" (non-streamed
+    /// answers), "stream_usage", "echo_logprobs", or "none" (figures in
+    /// tokens are estimates from words).
+    #[serde(default)]
+    pub token_count: String,
+    /// The tokenize endpoint's path, when one answered.
+    #[serde(default)]
+    pub tokenize_path: Option<String>,
+    /// It refused the optional request fields (`ignore_eos`, `temperature`)
+    /// by name, so the run sent none of them.
+    #[serde(default)]
+    pub strict_fields: bool,
     /// Where its load is read ("vLLM /metrics", "llama.cpp /slots").
     pub load_source: Option<String>,
     pub runtime: Option<String>,
@@ -270,7 +291,10 @@ fn figure_line(name: &str, f: &Figure) -> String {
     }
     let v = f
         .value
-        .map_or("none found".to_string(), |v| format!("{v} {}", f.unit));
+        .map_or("none found".to_string(), |v| match f.estimated {
+            true => format!("~{v} {} (estimated: not counted by the server)", f.unit),
+            false => format!("{v} {}", f.unit),
+        });
     let at = match (f.context_tokens, f.concurrency) {
         (Some(c), Some(n)) => format!(" (context {c} tokens, concurrency {n})"),
         (Some(c), None) => format!(" (context {c} tokens)"),
@@ -293,6 +317,24 @@ pub fn text(r: &ProbeReport) -> String {
         r.model.as_deref().unwrap_or("default model")
     );
     let _ = writeln!(out, "Verdict: {}", r.verdict);
+    if !r.server.token_count.is_empty() {
+        let path = r
+            .server
+            .tokenize_path
+            .as_ref()
+            .map(|p| format!(" ({p})"))
+            .unwrap_or_default();
+        let how = match r.server.token_count.as_str() {
+            "none" => " (figures in tokens are estimates from words)",
+            _ => "",
+        };
+        let _ = writeln!(
+            out,
+            "Tokens counted by: {}{path}{how}; streaming {}",
+            r.server.token_count,
+            if r.server.streaming { "on" } else { "off" }
+        );
+    }
     for s in &r.suites {
         let status = match s.status {
             Status::Pass => "PASS",
@@ -315,13 +357,16 @@ pub fn text(r: &ProbeReport) -> String {
                 Some(e) if (e as usize) < st.concurrency => format!(" in service {e}"),
                 _ => String::new(),
             };
+            let refused = match st.empty {
+                0 => st.refused.to_string(),
+                n => format!("{} empty {n}", st.refused),
+            };
             let _ = writeln!(
                 out,
-                "        {:<28} ok {}/{} refused {} errors {} timeouts {} p99 {}{served}{mem}{}",
+                "        {:<28} ok {}/{} refused {refused} errors {} timeouts {} p99 {}{served}{mem}{}",
                 st.label,
                 st.ok,
                 st.calls,
-                st.refused,
                 st.server_errors + st.unreachable,
                 st.timeouts,
                 st.p99_ms.map_or("-".into(), |p| format!("{p:.0} ms")),

@@ -6,9 +6,8 @@
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use crate::http::{request, Endpoint};
 use crate::load::Api;
 use crate::metrics;
 
@@ -23,8 +22,12 @@ pub struct Server {
     pub api: Api,
     /// It streams, so each request's first token is timed.
     pub stream: bool,
-    /// `/tokenize` answers with a count.
+    /// A tokenize endpoint answers with a count.
     pub tokenizer: bool,
+    /// Where (see [`crate::calibrate`]).
+    pub tokenize: Option<crate::calibrate::Route>,
+    /// How the run counts tokens.
+    pub token_count: crate::calibrate::Method,
     /// Tokens the server adds around a prompt (a chat template), learned
     /// from the smoke request's usage against the tokenizer's count.
     pub overhead_tokens: u64,
@@ -39,6 +42,8 @@ impl Default for Server {
             api: Api::Completions,
             stream: false,
             tokenizer: false,
+            tokenize: None,
+            token_count: crate::calibrate::Method::None,
             overhead_tokens: 0,
             load: None,
             max_model_len: None,
@@ -63,47 +68,6 @@ pub fn models(v: &Value) -> (Vec<String>, Option<u64>) {
         })
         .min();
     (ids, len)
-}
-
-/// A `/tokenize` answer: the count (vLLM's and SGLang's `count`, else the
-/// length of `tokens` as llama.cpp answers) and any `max_model_len` in it.
-pub fn tokenized(v: &Value) -> Option<(u64, Option<u64>)> {
-    let count = v["count"]
-        .as_u64()
-        .or_else(|| v["tokens"].as_array().map(|t| t.len() as u64))?;
-    Some((count, v["max_model_len"].as_u64()))
-}
-
-/// The body `/tokenize` takes on each runtime at once: vLLM and SGLang read
-/// `prompt` (and `model`), llama.cpp reads `content`.
-pub fn tokenize_body(model: Option<&str>, text: &str) -> Value {
-    let mut b = json!({"prompt": text, "content": text});
-    if let Some(m) = model {
-        b["model"] = json!(m);
-    }
-    b
-}
-
-/// The server's count of `text`, with its `max_model_len` when it gives one.
-pub fn fetch_tokens(
-    ep: &Endpoint,
-    model: Option<&str>,
-    text: &str,
-    timeout: Duration,
-) -> Option<(u64, Option<u64>)> {
-    let r = request(
-        &ep.root(),
-        "POST",
-        "/tokenize",
-        Some(&tokenize_body(model, text)),
-        &[],
-        timeout,
-    )
-    .ok()?;
-    if r.status != 200 {
-        return None;
-    }
-    tokenized(&r.json().ok()?)
 }
 
 /// Why the server refused a request for want of credentials (HTTP 401
@@ -146,6 +110,7 @@ pub fn stream_refused(status: Option<u16>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn models_and_their_limit() {
@@ -155,25 +120,6 @@ mod tests {
             (vec!["m".to_string(), "n".to_string()], Some(4096))
         );
         assert_eq!(models(&json!({"data": [{"id": "x"}]})).1, None);
-    }
-
-    #[test]
-    fn tokenize_answers_of_each_runtime() {
-        assert_eq!(
-            tokenized(&json!({"count": 7, "max_model_len": 2048, "tokens": [1,2,3,4,5,6,7]})),
-            Some((7, Some(2048)))
-        );
-        assert_eq!(tokenized(&json!({"tokens": [1, 2, 3]})), Some((3, None)));
-        assert_eq!(tokenized(&json!({"error": "no"})), None);
-        let b = tokenize_body(Some("m"), "a b");
-        assert_eq!(
-            (
-                b["prompt"].as_str(),
-                b["content"].as_str(),
-                b["model"].as_str()
-            ),
-            (Some("a b"), Some("a b"), Some("m"))
-        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use super::calibrate::StreamChoice;
 use super::concurrency::{self, Effective};
 use super::http::request;
 use super::load::{burst, complete, count, first_token_percentile, percentile, Api, Call, Outcome};
@@ -41,6 +42,7 @@ fn step(
         ok: count(calls, Outcome::Ok),
         refused: count(calls, Outcome::Refused),
         rejected: count(calls, Outcome::Rejected),
+        empty: count(calls, Outcome::Empty),
         server_errors: count(calls, Outcome::ServerError),
         timeouts: count(calls, Outcome::Timeout),
         unreachable: count(calls, Outcome::Unreachable),
@@ -122,15 +124,22 @@ impl Clock {
 
 /// Where the token counts came from, for a figure's evidence.
 fn counted_by(p: &Probe, server_counted: bool) -> String {
-    if server_counted {
-        "tokens as the server counted them (usage.prompt_tokens)".into()
-    } else if p.server.tokenizer {
-        "tokens as the server's /tokenize counted them".into()
-    } else {
-        format!(
-            "tokens estimated from words (the server reported no token counts; {:.2} tokens a word)",
+    use super::calibrate::Method;
+    let path = p.server.tokenize.map(|r| r.shown(&p.ep));
+    match (server_counted, p.server.token_count) {
+        (true, Method::None) => Method::Usage.described(None),
+        (true, m) => m.described(path.as_deref()),
+        (false, Method::None) => format!(
+            "{} ({:.2} tokens a word)",
+            Method::None.described(None),
             p.cal.fit().1
-        )
+        ),
+        (false, Method::Tokenize) => Method::Tokenize.described(path.as_deref()),
+        (false, m) => format!(
+            "tokens from the words, at the rate fitted to the server's counts ({}: {:.2} tokens a word)",
+            m.name(),
+            p.cal.fit().1
+        ),
     }
 }
 
@@ -212,12 +221,7 @@ impl Probe {
         if self.server.tokenizer {
             for _ in 0..TOKENIZE_ROUNDS {
                 let sample = self.sample(words);
-                let Some((n, _)) = server::fetch_tokens(
-                    &self.ep,
-                    self.cfg.model.as_deref(),
-                    &sample,
-                    DISCOVERY_TIMEOUT,
-                ) else {
+                let Some((n, _)) = self.count_tokens(&sample, DISCOVERY_TIMEOUT) else {
                     break;
                 };
                 let counted = n + self.server.overhead_tokens;
@@ -253,7 +257,11 @@ impl Probe {
         }
         let bound = if calls.iter().any(|c| c.is_oom()) {
             "out_of_memory"
-        } else if calls.iter().any(|c| c.outcome == Outcome::Rejected) {
+        } else if calls
+            .iter()
+            .any(|c| matches!(c.outcome, Outcome::Rejected | Outcome::Empty))
+        {
+            // An empty 200 is the server refusing the size without saying so.
             "max_context_setting"
         } else if calls.iter().any(|c| c.outcome == Outcome::Refused) {
             "admission_cap"
@@ -341,17 +349,6 @@ impl Probe {
             }
         };
         self.server.load = metrics::discover(&self.ep, clock.timeout(DISCOVERY_TIMEOUT));
-        let probe_text = self.sample(SMOKE_WORDS);
-        let tokenized = server::fetch_tokens(
-            &self.ep,
-            self.cfg.model.as_deref(),
-            &probe_text,
-            clock.timeout(DISCOVERY_TIMEOUT),
-        );
-        if let Some((_, Some(len))) = tokenized {
-            self.server.max_model_len.get_or_insert(len);
-        }
-        self.server.tokenizer = tokenized.is_some();
         let mut prompt = String::new();
 
         // The API and streaming: each candidate streamed first (for the time
@@ -368,7 +365,11 @@ impl Probe {
                 "smoke: a tiny request on /{}",
                 api.path().trim_start_matches('/')
             ));
-            for stream in [true, false] {
+            let streams: &[bool] = match self.cfg.stream {
+                StreamChoice::Off => &[false],
+                _ => &[true, false],
+            };
+            for &stream in streams {
                 let (call, sent) = self.tiny(api, stream, clock.timeout(self.cfg.request_timeout));
                 prompt = sent;
                 let status = call.status;
@@ -391,16 +392,11 @@ impl Probe {
         }
         let call = answer.expect("at least one API is tried");
         self.after_calls(std::slice::from_ref(&call));
-        if let Some(pt) = call.prompt_tokens.filter(|_| self.server.tokenizer) {
-            // What the server adds around this very prompt (a chat template).
-            if let Some((n, _)) = server::fetch_tokens(
-                &self.ep,
-                self.cfg.model.as_deref(),
-                &prompt,
-                clock.timeout(DISCOVERY_TIMEOUT),
-            ) {
-                self.server.overhead_tokens = pt.saturating_sub(n);
-            }
+        if call.outcome == Outcome::Ok {
+            self.progress.doing("smoke: how the server counts tokens");
+            let streams = self.server.stream;
+            let smoke = call.prompt_tokens.map(|n| (prompt.as_str(), n));
+            self.calibrate(streams, smoke, clock.timeout(DISCOVERY_TIMEOUT));
         }
         if let Some(n) = self.cfg.shared_prefix {
             let words = self.size(n as u64);
@@ -422,6 +418,7 @@ impl Probe {
             "api": self.server.api.name(),
             "streaming": self.server.stream,
             "tokenizer": self.server.tokenizer,
+            "token_count": self.server.token_count.name(),
             "load_source": self.server.load.as_ref().map(metrics::Source::label),
             "max_model_len": self.server.max_model_len,
             "tried": tried,
@@ -583,6 +580,20 @@ impl Probe {
                 ));
             }
         }
+        // The answers at the largest passing size carried no count: count it again.
+        if let Some((target, None)) = best.filter(|_| !self.down) {
+            let words = steps
+                .iter()
+                .rev()
+                .find(|s| s.ok == s.calls && s.context_tokens == Some(target))
+                .map_or_else(|| self.cal.words_for(target), |s| s.prompt_words);
+            if let Some(n) = self.recheck(words, clock.timeout(self.cfg.request_timeout)) {
+                best = Some((target, Some(n)));
+                fig.evidence.push(format!(
+                    "re-checked at the largest size reached: {words} words are {n} tokens"
+                ));
+            }
+        }
         let server_counted = best.is_some_and(|b| b.1.is_some());
         fig.value = best.map(|(target, counted)| {
             counted.unwrap_or_else(|| self.cal.tokens_for(self.cal.words_for(target)))
@@ -601,6 +612,14 @@ impl Probe {
         }
         if fig.value.is_some() {
             fig.evidence.push(counted_by(self, server_counted));
+        }
+        // Nothing counted: the figure is words at an assumed rate, however
+        // far the ramp went; it is labelled so, never as a measured bound.
+        if !server_counted && self.server.token_count == super::calibrate::Method::None {
+            fig.estimated = true;
+            if fig.bounded_by == "probe_limit" {
+                fig.bounded_by = "estimated".into();
+            }
         }
         let verdict = match (fig.value, budget_out) {
             (Some(v), false) => format!(

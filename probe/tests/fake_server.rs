@@ -76,7 +76,13 @@ fn every_prompt_is_distinct_unless_a_shared_prefix_is_asked_for() {
     c.shared_prefix = Some(20);
     let r = run(c);
     let prompts = f.prompts();
-    let prefixes: HashSet<String> = prompts[1..]
+    // The smoke's and the token calibration's prompts are shorter than the prefix.
+    let long: Vec<&String> = prompts
+        .iter()
+        .filter(|p| p.split(' ').count() > 20)
+        .collect();
+    assert!(long.len() > 10, "{}", long.len());
+    let prefixes: HashSet<String> = long
         .iter()
         .map(|p| p.split(' ').take(20).collect::<Vec<_>>().join(" "))
         .collect();
@@ -267,7 +273,8 @@ fn a_chat_only_endpoint_is_driven_through_chat_under_api_auto() {
     let seen = f.seen();
     let posts: Vec<&str> = seen
         .iter()
-        .filter(|s| s.method == "POST" && s.path.starts_with("/v1/"))
+        // (/v1/tokenize is SGLang's tokenizer, tried once when /tokenize is missing.)
+        .filter(|s| s.method == "POST" && s.path.starts_with("/v1/") && s.path != "/v1/tokenize")
         .map(|s| s.path.as_str())
         .collect();
     let after_first_chat = posts.iter().skip_while(|p| **p != "/v1/chat/completions");

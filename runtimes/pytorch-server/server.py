@@ -44,6 +44,30 @@ KV cache per sequence. Switches reproduce the incidents of the design:
                      list, so that a memory limit kills it after enough
                      requests
 
+How it answers, for probing clients against behaviours of other servers:
+
+  --streams          answer `stream: true` with an event stream (a chunk a
+                     token, the last with finish_reason "length"; usage in a
+                     last chunk with `stream_options.include_usage`; then
+                     `data: [DONE]`); without it `stream` is ignored (JSON)
+  --empty-stream-over-context  a prompt over --max-context is answered 200
+                     with nothing generated: streamed, an event stream that
+                     carries no event; else a JSON body with no choices and no
+                     usage (as a llama.cpp-based server answered); implies
+                     --streams
+  --tokens-per-word N  the tokenizer makes N tokens of each prompt word;
+                     /tokenize, usage and the --max-context check count them
+  --no-tokenize      POST /tokenize answers 404 and streams carry no usage,
+                     so a client must count tokens from non-streamed usage
+  --fastapi-shapes   as `transformers serve` answers: errors are FastAPI's
+                     {"detail": ...} (400 over --max-context), a request
+                     field outside OpenAI's is refused with pydantic's 422
+                     (`extra_forbidden`), and streams end without
+                     `data: [DONE]` (the connection closes after the finish
+                     reason)
+  --no-usage         no answer carries usage (with --no-tokenize the server
+                     counts tokens nowhere a client can read)
+
 Worker processes are titled (comm, what ps and the kernel's OOM report show)
 EngineWorker-N (--workers) or InferWorker-0, APIServer and SyncManager
 (--layout forked-api).
@@ -62,8 +86,9 @@ HTTP: POST /generate {"id", "prompt_tokens", "max_tokens"} ->
 request; with workers also "worker": the rank to serve it, else round
 robin, and "hold_mb": that worker first holds this much more host memory);
 OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
-"prompt", "max_tokens"} (one word of the prompt is one token; 500 with the
-error text on out-of-memory); GET /health (200 once ready, else 503);
+"prompt", "max_tokens", "stream"} (one word of the prompt is one token, or
+--tokens-per-word; 500 with the error text on out-of-memory); POST /tokenize
+{"prompt"} -> {"count", "tokens"} (vLLM's shape); GET /health (200 once ready, else 503);
 GET /admin/stats (with workers, "workers": each one's rank and pid; with
 --layout forked-api, "shared": the Manager's dict); POST /admin/gc;
 POST /admin/census; POST /admin/agent {"on": bool} starts or stops the
@@ -94,7 +119,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import TinyDecoder, cache_bytes  # noqa: E402
-from serving import Admission, IdempotencyStore, Refusal  # noqa: E402
+from serving import Admission, IdempotencyStore, Refusal, completion_events, sse, tokenize  # noqa: E402
 
 try:
     import oomscope
@@ -235,6 +260,11 @@ class Engine:
         seq.done.set()
 
 
+#: The /v1/completions request fields a strict server (--fastapi-shapes) knows.
+OPENAI_FIELDS = {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n",
+                 "stop", "seed", "user", "echo", "logprobs", "presence_penalty", "frequency_penalty"}
+
+
 def make_handler(state, args):
     """`state` holds the engine once the model is loaded (None before), the
     admission counters, the idempotency store and the served model name."""
@@ -253,6 +283,15 @@ def make_handler(state, args):
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
+
+        def _stream(self, chunks):
+            """An event stream of `chunks` (none: a 200 stream that carries no event), then the connection closes."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(sse(chunks))
+            self.close_connection = True
 
         def _refuse(self, r, openai=False):
             body = {"error": {"message": r.message, "type": "overloaded" if r.status == 429 else "unavailable",
@@ -292,6 +331,10 @@ def make_handler(state, args):
                 return self._generate(body)
             if self.path in ("/v1/completions", "/v1/completions/"):
                 return self._completions(body)
+            if self.path == "/tokenize" and not args.no_tokenize:
+                # vLLM's shape: {"prompt"} -> {"count", "tokens"}.
+                ids = tokenize(body.get("prompt", ""), state["vocab"], args.tokens_per_word)
+                return self._reply(200, {"count": len(ids), "tokens": ids})
             if self.path == "/admin/gc":
                 collected = gc.collect()
                 census = oomscope.census() if oomscope and oomscope.is_running() else None
@@ -345,25 +388,38 @@ def make_handler(state, args):
             return list(seq.out), None
 
         def _completions(self, body):
+            if args.fastapi_shapes:
+                # A strict schema, as FastAPI + pydantic with extra="forbid" answers.
+                extra = sorted(set(body) - OPENAI_FIELDS)
+                if extra:
+                    return self._reply(422, {"detail": [
+                        {"type": "extra_forbidden", "loc": ["body", k], "msg": "Extra inputs are not permitted",
+                         "input": body[k]} for k in extra]})
             model = body.get("model")
             if model not in (None, "", state["model_name"]):
                 return self._reply(404, {"error": {"message": "model %r not found; this server serves %r" % (
                     model, state["model_name"]), "type": "not_found", "code": 404}})
             prompt = body.get("prompt", "")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                prompt = " ".join(prompt)
+            stream = bool(body.get("stream")) and args.streams
             try:
                 max_tokens = int(body.get("max_tokens") or 16)
             except (TypeError, ValueError):
                 return self._reply(400, {"error": {"message": "max_tokens must be an integer", "type": "invalid_request_error"}})
-            vocab = state["vocab"]
-            ids = ([int(t) % vocab for t in prompt] if isinstance(prompt, list)
-                   else [hash(w) % vocab for w in str(prompt).split()]) or [0]
+            ids = tokenize(prompt, state["vocab"], args.tokens_per_word)
             if max_tokens < 1:
                 return self._reply(400, {"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error"}})
-            if args.max_context and len(ids) + max_tokens > args.max_context:
-                return self._reply(400, {"error": {"message": "context %d > --max-context %d" % (
-                    len(ids) + max_tokens, args.max_context), "type": "context_length_exceeded"}})
+            over = args.max_context and len(ids) + max_tokens > args.max_context
+            if over and args.empty_stream_over_context:
+                # As a llama.cpp-based server did: 200, and nothing generated.
+                if stream:
+                    return self._stream([])
+                return self._reply(200, {"id": "cmpl-%s" % os.urandom(8).hex(), "object": "text_completion",
+                                         "created": int(time.time()), "model": state["model_name"], "choices": []})
+            if over:
+                text = "context %d > --max-context %d" % (len(ids) + max_tokens, args.max_context)
+                if args.fastapi_shapes:
+                    return self._reply(400, {"detail": text})
+                return self._reply(400, {"error": {"message": text, "type": "context_length_exceeded"}})
             key = self.headers.get("Idempotency-Key") if args.idempotency else None
             tokens = len(ids) + max_tokens
             if key:
@@ -382,11 +438,21 @@ def make_handler(state, args):
                     oom = "out of memory" in str(err) or isinstance(err, MemoryError) or getattr(err, "oom", False)
                     return self._reply(500, {"error": {"message": "%s: %s" % (type(err).__name__, err),
                                                        "type": "OutOfMemoryError" if oom else "server_error", "code": 500}})
-                response = {"id": "cmpl-%s" % os.urandom(8).hex(), "object": "text_completion", "created": int(time.time()),
+                usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
+                rid, created = "cmpl-%s" % os.urandom(8).hex(), int(time.time())
+                if stream:
+                    with_usage = (bool((body.get("stream_options") or {}).get("include_usage"))
+                                  and not args.no_tokenize and not args.no_usage)
+                    return self._stream(completion_events(rid, state["model_name"], created,
+                                                          [" t%d" % t for t in out], usage, with_usage,
+                                                          done=not args.fastapi_shapes))
+                response = {"id": rid, "object": "text_completion", "created": created,
                             "model": state["model_name"],
                             "choices": [{"index": 0, "text": " ".join("t%d" % t for t in out), "finish_reason": "length",
                                          "logprobs": None}],
-                            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}
+                            "usage": usage}
+                if args.no_usage:
+                    del response["usage"]
                 self._reply(200, response)
             finally:
                 if key:
@@ -474,6 +540,17 @@ def parse_args(argv=None):
     p.add_argument("--no-idempotency", dest="idempotency", action="store_false", help="ignore Idempotency-Key")
     p.add_argument("--idempotency-store", default=None,
                    help="JSON-lines file of completed responses by key (default: one per port in the temp dir)")
+    p.add_argument("--streams", action="store_true",
+                   help="answer `stream: true` with an event stream (else JSON, as if streaming were unsupported)")
+    p.add_argument("--empty-stream-over-context", action="store_true",
+                   help="a prompt over --max-context gets 200 and nothing generated (implies --streams)")
+    p.add_argument("--tokens-per-word", type=int, default=1, help="tokens the tokenizer makes of each prompt word")
+    p.add_argument("--no-tokenize", action="store_true",
+                   help="no /tokenize (404) and no usage in streams: a client must count tokens otherwise")
+    p.add_argument("--fastapi-shapes", action="store_true",
+                   help="FastAPI-shaped errors ({\"detail\": ...}), unknown request fields refused (422), "
+                        "streams without data: [DONE]")
+    p.add_argument("--no-usage", action="store_true", help="no usage in any answer (with --no-tokenize: no count at all)")
     p.add_argument("--load-seconds", type=float, default=0.0, help="extra time the model load takes (a big model's)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
     p.add_argument("--workers", type=int, default=0,
@@ -490,6 +567,9 @@ def parse_args(argv=None):
     p.add_argument("--collector", default=None, help="else OOMSCOPE_COLLECTOR")
     p.add_argument("--name", default=None, help="agent name, else OOMSCOPE_NAME or pytorch-server")
     args = p.parse_args(argv)
+    args.streams = args.streams or args.empty_stream_over_context
+    if args.tokens_per_word < 1:
+        p.error("--tokens-per-word is at least 1")
     if args.layout == "forked-api" and args.workers:
         p.error("--layout forked-api has one worker; --workers is the other layout")
     if args.worker_leak_mb_per_request and not (args.workers or args.layout == "forked-api"):

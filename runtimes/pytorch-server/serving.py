@@ -129,3 +129,35 @@ class IdempotencyStore:
             ev = self.running.pop(key, None)
         if ev is not None:
             ev.set()
+
+
+def tokenize(prompt, vocab, per_word=1):
+    """The server's token ids for a prompt: `per_word` ids for each word of a
+    text (so a tokenizer of several tokens a word can be tried), or the ids
+    given as a list. /tokenize, usage and the context check all count these."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = " ".join(prompt)
+    if isinstance(prompt, list):
+        return [int(t) % vocab for t in prompt] or [0]
+    return [hash((w, i)) % vocab for w in str(prompt).split() for i in range(per_word)] or [0]
+
+
+def sse(chunks):
+    """An event stream's bytes: one `data:` event per JSON chunk (or the literal [DONE])."""
+    return b"".join(b"data: " + (c if isinstance(c, str) else json.dumps(c)).encode() + b"\n\n"
+                    for c in chunks)
+
+
+def completion_events(rid, model, created, text_tokens, usage, with_usage, done=True):
+    """The chunks of a streamed completion as OpenAI sends them: one per
+    token (the last with its finish reason), usage in a last chunk without
+    choices when asked for (`stream_options.include_usage`), then [DONE]."""
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    chunks = [dict(base, choices=[{"index": 0, "text": t, "logprobs": None,
+                                   "finish_reason": "length" if i == len(text_tokens) - 1 else None}])
+              for i, t in enumerate(text_tokens)]
+    if with_usage:
+        chunks.append(dict(base, choices=[], usage=usage))
+    if done:
+        chunks.append("[DONE]")
+    return chunks

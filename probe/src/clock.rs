@@ -195,7 +195,7 @@ impl Probe {
     }
 
     /// Times a few requests of known sizes and fits the server's pace
-    /// ([`Pace::fit`]): a tiny one twice, one with a longer prompt
+    /// ([`Pace::fit`]): a tiny one twice (the faster counts), one with a longer prompt
     /// ([`PACE_PROMPT_TOKENS`], or a quarter of the context limit), and one
     /// with a longer answer ([`PACE_OUTPUT_TOKENS`]). Each waits at least
     /// `--request-timeout`, and longer where the tiny one's time says a
@@ -211,15 +211,23 @@ impl Probe {
             ("long-answer", tiny_words, PACE_OUTPUT_TOKENS),
         ];
         let mut samples = Vec::new();
-        let mut tiny: Option<(f64, f64)> = None;
+        // The fastest tiny request so far, (ms, prompt and output tokens): the smoke's first.
+        let mut tiny: Option<(f64, f64, f64)> = self.tiny_ms.map(|ms| {
+            let prompt = self.cal.tokens_for(tiny_words) as f64;
+            (ms, prompt, PACE_TINY_OUTPUT as f64)
+        });
+        let mut fitted_tiny: Option<f64> = None;
         for (what, words, out) in plan {
             let floor = self.cfg.request_timeout;
-            // Whatever a tiny request's time went on, a request of k times
-            // its tokens takes at most k times as long.
+            // Whatever a tiny request's time went on (overhead, prompt,
+            // answer), one with at most k times its prompt and k times its
+            // answer takes at most k times as long.
             let scale = match tiny {
-                Some((ms, tokens)) => {
-                    let k = (self.cal.tokens_for(words) as f64 + out as f64) / tokens.max(1.0);
-                    Duration::from_secs_f64(ms * k.max(1.0) * pace::TIMEOUT_SLACK / 1e3)
+                Some((ms, prompt, answer)) => {
+                    let k = (self.cal.tokens_for(words) as f64 / prompt.max(1.0))
+                        .max(out as f64 / answer.max(1.0))
+                        .max(1.0);
+                    Duration::from_secs_f64(ms * k * pace::TIMEOUT_SLACK / 1e3)
                 }
                 None => floor,
             };
@@ -247,11 +255,24 @@ impl Probe {
                 latency_ms: call.latency_ms,
             };
             if what == "tiny" {
-                let t = sample.prompt_tokens + sample.output_tokens;
-                tiny = Some(match tiny {
-                    Some((ms, _)) if ms <= sample.latency_ms => (ms, t),
-                    _ => (sample.latency_ms, t),
-                });
+                // Of the two tiny ones only the faster is fitted: the
+                // other paid for a busy moment (or a warm-up) that the
+                // larger requests' costs must not absorb as a negative.
+                if tiny.is_none_or(|(ms, ..)| sample.latency_ms < ms) {
+                    tiny = Some((
+                        sample.latency_ms,
+                        sample.prompt_tokens,
+                        sample.output_tokens,
+                    ));
+                }
+                match fitted_tiny {
+                    Some(ms) if ms <= sample.latency_ms => continue,
+                    Some(_) => {
+                        samples.pop();
+                    }
+                    None => {}
+                }
+                fitted_tiny = Some(sample.latency_ms);
             }
             samples.push(sample);
         }

@@ -130,3 +130,44 @@ impl Probe {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::TcpListener;
+    use std::time::{Duration, Instant};
+
+    use crate::http::{request, Endpoint, Failure};
+
+    #[test]
+    fn an_abandoned_request_closes_its_connection_so_the_server_can_notice() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        // A server that reads the request and never answers, then waits to
+        // see the client go: a read of 0 bytes is the connection closed.
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut buf = [0u8; 4096];
+            let mut got = 0;
+            while !String::from_utf8_lossy(&buf[..got]).contains("\r\n\r\n") {
+                got += s.read(&mut buf[got..]).unwrap();
+            }
+            let t = Instant::now();
+            let closed = loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break true,
+                    Ok(_) => continue,
+                    Err(_) => break false,
+                }
+            };
+            (closed, t.elapsed())
+        });
+        let ep = Endpoint::parse(&format!("http://127.0.0.1:{port}/v1")).unwrap();
+        let e = request(&ep, "GET", "/models", None, &[], Duration::from_millis(300)).unwrap_err();
+        assert_eq!(e.kind, Failure::Timeout, "{e}");
+        let (closed, after) = server.join().unwrap();
+        assert!(closed, "the probe kept the abandoned connection open");
+        assert!(after < Duration::from_secs(5), "{after:?}");
+    }
+}

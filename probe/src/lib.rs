@@ -824,7 +824,16 @@ impl Probe {
             smoke.reason.as_deref().unwrap_or("ok")
         ));
         suites.push(smoke);
-        if smoke_ok {
+        let wanted: Vec<&str> = SUITES[1..]
+            .iter()
+            .copied()
+            .filter(|s| self.wants(s))
+            .collect();
+        // The pace sizes the budgeted suites' time: none, no pace.
+        let budgeted = wanted
+            .iter()
+            .any(|w| w.parse::<Suite>().is_ok_and(Suite::budgeted));
+        if smoke_ok && budgeted {
             self.progress
                 .doing("pace: timing a few requests of known sizes");
             match self.measure_pace() {
@@ -870,11 +879,6 @@ impl Probe {
         });
         let mut max_ctx: Option<u64> = None;
         let mut conc_cap: Option<u64> = None;
-        let wanted: Vec<&str> = SUITES[1..]
-            .iter()
-            .copied()
-            .filter(|s| self.wants(s))
-            .collect();
         self.ahead = self.plan(&wanted);
         for name in wanted {
             if !smoke_ok {

@@ -355,7 +355,9 @@ pub struct ProbeArgs {
     /// a failure; the figure is the last step within it.
     #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().latency_bound)))]
     pub latency_bound: Duration,
-    /// One request's timeout (cut shorter where its suite's budget ends first).
+    /// One request's timeout at least: longer where the server's measured
+    /// pace says a request of the rung's size needs more (cut shorter where
+    /// its suite's budget or the deadline ends first).
     #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().request_timeout)))]
     pub request_timeout: Duration,
     /// Repeated suite: how many requests (each with its own prompt).
@@ -372,11 +374,16 @@ pub struct ProbeArgs {
     /// waited in an unbounded queue.
     #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().overload_timeout)))]
     pub overload_timeout: Duration,
-    /// One time budget for every suite; a suite whose budget runs out is
-    /// incomplete (exit 4). Default: each suite's own, together under 10
-    /// minutes for a default run.
+    /// A cap on every suite's budget; a suite whose budget runs out is
+    /// incomplete (exit 4). Default: each suite's own, longer where the
+    /// server's measured pace says its requests need it.
     #[arg(long, value_parser = parse_duration, long_help = suite_budget_help())]
     pub suite_budget: Option<Duration>,
+    /// The whole run ends within this: the suites share what is left of it,
+    /// and a figure it cut is reported as a lower bound, with where it was
+    /// cut (exit 4); a request it cut is not measured, never a failure.
+    #[arg(long, value_parser = parse_duration, default_value = shown(format_duration(probe_defaults().deadline)))]
+    pub deadline: Duration,
     /// Launch the server given after `--` under `oomscope run --restart`
     /// (the restart suite needs it): `--launch -- python server.py --port 8000`.
     #[arg(long, requires = "command")]
@@ -419,7 +426,7 @@ fn suite_budget_help() -> &'static str {
         .map(|s| format!("{} {}", s.name(), format_duration(s.default_budget())))
         .collect();
     shown(format!(
-        "One time budget for every suite but the smoke (its own {}) and restart (bounded by its own timeouts); a suite whose budget runs out is incomplete (exit 4). Default: each suite's own ({}; the concurrency budget is for each of its two ramps), together under {} for a default run",
+        "One time budget for every suite but the smoke (its own {}) and restart (bounded by its own timeouts), within --deadline; a suite whose budget runs out is incomplete (exit 4) and a request it cut is not measured, never a failure. Default: each suite's own ({}; the concurrency budget is for each of its two ramps; together under the default --deadline {}), longer where the server's pace, measured after the smoke, says its requests need it",
         format_duration(Suite::Smoke.default_budget()),
         each.join(", "),
         format_duration(oomscope_probe::DEFAULT_RUN_BUDGET)
@@ -624,12 +631,14 @@ mod tests {
                 a.max_context,
                 a.latency_bound,
                 a.suite_budget,
+                a.deadline,
                 a.restart_herd
             ),
             (
                 d.max_context,
                 d.latency_bound,
                 d.suite_budget,
+                d.deadline,
                 d.restart_settings.herd
             )
         );
@@ -685,6 +694,8 @@ mod tests {
             "128",
             "--suite-budget",
             "1s",
+            "--deadline",
+            "90s",
             "-q",
         ]);
         assert_eq!(
@@ -692,8 +703,8 @@ mod tests {
             (ApiArg::Chat, Some("sk-1"), Some(128))
         );
         assert_eq!(
-            (a.suite_budget, a.quiet),
-            (Some(Duration::from_secs(1)), true)
+            (a.suite_budget, a.deadline, a.quiet),
+            (Some(Duration::from_secs(1)), Duration::from_secs(90), true)
         );
     }
 

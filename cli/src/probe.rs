@@ -207,6 +207,7 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     cfg.overload_context = a.overload_context;
     cfg.overload_timeout = a.overload_timeout;
     cfg.suite_budget = a.suite_budget;
+    cfg.deadline = a.deadline;
     cfg.seed = a.seed;
     // The command after `--`, word for word, as `oomscope run` takes it.
     cfg.launch = a.launch.then_some(a.command);

@@ -344,6 +344,237 @@ fn a_spent_suite_budget_is_incomplete() {
     );
 }
 
+/// Steps of every suite in a probe report.
+fn all_steps(r: &Value) -> Vec<Value> {
+    r["suites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["steps"].as_array().unwrap().clone())
+        .collect()
+}
+
+/// Waits until the reference server has nothing in flight (its
+/// /admin/stats), so that one probe run's cut requests do not slow the next.
+fn until_idle(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = Command::new("curl")
+            .args(["-sf", &format!("http://127.0.0.1:{port}/admin/stats")])
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if v["in_flight"] == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the server stayed busy: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_slow_server_serving_one_at_a_time_gets_its_whole_envelope() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    // 5 ms a prompt token, one request at a time: a 512-token prompt takes
+    // over 2.5 s. The probe's --request-timeout of 1 s stands for the 60 s
+    // default against a server 60 times slower (minutes per test): the
+    // server's measured pace, not the flag, must size each rung's timeout.
+    let _srv = Server::start(
+        &col,
+        "slow",
+        port,
+        "--max-active 1 --max-queue 64 --max-context 600 --slow-prefill-ms-per-token 5",
+    );
+    let (code, r) = probe_seeded(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--collector",
+        &col.url,
+        "--agent",
+        "slow",
+        "--suite",
+        "long-context,concurrency,repeated",
+        "--request-timeout",
+        "1s",
+        "--max-concurrency",
+        "2",
+        "--typical-context",
+        "32",
+        "--output-tokens",
+        "4",
+        "--repeat",
+        "4",
+    ]);
+    let verdicts: Vec<String> = r["suites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| format!("{}: {} {}", s["suite"], s["status"], s["verdict"]))
+        .collect();
+    assert_eq!(
+        (code, r["verdict"].as_str()),
+        (0, Some("ok")),
+        "{verdicts:#?} {r:#}"
+    );
+    // The pace: no faster than the server's sleep lets it read (200 tokens/s).
+    let pace = &r["server"]["pace"];
+    let prefill = pace["prefill_tokens_per_s"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no prefill rate: {:#} {:#}", r["server"], r["warnings"]));
+    assert!((20.0..=250.0).contains(&prefill), "{pace:#}");
+    // Nothing timed out or was cut, though rungs took longer than 1 s.
+    let steps = all_steps(&r);
+    for st in &steps {
+        assert_eq!(
+            (st["timeouts"].as_u64(), st["not_measured"].as_u64()),
+            (Some(0), Some(0)),
+            "{st:#}"
+        );
+    }
+    let longest = steps
+        .iter()
+        .filter(|s| s["ok"] == s["calls"])
+        .filter_map(|s| s["p99_ms"].as_f64())
+        .fold(0.0, f64::max);
+    assert!(
+        longest > 1000.0,
+        "a rung longer than --request-timeout passed: {longest} ms"
+    );
+    // The context figure: 600 tokens less the 4 generated, within 5 %.
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    let v = fig["value"].as_f64().unwrap();
+    assert!((0.95 * 596.0..=596.0).contains(&v), "{fig:#}");
+    assert_eq!(fig["bounded_by"], "max_context_setting", "{fig:#}");
+    // Serialization shown: of 2 sent together, 1 in service.
+    let fig = &r["envelope"]["max_concurrency_at_typical_context"];
+    assert_eq!(
+        (
+            fig["value"].as_u64(),
+            fig["bounded_by"].as_str(),
+            fig["offered"].as_u64()
+        ),
+        (Some(1), Some("serialized"), Some(2)),
+        "{fig:#}"
+    );
+    assert_eq!(suite(&r, "repeated")["status"], "pass", "{r:#}");
+}
+
+#[test]
+fn requests_a_budget_cut_are_not_measured_and_the_next_rung_waits_for_the_server() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let port = free_port();
+    // 10 ms a prompt token, one at a time, and a server that never notices
+    // a client gave up: a cut request keeps it busy to its end.
+    let _srv = Server::start(
+        &col,
+        "cut",
+        port,
+        "--max-active 1 --max-queue 64 --slow-prefill-ms-per-token 10",
+    );
+    let endpoint = format!("http://127.0.0.1:{port}/v1");
+
+    // The repeated suite's last request, cut by its 5 s budget (each takes
+    // over 3 s): not measured, no failure, so the verdict is incomplete, not unsafe.
+    let (code, r) = probe_seeded(&[
+        "--endpoint",
+        &endpoint,
+        "--suite",
+        "repeated",
+        "--suite-budget",
+        "5s",
+        "--typical-context",
+        "300",
+        "--output-tokens",
+        "4",
+    ]);
+    assert_eq!(
+        (code, r["verdict"].as_str()),
+        (4, Some("incomplete")),
+        "{r:#}"
+    );
+    let rep = suite(&r, "repeated");
+    let st = &rep["steps"][0];
+    assert_eq!(rep["status"], "error", "{rep:#}");
+    assert!(st["not_measured"].as_u64().unwrap() >= 1, "{st:#}");
+    assert_eq!(
+        st["ok"].as_u64().unwrap() + st["not_measured"].as_u64().unwrap(),
+        st["calls"].as_u64().unwrap(),
+        "{st:#}"
+    );
+    assert!(
+        rep["verdict"].as_str().unwrap().contains("budget ran out"),
+        "{rep:#}"
+    );
+    until_idle(port);
+
+    // Long-context cut by its 6 s budget part way up the ramp: a lower
+    // bound that says where; then the concurrency suite first waits for
+    // the cut request to leave the server, so its first rung is not slowed.
+    let (code, r) = probe_seeded(&[
+        "--endpoint",
+        &endpoint,
+        "--suite",
+        "long-context,concurrency",
+        "--suite-budget",
+        "6s",
+        "--max-context",
+        "4096",
+        "--typical-context",
+        "32",
+        "--max-concurrency",
+        "2",
+        "--output-tokens",
+        "4",
+    ]);
+    assert_eq!(
+        (code, r["verdict"].as_str()),
+        (4, Some("incomplete")),
+        "{r:#}"
+    );
+    for st in all_steps(&r) {
+        assert_eq!(st["timeouts"], 0, "a cut request is no timeout: {st:#}");
+    }
+    let lc = suite(&r, "long-context");
+    let steps = lc["steps"].as_array().unwrap();
+    let last = steps.last().unwrap();
+    assert_eq!(
+        (last["not_measured"].as_u64(), last["ok"].as_u64()),
+        (Some(1), Some(0)),
+        "{lc:#}"
+    );
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    assert_eq!(fig["bounded_by"], "suite_budget", "{fig:#}");
+    let passed = steps[steps.len() - 2]["prompt_tokens"].as_u64();
+    assert_eq!(fig["value"].as_u64(), passed, "{fig:#}");
+    let cut_at = last["context_tokens"].as_u64().unwrap();
+    assert!(
+        fig["evidence"][0]
+            .as_str()
+            .unwrap()
+            .contains(&format!("budget ran out at {cut_at} tokens")),
+        "{fig:#}"
+    );
+    let first = &suite(&r, "concurrency")["steps"][0];
+    let wait = &first["idle_wait"];
+    assert_eq!(
+        (wait["method"].as_str(), wait["still_busy"].as_bool()),
+        (Some("tiny_request"), Some(false)),
+        "{first:#}"
+    );
+    assert!(wait["waited_ms"].as_f64().unwrap() > 500.0, "{first:#}");
+    // 32 tokens take about 0.3 s here; behind the cut prompt of at least
+    // 512 tokens (over 5 s) it would have taken seconds.
+    assert!(first["p99_ms"].as_f64().unwrap() < 2500.0, "{first:#}");
+    // A cut request may still run there: stop the server idle (SIGTERM to a
+    // busy engine thread ends the interpreter with SIGABRT).
+    until_idle(port);
+}
+
 /// Memory files of a cgroup: (usage, limit, swap limit) by version.
 fn cgroup_files(cg: &TestCgroup) -> (&'static str, &'static str, &'static str) {
     if cg.version == "v1" {

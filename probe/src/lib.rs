@@ -11,11 +11,14 @@
 
 pub mod answer;
 pub mod calibrate;
+mod clock;
 pub mod compare;
 pub mod concurrency;
 pub mod http;
+pub mod idle;
 pub mod load;
 pub mod metrics;
+pub mod pace;
 pub mod progress;
 pub mod report;
 pub mod restart;
@@ -54,8 +57,10 @@ pub enum Suite {
     Restart,
 }
 
-/// The default suites' budgets add up to less than this, so that a default
-/// run ends within it (each rung's requests are cut at their suite's budget).
+/// The default `--deadline`: the whole run ends within it (each rung's
+/// requests are cut at it). The default suites' budgets add up to less, so
+/// that a fast server's default run is never cut; a slow server's budgets
+/// grow with its measured pace and share what the deadline leaves.
 pub const DEFAULT_RUN_BUDGET: Duration = Duration::from_secs(600);
 
 impl Suite {
@@ -214,8 +219,13 @@ pub struct ProbeConfig {
     pub overload_timeout: Duration,
     /// A refusal slower than this is not "quick".
     pub refuse_bound: Duration,
-    /// One budget for every suite; None: each suite's [`Suite::default_budget`].
+    /// A cap on every suite's budget; None: each suite's
+    /// [`Suite::default_budget`], longer where the server's measured pace
+    /// says its requests need more (see [`pace`]).
     pub suite_budget: Option<Duration>,
+    /// The whole run ends within this: suites share what is left of it, and
+    /// a figure it cut is a lower bound that says so.
+    pub deadline: Duration,
     /// How long to let the agent's last messages reach the collector before asking it.
     pub settle: Duration,
     /// Restart suite: the server command to launch under `oomscope run --restart`.
@@ -260,6 +270,7 @@ impl ProbeConfig {
             overload_timeout: Duration::from_secs(10),
             refuse_bound: Duration::from_secs(1),
             suite_budget: None,
+            deadline: DEFAULT_RUN_BUDGET,
             settle: Duration::from_millis(700),
             launch: None,
             ready_path: "/health".into(),
@@ -269,11 +280,6 @@ impl ProbeConfig {
             metrics_poll: metrics::DEFAULT_POLL,
             stream: calibrate::StreamChoice::Auto,
         }
-    }
-
-    /// `suite`'s budget.
-    pub fn budget(&self, suite: Suite) -> Duration {
-        self.suite_budget.unwrap_or(suite.default_budget())
     }
 }
 
@@ -415,6 +421,11 @@ fn died_bound(fig: &mut Figure, d: &Death) {
         .push(format!("the server died: {}", report::death_line(d)));
 }
 
+/// A pace rate in words: "120 tokens/s", or too fast to tell.
+fn pace_rate(r: Option<f64>) -> String {
+    r.map_or("too fast to tell".into(), |r| format!("{r:.0} tokens/s"))
+}
+
 /// The prompts made for sending, and how many of them were distinct.
 struct Book {
     prompts: tokens::Prompts,
@@ -504,6 +515,19 @@ pub struct Probe {
     workload: Option<Arc<workload::Workload>>,
     /// The server rejects the optional request fields (learned once).
     lean: load::Lean,
+    /// When the whole run must end: `--deadline` after it began.
+    deadline_at: Instant,
+    /// The server's pace, measured after the smoke (None: not measured,
+    /// so the budgets are the defaults).
+    pace: Option<pace::Pace>,
+    /// A tiny request's latency on the idle server (the pace's, else the smoke's).
+    tiny_ms: Option<f64>,
+    /// Some of the probe's requests were abandoned (timed out or cut) and
+    /// may still run on the server: the next rung waits for them.
+    abandoned: bool,
+    /// The budgeted suites still to run, with their prompt sizes, for
+    /// each suite's share of the deadline.
+    ahead: Vec<(Suite, u64)>,
 }
 
 impl Probe {
@@ -524,6 +548,7 @@ impl Probe {
         let seed = cfg.seed.unwrap_or_else(|| {
             oomscope_proto::now_ns() as u64 ^ u64::from(std::process::id()) << 32
         });
+        let cfg_deadline = cfg.deadline;
         let mut prompts = tokens::Prompts::new(seed);
         if let Some(n) = cfg.shared_prefix {
             // Sized in words until the calibration knows better; re-sized after the smoke.
@@ -552,6 +577,11 @@ impl Probe {
             current: String::new(),
             workload: None,
             lean: load::Lean::default(),
+            deadline_at: Instant::now() + cfg_deadline,
+            pace: None,
+            tiny_ms: None,
+            abandoned: false,
+            ahead: Vec::new(),
         })
     }
 
@@ -667,6 +697,14 @@ impl Probe {
     /// it went away (a refused or dropped connection after it had answered,
     /// confirmed by a second knock).
     fn after_calls(&mut self, calls: &[load::Call]) {
+        if calls.iter().any(|c| {
+            matches!(
+                c.outcome,
+                load::Outcome::Timeout | load::Outcome::NotMeasured
+            )
+        }) {
+            self.abandoned = true;
+        }
         for c in calls.iter().filter(|c| c.outcome == load::Outcome::Ok) {
             self.answered = true;
             self.down = false;
@@ -775,6 +813,7 @@ impl Probe {
     pub fn run(mut self) -> ProbeReport {
         let started_ns = self.started_ns;
         let t = Instant::now();
+        self.deadline_at = t + self.cfg.deadline;
         let mut suites: Vec<SuiteReport> = Vec::new();
         let mut warnings = Vec::new();
         if let Some(cmd) = self.cfg.launch.clone() {
@@ -797,6 +836,34 @@ impl Probe {
             smoke.reason.as_deref().unwrap_or("ok")
         ));
         suites.push(smoke);
+        let wanted: Vec<&str> = SUITES[1..]
+            .iter()
+            .copied()
+            .filter(|s| self.wants(s))
+            .collect();
+        // The pace sizes the budgeted suites' time: none, no pace.
+        let budgeted = wanted
+            .iter()
+            .any(|w| w.parse::<Suite>().is_ok_and(Suite::budgeted));
+        if smoke_ok && budgeted {
+            self.progress
+                .doing("pace: timing a few requests of known sizes");
+            match self.measure_pace() {
+                Ok(p) => {
+                    self.progress.line(&format!(
+                        "pace: prefill {}, decode {}, overhead {:.0} ms",
+                        pace_rate(p.prefill_tokens_per_s),
+                        pace_rate(p.decode_tokens_per_s),
+                        p.overhead_ms
+                    ));
+                    self.tiny_ms = Some(p.tiny_ms);
+                    self.pace = Some(p);
+                }
+                Err(e) => warnings.push(format!(
+                    "the server's pace was not measured ({e}): each suite has its default budget and each request --request-timeout"
+                )),
+            }
+        }
         let settings = self.settings();
         let skip = |name: &str, why: String| SuiteReport {
             suite: name.into(),
@@ -824,11 +891,7 @@ impl Probe {
         });
         let mut max_ctx: Option<u64> = None;
         let mut conc_cap: Option<u64> = None;
-        let wanted: Vec<&str> = SUITES[1..]
-            .iter()
-            .copied()
-            .filter(|s| self.wants(s))
-            .collect();
+        self.ahead = self.plan(&wanted);
         for name in wanted {
             if !smoke_ok {
                 suites.push(skip(
@@ -847,6 +910,36 @@ impl Probe {
                     name,
                     format!("not run: the server died during {died} and does not answer"),
                 ));
+                continue;
+            }
+            if self.deadline_left().is_zero() {
+                let why = format!(
+                    "the run's {:.0} s deadline was reached before the {name} suite ran",
+                    self.cfg.deadline.as_secs_f64()
+                );
+                if let Some(e) = envelope.as_mut() {
+                    let fig = Figure::not_measured("", why.clone());
+                    match name {
+                        "long-context" => {
+                            e.max_context_at_concurrency_1 = Figure {
+                                unit: "tokens".into(),
+                                ..fig
+                            }
+                        }
+                        "concurrency" => {
+                            e.max_concurrency_at_typical_context = Figure {
+                                unit: "sequences".into(),
+                                ..fig
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                suites.push(SuiteReport {
+                    status: Status::Error,
+                    reason: Some(why.clone()),
+                    ..skip(name, format!("not run: {why}"))
+                });
                 continue;
             }
             self.current = name.into();
@@ -868,6 +961,10 @@ impl Probe {
                         e.max_concurrency_at_typical_context = f;
                     }
                     suites.push(r);
+                    if max_ctx.is_none() || self.down {
+                        // Its second ramp will not run: its time goes to the suites after it.
+                        self.ahead.retain(|(s, _)| *s != Suite::Concurrency);
+                    }
                     if let Some(mc) = max_ctx.filter(|_| !self.down) {
                         self.current = "concurrency-at-max-context".into();
                         // A little below the bound: distinct prompts of one size vary a little in tokens.
@@ -951,6 +1048,7 @@ impl Probe {
                 .as_ref()
                 .map(|l| l.runtime().name().to_string()),
             max_model_len: self.server.max_model_len,
+            pace: self.pace.clone(),
         };
         ProbeReport {
             schema: report::SCHEMA.into(),

@@ -32,6 +32,9 @@ pub enum Outcome {
     Timeout,
     /// Connection refused or dropped: the server is down or died.
     Unreachable,
+    /// Cut by the probe's own suite budget or deadline before an answer:
+    /// no claim about the server either way, never a failure.
+    NotMeasured,
 }
 
 /// The OpenAI-compatible API the probe drives.

@@ -34,12 +34,12 @@ pub fn suite_line(suite: &str, what: &str, budget: Duration) -> String {
 /// effective concurrency where it was below what was sent, and memory in the
 /// domain that bounds the server.
 pub fn rung_line(suite: &str, st: &Step) -> String {
-    let result = if st.ok == st.calls {
+    let failed = st.calls - st.ok - st.not_measured;
+    let result = if failed == 0 {
         format!("ok {}/{}", st.ok, st.calls)
     } else {
         format!(
-            "FAILED {}/{} ({})",
-            st.calls - st.ok,
+            "FAILED {failed}/{} ({})",
             st.calls,
             st.failure
                 .as_deref()
@@ -62,7 +62,11 @@ pub fn rung_line(suite: &str, st: &Step) -> String {
         .and_then(MemoryAt::shown)
         .map(|m| format!(", {m}"))
         .unwrap_or_default();
-    format!("{suite}: {}: {result}, {p99}{served}{mem}", st.label)
+    let cut = match st.not_measured {
+        0 => String::new(),
+        n => format!(", {n} cut by the probe's time (not measured)"),
+    };
+    format!("{suite}: {}: {result}{cut}, {p99}{served}{mem}", st.label)
 }
 
 impl Progress {
@@ -144,6 +148,19 @@ mod tests {
         };
         assert!(
             rung_line("long-context", &failed).contains("FAILED 1/1 (HTTP 400: context too long)")
+        );
+        // A request the probe's budget cut is no failure.
+        let cut = Step {
+            label: "prompt 4096 tokens".into(),
+            concurrency: 1,
+            calls: 1,
+            not_measured: 1,
+            ..Default::default()
+        };
+        let l = rung_line("long-context", &cut);
+        assert!(
+            l.contains("ok 0/1, 1 cut by the probe's time (not measured)") && !l.contains("FAILED"),
+            "{l}"
         );
     }
 }

@@ -13,14 +13,18 @@
 //!  envelope: {max_context_at_concurrency_1, max_concurrency_at_typical_context,
 //!             max_concurrency_at_max_context: Figure,
 //!             shared_prefix_tokens|null, server_death: Death|null}|null,
-//!  server: {api, streaming, tokenizer, token_count, tokenize_path|null, strict_fields, load_source|null, runtime|null, max_model_len|null},
+//!  server: {api, streaming, tokenizer, token_count, tokenize_path|null, strict_fields, load_source|null,
+//!           runtime|null, max_model_len|null,
+//!           pace: {prefill_tokens_per_s|null, decode_tokens_per_s|null, overhead_ms,
+//!                  tiny_ms, samples}|null},
 //!  prompts: {sent, distinct, shared_prefix_tokens|null},
 //!  deaths: [Death],
 //!  warnings: [str]}
 //! Step   = {label, prompt_words, prompt_tokens|null, context_tokens|null, concurrency, calls, ok,
-//!           refused, rejected, empty, server_errors, timeouts, unreachable, p50_ms|null, p99_ms|null,
+//!           refused, rejected, empty, server_errors, timeouts, unreachable, not_measured,
+//!           p50_ms|null, p99_ms|null,
 //!           first_token_p50_ms|null, effective_concurrency|null, effective_method|null,
-//!           server_load: Load|null,
+//!           server_load: Load|null, idle_wait: {waited_ms, method, still_busy, detail}|null,
 //!           memory: {allocated_bytes, reserved_bytes, rss_bytes, cgroup_usage_bytes,
 //!                    cgroup_limit_bytes, gpu_used_bytes, gpu_total_bytes}|null,
 //!           failure|null}
@@ -39,7 +43,9 @@
 //! sequences run at once), "latency", "max_context_setting",
 //! "admission_cap", "server_error", "timeout", "server_died" (it died and
 //! the collector named no domain), "suite_budget" (the budget
-//! ran out first: the suite is incomplete), "not_measured" (its suite did
+//! ran out first: the suite is incomplete), "deadline" (the run's
+//! `--deadline` left it no more time: incomplete too; both are lower
+//! bounds whose evidence says where the ramp was), "not_measured" (its suite did
 //! not run) or "probe_limit" (the probe's own ceiling was reached without a
 //! failure) or "estimated" (no failure up to the probe's ceiling, in tokens
 //! the server never counted). A figure with `estimated: true` is in tokens
@@ -114,6 +120,10 @@ pub struct Step {
     pub server_errors: usize,
     pub timeouts: usize,
     pub unreachable: usize,
+    /// Requests cut by the suite's budget or the run's deadline before an
+    /// answer: neither a success nor a failure.
+    #[serde(default)]
+    pub not_measured: usize,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
     /// Median time to the first streamed token.
@@ -129,6 +139,10 @@ pub struct Step {
     pub server_load: Option<crate::metrics::Load>,
     pub memory: Option<MemoryAt>,
     pub failure: Option<String>,
+    /// How long the rung first waited for the server to finish the probe's
+    /// abandoned requests, where any were.
+    #[serde(default)]
+    pub idle_wait: Option<crate::idle::IdleWait>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -246,6 +260,10 @@ pub struct ServerFacts {
     pub runtime: Option<String>,
     /// Its context limit, from `/v1/models` or `/tokenize`.
     pub max_model_len: Option<u64>,
+    /// How fast it reads prompts and writes answers, measured after the
+    /// smoke: the budgets and timeouts are sized from it.
+    #[serde(default)]
+    pub pace: Option<crate::pace::Pace>,
 }
 
 /// The prompts sent: each distinct (with `--shared-prefix` they share their
@@ -363,12 +381,16 @@ pub fn text(r: &ProbeReport) -> String {
             };
             let _ = writeln!(
                 out,
-                "        {:<28} ok {}/{} refused {refused} errors {} timeouts {} p99 {}{served}{mem}{}",
+                "        {:<28} ok {}/{} refused {refused} errors {} timeouts {}{} p99 {}{served}{mem}{}",
                 st.label,
                 st.ok,
                 st.calls,
                 st.server_errors + st.unreachable,
                 st.timeouts,
+                match st.not_measured {
+                    0 => String::new(),
+                    n => format!(" not measured {n}"),
+                },
                 st.p99_ms.map_or("-".into(), |p| format!("{p:.0} ms")),
                 st.failure
                     .as_ref()

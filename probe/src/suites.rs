@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::calibrate::StreamChoice;
+use super::clock::{Clock, Limit};
 use super::concurrency::{self, Effective};
 use super::http::request;
 use super::load::{burst, complete, count, first_token_percentile, percentile, Api, Call, Outcome};
@@ -46,6 +47,7 @@ fn step(
         server_errors: count(calls, Outcome::ServerError),
         timeouts: count(calls, Outcome::Timeout),
         unreachable: count(calls, Outcome::Unreachable),
+        not_measured: count(calls, Outcome::NotMeasured),
         p50_ms: percentile(calls, 50.0),
         p99_ms: percentile(calls, 99.0),
         first_token_p50_ms: first_token_percentile(calls, 50.0),
@@ -54,20 +56,25 @@ fn step(
         server_load: None,
         memory: None,
         failure: first_failure(calls),
+        idle_wait: None,
     }
 }
 
 fn first_failure(calls: &[Call]) -> Option<String> {
-    calls.iter().find(|c| c.outcome != Outcome::Ok).map(|c| {
-        let what = match c.status {
-            Some(s) => format!("HTTP {s}"),
-            None => format!("{:?}", c.outcome).to_lowercase(),
-        };
-        match &c.error {
-            Some(e) => format!("{what}: {}", e.chars().take(200).collect::<String>()),
-            None => what,
-        }
-    })
+    // A request the probe's own clock cut is no failure of the server.
+    calls
+        .iter()
+        .find(|c| !matches!(c.outcome, Outcome::Ok | Outcome::NotMeasured))
+        .map(|c| {
+            let what = match c.status {
+                Some(s) => format!("HTTP {s}"),
+                None => format!("{:?}", c.outcome).to_lowercase(),
+            };
+            match &c.error {
+                Some(e) => format!("{what}: {}", e.chars().take(200).collect::<String>()),
+                None => what,
+            }
+        })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -90,35 +97,6 @@ fn suite(
         findings,
         duration_s: t.elapsed().as_secs_f64(),
         budget_s: budget.map(|b| b.as_secs_f64()),
-    }
-}
-
-/// A suite's clock: its budget, and each request's deadline cut at what is left.
-#[derive(Clone, Copy)]
-struct Clock {
-    t: Instant,
-    budget: Duration,
-}
-
-impl Clock {
-    fn left(&self) -> Duration {
-        self.budget.saturating_sub(self.t.elapsed())
-    }
-    fn spent(&self) -> bool {
-        self.left().is_zero()
-    }
-    /// A request's timeout: `wanted`, or less where the budget ends sooner.
-    fn timeout(&self, wanted: Duration) -> Duration {
-        wanted.min(self.left()).max(Duration::from_millis(50))
-    }
-    /// A step whose requests timed out with their deadline cut short by the
-    /// budget ran out of budget, not of server.
-    fn cut(&self, calls: &[Call], wanted: Duration) -> bool {
-        self.spent()
-            && calls.iter().any(|c| c.outcome == Outcome::Timeout)
-            && calls
-                .iter()
-                .all(|c| c.latency_ms < wanted.as_secs_f64() * 1e3)
     }
 }
 
@@ -216,7 +194,7 @@ impl Probe {
     /// The words for prompts the server will count as about `tokens`
     /// tokens: from the calibration, refined with the server's tokenizer
     /// where it has one (a few sample prompts counted, the fit corrected).
-    fn size(&mut self, tokens: u64) -> usize {
+    pub(crate) fn size(&mut self, tokens: u64) -> usize {
         let mut words = self.cal.words_for(tokens);
         if self.server.tokenizer {
             for _ in 0..TOKENIZE_ROUNDS {
@@ -294,10 +272,11 @@ impl Probe {
         let t = Instant::now();
         // Its own budget, whatever --suite-budget says: a server that cannot
         // answer a tiny request within it is the environment, not capacity.
-        let clock = Clock {
-            t,
-            budget: Suite::Smoke.default_budget(),
-        };
+        let clock = Clock::new(
+            Suite::Smoke.default_budget().min(self.deadline_left()),
+            Limit::Budget,
+            self.cfg.deadline,
+        );
         let fail = |reason: String, steps: Vec<Step>, findings: serde_json::Value| {
             suite(
                 "smoke",
@@ -393,6 +372,7 @@ impl Probe {
         let call = answer.expect("at least one API is tried");
         self.after_calls(std::slice::from_ref(&call));
         if call.outcome == Outcome::Ok {
+            self.tiny_ms = Some(call.latency_ms);
             self.progress.doing("smoke: how the server counts tokens");
             let streams = self.server.stream;
             let smoke = call.prompt_tokens.map(|n| (prompt.as_str(), n));
@@ -459,19 +439,22 @@ impl Probe {
         target: u64,
         label: String,
     ) -> (Step, Vec<Call>, bool, i64) {
+        let waited = self.await_idle();
         self.progress.doing(&format!("long-context: {label}"));
         let words = self.size(target);
         let since = oomscope_proto::now_ns();
-        let wanted = self.cfg.request_timeout;
-        let ask = self.ask(words, self.cfg.output_tokens, clock.timeout(wanted));
-        let calls = vec![complete(&self.ep, &ask, Instant::now())];
+        let wanted = self.rung_timeout(target, 1);
+        let given = clock.timeout(wanted);
+        let ask = self.ask(words, self.cfg.output_tokens, given);
+        let mut calls = vec![complete(&self.ep, &ask, Instant::now())];
+        let cut = clock.settle(&mut calls, given, wanted);
         self.after_calls(&calls);
         let mut st = step(label, words, Some(target), 1, &calls);
+        st.idle_wait = waited;
         self.measure(&mut st, since);
         st.effective_concurrency = Some(1);
         self.progress
             .line(&progress::rung_line("long-context", &st));
-        let cut = clock.cut(&calls, wanted);
         (st, calls, cut, since)
     }
 
@@ -480,11 +463,10 @@ impl Probe {
     /// tokens where that is lower), then bisect between the last pass and the
     /// first failure until the figure is within the tolerance of the bound.
     pub fn long_context(&mut self) -> (SuiteReport, Figure) {
-        let budget = self.cfg.budget(Suite::LongContext);
-        let clock = Clock {
-            t: Instant::now(),
-            budget,
-        };
+        // The probe's leftovers are waited out before the suite's time starts.
+        let mut waited = self.await_idle();
+        let clock = self.clock_for(Suite::LongContext, self.context_limit());
+        let budget = clock.budget;
         let mut fig = Figure {
             unit: "tokens".into(),
             concurrency: Some(1),
@@ -518,18 +500,25 @@ impl Probe {
         let mut best: Option<(u64, Option<u64>)> = None;
         let mut fail: Option<u64> = None;
         let mut budget_out = false;
+        // Where the ramp was when its time ran out: the rung cut, or the next.
+        let mut cut_at: Option<u64> = None;
         for target in doubling(min, limit) {
             if clock.spent() {
                 budget_out = true;
+                cut_at = Some(target);
                 break;
             }
-            let (st, calls, cut, since) =
+            let (mut st, calls, cut, since) =
                 self.context_rung(clock, target, format!("prompt {target} tokens"));
+            if st.idle_wait.is_none() {
+                st.idle_wait = waited.take();
+            }
             let ok = st.ok == st.calls;
             let counted = st.prompt_tokens;
             steps.push(st);
             if cut {
                 budget_out = true;
+                cut_at = Some(target);
                 break;
             }
             if ok {
@@ -551,6 +540,7 @@ impl Probe {
                 };
                 if clock.spent() {
                     budget_out = true;
+                    cut_at = Some(mid);
                     break;
                 }
                 let (st, calls, cut, since) =
@@ -561,6 +551,7 @@ impl Probe {
                 bisected += 1;
                 if cut {
                     budget_out = true;
+                    cut_at = Some(mid);
                     break;
                 }
                 if ok {
@@ -600,10 +591,11 @@ impl Probe {
         });
         fig.context_tokens = fig.value;
         if budget_out {
-            fig.bounded_by = "suite_budget".into();
+            fig.bounded_by = clock.bound().into();
+            let at = cut_at.map_or("the end of its ramp".into(), |t| format!("{t} tokens"));
             fig.evidence.push(format!(
-                "the {:.0} s budget ran out after {} requests: the figure is a lower bound",
-                budget.as_secs_f64(),
+                "{} (after {} requests): the figure is a lower bound",
+                clock.why(&at),
                 steps.len()
             ));
         } else if fail.is_none() && best.is_some() {
@@ -626,13 +618,17 @@ impl Probe {
                 "max context at concurrency 1: {v} tokens (bounded by {})",
                 fig.bounded_by
             ),
-            (Some(v), true) => {
-                format!("incomplete: the budget ran out; {v} tokens passed at concurrency 1")
-            }
-            (None, true) => "incomplete: the budget ran out before any rung finished".into(),
+            (Some(v), true) => format!(
+                "incomplete: {}; {v} tokens passed at concurrency 1 (a lower bound)",
+                clock.why(&cut_at.map_or("its end".into(), |t| format!("{t} tokens")))
+            ),
+            (None, true) => format!(
+                "incomplete: {} before any rung finished",
+                clock.why("the first rung")
+            ),
             (None, false) => format!("even {min} tokens failed (bounded by {})", fig.bounded_by),
         };
-        let (status, reason) = ramp_status(budget_out, fig.value.is_some(), budget);
+        let (status, reason) = ramp_status(budget_out, fig.value.is_some(), &clock);
         (
             suite(
                 "long-context",
@@ -654,11 +650,10 @@ impl Probe {
     /// effective concurrency, bounded by why the rest waited (serialized, the
     /// KV pool, a sequence cap) where they did.
     pub fn concurrency_at(&mut self, name: &str, tokens: u64) -> (SuiteReport, Figure) {
-        let budget = self.cfg.budget(Suite::Concurrency);
-        let clock = Clock {
-            t: Instant::now(),
-            budget,
-        };
+        // The probe's leftovers are waited out before the suite's time starts.
+        let mut first_wait = self.await_idle();
+        let clock = self.clock_for(Suite::Concurrency, tokens);
+        let budget = clock.budget;
         let words = self.size(tokens);
         let mut fig = Figure {
             unit: "sequences".into(),
@@ -678,27 +673,33 @@ impl Probe {
         let mut top_load: Option<Load> = None;
         let mut stop: Option<(String, Vec<String>)> = None;
         let mut budget_out = false;
+        let mut cut_at: Option<u64> = None;
         for n in doubling(1, max) {
             if clock.spent() {
                 budget_out = true;
+                cut_at = Some(n);
                 break;
             }
+            let waited = first_wait.take().or_else(|| self.await_idle());
             let label = format!("{n} x {tokens} tokens");
             self.progress.doing(&format!("{name}: {label}"));
-            let wanted = self.cfg.request_timeout;
+            let wanted = self.rung_timeout(tokens, n);
+            let given = clock.timeout(wanted);
             let asks = (0..n)
-                .map(|_| self.ask(words, self.cfg.output_tokens, clock.timeout(wanted)))
+                .map(|_| self.ask(words, self.cfg.output_tokens, given))
                 .collect();
             let since = oomscope_proto::now_ns();
-            let (calls, load) = metrics::during(
+            let (mut calls, load) = metrics::during(
                 &self.ep,
                 self.server.load.as_ref(),
                 self.cfg.metrics_poll,
                 || burst(&self.ep, asks),
             );
             let until = oomscope_proto::now_ns();
+            let cut = clock.settle(&mut calls, given, wanted);
             self.after_calls(&calls);
             let mut st = step(label, words, Some(tokens), n as usize, &calls);
+            st.idle_wait = waited;
             self.measure(&mut st, since);
             let load = self.step_load(load, since, until);
             let timings: Vec<_> = calls
@@ -717,8 +718,9 @@ impl Probe {
                 .is_some_and(|p| p > self.cfg.latency_bound.as_secs_f64() * 1e3);
             let p99 = st.p99_ms;
             steps.push(st);
-            if clock.cut(&calls, wanted) {
+            if cut {
                 budget_out = true;
+                cut_at = Some(n);
                 break;
             }
             if !ok {
@@ -800,17 +802,21 @@ impl Probe {
                     .push(format!("no failure up to --max-concurrency {max}"));
             }
         }
+        let at = cut_at.map_or("the end of its ramp".into(), |n| {
+            format!("{n} concurrent requests of {tokens} tokens")
+        });
         if budget_out {
-            fig.bounded_by = "suite_budget".into();
+            fig.bounded_by = clock.bound().into();
             fig.evidence.push(format!(
-                "the {:.0} s budget ran out after {} rungs: the figure is a lower bound",
-                budget.as_secs_f64(),
+                "{} (after {} rungs): the figure is a lower bound",
+                clock.why(&at),
                 steps.len()
             ));
         }
         let verdict = match (fig.value, budget_out) {
             (_, true) => format!(
-                "incomplete: the budget ran out; {} concurrent requests of {tokens} tokens passed",
+                "incomplete: {}; {} concurrent requests of {tokens} tokens passed (a lower bound)",
+                clock.why(&at),
                 offered.unwrap_or(0)
             ),
             (Some(v), false) if Some(v) < offered => format!(
@@ -827,7 +833,7 @@ impl Probe {
                 fig.bounded_by
             ),
         };
-        let (status, reason) = ramp_status(budget_out, fig.value.is_some(), budget);
+        let (status, reason) = ramp_status(budget_out, fig.value.is_some(), &clock);
         (
             suite(
                 name,
@@ -846,14 +852,13 @@ impl Probe {
     /// N distinct requests at a fixed concurrency; the leak verdict is the
     /// collector's, and "no growth" is said only where it had memory samples.
     pub fn repeated(&mut self) -> SuiteReport {
-        let budget = self.cfg.budget(Suite::Repeated);
-        let clock = Clock {
-            t: Instant::now(),
-            budget,
-        };
+        let tokens = self.cfg.typical_context as u64;
+        // The probe's leftovers are waited out before the suite's time starts.
+        let mut waited = self.await_idle();
+        let clock = self.clock_for(Suite::Repeated, tokens);
+        let budget = clock.budget;
         let since = oomscope_proto::now_ns();
         let c = self.cfg.repeat_concurrency.max(1);
-        let tokens = self.cfg.typical_context as u64;
         let words = self.size(tokens);
         self.progress.line(&progress::suite_line(
             "repeated",
@@ -867,16 +872,20 @@ impl Probe {
                 budget_out = true;
                 break;
             }
+            if let Some(w) = self.await_idle() {
+                waited.get_or_insert(w);
+            }
             self.progress
                 .doing(&format!("repeated: {} of {}", calls.len(), self.cfg.repeat));
             let n = c.min(self.cfg.repeat - calls.len());
-            let wanted = self.cfg.request_timeout;
+            let wanted = self.rung_timeout(tokens, n as u64);
+            let given = clock.timeout(wanted);
             let asks = (0..n)
-                .map(|_| self.ask(words, self.cfg.output_tokens, clock.timeout(wanted)))
+                .map(|_| self.ask(words, self.cfg.output_tokens, given))
                 .collect();
-            let got = burst(&self.ep, asks);
+            let mut got = burst(&self.ep, asks);
+            let cut = clock.settle(&mut got, given, wanted);
             self.after_calls(&got);
-            let cut = clock.cut(&got, wanted);
             calls.extend(got);
             if cut {
                 budget_out = true;
@@ -893,9 +902,12 @@ impl Probe {
             c,
             &calls,
         );
+        st.idle_wait = waited;
         self.measure(&mut st, since);
         self.progress.line(&progress::rung_line("repeated", &st));
-        let failed = st.ok < calls.len();
+        // A request the budget cut is neither: not a failure of the server.
+        let failures = calls.len() - st.ok - st.not_measured;
+        let failed = failures > 0;
         let mut findings = json!({"requests": calls.len()});
         let mut leak: Option<String> = None;
         let mut growth_measured = false;
@@ -948,18 +960,16 @@ impl Probe {
             (Some(l), ..) => (Status::Fail, format!("memory grows per request: {l}")),
             (None, true, _) => (
                 Status::Fail,
-                format!(
-                    "{} of {} repeated requests failed",
-                    calls.len() - st.ok,
-                    calls.len()
-                ),
+                format!("{failures} of {} repeated requests failed", calls.len()),
             ),
             (None, false, true) => (
                 Status::Error,
                 format!(
-                    "incomplete: the budget ran out after {} of {} requests",
-                    calls.len(),
-                    self.cfg.repeat
+                    "incomplete: {} ({} of {} requests answered, {} cut before an answer: not measured)",
+                    clock.why(&format!("request {}", calls.len())),
+                    st.ok,
+                    self.cfg.repeat,
+                    st.not_measured
                 ),
             ),
             (None, false, false) if growth_measured => (
@@ -971,8 +981,7 @@ impl Probe {
                 format!("{} requests succeeded ({not_measured_why})", calls.len()),
             ),
         };
-        let reason =
-            budget_out.then(|| format!("the suite's {:.0} s budget ran out", budget.as_secs_f64()));
+        let reason = budget_out.then(|| clock.why(&format!("request {}", calls.len())));
         suite(
             "repeated",
             status,
@@ -990,11 +999,10 @@ impl Probe {
     /// "Queue bounded" is claimed only when something was refused: a burst
     /// that was all served never reached the bound.
     pub fn overload(&mut self, capacity: Option<u64>) -> SuiteReport {
-        let budget = self.cfg.budget(Suite::Overload);
-        let clock = Clock {
-            t: Instant::now(),
-            budget,
-        };
+        // The probe's leftovers are waited out before the suite's time starts.
+        let waited = self.await_idle();
+        let clock = self.clock_for(Suite::Overload, self.cfg.overload_context as u64);
+        let budget = clock.budget;
         let since = oomscope_proto::now_ns();
         let n = self
             .cfg
@@ -1008,16 +1016,15 @@ impl Probe {
             budget,
         ));
         self.progress.doing("overload: the burst");
+        // The overload timeout is the test itself (an unbounded queue waits
+        // it out), so the pace does not lengthen it; the clock may cut it.
+        let wanted = self.cfg.overload_timeout;
+        let given = clock.timeout(wanted);
         let asks = (0..n)
-            .map(|_| {
-                self.ask(
-                    words,
-                    self.cfg.output_tokens,
-                    clock.timeout(self.cfg.overload_timeout),
-                )
-            })
+            .map(|_| self.ask(words, self.cfg.output_tokens, given))
             .collect();
-        let calls = burst(&self.ep, asks);
+        let mut calls = burst(&self.ep, asks);
+        clock.settle(&mut calls, given, wanted);
         self.after_calls(&calls);
         let mut st = step(
             format!("burst of {n} x {tokens} tokens"),
@@ -1026,6 +1033,7 @@ impl Probe {
             n,
             &calls,
         );
+        st.idle_wait = waited;
         self.measure(&mut st, since);
         self.progress.line(&progress::rung_line("overload", &st));
         let refused: Vec<Call> = calls
@@ -1096,6 +1104,15 @@ impl Probe {
         });
         let (status, verdict) = if !problems.is_empty() {
             (Status::Fail, problems.join("; "))
+        } else if st.not_measured > 0 {
+            (
+                Status::Error,
+                format!(
+                    "incomplete: {} with {} of the burst unanswered (not measured)",
+                    clock.ran_out(),
+                    st.not_measured
+                ),
+            )
         } else if st.refused > 0 {
             (
                 Status::Pass,
@@ -1131,13 +1148,12 @@ impl Probe {
 
 /// A ramp suite's status: an error (incomplete, with why) when its budget
 /// ran out before the ramp ended, else passed with a figure or failed without.
-fn ramp_status(budget_out: bool, has_figure: bool, budget: Duration) -> (Status, Option<String>) {
+fn ramp_status(budget_out: bool, has_figure: bool, clock: &Clock) -> (Status, Option<String>) {
     if budget_out {
-        let why = format!(
-            "the suite's {:.0} s budget ran out before its ramp ended",
-            budget.as_secs_f64()
-        );
-        (Status::Error, Some(why))
+        (
+            Status::Error,
+            Some(format!("{} before its ramp ended", clock.ran_out())),
+        )
     } else if has_figure {
         (Status::Pass, None)
     } else {

@@ -76,7 +76,8 @@ fn every_prompt_is_distinct_unless_a_shared_prefix_is_asked_for() {
     c.shared_prefix = Some(20);
     let r = run(c);
     let prompts = f.prompts();
-    // The smoke's and the token calibration's prompts are shorter than the prefix.
+    // The tiny prompts (the smoke's, the token calibration's, the pace's, an
+    // idle check's) are shorter than the prefix.
     let long: Vec<&String> = prompts
         .iter()
         .filter(|p| p.split(' ').count() > 20)
@@ -89,7 +90,7 @@ fn every_prompt_is_distinct_unless_a_shared_prefix_is_asked_for() {
     assert_eq!(
         prefixes.len(),
         1,
-        "every prompt after the smoke shares its first 20 tokens"
+        "every prompt long enough shares its first 20 tokens"
     );
     assert_eq!(
         prompts.iter().collect::<HashSet<_>>().len(),
@@ -392,6 +393,91 @@ fn a_spent_budget_is_incomplete_and_a_suite_not_run_is_not_measured() {
         "{text}"
     );
     assert!(!text.contains("bounded by \n"), "{text}");
+}
+
+#[test]
+fn the_deadline_cuts_each_ramp_to_a_lower_bound_that_says_where() {
+    let f = Fake::start(Spec {
+        slots: 1,
+        service: Duration::from_millis(300),
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context", "concurrency"]);
+    // The smoke and the pace take about 1.5 s of it; a default run's budgets far more.
+    c.deadline = Duration::from_secs(3);
+    let r = run(c);
+    assert_eq!(r.verdict, "incomplete", "{r:#?}");
+    assert!(r.duration_s < 6.0, "{r:#?}");
+    let lc = r.suite("long-context").unwrap();
+    let last = lc.steps.last().unwrap();
+    assert_eq!((last.not_measured, last.timeouts), (1, 0), "{lc:#?}");
+    let fig = figure(&r, "max_context_at_concurrency_1");
+    assert_eq!(fig["bounded_by"], "deadline", "{fig:#}");
+    let passed = lc.steps[lc.steps.len() - 2].prompt_tokens;
+    assert_eq!(fig["value"].as_u64(), passed, "{fig:#}");
+    let why = format!(
+        "the run's 3 s deadline was reached at {} tokens",
+        last.context_tokens.unwrap()
+    );
+    assert!(
+        fig["evidence"][0].as_str().unwrap().contains(&why),
+        "{fig:#}"
+    );
+    // The suite after it had what the deadline left it (its share, kept
+    // for it when the long-context suite began), and says so.
+    let conc = r.suite("concurrency").unwrap();
+    assert_eq!(
+        conc.status,
+        oomscope_probe::report::Status::Error,
+        "{conc:#?}"
+    );
+    assert!(conc.verdict.contains("deadline was reached"), "{conc:#?}");
+    assert!(conc.steps.iter().all(|s| s.timeouts == 0), "{conc:#?}");
+    let fig = figure(&r, "max_concurrency_at_typical_context");
+    assert!(
+        ["deadline", "not_measured"].contains(&fig["bounded_by"].as_str().unwrap()),
+        "{fig:#}"
+    );
+}
+
+#[test]
+fn a_rung_first_waits_until_the_servers_running_count_clears_the_cut_request() {
+    // One at a time, 1 s each, vLLM-style /metrics: the long-context
+    // ramp's third rung is cut by the 2.2 s budget and runs on at the
+    // server for 0.8 s more.
+    let f = Fake::start(Spec {
+        slots: 1,
+        service: Duration::from_millis(1000),
+        metrics: true,
+        ..Spec::default()
+    });
+    let mut c = config(&f, &["smoke", "long-context", "concurrency"]);
+    c.suite_budget = Some(Duration::from_millis(2200));
+    c.max_concurrency = 1;
+    let r = run(c);
+    assert_eq!(r.verdict, "incomplete", "{r:#?}");
+    let lc = r.suite("long-context").unwrap();
+    let last = lc.steps.last().unwrap();
+    assert_eq!(
+        (last.not_measured, last.timeouts, last.ok),
+        (1, 0, 0),
+        "{lc:#?}"
+    );
+    assert!(
+        last.failure.is_none(),
+        "a cut request is no failure: {last:#?}"
+    );
+    let first = &r.suite("concurrency").unwrap().steps[0];
+    // Served at once, not behind the cut request: one service time, not 1.8 s.
+    assert_eq!(first.ok, 1, "{first:#?}");
+    assert!(first.p99_ms.unwrap() < 1500.0, "{first:#?}");
+    let w = first.idle_wait.as_ref().expect("the rung waited");
+    assert_eq!(
+        (w.method.as_str(), w.still_busy),
+        ("server_metrics", false),
+        "{w:#?}"
+    );
+    assert!(w.waited_ms > 100.0, "{w:#?}");
 }
 
 #[test]

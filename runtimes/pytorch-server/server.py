@@ -12,6 +12,13 @@ KV cache per sequence. Switches reproduce the incidents of the design:
   --fragment         interleave long- and short-lived tensors of mixed sizes
   --max-active N     cap active sequences (the rest queue)
   --max-context N    refuse requests longer than N tokens
+  --slow-prefill-ms-per-token MS  a slow server (a big model on a small
+                     machine): the engine sleeps MS ms per prompt token
+                     before each prefill, holding the engine meanwhile (with
+                     --max-active 1, one request at a time, as a serializing
+                     server is). A client that gives up does not stop it:
+                     the request runs to its end, as on a server that never
+                     notices a dropped connection
   --memory-cap BYTES torch.cuda.set_per_process_memory_fraction, so a GPU OOM
                      comes early and safely
   --workers N        multi-process, as vLLM runs: this process serves HTTP and
@@ -215,6 +222,8 @@ class Engine:
 
     def _step(self, seqs, prefill):
         if prefill:
+            if self.args.slow_prefill_ms_per_token:
+                time.sleep(self.args.slow_prefill_ms_per_token * len(seqs[0].prompt) / 1e3)
             tokens = torch.tensor([seqs[0].prompt], device=self.device)
         else:
             tokens = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
@@ -526,6 +535,8 @@ def parse_args(argv=None):
     p.add_argument("--fragment-keep", type=int, default=64, help="long-lived --fragment tensors kept")
     p.add_argument("--max-active", type=int, default=0)
     p.add_argument("--max-context", type=int, default=0)
+    p.add_argument("--slow-prefill-ms-per-token", type=float, default=0.0,
+                   help="sleep this long per prompt token before each prefill (a slow server)")
     p.add_argument("--memory-cap", type=int, default=0, help="bytes; needs CUDA")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting beyond --max-active; more get 429 (a bounded queue)")

@@ -807,7 +807,9 @@ mod tests {
     /// runtime's docs write its launch.
     #[test]
     fn each_runtime_is_recognised_however_launched() {
-        let cases: &[(&str, Runtime, Option<(&str, &str)>)] = &[
+        // The command line, its runtime, and its context flag as typed with its value.
+        type Case = (&'static str, Runtime, Option<(&'static str, &'static str)>);
+        let cases: &[Case] = &[
             ("vllm serve meta-llama/Llama-3.1-8B --max-model-len 8192", Runtime::Vllm, Some(("--max-model-len", "8192"))),
             ("python -m vllm.entrypoints.openai.api_server --model m --max_model_len=4096", Runtime::Vllm, Some(("--max_model_len", "4096"))),
             ("/venv/bin/python3.11 -m vllm.entrypoints.openai.api_server --model m --max-model-len=2048", Runtime::Vllm, Some(("--max-model-len", "2048"))),

@@ -1080,3 +1080,39 @@ fn each_llama_cpp_spelling_is_proposed_as_typed_and_no_value_is_guessed() {
         d.fixes
     );
 }
+
+#[test]
+fn the_victims_command_line_is_the_newest_read_while_it_lived() {
+    let mut e = llama_startup_kill(
+        "python3 -m llama_cpp.server --model m.gguf --n_ctx 32768",
+        "python3",
+        LLAMA_LOG,
+    );
+    let n = e.samples.len();
+    for (i, s) in e.samples.iter_mut().enumerate() {
+        // An older command line, the one in force, then the kernel's name
+        // only: read as the process died, its command line was gone.
+        let command = match i {
+            0 => "python3 -m llama_cpp.server --model m.gguf --n_ctx 16384".to_string(),
+            _ if i + 1 < n => {
+                "python3 -m llama_cpp.server --model m.gguf --n_ctx 32768".to_string()
+            }
+            _ => "[python3]".to_string(),
+        };
+        s.tree = vec![pb::ProcessInfo {
+            pid: WORKER_PID,
+            title: "python3".into(),
+            command,
+            rss_bytes: s.tree_rss_bytes,
+            ..Default::default()
+        }];
+    }
+    let d = diagnose(&e);
+    let v = d.victim.as_ref().unwrap();
+    assert_eq!(v.pid, WORKER_PID);
+    assert_eq!(
+        v.command,
+        "python3 -m llama_cpp.server --model m.gguf --n_ctx 32768"
+    );
+    assert_eq!(v.title, "python3");
+}

@@ -531,6 +531,43 @@ mod tests {
     const MIB_F: u64 = 1 << 20;
 
     #[test]
+    fn each_runtime_sizes_its_pool_in_its_own_count() {
+        let pool = |c: &str| {
+            let argv: Vec<String> = c.split_whitespace().map(str::to_string).collect();
+            let s = crate::settings::parse(&argv, &Default::default());
+            token_pool(&s).map(|(setting, n)| (s.spelling(setting).to_string(), n))
+        };
+        let some = |flag: &str, n: f64| Some((flag.to_string(), n));
+        assert_eq!(
+            pool("python3 -m sglang.launch_server --model-path m --max-total-tokens 20000"),
+            some("--max-total-tokens", 20000.0)
+        );
+        assert_eq!(
+            pool("text-generation-launcher --model-id m --max-batch-total-tokens 16000"),
+            some("--max-batch-total-tokens", 16000.0)
+        );
+        assert_eq!(
+            pool("transformers serve m --continuous-batching --cb-num-blocks 512"),
+            some("--cb-num-blocks", 512.0)
+        );
+        assert_eq!(
+            pool("llama-server -m x.gguf -c 8192 -np 4"),
+            some("-c", 8192.0)
+        );
+        assert_eq!(
+            pool("python -m llama_cpp.server --model x --n_ctx=4096"),
+            some("--n_ctx", 4096.0)
+        );
+        // A context that is not the pool's size (vLLM sizes it in bytes), or none set.
+        assert_eq!(pool("vllm serve m --max-model-len 4096"), None);
+        assert_eq!(pool("llama-server -m x.gguf"), None);
+        assert_eq!(
+            pool("python3 -m sglang.launch_server --model-path m --context-length 4096"),
+            None
+        );
+    }
+
+    #[test]
     fn the_kv_pool_llama_cpp_logged_is_read_from_its_stderr() {
         let one = "print_info: n_layer = 32\nllama_kv_cache_unified:        CPU KV buffer size =  4096.00 MiB\n";
         assert_eq!(logged_kv_bytes(one), Some(4096 * MIB_F));

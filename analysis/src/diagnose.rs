@@ -164,7 +164,7 @@ fn victim(f: &Findings) -> Option<pb::Victim> {
     if pid == 0 {
         return None;
     }
-    let known = e
+    let seen: Vec<&pb::ProcessInfo> = e
         .samples
         .iter()
         .rev()
@@ -174,20 +174,28 @@ fn victim(f: &Findings) -> Option<pb::Victim> {
                 .into_iter()
                 .flat_map(|l| l.host_top_rss.iter()),
         )
-        .find(|p| p.pid == pid);
+        .filter(|p| p.pid == pid)
+        .collect();
+    let known = seen.first().copied();
+    // The newest command line read while it lived: read as it died, a
+    // process has no command line left and the agent wrote `[comm]`.
+    let lived = seen
+        .iter()
+        .map(|p| p.command.as_str())
+        .find(|c| !c.is_empty() && !is_placeholder(c));
     let member_command = f
         .exit
         .filter(|(_, x)| x.member && x.pid == pid && !x.command.is_empty())
         .map(|(_, x)| x.command.clone());
-    let command = known
-        .map(|p| p.command.clone())
-        .filter(|c| !c.is_empty())
+    let command = lived
+        .map(str::to_string)
         .or(member_command)
         .or_else(|| {
             e.child_start(pid)
                 .map(|s| s.command.join(" "))
                 .filter(|c| !c.is_empty())
         })
+        .or_else(|| known.map(|p| p.command.clone()))
         .unwrap_or_default();
     let title = Some(title)
         .filter(|t| !t.is_empty())
@@ -212,6 +220,12 @@ fn victim(f: &Findings) -> Option<pb::Victim> {
         title,
         status,
     })
+}
+
+/// `[python3]`: what the agent writes for a process whose command line it
+/// could not read (gone, or a kernel thread).
+fn is_placeholder(command: &str) -> bool {
+    command.starts_with('[') && command.ends_with(']')
 }
 
 /// The end of the instance's main process: the death's own where it is

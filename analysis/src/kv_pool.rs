@@ -247,7 +247,7 @@ pub fn floor_to(x: f64, step: f64) -> f64 {
 /// asks: `--kv-cache-memory-bytes` where given, else `VLLM_CPU_KVCACHE_SPACE`
 /// (GiB).
 pub fn kv_request(s: &Settings) -> Option<(&'static Setting, u64)> {
-    let (setting, value) = s.get(Knob::KvCacheSize)?;
+    let (setting, value) = s.get(Knob::KvCacheSize).filter(|(s, _)| in_bytes(s))?;
     let bytes = match setting.unit {
         "GiB" => value.trim().parse::<f64>().ok()? * GIB,
         _ => parse_size(value)?,
@@ -259,12 +259,90 @@ pub fn kv_request(s: &Settings) -> Option<(&'static Setting, u64)> {
 /// else the runtime's variable for it (vLLM's CPU backend reads
 /// `VLLM_CPU_KVCACHE_SPACE`).
 pub fn kv_setting(s: &Settings) -> Option<&'static Setting> {
-    if let Some((setting, _)) = s.get(Knob::KvCacheSize) {
+    if let Some((setting, _)) = s.get(Knob::KvCacheSize).filter(|(s, _)| in_bytes(s)) {
         return Some(setting);
     }
     s.named("VLLM_CPU_KVCACHE_SPACE")
         .map(|(setting, _)| setting)
-        .or_else(|| s.setting(Knob::KvCacheSize))
+        .or_else(|| s.setting(Knob::KvCacheSize).filter(|s| in_bytes(s)))
+}
+
+/// A KV size setting in bytes or GiB (not one in tokens or blocks, which
+/// `token_pool` scales instead).
+fn in_bytes(s: &Setting) -> bool {
+    matches!(s.unit, "bytes" | "GiB")
+}
+
+/// The setting that sizes the KV pool in tokens or blocks, with its value:
+/// a size in tokens or blocks where set (SGLang's `--max-total-tokens`,
+/// TGI's `--max-batch-total-tokens`, `transformers serve`'s
+/// `--cb-num-blocks`), else the context where the runtime reserves the pool
+/// for its whole context (llama.cpp: `--ctx-size` × slots). The pool's bytes
+/// scale with it.
+pub fn token_pool(s: &Settings) -> Option<(&'static Setting, f64)> {
+    let value = |(setting, v): (&'static Setting, &str)| {
+        parse_count(v).filter(|&n| n > 0.0).map(|n| (setting, n))
+    };
+    if let Some(sized) = s
+        .get(Knob::KvCacheSize)
+        .filter(|(setting, _)| !in_bytes(setting))
+        .and_then(value)
+    {
+        return Some(sized);
+    }
+    match s.runtime? {
+        Runtime::LlamaCpp | Runtime::LlamaCppPython => s.get(Knob::MaxContext).and_then(value),
+        _ => None,
+    }
+}
+
+/// "32768", "32k", "1K" as a number: vLLM reads human-readable counts, a
+/// lower-case suffix decimal (1k = 1000), an upper-case one binary (1K = 1024).
+pub fn parse_count(v: &str) -> Option<f64> {
+    let v = v.trim();
+    let (n, scale) = match v.chars().last()? {
+        'k' => (&v[..v.len() - 1], 1e3),
+        'K' => (&v[..v.len() - 1], 1024.0),
+        'm' => (&v[..v.len() - 1], 1e6),
+        'M' => (&v[..v.len() - 1], 1024.0 * 1024.0),
+        _ => (v, 1.0),
+    };
+    n.parse::<f64>().ok().map(|n| n * scale)
+}
+
+/// The KV pool the runtime said it reserved, in bytes: llama.cpp logs each
+/// KV buffer as it allocates it ("llama_kv_cache_unified: CPU KV buffer size
+/// = 4096.00 MiB"), before filling it, so the line stands even where the
+/// kernel killed it filling the pool; the buffers of the last start (one
+/// per device, logged in a row) are summed. Builds that log no buffers say
+/// "KV self size = … MiB" once the pool is made.
+pub fn logged_kv_bytes(stderr: &str) -> Option<u64> {
+    let (mut run, mut buffers, mut total) = (0.0, None, None);
+    for line in stderr.lines() {
+        let lower = line.to_ascii_lowercase();
+        match figure_after(line, &lower, "kv buffer size") {
+            Some(b) => {
+                run += b;
+                buffers = Some(run);
+            }
+            None => run = 0.0,
+        }
+        if let Some(b) = figure_after(line, &lower, "kv self size") {
+            total = Some(b);
+        }
+    }
+    buffers.or(total).filter(|&b| b > 0.0).map(|b| b as u64)
+}
+
+/// "= 4096.00 MiB" after `marker` (matched in `lower`) as bytes.
+fn figure_after(line: &str, lower: &str, marker: &str) -> Option<f64> {
+    let rest = line[lower.find(marker)? + marker.len()..]
+        .trim_start()
+        .strip_prefix('=')?;
+    let mut w = rest.split_whitespace();
+    let n = w.next()?.trim_end_matches(',');
+    let unit = w.next().unwrap_or("B").trim_end_matches(',');
+    parse_size(&format!("{n}{unit}"))
 }
 
 /// "4294967296", "4G", "4GiB", "1.5 GB" as bytes (binary units).
@@ -451,6 +529,62 @@ mod tests {
     use super::*;
 
     const MIB_F: u64 = 1 << 20;
+
+    #[test]
+    fn each_runtime_sizes_its_pool_in_its_own_count() {
+        let pool = |c: &str| {
+            let argv: Vec<String> = c.split_whitespace().map(str::to_string).collect();
+            let s = crate::settings::parse(&argv, &Default::default());
+            token_pool(&s).map(|(setting, n)| (s.spelling(setting).to_string(), n))
+        };
+        let some = |flag: &str, n: f64| Some((flag.to_string(), n));
+        assert_eq!(
+            pool("python3 -m sglang.launch_server --model-path m --max-total-tokens 20000"),
+            some("--max-total-tokens", 20000.0)
+        );
+        assert_eq!(
+            pool("text-generation-launcher --model-id m --max-batch-total-tokens 16000"),
+            some("--max-batch-total-tokens", 16000.0)
+        );
+        assert_eq!(
+            pool("transformers serve m --continuous-batching --cb-num-blocks 512"),
+            some("--cb-num-blocks", 512.0)
+        );
+        assert_eq!(
+            pool("llama-server -m x.gguf -c 8192 -np 4"),
+            some("-c", 8192.0)
+        );
+        assert_eq!(
+            pool("python -m llama_cpp.server --model x --n_ctx=4096"),
+            some("--n_ctx", 4096.0)
+        );
+        // A context that is not the pool's size (vLLM sizes it in bytes), or none set.
+        assert_eq!(pool("vllm serve m --max-model-len 4096"), None);
+        assert_eq!(pool("llama-server -m x.gguf"), None);
+        assert_eq!(
+            pool("python3 -m sglang.launch_server --model-path m --context-length 4096"),
+            None
+        );
+    }
+
+    #[test]
+    fn the_kv_pool_llama_cpp_logged_is_read_from_its_stderr() {
+        let one = "print_info: n_layer = 32\nllama_kv_cache_unified:        CPU KV buffer size =  4096.00 MiB\n";
+        assert_eq!(logged_kv_bytes(one), Some(4096 * MIB_F));
+        // One buffer per device, in a row; an earlier start does not count.
+        let split = "llama_kv_cache_init:      CPU KV buffer size =    64.00 MiB\nstarting\nllama_kv_cache_init:      CUDA0 KV buffer size =  1024.00 MiB\nllama_kv_cache_init:      CUDA1 KV buffer size =  1024.00 MiB\nllama_new_context_with_model: KV self size  = 2048.00 MiB, K (f16): 1024.00 MiB, V (f16): 1024.00 MiB\n";
+        assert_eq!(logged_kv_bytes(split), Some(2048 * MIB_F));
+        assert_eq!(
+            logged_kv_bytes(
+                "llama_new_context_with_model: KV self size  =  256.00 MiB, K (f16):  128.00 MiB"
+            ),
+            Some(256 * MIB_F)
+        );
+        assert_eq!(logged_kv_bytes("no pool here"), None);
+        assert_eq!(parse_count("32k"), Some(32000.0));
+        assert_eq!(parse_count("32K"), Some(32768.0));
+        assert_eq!(parse_count("32768"), Some(32768.0));
+    }
 
     #[test]
     fn the_final_climb_starts_where_usage_stopped_rising_fast() {

@@ -34,6 +34,7 @@ pub mod join;
 mod json;
 mod kv_fit;
 mod kv_pool;
+pub mod launch;
 mod members;
 mod memory_domain;
 mod memory_high;

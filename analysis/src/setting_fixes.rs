@@ -7,7 +7,7 @@
 use crate::findings::Findings;
 use crate::kv_pool::{self, FIT_SHARE, GIB, NEED_MARGIN};
 use crate::pb;
-use crate::settings::{self, Knob, Runtime, Setting, SETTINGS};
+use crate::settings::{self, Knob, Runtime, Setting, Settings, SETTINGS};
 use crate::units::bytes_short;
 
 /// Defaults worth saying where a setting is not set: the base a proposal
@@ -50,7 +50,7 @@ pub fn now(f: &Findings, s: &Setting) -> String {
 
 /// "`--max-num-seqs` (now 64)".
 pub fn named(f: &Findings, s: &Setting) -> String {
-    format!("`{}` ({})", s.name, now(f, s))
+    format!("`{}` ({})", f.settings.spelling(s), now(f, s))
 }
 
 /// The runtime's setting for `knob`, named with its value; None where the
@@ -80,18 +80,20 @@ pub fn load_knobs(f: &Findings) -> Option<String> {
 }
 
 /// "`--gpu-memory-utilization 0.84`", "`VLLM_CPU_KVCACHE_SPACE=0.5`".
-fn assign(s: &Setting, value: &str) -> String {
+/// The flag is said as the command line typed it (`--n-ctx`, `-c`).
+fn assign(settings: &Settings, s: &Setting, value: &str) -> String {
+    let name = settings.spelling(s);
     if s.name.starts_with('-') {
-        format!("`{} {value}`", s.name)
+        format!("`{name} {value}`")
     } else {
-        format!("`{}={value}`", s.name)
+        format!("`{name}={value}`")
     }
 }
 
 /// The assignment that sets the KV pool to `bytes` through `s`. A whole-GiB
 /// variable (vLLM parses VLLM_CPU_KVCACHE_SPACE as an int) cannot say less
 /// than 1 GiB: the runtime's bytes flag says it instead.
-fn kv_assign(s: &Setting, bytes: f64) -> String {
+fn kv_assign(settings: &Settings, s: &Setting, bytes: f64) -> String {
     if s.unit == "GiB" && bytes < GIB {
         if let Some(b) = SETTINGS
             .iter()
@@ -99,12 +101,12 @@ fn kv_assign(s: &Setting, bytes: f64) -> String {
         {
             return format!(
                 "{} instead of `{}`, which takes whole GiB",
-                assign(b, &kv_value(b, bytes)),
+                assign(settings, b, &kv_value(b, bytes)),
                 s.name
             );
         }
     }
-    assign(s, &kv_value(s, bytes))
+    assign(settings, s, &kv_value(s, bytes))
 }
 
 /// A KV size in the setting's unit (whole GiB, rounded down, else bytes).
@@ -209,7 +211,7 @@ fn non_pytorch_memory(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             format!(
                 "Where the process uses NCCL (tensor or pipeline parallel), shrink its buffers: {} (NCCL's default: 4194304 bytes for each pair of GPUs), e.g. {}",
                 named(f, s),
-                assign(s, "1048576")
+                assign(&f.settings, s, "1048576")
             ),
             "medium",
             retest("collectives must still run at the expected speed"),
@@ -221,7 +223,7 @@ fn non_pytorch_memory(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             format!(
                 "Bound cuBLAS's workspaces (one per handle and stream): {}, e.g. {}",
                 named(f, s),
-                assign(s, ":16:8")
+                assign(&f.settings, s, ":16:8")
             ),
             "medium",
             retest("matmul throughput must stay acceptable"),
@@ -260,7 +262,7 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         let action = match f.settings.setting(Knob::MemoryFraction) {
             Some(s) => format!(
                 "Lower the memory share to what is free: {} ({}): {why}",
-                assign(s, &format!("{share:.2}")),
+                assign(&f.settings, s, &format!("{share:.2}")),
                 now(f, s)
             ),
             None => format!("Lower the runtime's memory share to {share:.2}: {why}"),
@@ -298,19 +300,24 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             let action = match kv_pool::kv_setting(&f.settings) {
                 Some(s) => format!(
                     "Lower the KV reservation to what fits: {} ({}; in {}): {why}",
-                    kv_assign(s, p),
+                    kv_assign(&f.settings, s, p),
                     now(f, s),
                     s.unit
                 ),
-                // llama.cpp sizes its pool by context and slots, not bytes.
-                None => with_knobs(
-                    f,
-                    &format!(
-                        "Lower the KV reservation to what fits, {} ({why})",
-                        bytes_short(p as u64)
+                // Sized in tokens, blocks or by the context: scaled where the pool's bytes are known.
+                None => match scaled_pool(c, f, p) {
+                    Some(scaled) => {
+                        format!("Lower the KV reservation to what fits: {scaled}: {why}")
+                    }
+                    None => with_knobs(
+                        f,
+                        &format!(
+                            "Lower the KV reservation to what fits, {} ({why})",
+                            bytes_short(p as u64)
+                        ),
+                        &[Knob::MaxContext, Knob::MaxSequences, Knob::KvCacheDtype],
                     ),
-                    &[Knob::MaxContext, Knob::MaxSequences, Knob::KvCacheDtype],
-                ),
+                },
             };
             out.push(fix(action, "low", retest, Some(SMALLER_POOL)));
         }
@@ -348,6 +355,47 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     out
 }
 
+/// A pool sized in tokens, blocks or by the context (`kv_pool::token_pool`)
+/// brought down to `proposed` bytes: the setting's value scaled by proposed
+/// over the pool's bytes (the cause's figure, else what the runtime logged
+/// reserving it), rounded down (a context to a multiple of 256). None where
+/// the pool's bytes are unknown: no value is guessed.
+/// "`--n_ctx 8192` (now 32768; the 4.0 GiB pool llama-cpp-python logged scales with it)".
+fn scaled_pool(c: &pb::Cause, f: &Findings, proposed: f64) -> Option<String> {
+    let (s, current) = kv_pool::token_pool(&f.settings)?;
+    let (pool, whose) = match metric(c, "kv_pool_bytes").or(metric(c, "requested_bytes")) {
+        Some(b) => (b, "asked for"),
+        None => (
+            f.exit
+                .and_then(|(_, x)| kv_pool::logged_kv_bytes(&x.stderr_tail))? as f64,
+            "logged",
+        ),
+    };
+    if pool <= proposed {
+        return None;
+    }
+    let raw = current * proposed / pool;
+    let step = if s.knob == Knob::MaxContext && raw >= CONTEXT_STEP {
+        CONTEXT_STEP
+    } else {
+        1.0
+    };
+    let value = kv_pool::floor_to(raw, step);
+    (value >= 1.0).then(|| {
+        format!(
+            "{} ({}; the {} pool {} {} scales with it)",
+            assign(&f.settings, s, &kv_pool::number(value)),
+            now(f, s),
+            bytes_short(pool as u64),
+            runtime_name(f),
+            whose
+        )
+    })
+}
+
+/// A proposed context is a multiple of this many tokens.
+const CONTEXT_STEP: f64 = 256.0;
+
 fn context_over_kv(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     let (Some(tokens), Some(s)) = (
         metric(c, "proposed_max_context"),
@@ -358,7 +406,7 @@ fn context_over_kv(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     vec![fix(
         format!(
             "Lower the context to what the KV cache holds: {} ({}), the tokens {} measured for its pool",
-            assign(s, &kv_pool::number(tokens)),
+            assign(&f.settings, s, &kv_pool::number(tokens)),
             now(f, s),
             runtime_name(f)
         ),
@@ -394,7 +442,7 @@ fn activation_headroom(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         out.push(fix(
             format!(
                 "Leave the activations room beside the pool: {} ({}): the pool shrinks and the headroom ({} now) takes the measured peak of {} plus {:.0}%",
-                assign(s, &format!("{p:.2}")),
+                assign(&f.settings, s, &format!("{p:.2}")),
                 now(f, s),
                 bytes_short(headroom as u64),
                 bytes_short(need as u64),
@@ -442,7 +490,7 @@ fn taken_after_profiling(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                     out.push(fix(
                         format!(
                             "Size the pool for the memory actually left: {} ({}): it leaves the {} others took plus {:.0}%",
-                            assign(s, &format!("{p:.2}")),
+                            assign(&f.settings, s, &format!("{p:.2}")),
                             now(f, s),
                             bytes_short(taken as u64),
                             NEED_MARGIN * 100.0
@@ -476,7 +524,7 @@ fn taken_after_profiling(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             out.push(fix(
                 format!(
                     "Size the pool for the memory actually left: {} ({}): it leaves the {} others took plus {:.0}%",
-                    kv_assign(s, p),
+                    kv_assign(&f.settings, s, p),
                     now(f, s),
                     bytes_short(taken as u64),
                     NEED_MARGIN * 100.0
@@ -499,7 +547,7 @@ fn kv_pool_saturation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         (Some(s), Some(n)) if cap.is_none_or(|cap| n < cap) => out.push(fix(
             format!(
                 "Cap the sequences at what the pool holds: {} ({}), the running count when the pool was full, so requests wait in the queue instead of being preempted and recomputed",
-                assign(s, &kv_pool::number(n)),
+                assign(&f.settings, s, &kv_pool::number(n)),
                 now(f, s)
             ),
             "low",
@@ -547,15 +595,16 @@ fn kv_pool_saturation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         ));
     }
     if let Some(s) = f.settings.setting(Knob::KvCacheDtype) {
-        let value = if s.runtime == Runtime::LlamaCpp {
-            "q8_0"
-        } else {
-            "fp8"
+        let value = match s.runtime {
+            Runtime::LlamaCpp => "q8_0",
+            // llama-cpp-python takes ggml's type number: 8 is q8_0.
+            Runtime::LlamaCppPython => "8",
+            _ => "fp8",
         };
         out.push(fix(
             format!(
                 "Store the KV cache at lower precision: {} ({}): the pool holds about twice the tokens",
-                assign(s, value),
+                assign(&f.settings, s, value),
                 now(f, s)
             ),
             "medium",
@@ -586,7 +635,7 @@ mod tests {
             .unwrap();
         // Whole GiB only: vLLM parses the variable as an int.
         assert_eq!(
-            assign(env, &kv_value(env, 2.7 * GIB)),
+            assign(&Settings::default(), env, &kv_value(env, 2.7 * GIB)),
             "`VLLM_CPU_KVCACHE_SPACE=2`"
         );
         let flag = settings::SETTINGS
@@ -594,7 +643,7 @@ mod tests {
             .find(|s| s.name == "--kv-cache-memory-bytes")
             .unwrap();
         assert_eq!(
-            assign(flag, &kv_value(flag, 0.5 * GIB)),
+            assign(&Settings::default(), flag, &kv_value(flag, 0.5 * GIB)),
             "`--kv-cache-memory-bytes 536870912`"
         );
     }

@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::launch;
 use crate::pb;
 
 /// A serving runtime whose settings oomscope knows.
@@ -18,7 +19,12 @@ pub enum Runtime {
     Vllm,
     Sglang,
     LlamaCpp,
+    /// llama.cpp's Python bindings' server (`python -m llama_cpp.server`):
+    /// the same engine, its own flags (`--n_ctx`, `--n_gpu_layers`).
+    LlamaCppPython,
     Tgi,
+    /// Hugging Face's `transformers serve`.
+    TransformersServe,
     /// oomscope's reference PyTorch server (runtimes/pytorch-server).
     ReferencePytorch,
     /// oomscope's reference Rust server (runtimes/rust-server).
@@ -35,7 +41,9 @@ impl Runtime {
             Runtime::Vllm => "vLLM",
             Runtime::Sglang => "SGLang",
             Runtime::LlamaCpp => "llama.cpp",
+            Runtime::LlamaCppPython => "llama-cpp-python",
             Runtime::Tgi => "TGI",
+            Runtime::TransformersServe => "transformers serve",
             Runtime::ReferencePytorch => "the reference PyTorch server",
             Runtime::ReferenceRust => "the reference Rust server",
             Runtime::Pytorch => "PyTorch",
@@ -47,7 +55,10 @@ impl Runtime {
     /// it with tokens): its OOMs come at the reservation, beside the pool,
     /// or from others taking memory after it sized the pool.
     pub fn preallocates_kv(self) -> bool {
-        matches!(self, Runtime::Vllm | Runtime::Sglang | Runtime::LlamaCpp)
+        matches!(
+            self,
+            Runtime::Vllm | Runtime::Sglang | Runtime::LlamaCpp | Runtime::LlamaCppPython
+        )
     }
 
     /// The runtime a memory text's table entry names ("vLLM", ...).
@@ -56,7 +67,9 @@ impl Runtime {
             Runtime::Vllm,
             Runtime::Sglang,
             Runtime::LlamaCpp,
+            Runtime::LlamaCppPython,
             Runtime::Tgi,
+            Runtime::TransformersServe,
         ]
         .into_iter()
         .find(|r| r.name().eq_ignore_ascii_case(name) || r.agent_name() == Some(name))
@@ -196,6 +209,19 @@ pub const SETTINGS: &[Setting] = &[
         Knob::MaxContext,
         "tokens",
     ),
+    // The KV pool in tokens, where set (else sized from --mem-fraction-static).
+    s(
+        Runtime::Sglang,
+        "--max-total-tokens",
+        Knob::KvCacheSize,
+        "tokens",
+    ),
+    s(
+        Runtime::Sglang,
+        "--max-prefill-tokens",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
     s(
         Runtime::Sglang,
         "--chunked-prefill-size",
@@ -253,10 +279,50 @@ pub const SETTINGS: &[Setting] = &[
         Knob::MaxBatchTokens,
         "tokens",
     ),
+    // llama-cpp-python's server: pydantic settings, flags by field name
+    // (its docs: `python3 -m llama_cpp.server --model M --n_gpu_layers 35`).
+    s(
+        Runtime::LlamaCppPython,
+        "--n_ctx",
+        Knob::MaxContext,
+        "tokens",
+    ),
+    s(
+        Runtime::LlamaCppPython,
+        "--n_gpu_layers",
+        Knob::GpuLayers,
+        "layers",
+    ),
+    s(
+        Runtime::LlamaCppPython,
+        "--n_batch",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::LlamaCppPython,
+        "--n_ubatch",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    // A ggml type number (8 = q8_0), not a name.
+    s(
+        Runtime::LlamaCppPython,
+        "--type_k",
+        Knob::KvCacheDtype,
+        "ggml type",
+    ),
+    s(
+        Runtime::LlamaCppPython,
+        "--type_v",
+        Knob::KvCacheDtype,
+        "ggml type",
+    ),
+    // TGI sizes its KV reservation in tokens (`--max-batch-total-tokens`).
     s(
         Runtime::Tgi,
         "--max-batch-total-tokens",
-        Knob::MaxBatchTokens,
+        Knob::KvCacheSize,
         "tokens",
     ),
     s(
@@ -264,6 +330,55 @@ pub const SETTINGS: &[Setting] = &[
         "--max-input-tokens",
         Knob::MaxContext,
         "tokens",
+    ),
+    s(
+        Runtime::Tgi,
+        "--max-total-tokens",
+        Knob::MaxContext,
+        "tokens",
+    ),
+    s(
+        Runtime::Tgi,
+        "--max-batch-prefill-tokens",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::Tgi,
+        "--max-concurrent-requests",
+        Knob::MaxSequences,
+        "requests",
+    ),
+    s(
+        Runtime::Tgi,
+        "--kv-cache-dtype",
+        Knob::KvCacheDtype,
+        "dtype",
+    ),
+    s(
+        Runtime::TransformersServe,
+        "--max-model-len",
+        Knob::MaxContext,
+        "tokens",
+    ),
+    // With `--continuous-batching`: the paged KV cache, in blocks of `--cb-block-size` tokens.
+    s(
+        Runtime::TransformersServe,
+        "--cb-num-blocks",
+        Knob::KvCacheSize,
+        "blocks",
+    ),
+    s(
+        Runtime::TransformersServe,
+        "--cb-max-batch-tokens",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::TransformersServe,
+        "--cb-max-memory-percent",
+        Knob::MemoryFraction,
+        "fraction",
     ),
     s(
         Runtime::Tgi,
@@ -321,18 +436,55 @@ pub const SETTINGS: &[Setting] = &[
     ),
 ];
 
-/// Short flags that mean the same as a long one, per runtime.
+/// Other spellings of a setting, per runtime, as each runtime's docs write
+/// them: short flags, renamed flags that still work. A long flag is matched
+/// with `_` and `-` alike (vLLM, SGLang and argparse-style CLIs take both).
 const ALIASES: &[(Runtime, &str, &str)] = &[
     (Runtime::LlamaCpp, "-c", "--ctx-size"),
+    (Runtime::LlamaCpp, "--n-ctx", "--ctx-size"),
     (Runtime::LlamaCpp, "-np", "--parallel"),
     (Runtime::LlamaCpp, "-ngl", "--n-gpu-layers"),
+    (Runtime::LlamaCpp, "--gpu-layers", "--n-gpu-layers"),
     (Runtime::LlamaCpp, "-b", "--batch-size"),
     (Runtime::LlamaCpp, "-ub", "--ubatch-size"),
     (Runtime::LlamaCpp, "-fa", "--flash-attn"),
     (Runtime::LlamaCpp, "-ctk", "--cache-type-k"),
     (Runtime::LlamaCpp, "-ctv", "--cache-type-v"),
     (Runtime::LlamaCpp, "-m", "--model"),
+    (Runtime::LlamaCppPython, "--ctx-size", "--n_ctx"),
+    (Runtime::LlamaCppPython, "-c", "--n_ctx"),
+    // TGI renamed --max-input-length (still accepted, with a warning).
+    (Runtime::Tgi, "--max-input-length", "--max-input-tokens"),
 ];
+
+/// A long flag with `_` read as `-` (`--max_model_len` is `--max-model-len`).
+fn normal(flag: &str) -> String {
+    if flag.starts_with("--") {
+        flag.replace('_', "-")
+    } else {
+        flag.to_string()
+    }
+}
+
+/// The setting's name (or the alias's) that `flag` spells for `runtime`.
+fn canonical(runtime: Option<Runtime>, flag: &str) -> String {
+    let n = normal(flag);
+    let Some(r) = runtime else {
+        return n;
+    };
+    ALIASES
+        .iter()
+        .filter(|(ar, _, _)| *ar == r)
+        .find(|(_, alias, _)| normal(alias) == n)
+        .map(|(_, _, name)| (*name).to_string())
+        .or_else(|| {
+            SETTINGS
+                .iter()
+                .find(|s| s.runtime == r && normal(s.name) == n)
+                .map(|s| s.name.to_string())
+        })
+        .unwrap_or(n)
+}
 
 /// Flags that say where a server listens or logs: never a memory variable.
 const NOT_SETTINGS: &[&str] = &[
@@ -367,10 +519,15 @@ pub const ENV_LABEL_PREFIX: &str = "env.";
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Settings {
     pub runtime: Option<Runtime>,
-    /// Every flag (long name; short aliases resolved) with its value ("" for
-    /// a switch), and the memory variables from the environment.
+    /// Every flag (the setting's name where it is one: aliases and `_`
+    /// spellings resolved) with its value ("" for a switch), and the memory
+    /// variables from the environment.
     pub values: BTreeMap<String, String>,
-    /// What is not a flag: the program and its subcommands, the model path.
+    /// The flag as the command line typed it (`--n-ctx`, `-c`), by the name
+    /// in `values`, where it differs: a fix says it the user's way.
+    pub typed: BTreeMap<String, String>,
+    /// What is not a flag: the launcher and program (`python3 -m
+    /// llama_cpp.server`, `vllm serve`), the model path.
     pub positional: Vec<String>,
 }
 
@@ -391,6 +548,12 @@ impl Settings {
         SETTINGS
             .iter()
             .find(|s| s.knob == knob && s.runtime == runtime)
+    }
+
+    /// The flag or variable as the user types it: the command line's own
+    /// spelling where it set the setting, else the setting's name.
+    pub fn spelling<'a>(&'a self, s: &'a Setting) -> &'a str {
+        self.typed.get(s.name).map_or(s.name, String::as_str)
     }
 
     /// The runtime's setting called `name` (`VLLM_CPU_KVCACHE_SPACE`), with
@@ -426,69 +589,99 @@ pub fn of_hello(hello: &pb::Hello) -> Settings {
     s
 }
 
-/// Which runtime `command` starts: by the program and its module or subcommand.
+/// Modules a Python interpreter runs as a runtime (`python -m MODULE`), by
+/// prefix: each runtime's documented entry points.
+const MODULES: &[(&str, Runtime)] = &[
+    // `python -m vllm.entrypoints.openai.api_server`, `vllm.entrypoints.cli.main`.
+    ("vllm.entrypoints", Runtime::Vllm),
+    ("vllm", Runtime::Vllm),
+    // `python -m sglang.launch_server`.
+    ("sglang.launch_server", Runtime::Sglang),
+    ("llama_cpp.server", Runtime::LlamaCppPython),
+    // `python -m text_generation_server.cli serve` (what the launcher starts).
+    ("text_generation_server", Runtime::Tgi),
+];
+
+/// Programs that are a runtime by name, with the subcommand that serves
+/// where the program does more than serve.
+const PROGRAMS: &[(&str, Option<&str>, Runtime)] = &[
+    ("vllm", None, Runtime::Vllm),
+    ("sglang", Some("serve"), Runtime::Sglang),
+    ("llama-server", None, Runtime::LlamaCpp),
+    ("llama-cli", None, Runtime::LlamaCpp),
+    ("text-generation-launcher", None, Runtime::Tgi),
+    ("text-generation-server", None, Runtime::Tgi),
+    ("transformers", Some("serve"), Runtime::TransformersServe),
+    (
+        "transformers-cli",
+        Some("serve"),
+        Runtime::TransformersServe,
+    ),
+    ("oomscope-rust-server", None, Runtime::ReferenceRust),
+];
+
+/// Which runtime `command` starts: by its program (a binary, a script) or
+/// the module its interpreter runs, however launched (`uv run`, `python3.11
+/// -X dev -m`), and the subcommand that serves.
 pub fn detect(command: &[String]) -> Option<Runtime> {
+    let l = launch::read(command);
     let base = |s: &str| s.rsplit('/').next().unwrap_or(s).to_string();
-    let words: Vec<String> = command.iter().map(|w| base(w)).collect();
-    let has = |w: &str| words.iter().any(|x| x == w);
-    let joined = command.join(" ");
-    if has("vllm") || joined.contains("vllm.entrypoints") {
-        return Some(Runtime::Vllm);
+    let args = &command[l.program_end.min(command.len())..];
+    let serves = |sub: Option<&str>| sub.is_none_or(|sub| args.first().is_some_and(|a| a == sub));
+    if let Some(m) = &l.module {
+        let in_package = |p: &str| m == p || m.starts_with(&format!("{p}."));
+        if let Some((_, r)) = MODULES.iter().find(|(p, _)| in_package(p)) {
+            return Some(*r);
+        }
+        // `python -m transformers serve` (its CLI's package).
+        if in_package("transformers") && serves(Some("serve")) {
+            return Some(Runtime::TransformersServe);
+        }
     }
-    if joined.contains("sglang.launch_server") || (has("sglang") && has("serve")) {
-        return Some(Runtime::Sglang);
+    if let Some(program) = l.program.map(|i| base(&command[i])) {
+        if let Some((_, _, r)) = PROGRAMS
+            .iter()
+            .find(|(p, sub, _)| *p == program && serves(*sub))
+        {
+            return Some(*r);
+        }
     }
-    if words
-        .iter()
-        .any(|w| w == "llama-server" || w == "llama-cli")
-    {
-        return Some(Runtime::LlamaCpp);
-    }
-    if has("text-generation-launcher") || has("text-generation-server") {
-        return Some(Runtime::Tgi);
-    }
-    if joined.contains("pytorch-server/server.py") {
+    if command.join(" ").contains("pytorch-server/server.py") {
         return Some(Runtime::ReferencePytorch);
     }
-    if has("oomscope-rust-server") {
-        return Some(Runtime::ReferenceRust);
-    }
-    if words.iter().any(|w| w.starts_with("python")) {
+    if command.first().is_some_and(|w| launch::is_python(w)) || l.module.is_some() {
         return Some(Runtime::Pytorch);
     }
     None
 }
 
-/// Reads `command` (and the memory variables in `env`) as settings.
+/// Reads `command` (and the memory variables in `env`) as settings. The
+/// launcher's words (`python3 -m llama_cpp.server`) are the program, never
+/// a setting.
 pub fn parse(command: &[String], env: &BTreeMap<String, String>) -> Settings {
     let runtime = detect(command);
     let mut out = Settings {
         runtime,
         ..Default::default()
     };
-    let canonical = |flag: &str| -> String {
-        ALIASES
-            .iter()
-            .find(|(r, short, _)| Some(*r) == runtime && *short == flag)
-            .map_or_else(|| flag.replace('_', "-"), |(_, _, long)| long.to_string())
-    };
-    let mut i = 0;
+    let start = launch::read(command).program_end.min(command.len());
+    out.positional.extend(command[..start].iter().cloned());
+    let mut i = start;
     while i < command.len() {
         let w = &command[i];
         if w.len() > 1 && w.starts_with('-') && !is_number(w) {
-            let (name, value, took_next) = match w.split_once('=') {
-                Some((n, v)) => (canonical(n), v.to_string(), false),
-                None => {
-                    let next = command.get(i + 1);
-                    match next {
-                        Some(v) if !v.starts_with('-') || is_number(v) => {
-                            (canonical(w), v.clone(), true)
-                        }
-                        _ => (canonical(w), String::new(), false),
-                    }
-                }
+            let (flag, value, took_next) = match w.split_once('=') {
+                Some((n, v)) => (n, v.to_string(), false),
+                None => match command.get(i + 1) {
+                    Some(v) if !v.starts_with('-') || is_number(v) => (w.as_str(), v.clone(), true),
+                    _ => (w.as_str(), String::new(), false),
+                },
             };
+            let name = canonical(runtime, flag);
             if !NOT_SETTINGS.contains(&name.as_str()) {
+                if name != flag {
+                    out.typed.insert(name.clone(), flag.to_string());
+                }
                 out.values.insert(name, value);
             }
             i += if took_next { 2 } else { 1 };
@@ -608,6 +801,76 @@ mod tests {
         assert_eq!(of_hello(&plugin).runtime, Some(Runtime::Vllm));
         assert_eq!(Runtime::from_name("vLLM"), Some(Runtime::Vllm));
         assert!(Runtime::Vllm.preallocates_kv() && !Runtime::Pytorch.preallocates_kv());
+    }
+
+    /// The runtime and context setting of each command line, as each
+    /// runtime's docs write its launch.
+    #[test]
+    fn each_runtime_is_recognised_however_launched() {
+        // The command line, its runtime, and its context flag as typed with its value.
+        type Case = (&'static str, Runtime, Option<(&'static str, &'static str)>);
+        let cases: &[Case] = &[
+            ("vllm serve meta-llama/Llama-3.1-8B --max-model-len 8192", Runtime::Vllm, Some(("--max-model-len", "8192"))),
+            ("python -m vllm.entrypoints.openai.api_server --model m --max_model_len=4096", Runtime::Vllm, Some(("--max_model_len", "4096"))),
+            ("/venv/bin/python3.11 -m vllm.entrypoints.openai.api_server --model m --max-model-len=2048", Runtime::Vllm, Some(("--max-model-len", "2048"))),
+            ("uv run vllm serve m --max-model-len 1024", Runtime::Vllm, Some(("--max-model-len", "1024"))),
+            ("python3 -m sglang.launch_server --model-path m --context-length 4096", Runtime::Sglang, Some(("--context-length", "4096"))),
+            ("python -X dev -m sglang.launch_server --model-path m --context_length 4096", Runtime::Sglang, Some(("--context_length", "4096"))),
+            ("./build/bin/llama-server -m model.gguf --ctx-size 8192", Runtime::LlamaCpp, Some(("--ctx-size", "8192"))),
+            ("llama-server -m model.gguf -c 8192", Runtime::LlamaCpp, Some(("-c", "8192"))),
+            ("llama-server -m model.gguf --n-ctx 8192", Runtime::LlamaCpp, Some(("--n-ctx", "8192"))),
+            ("python3 -m llama_cpp.server --model m.gguf --n_ctx 32768", Runtime::LlamaCppPython, Some(("--n_ctx", "32768"))),
+            ("python -m llama_cpp.server --model m.gguf --n-ctx=32768", Runtime::LlamaCppPython, Some(("--n-ctx", "32768"))),
+            ("uv run --with llama-cpp-python python3 -B -m llama_cpp.server --model m.gguf --n_ctx=2048", Runtime::LlamaCppPython, Some(("--n_ctx", "2048"))),
+            ("text-generation-launcher --model-id m --max-input-tokens 1024 --max-total-tokens 2048", Runtime::Tgi, Some(("--max-input-tokens", "1024"))),
+            ("text-generation-launcher --model-id m --max-input-length 1000", Runtime::Tgi, Some(("--max-input-length", "1000"))),
+            ("text-generation-server serve m --sharded false", Runtime::Tgi, None),
+            ("transformers serve ./tiny --device cpu --max-model-len 512", Runtime::TransformersServe, Some(("--max-model-len", "512"))),
+            ("/v/bin/transformers-cli serve ./tiny --max_model_len 512", Runtime::TransformersServe, Some(("--max_model_len", "512"))),
+        ];
+        for (c, runtime, context) in cases {
+            let s = parse(&argv(c), &BTreeMap::new());
+            assert_eq!(s.runtime, Some(*runtime), "{c}");
+            if let Some((typed, value)) = context {
+                let (setting, v) = s
+                    .get(Knob::MaxContext)
+                    .unwrap_or_else(|| panic!("{c}: {s:?}"));
+                assert_eq!(v, *value, "{c}");
+                assert_eq!(s.spelling(setting), *typed, "{c}");
+            }
+            // The launcher is the program, never a setting.
+            assert!(
+                !s.values.contains_key("-m") && !s.values.contains_key("-X"),
+                "{c}: {s:?}"
+            );
+        }
+        // Not a runtime: a script, a module of its own, another program.
+        let d = |c: &str| detect(&argv(c));
+        assert_eq!(
+            d("python3 -m myapp.server --n_ctx 8"),
+            Some(Runtime::Pytorch)
+        );
+        assert_eq!(d("transformers env"), None);
+        assert_eq!(d("python -m transformers.models.x"), Some(Runtime::Pytorch));
+        assert_eq!(d("sglang version"), None);
+    }
+
+    #[test]
+    fn the_module_and_the_interpreter_options_are_positional() {
+        let s = parse(
+            &argv("python3 -u -m llama_cpp.server --model /m/q.gguf --n_ctx 32768 --n_gpu_layers -1 --port 8000"),
+            &BTreeMap::new(),
+        );
+        assert_eq!(s.positional, argv("python3 -u -m llama_cpp.server"));
+        assert_eq!(
+            s.values,
+            BTreeMap::from([
+                ("--model".to_string(), "/m/q.gguf".to_string()),
+                ("--n_ctx".to_string(), "32768".to_string()),
+                ("--n_gpu_layers".to_string(), "-1".to_string()),
+            ])
+        );
+        assert_eq!(s.get(Knob::GpuLayers).unwrap().1, "-1");
     }
 
     #[test]

@@ -258,9 +258,9 @@ fn llama_cpp_is_one_process_and_its_pool_is_sized_by_context() {
         d.fixes[0]
             .action
             .starts_with("Lower the KV reservation to what fits, 307.2 MiB (")
-            && d.fixes[0].action.ends_with(
-                "`--ctx-size` (now 32768), `--parallel` (now 4), `--cache-type-k` (not set)"
-            ),
+            && d.fixes[0]
+                .action
+                .ends_with("`-c` (now 32768), `-np` (now 4), `--cache-type-k` (not set)"),
         "{:#?}",
         d.fixes
     );
@@ -966,4 +966,153 @@ fn a_gpu_worker_joined_with_the_api_server_sees_the_saturation_on_its_shard() {
     assert_eq!(metric(c, "running"), 35.0);
     assert_eq!(metric(c, "preemptions"), 14.0);
     assert_eq!(metric(c, "kv_pool_bytes"), shard as f64);
+}
+
+/// One llama.cpp process (the server binary or the Python bindings'
+/// server) killed filling its KV pool at start-up, its stderr ending with
+/// what llama.cpp logs as it allocates the pool (before filling it).
+fn llama_startup_kill(command: &str, task: &str, stderr: &str) -> Evidence {
+    let mut e = startup_kill(vllm_supervisor(command, &[]), gib(2.21), &STARTUP);
+    for s in &mut e.samples {
+        s.tree.clear();
+    }
+    for ev in &mut e.events {
+        match &mut ev.kind {
+            Some(Kind::KernelOomKill(k)) => k.task = task.into(),
+            Some(Kind::ChildExit(x)) => {
+                x.pid = WORKER_PID;
+                x.exit_code = None;
+                x.signal = Some(9);
+                x.stderr_tail = stderr.into();
+            }
+            _ => {}
+        }
+    }
+    e
+}
+
+const LLAMA_LOG: &str = "print_info: n_layer          = 32\nllama_context: n_ctx         = 32768\nllama_kv_cache_unified:        CPU KV buffer size =  4096.00 MiB\n";
+
+/// 32768 tokens took the 4 GiB pool llama.cpp logged: the context that fits
+/// is 32768 × proposed / 4 GiB, rounded down to 256 tokens.
+fn expected_context(c: &pb::Cause) -> u64 {
+    let tokens = 32768.0 * metric(c, "proposed_kv_bytes") / (4.0 * GIB as f64);
+    (tokens / 256.0).floor() as u64 * 256
+}
+
+#[test]
+fn a_python_m_llama_cpp_server_gets_its_context_computed_in_its_own_flag() {
+    let e = llama_startup_kill(
+        "/venv/bin/python3 -m llama_cpp.server --model /models/q4.gguf --n_ctx 32768 --port 8000",
+        "python3",
+        LLAMA_LOG,
+    );
+    let d = diagnose(&e);
+    let c = cause(&d, "kv_reservation");
+    // The room left under the 2.21 GiB limit above the 1.6 GiB held before the climb.
+    assert_eq!(metric(c, "proposed_kv_bytes"), gib(0.3) as f64);
+    let want = expected_context(c);
+    assert_eq!(want, 2304);
+    let first = &d.fixes[0];
+    assert!(
+        first.action.starts_with(&format!(
+            "Lower the KV reservation to what fits: `--n_ctx {want}` (now 32768; the 4.0 GiB pool llama-cpp-python logged scales with it): the 2.2 GiB cgroup limit less the 1.6 GiB"
+        )),
+        "{:#?}",
+        d.fixes
+    );
+    assert!(first
+        .retest
+        .starts_with("restart llama-cpp-python with the new value"));
+    // The interpreter's `-m` is the program, in no fix.
+    assert!(
+        d.fixes.iter().all(|f| !f.action.contains("`-m")),
+        "{:#?}",
+        d.fixes
+    );
+    sound(&d);
+}
+
+#[test]
+fn each_llama_cpp_spelling_is_proposed_as_typed_and_no_value_is_guessed() {
+    // The server binary with its short flag: the same figures, its own spelling.
+    let e = llama_startup_kill(
+        "./llama-server -m model.gguf -c 32768 --port 8080",
+        "llama-server",
+        LLAMA_LOG,
+    );
+    let d = diagnose(&e);
+    let want = expected_context(cause(&d, "kv_reservation"));
+    assert!(
+        d.fixes[0].action.starts_with(&format!(
+            "Lower the KV reservation to what fits: `-c {want}` (now 32768;"
+        )),
+        "{:#?}",
+        d.fixes
+    );
+    // `--n-ctx=` for the bindings' server.
+    let e = llama_startup_kill(
+        "python -m llama_cpp.server --model m.gguf --n-ctx=32768",
+        "python",
+        LLAMA_LOG,
+    );
+    let d = diagnose(&e);
+    assert!(
+        d.fixes[0]
+            .action
+            .contains(&format!("`--n-ctx {want}` (now 32768;")),
+        "{:#?}",
+        d.fixes
+    );
+    // Without the pool's size in the log, the setting is named, never valued.
+    let e = llama_startup_kill(
+        "python -m llama_cpp.server --model m.gguf --n_ctx 32768",
+        "python",
+        "print_info: n_layer          = 32\n",
+    );
+    let d = diagnose(&e);
+    assert!(
+        d.fixes[0]
+            .action
+            .starts_with("Lower the KV reservation to what fits, 307.2 MiB (")
+            && d.fixes[0].action.contains("`--n_ctx` (now 32768)"),
+        "{:#?}",
+        d.fixes
+    );
+}
+
+#[test]
+fn the_victims_command_line_is_the_newest_read_while_it_lived() {
+    let mut e = llama_startup_kill(
+        "python3 -m llama_cpp.server --model m.gguf --n_ctx 32768",
+        "python3",
+        LLAMA_LOG,
+    );
+    let n = e.samples.len();
+    for (i, s) in e.samples.iter_mut().enumerate() {
+        // An older command line, the one in force, then the kernel's name
+        // only: read as the process died, its command line was gone.
+        let command = match i {
+            0 => "python3 -m llama_cpp.server --model m.gguf --n_ctx 16384".to_string(),
+            _ if i + 1 < n => {
+                "python3 -m llama_cpp.server --model m.gguf --n_ctx 32768".to_string()
+            }
+            _ => "[python3]".to_string(),
+        };
+        s.tree = vec![pb::ProcessInfo {
+            pid: WORKER_PID,
+            title: "python3".into(),
+            command,
+            rss_bytes: s.tree_rss_bytes,
+            ..Default::default()
+        }];
+    }
+    let d = diagnose(&e);
+    let v = d.victim.as_ref().unwrap();
+    assert_eq!(v.pid, WORKER_PID);
+    assert_eq!(
+        v.command,
+        "python3 -m llama_cpp.server --model m.gguf --n_ctx 32768"
+    );
+    assert_eq!(v.title, "python3");
 }

@@ -834,6 +834,31 @@ mod tests {
     }
 
     #[test]
+    fn a_python_module_launch_lists_its_flags_not_the_interpreters() {
+        let a = vllm(
+            "/venv/bin/python3 -u -m llama_cpp.server --model /m/q4.gguf --n_ctx 32768 --port 8000",
+            &[],
+        );
+        let listed = settings(a.timeline.hello.as_ref().unwrap());
+        assert!(
+            !listed.contains_key("-m") && !listed.contains_key("-u"),
+            "{listed:?}"
+        );
+        assert_eq!(
+            listed.get("command").map(String::as_str),
+            Some("/venv/bin/python3 -u -m llama_cpp.server")
+        );
+        assert_eq!(listed.get("--n_ctx").map(String::as_str), Some("32768"));
+        // Another spelling of the same flag is the same setting: only its value counts.
+        let b = vllm(
+            "/venv/bin/python3 -u -m llama_cpp.server --model /m/q4.gguf --n-ctx=16384 --port 8000",
+            &[],
+        );
+        let c = compare(&a, &b);
+        assert_eq!(changed_names(&c), ["--n_ctx"], "{:?}", c.changed);
+    }
+
+    #[test]
     fn outcomes_follow_the_failure() {
         let base = run(
             "",

@@ -140,7 +140,7 @@ impl Probe {
                 s.get(k).map(|(setting, v)| {
                     format!(
                         "{} (now {})",
-                        setting.name,
+                        s.spelling(setting),
                         if v.is_empty() { "on" } else { v }
                     )
                 })

@@ -24,6 +24,7 @@ mod counters;
 pub mod devices;
 mod diagnose;
 mod domain;
+pub mod error_line;
 mod evidence;
 mod failure;
 mod findings;
@@ -51,7 +52,7 @@ pub mod units;
 
 pub use capacity::{capacity, Capacity};
 pub use counters::LIMIT_SLACK_BYTES;
-pub use diagnose::diagnose;
+pub use diagnose::{diagnose, memory_domain, STARTUP_FAILURE};
 pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef, SUPERVISOR_CGROUP_LABEL};
 pub use host_kernel::HIGH_ORDER_MIN;

@@ -6,7 +6,7 @@
 //! bytes of readings taken during them (`decode`); the between-request
 //! readings of a server that frees its KV cache after each request stay flat.
 
-use crate::causes::host_growth;
+use crate::causes::{host_growth, startup_failure};
 use crate::census::{self, HeapVerdict};
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
@@ -53,6 +53,10 @@ impl Trigger {
 /// `v` is the domain verdict: a failure without a device allocator record is
 /// immediate only where memory ran out on the host side.
 pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
+    // A process that failed while starting failed before any load.
+    if let Some(s) = startup_failure::read(f, v) {
+        return Some((Trigger::Immediate, startup_failure::trigger_line(&s)));
+    }
     // A failure read from the error text alone has no allocator series
     // behind it: the host's readings speak for its trigger.
     let device_failure = f.failure.as_ref().filter(|x| !x.from_text);

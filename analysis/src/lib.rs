@@ -51,6 +51,7 @@ mod trigger;
 pub mod units;
 
 pub use capacity::{capacity, Capacity};
+pub use causes::startup_failure::STARTUP_WINDOW_NS;
 pub use counters::LIMIT_SLACK_BYTES;
 pub use diagnose::{diagnose, memory_domain, STARTUP_FAILURE};
 pub use domain::{attribute_domain, Domain, DomainVerdict};

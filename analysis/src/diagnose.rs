@@ -50,9 +50,16 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let mut trigger = trigger::decide(&f, &verdict);
     // The instance's other processes: a member's growth is a cause of its
     // own, and the one that took the member the failure took leads.
+    // (A probe that drove it is no process of it: its requests are read by
+    // the trigger.)
     let member_verdicts = e
         .members
         .iter()
+        .filter(|m| {
+            m.hello
+                .as_ref()
+                .is_some_and(|h| h.role != oomscope_proto::PROBE_ROLE)
+        })
         .filter_map(|m| Some((m.hello.as_ref()?, diagnose(m))))
         .collect();
     let from_members = members::causes(&f, &causes, member_verdicts);

@@ -19,6 +19,15 @@ pub const STARTUP_FAILURE: &str = "startup_failure";
 /// beside a start-up failure they explain nothing.
 const HOST_CONTEXT: &[&str] = &["swap_thrash", "other_process"];
 
+/// Why a diagnosis has no memory domain, in words: nothing failed, or the
+/// process failed while starting for a reason that no memory explains.
+pub fn no_domain_reason(d: &pb::Diagnosis) -> &'static str {
+    match d.causes.first() {
+        Some(c) if c.kind == STARTUP_FAILURE => "no memory ran out: it failed while starting",
+        _ => "nothing failed",
+    }
+}
+
 /// The memory domain, as an incident row names it ([`crate::attribute_domain`]'s,
 /// `Unknown` where nothing decides it), or None where the process failed at
 /// start-up for a reason that no memory explains.

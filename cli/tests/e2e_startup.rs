@@ -168,6 +168,13 @@ fn a_startup_crash_loop_under_restart_names_its_error_line() {
         evidence_text(&d).contains("restarts gave up (crash loop)"),
         "{d:#}"
     );
+    // People read the text form: no domain, and not "nothing failed".
+    let text = col.text(&["diagnose", inc["id"].as_str().unwrap()]);
+    assert!(
+        text.contains("Memory domain: - (no memory ran out: it failed while starting)")
+            && text.contains(ERROR_LINE),
+        "{text}"
+    );
 }
 
 #[test]

@@ -2,7 +2,7 @@
 
 use crate::capacity;
 use crate::causes;
-use crate::domain::decide;
+use crate::domain::{decide, Domain};
 use crate::evidence::Evidence;
 use crate::failure;
 use crate::findings::Findings;
@@ -12,6 +12,32 @@ use crate::pb;
 use crate::runway::RUNWAY_PREFIX;
 use crate::trigger::{self, Trigger};
 
+/// The cause of a failure at start-up that no memory explains.
+pub const STARTUP_FAILURE: &str = "startup_failure";
+
+/// Causes read from the host around the process, not from the process:
+/// beside a start-up failure they explain nothing.
+const HOST_CONTEXT: &[&str] = &["swap_thrash", "other_process"];
+
+/// Why a diagnosis has no memory domain, in words: nothing failed, or the
+/// process failed while starting for a reason that no memory explains.
+pub fn no_domain_reason(d: &pb::Diagnosis) -> &'static str {
+    match d.causes.first() {
+        Some(c) if c.kind == STARTUP_FAILURE => "no memory ran out: it failed while starting",
+        _ => "nothing failed",
+    }
+}
+
+/// The memory domain, as an incident row names it ([`crate::attribute_domain`]'s,
+/// `Unknown` where nothing decides it), or None where the process failed at
+/// start-up for a reason that no memory explains.
+pub fn memory_domain(e: &Evidence) -> Option<Domain> {
+    let f = Findings::gather(e);
+    let verdict = decide(&f);
+    let startup = causes::startup_failure::read(&f, &verdict).is_some();
+    (!startup).then_some(verdict.domain)
+}
+
 /// Domain, trigger, exit, cgroup, evidence, causes, fixes and capacity for
 /// one incident, or for one agent's timeline without one (a leak hunt: no
 /// domain, but trigger and causes still apply).
@@ -19,12 +45,30 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let f = Findings::gather(e);
     let mut verdict = decide(&f);
     let mut causes = causes::analyze(&f, &verdict);
+    // A failure at start-up that no memory explains has no memory domain:
+    // the host's pressure and its other processes are context around it.
+    let startup = causes.iter().any(|c| c.kind == STARTUP_FAILURE);
+    if startup {
+        causes.retain(|c| !HOST_CONTEXT.contains(&c.kind.as_str()));
+        causes.sort_by_key(|c| c.kind != STARTUP_FAILURE);
+        verdict.evidence.push(
+            "no memory domain: the process failed while starting, for the error its stderr names (startup_failure)"
+                .to_string(),
+        );
+    }
     let mut trigger = trigger::decide(&f, &verdict);
     // The instance's other processes: a member's growth is a cause of its
     // own, and the one that took the member the failure took leads.
+    // (A probe that drove it is no process of it: its requests are read by
+    // the trigger.)
     let member_verdicts = e
         .members
         .iter()
+        .filter(|m| {
+            m.hello
+                .as_ref()
+                .is_some_and(|h| h.role != oomscope_proto::PROBE_ROLE)
+        })
         .filter_map(|m| Some((m.hello.as_ref()?, diagnose(m))))
         .collect();
     let from_members = members::causes(&f, &causes, member_verdicts);
@@ -102,7 +146,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
             .map(|i| i.id.clone())
             .filter(|i| !i.is_empty()),
         agent,
-        domain: verdict.failed.then(|| verdict.domain.as_str().to_string()),
+        domain: (verdict.failed && !startup).then(|| verdict.domain.as_str().to_string()),
         trigger: trigger.map(|(t, _)| t.as_str().to_string()),
         causes,
         fixes,

@@ -298,6 +298,18 @@ fn runtime_fix(c: &pb::Cause, f: &Findings) -> Option<pb::Fix> {
 
 fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     match c.kind.as_str() {
+        "startup_failure" => {
+            let named = c.evidence.first().and_then(|l| l.strip_prefix("stderr: "));
+            vec![fix(
+                match named {
+                    Some(line) => format!("Fix the error it failed to start with: `{line}` (the command line, paths, environment or model files it names); memory is not the problem"),
+                    None => "Find why it failed to start in its own logs (its stderr named no error): the command line, paths, environment or model files; memory is not the problem".to_string(),
+                },
+                "low",
+                "start it once by hand, without restarts (`oomscope run` without --restart), until it is ready (/health answers) and serves one request; then restore the restart policy",
+                Some("raising memory limits or restarting again changes nothing: the same error recurs on every start"),
+            )]
+        }
         "cgroup_limit" => {
             let owner = f
                 .memcg

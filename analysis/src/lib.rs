@@ -24,6 +24,7 @@ mod counters;
 pub mod devices;
 mod diagnose;
 mod domain;
+pub mod error_line;
 mod evidence;
 mod failure;
 mod findings;
@@ -51,8 +52,9 @@ mod trigger;
 pub mod units;
 
 pub use capacity::{capacity, Capacity};
+pub use causes::startup_failure::STARTUP_WINDOW_NS;
 pub use counters::LIMIT_SLACK_BYTES;
-pub use diagnose::diagnose;
+pub use diagnose::{diagnose, memory_domain, no_domain_reason, STARTUP_FAILURE};
 pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef, SUPERVISOR_CGROUP_LABEL};
 pub use host_kernel::HIGH_ORDER_MIN;

@@ -1,12 +1,14 @@
 //! What set the failure off, from the pattern of growth before it, tested in
-//! this order: concurrency, size, repeated requests, growth over time (no
-//! request marks), immediate, unknown.
+//! this order: a failure at start-up (immediate), concurrency, size (from
+//! the memory's series, then from the requests of a probe that drove the
+//! instance: `probe`), repeated requests, growth over time (no request
+//! marks), immediate, unknown.
 //!
 //! Peak stats are cumulative, so growth inside requests is read from the live
 //! bytes of readings taken during them (`decode`); the between-request
 //! readings of a server that frees its KV cache after each request stay flat.
 
-use crate::causes::host_growth;
+use crate::causes::{host_growth, startup_failure};
 use crate::census::{self, HeapVerdict};
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
@@ -18,6 +20,7 @@ use crate::timeline::Point;
 use crate::units::bytes_short;
 
 mod host;
+pub mod probe;
 
 /// Growth smaller than this between the lowest and highest load is noise.
 pub const MIN_RISE_BYTES: f64 = (16u64 << 20) as f64;
@@ -53,9 +56,21 @@ impl Trigger {
 /// `v` is the domain verdict: a failure without a device allocator record is
 /// immediate only where memory ran out on the host side.
 pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
+    // A process that failed while starting failed before any load.
+    if let Some(s) = startup_failure::read(f, v) {
+        return Some((Trigger::Immediate, startup_failure::trigger_line(&s)));
+    }
     // A failure read from the error text alone has no allocator series
     // behind it: the host's readings speak for its trigger.
     let device_failure = f.failure.as_ref().filter(|x| !x.from_text);
+    // A death while the probe drove the instance: its requests name the
+    // step, where the memory's own series does not.
+    let during_probe = || {
+        f.failed
+            .then(|| host::failed_at(f))
+            .flatten()
+            .and_then(|t| probe::decide(f.evidence, t))
+    };
     if device_failure.is_some() {
         if let Some(line) = concurrency(f) {
             return Some((Trigger::ConcurrencyDependent, line));
@@ -63,12 +78,20 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
         if let Some(line) = size(f) {
             return Some((Trigger::SizeDependent, line));
         }
+        if let Some(t) = during_probe() {
+            return Some(t);
+        }
     } else if f.failed {
         if let Some(line) = host::concurrency(f) {
             return Some((Trigger::ConcurrencyDependent, line));
         }
         if let Some(line) = host::size(f) {
             return Some((Trigger::SizeDependent, line));
+        }
+        // Memory a runtime reserved up front need not rise with the load:
+        // the probe's step past what was served still names the trigger.
+        if let Some(t) = during_probe() {
+            return Some(t);
         }
     }
     if let Some(t) = growth::live_baseline(&f.timeline).filter(|t| t.leaks()) {

@@ -695,19 +695,21 @@ fn clean_exit_has_no_domain() {
 
 #[test]
 fn ambiguous_evidence_is_unknown() {
-    // Exit 1 with an unrelated error and nothing moved.
+    // Exit 1 with an unrelated error and nothing moved, long after it
+    // started (within 30 s of its start it is a start-up failure: startup.rs).
     let (before, after) = unchanged(vec![v1(OWN, V1_UNLIMITED, 10 * MIB, 12 * MIB, 0, 0)]);
-    let e = supervised(
-        exit(
-            Some(1),
-            None,
-            "ValueError: bad config\n",
-            before,
-            after,
-            None,
-        ),
-        "signal",
+    let mut ended = exit(
+        Some(1),
+        None,
+        "ValueError: bad config\n",
+        before,
+        after,
+        None,
     );
+    if let Some(pb::event::Kind::ChildExit(x)) = &mut ended.kind {
+        x.runtime_ns = 600 * SEC as u64;
+    }
+    let e = supervised(ended, "signal");
     let d = diagnose(&e);
     assert_eq!(d.domain.as_deref(), Some("unknown"));
     has(&d.evidence, "exited with code 1");

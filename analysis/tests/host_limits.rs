@@ -104,7 +104,13 @@ fn torchs_shm_text_decides_without_a_full_reading_and_names_the_creator() {
         s.shm_total_bytes = 64 * MIB;
         s.shm_used_bytes = 20 * MIB;
     });
-    assert_eq!(diagnose(&e).domain.as_deref(), Some("unknown"));
+    let d = diagnose(&e);
+    assert_ne!(d.domain.as_deref(), Some("shm"), "{:#?}", d.evidence);
+    assert!(
+        d.causes.iter().all(|c| c.kind != "shm_full"),
+        "{:#?}",
+        d.causes
+    );
 }
 
 #[test]

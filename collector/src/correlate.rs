@@ -12,8 +12,8 @@
 use anyhow::Result;
 
 use crate::kinds::{
-    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, KERNEL_OOM_KILL, MASS_DISCONNECT, MEMBER_DIED,
-    MEMBER_FAILED, SIGNAL,
+    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, FAILED_START, KERNEL_OOM_KILL, MASS_DISCONNECT,
+    MEMBER_DIED, MEMBER_FAILED, SIGNAL,
 };
 use crate::pb;
 use crate::store::Store;
@@ -44,6 +44,9 @@ pub fn strength(kind: &str) -> u8 {
         // process printed about why (vLLM's engine exits 1, its API server
         // prints the KV cache's "Available memory ... less than requested").
         MEMBER_FAILED => 2,
+        // A start that failed on its own error: its crash loop (a pattern
+        // of them) leads it, not strength (see `plan`).
+        FAILED_START => 2,
         CRASH_LOOP => 2,
         MASS_DISCONNECT | AGENT_LOST => 1,
         _ => 0,
@@ -85,9 +88,32 @@ pub fn plan(
     let peers: Vec<&pb::Incident> = same_instance
         .iter()
         .filter(|i| i.id != new.id && strength(&i.kind) > 0)
-        // A crash loop folds with crash loops; deaths with deaths.
-        .filter(|i| (i.kind == CRASH_LOOP) == (new.kind == CRASH_LOOP))
+        // A crash loop folds with crash loops and the failed starts it
+        // counts; deaths with deaths.
+        .filter(|i| match (new.kind.as_str(), i.kind.as_str()) {
+            (CRASH_LOOP, k) => k == CRASH_LOOP || k == FAILED_START,
+            (FAILED_START, CRASH_LOOP) => true,
+            (_, k) => k != CRASH_LOOP,
+        })
         .collect();
+    // One crash loop: the first leads; its failed starts are its parts,
+    // before it or after.
+    if [CRASH_LOOP, FAILED_START].contains(&new.kind.as_str()) {
+        if let Some(looped) = peers
+            .iter()
+            .filter(|i| i.kind == CRASH_LOOP)
+            .min_by_key(|i| (i.time_ns, i.id.clone()))
+        {
+            return Plan::MergeInto {
+                leader: looped.id.clone(),
+            };
+        }
+        if new.kind == CRASH_LOOP {
+            return Plan::Lead {
+                absorb: peers.iter().map(|i| i.id.clone()).collect(),
+            };
+        }
+    }
     if let Some(leader) = peers
         .iter()
         .max_by_key(|i| (strength(&i.kind), std::cmp::Reverse(i.time_ns)))
@@ -169,14 +195,22 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
         }
     }
     let mut same_instance = same_run;
-    // One crash loop per service: the fleet's and the supervisor's own say the same.
-    if new.kind == CRASH_LOOP {
+    // One crash loop per service: the fleet's and the supervisor's own say
+    // the same, and the failed starts in a row are its parts, whichever
+    // `oomscope run` (its restarts, or separate calls) made them.
+    let looped_with = match new.kind.as_str() {
+        CRASH_LOOP => &[CRASH_LOOP, FAILED_START][..],
+        FAILED_START => &[CRASH_LOOP][..],
+        _ => &[][..],
+    };
+    for kind in looped_with {
         for i in store.incidents_of_kind(
-            CRASH_LOOP,
-            new.time_ns - 10 * 60 * 1_000_000_000,
+            kind,
+            new.time_ns - CRASH_LOOP_FOLD_NS,
             new.time_ns + CORRELATION_WINDOW_NS,
         )? {
-            if i.agent_name == new.agent_name && !same_instance.iter().any(|s| s.id == i.id) {
+            let same_name = !new.agent_name.is_empty() && i.agent_name == new.agent_name;
+            if same_name && i.id != new.id && !same_instance.iter().any(|s| s.id == i.id) {
                 same_instance.push(i);
             }
         }
@@ -240,8 +274,12 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
 
 /// Incidents raised by a child's end (`ChildExit`): each closes a run.
 fn ends_a_run(kind: &str) -> bool {
-    matches!(kind, SIGNAL | EXIT_OOM_TEXT)
+    matches!(kind, SIGNAL | EXIT_OOM_TEXT | FAILED_START)
 }
+
+/// How far back a crash loop gathers the crash loops and failed starts of
+/// its service: longer than the fleet's crash-loop window (5 min by default).
+pub const CRASH_LOOP_FOLD_NS: i64 = 10 * 60 * 1_000_000_000;
 
 fn mass_summary(agents: usize) -> String {
     format!(
@@ -388,6 +426,42 @@ mod tests {
             plan(&inc("i3", AGENT_LOST, 11), &[looped], &[]),
             Plan::Alone
         );
+    }
+
+    #[test]
+    fn a_crash_loop_leads_its_failed_starts_and_later_ones_join_it() {
+        let starts = [inc("i1", FAILED_START, 10), inc("i2", FAILED_START, 20)];
+        assert_eq!(
+            plan(&inc("i3", CRASH_LOOP, 30), &starts, &[]),
+            Plan::Lead {
+                absorb: vec!["i1".into(), "i2".into()]
+            }
+        );
+        let looped = inc("i3", CRASH_LOOP, 30);
+        assert_eq!(
+            plan(
+                &inc("i4", FAILED_START, 40),
+                std::slice::from_ref(&looped),
+                &[]
+            ),
+            Plan::MergeInto {
+                leader: "i3".into()
+            }
+        );
+        // A second crash loop of the service folds into the first, even
+        // beside failed starts not yet absorbed.
+        assert_eq!(
+            plan(
+                &inc("i5", CRASH_LOOP, 50),
+                &[looped, starts[0].clone()],
+                &[]
+            ),
+            Plan::MergeInto {
+                leader: "i3".into()
+            }
+        );
+        // Failed starts alone are separate deaths until they loop.
+        assert_eq!(plan(&inc("i6", FAILED_START, 60), &[], &[]), Plan::Alone);
     }
 
     #[test]

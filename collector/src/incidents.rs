@@ -6,8 +6,9 @@
 
 use anyhow::Result;
 
+use oomscope_analysis::error_line::error_line;
 use oomscope_analysis::units::{bytes_short as bytes, signal_name};
-use oomscope_analysis::{enospc_on_full_shm, is_oom_text};
+use oomscope_analysis::{enospc_on_full_shm, is_oom_text, STARTUP_WINDOW_NS};
 
 use crate::correlate;
 use crate::fleet::{self, nanos, FleetPolicy};
@@ -52,20 +53,37 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
         EventKind::ChildExit(exit) => {
             let how = exit_summary(exit);
             if exit.crash_loop {
+                let said = error_line(&exit.stderr_tail)
+                    .map(|l| format!("; stderr: {}", clip(&l, 160)))
+                    .unwrap_or_default();
                 (
                     CRASH_LOOP,
-                    format!("gave up restarting after attempt {}: {how}", exit.attempt),
+                    format!(
+                        "gave up restarting after attempt {}: {how}{said}",
+                        exit.attempt
+                    ),
                 )
             } else if exit.signal.is_some() {
                 (SIGNAL, how)
             } else if exit.exit_code.unwrap_or(0) != 0 {
-                let line = oom_line(&exit.stderr_tail)
+                match oom_line(&exit.stderr_tail)
                     .map(str::to_string)
-                    .or_else(|| shm_enospc_line(exit))?;
-                (
-                    EXIT_OOM_TEXT,
-                    format!("{how}; stderr: {}", clip(&line, 160)),
-                )
+                    .or_else(|| shm_enospc_line(exit))
+                {
+                    Some(line) => (
+                        EXIT_OOM_TEXT,
+                        format!("{how}; stderr: {}", clip(&line, 160)),
+                    ),
+                    // A plain failed exit long after the start is no memory
+                    // incident; while starting it is one start that failed.
+                    None if started_just_now(exit) => {
+                        let said = error_line(&exit.stderr_tail)
+                            .map(|l| format!("; stderr: {}", clip(&l, 160)))
+                            .unwrap_or_default();
+                        (FAILED_START, format!("{how}, while starting{said}"))
+                    }
+                    None => return None,
+                }
             } else {
                 return None;
             }
@@ -297,6 +315,11 @@ fn exit_summary(exit: &pb::ChildExit) -> String {
     )
 }
 
+/// The exit came within the start-up window of the child's start.
+fn started_just_now(exit: &pb::ChildExit) -> bool {
+    exit.runtime_ns > 0 && exit.runtime_ns <= STARTUP_WINDOW_NS as u64
+}
+
 /// The last stderr line that speaks of running out of memory.
 fn oom_line(stderr_tail: &str) -> Option<&str> {
     stderr_tail
@@ -437,12 +460,31 @@ mod tests {
             oom_text.summary
         );
 
+        // A plain failed exit long after its start is no incident; within
+        // the start-up window it is a failed start, quoting its error line.
         let plain_failure = pb::ChildExit {
             exit_code: Some(1),
-            stderr_tail: "ValueError: bad zoom room\n".into(),
+            stderr_tail: "Traceback (most recent call last):\n  File \"s.py\", line 1\nValueError: bad zoom room\nbye\n".into(),
+            runtime_ns: 31_000_000_000,
             ..Default::default()
         };
-        assert!(detect(&exit_event(5, plain_failure)).is_none());
+        assert!(detect(&exit_event(5, plain_failure.clone())).is_none());
+        let failed_start = detect(&exit_event(
+            5,
+            pb::ChildExit {
+                runtime_ns: 2_500_000_000,
+                ..plain_failure
+            },
+        ))
+        .unwrap();
+        assert_eq!(failed_start.kind, FAILED_START);
+        assert!(
+            failed_start.summary.ends_with(
+                "exited with code 1 after 2.5 s, while starting; stderr: ValueError: bad zoom room"
+            ),
+            "{}",
+            failed_start.summary
+        );
         assert!(detect(&exit_event(
             6,
             pb::ChildExit {

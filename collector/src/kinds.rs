@@ -10,6 +10,11 @@ pub const MEMBER_DIED: &str = "member_died";
 /// reason another process prints (an API server's out-of-memory text).
 pub const MEMBER_FAILED: &str = "member_failed";
 pub const EXIT_OOM_TEXT: &str = "exit_oom_text";
+/// The child `oomscope run` started exited non-zero within the start-up
+/// window (`oomscope_analysis::STARTUP_WINDOW_NS`) with no memory text: it
+/// failed while starting. Failed starts of one service in a row are a crash
+/// loop, whether one `oomscope run --restart N` or separate runs made them.
+pub const FAILED_START: &str = "failed_start";
 pub const CRASH_LOOP: &str = "crash_loop";
 pub const AGENT_LOST: &str = "agent_lost";
 /// Many agents of one service restarting together, then a request burst.

@@ -284,8 +284,10 @@ fn with_parts(store: &Store, roots: Vec<pb::Incident>) -> Result<Vec<pb::Inciden
 }
 
 /// Each other member of `inst` with an agent of its own (not the
-/// supervisor, whose tree `main`'s samples carry, nor a probe), as its own
-/// evidence over the same span: its newest [`DIAGNOSE_MAX_SAMPLES`].
+/// supervisor, whose tree `main`'s samples carry), as its own evidence over
+/// the same span: its newest [`DIAGNOSE_MAX_SAMPLES`]. A probe that drove
+/// the instance is one too: the analysis reads its requests for the trigger
+/// of a death during it, and judges no process of it.
 fn member_evidence(
     store: &Store,
     inst: &Instance,
@@ -294,9 +296,11 @@ fn member_evidence(
     to_ns: i64,
 ) -> Result<Vec<oomscope_analysis::Evidence>, Status> {
     let mut out = Vec::new();
-    for m in inst.members.iter().filter(|m| {
-        m.agent_id != main && m.role != "supervisor" && m.role != oomscope_proto::PROBE_ROLE
-    }) {
+    for m in inst
+        .members
+        .iter()
+        .filter(|m| m.agent_id != main && m.role != "supervisor")
+    {
         let from = store
             .window_start(&m.agent_id, from_ns, to_ns, DIAGNOSE_MAX_SAMPLES)
             .map_err(internal)?;

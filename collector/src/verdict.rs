@@ -22,14 +22,14 @@ pub fn diagnose(evidence: &Evidence) -> Result<pb::Diagnosis, Status> {
     )
 }
 
-/// The domain the analysis blames ("gpu_vram", ..., "unknown"); "" if it
-/// panicked, so that recording the incident still succeeds.
+/// The domain the analysis blames ("gpu_vram", ..., "unknown"); "" for a
+/// failure at start-up that no memory explains (it has no domain), and if
+/// the analysis panicked, so that recording the incident still succeeds.
 pub fn attribute_domain(evidence: &Evidence) -> String {
     std::panic::catch_unwind(AssertUnwindSafe(|| {
-        oomscope_analysis::attribute_domain(evidence)
-            .domain
-            .as_str()
-            .to_string()
+        oomscope_analysis::memory_domain(evidence)
+            .map(|d| d.as_str().to_string())
+            .unwrap_or_default()
     }))
     .unwrap_or_else(|_| {
         tracing::error!("the analysis panicked while attributing a domain");

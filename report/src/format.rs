@@ -618,7 +618,11 @@ pub fn diagnosis(d: &pb::Diagnosis) -> String {
             );
         }
         None => {
-            let _ = writeln!(out, "Memory domain: - (nothing failed)");
+            let _ = writeln!(
+                out,
+                "Memory domain: - ({})",
+                oomscope_analysis::no_domain_reason(d)
+            );
         }
     }
     if let Some(t) = &d.trigger {

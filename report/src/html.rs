@@ -66,16 +66,19 @@ pub(super) fn render(v: &View) -> String {
 
     // The verdict.
     o.push_str("<section id=\"verdict\"><h2>Verdict</h2>\n");
+    let calm = oomscope_analysis::no_domain_reason(d);
     let banner = match (&d.domain, d.causes.first()) {
         (Some(dom), Some(c)) => format!("{dom} ran out: most likely {}", c.kind),
         (Some(dom), None) => format!("{dom} ran out"),
-        (None, Some(c)) => format!("nothing failed; most likely finding: {}", c.kind),
-        (None, None) => "nothing failed and nothing stands out".into(),
+        (None, Some(c)) => format!("{calm}; most likely finding: {}", c.kind),
+        (None, None) => format!("{calm} and nothing stands out"),
     };
+    // A failure at start-up has no domain, but it is no good news.
+    let ok = d.domain.is_none() && calm == "nothing failed";
     let _ = writeln!(
         o,
         r#"<div class="banner{}">{}</div>"#,
-        if d.domain.is_some() { "" } else { " ok" },
+        if ok { " ok" } else { "" },
         esc(&banner)
     );
     o.push_str("<dl class=\"verdict\">\n");

@@ -84,7 +84,7 @@ impl<'a> View<'a> {
             "Memory domain",
             match &d.domain {
                 Some(dom) => format!("{dom}: {}", Domain::from_wire(dom).title()),
-                None => "none: nothing failed".into(),
+                None => format!("none: {}", oomscope_analysis::no_domain_reason(d)),
             },
         ));
         v.push((

@@ -5,7 +5,8 @@
 //! each timeline analyzer (leak, gc, cache, fragmentation, KV growth, weights,
 //! other processes, host growth, slow growth), memory outside PyTorch's
 //! allocator and the runtime's own text have a module of their own; the verdicts of runtimes with a preallocated KV pool (vLLM,
-//! SGLang, llama.cpp) live in `kv_pool`.
+//! SGLang, llama.cpp) live in `kv_pool`; a failure at start-up that no
+//! memory explains is `startup_failure`.
 
 mod cache_retention;
 mod fragmentation;
@@ -20,6 +21,7 @@ mod non_pytorch;
 mod other_process;
 mod runtime_text;
 mod slow_growth;
+pub(crate) mod startup_failure;
 mod weights;
 
 use std::collections::HashMap;
@@ -55,6 +57,7 @@ pub const ANALYZERS: &[Analyzer] = &[
     kv_pool::kv_reservation_kill,
     kv_pool::activation_headroom,
     kv_pool::taken_after_profiling,
+    startup_failure::startup_failure,
 ];
 
 /// Analyzers of a timeline's growth: they run with or without a failure

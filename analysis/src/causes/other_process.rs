@@ -46,7 +46,11 @@ struct Judged {
 pub fn other_process(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let (place, total, holders, judged) = match v.domain {
         Domain::GpuVram => gpu_holders(f)?,
-        Domain::HostRam | Domain::SwapThrash | Domain::Unknown if v.failed => host_holders(f)?,
+        Domain::HostRam if v.failed => host_holders(f)?,
+        // Other processes' memory is a cause only where memory ran short
+        // around the death or the process's own pressure moved: a busy host
+        // is no explanation of a failure that memory did not cause.
+        Domain::SwapThrash | Domain::Unknown if v.failed && short_or_own(f) => host_holders(f)?,
         _ => return None,
     };
     let threshold = if total > 0 {
@@ -144,6 +148,12 @@ pub fn other_process(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         })
         .collect();
     Some(c)
+}
+
+/// Memory ran short around the death, or the process's own pressure (its
+/// major faults, its cgroup's refaults or stall) moved.
+fn short_or_own(f: &Findings) -> bool {
+    f.memory_short().is_some() || f.thrash.as_ref().is_some_and(|t| t.own_pressure)
 }
 
 fn host_holders(f: &Findings) -> Option<(String, u64, Vec<Holder>, Judged)> {

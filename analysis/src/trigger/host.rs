@@ -25,7 +25,7 @@ fn usage(p: &Point) -> Option<u64> {
 
 /// When the failure came: the kernel's record of the kill, the exit, else
 /// the incident's time.
-fn failed_at(f: &Findings) -> Option<i64> {
+pub(super) fn failed_at(f: &Findings) -> Option<i64> {
     f.kernel.map(|(t, _)| t).or(f.exit.map(|(t, _)| t)).or(f
         .evidence
         .incident

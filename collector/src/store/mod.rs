@@ -566,7 +566,7 @@ impl Store {
 
     /// The failures of instances named `name` (a death by signal, of the
     /// child or another member, a kernel kill, a failed exit with OOM text,
-    /// a lost stream), from `since_ns` on: one per instance, its first. The
+    /// a failed start, a lost stream), from `since_ns` on: one per instance, its first. The
     /// deaths of several processes of one start are one failure; a crash
     /// loop needs starts.
     pub fn deaths_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Death>> {
@@ -574,7 +574,7 @@ impl Store {
         let mut stmt = self.conn.prepare_cached(
             "SELECT i.agent_id, MIN(i.time_ns) AS t, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
              WHERE a.name = ?1 AND i.time_ns >= ?2
-               AND i.kind IN ('signal', 'member_died', 'member_failed', 'kernel_oom_kill', 'exit_oom_text', 'agent_lost')
+               AND i.kind IN ('signal', 'member_died', 'member_failed', 'kernel_oom_kill', 'exit_oom_text', 'failed_start', 'agent_lost')
              GROUP BY a.instance ORDER BY t",
         )?;
         let rows = stmt.query_map(params![name, since_ns], |r| {

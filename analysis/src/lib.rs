@@ -34,7 +34,7 @@ mod host_kernel;
 pub mod join;
 mod json;
 mod kv_fit;
-mod kv_pool;
+pub mod kv_pool;
 pub mod launch;
 mod members;
 mod memory_domain;

@@ -117,6 +117,8 @@ pub enum Knob {
     PrefillChunk,
     /// The caching allocator's configuration.
     AllocatorConf,
+    /// Tokens per KV block, where the pool is sized in blocks.
+    KvBlockSize,
 }
 
 /// One known memory setting of a runtime: its flag (or variable) and what it does.
@@ -367,6 +369,12 @@ pub const SETTINGS: &[Setting] = &[
         "--cb-num-blocks",
         Knob::KvCacheSize,
         "blocks",
+    ),
+    s(
+        Runtime::TransformersServe,
+        "--cb-block-size",
+        Knob::KvBlockSize,
+        "tokens",
     ),
     s(
         Runtime::TransformersServe,

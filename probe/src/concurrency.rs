@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use oomscope_analysis::settings::{Knob, Settings};
+
 use crate::metrics::Load;
 
 /// One answered request's times, in ms from the step's start.
@@ -148,6 +150,66 @@ pub fn effective(n: usize, calls: &[Timing], load: Option<&Load>) -> Effective {
     }
 }
 
+/// How many sequences of a size the KV pool set on the server's command
+/// line holds: a pool sized in tokens (SGLang's `--max-total-tokens`, TGI's
+/// `--max-batch-total-tokens`) or in blocks of a set size (`transformers
+/// serve`'s `--cb-num-blocks` × `--cb-block-size`; a sequence takes whole
+/// blocks). For a server with no load reading, the pool is what explains a
+/// batch that stops short of what was sent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolFit {
+    /// Sequences that fit whole: prompt and answer.
+    pub sequences: u64,
+    /// Sequences that fit at their prompts: a server that takes KV room as
+    /// a sequence grows runs this many until their answers need more.
+    pub at_prompt: u64,
+    /// "--cb-num-blocks 48 blocks of --cb-block-size 16 tokens hold 5 sequences of 131 tokens ..."
+    pub line: String,
+}
+
+impl PoolFit {
+    /// Whether `value` sequences at once is what the pool holds (one either
+    /// way: the measure of what was in service is coarse).
+    fn explains(&self, value: u64) -> bool {
+        (self.sequences.saturating_sub(1)..=self.at_prompt + 1).contains(&value)
+    }
+}
+
+pub fn pool_fit(s: &Settings, prompt_tokens: u64, answer_tokens: u64) -> Option<PoolFit> {
+    let (setting, size) = oomscope_analysis::kv_pool::token_pool(s)?;
+    let whole = prompt_tokens + answer_tokens;
+    if prompt_tokens == 0 || size < 1.0 {
+        return None;
+    }
+    let (fit, held): (Box<dyn Fn(u64) -> u64>, String) = match setting.unit {
+        "tokens" => (
+            Box::new(move |tokens| (size / tokens as f64).floor() as u64),
+            format!("{} {size} tokens", s.spelling(setting)),
+        ),
+        "blocks" => {
+            let (block_setting, block) = s.get(Knob::KvBlockSize)?;
+            let block = block.parse::<u64>().ok().filter(|&b| b > 0)?;
+            (
+                Box::new(move |tokens: u64| size as u64 / tokens.div_ceil(block)),
+                format!(
+                    "{} {size} blocks of {} {block} tokens",
+                    s.spelling(setting),
+                    s.spelling(block_setting)
+                ),
+            )
+        }
+        _ => return None,
+    };
+    let (sequences, at_prompt) = (fit(whole), fit(prompt_tokens));
+    Some(PoolFit {
+        sequences,
+        at_prompt,
+        line: format!(
+            "{held} hold {sequences} sequences of {whole} tokens (prompt and answer), {at_prompt} at their prompts' {prompt_tokens}"
+        ),
+    })
+}
+
 /// Why fewer requests were in service than were sent: the `bounded_by` of
 /// a concurrency figure whose value (the effective concurrency) is below
 /// what the probe offered, with the evidence. None when nothing queued.
@@ -155,6 +217,7 @@ pub fn queue_bound(
     value: u64,
     offered: u64,
     load: Option<&Load>,
+    pool: Option<&PoolFit>,
     kv_setting: &str,
     seq_setting: &str,
 ) -> Option<(String, Vec<String>)> {
@@ -171,6 +234,17 @@ pub fn queue_bound(
                 l.max_waiting.unwrap_or(0),
                 l.preemptions.unwrap_or(0),
                 l.source
+            )],
+        ));
+    }
+    // No reading of the pool: its size on the command line, where the
+    // batch the server ran is what it holds.
+    if let Some(p) = pool.filter(|p| p.sequences < offered && p.explains(value)) {
+        return Some((
+            "kv_pool".into(),
+            vec![format!(
+                "the server ran {value} requests at once and queued the rest of {offered}: {}, so the pool, not a cap on sequences, held the batch (no load reading; from the command line)",
+                p.line
             )],
         ));
     }
@@ -226,7 +300,7 @@ mod tests {
         let e = effective(8, &plain, None);
         assert_eq!((e.value, e.method.as_str()), (1, "latency_scaling"));
         assert_eq!(
-            queue_bound(1, 8, None, "kv", "seqs").unwrap().0,
+            queue_bound(1, 8, None, None, "kv", "seqs").unwrap().0,
             "serialized"
         );
     }
@@ -252,6 +326,7 @@ mod tests {
         let (b, ev) = queue_bound(
             4,
             16,
+            None,
             None,
             Runtime::Vllm.kv_setting(),
             Runtime::Vllm.sequences_setting(),
@@ -288,13 +363,62 @@ mod tests {
             5,
             64,
             Some(&load),
+            None,
             Runtime::Vllm.kv_setting(),
             Runtime::Vllm.sequences_setting(),
         )
         .unwrap();
         assert_eq!(b, "kv_pool");
         assert!(ev[0].contains("--gpu-memory-utilization"), "{ev:?}");
-        assert!(queue_bound(64, 64, Some(&load), "kv", "seqs").is_none());
+        assert!(queue_bound(64, 64, Some(&load), None, "kv", "seqs").is_none());
+    }
+
+    fn launched(line: &str) -> Settings {
+        let words: Vec<String> = line.split(' ').map(String::from).collect();
+        oomscope_analysis::settings::parse(&words, &Default::default())
+    }
+
+    #[test]
+    fn a_pool_set_in_blocks_explains_the_batch_it_holds_and_no_other() {
+        let s = launched(
+            "transformers serve m --continuous-batching --cb-num-blocks 48 --cb-block-size 16",
+        );
+        // 123 + 8 tokens: 9 blocks each whole, 5 in 48 blocks; 8 blocks at
+        // the prompt, 6 at once until their answers need a ninth.
+        let fit = pool_fit(&s, 123, 8).expect("a pool in blocks with its block size");
+        assert_eq!((fit.sequences, fit.at_prompt), (5, 6), "{fit:?}");
+        assert!(
+            fit.line.contains(
+                "--cb-num-blocks 48 blocks of --cb-block-size 16 tokens hold 5 sequences of 131 tokens"
+            ),
+            "{}",
+            fit.line
+        );
+        for value in [4, 5, 6, 7] {
+            let (b, ev) = queue_bound(value, 16, None, Some(&fit), "kv", "seqs").unwrap();
+            assert_eq!(b, "kv_pool", "{value}");
+            assert!(ev[0].contains("6 at their prompts' 123"), "{ev:?}");
+        }
+        // A batch the pool does not explain keeps the other readings.
+        assert_eq!(
+            queue_bound(3, 16, None, Some(&fit), "kv", "seqs")
+                .unwrap()
+                .0,
+            "max_sequences_setting"
+        );
+        assert_eq!(
+            queue_bound(1, 16, None, Some(&fit), "kv", "seqs")
+                .unwrap()
+                .0,
+            "serialized"
+        );
+        // Without its block size, blocks say nothing of tokens.
+        let bare = launched("transformers serve m --continuous-batching --cb-num-blocks 48");
+        assert!(pool_fit(&bare, 120, 8).is_none());
+        // A pool in tokens: SGLang's.
+        let sglang =
+            launched("python -m sglang.launch_server --model-path m --max-total-tokens 4096");
+        assert_eq!(pool_fit(&sglang, 1000, 24).map(|f| f.sequences), Some(4));
     }
 
     #[test]

@@ -761,10 +761,20 @@ impl Probe {
             fig.context_tokens = Some(tok);
         }
         let (kv_setting, seq_setting) = self.setting_names();
+        let pool = self.server_settings.as_ref().and_then(|s| {
+            // The prompt as the server counted it where it did.
+            let prompt = fig.context_tokens.unwrap_or(tokens);
+            concurrency::pool_fit(s, prompt, self.cfg.output_tokens as u64)
+        });
         let queued = match (value, offered) {
-            (Some(v), Some(o)) => {
-                concurrency::queue_bound(v, o, top_load.as_ref(), &kv_setting, &seq_setting)
-            }
+            (Some(v), Some(o)) => concurrency::queue_bound(
+                v,
+                o,
+                top_load.as_ref(),
+                pool.as_ref(),
+                &kv_setting,
+                &seq_setting,
+            ),
             _ => None,
         };
         let stop_note = |stop: &Option<(String, Vec<String>)>| {

@@ -259,6 +259,35 @@ fn a_server_that_counts_no_tokens_gets_figures_labelled_estimated() {
     );
 }
 
+/// Five tokens a word and no count anywhere but in its refusals, which
+/// state the prompt's length as llama-cpp-python's do: the rate is fitted to
+/// those, so the figure is in the server's tokens (at an assumed 1 token a
+/// word it would be a fifth of them), still labelled estimated.
+#[test]
+fn a_server_whose_refusals_state_the_count_gets_its_rate_from_them() {
+    let _serial = serial();
+    let port = free_port();
+    let _srv = Server::start(
+        port,
+        "--streams --max-context 2000 --no-tokenize --no-usage --tokens-per-word 5 --refusal-counts",
+    );
+    let r = long_context(port, &[]);
+    assert_eq!(r["server"]["token_count"], "none", "{:#}", r["server"]);
+    let fig = &r["envelope"]["max_context_at_concurrency_1"];
+    assert_eq!(fig["estimated"], true, "{fig:#}");
+    assert_eq!(fig["bounded_by"], "max_context_setting", "{fig:#}");
+    let v = fig["value"].as_f64().unwrap_or_else(|| panic!("{fig:#}"));
+    assert!((v - 2000.0).abs() <= 0.05 * 2000.0, "{fig:#}");
+    let rate = fig["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e.as_str())
+        .find(|e| e.contains("prompts it refused for their length"))
+        .unwrap_or_else(|| panic!("{fig:#}"));
+    assert!(rate.contains("5.0"), "{rate}: {v}");
+}
+
 #[test]
 fn a_strict_fastapi_server_without_done_is_probed_like_any_other() {
     let _serial = serial();

@@ -131,6 +131,7 @@ pub fn parse(resp: &Response) -> Parsed {
         if p.completion_tokens.is_none() && p.tokens_seen > 0 {
             p.completion_tokens = Some(p.tokens_seen);
         }
+        count_from_refusal(&mut p, None);
         return p;
     }
     let v = resp.json().unwrap_or(Value::Null);
@@ -140,12 +141,23 @@ pub fn parse(resp: &Response) -> Parsed {
     read_usage(&mut p, &v);
     p.id = v["id"].as_str().map(str::to_string);
     p.error = error_text(&v);
+    count_from_refusal(&mut p, Some(&v));
     p
+}
+
+/// A refusal for length that states the prompt's count: the server's count.
+fn count_from_refusal(p: &mut Parsed, body: Option<&Value>) {
+    if p.prompt_tokens.is_some() {
+        return;
+    }
+    if let Some(e) = p.error.as_deref().filter(|e| is_context_refusal(e)) {
+        p.prompt_tokens = refused_prompt_tokens(body, e);
+    }
 }
 
 /// Error texts that say the prompt is over the server's context window, as
 /// vLLM, SGLang, llama.cpp, TGI, transformers and OpenAI word it.
-const CONTEXT_TEXTS: [&str; 15] = [
+const CONTEXT_TEXTS: [&str; 16] = [
     "`max_new_tokens` must be",
     "maximum context length",
     "context length",
@@ -161,7 +173,49 @@ const CONTEXT_TEXTS: [&str; 15] = [
     "prompt is too long",
     "too many tokens",
     "exceeds the maximum",
+    // transformers serve: "The prompt has 2069 tokens, but the model takes at most 2048"
+    "model takes at most",
 ];
+
+/// Where refusal texts give the prompt's length as the server counted it:
+/// the number right after each of these (lower case).
+const REFUSAL_COUNTS: [&str; 7] = [
+    // llama-cpp-python: "Requested tokens (10331) exceed context window of 8192"
+    "requested tokens (",
+    // transformers serve: "The prompt has 2069 tokens, but the model takes at most 2048"
+    "prompt has ",
+    // vLLM: "... However, your request has 2092 input tokens"
+    "your request has ",
+    // SGLang: "The input (2100 tokens) is longer than the model's context length"
+    "the input (",
+    // TGI: "... must be <= 2048. Given: 2092 `inputs` tokens and 8 `max_new_tokens`"
+    "given: ",
+    // OpenAI: "... your prompt contains at least 4097 input tokens"
+    "contains at least ",
+    // older vLLM: "you requested 2100 tokens (2092 in the messages, 8 in the completion)"
+    "tokens (",
+];
+
+/// The prompt's length in tokens that a refusal's body or text states:
+/// llama.cpp's server gives `n_prompt_tokens` in its error object; the
+/// others say it in words ([`REFUSAL_COUNTS`]). A refused prompt is still a
+/// count of the server's tokenizer: a server with no tokenize endpoint and
+/// no usage is calibrated from its refusals.
+pub fn refused_prompt_tokens(body: Option<&Value>, text: &str) -> Option<u64> {
+    if let Some(n) = body.and_then(|v| v["error"]["n_prompt_tokens"].as_u64()) {
+        return Some(n);
+    }
+    let t = text.to_ascii_lowercase();
+    REFUSAL_COUNTS.iter().find_map(|marker| {
+        t.match_indices(marker).find_map(|(at, m)| {
+            let digits: String = t[at + m.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse::<u64>().ok().filter(|&n| n > 0)
+        })
+    })
+}
 
 /// The text is the server refusing a prompt for its length.
 pub fn is_context_refusal(text: &str) -> bool {
@@ -343,5 +397,45 @@ mod tests {
         );
         assert_eq!(outcome_of(&json(429, "{}")), Outcome::Refused);
         assert_eq!(outcome_of(&json(500, "{}")), Outcome::ServerError);
+    }
+
+    #[test]
+    fn a_refusal_for_length_gives_the_servers_count_of_the_prompt() {
+        let texts = [
+            ("Requested tokens (10331) exceed context window of 8192", 10331),
+            ("The prompt has 2069 tokens, but the model takes at most 2048", 2069),
+            ("This model's maximum context length is 2048 tokens. However, your request has 2092 input tokens. Please reduce the length of the input messages.", 2092),
+            ("The input (2100 tokens) is longer than the model's context length (2048 tokens).", 2100),
+            ("Input validation error: `inputs` tokens + `max_new_tokens` must be <= 2048. Given: 2092 `inputs` tokens and 8 `max_new_tokens`", 2092),
+            ("This model's maximum context length is 2048 tokens. However, you requested 2100 tokens (2092 in the messages, 8 in the completion).", 2092),
+        ];
+        for (text, n) in texts {
+            assert!(is_context_refusal(text), "{text}");
+            assert_eq!(refused_prompt_tokens(None, text), Some(n), "{text}");
+        }
+        // llama.cpp's server says it in its error object.
+        let v: Value = serde_json::from_str(
+            r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","n_prompt_tokens":10331,"n_ctx":8192}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            refused_prompt_tokens(Some(&v), "the request exceeds the available context size"),
+            Some(10331)
+        );
+        assert_eq!(
+            refused_prompt_tokens(None, "the request exceeds the available context size"),
+            None
+        );
+        // Through a whole answer: a 400 for length carries the count; another 400 does not.
+        let r = json(
+            400,
+            r#"{"detail":"The prompt has 2069 tokens, but the model takes at most 2048"}"#,
+        );
+        assert_eq!(parse(&r).prompt_tokens, Some(2069));
+        let r = json(
+            400,
+            r#"{"detail":"model 'x' has 12 tokens of nothing: not found"}"#,
+        );
+        assert_eq!(parse(&r).prompt_tokens, None);
     }
 }

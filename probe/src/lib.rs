@@ -705,9 +705,15 @@ impl Probe {
         }) {
             self.abandoned = true;
         }
-        for c in calls.iter().filter(|c| c.outcome == load::Outcome::Ok) {
+        if calls.iter().any(|c| c.outcome == load::Outcome::Ok) {
             self.answered = true;
             self.down = false;
+        }
+        // A refusal for length that stated the prompt's count counted it too.
+        for c in calls
+            .iter()
+            .filter(|c| matches!(c.outcome, load::Outcome::Ok | load::Outcome::Rejected))
+        {
             if let Some(pt) = c.prompt_tokens {
                 self.cal.observe(c.prompt_words, pt);
             }

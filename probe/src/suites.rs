@@ -107,6 +107,12 @@ fn counted_by(p: &Probe, server_counted: bool) -> String {
     match (server_counted, p.server.token_count) {
         (true, Method::None) => Method::Usage.described(None),
         (true, m) => m.described(path.as_deref()),
+        // The only counts were of prompts refused for their length.
+        (false, Method::None) if p.cal.observed() > 0 => format!(
+            "tokens from the words, at the rate fitted to the server's counts of the prompts it refused for their length ({} refusals: {:.2} tokens a word); no answer it gave counted its tokens",
+            p.cal.observed(),
+            p.cal.fit().1
+        ),
         (false, Method::None) => format!(
             "{} ({:.2} tokens a word)",
             Method::None.described(None),
@@ -498,6 +504,7 @@ impl Probe {
         let mut steps = Vec::new();
         // The last passing rung: (target, tokens the server counted).
         let mut best: Option<(u64, Option<u64>)> = None;
+        let mut best_words = 0;
         let mut fail: Option<u64> = None;
         let mut budget_out = false;
         // Where the ramp was when its time ran out: the rung cut, or the next.
@@ -515,6 +522,7 @@ impl Probe {
             }
             let ok = st.ok == st.calls;
             let counted = st.prompt_tokens;
+            let words = st.prompt_words;
             steps.push(st);
             if cut {
                 budget_out = true;
@@ -523,11 +531,18 @@ impl Probe {
             }
             if ok {
                 best = Some((target, counted));
+                best_words = words;
             } else {
                 let (b, ev) = self.bound(&calls, since);
                 fig.bounded_by = b;
                 fig.evidence = ev;
-                fail = Some(target);
+                fail = Some(counted.unwrap_or(target));
+                // A refusal that stated the prompt's count recalibrated the
+                // words (a server that counts nowhere else): the last pass,
+                // sized at the old rate, in the same tokens as the failure.
+                if let (Some(_), Some((_, None))) = (counted, best) {
+                    best = Some((self.cal.tokens_for(best_words), None));
+                }
                 break;
             }
         }
@@ -626,7 +641,14 @@ impl Probe {
                 "incomplete: {} before any rung finished",
                 clock.why("the first rung")
             ),
-            (None, false) => format!("even {min} tokens failed (bounded by {})", fig.bounded_by),
+            (None, false) => match steps.first().and_then(|s| s.prompt_tokens) {
+                // The server's own count of what it refused, where it said it.
+                Some(n) if n != min => format!(
+                    "even {min} tokens failed: {n} as the server counted them (bounded by {})",
+                    fig.bounded_by
+                ),
+                _ => format!("even {min} tokens failed (bounded by {})", fig.bounded_by),
+            },
         };
         let (status, reason) = ramp_status(budget_out, fig.value.is_some(), &clock);
         (

@@ -74,6 +74,9 @@ How it answers, for probing clients against behaviours of other servers:
                      reason)
   --no-usage         no answer carries usage (with --no-tokenize the server
                      counts tokens nowhere a client can read)
+  --refusal-counts   a prompt over --max-context is refused in llama-cpp-
+                     python's words, which state the prompt's count:
+                     "Requested tokens (N) exceed context window of M"
 
 Worker processes are titled (comm, what ps and the kernel's OOM report show)
 EngineWorker-N (--workers) or InferWorker-0, APIServer and SyncManager
@@ -426,6 +429,8 @@ def make_handler(state, args):
                                          "created": int(time.time()), "model": state["model_name"], "choices": []})
             if over:
                 text = "context %d > --max-context %d" % (len(ids) + max_tokens, args.max_context)
+                if args.refusal_counts:
+                    text = "Requested tokens (%d) exceed context window of %d" % (len(ids), args.max_context)
                 if args.fastapi_shapes:
                     return self._reply(400, {"detail": text})
                 return self._reply(400, {"error": {"message": text, "type": "context_length_exceeded"}})
@@ -562,6 +567,8 @@ def parse_args(argv=None):
                    help="FastAPI-shaped errors ({\"detail\": ...}), unknown request fields refused (422), "
                         "streams without data: [DONE]")
     p.add_argument("--no-usage", action="store_true", help="no usage in any answer (with --no-tokenize: no count at all)")
+    p.add_argument("--refusal-counts", action="store_true",
+                   help="over-context refusals state the prompt's count, as llama-cpp-python's do")
     p.add_argument("--load-seconds", type=float, default=0.0, help="extra time the model load takes (a big model's)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models lists")
     p.add_argument("--workers", type=int, default=0,

@@ -14,9 +14,6 @@ use serde_json::Value;
 
 const MIB: f64 = 1048576.0;
 
-/// The shared venv's Python, which has torch.
-const TORCH_PYTHON: &str = "/work/main/.venv/bin/python";
-
 fn cause<'a>(d: &'a Value, kind: &str) -> &'a Value {
     d["causes"]
         .as_array()
@@ -112,9 +109,7 @@ fn enospc_on_a_full_dev_shm_is_shm() {
 
 #[test]
 fn a_torch_dataloader_in_a_small_dev_shm_is_shm() {
-    if !std::path::Path::new(TORCH_PYTHON).exists() {
-        panic!("{TORCH_PYTHON} is missing: this test needs the shared venv with torch");
-    }
+    let torch = python();
     let tmp = tempdir();
     let col = Collector::start(&tmp.path().join("db"));
     // Two workers pass 32 MiB batches (4 tensors of 8 MiB) over shared memory.
@@ -122,7 +117,7 @@ fn a_torch_dataloader_in_a_small_dev_shm_is_shm() {
                   class Big(Dataset):\n    def __len__(self): return 64\n    \
                   def __getitem__(self, i): return torch.ones(2 << 20)\n\
                   for b in DataLoader(Big(), batch_size=4, num_workers=2): pass\n";
-    let out = run_with_small_shm(&col, "shm-torch", &[TORCH_PYTHON, "-c", script]);
+    let out = run_with_small_shm(&col, "shm-torch", &[&torch, "-c", script]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{stderr}");
 

@@ -6,32 +6,10 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
 
 use common::*;
 use oomscope_probe::restart::GRADUAL_AT_MOST;
 use serde_json::Value;
-
-/// The reference servers are CPU-bound torch processes on a 2-core machine:
-/// one test at a time, so that timing checks (latency, a herd's admission)
-/// measure the server and not its neighbour.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> String {
-    let p = std::env::var("OOMSCOPE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| repo().join(".venv/bin/python"));
-    assert!(p.exists(), "{} is missing: run scripts/setup-python (the probe tests drive the real PyTorch reference server)", p.display());
-    p.display().to_string()
-}
 
 fn server_cmd(port: u16, flags: &str) -> Vec<String> {
     let mut v = vec![
@@ -73,19 +51,7 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::process::Command::new("curl")
-            .args(["-sf", &format!("http://127.0.0.1:{port}/health")])
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the reference server never became ready"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        await_health(port);
         Server(child)
     }
 }

@@ -9,35 +9,11 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::Value;
-
-/// CPU-bound torch servers on a 2-core machine: one test at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> String {
-    let p = std::env::var("OOMSCOPE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| repo().join(".venv/bin/python"));
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/setup-python",
-        p.display()
-    );
-    p.display().to_string()
-}
 
 /// `oomscope run` args reporting to `col` as `name`, then the reference server on `port` with `flags`.
 fn server_argv(col: &Collector, name: &str, port: u16, flags: &str) -> Vec<String> {
@@ -83,19 +59,7 @@ impl Server {
             .spawn()
             .unwrap();
         let srv = Server(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Command::new("curl")
-            .args(["-sf", &format!("http://127.0.0.1:{port}/health")])
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the reference server never became ready"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        await_health(port);
         srv
     }
 

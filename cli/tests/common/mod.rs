@@ -43,6 +43,51 @@ pub fn isolate(c: &mut Command) -> &mut Command {
     c
 }
 
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The Python with torch that scripts/setup-python builds (`.venv`), or
+/// `OOMSCOPE_PYTHON`: the reference server's and the torch tests'.
+pub fn python() -> String {
+    let p = std::env::var("OOMSCOPE_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join(".venv/bin/python"));
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup-python (these tests run real PyTorch)",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+/// The reference servers are CPU-bound torch processes on a 2-core machine:
+/// one test at a time, so that timing checks (latency, a herd's admission)
+/// measure the server and not its neighbour.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits until the server on `port` answers `GET /health` (at most 60 s).
+pub fn await_health(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Command::new("curl")
+        .args(["-sf", &format!("http://127.0.0.1:{port}/health")])
+        .output()
+        .map(|o| !o.status.success())
+        .unwrap_or(true)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the reference server never became ready"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -30,6 +30,8 @@ START_TIMEOUT_S = 120
 SETTLED_S = 32
 
 Cgroup = vllm_tests.Cgroup
+descendants = vllm_tests.descendants
+members = vllm_tests.members
 
 
 class Serve:
@@ -107,30 +109,6 @@ class Serve:
                 self.proc.kill()
                 return self.proc.wait()
         return self.proc.returncode
-
-
-def descendants(pid):
-    """Every process under `pid` (the supervised tree: `oomscope run`'s)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir("/proc/%d/task" % p)
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open("/proc/%d/task/%s/children" % (p, t)) as f:
-                    kids = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            todo.extend(kids)
-    return out
-
-
-def members(collector, name):
-    return [a for a in collector.agents() if a["hello"]["name"] == name]
 
 
 def probe(collector, port, agent, *args):

@@ -139,6 +139,26 @@ class Vllm:
         return self.proc.returncode
 
 
+def descendants(pid):
+    """Every process under `pid` (the supervised tree: `oomscope run`'s)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir("/proc/%d/task" % p)
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open("/proc/%d/task/%s/children" % (p, t)) as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
 def words(n, seed):
     import random
     rng = random.Random(seed)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import harness
-from test_vllm import MIB, Cgroup, Vllm, words
+from test_vllm import MIB, Cgroup, Vllm, descendants, words
 
 # /proc/PID/comm holds 15 characters (TASK_COMM_LEN): vLLM's titles
 # "VLLM::EngineCore" and "VLLM::Worker" read as these.
@@ -31,26 +31,6 @@ SETTLED_S = 32
 WORKER_LEAK_SITE = os.path.join(os.path.dirname(__file__), "worker_leak_site")
 #: What the planted leak keeps per model step in the Worker.
 STEP_BYTES = 3 * MIB
-
-
-def descendants(pid):
-    """Every process under `pid` (the supervised tree: `oomscope run`'s)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir("/proc/%d/task" % p)
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open("/proc/%d/task/%s/children" % (p, t)) as f:
-                    kids = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            todo.extend(kids)
-    return out
 
 
 def comm(pid):

@@ -125,7 +125,22 @@ impl Drop for Placement {
                 return;
             }
         }
-        let _ = std::fs::remove_dir(made);
+        remove_when_empty(made);
+    }
+}
+
+/// How long the supervisor waits for the kernel to let go of the cgroup it
+/// made (a helper process it ran, exiting, still counts for a moment).
+pub const CLEANUP_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Removes `dir`, retrying while the kernel still counts a task in it.
+fn remove_when_empty(dir: &Path) {
+    let until = std::time::Instant::now() + CLEANUP_WAIT;
+    while let Err(e) = std::fs::remove_dir(dir) {
+        if e.kind() == std::io::ErrorKind::NotFound || std::time::Instant::now() >= until {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use oomscope_agent_core::agent::check_interval;
 
-/// One sample a second: the period of a flight recorder that shows growth
+/// One sample a second: a period that shows growth
 /// within a minute, at ~200 µs of GIL per sample with CUDA.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// The most an OOM may hold up its request thread waiting for the

@@ -27,7 +27,7 @@ Workflow:
 #[command(
     name = "oomscope",
     version,
-    about = "Which memory ran out, why, and what to change: a memory flight recorder and diagnostician for inference servers",
+    about = "Which memory ran out, why, and what to change: out-of-memory diagnosis for inference servers (agents, a collector, verdicts with ranked fixes, a capacity probe)",
     after_help = WORKFLOW
 )]
 pub struct Cli {

@@ -225,7 +225,7 @@ pub fn record_recovered(store: &mut Store, agent_id: &str) -> Result<Option<pb::
 
 /// How much history before an incident the ingest path reads to name its
 /// domain. The domain rests on the failure itself and the counters around it,
-/// so the flight recorder's window is enough, and it keeps the ingest path
+/// so the recent window is enough, and it keeps the ingest path
 /// (which acks only after this) from reading days of samples of a long-lived
 /// agent. `oomscope diagnose` still reads everything.
 pub const INGEST_EVIDENCE_WINDOW_NS: i64 = 10 * 60 * 1_000_000_000;

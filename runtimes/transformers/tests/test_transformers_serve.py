@@ -34,44 +34,24 @@ descendants = vllm_tests.descendants
 members = vllm_tests.members
 
 
-class Serve:
-    """`oomscope run --name NAME -- transformers serve MODEL ...` in `cgroup`."""
+class Serve(vllm_tests.Supervised):
+    """`oomscope run --name NAME -- transformers serve MODEL ...` in `cgroup`.
+    The model is given on the command line, so it has loaded before the
+    server listens: /health answering means ready to generate."""
+
+    what = "transformers serve"
+    start_timeout_s = START_TIMEOUT_S
+    stop_timeout_s = 60
 
     def __init__(self, tmp_path, collector, name, cgroup, *flags):
         self.port = harness.free_port()
-        self.name = name
-        self.log_path = str(tmp_path / ("%s.log" % name))
         e = dict(os.environ)
-        e.pop("OOMSCOPE_COLLECTOR", None)
         e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
                  PATH=VENV_BIN + os.pathsep + e.get("PATH", ""))
-        cmd = [harness.oomscope_bin(), "run", "--collector", collector.url, "--name", name,
-               "--interval", "250ms", "--",
-               os.path.join(VENV_BIN, "transformers"), "serve", MODEL, "--device", "cpu",
-               "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN),
-               *flags]
-        script = 'echo $$ > "%s/cgroup.procs" && exec "$@"' % cgroup.path
-        self.proc = subprocess.Popen(["sh", "-c", script, "sh", *cmd], env=e,
-                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self):
-        """The model is given on the command line, so it has loaded before
-        the server listens: /health answering means ready to generate."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                urllib.request.urlopen("http://127.0.0.1:%d/health" % self.port, timeout=1)
-                return True
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError("transformers serve did not start in %ss:\n%s"
-                             % (START_TIMEOUT_S, self.log()[-4000:]))
-
-    def log(self):
-        with open(self.log_path) as f:
-            return f.read()
+        self.launch(tmp_path, collector, name, cgroup,
+                    [os.path.join(VENV_BIN, "transformers"), "serve", MODEL, "--device", "cpu",
+                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--max-model-len", str(MAX_MODEL_LEN), *flags], e)
 
     def complete(self, prompt, max_tokens=8):
         body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
@@ -100,15 +80,6 @@ class Serve:
         assert len(found) == 1, self.processes()
         return found.popitem()
 
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait()
-        return self.proc.returncode
 
 
 def probe(collector, port, agent, *args):

@@ -77,32 +77,28 @@ class Cgroup:
                 time.sleep(0.1)
 
 
-class Vllm:
-    """`oomscope run --name NAME -- vllm serve ...` in `cgroup`."""
+class Supervised:
+    """A real runtime's server under `oomscope run --name NAME` in a test's
+    memory cgroup, reporting to the test's collector (never the one of
+    whoever runs the tests). Subclasses build the command and environment."""
 
-    def __init__(self, tmp_path, collector, name, cgroup, *flags, env=None):
-        self.port = harness.free_port()
+    what = "the server"
+    start_timeout_s = START_TIMEOUT_S
+    stop_timeout_s = 90
+
+    def launch(self, tmp_path, collector, name, cgroup, command, env):
         self.name = name
         self.log_path = str(tmp_path / ("%s.log" % name))
-        e = dict(os.environ)
-        e.pop("OOMSCOPE_COLLECTOR", None)
-        e.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                 OOMSCOPE_INTERVAL_S="0.25", PATH=VENV_BIN + os.pathsep + e.get("PATH", ""))
-        for k, v in (env or {}).items():  # None: unset
-            if v is None:
-                e.pop(k, None)
-            else:
-                e[k] = v
+        env.pop("OOMSCOPE_COLLECTOR", None)
         cmd = [harness.oomscope_bin(), "run", "--collector", collector.url, "--name", name,
-               "--interval", "250ms", "--",
-               os.path.join(VENV_BIN, "vllm"), "serve", MODEL, "--load-format", "dummy",
-               "--enforce-eager", "--max-model-len", "2048", "--port", str(self.port), *flags]
+               "--interval", "250ms", "--", *command]
         script = 'echo $$ > "%s/cgroup.procs" && exec "$@"' % cgroup.path
-        self.proc = subprocess.Popen(["sh", "-c", script, "sh", *cmd], env=e,
+        self.proc = subprocess.Popen(["sh", "-c", script, "sh", *cmd], env=env,
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self):
-        deadline = time.monotonic() + START_TIMEOUT_S
+        """/health answering: False if the server exited first."""
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
@@ -111,7 +107,8 @@ class Vllm:
                 return True
             except OSError:
                 time.sleep(0.5)
-        raise AssertionError("vLLM did not start in %ss:\n%s" % (START_TIMEOUT_S, self.log()[-4000:]))
+        raise AssertionError("%s did not start in %ss:\n%s"
+                             % (self.what, self.start_timeout_s, self.log()[-4000:]))
 
     def wait_exit(self, timeout=120):
         return self.proc.wait(timeout)
@@ -119,6 +116,36 @@ class Vllm:
     def log(self):
         with open(self.log_path) as f:
             return f.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
+        return self.proc.returncode
+
+
+class Vllm(Supervised):
+    """`oomscope run --name NAME -- vllm serve ...` in `cgroup`."""
+
+    what = "vLLM"
+
+    def __init__(self, tmp_path, collector, name, cgroup, *flags, env=None):
+        self.port = harness.free_port()
+        e = dict(os.environ)
+        e.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                 OOMSCOPE_INTERVAL_S="0.25", PATH=VENV_BIN + os.pathsep + e.get("PATH", ""))
+        for k, v in (env or {}).items():  # None: unset
+            if v is None:
+                e.pop(k, None)
+            else:
+                e[k] = v
+        self.launch(tmp_path, collector, name, cgroup,
+                    [os.path.join(VENV_BIN, "vllm"), "serve", MODEL, "--load-format", "dummy",
+                     "--enforce-eager", "--max-model-len", "2048", "--port", str(self.port), *flags], e)
 
     def complete(self, prompt, max_tokens=16):
         body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
@@ -128,15 +155,6 @@ class Vllm:
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait()
-        return self.proc.returncode
 
 
 def descendants(pid):

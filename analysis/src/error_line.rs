@@ -3,6 +3,8 @@
 //! error in any runtime's words (`ValueError: ...`, `Error: ...`,
 //! `error: ...`, a panic, a C++ `what():`, a log line at ERROR or FATAL).
 
+use crate::units::clip;
+
 /// The longest error line quoted, in characters: enough for a path and a
 /// reason, short enough for one line of a report.
 pub const MAX_ERROR_LINE_CHARS: usize = 300;
@@ -20,7 +22,7 @@ pub fn error_line(stderr_tail: &str) -> Option<String> {
                 .map(str::trim)
                 .find(|l| looks_like_error(l))
         })
-        .map(clip)
+        .map(|l| clip(l, MAX_ERROR_LINE_CHARS))
 }
 
 /// The last non-empty line of `stderr_tail`, trimmed and clipped.
@@ -30,7 +32,7 @@ pub fn last_line(stderr_tail: &str) -> Option<String> {
         .rev()
         .map(str::trim)
         .find(|l| !l.is_empty())
-        .map(clip)
+        .map(|l| clip(l, MAX_ERROR_LINE_CHARS))
 }
 
 /// The exception line of the last Python traceback: the first line after
@@ -76,13 +78,6 @@ pub fn looks_like_error(line: &str) -> bool {
         || lower.contains(" error:")
         || lower.contains("panicked at")
         || l.contains("what():")
-}
-
-fn clip(l: &str) -> String {
-    match l.char_indices().nth(MAX_ERROR_LINE_CHARS) {
-        Some((i, _)) => format!("{}...", &l[..i]),
-        None => l.to_string(),
-    }
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! report's error box all read this one table.
 
 use crate::memory_domain::Domain;
+use crate::units::clip;
 
 /// Which memory a text speaks of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -560,15 +561,6 @@ fn has_word(line: &str, word: &str) -> bool {
             .is_none_or(|c| !is_ident(c));
         before_ok && after_ok
     })
-}
-
-fn clip(s: &str, max_chars: usize) -> String {
-    if s.chars().count() <= max_chars {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(max_chars).collect();
-    out.push_str("...");
-    out
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! How numbers read in evidence lines: bytes with their exact value, times in UTC.
+//! How numbers read in evidence lines: bytes with their exact value, times in UTC;
+//! and quoted text kept to a length.
 
 /// "64.0 MiB (67108864 bytes)": human-readable, plus the exact count so a reader
 /// can compare it with the kernel's files.
@@ -93,6 +94,15 @@ pub fn signal_name(sig: i32) -> &'static str {
         14 => "SIGALRM",
         15 => "SIGTERM",
         _ => "signal",
+    }
+}
+
+/// `s` cut to `max_chars` characters, with "..." where it was cut: a line
+/// quoted from a process's output stays readable in one evidence line.
+pub fn clip(s: &str, max_chars: usize) -> String {
+    match s.char_indices().nth(max_chars) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
     }
 }
 

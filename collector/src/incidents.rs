@@ -7,7 +7,7 @@
 use anyhow::Result;
 
 use oomscope_analysis::error_line::error_line;
-use oomscope_analysis::units::{bytes_short as bytes, signal_name};
+use oomscope_analysis::units::{bytes_short as bytes, clip, signal_name};
 use oomscope_analysis::{enospc_on_full_shm, is_oom_text, STARTUP_WINDOW_NS};
 
 use crate::correlate;
@@ -339,14 +339,6 @@ fn shm_enospc_line(exit: &pb::ChildExit) -> Option<String> {
         .map(|s| (s.shm_used_bytes, s.shm_total_bytes))
         .max_by_key(|&(u, _)| u)?;
     enospc_on_full_shm(&exit.stderr_tail, used, total).map(|m| m.line)
-}
-
-fn clip(s: &str, max_chars: usize) -> String {
-    if s.chars().count() <= max_chars {
-        s.to_string()
-    } else {
-        format!("{}...", s.chars().take(max_chars).collect::<String>())
-    }
 }
 
 /// Checks the fleet-level patterns for the service (agent name) of

@@ -255,25 +255,17 @@ pub fn empty_text(resp: &Response) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::SseEvent;
     use crate::load::{outcome, Outcome};
     use std::time::Duration;
 
+    /// Events 10 ms apart.
     fn sse(events: &[&str]) -> Response {
-        Response {
-            status: 200,
-            headers: vec![("content-type".into(), "text/event-stream".into())],
-            body: vec![],
-            events: events
-                .iter()
-                .enumerate()
-                .map(|(i, d)| SseEvent {
-                    at_ms: 10.0 * (i + 1) as f64,
-                    data: d.to_string(),
-                })
-                .collect(),
-            elapsed: Duration::ZERO,
-        }
+        let timed: Vec<(f64, &str)> = events
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| (10.0 * (i + 1) as f64, d))
+            .collect();
+        Response::event_stream(&timed)
     }
 
     fn json(status: u16, body: &str) -> Response {

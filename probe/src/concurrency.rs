@@ -177,29 +177,26 @@ impl PoolFit {
 
 pub fn pool_fit(s: &Settings, prompt_tokens: u64, answer_tokens: u64) -> Option<PoolFit> {
     let (setting, size) = oomscope_analysis::kv_pool::token_pool(s)?;
-    let whole = prompt_tokens + answer_tokens;
     if prompt_tokens == 0 || size < 1.0 {
         return None;
     }
-    let (fit, held): (Box<dyn Fn(u64) -> u64>, String) = match setting.unit {
-        "tokens" => (
-            Box::new(move |tokens| (size / tokens as f64).floor() as u64),
-            format!("{} {size} tokens", s.spelling(setting)),
-        ),
+    // A pool in blocks holds whole blocks a sequence; in tokens, tokens.
+    let (block, held) = match setting.unit {
+        "tokens" => (1, format!("{} {size} tokens", s.spelling(setting))),
         "blocks" => {
             let (block_setting, block) = s.get(Knob::KvBlockSize)?;
             let block = block.parse::<u64>().ok().filter(|&b| b > 0)?;
-            (
-                Box::new(move |tokens: u64| size as u64 / tokens.div_ceil(block)),
-                format!(
-                    "{} {size} blocks of {} {block} tokens",
-                    s.spelling(setting),
-                    s.spelling(block_setting)
-                ),
-            )
+            let held = format!(
+                "{} {size} blocks of {} {block} tokens",
+                s.spelling(setting),
+                s.spelling(block_setting)
+            );
+            (block, held)
         }
         _ => return None,
     };
+    let fit = |tokens: u64| size as u64 / tokens.div_ceil(block);
+    let whole = prompt_tokens + answer_tokens;
     let (sequences, at_prompt) = (fit(whole), fit(prompt_tokens));
     Some(PoolFit {
         sequences,

@@ -251,6 +251,27 @@ pub struct Response {
     pub elapsed: Duration,
 }
 
+#[cfg(test)]
+impl Response {
+    /// A 200 event stream of `(ms after the request, data)` events: the
+    /// answer tests' stand-in for a server's stream.
+    pub fn event_stream(events: &[(f64, &str)]) -> Response {
+        Response {
+            status: 200,
+            headers: vec![("content-type".into(), "text/event-stream".into())],
+            body: vec![],
+            events: events
+                .iter()
+                .map(|&(at_ms, d)| SseEvent {
+                    at_ms,
+                    data: d.to_string(),
+                })
+                .collect(),
+            elapsed: Duration::ZERO,
+        }
+    }
+}
+
 impl Response {
     pub fn json(&self) -> Result<serde_json::Value> {
         serde_json::from_slice(&self.body).with_context(|| {

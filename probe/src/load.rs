@@ -331,7 +331,6 @@ pub fn count(calls: &[Call], o: Outcome) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::SseEvent;
 
     fn ask(api: Api, stream: bool) -> Ask {
         Ask {
@@ -436,19 +435,7 @@ mod tests {
     }
 
     fn sse(events: &[(f64, &str)]) -> Response {
-        Response {
-            status: 200,
-            headers: vec![("content-type".into(), "text/event-stream".into())],
-            body: vec![],
-            events: events
-                .iter()
-                .map(|(t, d)| SseEvent {
-                    at_ms: *t,
-                    data: d.to_string(),
-                })
-                .collect(),
-            elapsed: Duration::ZERO,
-        }
+        Response::event_stream(events)
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 
 /// Median of `rounds` timings of `iters` calls, in ns per call.
@@ -70,7 +70,7 @@ fn main() {
 
     // 2. One full host sample (process, cgroup levels, system, PSI) vs one raw
     //    read of /proc/self/status, the cheapest file it reads.
-    let probe = HostProbe::new(HostPaths::system(), std::process::id());
+    let probe = HostReader::new(HostPaths::system(), std::process::id());
     let full = per_call(9, 200, || {
         black_box(probe.sample());
     });
@@ -78,7 +78,7 @@ fn main() {
         black_box(std::fs::read_to_string("/proc/self/status").unwrap());
     });
     println!(
-        "HostProbe::sample   {:8.1} us/call   raw status read {:8.1} us/call   ratio {:.1}",
+        "HostReader::sample   {:8.1} us/call   raw status read {:8.1} us/call   ratio {:.1}",
         full / 1e3,
         raw_read / 1e3,
         full / raw_read
@@ -86,17 +86,17 @@ fn main() {
     // Its parts, to see what a lighter sample would save.
     let (paths, pid) = (probe.paths(), probe.pid());
     let process = per_call(9, 200, || {
-        black_box(oomscope_agent_core::probe::process::read(paths, pid).ok());
+        black_box(oomscope_agent_core::readers::process::read(paths, pid).ok());
     });
     let cgroup = per_call(9, 200, || {
         black_box(
             probe
                 .memory_cgroup()
-                .map(|cg| oomscope_agent_core::probe::cgroup::read_levels(paths, cg)),
+                .map(|cg| oomscope_agent_core::readers::cgroup::read_levels(paths, cg)),
         );
     });
     let system = per_call(9, 200, || {
-        black_box(oomscope_agent_core::probe::system::read(paths));
+        black_box(oomscope_agent_core::readers::system::read(paths));
     });
     let gpus = per_call(9, 200, || {
         black_box(probe.gpu().read());
@@ -121,7 +121,7 @@ fn main() {
         black_box(probe.boundary_sample(&last_levels));
     });
     println!(
-        "HostProbe::boundary_sample {:8.1} us/call   full sample {:8.1} us/call   ratio {:.2}",
+        "HostReader::boundary_sample {:8.1} us/call   full sample {:8.1} us/call   ratio {:.2}",
         boundary / 1e3,
         full / 1e3,
         boundary / full

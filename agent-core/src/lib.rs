@@ -1,15 +1,15 @@
-//! What every oomscope agent shares: probes of each host memory domain, the
+//! What every oomscope agent shares: readers of each host memory domain, the
 //! reporter that streams to the collector (spooling to disk while it is
 //! away), and the recovery of dead agents' spools.
 //!
 //! Nothing here panics on a missing file, a missing GPU or a missing
-//! collector: each probe reports what it could read and marks the rest absent.
+//! collector: each reader reports what it could read and marks the rest absent.
 
 pub mod agent;
 pub mod capture;
 pub mod own_heap;
 pub mod priority;
-pub mod probe;
+pub mod readers;
 pub mod recovery;
 pub mod reporter;
 pub mod spool;

@@ -3,11 +3,11 @@
 //! thread may read meanwhile.
 
 use oomscope_agent_core::agent::{Identity, CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES};
-use oomscope_agent_core::probe::gpu::GpuProbe;
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::gpu::GpuReader;
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 
 fn hello() -> oomscope_agent_core::pb::Hello {
-    let probe = HostProbe::with_gpu(HostPaths::system(), std::process::id(), GpuProbe::absent());
+    let probe = HostReader::with_gpu(HostPaths::system(), std::process::id(), GpuReader::absent());
     Identity {
         name: "svc".into(),
         role: "worker".into(),

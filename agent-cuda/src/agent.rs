@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use oomscope_agent_core::agent::{check_interval, Identity, IntervalTooShort, Readers, Sampler};
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns};
 
@@ -97,7 +97,7 @@ impl CudaAgent {
         pool: &Pool<D, TRACK>,
     ) -> Result<CudaAgent, IntervalTooShort> {
         let interval = check_interval(cfg.sample_interval)?;
-        let probe = HostProbe::new(HostPaths::system(), std::process::id());
+        let reader = HostReader::new(HostPaths::system(), std::process::id());
         let info = pool.device().info().clone();
         let mut hello = Identity {
             name: cfg.name.clone(),
@@ -105,7 +105,7 @@ impl CudaAgent {
             rank: 0,
             runtime: "cudarc".into(),
         }
-        .hello(&probe);
+        .hello(&reader);
         hello
             .versions
             .insert("cudarc".into(), CUDARC_VERSION.into());
@@ -150,7 +150,7 @@ impl CudaAgent {
         sampler.start(
             PoolReaders {
                 inner: inner.clone(),
-                probe,
+                reader,
             },
             reporter,
             interval,
@@ -257,14 +257,14 @@ impl Inner {
 /// counters, in one sample.
 struct PoolReaders {
     inner: Arc<Inner>,
-    probe: HostProbe,
+    reader: HostReader,
 }
 
 impl Readers for PoolReaders {
     type Job = Infallible;
 
     fn tick(&mut self, reporter: &Reporter) {
-        let mut sample = self.probe.sample();
+        let mut sample = self.reader.sample();
         let a = self.inner.allocator_sample();
         sample.time_ns = a.time_ns;
         sample.allocator = a.allocator;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
-use oomscope_agent_core::probe::gpu::nvml_pci_bus_id;
+use oomscope_agent_core::readers::gpu::nvml_pci_bus_id;
 
 use crate::device::{ContextScope, DeviceError, DeviceInfo, DeviceMemory};
 

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::{Identity, Lineage, Sampler};
 use oomscope_agent_core::priority::ThreadPriority;
-use oomscope_agent_core::probe::gpu::GpuProbe;
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::gpu::GpuReader;
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns, pb, torch};
 use pyo3::prelude::*;
@@ -124,15 +124,15 @@ pub struct Agent {
 impl Agent {
     /// Starts the reporter; returns at once whether or not a collector is
     /// there. Needs the GIL for the Hello's Python facts. The sampler is
-    /// started by the caller with the returned probe (see `sampler.rs`).
-    pub fn start(py: Python<'_>, config: Config) -> (Arc<Agent>, HostProbe) {
+    /// started by the caller with the returned reader (see `sampler.rs`).
+    pub fn start(py: Python<'_>, config: Config) -> (Arc<Agent>, HostReader) {
         let pid = std::process::id();
         let paths = HostPaths::system();
         let held = !config.hold.is_zero();
-        let probe = if held {
-            HostProbe::with_gpu(paths.clone(), pid, GpuProbe::absent())
+        let reader = if held {
+            HostReader::with_gpu(paths.clone(), pid, GpuReader::absent())
         } else {
-            HostProbe::new(paths.clone(), pid)
+            HostReader::new(paths.clone(), pid)
         };
         let mut hello = Identity {
             name: config.name.clone(),
@@ -140,9 +140,9 @@ impl Agent {
             rank: config.rank,
             runtime: "pytorch".into(),
         }
-        .hello(&probe);
+        .hello(&reader);
         let agent_id = hello.agent_id.clone();
-        hello.gpus = probe.gpu().placements();
+        hello.gpus = reader.gpu().placements();
         hello.allocator_settings = Some(torchread::settings(py));
         hello.labels = config.labels.clone().into_iter().collect();
         if let Ok(v) = py
@@ -203,7 +203,7 @@ impl Agent {
             nvml_deferred: held,
             paths,
         });
-        (agent, probe)
+        (agent, reader)
     }
 
     /// Hands a job to the sampler; false (and counted) when its queue is full.
@@ -269,7 +269,7 @@ impl Agent {
     }
 
     pub fn host_rss(&self) -> u64 {
-        oomscope_agent_core::probe::process::read(&self.paths, self.pid)
+        oomscope_agent_core::readers::process::read(&self.paths, self.pid)
             .map_or(0, |p| p.vm_rss_bytes)
     }
 
@@ -553,7 +553,7 @@ impl Agent {
         };
         self.reporter.send_sample(pb::Sample {
             time_ns: now_ns(),
-            process: oomscope_agent_core::probe::process::read(&self.paths, self.pid).ok(),
+            process: oomscope_agent_core::readers::process::read(&self.paths, self.pid).ok(),
             allocator: self.devices.read(py, Which::Known),
             context: Some(context),
             ..Default::default()

@@ -2,7 +2,7 @@
 //!
 //! This is the native module `oomscope._native`; the package `oomscope`
 //! (agent-python/python/oomscope) is the thin Python surface over it. The
-//! work is done here, in Rust, with agent-core's probes and reporter: host
+//! work is done here, in Rust, with agent-core's readers and reporter: host
 //! domains without the GIL on the agent's own thread, the CUDA caching
 //! allocator and the heap census with the GIL, briefly.
 //!
@@ -145,8 +145,8 @@ fn reconfigure(py: Python<'_>, a: &Arc<Agent>, config: Config) -> bool {
 
 /// Starts an agent and its sampler, and makes it this process's agent.
 fn launch(py: Python<'_>, config: Config) {
-    let (agent, probe) = Agent::start(py, config);
-    sampler::start(&agent, probe);
+    let (agent, reader) = Agent::start(py, config);
+    sampler::start(&agent, reader);
     exit::register();
     *lock(&AGENT) = Some(agent);
 }

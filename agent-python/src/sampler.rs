@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::{Flow, Readers};
-use oomscope_agent_core::probe::HostProbe;
+use oomscope_agent_core::readers::HostReader;
 use oomscope_agent_core::reporter::Reporter;
 use oomscope_agent_core::{lock, pb};
 use pyo3::prelude::*;
@@ -26,7 +26,7 @@ pub const PERIODIC_PHASE: &str = "periodic";
 pub const CENSUS_IDLE_WAIT: Duration = Duration::from_secs(2);
 
 /// Starts `agent`'s sampler thread (agent-core's loop) with this process's readers.
-pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
+pub fn start(agent: &Arc<Agent>, reader: HostReader) -> bool {
     let readers = PythonReaders {
         next_census: (agent.config.census_interval > Duration::ZERO)
             .then(|| Instant::now() + agent.config.census_interval),
@@ -40,7 +40,7 @@ pub fn start(agent: &Arc<Agent>, probe: HostProbe) -> bool {
         full_levels: Vec::new(),
         nvml_deferred: agent.nvml_deferred,
         agent: agent.clone(),
-        probe,
+        reader,
     };
     agent
         .sampler
@@ -84,7 +84,7 @@ impl Boundaries {
 /// the GIL, the allocator and the heap with it.
 struct PythonReaders {
     agent: Arc<Agent>,
-    probe: HostProbe,
+    reader: HostReader,
     boundaries: Boundaries,
     /// A census asked for by request count, waiting for a quiet moment:
     /// (budget, the latest moment it waits until).
@@ -96,20 +96,20 @@ struct PythonReaders {
     /// The cgroup levels of the newest periodic sample, which boundary
     /// samples carry with their usage read again.
     full_levels: Vec<pb::CgroupLevel>,
-    /// Started held, the probe has no NVML yet (see `Agent::nvml_deferred`).
+    /// Started held, the reader has no NVML yet (see `Agent::nvml_deferred`).
     nvml_deferred: bool,
 }
 
 impl PythonReaders {
-    /// Opens NVML once a held start has been released: the probe reads the
+    /// Opens NVML once a held start has been released: the reader reads the
     /// GPUs from then on, and the Hello lists them.
     fn open_nvml_once_released(&mut self) {
         if !self.nvml_deferred || self.agent.reporter.held() {
             return;
         }
         self.nvml_deferred = false;
-        self.probe = HostProbe::new(self.probe.paths().clone(), self.probe.pid());
-        let mut gpus = self.probe.gpu().placements();
+        self.reader = HostReader::new(self.reader.paths().clone(), self.reader.pid());
+        let mut gpus = self.reader.gpu().placements();
         devices::merge_placements(&mut gpus, &self.agent.devices.identities());
         self.agent.reporter.update_hello(|h| h.gpus = gpus);
     }
@@ -142,7 +142,7 @@ impl PythonReaders {
                     });
                 }
             }
-            let rss = boundary_sample(&agent, &self.probe, &self.full_levels, time_ns, *context);
+            let rss = boundary_sample(&agent, &self.reader, &self.full_levels, time_ns, *context);
             self.observe(Reading {
                 requests_done,
                 blocks,
@@ -239,7 +239,7 @@ impl Readers for PythonReaders {
     fn tick(&mut self, _: &Reporter) {
         let agent = self.agent.clone();
         self.open_nvml_once_released();
-        self.full_levels = tick(&agent, &self.probe);
+        self.full_levels = tick(&agent, &self.reader);
         if self.next_census.is_some_and(|t| Instant::now() >= t) {
             self.next_census = Some(Instant::now() + agent.config.census_interval);
             // Held, nobody hears it, and a process that never proves to be
@@ -267,7 +267,7 @@ impl Readers for PythonReaders {
                 // Asked at an OOM, which released the agent: with the GPUs.
                 self.open_nvml_once_released();
                 self.agent.send_event(pb::event::Kind::ProcessList(
-                    self.probe.process_list(OOM_TOP_PROCESSES),
+                    self.reader.process_list(OOM_TOP_PROCESSES),
                 ));
             }
         }
@@ -336,7 +336,7 @@ impl Readers for PythonReaders {
 /// the GIL here. Returns the RSS it read (0 if none).
 fn boundary_sample(
     agent: &Agent,
-    probe: &HostProbe,
+    reader: &HostReader,
     full_levels: &[pb::CgroupLevel],
     time_ns: i64,
     context: pb::RequestContext,
@@ -346,7 +346,7 @@ fn boundary_sample(
     } else {
         Vec::new()
     };
-    let mut s = probe.boundary_sample(full_levels);
+    let mut s = reader.boundary_sample(full_levels);
     s.time_ns = time_ns;
     s.allocator = allocator;
     s.context = Some(context);
@@ -359,8 +359,8 @@ fn boundary_sample(
 /// every device the process uses. A held process is only asked whether it
 /// uses one (CUDA in use releases it: see `install_torch_hooks`); its devices
 /// are not read while it stays held. Returns its cgroup levels.
-fn tick(agent: &Agent, probe: &HostProbe) -> Vec<pb::CgroupLevel> {
-    let mut sample = probe.sample();
+fn tick(agent: &Agent, reader: &HostReader) -> Vec<pb::CgroupLevel> {
+    let mut sample = reader.sample();
     let levels = sample.cgroup.clone();
     let context = {
         let mut c = lock(&agent.context);

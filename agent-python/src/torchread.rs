@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use oomscope_agent_core::probe::gpu::nvml_pci_bus_id;
+use oomscope_agent_core::readers::gpu::nvml_pci_bus_id;
 use oomscope_agent_core::{pb, torch};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};

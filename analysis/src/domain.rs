@@ -3,7 +3,7 @@
 use crate::devices::{Holder, Whose};
 use crate::evidence::Evidence;
 use crate::findings::{Findings, SIGBUS, SIGKILL};
-use crate::host_kernel::{high_order, numa_binding};
+use crate::kernel_constraints::{high_order, numa_binding};
 use crate::memory_high::{high_throttle, oom_group_line, swap_bound_line};
 use crate::pb;
 use crate::units::{bytes, bytes_short, seconds, signal_name, time};
@@ -393,7 +393,7 @@ fn code_signal_line(f: &Findings) -> Option<String> {
 /// The process's own record of its failure: a device allocation that failed
 /// (the allocator said so, or the error text), an allocation its own limits
 /// refused (RLIMIT_AS, strict overcommit; the kernel counts nothing), or a
-/// runtime's memory text that names its memory (the table in `runtime_text`).
+/// runtime's memory text that names its memory (the table in `oom_texts`).
 fn own_failure(f: &Findings) -> Option<(Domain, Vec<String>)> {
     if f.oom.is_some() || f.text_domain == Some(Domain::GpuVram) {
         return Some((Domain::GpuVram, gpu_lines(f)));

@@ -9,8 +9,8 @@ use crate::devices::{Devices, Holder};
 use crate::evidence::Evidence;
 use crate::failure::AtFailure;
 use crate::memory_domain::Domain;
+use crate::oom_texts::{self, cuda_oom_line, Memory, TextMatch};
 use crate::pb;
-use crate::runtime_text::{self, cuda_oom_line, Memory, TextMatch};
 use crate::settings::{self, Runtime, Settings};
 use crate::thrash::{read_thrash, ThrashReading};
 use crate::timeline::Timeline;
@@ -119,9 +119,9 @@ impl<'a> Findings<'a> {
         let cuda_line = cuda_oom_line(stderr).or_else(|| cuda_oom_line(&oom_error));
         let shm = before_death::shm(e);
         // A bare ENOSPC names no filesystem: /dev/shm's fill says whether it is its.
-        let text = runtime_text::find(stderr).or_else(|| {
+        let text = oom_texts::find(stderr).or_else(|| {
             shm.as_ref()
-                .and_then(|s| runtime_text::enospc_on_full_shm(stderr, s.used, s.bound))
+                .and_then(|s| oom_texts::enospc_on_full_shm(stderr, s.used, s.bound))
         });
         let text_domain = text.as_ref().and_then(|t| t.domain(e.gpu_seen()));
         let commit = before_death::commit(e);
@@ -407,7 +407,7 @@ fn runtime_settings(e: &Evidence, text: Option<&TextMatch>) -> Settings {
     if matches!(s.runtime, None | Some(Runtime::Pytorch)) {
         let named = text
             .and_then(|t| Runtime::from_name(t.text.runtime))
-            .or_else(|| crate::kv_pool::reported_runtime(e));
+            .or_else(|| crate::kv_pool_figures::reported_runtime(e));
         if named.is_some() {
             s.runtime = named;
         }

@@ -283,7 +283,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
 }
 
 /// The fix the runtime's text names, in its own settings (the table in
-/// `runtime_text`), for the cause that text named.
+/// `oom_texts`), for the cause that text named.
 fn runtime_fix(c: &pb::Cause, f: &Findings) -> Option<pb::Fix> {
     let t = &f.text.as_ref()?.text;
     (t.cause == Some(c.kind.as_str()) && !t.fix.is_empty()).then(|| {

@@ -51,7 +51,7 @@ pub fn join_context(samples: &mut [pb::TimedSample], theirs: &[pb::TimedSample])
 /// (a tensor-parallel worker holds its shard), and the bytes in use are the
 /// usage of that pool.
 fn fill_missing(own: &mut pb::RequestContext, theirs: pb::RequestContext) {
-    let own_pool = crate::kv_pool::own_pool_bytes(own);
+    let own_pool = crate::kv_pool_figures::own_pool_bytes(own);
     for (k, v) in theirs.numbers {
         own.numbers.entry(k).or_insert(v);
     }

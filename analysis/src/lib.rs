@@ -8,8 +8,8 @@
 //! the failed allocation); `domain` decides which memory ran out; `trigger`
 //! what set it off; `causes` says why, each analyzer on its own (a runtime's
 //! own memory text names its domain and cause through the one table in
-//! `runtime_text`; runtimes that preallocate their KV pool have their own
-//! verdicts in `causes::kv_pool`, measured by `kv_pool`); `fixes` ranks what
+//! `oom_texts`; runtimes that preallocate their KV pool have their own
+//! verdicts in `causes::kv_pool`, measured by `kv_pool_figures`); `fixes` ranks what
 //! to change, least risky first, in the runtime's own settings where the
 //! evidence names the runtime (`settings`, `setting_fixes`); `capacity`
 //! sizes what fits.
@@ -30,16 +30,16 @@ mod failure;
 mod findings;
 mod fixes;
 pub mod growth;
-mod host_kernel;
 pub mod join;
 mod json;
+mod kernel_constraints;
 mod kv_fit;
-pub mod kv_pool;
+pub mod kv_pool_figures;
 pub mod launch;
 mod members;
 mod memory_domain;
 mod memory_high;
-pub mod runtime_text;
+pub mod oom_texts;
 pub mod runway;
 mod setting_fixes;
 pub mod settings;
@@ -57,10 +57,10 @@ pub use counters::LIMIT_SLACK_BYTES;
 pub use diagnose::{diagnose, memory_domain, no_domain_reason, STARTUP_FAILURE};
 pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef, SUPERVISOR_CGROUP_LABEL};
-pub use host_kernel::HIGH_ORDER_MIN;
 pub use json::to_json;
-pub use kv_pool::usage as kv_pool_usage;
-pub use runtime_text::{
+pub use kernel_constraints::HIGH_ORDER_MIN;
+pub use kv_pool_figures::usage as kv_pool_usage;
+pub use oom_texts::{
     enospc_on_full_shm, is_cuda_oom_text, is_oom_text, oom_line, RuntimeText, RUNTIME_TEXTS,
 };
 pub use thrash::{

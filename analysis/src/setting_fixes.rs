@@ -5,7 +5,7 @@
 //! metrics). Where the runtime is unknown the wording stays generic.
 
 use crate::findings::Findings;
-use crate::kv_pool::{self, FIT_SHARE, GIB, NEED_MARGIN};
+use crate::kv_pool_figures::{self, FIT_SHARE, GIB, NEED_MARGIN};
 use crate::pb;
 use crate::settings::{self, Knob, Runtime, Setting, Settings, SETTINGS};
 use crate::units::bytes_short;
@@ -24,7 +24,7 @@ pub fn now(f: &Findings, s: &Setting) -> String {
             format!("now {v}")
         };
     }
-    if let Some(r) = kv_pool::resolved(f.evidence, s) {
+    if let Some(r) = kv_pool_figures::resolved(f.evidence, s) {
         return format!("not set; {} resolved {r}", s.runtime.name());
     }
     let hello = f.evidence.hello.as_ref();
@@ -297,7 +297,7 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     );
     match proposed {
         Some(p) if p > 0.0 => {
-            let action = match kv_pool::kv_setting(&f.settings) {
+            let action = match kv_pool_figures::kv_setting(&f.settings) {
                 Some(s) => format!(
                     "Lower the KV reservation to what fits: {} ({}; in {}): {why}",
                     kv_assign(&f.settings, s, p),
@@ -355,19 +355,20 @@ fn kv_reservation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     out
 }
 
-/// A pool sized in tokens, blocks or by the context (`kv_pool::token_pool`)
+/// A pool sized in tokens, blocks or by the context (`kv_pool_figures::token_pool`)
 /// brought down to `proposed` bytes: the setting's value scaled by proposed
 /// over the pool's bytes (the cause's figure, else what the runtime logged
 /// reserving it), rounded down (a context to a multiple of 256). None where
 /// the pool's bytes are unknown: no value is guessed.
 /// "`--n_ctx 8192` (now 32768; the 4.0 GiB pool llama-cpp-python logged scales with it)".
 fn scaled_pool(c: &pb::Cause, f: &Findings, proposed: f64) -> Option<String> {
-    let (s, current) = kv_pool::token_pool(&f.settings)?;
+    let (s, current) = kv_pool_figures::token_pool(&f.settings)?;
     let (pool, whose) = match metric(c, "kv_pool_bytes").or(metric(c, "requested_bytes")) {
         Some(b) => (b, "asked for"),
         None => (
             f.exit
-                .and_then(|(_, x)| kv_pool::logged_kv_bytes(&x.stderr_tail))? as f64,
+                .and_then(|(_, x)| kv_pool_figures::logged_kv_bytes(&x.stderr_tail))?
+                as f64,
             "logged",
         ),
     };
@@ -380,11 +381,11 @@ fn scaled_pool(c: &pb::Cause, f: &Findings, proposed: f64) -> Option<String> {
     } else {
         1.0
     };
-    let value = kv_pool::floor_to(raw, step);
+    let value = kv_pool_figures::floor_to(raw, step);
     (value >= 1.0).then(|| {
         format!(
             "{} ({}; the {} pool {} {} scales with it)",
-            assign(&f.settings, s, &kv_pool::number(value)),
+            assign(&f.settings, s, &kv_pool_figures::number(value)),
             now(f, s),
             bytes_short(pool as u64),
             runtime_name(f),
@@ -406,7 +407,7 @@ fn context_over_kv(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     vec![fix(
         format!(
             "Lower the context to what the KV cache holds: {} ({}), the tokens {} measured for its pool",
-            assign(&f.settings, s, &kv_pool::number(tokens)),
+            assign(&f.settings, s, &kv_pool_figures::number(tokens)),
             now(f, s),
             runtime_name(f)
         ),
@@ -480,12 +481,12 @@ fn taken_after_profiling(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 .values
                 .get(s.name)
                 .cloned()
-                .or_else(|| kv_pool::resolved(f.evidence, s))
+                .or_else(|| kv_pool_figures::resolved(f.evidence, s))
                 .and_then(|v| v.parse::<f64>().ok())
                 .or((s.runtime == Runtime::Vllm)
-                    .then_some(kv_pool::VLLM_DEFAULT_GPU_MEMORY_UTILIZATION));
+                    .then_some(kv_pool_figures::VLLM_DEFAULT_GPU_MEMORY_UTILIZATION));
             if let Some(cur) = current.filter(|_| total > 0.0) {
-                let p = kv_pool::floor_to(cur - taken * (1.0 + NEED_MARGIN) / total, 0.01);
+                let p = kv_pool_figures::floor_to(cur - taken * (1.0 + NEED_MARGIN) / total, 0.01);
                 if p > 0.0 {
                     out.push(fix(
                         format!(
@@ -516,10 +517,11 @@ fn taken_after_profiling(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             None,
         ));
     } else if let (Some((s, kv)), Runtime::Vllm) = (
-        kv_pool::kv_request(&f.settings),
+        kv_pool_figures::kv_request(&f.settings),
         f.runtime().unwrap_or(Runtime::Unknown),
     ) {
-        let p = kv_pool::floor_to((kv as f64 - taken * (1.0 + NEED_MARGIN)) / GIB, 0.1) * GIB;
+        let p =
+            kv_pool_figures::floor_to((kv as f64 - taken * (1.0 + NEED_MARGIN)) / GIB, 0.1) * GIB;
         if p > 0.0 {
             out.push(fix(
                 format!(
@@ -547,7 +549,7 @@ fn kv_pool_saturation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         (Some(s), Some(n)) if cap.is_none_or(|cap| n < cap) => out.push(fix(
             format!(
                 "Cap the sequences at what the pool holds: {} ({}), the running count when the pool was full, so requests wait in the queue instead of being preempted and recomputed",
-                assign(&f.settings, s, &kv_pool::number(n)),
+                assign(&f.settings, s, &kv_pool_figures::number(n)),
                 now(f, s)
             ),
             "low",
@@ -563,7 +565,7 @@ fn kv_pool_saturation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         (None, Some(n)) => out.push(fix(
             format!(
                 "Cap concurrent sequences at about {} (the running count when the pool was full), with a bounded queue in front",
-                kv_pool::number(n)
+                kv_pool_figures::number(n)
             ),
             "low",
             retest.clone(),
@@ -574,7 +576,7 @@ fn kv_pool_saturation(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
     let grow = if f.evidence.gpu_seen() {
         knob(f, Knob::MemoryFraction)
     } else {
-        kv_pool::kv_setting(&f.settings).map(|s| named(f, s))
+        kv_pool_figures::kv_setting(&f.settings).map(|s| named(f, s))
     };
     if let Some(g) = grow {
         let pool = metric(c, "kv_pool_bytes").map_or(String::new(), |p| {

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
+use oomscope_analysis::oom_texts::Memory;
 use oomscope_analysis::pb::{self, event::Kind};
-use oomscope_analysis::runtime_text::Memory;
 use oomscope_analysis::{attribute_domain, diagnose, Domain, Evidence, RUNTIME_TEXTS};
 
 const OWN: &str = "/oomtest/child";

@@ -12,8 +12,8 @@ use std::fs;
 use std::path::Path;
 
 use common::*;
-use oomscope_agent_core::probe::cgroup::{read_level, Version};
-use oomscope_agent_core::probe::kmsg::{parse_alloc_failures, parse_kills};
+use oomscope_agent_core::readers::cgroup::{read_level, Version};
+use oomscope_agent_core::readers::kmsg::{parse_alloc_failures, parse_kills};
 use oomscope_analysis::pb::{self, event::Kind};
 use oomscope_analysis::{diagnose, to_json, Evidence};
 use serde_json::Value;

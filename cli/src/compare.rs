@@ -2,7 +2,7 @@
 //! names), fetched from the collector and compared.
 
 use oomscope_client::Client;
-use oomscope_report::compare;
+use oomscope_report::comparison;
 
 use super::query::show;
 use super::report::{fetch, Which};
@@ -24,6 +24,10 @@ pub fn run(url: &str, a: &str, b: &str, json: bool) -> anyhow::Result<i32> {
         )
     });
     let (ra, rb) = (ra?, rb?);
-    let cmp = compare::compare(&ra, &rb);
-    show(json, || compare::to_json(&cmp), || compare::to_text(&cmp))
+    let cmp = comparison::compare(&ra, &rb);
+    show(
+        json,
+        || comparison::to_json(&cmp),
+        || comparison::to_text(&cmp),
+    )
 }

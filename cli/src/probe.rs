@@ -8,12 +8,12 @@ use std::time::Duration;
 use anyhow::Context;
 
 use oomscope_agent_core::agent::Identity;
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_client::Client;
 use oomscope_probe::watch::EvidenceSource;
 use oomscope_probe::workload::WorkloadSink;
-use oomscope_probe::{compare, progress, report, Probe, ProbeConfig, Suite};
+use oomscope_probe::{baseline, progress, report, Probe, ProbeConfig, Suite};
 use oomscope_proto::v1 as pb;
 
 use crate::args::{ProbeArgs, SuiteArg};
@@ -160,7 +160,7 @@ fn workload_stream(url: &str, agent: &str) -> anyhow::Result<Option<Arc<Reporter
         );
         return Ok(None);
     };
-    let me = HostProbe::new(HostPaths::system(), std::process::id());
+    let me = HostReader::new(HostPaths::system(), std::process::id());
     let mut hello = Identity {
         name: format!("{name}{}", oomscope_proto::PROBE_NAME_SUFFIX),
         role: oomscope_proto::PROBE_ROLE.into(),
@@ -281,14 +281,14 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
     if a.json {
         let mut v = serde_json::to_value(&r)?;
         if let Some(b) = &baseline {
-            v["comparison"] = serde_json::to_value(compare::compare(b, &r))?;
+            v["comparison"] = serde_json::to_value(baseline::compare(b, &r))?;
         }
         print_out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
     } else {
         let mut text = report::text(&r);
         if let Some(b) = &baseline {
             text += &format!("Compared with {}:\n", a.compare.as_ref().unwrap().display());
-            text += &compare::text(&compare::compare(b, &r));
+            text += &baseline::text(&baseline::compare(b, &r));
         }
         print_out(&text)?;
     }

@@ -1,7 +1,7 @@
 //! The oomscope collector: it receives agents' streams (`AgentService`),
 //! stores them durably before acking (`store`, embedded SQLite), records
 //! incidents as evidence arrives (`incidents`, `fleet`), and answers
-//! `QueryService` (`query`) with timelines and the analysis crate's verdicts.
+//! `QueryService` (`query_service`), fed by the ingest (`ingest`) with timelines and the analysis crate's verdicts.
 //!
 //! Its only consumer-facing surface is the two gRPC services: the CLI, the
 //! probe and the Python agent's `oomscope.query` reach it through them.
@@ -9,10 +9,10 @@
 pub mod correlate;
 pub mod fleet;
 pub mod incidents;
+pub mod ingest;
 pub mod kinds;
-pub mod query;
+pub mod query_service;
 pub mod serve;
-pub mod server;
 pub mod store;
 pub mod verdict;
 

@@ -1,5 +1,5 @@
 //! Serving both services on one port: `AgentService` (agents' streams,
-//! `server.rs`) and `QueryService` (people and tools, `query.rs`).
+//! `ingest.rs`) and `QueryService` (people and tools, `query_service.rs`).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,10 +10,10 @@ use anyhow::{anyhow, Context, Result};
 use oomscope_proto::MAX_MESSAGE_BYTES;
 use tokio_stream::wrappers::TcpListenerStream;
 
+use crate::ingest::{AgentApi, Collector};
 use crate::pb::agent_service_server::AgentServiceServer;
 use crate::pb::query_service_server::QueryServiceServer;
-use crate::query::QueryApi;
-use crate::server::{AgentApi, Collector};
+use crate::query_service::QueryApi;
 use crate::store::FileWatch;
 use crate::store::{ReaderPool, Store, DEFAULT_READERS};
 

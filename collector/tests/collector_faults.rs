@@ -88,7 +88,7 @@ async fn the_store_files_are_created_0600() {
 /// long it then stays quiet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_without_a_hello_is_closed_after_the_deadline() {
-    use oomscope_collector::server::Collector;
+    use oomscope_collector::ingest::Collector;
     use oomscope_collector::store::Store;
     use std::time::Duration;
     let dir = tempfile::tempdir().unwrap();

@@ -7,11 +7,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use oomscope_collector::ingest::Collector;
 use oomscope_collector::pb;
 use oomscope_collector::pb::agent_message::Body;
 use oomscope_collector::pb::collector_message::Body as Reply;
 use oomscope_collector::serve::serve_with_listener;
-use oomscope_collector::server::Collector;
 use oomscope_collector::store::Store;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;

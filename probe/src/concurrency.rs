@@ -176,7 +176,7 @@ impl PoolFit {
 }
 
 pub fn pool_fit(s: &Settings, prompt_tokens: u64, answer_tokens: u64) -> Option<PoolFit> {
-    let (setting, size) = oomscope_analysis::kv_pool::token_pool(s)?;
+    let (setting, size) = oomscope_analysis::kv_pool_figures::token_pool(s)?;
     if prompt_tokens == 0 || size < 1.0 {
         return None;
     }

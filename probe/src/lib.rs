@@ -10,9 +10,9 @@
 //! only to the endpoint it was given.
 
 pub mod answer;
+pub mod baseline;
 pub mod calibrate;
 mod clock;
-pub mod compare;
 pub mod concurrency;
 pub mod http;
 pub mod idle;

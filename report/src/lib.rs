@@ -5,11 +5,11 @@
 //! - the incident report (`html`, `markdown`): one incident, or one agent's
 //!   timeline, as a self-contained page: HTML with inline SVG charts and CSS
 //!   (no scripts, no fetches), or Markdown;
-//! - `compare`: two runs of one workload side by side;
+//! - `comparison`: two runs of one workload side by side;
 //! - `format`: the query verbs' text renderings.
 
 pub mod chart;
-pub mod compare;
+pub mod comparison;
 pub mod domains;
 pub mod error_text;
 pub mod escape;
@@ -27,7 +27,7 @@ use memory::MemoryTable;
 
 /// One run as the collector knows it: the agent's timeline, the verdict, and
 /// the incident it is about (None for a leak hunt on a timeline). The report,
-/// `compare` and the CLI share it.
+/// `comparison` and the CLI share it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Run {
     pub timeline: pb::TimelineResponse,
@@ -62,7 +62,7 @@ impl<'a> View<'a> {
                 .map(|c| c.kind.clone())
                 .unwrap_or_default(),
             domain: input.diagnosis.domain.clone().unwrap_or_default(),
-            settings: crate::compare::settings(&hello).into_iter().collect(),
+            settings: crate::comparison::settings(&hello).into_iter().collect(),
             hello,
             failure,
             input,

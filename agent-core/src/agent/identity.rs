@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::pb;
-use crate::probe::HostProbe;
+use crate::readers::HostReader;
 
 /// What an agent says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,14 +36,14 @@ pub fn agent_id(runtime: &str, name: &str, host: &str, pid: u32, start_ns: i64) 
 }
 
 impl Identity {
-    /// The Hello of this process, started now, with `probe`'s readings of
+    /// The Hello of this process, started now, with `reader`'s readings of
     /// its cgroup and rlimits, its parent and title, its CUDA device
     /// variables (absent when unset; set but empty stays empty: it hides
     /// every device), and the instance that `OOMSCOPE_INSTANCE` names
     /// (empty: the collector decides). `versions`
     /// gets "oomscope"; `gpus` stays for the agent to fill (NVML's
     /// placements, or the pool's own device).
-    pub fn hello(&self, probe: &HostProbe) -> pb::Hello {
+    pub fn hello(&self, reader: &HostReader) -> pb::Hello {
         let pid = std::process::id();
         let start = crate::now_ns();
         let host = crate::hostname().unwrap_or_else(|| "localhost".into());
@@ -63,11 +63,11 @@ impl Identity {
             rank: self.rank,
             runtime: self.runtime.clone(),
             versions,
-            cgroup: Some(probe.cgroup_info()),
-            rlimits: Some(probe.rlimits()),
+            cgroup: Some(reader.cgroup_info()),
+            rlimits: Some(reader.rlimits()),
             instance: std::env::var(INSTANCE_ENV).unwrap_or_default(),
             parent_pid: std::os::unix::process::parent_id(),
-            title: std::fs::read_to_string(probe.paths().pid_file(pid, "comm"))
+            title: std::fs::read_to_string(reader.paths().pid_file(pid, "comm"))
                 .map(|t| t.trim_end().to_string())
                 .unwrap_or_default(),
             cuda_visible_devices: env_value(CUDA_VISIBLE_DEVICES),
@@ -85,18 +85,18 @@ fn env_value(name: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::probe::HostPaths;
+    use crate::readers::HostPaths;
 
     #[test]
     fn the_hello_names_this_process_and_its_id_follows_the_scheme() {
-        let probe = HostProbe::new(HostPaths::system(), std::process::id());
+        let reader = HostReader::new(HostPaths::system(), std::process::id());
         let id = Identity {
             name: "svc".into(),
             role: "server".into(),
             rank: 2,
             runtime: "cudarc".into(),
         };
-        let h = id.hello(&probe);
+        let h = id.hello(&reader);
         assert_eq!(h.pid, std::process::id());
         assert_eq!(
             (h.name.as_str(), h.role.as_str(), h.rank),

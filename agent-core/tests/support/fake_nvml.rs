@@ -7,7 +7,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use oomscope_agent_core::probe::gpu::{DeviceHandle, MemoryInfo, NvmlApi, NvmlError, ProcessUsage};
+use oomscope_agent_core::readers::gpu::{
+    DeviceHandle, MemoryInfo, NvmlApi, NvmlError, ProcessUsage,
+};
 
 /// An NVML error as a test scripts it (NvmlError is not Clone).
 pub type Refusal = fn() -> NvmlError;

@@ -9,7 +9,7 @@ use crate::units::{bytes, bytes_short};
 
 // At or above this share of /dev/shm in use, a SIGBUS is a full /dev/shm;
 // below it the SIGBUS may come from a truncated mapped file instead.
-use crate::runtime_text::SHM_FULL_FRACTION;
+use crate::oom_texts::SHM_FULL_FRACTION;
 
 /// A VmPeak at least this share of RLIMIT_AS means the process itself walked
 /// into the limit; below it, one oversized request did.

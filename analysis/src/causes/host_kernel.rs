@@ -6,7 +6,7 @@
 use super::cause;
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
-use crate::host_kernel::{high_order, numa_binding};
+use crate::kernel_constraints::{high_order, numa_binding};
 use crate::memory_high::high_throttle;
 use crate::pb;
 

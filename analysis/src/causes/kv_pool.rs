@@ -3,7 +3,7 @@
 //! tokens, so they fail differently from a server whose KV grows:
 //!
 //! - the reservation does not fit at start: the runtime's own text (see
-//!   `runtime_text`), or the kernel kills the process filling the pool
+//!   `oom_texts`), or the kernel kills the process filling the pool
 //!   (`kv_reservation_kill`);
 //! - a batch's activations outgrow the headroom left beside the pool
 //!   (`activation_headroom`);
@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use super::{cause, non_pytorch};
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
-use crate::kv_pool::{self, FIT_SHARE, GIB, KV_FULL_USAGE, MIN_FULL_READINGS, NEED_MARGIN};
+use crate::kv_pool_figures::{self, FIT_SHARE, GIB, KV_FULL_USAGE, MIN_FULL_READINGS, NEED_MARGIN};
 use crate::pb;
 use crate::settings::{Knob, Runtime};
 use crate::units::{bytes, bytes_short, seconds, time};
@@ -38,11 +38,11 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         return None;
     }
     let e = f.evidence;
-    if kv_pool::served_before(e, kill_ns) || !holds_kv(e, k, kill_ns) {
+    if kv_pool_figures::served_before(e, kill_ns) || !holds_kv(e, k, kill_ns) {
         return None;
     }
     let runtime = f.runtime().map_or("the runtime", Runtime::name);
-    let (series, level_limit) = kv_pool::cgroup_series(e, &k.oom_memcg, kill_ns);
+    let (series, level_limit) = kv_pool_figures::cgroup_series(e, &k.oom_memcg, kill_ns);
     let limit = [
         Some(k.memcg_limit_bytes),
         v.cgroup.as_ref().map(|c| c.limit_bytes),
@@ -57,7 +57,7 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         k.pid
     )];
     let mut metrics = vec![("limit_bytes", limit as f64)];
-    let request = kv_pool::kv_request(&f.settings);
+    let request = kv_pool_figures::kv_request(&f.settings);
     if let Some((s, b)) = request {
         evidence.push(format!(
             "{}={} asks for a KV pool of {}",
@@ -67,11 +67,11 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         ));
         metrics.push(("kv_pool_bytes", b as f64));
     }
-    match kv_pool::final_climb(&series) {
+    match kv_pool_figures::final_climb(&series) {
         Some(c) => {
-            let warmup = kv_pool::after_pool_allowance(c.rest_bytes);
+            let warmup = kv_pool_figures::after_pool_allowance(c.rest_bytes);
             let room = limit as f64 - c.rest_bytes as f64 - warmup as f64;
-            let proposed = kv_pool::floor_to(room.max(0.0) * FIT_SHARE / GIB, 0.1) * GIB;
+            let proposed = kv_pool_figures::floor_to(room.max(0.0) * FIT_SHARE / GIB, 0.1) * GIB;
             evidence.push(format!(
                 "the cgroup's usage climbed from {} to {} over the last {} samples before the kill ({}): the pool being filled",
                 bytes_short(c.rest_bytes),
@@ -211,13 +211,13 @@ pub fn activation_headroom(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         return None;
     }
     let e = f.evidence;
-    let pool = kv_pool::pool_bytes(e);
+    let pool = kv_pool_figures::pool_bytes(e);
     if !f.preallocated_kv() && pool.is_none() {
         return None;
     }
     let at = at_oom(f)?;
     let running = batch_at(f, &at);
-    if at.in_load || (!kv_pool::served_before(e, at.time_ns) && running.0 == 0) {
+    if at.in_load || (!kv_pool_figures::served_before(e, at.time_ns) && running.0 == 0) {
         return None;
     }
     let total = Some(f.device_limit).filter(|&t| t > 0).or(at.total)?;
@@ -292,7 +292,7 @@ pub fn activation_headroom(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
     // to activations; it cannot give more than the pool has.
     if let Some(now) = memory_fraction(f) {
         let deficit = need as f64 * (1.0 + NEED_MARGIN) - headroom as f64;
-        let proposed = kv_pool::floor_to(now - deficit.max(0.0) / total as f64, 0.01);
+        let proposed = kv_pool_figures::floor_to(now - deficit.max(0.0) / total as f64, 0.01);
         let fits = pool.is_none_or(|p| deficit < p as f64) && proposed > 0.0;
         metrics.push(("memory_fraction", now));
         if fits {
@@ -310,9 +310,9 @@ fn memory_fraction(f: &Findings) -> Option<f64> {
         .values
         .get(setting.name)
         .and_then(|v| v.parse().ok())
-        .or_else(|| kv_pool::resolved(f.evidence, setting).and_then(|v| v.parse().ok()))
+        .or_else(|| kv_pool_figures::resolved(f.evidence, setting).and_then(|v| v.parse().ok()))
         .or((f.runtime() == Some(Runtime::Vllm))
-            .then_some(kv_pool::VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
+            .then_some(kv_pool_figures::VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
 }
 
 /// Sequences and tokens in the batch at the failure: its context, else the
@@ -355,7 +355,7 @@ struct Holding {
 /// runtime's own use had settled to the failure.
 pub fn taken_after_profiling(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let e = f.evidence;
-    if !f.preallocated_kv() && kv_pool::pool_bytes(e).is_none() {
+    if !f.preallocated_kv() && kv_pool_figures::pool_bytes(e).is_none() {
         return None;
     }
     let death = e.death_time()?;
@@ -367,9 +367,9 @@ pub fn taken_after_profiling(f: &Findings, v: &DomainVerdict) -> Option<pb::Caus
     let last = series.last()?;
     let settled = series
         .iter()
-        .find(|r| r.own > 0 && r.own as f64 >= kv_pool::PROFILED_SHARE * last.own as f64)?;
+        .find(|r| r.own > 0 && r.own as f64 >= kv_pool_figures::PROFILED_SHARE * last.own as f64)?;
     let taken = last.others.saturating_sub(settled.others);
-    if taken < kv_pool::MIN_TAKEN_BYTES || settled.time_ns >= last.time_ns {
+    if taken < kv_pool_figures::MIN_TAKEN_BYTES || settled.time_ns >= last.time_ns {
         return None;
     }
     let runtime = f.runtime().map_or("the runtime", Runtime::name);
@@ -513,10 +513,10 @@ fn host_holdings(f: &Findings, death: i64) -> Option<(String, u64, Vec<Holding>)
 /// states it as a fact).
 pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let e = f.evidence;
-    let readings = kv_pool::readings(e);
-    let preempted = kv_pool::preemptions_at(&readings);
+    let readings = kv_pool_figures::readings(e);
+    let preempted = kv_pool_figures::preemptions_at(&readings);
     // Full while something waited or was preempted since the reading before.
-    let full: Vec<&kv_pool::PoolReading> = readings
+    let full: Vec<&kv_pool_figures::PoolReading> = readings
         .iter()
         .zip(&preempted)
         .filter(|(r, p)| r.usage >= KV_FULL_USAGE && (r.waiting > 0 || **p > 0.0))
@@ -548,7 +548,7 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     if preemptions > 0.0 {
         evidence.push(format!(
             "{} preemptions in the window: {runtime} evicted running requests to free KV blocks and will recompute them",
-            kv_pool::number(preemptions)
+            kv_pool_figures::number(preemptions)
         ));
     }
     let mut metrics = vec![
@@ -559,7 +559,7 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
         ("full_readings", full.len() as f64),
         ("full_seconds", span as f64 / 1e9),
     ];
-    if let Some(p) = kv_pool::pool_bytes(e) {
+    if let Some(p) = kv_pool_figures::pool_bytes(e) {
         metrics.push(("kv_pool_bytes", p as f64));
         let per_sequence = p as f64 / running_at_full.max(1) as f64;
         evidence.push(format!(
@@ -568,8 +568,8 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
             bytes_short(per_sequence as u64)
         ));
     }
-    let blocks = kv_pool::reported(e, "vllm.num_gpu_blocks");
-    let block_size = kv_pool::reported(e, "vllm.block_size");
+    let blocks = kv_pool_figures::reported(e, "vllm.num_gpu_blocks");
+    let block_size = kv_pool_figures::reported(e, "vllm.block_size");
     if let (Some(b), Some(s)) = (blocks, block_size) {
         metrics.push(("kv_pool_tokens", b * s));
     }
@@ -581,7 +581,7 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
                 .values
                 .get(s.name)
                 .cloned()
-                .or_else(|| kv_pool::resolved(e, s))
+                .or_else(|| kv_pool_figures::resolved(e, s))
         })
         .and_then(|v| v.parse::<f64>().ok());
     if let Some(cap) = cap {
@@ -589,7 +589,7 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
         if (running_at_full as f64) < cap {
             evidence.push(format!(
                 "KV-bound: {running_at_full} sequences ran of the {} the sequence cap allows, so the pool, not the cap, set the concurrency",
-                kv_pool::number(cap)
+                kv_pool_figures::number(cap)
             ));
         }
     }
@@ -611,12 +611,12 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
 /// waited and none was preempted: a fact for the diagnosis's evidence (the
 /// load fitted), not a cause.
 pub fn full_without_pressure(f: &Findings) -> Option<String> {
-    let readings = kv_pool::readings(f.evidence);
-    let full: Vec<&kv_pool::PoolReading> = readings
+    let readings = kv_pool_figures::readings(f.evidence);
+    let full: Vec<&kv_pool_figures::PoolReading> = readings
         .iter()
         .filter(|r| r.usage >= KV_FULL_USAGE)
         .collect();
-    let preempted: f64 = kv_pool::preemptions_at(&readings).iter().sum();
+    let preempted: f64 = kv_pool_figures::preemptions_at(&readings).iter().sum();
     if full.len() < MIN_FULL_READINGS || preempted > 0.0 || full.iter().any(|r| r.waiting > 0) {
         return None;
     }

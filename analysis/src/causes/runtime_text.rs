@@ -1,5 +1,5 @@
 //! The cause a runtime names in its own words: the stderr text matched an
-//! entry of the table in `crate::runtime_text` that names a cause (the KV
+//! entry of the table in `crate::oom_texts` that names a cause (the KV
 //! reservation, a KV cache too small for the context, a prefill batch, ...).
 //! Where the text gives figures (vLLM's "Available memory on node 0
 //! (20.88/23.54 GiB) … requested memory for kv (40.0 GiB)"), they become
@@ -8,7 +8,7 @@
 use super::cause;
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::kv_pool::{self, FIT_SHARE, GIB};
+use crate::kv_pool_figures::{self, FIT_SHARE, GIB};
 use crate::pb;
 
 /// The runtime said what ran out and why. Where the verdict names another
@@ -32,7 +32,7 @@ pub fn runtime_text(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
 /// below the memory available (a share of it, rounded down to 0.1 GiB), a
 /// memory share below the free share of the device, a context the KV cache holds.
 fn text_metrics(line: &str) -> Vec<(&'static str, f64)> {
-    let t = kv_pool::text_figures(line);
+    let t = kv_pool_figures::text_figures(line);
     let mut m = Vec::new();
     if let Some(a) = t.available_bytes {
         m.push(("available_bytes", a as f64));
@@ -49,14 +49,14 @@ fn text_metrics(line: &str) -> Vec<(&'static str, f64)> {
     match (t.fraction, t.available_bytes, t.total_bytes) {
         // The share asked for did not fit the free memory: propose the free share.
         (Some(_), Some(a), Some(total)) if total > 0 => {
-            let share = kv_pool::floor_to(a as f64 / total as f64 * FIT_SHARE, 0.01);
+            let share = kv_pool_figures::floor_to(a as f64 / total as f64 * FIT_SHARE, 0.01);
             if share > 0.0 {
                 m.push(("proposed_memory_fraction", share));
             }
         }
         // A KV reservation larger than the memory available.
         (None, Some(a), _) if t.requested_bytes.is_some() => {
-            let gib = kv_pool::floor_to(a as f64 * FIT_SHARE / GIB, 0.1);
+            let gib = kv_pool_figures::floor_to(a as f64 * FIT_SHARE / GIB, 0.1);
             if gib > 0.0 {
                 m.push(("proposed_kv_bytes", (gib * GIB).round()));
             }

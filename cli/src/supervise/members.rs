@@ -30,9 +30,9 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::exits::{split_wait_status, ProcEvent, ProcessEvents};
-use oomscope_agent_core::probe::tree::{descendants, describe, parse_children, Fork, TreeWatch};
-use oomscope_agent_core::probe::HostPaths;
+use oomscope_agent_core::readers::exits::{split_wait_status, ProcEvent, ProcessEvents};
+use oomscope_agent_core::readers::tree::{descendants, describe, parse_children, Fork, TreeWatch};
+use oomscope_agent_core::readers::HostPaths;
 use oomscope_agent_core::reporter::Reporter;
 
 use super::event;

@@ -29,9 +29,9 @@ use anyhow::Context;
 use oomscope_agent_core::agent::{
     check_interval, Flow, Identity, Readers, SamplingLoop, INSTANCE_ENV,
 };
-use oomscope_agent_core::probe::kmsg::KmsgReader;
-use oomscope_agent_core::probe::tree::TreeWatch;
-use oomscope_agent_core::probe::{process, HostPaths, HostProbe};
+use oomscope_agent_core::readers::kmsg::KmsgReader;
+use oomscope_agent_core::readers::tree::TreeWatch;
+use oomscope_agent_core::readers::{process, HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
 use oomscope_analysis::units::signal_name;
@@ -110,7 +110,7 @@ impl Ending {
 pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     let interval = check_interval(cfg.interval)?;
     let paths = HostPaths::system();
-    let me = HostProbe::new(paths.clone(), std::process::id());
+    let me = HostReader::new(paths.clone(), std::process::id());
     // Read before the supervisor leaves its cgroup: the Hello's cgroup is the child's.
     let mut hello = hello(&cfg, &me);
     let placement = Placement::engage(&paths);
@@ -235,7 +235,7 @@ pub fn describe(e: Ending) -> String {
     }
 }
 
-fn hello(cfg: &RunConfig, me: &HostProbe) -> pb::Hello {
+fn hello(cfg: &RunConfig, me: &HostReader) -> pb::Hello {
     let mut hello = Identity {
         name: cfg.name.clone(),
         role: "supervisor".into(),
@@ -351,7 +351,7 @@ fn run_once(
         }
     };
     let pid = child.id();
-    let probe = HostProbe::new(paths.clone(), pid);
+    let probe = HostReader::new(paths.clone(), pid);
     let before = probe.counters();
     let last_process = process::read(paths, pid).ok();
     reporter.send_event(event(pb::event::Kind::ChildStart(pb::ChildStart {
@@ -461,7 +461,7 @@ fn outlive(watch: &mut ChildWatch, reporter: &Reporter, sampling: &mut SamplingL
     );
     let me = std::process::id();
     watch.tree.watch_descendants_of(me);
-    watch.probe = HostProbe::new(watch.paths.clone(), survivors[0].pid);
+    watch.probe = HostReader::new(watch.paths.clone(), survivors[0].pid);
     watch.last_process = None;
     watch.main_alive = false;
     sampling.run(watch, None);
@@ -474,7 +474,7 @@ fn outlive(watch: &mut ChildWatch, reporter: &Reporter, sampling: &mut SamplingL
 /// and for the kernel's OOM records. It has no allocator to snapshot and no
 /// heap to census, so other directives are ignored.
 struct ChildWatch<'k> {
-    probe: HostProbe,
+    probe: HostReader,
     pid: u32,
     /// The latest reading of the child, whose limits and peaks a zombie no longer shows.
     last_process: Option<pb::ProcessMemory>,

@@ -18,8 +18,8 @@ use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use oomscope_agent_core::probe::cgroup::{self, MemoryCgroup};
-use oomscope_agent_core::probe::HostPaths;
+use oomscope_agent_core::readers::cgroup::{self, MemoryCgroup};
+use oomscope_agent_core::readers::HostPaths;
 use oomscope_analysis::units::bytes;
 
 /// Test only: keeps the supervisor in the cgroup it watches, at

@@ -377,7 +377,7 @@ impl TestCgroup {
     /// Our own memory cgroup: (directory, path, version), as the agent finds
     /// it. None without a memory controller.
     pub fn own() -> Option<(PathBuf, String, &'static str)> {
-        use oomscope_agent_core::probe::{cgroup, HostPaths};
+        use oomscope_agent_core::readers::{cgroup, HostPaths};
         let cg = cgroup::locate(&HostPaths::system(), std::process::id())?;
         cg.dir
             .exists()

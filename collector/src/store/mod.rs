@@ -725,7 +725,7 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
 }
 
 /// The largest seq the store holds: SQLite integers are i64. Ingest rejects
-/// a message above it on its own (see `server::ingest`).
+/// a message above it on its own (see `ingest::ingest`).
 pub const MAX_SEQ: u64 = i64::MAX as u64;
 
 fn seq_to_sql(seq: u64) -> Result<i64> {

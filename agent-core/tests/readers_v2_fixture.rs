@@ -4,9 +4,9 @@
 use std::fs;
 use std::path::Path;
 
-use oomscope_agent_core::probe::cgroup::{self, Version};
-use oomscope_agent_core::probe::gpu::GpuProbe;
-use oomscope_agent_core::probe::{process, system, HostPaths, HostProbe};
+use oomscope_agent_core::readers::cgroup::{self, Version};
+use oomscope_agent_core::readers::gpu::GpuReader;
+use oomscope_agent_core::readers::{process, system, HostPaths, HostReader};
 use serde_json::Value;
 
 const PID: u32 = 422;
@@ -243,10 +243,10 @@ fn process_status_and_limits() {
 fn host_probe_over_the_fake_tree() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
-    let probe = HostProbe::with_gpu(
+    let probe = HostReader::with_gpu(
         paths,
         PID,
-        oomscope_agent_core::probe::gpu::GpuProbe::absent(),
+        oomscope_agent_core::readers::gpu::GpuReader::absent(),
     );
     let s = probe.sample();
     assert!(s.time_ns > 0);
@@ -268,10 +268,10 @@ fn no_memory_controller_means_none() {
     )
     .unwrap();
     assert!(cgroup::locate(&paths, PID).is_none());
-    let probe = HostProbe::with_gpu(
+    let probe = HostReader::with_gpu(
         paths,
         PID,
-        oomscope_agent_core::probe::gpu::GpuProbe::absent(),
+        oomscope_agent_core::readers::gpu::GpuReader::absent(),
     );
     assert!(probe.sample().cgroup.is_empty());
     assert_eq!(probe.cgroup_info().version, "");
@@ -282,7 +282,7 @@ fn a_boundary_sample_reads_usage_again_and_carries_the_rest_of_the_levels() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
     let own = paths.cgroup_root.join("app.slice/inference-server");
-    let probe = HostProbe::with_gpu(paths.clone(), PID, GpuProbe::absent());
+    let probe = HostReader::with_gpu(paths.clone(), PID, GpuReader::absent());
     let full = probe.sample();
     assert_eq!(full.cgroup[0].usage_bytes, 15224832);
     assert!(full.system.is_some());

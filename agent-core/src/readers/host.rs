@@ -1,36 +1,36 @@
-//! One probe for one process over every host domain, cheap enough to sample
+//! One reader for one process over every host domain, cheap enough to sample
 //! every second: the cgroup location, NVML's static facts and our PID
 //! namespace are resolved once.
 
 use super::cgroup::{self, MemoryCgroup};
-use super::gpu::GpuProbe;
+use super::gpu::GpuReader;
 use super::pid_views::PidViews;
 use super::{numa, process, processes, system, HostPaths};
 use crate::pb;
 
 #[derive(Debug)]
-pub struct HostProbe {
+pub struct HostReader {
     paths: HostPaths,
     pid: u32,
     cgroup: Option<MemoryCgroup>,
-    gpu: GpuProbe,
+    gpu: GpuReader,
     pids: PidViews,
 }
 
-impl HostProbe {
+impl HostReader {
     /// Locates the pid's memory cgroup and opens NVML (absent without a GPU).
     pub fn new(paths: HostPaths, pid: u32) -> Self {
-        Self::with_gpu(paths, pid, GpuProbe::open())
+        Self::with_gpu(paths, pid, GpuReader::open())
     }
 
-    /// As `new`, with a GPU probe of the caller's choosing (one NVML handle
-    /// shared by several probes, or `GpuProbe::absent()`). The GPU
+    /// As `new`, with a GPU reader of the caller's choosing (one NVML handle
+    /// shared by several readers, or `GpuReader::absent()`). The GPU
     /// processes that are ours are the pid's tree and the reader's (a
     /// supervisor's, whose tree keeps orphans of the pid's as its subreaper).
-    pub fn with_gpu(paths: HostPaths, pid: u32, gpu: GpuProbe) -> Self {
+    pub fn with_gpu(paths: HostPaths, pid: u32, gpu: GpuReader) -> Self {
         let cgroup = cgroup::locate(&paths, pid);
         let pids = PidViews::new(&paths, &[pid, std::process::id()]);
-        HostProbe {
+        HostReader {
             paths,
             pid,
             cgroup,
@@ -47,7 +47,7 @@ impl HostProbe {
         &self.paths
     }
 
-    pub fn gpu(&self) -> &GpuProbe {
+    pub fn gpu(&self) -> &GpuReader {
         &self.gpu
     }
 

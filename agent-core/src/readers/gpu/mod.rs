@@ -1,16 +1,16 @@
 //! The GPU domain as the driver sees it, through NVML.
 //!
 //! NVML is optional: it is loaded at run time, and without
-//! `libnvidia-ml.so.1`, a driver or a device the probe is simply absent.
+//! `libnvidia-ml.so.1`, a driver or a device the reader is simply absent.
 //! Everything is read through [`NvmlApi`], a narrow seam that tests script
 //! (MIG layouts, refusals, older drivers) and [`nvml::SystemNvml`] implements
 //! over the real library. Every call runs under `catch_unwind`, because this
 //! code runs inside someone's server.
 //!
 //! Cost: what does not change while the process runs (each device's uuid,
-//! name, PCI bus id and total, the MIG layout) is read once, when the probe
+//! name, PCI bus id and total, the MIG layout) is read once, when the reader
 //! opens; a sample reads only each device's memory and compute processes.
-//! So a MIG instance created later is seen by the next probe only (the
+//! So a MIG instance created later is seen by the next reader only (the
 //! supervisor opens one per child start), and one destroyed meanwhile reads
 //! as unreadable.
 
@@ -52,8 +52,8 @@ pub struct ProcessUsage {
     pub used_bytes: Option<u64>,
 }
 
-/// What the probe reads from NVML, one method per NVML call. Versioned calls
-/// are separate methods so that the probe, not the implementation, decides
+/// What the reader reads from NVML, one method per NVML call. Versioned calls
+/// are separate methods so that the reader, not the implementation, decides
 /// when to fall back to the older one.
 pub trait NvmlApi: Send + Sync {
     fn device_count(&self) -> Result<u32, NvmlError>;
@@ -83,18 +83,18 @@ pub trait NvmlApi: Send + Sync {
 }
 
 /// A handle on NVML, or nothing when it is not available.
-pub struct GpuProbe {
+pub struct GpuReader {
     api: Option<Box<dyn NvmlApi>>,
     /// The static facts, read once at open.
     devices: Vec<Device>,
     /// The calls this driver answers, learnt on the way; behind a lock
-    /// because a probe is shared by the sampler and the event readers.
+    /// because a reader is shared by the sampler and the event readers.
     calls: Mutex<Calls>,
 }
 
-impl std::fmt::Debug for GpuProbe {
+impl std::fmt::Debug for GpuReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GpuProbe")
+        f.debug_struct("GpuReader")
             .field("present", &self.is_present())
             .finish()
     }
@@ -155,36 +155,36 @@ impl Device {
     }
 }
 
-impl GpuProbe {
+impl GpuReader {
     /// Initialises NVML and reads the devices' static facts; absent (never a
     /// panic) when the library is missing, fails to initialise, or sees no
     /// device.
-    pub fn open() -> GpuProbe {
+    pub fn open() -> GpuReader {
         match guarded(|| nvml::SystemNvml::init().ok()) {
-            Some(api) => GpuProbe::with_api(Box::new(api)),
-            None => GpuProbe::absent(),
+            Some(api) => GpuReader::with_api(Box::new(api)),
+            None => GpuReader::absent(),
         }
     }
 
-    /// A probe over any [`NvmlApi`] (a scripted one in tests); absent when
+    /// A reader over any [`NvmlApi`] (a scripted one in tests); absent when
     /// it counts no device.
-    pub fn with_api(api: Box<dyn NvmlApi>) -> GpuProbe {
+    pub fn with_api(api: Box<dyn NvmlApi>) -> GpuReader {
         let count = guarded(|| api.device_count().ok()).unwrap_or(0);
         if count == 0 {
-            return GpuProbe::absent();
+            return GpuReader::absent();
         }
         let mut calls = Calls::default();
         let devices = guarded(|| Some(layout(api.as_ref(), &mut calls, count))).unwrap_or_default();
-        GpuProbe {
+        GpuReader {
             api: Some(api),
             devices,
             calls: Mutex::new(calls),
         }
     }
 
-    /// A probe that never reads anything (tests, hosts told to skip NVML).
-    pub fn absent() -> GpuProbe {
-        GpuProbe {
+    /// A reader that never reads anything (tests, hosts told to skip NVML).
+    pub fn absent() -> GpuReader {
+        GpuReader {
             api: None,
             devices: Vec::new(),
             calls: Mutex::default(),
@@ -198,7 +198,7 @@ impl GpuProbe {
     /// Every device's memory and compute processes now: two NVML calls per
     /// device. A device NVML refuses is listed with `unreadable` (its
     /// figures unknown); a process whose usage NVML cannot see has none.
-    /// Pids are not resolved here (`view` unspecified): the host probe
+    /// Pids are not resolved here (`view` unspecified): the host reader
     /// knows which are ours.
     pub fn read(&self) -> Vec<pb::GpuDevice> {
         let Some(api) = &self.api else {

@@ -1,8 +1,8 @@
 //! The pure parsers against literal text, including missing and garbled lines.
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::cgroup::{self, Version};
-use oomscope_agent_core::probe::{process, processes, system};
+use oomscope_agent_core::readers::cgroup::{self, Version};
+use oomscope_agent_core::readers::{process, processes, system};
 
 const KIB: u64 = 1024;
 

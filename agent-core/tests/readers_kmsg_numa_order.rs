@@ -5,7 +5,7 @@
 //! kernel's format strings (tests/fixtures/kmsg/construct.py, see README.md).
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::kmsg::{
+use oomscope_agent_core::readers::kmsg::{
     parse_alloc_failures, parse_kills, parse_records, OomRecordParser,
 };
 

@@ -1,4 +1,4 @@
-//! Host-domain probes: process, cgroup (v1 and v2), system, GPU (NVML), the
+//! Host-domain readers: process, cgroup (v1 and v2), system, GPU (NVML), the
 //! other processes on the host (and how NVML's pids relate to ours), a
 //! supervised process tree, and the kernel's record of OOM kills (`/dev/kmsg`). Read-only: nothing here signals anyone.
 //!
@@ -21,11 +21,11 @@ pub mod system;
 mod text;
 pub mod tree;
 
-pub use host::HostProbe;
+pub use host::HostReader;
 
 use std::path::PathBuf;
 
-/// Where the probes look for the kernel's files.
+/// Where the readers look for the kernel's files.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostPaths {
     /// Normally "/proc".

@@ -62,7 +62,7 @@ pub struct MemoryCgroup {
 /// The pid's own level first, then each ancestor up to the mount root (the
 /// root level included when its files exist; on v2 it lacks memory.max and
 /// memory.current, so it reads `partial`).
-pub fn read_levels(_paths: &crate::probe::HostPaths, cg: &MemoryCgroup) -> Vec<pb::CgroupLevel> {
+pub fn read_levels(_paths: &crate::readers::HostPaths, cg: &MemoryCgroup) -> Vec<pb::CgroupLevel> {
     // `_paths` is kept for symmetry with the other readers: `cg` already holds resolved directories.
     level_dirs(cg)
         .iter()
@@ -85,9 +85,9 @@ pub fn refresh_usage(cg: &MemoryCgroup, last: &[pb::CgroupLevel]) -> Option<Vec<
         .iter()
         .zip(last)
         .map(|((dir, _), l)| {
-            let usage = crate::probe::text::read_opt(&dir.join(cg.version.usage_file()))
+            let usage = crate::readers::text::read_opt(&dir.join(cg.version.usage_file()))
                 .as_deref()
-                .and_then(crate::probe::text::first_u64);
+                .and_then(crate::readers::text::first_u64);
             pb::CgroupLevel {
                 usage_bytes: usage.unwrap_or(0),
                 partial: l.partial || usage.is_none(),

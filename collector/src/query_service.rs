@@ -9,9 +9,9 @@
 use anyhow::Result;
 use tonic::{Request, Response, Status};
 
+use crate::ingest::Collector;
 use crate::pb;
 use crate::pb::query_service_server::QueryService;
-use crate::server::Collector;
 use crate::store::{Instance, Store, Target};
 use crate::verdict::{diagnose, incident_ref};
 use oomscope_analysis::join::{join_context, join_tree, TREE_JOIN_MAX_AGE_NS};

@@ -2,8 +2,8 @@
 
 use std::fs;
 
-use oomscope_agent_core::probe::cgroup::{self, Version};
-use oomscope_agent_core::probe::{process, system, HostPaths, HostProbe};
+use oomscope_agent_core::readers::cgroup::{self, Version};
+use oomscope_agent_core::readers::{process, system, HostPaths, HostReader};
 
 #[test]
 fn v2_level_with_only_memory_current_is_partial() {
@@ -92,10 +92,10 @@ fn an_empty_proc_tree_gives_empty_readings() {
     let sys = system::read(&paths);
     assert_eq!(sys.mem_total_bytes, 0);
     assert!(sys.pressure.is_none(), "no PSI file: absent, not an error");
-    let probe = HostProbe::with_gpu(
+    let probe = HostReader::with_gpu(
         paths,
         1,
-        oomscope_agent_core::probe::gpu::GpuProbe::absent(),
+        oomscope_agent_core::readers::gpu::GpuReader::absent(),
     );
     let s = probe.sample();
     assert!(s.process.is_none());

@@ -2,8 +2,8 @@
 //! Run on the GPU machine: the readings must be the driver's real numbers.
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::gpu::GpuProbe;
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::gpu::GpuReader;
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 
 fn has_nvidia_device() -> bool {
     std::path::Path::new("/dev/nvidiactl").exists()
@@ -15,7 +15,7 @@ fn nvml_reads_each_device() {
         eprintln!("skipping: no NVIDIA device here");
         return;
     }
-    let gpu = GpuProbe::open();
+    let gpu = GpuReader::open();
     assert!(
         gpu.is_present(),
         "NVML should open where /dev/nvidiactl exists"
@@ -53,7 +53,7 @@ fn nvml_reads_each_device() {
     assert_eq!(placements[0].uuid, devices[0].uuid);
     assert_eq!(placements[0].pci_bus_id, devices[0].pci_bus_id);
 
-    let host = HostProbe::with_gpu(HostPaths::system(), std::process::id(), gpu);
+    let host = HostReader::with_gpu(HostPaths::system(), std::process::id(), gpu);
     let list = host.process_list(5);
     for p in &list.gpu {
         eprintln!("process {} on {} view {:?}", p.pid, p.device_uuid, p.view());

@@ -1,11 +1,11 @@
 //! Every probe against this machine's real /proc, /sys and (absent) GPU.
 
-use oomscope_agent_core::probe::gpu::GpuProbe;
-use oomscope_agent_core::probe::{process, processes, system, HostPaths, HostProbe};
+use oomscope_agent_core::readers::gpu::GpuReader;
+use oomscope_agent_core::readers::{process, processes, system, HostPaths, HostReader};
 
 #[test]
 fn gpu_probe_is_absent_here_without_panicking() {
-    let gpu = GpuProbe::open();
+    let gpu = GpuReader::open();
     if std::path::Path::new("/dev/nvidiactl").exists() {
         eprintln!("this host has an NVIDIA device; absence is not checked");
         return;
@@ -18,7 +18,7 @@ fn gpu_probe_is_absent_here_without_panicking() {
 #[test]
 fn host_probe_samples_every_domain() {
     let pid = std::process::id();
-    let probe = HostProbe::new(HostPaths::system(), pid);
+    let probe = HostReader::new(HostPaths::system(), pid);
     assert_eq!(probe.pid(), pid);
     let s = probe.sample();
     assert!(s.time_ns > 0);
@@ -46,14 +46,14 @@ fn host_probe_samples_every_domain() {
 
 #[test]
 fn a_boundary_sample_reads_this_hosts_usage_files() {
-    let probe = HostProbe::new(HostPaths::system(), std::process::id());
+    let probe = HostReader::new(HostPaths::system(), std::process::id());
     let full = probe.sample();
     let cg = probe
         .memory_cgroup()
         .expect("a memory controller on this host");
     let usage_file = match cg.version {
-        oomscope_agent_core::probe::cgroup::Version::V1 => "memory.usage_in_bytes",
-        oomscope_agent_core::probe::cgroup::Version::V2 => "memory.current",
+        oomscope_agent_core::readers::cgroup::Version::V1 => "memory.usage_in_bytes",
+        oomscope_agent_core::readers::cgroup::Version::V2 => "memory.current",
     };
     let read_own = || -> u64 {
         std::fs::read_to_string(cg.dir.join(usage_file))
@@ -136,7 +136,7 @@ fn top_processes_by_rss_include_us() {
     if unsafe { libc::getuid() } == 0 {
         assert_eq!(me.user, "root");
     }
-    assert!(me.command.contains("probe_host_live"), "{}", me.command);
+    assert!(me.command.contains("readers_host_live"), "{}", me.command);
     assert_eq!(
         me.cgroup,
         processes::memory_cgroup_path(&std::fs::read_to_string("/proc/self/cgroup").unwrap())
@@ -148,8 +148,8 @@ fn top_processes_by_rss_include_us() {
 #[test]
 fn host_probe_can_move_to_a_sampling_thread() {
     fn send_sync<T: Send + Sync>() {}
-    send_sync::<HostProbe>();
-    let probe = HostProbe::new(HostPaths::system(), std::process::id());
+    send_sync::<HostReader>();
+    let probe = HostReader::new(HostPaths::system(), std::process::id());
     let rss = std::thread::spawn(move || probe.sample().process.map(|p| p.vm_rss_bytes))
         .join()
         .unwrap();

@@ -11,14 +11,14 @@ use std::path::Path;
 
 use fake_nvml::{FakeDevice, FakeNvml};
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::gpu::{GpuProbe, MemoryInfo, NvmlError};
-use oomscope_agent_core::probe::pid_views::{PidViews, HOST_PID_NAMESPACE};
-use oomscope_agent_core::probe::{HostPaths, HostProbe};
+use oomscope_agent_core::readers::gpu::{GpuReader, MemoryInfo, NvmlError};
+use oomscope_agent_core::readers::pid_views::{PidViews, HOST_PID_NAMESPACE};
+use oomscope_agent_core::readers::{HostPaths, HostReader};
 
 const GIB: u64 = 1 << 30;
 
-fn probe(fake: &FakeNvml) -> GpuProbe {
-    GpuProbe::with_api(Box::new(fake.clone()))
+fn probe(fake: &FakeNvml) -> GpuReader {
+    GpuReader::with_api(Box::new(fake.clone()))
 }
 
 fn mig_instance(uuid: &str, total: u64, used: u64) -> FakeDevice {
@@ -317,7 +317,7 @@ fn gpu_with_every_kind_of_pid() -> FakeNvml {
 fn pids_are_own_visible_or_unresolved_in_the_host_namespace() {
     let (_tmp, paths) = fake_proc(HOST_PID_NAMESPACE);
     let fake = gpu_with_every_kind_of_pid();
-    let host = HostProbe::with_gpu(paths, ME, probe(&fake));
+    let host = HostReader::with_gpu(paths, ME, probe(&fake));
     let s = host.sample();
     assert_eq!(
         views(&s.gpus),
@@ -378,7 +378,7 @@ fn pids_are_own_visible_or_unresolved_in_the_host_namespace() {
 fn in_a_pid_namespace_of_our_own_no_pid_is_resolved() {
     // A container's namespace: even our own number is not NVML's.
     let (_tmp, paths) = fake_proc("pid:[4026532713]");
-    let host = HostProbe::with_gpu(paths.clone(), ME, probe(&gpu_with_every_kind_of_pid()));
+    let host = HostReader::with_gpu(paths.clone(), ME, probe(&gpu_with_every_kind_of_pid()));
     assert!(views(&host.sample().gpus)
         .iter()
         .all(|(_, v)| *v == pb::PidView::Unresolved));
@@ -427,7 +427,7 @@ fn a_pid_view_is_worked_out_once_while_nvml_lists_it() {
 fn a_boundary_sample_reads_no_nvml() {
     let (_tmp, paths) = fake_proc(HOST_PID_NAMESPACE);
     let fake = gpu_with_every_kind_of_pid();
-    let host = HostProbe::with_gpu(paths, ME, probe(&fake));
+    let host = HostReader::with_gpu(paths, ME, probe(&fake));
     let full = host.sample();
     assert_eq!(full.gpus.len(), 1);
     let before = fake.total_calls();

@@ -18,7 +18,7 @@ pub const HOST_PID_NAMESPACE: &str = "pid:[4026531836]";
 #[derive(Debug)]
 pub struct PidViews {
     paths: HostPaths,
-    /// Pids whose trees are ours: the probed process and the reader.
+    /// Pids whose trees are ours: the process read and the reader itself.
     own_roots: Vec<u32>,
     /// Read once: a process never changes its own PID namespace.
     host_namespace: bool,

@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use super::{MemoryCgroup, Version, SYSTEM_CGROUP_ROOT};
-use crate::probe::text::read_opt;
-use crate::probe::HostPaths;
+use crate::readers::text::read_opt;
+use crate::readers::HostPaths;
 
 /// One line of `/proc/<pid>/cgroup`: `hierarchy-id:controllers:path`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! (tests/fixtures/kmsg, see its README), and on truncated or garbled input.
 
 use oomscope_agent_core::pb;
-use oomscope_agent_core::probe::kmsg::{
+use oomscope_agent_core::readers::kmsg::{
     parse_kills, parse_record, parse_records, KmsgReader, OomRecordParser,
 };
 

@@ -5,8 +5,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use oomscope_agent_core::probe::cgroup::{self, MemoryCgroup, Version};
-use oomscope_agent_core::probe::HostPaths;
+use oomscope_agent_core::readers::cgroup::{self, MemoryCgroup, Version};
+use oomscope_agent_core::readers::HostPaths;
 
 const LIMIT_64_MIB: u64 = 64 * 1024 * 1024;
 

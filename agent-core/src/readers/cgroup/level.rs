@@ -4,8 +4,8 @@ use std::path::Path;
 
 use super::Version;
 use crate::pb;
-use crate::probe::system::parse_pressure;
-use crate::probe::text::{first_u64, key_values, read_opt};
+use crate::readers::system::parse_pressure;
+use crate::readers::text::{first_u64, key_values, read_opt};
 
 /// v1 writes PAGE_COUNTER_MAX rounded to pages (9223372036854771712) for
 /// "no limit"; anything this large cannot be a real limit.

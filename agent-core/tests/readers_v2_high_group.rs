@@ -6,9 +6,9 @@
 use std::fs;
 use std::path::Path;
 
-use oomscope_agent_core::probe::cgroup::{read_level, Version};
-use oomscope_agent_core::probe::numa::{node_root, parse_node_meminfo, read_nodes};
-use oomscope_agent_core::probe::HostPaths;
+use oomscope_agent_core::readers::cgroup::{read_level, Version};
+use oomscope_agent_core::readers::numa::{node_root, parse_node_meminfo, read_nodes};
+use oomscope_agent_core::readers::HostPaths;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;

@@ -13,7 +13,6 @@ mod probe;
 mod query;
 mod replay;
 mod report;
-pub mod supervise;
 
 use clap::{CommandFactory, Parser};
 
@@ -70,7 +69,7 @@ pub fn main() -> i32 {
                     .map(|f| f.to_string_lossy().into_owned())
                     .unwrap_or_else(|| command[0].clone())
             });
-            supervise::run(supervise::RunConfig {
+            oomscope_supervisor::run(oomscope_supervisor::RunConfig {
                 command,
                 name,
                 collector_url: collector.collector,
@@ -78,7 +77,7 @@ pub fn main() -> i32 {
                 backoff_initial: backoff,
                 backoff_max,
                 interval,
-                stderr_tail_bytes: supervise::DEFAULT_STDERR_TAIL_BYTES,
+                stderr_tail_bytes: oomscope_supervisor::DEFAULT_STDERR_TAIL_BYTES,
                 flush_timeout,
                 spool_dir: spool,
             })

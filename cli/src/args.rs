@@ -68,38 +68,7 @@ pub enum Verb {
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status
     /// (128+N when signal N killed it).
-    Run {
-        /// Where the collector is.
-        #[command(flatten)]
-        collector: CollectorArg,
-        /// The agent name (default: the command's file name).
-        #[arg(long)]
-        name: Option<String>,
-        /// Restart the command up to N times after a failure (exponential
-        /// backoff); then report a crash loop. 0 = never restart.
-        #[arg(long, default_value_t = 0)]
-        restart: u32,
-        /// First restart delay; it doubles up to --backoff-max.
-        #[arg(long, default_value = "500ms", value_parser = parse_duration)]
-        backoff: Duration,
-        /// The longest restart delay.
-        #[arg(long, default_value = "30s", value_parser = parse_duration)]
-        backoff_max: Duration,
-        /// Sampling interval, at least 10 ms (every agent's floor; a directive
-        /// from the collector may change it).
-        #[arg(long, default_value = "250ms", value_parser = parse_interval)]
-        interval: Duration,
-        /// How long to wait at the end for the collector to ack everything.
-        #[arg(long, default_value = "5s", value_parser = parse_duration)]
-        flush_timeout: Duration,
-        /// Where unacked evidence is spooled while the collector is unreachable
-        /// (default: in memory only).
-        #[arg(long, env = "OOMSCOPE_SPOOL", hide_env_values = true)]
-        spool: Option<PathBuf>,
-        /// The command and its arguments, after `--`.
-        #[arg(last = true, required = true, value_name = "CMD")]
-        command: Vec<String>,
-    },
+    Run(RunArgs),
     /// Feed a capture file (a JSON capture of allocator readings, .json or
     /// .json.gz) through the agent reporter, as a live agent would have sent it.
     /// Exits 0 once the collector has acked every message.
@@ -275,6 +244,41 @@ pub enum BenchVerb {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// The supervisor's flags; `run` turns them into `oomscope_supervisor::RunConfig`.
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Where the collector is.
+    #[command(flatten)]
+    pub collector: CollectorArg,
+    /// The agent name (default: the command's file name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Restart the command up to N times after a failure (exponential
+    /// backoff); then report a crash loop. 0 = never restart.
+    #[arg(long, default_value_t = 0)]
+    pub restart: u32,
+    /// First restart delay; it doubles up to --backoff-max.
+    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+    pub backoff: Duration,
+    /// The longest restart delay.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub backoff_max: Duration,
+    /// Sampling interval, at least 10 ms (every agent's floor; a directive
+    /// from the collector may change it).
+    #[arg(long, default_value = "250ms", value_parser = parse_interval)]
+    pub interval: Duration,
+    /// How long to wait at the end for the collector to ack everything.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub flush_timeout: Duration,
+    /// Where unacked evidence is spooled while the collector is unreachable
+    /// (default: in memory only).
+    #[arg(long, env = "OOMSCOPE_SPOOL", hide_env_values = true)]
+    pub spool: Option<PathBuf>,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
 }
 
 /// The probe's defaults, from their one source, `ProbeConfig::new`.

@@ -1,8 +1,8 @@
 //! The `oomscope` command, one module per verb: `collector`, `run` (the
 //! supervisor), `replay`, the queries (`agents`, `incidents`, `timeline`,
 //! `diagnose`), `compare`, `probe`, `report` and `bench`. Each verb is a thin
-//! shell: the work lives in the collector, agent-core, analysis, report and
-//! probe crates. The command line itself (every flag and its help) is in [`args`].
+//! shell: the work lives in the collector, supervisor, agent-core, analysis,
+//! report and probe crates. The command line itself (every flag and its help) is in [`args`].
 
 pub mod args;
 mod bench;
@@ -13,6 +13,7 @@ mod probe;
 mod query;
 mod replay;
 mod report;
+mod run;
 
 use clap::{CommandFactory, Parser};
 
@@ -52,36 +53,7 @@ pub fn main() -> i32 {
             db,
             lost_grace,
         } => collector::run(listen, db, lost_grace),
-        Verb::Run {
-            collector,
-            name,
-            restart,
-            backoff,
-            backoff_max,
-            interval,
-            flush_timeout,
-            spool,
-            command,
-        } => {
-            let name = name.unwrap_or_else(|| {
-                std::path::Path::new(&command[0])
-                    .file_name()
-                    .map(|f| f.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| command[0].clone())
-            });
-            oomscope_supervisor::run(oomscope_supervisor::RunConfig {
-                command,
-                name,
-                collector_url: collector.collector,
-                restart,
-                backoff_initial: backoff,
-                backoff_max,
-                interval,
-                stderr_tail_bytes: oomscope_supervisor::DEFAULT_STDERR_TAIL_BYTES,
-                flush_timeout,
-                spool_dir: spool,
-            })
-        }
+        Verb::Run(args) => run::run(args),
         Verb::Replay {
             file,
             collector,

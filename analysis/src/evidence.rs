@@ -331,7 +331,7 @@ pub fn names_a_device(cuda_visible_devices: &str) -> bool {
         || first.starts_with("MIG-")
 }
 
-/// The role in `oomscope run`'s own Hello (cli/src/supervise.rs).
+/// The role in `oomscope run`'s own Hello (supervisor/src/hello.rs).
 const SUPERVISOR_ROLE: &str = "supervisor";
 
 /// How long after a death the kernel's record may still be read (the

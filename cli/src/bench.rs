@@ -9,8 +9,8 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use oomscope_agent_core::capture;
 use oomscope_agent_core::{now_ns, pb};
+use oomscope_replay::capture;
 use prost::bytes::{Buf, BufMut};
 use prost::Message;
 use tokio::sync::mpsc;

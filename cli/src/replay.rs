@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{now_ns, pb};
 
-use oomscope_agent_core::capture::{self, CaptureItem};
+use oomscope_replay::capture::{self, CaptureItem};
 
 pub fn run(
     file: &Path,

@@ -6,7 +6,6 @@
 //! collector: each reader reports what it could read and marks the rest absent.
 
 pub mod agent;
-pub mod capture;
 pub mod own_heap;
 pub mod priority;
 pub mod readers;

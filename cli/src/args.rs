@@ -225,13 +225,13 @@ pub enum BenchVerb {
         #[command(flatten)]
         collector: CollectorArg,
         /// Agent streams, each on its own connection.
-        #[arg(long, default_value_t = crate::bench::DEFAULT_AGENTS)]
+        #[arg(long, default_value_t = crate::bench_ingest::DEFAULT_AGENTS)]
         agents: usize,
         /// Samples each stream sends.
-        #[arg(long, default_value_t = crate::bench::DEFAULT_SAMPLES)]
+        #[arg(long, default_value_t = crate::bench_ingest::DEFAULT_SAMPLES)]
         samples: usize,
         /// Unacked samples one stream may have in flight.
-        #[arg(long, default_value_t = crate::bench::DEFAULT_WINDOW)]
+        #[arg(long, default_value_t = crate::bench_ingest::DEFAULT_WINDOW)]
         window: usize,
         /// Send every sample's allocator counters complete, as agents without
         /// delta encoding do (by default, as changes against the previous

@@ -1,11 +1,12 @@
 //! The `oomscope` command, one module per verb: `collector`, `run` (the
 //! supervisor), `replay`, the queries (`agents`, `incidents`, `timeline`,
-//! `diagnose`), `compare`, `probe`, `report` and `bench`. Each verb is a thin
-//! shell: the work lives in the collector, supervisor, agent-core, analysis,
-//! report and probe crates. The command line itself (every flag and its help) is in [`args`].
+//! `diagnose`), `compare`, `probe`, `report` and `bench ingest`. Each verb is a
+//! thin shell: the work lives in the collector, supervisor, agent-core,
+//! analysis, report, probe and replay crates. The command line itself (every
+//! flag and its help) is in [`args`].
 
 pub mod args;
-mod bench;
+mod bench_ingest;
 mod collector;
 mod compare;
 mod output;
@@ -110,9 +111,9 @@ pub fn main() -> i32 {
             window,
             complete_counters,
             json,
-        }) => bench::ingest(
+        }) => bench_ingest::run(
             &collector.collector,
-            bench::Load {
+            bench_ingest::Load {
                 agents,
                 samples,
                 window,

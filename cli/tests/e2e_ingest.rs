@@ -8,10 +8,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use oomscope_agent_core::capture;
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_proto::delta;
 use oomscope_proto::v1 as pb;
+use oomscope_replay::capture;
 use pb::agent_message::Body;
 
 #[test]

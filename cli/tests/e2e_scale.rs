@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{bin, fixture, Collector};
-use oomscope_agent_core::capture;
 use oomscope_collector::store::Store;
 use oomscope_proto::v1 as pb;
+use oomscope_replay::capture;
 use pb::agent_message::Body;
 
 const DEFAULT_SAMPLES: u64 = 200_000;

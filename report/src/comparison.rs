@@ -726,7 +726,7 @@ mod tests {
             "notes": notes,
             "timeline": [{"t_s": 0.0, "step": 0, "context": {"phase": "idle"}, "memory_stats": {}}],
         });
-        oomscope_agent_core::capture::from_json(&v, "test", 0)
+        oomscope_replay::capture::from_json(&v, "test", 0)
             .unwrap()
             .hello
     }

@@ -12,11 +12,10 @@
 use std::io::Read;
 use std::path::Path;
 
-use crate::torch;
 use anyhow::{bail, Result};
 use serde_json::{Map, Value};
 
-use crate::pb;
+use oomscope_agent_core::{pb, torch};
 
 /// A decompressed capture larger than this is refused rather than read.
 pub const MAX_CAPTURE_BYTES: u64 = 1 << 30;

@@ -1,9 +1,9 @@
 //! Every real H200 capture read back as an agent's stream, each message checked
 //! against numbers taken straight from the file.
 
-use oomscope_agent_core::capture::{self, Capture, CaptureItem};
 use oomscope_agent_core::pb;
 use oomscope_agent_core::pb::event::Kind;
+use oomscope_replay::capture::{self, Capture, CaptureItem};
 use serde_json::Value;
 
 #[path = "../../tests/support/torch_h200.rs"]

@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use oomscope_agent_core::capture::{self, CaptureItem};
 use oomscope_agent_core::pb;
 use oomscope_agent_core::pb::event::Kind;
+use oomscope_replay::capture::{self, CaptureItem};
 use serde_json::json;
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {

@@ -1,4 +1,4 @@
-//! `oomscope bench ingest`: a load generator for sizing a collector. N agent
+//! The load generator behind `oomscope bench ingest`, for sizing a collector. N agent
 //! streams each send M real-size samples (the allocator counters and host
 //! readings of a shipped H200 capture, encoded as the agent's reporter
 //! encodes them) as fast as acks allow, and the figures are the collector's:
@@ -9,7 +9,6 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use oomscope_agent_core::capture;
 use oomscope_agent_core::{now_ns, pb};
 use prost::bytes::{Buf, BufMut};
 use prost::Message;
@@ -20,7 +19,7 @@ use tonic::transport::{Channel, Endpoint};
 use pb::agent_message::Body;
 use pb::collector_message::Body as Reply;
 
-use crate::output::print_out;
+use crate::capture;
 
 /// Agent streams a run opens unless told otherwise.
 pub const DEFAULT_AGENTS: usize = 4;
@@ -44,7 +43,7 @@ pub const BENCH_AGENT_NAME: &str = "bench-ingest";
 const CONNECT_PATH: &str = "/oomscope.v1.AgentService/Connect";
 
 /// What one run measured (`--json` prints it as is).
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Figures {
     pub acked_samples_per_s: f64,
     pub p50_ack_ms: f64,
@@ -55,20 +54,6 @@ pub struct Figures {
     pub samples: usize,
     /// Mean bytes of a sample message on the wire.
     pub wire_bytes_per_sample: f64,
-}
-
-impl Figures {
-    fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "acked_samples_per_s": self.acked_samples_per_s,
-            "p50_ack_ms": self.p50_ack_ms,
-            "p99_ack_ms": self.p99_ack_ms,
-            "collector_cpu_us_per_sample": self.collector_cpu_us_per_sample,
-            "agents": self.agents,
-            "samples": self.samples,
-            "wire_bytes_per_sample": self.wire_bytes_per_sample,
-        })
-    }
 }
 
 /// The load one run puts on a collector.
@@ -84,37 +69,17 @@ pub struct Load {
     pub complete_counters: bool,
 }
 
-/// `oomscope bench ingest`.
-pub fn ingest(collector_url: &str, load: Load, json: bool) -> Result<i32> {
+/// Puts `load` on the collector at `collector_url` and measures it; blocks
+/// until every sample is acked (an error if one stream goes unacked for
+/// [`ACK_TIMEOUT`]).
+pub fn measure(collector_url: &str, load: Load) -> Result<Figures> {
     if load.agents == 0 || load.samples == 0 || load.window == 0 {
         bail!("--agents, --samples and --window must each be at least 1");
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let figures = runtime.block_on(run(collector_url, load))?;
-    match json {
-        true => print_out(&format!("{}\n", figures.to_json()))?,
-        false => print_out(&text(&figures, collector_url))?,
-    }
-    Ok(0)
-}
-
-fn text(f: &Figures, url: &str) -> String {
-    let cpu = match f.collector_cpu_us_per_sample {
-        Some(us) => format!("{us:.1} µs of collector CPU per sample"),
-        None => "collector CPU unknown (not a process on this host)".to_string(),
-    };
-    format!(
-        "{url}: {} agents x {} samples ({:.0} bytes each on the wire)\n\
-         {:.0} acked samples/s; ack latency p50 {:.2} ms, p99 {:.2} ms; {cpu}\n",
-        f.agents,
-        f.samples,
-        f.wire_bytes_per_sample,
-        f.acked_samples_per_s,
-        f.p50_ack_ms,
-        f.p99_ack_ms,
-    )
+    runtime.block_on(run(collector_url, load))
 }
 
 /// A message encoded before the clock starts: its bytes go on the stream as

@@ -3,10 +3,11 @@
 //! them afterwards, also on failure.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use oomscope_agent_core::readers::cgroup::{self, MemoryCgroup, Version};
 use oomscope_agent_core::readers::HostPaths;
+use oomscope_testkit::TestCgroup;
 
 const LIMIT_64_MIB: u64 = 64 * 1024 * 1024;
 
@@ -23,27 +24,6 @@ fn own_memory_path() -> Option<String> {
     })
 }
 
-/// Removes the created cgroup directories, deepest first, even when a test panics.
-struct CgroupDirs(Vec<PathBuf>);
-
-impl CgroupDirs {
-    fn create(&mut self, dir: PathBuf) -> PathBuf {
-        fs::create_dir(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
-        self.0.push(dir.clone());
-        dir
-    }
-}
-
-impl Drop for CgroupDirs {
-    fn drop(&mut self) {
-        for dir in self.0.iter().rev() {
-            if let Err(e) = fs::remove_dir(dir) {
-                eprintln!("could not remove {}: {e}", dir.display());
-            }
-        }
-    }
-}
-
 fn own_v1() -> Option<MemoryCgroup> {
     let cg = cgroup::locate(&HostPaths::system(), std::process::id())?;
     if cg.version != Version::V1 {
@@ -56,11 +36,13 @@ fn own_v1() -> Option<MemoryCgroup> {
     Some(cg)
 }
 
-fn child_of(parent: &MemoryCgroup, name: &str, dir: &Path) -> MemoryCgroup {
+/// The test cgroup `cg` (removed when it drops, also on failure) as the
+/// readers see it: on the mount of our own.
+fn as_read(own: &MemoryCgroup, cg: &TestCgroup) -> MemoryCgroup {
     MemoryCgroup {
-        path: format!("{}/{name}", parent.path.trim_end_matches('/')),
-        dir: dir.to_path_buf(),
-        ..parent.clone()
+        path: cg.path.clone(),
+        dir: cg.dir.clone(),
+        ..own.clone()
     }
 }
 
@@ -96,16 +78,14 @@ fn locates_own_cgroup_and_reads_its_levels() {
 fn a_child_limit_below_the_parent_owns_the_limit() {
     let Some(own) = own_v1() else { return };
     let paths = HostPaths::system();
-    let name = format!("oomscope-probe-test-{}", std::process::id());
-    let mut dirs = CgroupDirs(Vec::new());
-    let child_dir = dirs.create(own.dir.join(&name));
+    let cg = TestCgroup::create(None, "oomscope-readers-child", None);
     fs::write(
-        child_dir.join("memory.limit_in_bytes"),
+        cg.dir.join("memory.limit_in_bytes"),
         LIMIT_64_MIB.to_string(),
     )
     .unwrap();
 
-    let child = child_of(&own, &name, &child_dir);
+    let child = as_read(&own, &cg);
     let level = cgroup::read_level(&child.dir, &child.path, Version::V1);
     assert_eq!(level.limit_bytes, LIMIT_64_MIB);
     assert!(!level.partial);
@@ -133,18 +113,17 @@ fn a_child_limit_below_the_parent_owns_the_limit() {
 fn a_parent_limit_is_owned_by_the_parent() {
     let Some(own) = own_v1() else { return };
     let paths = HostPaths::system();
-    let parent_name = format!("oomscope-probe-test-{}-parent", std::process::id());
-    let mut dirs = CgroupDirs(Vec::new());
-    let parent_dir = dirs.create(own.dir.join(&parent_name));
+    // Declared parent first: the child is removed first.
+    let parent_cg = TestCgroup::create(None, "oomscope-readers-parent", None);
     fs::write(
-        parent_dir.join("memory.limit_in_bytes"),
+        parent_cg.dir.join("memory.limit_in_bytes"),
         LIMIT_64_MIB.to_string(),
     )
     .unwrap();
-    let child_dir = dirs.create(parent_dir.join("child"));
+    let child_cg = TestCgroup::create(Some(&parent_cg), "child", None);
 
-    let parent = child_of(&own, &parent_name, &parent_dir);
-    let child = child_of(&parent, "child", &child_dir);
+    let parent = as_read(&own, &parent_cg);
+    let child = as_read(&own, &child_cg);
     let levels = cgroup::read_levels(&paths, &child);
     assert_eq!(levels[0].path, child.path);
     assert_eq!(levels[0].limit_bytes, 0, "the child itself is unlimited");

@@ -7,11 +7,7 @@ use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 
 #[test]
 fn a_forked_child_sends_nothing_and_does_not_hang() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = oomscope_testkit::free_port();
     let r = Reporter::start(
         ReporterConfig::new(format!("http://127.0.0.1:{port}")),
         pb::Hello {

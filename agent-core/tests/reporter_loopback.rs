@@ -190,8 +190,7 @@ fn collector_up(addr: SocketAddr) -> (Arc<Store>, Collector) {
 
 /// A loopback port nobody listens on (bound, then released).
 fn reserved_port() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
+    SocketAddr::from(([127, 0, 0, 1], oomscope_testkit::free_port()))
 }
 
 fn config(addr: SocketAddr) -> ReporterConfig {

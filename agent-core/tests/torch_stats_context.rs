@@ -8,8 +8,7 @@ use oomscope_agent_core::torch;
 use serde_json::{json, Map, Value};
 use torch_h200::assert_context_key;
 
-#[path = "../../tests/support/torch_h200.rs"]
-mod torch_h200;
+use oomscope_testkit::torch_h200;
 
 fn timeline(v: &Value) -> &[Value] {
     v.get("timeline")

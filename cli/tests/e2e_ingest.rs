@@ -204,37 +204,18 @@ fn the_collector_rejects_changes_that_open_a_stream() {
 /// Opens a stream as agent `name`, sends its Hello and `messages`, and
 /// returns the collector's replies until it has answered each message.
 fn send_raw(url: &str, name: &str, messages: Vec<pb::AgentMessage>) -> Vec<pb::CollectorMessage> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let ch = tonic::transport::Endpoint::from_shared(url.to_string())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let hello = pb::AgentMessage {
-            seq: 0,
-            body: Some(Body::Hello(pb::Hello {
-                agent_id: format!("{name}-{}", std::process::id()),
-                name: name.into(),
-                ..Default::default()
-            })),
+    use oomscope_testkit::agent_stream::{block_on, AgentStream};
+    block_on(async {
+        let hello = pb::Hello {
+            agent_id: format!("{name}-{}", std::process::id()),
+            name: name.into(),
+            ..Default::default()
         };
         let n = messages.len();
-        let (tx, rx) = tokio::sync::mpsc::channel(n + 1);
-        for m in std::iter::once(hello).chain(messages) {
-            tx.try_send(m).unwrap();
-        }
-        let mut inbound = pb::agent_service_client::AgentServiceClient::new(ch)
-            .connect(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut agent = AgentStream::connect(url, hello, messages).await;
         let mut replies = Vec::new();
         while replies.len() < n {
-            let next = tokio::time::timeout(Duration::from_secs(30), inbound.message()).await;
+            let next = tokio::time::timeout(Duration::from_secs(30), agent.replies.message()).await;
             match next.expect("the collector answers") {
                 Ok(Some(r)) => replies.push(r),
                 _ => break,

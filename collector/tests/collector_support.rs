@@ -2,7 +2,6 @@
 //! a real SQLite file, and an agent that speaks the stream by hand.
 #![allow(dead_code)]
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -10,13 +9,12 @@ use std::time::Duration;
 use oomscope_collector::ingest::Collector;
 use oomscope_collector::pb;
 use oomscope_collector::pb::agent_message::Body;
-use oomscope_collector::pb::collector_message::Body as Reply;
 use oomscope_collector::serve::serve_with_listener;
 use oomscope_collector::store::Store;
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
-use tonic::Streaming;
+/// An agent's stream by hand: the one connect set-up, shared with the cli's tests.
+pub use oomscope_testkit::agent_stream::AgentStream;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
 
 pub const MIB: u64 = 1024 * 1024;
 
@@ -93,11 +91,7 @@ impl Running {
     }
 
     pub async fn channel(&self) -> Channel {
-        Endpoint::from_shared(self.url())
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect")
+        oomscope_testkit::agent_stream::channel(&self.url()).await
     }
 
     pub async fn query(&self) -> pb::query_service_client::QueryServiceClient<Channel> {
@@ -105,72 +99,7 @@ impl Running {
     }
 
     pub async fn agent(&self, hello: pb::Hello) -> AgentStream {
-        let mut client = pb::agent_service_client::AgentServiceClient::new(self.channel().await)
-            .max_encoding_message_size(usize::MAX);
-        let (tx, rx) = mpsc::channel(1024);
-        tx.send(pb::AgentMessage {
-            seq: 0,
-            body: Some(Body::Hello(hello)),
-        })
-        .await
-        .unwrap();
-        let replies = client
-            .connect(ReceiverStream::new(rx))
-            .await
-            .expect("Connect")
-            .into_inner();
-        AgentStream {
-            tx: Some(tx),
-            replies,
-        }
-    }
-}
-
-pub struct AgentStream {
-    pub tx: Option<mpsc::Sender<pb::AgentMessage>>,
-    pub replies: Streaming<pb::CollectorMessage>,
-}
-
-impl AgentStream {
-    pub async fn send(&self, msg: pb::AgentMessage) {
-        self.tx.as_ref().unwrap().send(msg).await.expect("send");
-    }
-
-    /// Closes our side without a Goodbye.
-    pub fn close(&mut self) {
-        self.tx = None;
-    }
-
-    /// The next reply, failing the test after 10 s.
-    pub async fn next(&mut self) -> Result<Option<pb::CollectorMessage>, tonic::Status> {
-        tokio::time::timeout(Duration::from_secs(10), self.replies.message())
-            .await
-            .expect("no reply from the collector within 10 s")
-    }
-
-    /// Reads acks until every seq in `want` is covered; calls `on_ack` with
-    /// each ack as it arrives (to check the store at that very moment).
-    pub async fn acks_covering(
-        &mut self,
-        want: &BTreeSet<u64>,
-        mut on_ack: impl FnMut(&pb::Ack),
-    ) -> Vec<pb::Ack> {
-        let mut covered = BTreeSet::new();
-        let mut acks = Vec::new();
-        while !want.is_subset(&covered) {
-            match self.next().await {
-                Ok(Some(pb::CollectorMessage {
-                    body: Some(Reply::Ack(ack)),
-                })) => {
-                    assert!(ack.from_seq <= ack.to_seq, "inverted ack {ack:?}");
-                    on_ack(&ack);
-                    covered.extend(ack.from_seq..=ack.to_seq);
-                    acks.push(ack);
-                }
-                other => panic!("expected acks for {want:?}, covered {covered:?}, got {other:?}"),
-            }
-        }
-        acks
+        AgentStream::connect(&self.url(), hello, Vec::new()).await
     }
 }
 

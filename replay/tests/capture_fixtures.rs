@@ -6,8 +6,7 @@ use oomscope_agent_core::pb::event::Kind;
 use oomscope_replay::capture::{self, Capture, CaptureItem};
 use serde_json::Value;
 
-#[path = "../../tests/support/torch_h200.rs"]
-mod torch_h200;
+use oomscope_testkit::torch_h200;
 
 const BASE_NS: i64 = 1_790_000_000_000_000_000;
 const MIB: u64 = 1 << 20;

@@ -6,15 +6,14 @@
 //! (`scripts/test` builds the whole workspace first), or `OOMSCOPE_BIN`.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-#[path = "../../../tests/support/collector_log.rs"]
-mod collector_log;
+use oomscope_testkit::CollectorProcess;
 
 const MIB: u64 = 1 << 20;
 
@@ -33,14 +32,6 @@ fn oomscope_bin() -> PathBuf {
     bin
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Proc(Child);
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -50,7 +41,7 @@ impl Drop for Proc {
 }
 
 struct Collector {
-    _child: Proc,
+    _process: CollectorProcess,
     url: String,
     _dir: tempfile::TempDir,
 }
@@ -59,34 +50,16 @@ impl Collector {
     /// On a free port; another if that one was taken before the bind.
     fn start() -> Collector {
         let dir = tempfile::tempdir().unwrap();
-        let mut why = String::new();
-        for _ in 0..5 {
-            let port = free_port();
-            let mut child = Command::new(oomscope_bin())
-                .args([
-                    "collector",
-                    "--listen",
-                    &format!("127.0.0.1:{port}"),
-                    "--db",
-                ])
-                .arg(dir.path().join("oomscope.db"))
-                .args(["--lost-grace", "1s"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start the collector");
-            match collector_log::wait_listening(&mut child, Box::new(std::io::stderr())) {
-                Ok(_copier) => {
-                    return Collector {
-                        _child: Proc(child),
-                        url: format!("http://127.0.0.1:{port}"),
-                        _dir: dir,
-                    }
-                }
-                Err(e) => why = format!("port {port}: {e}"),
-            }
+        let process = CollectorProcess::start(
+            || Command::new(oomscope_bin()),
+            &dir.path().join("oomscope.db"),
+            None,
+        );
+        Collector {
+            url: process.url.clone(),
+            _process: process,
+            _dir: dir,
         }
-        panic!("no collector started: {why}");
     }
 
     fn json(&self, args: &[&str]) -> Value {

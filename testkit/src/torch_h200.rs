@@ -1,7 +1,5 @@
 //! The real H200 captures of tests/fixtures/torch-h200, read independently of
-//! the code under test, for the tests of agent-core and of the collector
-//! (each includes this file with `#[path]`).
-#![allow(dead_code)]
+//! the code under test, for the tests of agent-core and of the cli.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,35 @@
+//! Test support shared by oomscope's crates (a dev-dependency only): it
+//! starts and connects things, and holds no product logic, so a test reads
+//! what it checks independently of the code under test.
+//!
+//! - [`collector_process`]: an `oomscope collector` process, ready once it
+//!   says it listens;
+//! - [`ports`]: a free loopback port;
+//! - [`cgroups`]: a memory cgroup of the test's own (create, limit, run
+//!   in, remove);
+//! - [`torch_h200`]: the real H200 captures of `tests/fixtures/torch-h200`;
+//! - [`agent_stream`]: an agent's gRPC stream to a collector, by hand.
+
+pub mod agent_stream;
+pub mod cgroups;
+pub mod collector_process;
+pub mod ports;
+pub mod torch_h200;
+
+pub use cgroups::TestCgroup;
+pub use collector_process::CollectorProcess;
+pub use ports::free_port;
+
+/// Removes oomscope's variables (`OOMSCOPE_COLLECTOR`, `_SPOOL`, `_DB`,
+/// `_NAME`, ...) from what `c` inherits, but the log filter: a launched
+/// process reaches the test's own collector, given on its command line, or
+/// none; never a collector or spool of the person running the tests.
+pub fn isolate(c: &mut std::process::Command) -> &mut std::process::Command {
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if key.starts_with("OOMSCOPE_") && key != "OOMSCOPE_LOG" {
+            c.env_remove(&key);
+        }
+    }
+    c
+}

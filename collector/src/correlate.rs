@@ -17,6 +17,7 @@ use crate::kinds::{
 };
 use crate::pb;
 use crate::store::Store;
+use oomscope_proto::Role;
 
 /// Deaths of one instance this close together are one failure: a worker
 /// killed, then the server noticing and exiting, takes seconds, plus the
@@ -309,7 +310,7 @@ pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> R
     };
     let own_pid = store.hello(agent_id)?.map(|h| h.pid);
     for m in inst.members.iter().filter(|m| m.agent_id != agent_id) {
-        if m.role == "supervisor" {
+        if m.role == Role::Supervisor {
             let stopping = instance_stopping(
                 store,
                 &m.agent_id,

@@ -154,7 +154,7 @@ pub fn record_lost(
     // (and so never one of a mass disconnect's agents either).
     if store
         .hello(agent_id)?
-        .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+        .is_some_and(|h| h.role == oomscope_proto::Role::Probe)
     {
         store.set_state(agent_id, "ended", now_ns())?;
         tracing::info!(agent_id, "a probe's stream ended: not lost");

@@ -15,6 +15,7 @@ use crate::pb::query_service_server::QueryService;
 use crate::store::{Instance, Store, Target};
 use crate::verdict::{diagnose, incident_ref};
 use oomscope_analysis::join::{join_context, join_tree, TREE_JOIN_MAX_AGE_NS};
+use oomscope_proto::Role;
 
 /// The most samples one diagnosis reads, as their figures (the samples less
 /// their `raw` allocator dicts, see `collector/STORAGE.md`): this bounds a
@@ -299,7 +300,7 @@ fn member_evidence(
     for m in inst
         .members
         .iter()
-        .filter(|m| m.agent_id != main && m.role != "supervisor")
+        .filter(|m| m.agent_id != main && m.role != Role::Supervisor)
     {
         let from = store
             .window_start(&m.agent_id, from_ns, to_ns, DIAGNOSE_MAX_SAMPLES)
@@ -397,8 +398,8 @@ fn join_serving_context(
 ) -> anyhow::Result<()> {
     let others = || inst.members.iter().filter(|m| m.agent_id != main);
     let serving = others()
-        .find(|m| m.role == "api_server" || m.role == "server")
-        .or_else(|| others().find(|m| m.role == oomscope_proto::PROBE_ROLE));
+        .find(|m| m.role == Role::ApiServer || m.role == Role::Server)
+        .or_else(|| others().find(|m| m.role == Role::Probe));
     if let Some(m) = serving {
         let theirs = readings_for(store, &m.agent_id, samples, from_ns, to_ns)?;
         join_context(samples, &theirs);

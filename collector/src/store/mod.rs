@@ -710,14 +710,14 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
         Some(EventKind::Phase(_)) => "phase",
         Some(EventKind::Gc(_)) => "gc",
         Some(EventKind::CacheRelease(_)) => "cache_release",
-        Some(EventKind::Oom(_)) => "oom",
+        Some(EventKind::Oom(_)) => "oom", // vocab: the oneof's field name
         Some(EventKind::ProcessList(_)) => "process_list",
         Some(EventKind::Snapshot(_)) => "snapshot",
         Some(EventKind::HeapCensus(_)) => "heap_census",
         Some(EventKind::ChildStart(_)) => "child_start",
         Some(EventKind::ChildExit(_)) => "child_exit",
         Some(EventKind::Request(_)) => "request",
-        Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill",
+        Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill", // vocab: the oneof's field name
         Some(EventKind::StopForwarded(_)) => "stop_forwarded",
         Some(EventKind::KernelAllocFailure(_)) => "kernel_alloc_failure",
         None => "",

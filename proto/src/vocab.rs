@@ -173,9 +173,9 @@ vocabulary! {
     /// `Failure.kind`). Closed: the collector alone raises incidents and reads
     /// them back from its own store.
     IncidentKind, "incident kind" {
-        /// An allocator OOM the agent reported.
+        /// An allocator OOM the agent reported (an `Oom` event).
         Oom = "oom",
-        /// The process was killed by a signal.
+        /// The child `oomscope run` started was killed by a signal.
         Signal = "signal",
         /// A process of the instance other than the one `oomscope run` started
         /// (an engine, a worker) was killed by a signal, as the supervisor saw.
@@ -183,7 +183,8 @@ vocabulary! {
         /// Such a process exited with a non-zero code: it gave up, often for a
         /// reason another process prints (an API server's out-of-memory text).
         MemberFailed = "member_failed",
-        /// The process exited with an out-of-memory text on its stderr.
+        /// The child exited non-zero with an out-of-memory text (or ENOSPC
+        /// on a full /dev/shm) in its stderr.
         ExitOomText = "exit_oom_text",
         /// The child `oomscope run` started exited non-zero within the start-up
         /// window (`oomscope_analysis::STARTUP_WINDOW_NS`) with no memory text:
@@ -191,9 +192,10 @@ vocabulary! {
         /// a crash loop, whether one `oomscope run --restart N` or separate
         /// runs made them.
         FailedStart = "failed_start",
-        /// Failed starts or deaths of one service in a row.
+        /// `oomscope run --restart N` gave up restarting, or one service's
+        /// agents died again and again within a window (the fleet detector).
         CrashLoop = "crash_loop",
-        /// An agent's stream ended without a goodbye and did not come back.
+        /// An agent's stream broke without a goodbye.
         AgentLost = "agent_lost",
         /// Many agents of one service restarting together, then a request burst.
         RestartStorm = "restart_storm",

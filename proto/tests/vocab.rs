@@ -21,6 +21,14 @@ const OTHER_VOCABULARIES: &[(&str, &str)] = &[(
 /// line or the line above: `"oom" => ..., // vocab: memory.events' key`.
 const OTHER_SENSE: &str = "// vocab: ";
 
+/// Lines where a comment marker cannot go (inside a SQL schema, which the
+/// store keeps as written): the file, the text on the line, and why.
+const MARKED_HERE: &[(&str, &str, &str)] = &[(
+    "collector/src/store/mod.rs",
+    "the Event oneof's field name, e.g. 'oom'",
+    "an event's field name in the schema's comment, not the incident kind",
+)];
+
 /// Files #32's json part deletes (its JSON builders become serde of the
 /// messages): their literals are JSON keys and go with them.
 const DELETED_BY_THE_JSON_PART: &[&str] = &["analysis/src/json.rs"];
@@ -30,6 +38,8 @@ fn names() -> BTreeMap<String, Vec<&'static str>> {
     let mut names: BTreeMap<String, Vec<&'static str>> = BTreeMap::new();
     let mut add = |name: &str, owner: &'static str| {
         names.entry(format!("\"{name}\"")).or_default().push(owner);
+        // SQL's quotes: a Rust char literal is never a whole name.
+        names.entry(format!("'{name}'")).or_default().push(owner);
     };
     CauseKind::ALL
         .iter()
@@ -186,7 +196,18 @@ fn no_production_file_spells_a_shared_name() {
     let found: Vec<String> = per_file
         .iter()
         .filter(|(f, _, _)| !test_files.contains(f))
-        .flat_map(|(_, rel, lines)| spelled(rel, lines, &names))
+        .flat_map(|(_, rel, lines)| {
+            let lines: Vec<(usize, String)> = lines
+                .iter()
+                .filter(|(_, l)| {
+                    !MARKED_HERE
+                        .iter()
+                        .any(|(f, text, _)| f == rel && l.contains(text))
+                })
+                .cloned()
+                .collect();
+            spelled(rel, &lines, &names)
+        })
         .collect();
     assert!(
         found.is_empty(),

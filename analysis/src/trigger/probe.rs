@@ -42,7 +42,7 @@ pub fn requests(e: &Evidence) -> Vec<ProbeRequest> {
     let probe = e.members.iter().filter(|m| {
         m.hello
             .as_ref()
-            .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+            .is_some_and(|h| h.role == oomscope_proto::Role::Probe)
     });
     let mut out: Vec<(String, ProbeRequest)> = Vec::new();
     for ev in probe.flat_map(|m| m.events.iter()) {

@@ -299,7 +299,7 @@ pub fn snapshot_summary(snapshot: &Value, device: i32) -> pb::SnapshotSummary {
                     let state = block
                         .get("state")
                         .and_then(Value::as_str)
-                        .unwrap_or("unknown");
+                        .unwrap_or("unknown"); // vocab: a block state
                     let size = field_u64(block, "size");
                     let entry = by_state.entry(state.to_string()).or_default();
                     entry.0 += 1;

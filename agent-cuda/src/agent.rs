@@ -20,6 +20,7 @@ use oomscope_agent_core::{lock, now_ns};
 use crate::device::DeviceMemory;
 use crate::pb;
 use crate::pool::Pool;
+use oomscope_proto::Role;
 
 /// A full reading (host domains and allocator) this often; the collector
 /// can change it with a SetSampleInterval directive. At least
@@ -52,7 +53,7 @@ impl AgentConfig {
         AgentConfig {
             name: name.into(),
             collector_url: None,
-            role: "server".into(),
+            role: Role::Server.into(),
             models: Vec::new(),
             sample_interval: DEFAULT_SAMPLE_INTERVAL,
             oom_ack_wait: DEFAULT_OOM_ACK_WAIT,

@@ -490,7 +490,7 @@ impl Agent {
                 .as_ref()
                 .and_then(|s| torchread::snapshot(py, s.device));
         }
-        let context = lock(&self.context).to_pb("oom");
+        let context = lock(&self.context).to_pb("oom"); // vocab: a phase
         let oom = torch::oom_event(
             observer,
             error_type,
@@ -515,7 +515,7 @@ impl Agent {
             }
         };
         if let Some(p) = stale {
-            let context = lock(&self.context).to_pb("oom");
+            let context = lock(&self.context).to_pb("oom"); // vocab: a phase
             let oom =
                 torch::oom_event(Some(p.observer), "", "", p.stats, p.snapshot, Some(context));
             self.deliver_oom(py, oom);

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use oomscope_agent_core::agent::check_interval;
+use oomscope_proto::Role;
 
 /// One sample a second: a period that shows growth
 /// within a minute, at ~200 µs of GIL per sample with CUDA.
@@ -189,7 +190,7 @@ impl Config {
             collector: get("collector")
                 .unwrap_or_else(|| oomscope_proto::DEFAULT_COLLECTOR_URL.to_string()),
             name: get("name").unwrap_or_else(|| default_name.to_string()),
-            role: get("role").unwrap_or_else(|| "server".to_string()),
+            role: get("role").unwrap_or_else(|| Role::Server.into()),
             rank,
             model,
             interval,
@@ -219,7 +220,7 @@ impl Config {
             supervised,
             autostarted: false,
             history_max_entries: count("history_max_entries", 0)?,
-            fork_role: get("fork_role").unwrap_or_else(|| "worker".to_string()),
+            fork_role: get("fork_role").unwrap_or_else(|| Role::Worker.into()),
             labels,
         })
     }

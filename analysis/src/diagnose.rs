@@ -10,20 +10,20 @@ use crate::fixes;
 use crate::members;
 use crate::pb;
 use crate::runway::RUNWAY_PREFIX;
-use crate::trigger::{self, Trigger};
-
-/// The cause of a failure at start-up that no memory explains.
-pub const STARTUP_FAILURE: &str = "startup_failure";
+use crate::trigger;
+use oomscope_proto::{CauseKind, Role, TriggerKind};
 
 /// Causes read from the host around the process, not from the process:
 /// beside a start-up failure they explain nothing.
-const HOST_CONTEXT: &[&str] = &["swap_thrash", "other_process"];
+const HOST_CONTEXT: &[CauseKind] = &[CauseKind::SwapThrash, CauseKind::OtherProcess];
 
 /// Why a diagnosis has no memory domain, in words: nothing failed, or the
 /// process failed while starting for a reason that no memory explains.
 pub fn no_domain_reason(d: &pb::Diagnosis) -> &'static str {
     match d.causes.first() {
-        Some(c) if c.kind == STARTUP_FAILURE => "no memory ran out: it failed while starting",
+        Some(c) if c.kind == CauseKind::StartupFailure => {
+            "no memory ran out: it failed while starting"
+        }
         _ => "nothing failed",
     }
 }
@@ -47,10 +47,10 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let mut causes = causes::analyze(&f, &verdict);
     // A failure at start-up that no memory explains has no memory domain:
     // the host's pressure and its other processes are context around it.
-    let startup = causes.iter().any(|c| c.kind == STARTUP_FAILURE);
+    let startup = causes.iter().any(|c| c.kind == CauseKind::StartupFailure);
     if startup {
-        causes.retain(|c| !HOST_CONTEXT.contains(&c.kind.as_str()));
-        causes.sort_by_key(|c| c.kind != STARTUP_FAILURE);
+        causes.retain(|c| !HOST_CONTEXT.iter().any(|k| c.kind == *k));
+        causes.sort_by_key(|c| c.kind != CauseKind::StartupFailure);
         verdict.evidence.push(
             "no memory domain: the process failed while starting, for the error its stderr names (startup_failure)"
                 .to_string(),
@@ -64,11 +64,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
     let member_verdicts = e
         .members
         .iter()
-        .filter(|m| {
-            m.hello
-                .as_ref()
-                .is_some_and(|h| h.role != oomscope_proto::PROBE_ROLE)
-        })
+        .filter(|m| m.hello.as_ref().is_some_and(|h| h.role != Role::Probe))
         .filter_map(|m| Some((m.hello.as_ref()?, diagnose(m))))
         .collect();
     let from_members = members::causes(&f, &causes, member_verdicts);
@@ -81,10 +77,10 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         // is growth over repeated work.
         let growth_leads = causes
             .first()
-            .filter(|c| ["leak", "host_growth"].contains(&c.kind.as_str()));
+            .filter(|c| matches!(c.kind.parse(), Ok(CauseKind::Leak | CauseKind::HostGrowth)));
         if let Some(line) = growth_leads.and_then(members::trigger_line) {
-            if !matches!(trigger, Some((Trigger::RepeatedRequests, _))) {
-                trigger = Some((Trigger::RepeatedRequests, line));
+            if !matches!(trigger, Some((TriggerKind::RepeatedRequests, _))) {
+                trigger = Some((TriggerKind::RepeatedRequests, line));
             }
         }
     }
@@ -92,7 +88,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         causes.iter_mut().for_each(members::strip_runway);
         if causes
             .iter()
-            .any(|c| ["leak", "host_growth"].contains(&c.kind.as_str()))
+            .any(|c| matches!(c.kind.parse(), Ok(CauseKind::Leak | CauseKind::HostGrowth)))
         {
             verdict
                 .evidence

@@ -7,6 +7,7 @@ use crate::kernel_constraints::{high_order, numa_binding};
 use crate::memory_high::{high_throttle, oom_group_line, swap_bound_line};
 use crate::pb;
 use crate::units::{bytes, bytes_short, seconds, signal_name, time};
+use oomscope_proto::IncidentKind;
 
 pub use crate::memory_domain::Domain;
 
@@ -432,7 +433,7 @@ fn lost_line(f: &Findings) -> Option<String> {
         .evidence
         .incident
         .as_ref()
-        .filter(|i| i.kind == "agent_lost")?;
+        .filter(|i| i.kind == IncidentKind::AgentLost)?;
     let mut line = match f.evidence.samples.last() {
         Some(s) => format!(
             "last sample at {} ({} before the stream broke at {})",

@@ -3,6 +3,7 @@
 use crate::pb;
 use crate::pb::event::Kind;
 use crate::settings::ENV_LABEL_PREFIX;
+use oomscope_proto::{IncidentKind, Role};
 
 /// The runtime's count of engine steps in a context's numbers (the vLLM
 /// plugin's): a worker's growth per model step is read against it.
@@ -63,7 +64,7 @@ impl Evidence {
         let lost = self
             .incident
             .as_ref()
-            .is_some_and(|i| i.kind == "agent_lost");
+            .is_some_and(|i| i.kind == IncidentKind::AgentLost);
         self.child_exit()
             .filter(|(_, x)| !(lost && x.member && x.signal.is_none() && x.exit_code == Some(0)))
     }
@@ -218,13 +219,11 @@ impl Evidence {
             .any(|e| matches!(e.kind, Some(Kind::ChildStart(_) | Kind::ChildExit(_))));
         supervised_events
             || self.hello.as_ref().is_some_and(|h| {
-                h.role == SUPERVISOR_ROLE
+                h.role == Role::Supervisor
                     || h.labels
                         .get("supervisor_agent")
                         .is_some_and(|s| !s.is_empty())
-                    || (h.role != oomscope_proto::PROBE_ROLE
-                        && !h.instance.is_empty()
-                        && h.instance != h.agent_id)
+                    || (h.role != Role::Probe && !h.instance.is_empty() && h.instance != h.agent_id)
             })
     }
 
@@ -330,9 +329,6 @@ pub fn names_a_device(cuda_visible_devices: &str) -> bool {
         || first.starts_with("GPU-")
         || first.starts_with("MIG-")
 }
-
-/// The role in `oomscope run`'s own Hello (supervisor/src/hello.rs).
-const SUPERVISOR_ROLE: &str = "supervisor";
 
 /// How long after a death the kernel's record may still be read (the
 /// supervisor waits briefly for a kill's last line).

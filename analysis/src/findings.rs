@@ -15,6 +15,7 @@ use crate::settings::{self, Runtime, Settings};
 use crate::thrash::{read_thrash, ThrashReading};
 use crate::timeline::Timeline;
 use crate::units::{bytes, seconds, signal_name};
+use oomscope_proto::IncidentKind;
 
 pub const SIGBUS: i32 = 7;
 pub const SIGKILL: i32 = 9;
@@ -83,7 +84,10 @@ pub struct Findings<'a> {
 
 impl<'a> Findings<'a> {
     pub fn gather(e: &'a Evidence) -> Findings<'a> {
-        let agent_lost = e.incident.as_ref().is_some_and(|i| i.kind == "agent_lost");
+        let agent_lost = e
+            .incident
+            .as_ref()
+            .is_some_and(|i| i.kind == IncidentKind::AgentLost);
         let exit = e.incident_exit();
         let oom = e.oom();
         let signal = exit.and_then(|(_, x)| match (x.signal, x.exit_code) {

@@ -8,6 +8,7 @@ use crate::pb;
 use crate::setting_fixes::{self, load_knobs, with_knobs};
 use crate::settings::Knob;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 fn fix(
     action: impl Into<String>,
@@ -78,8 +79,8 @@ const QUALITY: &str =
     "quality re-evaluation required: rerun the model's accuracy suite at the new precision";
 
 fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
-    match c.kind.as_str() {
-        "kv_growth" => {
+    match c.kind.parse() {
+        Ok(CauseKind::KvGrowth) => {
             let cap = crate::capacity::estimate(f.evidence, &f.timeline, f.failure.as_ref());
             let (seqs, tokens) = cap.as_ref().map_or((String::new(), String::new()), |c| {
                 (format!(" (estimated safe: {})", c.safe_sequences), format!(" (estimated safe: {})", c.safe_active_tokens))
@@ -123,7 +124,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "fragmentation" => {
+        Ok(CauseKind::Fragmentation) => {
             let expandable = c.metrics.get("expandable_segments").is_some_and(|v| *v > 0.0);
             let async_pool = c.metrics.get("cuda_malloc_async").is_some_and(|v| *v > 0.0);
             let mut v = Vec::new();
@@ -175,7 +176,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             ));
             v
         }
-        "leak" => vec![
+        Ok(CauseKind::Leak) => vec![
             fix(
                 "Find the owner of the retained bytes: allocation sites of live blocks (snapshot) and the retained Python type (heap census); drop references after each request",
                 "low",
@@ -192,7 +193,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 Some(RESTART_BOUNDED),
             ),
         ],
-        "gc_retained" => vec![
+        Ok(CauseKind::GcRetained) => vec![
             fix(
                 "Break the reference cycles that hold tensors (or call gc.collect() between requests)",
                 "low",
@@ -206,13 +207,13 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 None,
             ),
         ],
-        "cache_retention" => vec![fix(
+        Ok(CauseKind::CacheRetention) => vec![fix(
             "Nothing to fix for this process; if other processes share the GPU, give each a per-process cap (torch.cuda.set_per_process_memory_fraction) or set garbage_collection_threshold",
             "low",
             format!("{SAME_WORKLOAD} reserved bytes at the plateau"),
             Some(EMPTY_CACHE),
         )],
-        "weights_too_large" => vec![
+        Ok(CauseKind::WeightsTooLarge) => vec![
             fix(
                 "Load fewer resident models on this GPU, or a smaller model",
                 "medium",
@@ -232,7 +233,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 None,
             ),
         ],
-        "host_growth" => vec![
+        Ok(CauseKind::HostGrowth) => vec![
             // Growth against time (no request marks): no Python heap to census.
             if c.metrics.contains_key("bytes_per_second") {
                 fix(
@@ -262,7 +263,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 Some("growing swap until the service is unusable is not a fix: the failure only comes slower"),
             ),
         ],
-        "slow_growth" => vec![fix(
+        Ok(CauseKind::SlowGrowth) => vec![fix(
             if c.metrics.contains_key("bytes_per_second") {
                 format!(
                     "Nothing urgent: the limit lasts {} at this rate; if that is shorter than the time between restarts or deploys, take heap profiles far apart to name what grows",
@@ -297,8 +298,8 @@ fn runtime_fix(c: &pb::Cause, f: &Findings) -> Option<pb::Fix> {
 }
 
 fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
-    match c.kind.as_str() {
-        "startup_failure" => {
+    match c.kind.parse() {
+        Ok(CauseKind::StartupFailure) => {
             let named = c.evidence.first().and_then(|l| l.strip_prefix("stderr: "));
             vec![fix(
                 match named {
@@ -310,7 +311,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 Some("raising memory limits or restarting again changes nothing: the same error recurs on every start"),
             )]
         }
-        "cgroup_limit" => {
+        Ok(CauseKind::CgroupLimit) => {
             let owner = f
                 .memcg
                 .as_ref()
@@ -350,7 +351,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "host_ram_exhausted" => vec![
+        Ok(CauseKind::HostRamExhausted) => vec![
             fix(
                 "Find what held host RAM at the failure (the top-RSS process list, this process's RSS over time)",
                 "low",
@@ -376,7 +377,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 None,
             ),
         ],
-        "address_space_limit" => {
+        Ok(CauseKind::AddressSpaceLimit) => {
             let limit = metric(c, "limit_bytes");
             let peak = metric(c, "vm_peak_bytes");
             vec![
@@ -400,7 +401,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "overcommit_limit" => {
+        Ok(CauseKind::OvercommitLimit) => {
             let room = metric(c, "commit_room_bytes");
             let request = match metric(c, "requested_bytes") {
                 0 => String::new(),
@@ -424,7 +425,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "data_limit" => {
+        Ok(CauseKind::DataLimit) => {
             let limit = metric(c, "limit_bytes");
             vec![
                 fix(
@@ -444,7 +445,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "shm_full" => {
+        Ok(CauseKind::ShmFull) => {
             let total = metric(c, "shm_total_bytes");
             let size = match total {
                 0 => String::new(),
@@ -471,7 +472,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "swap_thrash" => vec![
+        Ok(CauseKind::SwapThrash) => vec![
             fix(
                 with_knobs(f, "Cap concurrency and batch size to shrink the working set", &[Knob::MaxSequences, Knob::MaxBatchTokens]),
                 "low",
@@ -485,13 +486,13 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 Some("more swap does not fix thrash: it makes the slowdown last longer"),
             ),
         ],
-        "external_kill" => vec![fix(
+        Ok(CauseKind::ExternalKill) => vec![fix(
             "Find who sent SIGKILL: orchestrator events (liveness probes, evictions), systemd stop timeouts, systemd-oomd/earlyoom logs",
             "low",
             "rerun the same workload and watch those logs at the kill",
             Some("a slow server can fail a liveness probe; lengthen the probe only after finding why it is slow"),
         )],
-        "other_process" => {
+        Ok(CauseKind::OtherProcess) => {
             let pids: Vec<String> = c.processes.iter().map(|p| p.pid.to_string()).collect();
             vec![
                 fix(
@@ -511,7 +512,7 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "numa_binding" | "host_fragmentation" | "memory_high_throttling" => {
+        Ok(CauseKind::NumaBinding) | Ok(CauseKind::HostFragmentation) | Ok(CauseKind::MemoryHighThrottling) => {
             host_kernel_fixes(c, f)
         }
         _ => gpu_timeline_fixes(c, f),
@@ -521,8 +522,8 @@ fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
 /// Fixes for what the kernel's record tells apart from plain exhaustion,
 /// and for memory.high throttling. None of them adds RAM: the RAM was there.
 fn host_kernel_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
-    match c.kind.as_str() {
-        "numa_binding" => {
+    match c.kind.parse() {
+        Ok(CauseKind::NumaBinding) => {
             let nodes = f
                 .kernel
                 .map(|(_, k)| {
@@ -554,7 +555,7 @@ fn host_kernel_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
-        "host_fragmentation" => vec![
+        Ok(CauseKind::HostFragmentation) => vec![
             fix(
                 "Compact memory and see whether the failure recurs: `echo 1 > /proc/sys/vm/compact_memory` (as root); watch /proc/buddyinfo for blocks of the failing order",
                 "low",
@@ -574,7 +575,7 @@ fn host_kernel_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 None,
             ),
         ],
-        "memory_high_throttling" => {
+        Ok(CauseKind::MemoryHighThrottling) => {
             let high = metric(c, "high_bytes");
             let path = f
                 .counters

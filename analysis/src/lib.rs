@@ -54,7 +54,7 @@ pub mod units;
 pub use capacity::{capacity, Capacity};
 pub use causes::startup_failure::STARTUP_WINDOW_NS;
 pub use counters::LIMIT_SLACK_BYTES;
-pub use diagnose::{diagnose, memory_domain, no_domain_reason, STARTUP_FAILURE};
+pub use diagnose::{diagnose, memory_domain, no_domain_reason};
 pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef, SUPERVISOR_CGROUP_LABEL};
 pub use json::to_json;
@@ -68,4 +68,3 @@ pub use thrash::{
     THRASH_MIN_SOME_AVG10, THRASH_MIN_STALL_SHARE,
 };
 pub use torch_text::ordinal as oom_text_ordinal;
-pub use trigger::Trigger;

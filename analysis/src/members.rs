@@ -26,10 +26,15 @@ use crate::pb;
 use crate::runway::{RUNWAY_PREFIX, RUNWAY_UNKNOWN};
 use crate::time_growth::PER_SECOND_METRIC;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 /// Causes a member's own timeline shows that the instance's main timeline
 /// cannot: growth inside that process.
-const MEMBER_GROWTH_KINDS: &[&str] = &["leak", "host_growth", "gc_retained"];
+const MEMBER_GROWTH_KINDS: &[CauseKind] = &[
+    CauseKind::Leak,
+    CauseKind::HostGrowth,
+    CauseKind::GcRetained,
+];
 
 /// A member's growth that the failure's own process explains: it died of it.
 /// Above `cgroup_limit` (0.95 with the kernel record): the limit was where the growth ran out, the
@@ -200,7 +205,7 @@ pub fn causes(
         // A growth of the cgroup's usage is the instance's, whichever
         // member's agent read it: the main timeline judges it.
         for mut c in theirs.causes.into_iter().filter(|c| {
-            MEMBER_GROWTH_KINDS.contains(&c.kind.as_str())
+            MEMBER_GROWTH_KINDS.iter().any(|k| c.kind == *k)
                 && !c.metrics.contains_key(CGROUP_SERIES_METRIC)
         }) {
             if let Some(per_s) = c.metrics.get(PER_SECOND_METRIC) {
@@ -286,7 +291,7 @@ pub fn causes(
                 .to_string(),
         );
         let mut c = cause(
-            "host_growth",
+            CauseKind::HostGrowth,
             if died {
                 VICTIM_GROWTH_CONFIDENCE
             } else {

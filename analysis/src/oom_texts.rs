@@ -10,6 +10,7 @@
 
 use crate::memory_domain::Domain;
 use crate::units::clip;
+use oomscope_proto::CauseKind;
 
 /// Which memory a text speaks of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,7 +117,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["less than requested memory for kv"]),
         example: "ValueError: Available memory on node 0 (20.88/23.54 GiB) on kv cache allocation is less than requested memory for kv (40.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes.",
         memory: Memory::Host,
-        cause: Some("kv_reservation"),
+        cause: Some(CauseKind::KvReservation.as_str()),
         meaning: "vLLM's CPU backend reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE, --kv-cache-memory-bytes) and the NUMA node had less RAM available than that reservation",
         fix: "Lower the KV reservation (VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes) to what the node has available after the weights, with headroom",
     },
@@ -125,7 +126,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["on startup is less than desired gpu memory utilization"]),
         example: "ValueError: Free memory on device (6.9/8.0 GiB) on startup is less than desired GPU memory utilization (0.9, 7.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
         memory: Memory::Gpu,
-        cause: Some("kv_reservation"),
+        cause: Some(CauseKind::KvReservation.as_str()),
         meaning: "vLLM reserves gpu_memory_utilization of the device at start (weights, activations, then the KV cache) and less than that was free: other processes hold the rest",
         fix: "Lower gpu_memory_utilization to the share of the device that is free (the KV cache shrinks with it), or run where the device is not shared",
     },
@@ -134,7 +135,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["no available memory for the cache blocks"]),
         example: "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.",
         memory: Memory::Runtime,
-        cause: Some("kv_no_room"),
+        cause: Some(CauseKind::KvNoRoom.as_str()),
         meaning: "after the weights and the profiled activation peak, vLLM's memory budget left nothing for the KV cache",
         fix: "Make room for the KV cache: raise gpu_memory_utilization where the device is not shared, lower max_num_batched_tokens (the profiled activation peak), or serve smaller or quantized weights",
     },
@@ -143,7 +144,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["max seq len", "larger than the maximum number of tokens that can be stored in kv cache"]),
         example: "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens that can be stored in KV cache (19632). Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
         memory: Memory::Runtime,
-        cause: Some("context_over_kv"),
+        cause: Some(CauseKind::ContextOverKv.as_str()),
         meaning: "the KV cache that fits holds fewer tokens than one sequence at max_model_len",
         fix: "Lower max_model_len to at most the tokens the KV cache holds (the number in the message), or give the KV cache more memory (gpu_memory_utilization, VLLM_CPU_KVCACHE_SPACE)",
     },
@@ -152,7 +153,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["kv cache is needed, which is larger than the available kv cache memory"]),
         example: "ValueError: To serve at least one request with the model's max seq len (131072), 52.66 GiB KV cache is needed, which is larger than the available KV cache memory (23.37 GiB). Based on the available memory, the estimated maximum model length is 58148.",
         memory: Memory::Runtime,
-        cause: Some("context_over_kv"),
+        cause: Some(CauseKind::ContextOverKv.as_str()),
         meaning: "one sequence at max_model_len needs more KV cache than the memory left for it",
         fix: "Lower max_model_len to the estimated maximum in the message, or give the KV cache more memory (gpu_memory_utilization, a lower max_num_batched_tokens)",
     },
@@ -161,7 +162,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["token_to_kv_pool_allocator memory leak detected"]),
         example: "ValueError: token_to_kv_pool_allocator memory leak detected! self.max_total_num_tokens=15563319, available_size=15563321, evictable_size=0, protected_size=0",
         memory: Memory::Runtime,
-        cause: Some("kv_pool_leak"),
+        cause: Some(CauseKind::KvPoolLeak.as_str()),
         meaning: "SGLang's idle self-check found KV slots that no request holds and the pool did not get back: a bookkeeping bug in the runtime, not load",
         fix: "Upgrade SGLang or report the bug with this log (radix cache and speculative decoding have had such leaks); as a workaround try --disable-radix-cache",
     },
@@ -170,7 +171,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["kv cache pool is full. retract requests"]),
         example: "KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_token_ratio: 0.9998 -> 1.0000",
         memory: Memory::Runtime,
-        cause: Some("kv_pool_full"),
+        cause: Some(CauseKind::KvPoolFull.as_str()),
         meaning: "the running requests' KV outgrew SGLang's token pool, so it evicted requests to recompute them later",
         fix: "Admit less at once: lower --max-running-requests or raise --schedule-conservativeness; raise --mem-fraction-static only where the device has room",
     },
@@ -179,7 +180,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["failed to allocate buffer for kv cache"]),
         example: "llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv cache",
         memory: Memory::Runtime,
-        cause: Some("kv_reservation"),
+        cause: Some(CauseKind::KvReservation.as_str()),
         meaning: "llama.cpp reserves the KV cache for the whole context (--ctx-size × --parallel) at start, and that buffer did not fit",
         fix: "Lower the KV reservation: a smaller --ctx-size (or --parallel), or a quantized KV cache (--cache-type-k/--cache-type-v q8_0)",
     },
@@ -188,7 +189,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["failed to allocate compute"]),
         example: "llama_new_context_with_model: failed to allocate compute buffers",
         memory: Memory::Runtime,
-        cause: Some("compute_buffer"),
+        cause: Some(CauseKind::ComputeBuffer.as_str()),
         meaning: "llama.cpp sizes its compute buffer for the largest batch at start, and that buffer did not fit beside the weights and the KV cache",
         fix: "Lower --batch-size/--ubatch-size (the compute buffer grows with them), or offload fewer layers (--n-gpu-layers)",
     },
@@ -197,7 +198,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["insufficient memory (attempted to allocate"]),
         example: "ggml_aligned_malloc: insufficient memory (attempted to allocate 36000.00 MB)",
         memory: Memory::Host,
-        cause: Some("buffer_reservation"),
+        cause: Some(CauseKind::BufferReservation.as_str()),
         meaning: "a host buffer llama.cpp reserves at start (weights, KV cache or compute) was refused",
         fix: "Lower what llama.cpp reserves: a smaller --ctx-size, --batch-size, or a smaller quantization of the model",
     },
@@ -206,7 +207,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["failed to allocate cpu buffer"]),
         example: "alloc_tensor_range: failed to allocate CPU buffer of size 37748736000",
         memory: Memory::Host,
-        cause: Some("buffer_reservation"),
+        cause: Some(CauseKind::BufferReservation.as_str()),
         meaning: "a host buffer llama.cpp reserves at start (weights, KV cache or compute) did not fit",
         fix: "Lower what llama.cpp reserves: a smaller --ctx-size, --batch-size, or a smaller quantization of the model",
     },
@@ -215,7 +216,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["failed to allocate", "buffer"]),
         example: "ggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size 8109821952",
         memory: Memory::Runtime,
-        cause: Some("buffer_reservation"),
+        cause: Some(CauseKind::BufferReservation.as_str()),
         meaning: "a device buffer llama.cpp reserves at start (weights, KV cache or compute) did not fit",
         fix: "Lower what llama.cpp reserves: fewer offloaded layers (--n-gpu-layers), a smaller --ctx-size or --batch-size, or a smaller quantization",
     },
@@ -224,7 +225,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["unable to allocate", "buffer"]),
         example: "llama_model_load: error loading model: unable to allocate CUDA0 buffer",
         memory: Memory::Runtime,
-        cause: Some("weights_too_large"),
+        cause: Some(CauseKind::WeightsTooLarge.as_str()),
         meaning: "the model's weights did not fit where llama.cpp was told to put them",
         fix: "Offload fewer layers (--n-gpu-layers), or load a smaller quantization of the model",
     },
@@ -242,7 +243,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["not enough memory to handle `max_total_tokens="]),
         example: "Error: Backend(NotEnoughMemory(32768)): Not enough memory to handle `max_total_tokens=32768`",
         memory: Memory::Runtime,
-        cause: Some("context_over_kv"),
+        cause: Some(CauseKind::ContextOverKv.as_str()),
         meaning: "TGI's warm-up measured a KV cache that holds fewer tokens than one request at --max-total-tokens",
         fix: "Lower --max-total-tokens (and --max-input-tokens) to what the KV cache holds, or give the shard more memory (fewer other processes, --cuda-memory-fraction)",
     },
@@ -251,7 +252,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["not enough memory to handle", "total tokens with", "prefill tokens"]),
         example: "Not enough memory to handle 16000 total tokens with 4096 prefill tokens. You need to decrease `--max-batch-total-tokens` or `--max-batch-prefill-tokens`",
         memory: Memory::Runtime,
-        cause: Some("kv_reservation"),
+        cause: Some(CauseKind::KvReservation.as_str()),
         meaning: "TGI's warm-up could not reserve --max-batch-total-tokens of KV cache beside the largest prefill batch",
         fix: "Lower --max-batch-total-tokens (the KV reservation), then --max-batch-prefill-tokens",
     },
@@ -260,7 +261,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["not enough memory to handle", "prefill tokens"]),
         example: "Error: Warmup(Generation(\"Not enough memory to handle 4096 prefill tokens. You need to decrease `--max-batch-prefill-tokens`\"))",
         memory: Memory::Runtime,
-        cause: Some("prefill_batch"),
+        cause: Some(CauseKind::PrefillBatch.as_str()),
         meaning: "TGI's warm-up runs the largest prefill batch it will admit, and that batch ran out of memory",
         fix: "Lower --max-batch-prefill-tokens (the largest prefill batch), then warm up again",
     },
@@ -277,7 +278,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["unable to allocate shared memory(shm) for file"]),
         example: "RuntimeError: unable to allocate shared memory(shm) for file </torch_4012_3046393498_0>: No space left on device (28)",
         memory: Memory::Shm,
-        cause: Some("shm_full"),
+        cause: Some(CauseKind::ShmFull.as_str()),
         meaning: "PyTorch reserves every tensor it shares between processes (DataLoader batches, torch.multiprocessing queues) as a file in /dev/shm, and /dev/shm had no room for the next one",
         fix: SHM_FIX,
     },
@@ -286,7 +287,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["unable to write to file </torch_"]),
         example: "RuntimeError: unable to write to file </torch_2217_1573264347_0>: No space left on device (28)",
         memory: Memory::Shm,
-        cause: Some("shm_full"),
+        cause: Some(CauseKind::ShmFull.as_str()),
         meaning: "PyTorch writes every tensor it shares between processes into a file in /dev/shm (where posix_fallocate is not supported), and /dev/shm had no room for the next one",
         fix: SHM_FIX,
     },
@@ -295,7 +296,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["dataloader worker", "is killed by signal: bus error"]),
         example: "RuntimeError: DataLoader worker (pid 4012) is killed by signal: Bus error. It is possible that dataloader's workers are out of shared memory. Please try to raise your shared memory limit.",
         memory: Memory::Shm,
-        cause: Some("shm_full"),
+        cause: Some(CauseKind::ShmFull.as_str()),
         meaning: "a DataLoader worker died of SIGBUS writing a batch into a shared-memory segment that /dev/shm could not back",
         fix: SHM_FIX,
     },
@@ -304,7 +305,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::InOrder(&["bus error", "insufficient shared memory"]),
         example: "ERROR: Unexpected bus error encountered in worker. This might be caused by insufficient shared memory (shm).",
         memory: Memory::Shm,
-        cause: Some("shm_full"),
+        cause: Some(CauseKind::ShmFull.as_str()),
         meaning: "a DataLoader worker took SIGBUS writing a batch into a shared-memory segment that /dev/shm could not back",
         fix: SHM_FIX,
     },
@@ -313,7 +314,7 @@ pub static RUNTIME_TEXTS: &[RuntimeText] = &[
         words: Words::All(&["no space left on device", "/dev/shm"]),
         example: "OSError: [Errno 28] No space left on device: '/dev/shm/batch-7'",
         memory: Memory::Shm,
-        cause: Some("shm_full"),
+        cause: Some(CauseKind::ShmFull.as_str()),
         meaning: "a write to /dev/shm failed with ENOSPC: the tmpfs is at its size",
         fix: SHM_FIX,
     },
@@ -440,7 +441,7 @@ pub static ENOSPC_ON_FULL_SHM: RuntimeText = RuntimeText {
     words: Words::InOrder(&["no space left on device"]),
     example: "OSError: [Errno 28] No space left on device",
     memory: Memory::Shm,
-    cause: Some("shm_full"),
+    cause: Some(CauseKind::ShmFull.as_str()),
     meaning: "a write failed with ENOSPC while /dev/shm was full: the tmpfs is at its size",
     fix: SHM_FIX,
 };
@@ -583,6 +584,15 @@ mod tests {
             // A cause comes with a meaning and a fix; the generic texts name neither.
             assert!(!t.meaning.is_empty());
             assert_eq!(t.cause.is_some(), !t.fix.is_empty(), "{}", t.example);
+        }
+    }
+
+    #[test]
+    fn each_named_cause_is_a_cause_kind() {
+        for t in RUNTIME_TEXTS.iter().chain([&ENOSPC_ON_FULL_SHM]) {
+            if let Some(k) = t.cause {
+                assert!(k.parse::<CauseKind>().is_ok(), "{k} ({})", t.example);
+            }
         }
     }
 

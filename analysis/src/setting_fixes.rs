@@ -9,6 +9,7 @@ use crate::kv_pool_figures::{self, FIT_SHARE, GIB, NEED_MARGIN};
 use crate::pb;
 use crate::settings::{self, Knob, Runtime, Setting, Settings, SETTINGS};
 use crate::units::bytes_short;
+use oomscope_proto::{CauseKind, Role};
 
 /// Defaults worth saying where a setting is not set: the base a proposal
 /// was computed from (vLLM's CacheConfig: gpu_memory_utilization = 0.9).
@@ -33,7 +34,7 @@ pub fn now(f: &Findings, s: &Setting) -> String {
     let recorded = if s.name.starts_with('-') {
         hello.is_some_and(|h| settings::detect(&h.command) == Some(s.runtime))
     } else {
-        hello.is_some_and(|h| h.role == "supervisor")
+        hello.is_some_and(|h| h.role == Role::Supervisor)
     };
     if recorded {
         match DEFAULTS
@@ -136,11 +137,11 @@ const QUALITY: &str =
 
 /// The fixes of a cause in the runtime's settings, most specific first.
 pub fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
-    match c.kind.as_str() {
-        "kv_reservation" => kv_reservation(c, f),
-        "context_over_kv" => context_over_kv(c, f),
-        "kv_no_room" => kv_no_room(f),
-        "kv_pool_full" => knob(f, Knob::MaxSequences)
+    match c.kind.parse() {
+        Ok(CauseKind::KvReservation) => kv_reservation(c, f),
+        Ok(CauseKind::ContextOverKv) => context_over_kv(c, f),
+        Ok(CauseKind::KvNoRoom) => kv_no_room(f),
+        Ok(CauseKind::KvPoolFull) => knob(f, Knob::MaxSequences)
             .map(|n| {
                 vec![fix(
                     format!("Admit fewer requests at once: lower {n}"),
@@ -153,10 +154,10 @@ pub fn for_cause(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 )]
             })
             .unwrap_or_default(),
-        "activation_headroom" => activation_headroom(c, f),
-        "taken_after_profiling" => taken_after_profiling(c, f),
-        "kv_pool_saturation" => kv_pool_saturation(c, f),
-        "non_pytorch_memory" => non_pytorch_memory(c, f),
+        Ok(CauseKind::ActivationHeadroom) => activation_headroom(c, f),
+        Ok(CauseKind::TakenAfterProfiling) => taken_after_profiling(c, f),
+        Ok(CauseKind::KvPoolSaturation) => kv_pool_saturation(c, f),
+        Ok(CauseKind::NonPytorchMemory) => non_pytorch_memory(c, f),
         _ => Vec::new(),
     }
 }

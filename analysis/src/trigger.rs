@@ -18,6 +18,7 @@ use crate::stats;
 use crate::time_growth;
 use crate::timeline::Point;
 use crate::units::bytes_short;
+use oomscope_proto::TriggerKind;
 
 mod host;
 pub mod probe;
@@ -27,38 +28,14 @@ pub const MIN_RISE_BYTES: f64 = (16u64 << 20) as f64;
 /// Mann–Kendall significance for "bytes rise with the prompt/context".
 pub const SIZE_P_VALUE: f64 = 0.01;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Trigger {
-    Immediate,
-    SizeDependent,
-    ConcurrencyDependent,
-    RepeatedRequests,
-    /// Growth against time, where nothing marks requests (`time_growth`).
-    GrowthOverTime,
-    Unknown,
-}
-
-impl Trigger {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Immediate => "immediate",
-            Trigger::SizeDependent => "size_dependent",
-            Trigger::ConcurrencyDependent => "concurrency_dependent",
-            Trigger::RepeatedRequests => "repeated_requests",
-            Trigger::GrowthOverTime => "growth_over_time",
-            Trigger::Unknown => "unknown",
-        }
-    }
-}
-
 /// The trigger and the line that says why. Without a failure only repeated
 /// requests can be read (a leak hunt); no pattern then means no trigger.
 /// `v` is the domain verdict: a failure without a device allocator record is
 /// immediate only where memory ran out on the host side.
-pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
+pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(TriggerKind, String)> {
     // A process that failed while starting failed before any load.
     if let Some(s) = startup_failure::read(f, v) {
-        return Some((Trigger::Immediate, startup_failure::trigger_line(&s)));
+        return Some((TriggerKind::Immediate, startup_failure::trigger_line(&s)));
     }
     // A failure read from the error text alone has no allocator series
     // behind it: the host's readings speak for its trigger.
@@ -73,20 +50,20 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
     };
     if device_failure.is_some() {
         if let Some(line) = concurrency(f) {
-            return Some((Trigger::ConcurrencyDependent, line));
+            return Some((TriggerKind::ConcurrencyDependent, line));
         }
         if let Some(line) = size(f) {
-            return Some((Trigger::SizeDependent, line));
+            return Some((TriggerKind::SizeDependent, line));
         }
         if let Some(t) = during_probe() {
             return Some(t);
         }
     } else if f.failed {
         if let Some(line) = host::concurrency(f) {
-            return Some((Trigger::ConcurrencyDependent, line));
+            return Some((TriggerKind::ConcurrencyDependent, line));
         }
         if let Some(line) = host::size(f) {
-            return Some((Trigger::SizeDependent, line));
+            return Some((TriggerKind::SizeDependent, line));
         }
         // Memory a runtime reserved up front need not rise with the load:
         // the probe's step past what was served still names the trigger.
@@ -100,10 +77,10 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             bytes_short(t.bytes_per_request() as u64),
             t.span
         );
-        return Some((Trigger::RepeatedRequests, line));
+        return Some((TriggerKind::RepeatedRequests, line));
     }
     if let Some(line) = heap_growth(f) {
-        return Some((Trigger::RepeatedRequests, line));
+        return Some((TriggerKind::RepeatedRequests, line));
     }
     // The host growth that stands as a cause (with or without a limit to
     // run to) is growth across repeated requests: the trigger says so too.
@@ -114,7 +91,7 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
             bytes_short(g.trend.bytes_per_request().max(0.0) as u64),
             g.trend.span
         );
-        return Some((Trigger::RepeatedRequests, line));
+        return Some((TriggerKind::RepeatedRequests, line));
     }
     // With no request marks the same growth is read against time (host_growth
     // reports it too); a timeline with marks never reaches this. The host's
@@ -126,11 +103,11 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
         !on_device && (!v.failed || g.bytes_per_second() * g.trend.span >= MIN_RISE_BYTES)
     };
     if let Some(g) = time_growth::standing(f).filter(sets_off) {
-        return Some((Trigger::GrowthOverTime, g.trigger_line()));
+        return Some((TriggerKind::GrowthOverTime, g.trigger_line()));
     }
     let unknown = || {
         (
-            Trigger::Unknown,
+            TriggerKind::Unknown,
             "no growth pattern before the failure".to_string(),
         )
     };
@@ -140,13 +117,13 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
         }
         return Some(
             host_immediate(f, v)
-                .map(|line| (Trigger::Immediate, line))
+                .map(|line| (TriggerKind::Immediate, line))
                 .unwrap_or_else(unknown),
         );
     };
     if failure.in_load {
         return Some((
-            Trigger::Immediate,
+            TriggerKind::Immediate,
             "the failure came while loading weights, before any request".into(),
         ));
     }
@@ -157,7 +134,7 @@ pub fn decide(f: &Findings, v: &DomainVerdict) -> Option<(Trigger, String)> {
         .collect();
     if before.iter().all(|p| p.allocated == 0) {
         return Some((
-            Trigger::Immediate,
+            TriggerKind::Immediate,
             "the failure came at the first allocations, with no growth before it".into(),
         ));
     }

@@ -93,7 +93,7 @@ pub fn signal_name(sig: i32) -> &'static str {
         13 => "SIGPIPE",
         14 => "SIGALRM",
         15 => "SIGTERM",
-        _ => "signal",
+        _ => "signal", // vocab: the word, not IncidentKind::Signal
     }
 }
 

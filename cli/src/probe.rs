@@ -137,7 +137,7 @@ fn instance_of(client: &mut Client, agent: &str) -> Option<(String, String)> {
         .filter(|a| {
             a.hello.as_ref().is_some_and(|h| {
                 (h.agent_id == agent || h.name == agent || a.instance == agent)
-                    && h.role != oomscope_proto::PROBE_ROLE
+                    && h.role != oomscope_proto::Role::Probe
             })
         })
         .max_by_key(|a| a.first_seen_ns)
@@ -163,7 +163,7 @@ fn workload_stream(url: &str, agent: &str) -> anyhow::Result<Option<Arc<Reporter
     let me = HostReader::new(HostPaths::system(), std::process::id());
     let mut hello = Identity {
         name: format!("{name}{}", oomscope_proto::PROBE_NAME_SUFFIX),
-        role: oomscope_proto::PROBE_ROLE.into(),
+        role: oomscope_proto::Role::Probe.into(),
         rank: 0,
         runtime: oomscope_proto::PROBE_ROLE.into(),
     }

@@ -11,12 +11,9 @@
 
 use anyhow::Result;
 
-use crate::kinds::{
-    AGENT_LOST, CRASH_LOOP, EXIT_OOM_TEXT, FAILED_START, KERNEL_OOM_KILL, MASS_DISCONNECT,
-    MEMBER_DIED, MEMBER_FAILED, SIGNAL,
-};
 use crate::pb;
 use crate::store::Store;
+use oomscope_proto::{IncidentKind, Role};
 
 /// Deaths of one instance this close together are one failure: a worker
 /// killed, then the server noticing and exiting, takes seconds, plus the
@@ -36,21 +33,27 @@ pub const MASS_DISCONNECT_AGENTS: usize = 3;
 /// are not deaths (an allocator OOM the process survived, a restart storm)
 /// are not correlated: 0.
 pub fn strength(kind: &str) -> u8 {
-    match kind {
-        KERNEL_OOM_KILL => 5,
-        SIGNAL | MEMBER_DIED => 4,
-        EXIT_OOM_TEXT => 3,
+    match kind_of(kind) {
+        Some(IncidentKind::KernelOomKill) => 5,
+        Some(IncidentKind::Signal | IncidentKind::MemberDied) => 4,
+        Some(IncidentKind::ExitOomText) => 3,
         // A member that gave up with a code says less than the text another
         // process printed about why (vLLM's engine exits 1, its API server
         // prints the KV cache's "Available memory ... less than requested").
-        MEMBER_FAILED => 2,
+        Some(IncidentKind::MemberFailed) => 2,
         // A start that failed on its own error: its crash loop (a pattern
         // of them) leads it, not strength (see `plan`).
-        FAILED_START => 2,
-        CRASH_LOOP => 2,
-        MASS_DISCONNECT | AGENT_LOST => 1,
+        Some(IncidentKind::FailedStart) => 2,
+        Some(IncidentKind::CrashLoop) => 2,
+        Some(IncidentKind::MassDisconnect | IncidentKind::AgentLost) => 1,
         _ => 0,
     }
+}
+
+/// The kind an incident's name says; None for a name this build does not
+/// know, which correlates with nothing.
+fn kind_of(name: &str) -> Option<IncidentKind> {
+    name.parse().ok()
 }
 
 /// What to do with a newly recorded incident, given the incidents it may
@@ -90,25 +93,30 @@ pub fn plan(
         .filter(|i| i.id != new.id && strength(&i.kind) > 0)
         // A crash loop folds with crash loops and the failed starts it
         // counts; deaths with deaths.
-        .filter(|i| match (new.kind.as_str(), i.kind.as_str()) {
-            (CRASH_LOOP, k) => k == CRASH_LOOP || k == FAILED_START,
-            (FAILED_START, CRASH_LOOP) => true,
-            (_, k) => k != CRASH_LOOP,
+        .filter(|i| match (kind_of(&new.kind), kind_of(&i.kind)) {
+            (Some(IncidentKind::CrashLoop), k) => {
+                matches!(k, Some(IncidentKind::CrashLoop | IncidentKind::FailedStart))
+            }
+            (Some(IncidentKind::FailedStart), Some(IncidentKind::CrashLoop)) => true,
+            (_, k) => k != Some(IncidentKind::CrashLoop),
         })
         .collect();
     // One crash loop: the first leads; its failed starts are its parts,
     // before it or after.
-    if [CRASH_LOOP, FAILED_START].contains(&new.kind.as_str()) {
+    if matches!(
+        kind_of(&new.kind),
+        Some(IncidentKind::CrashLoop | IncidentKind::FailedStart)
+    ) {
         if let Some(looped) = peers
             .iter()
-            .filter(|i| i.kind == CRASH_LOOP)
+            .filter(|i| i.kind == IncidentKind::CrashLoop)
             .min_by_key(|i| (i.time_ns, i.id.clone()))
         {
             return Plan::MergeInto {
                 leader: looped.id.clone(),
             };
         }
-        if new.kind == CRASH_LOOP {
+        if new.kind == IncidentKind::CrashLoop {
             return Plan::Lead {
                 absorb: peers.iter().map(|i| i.id.clone()).collect(),
             };
@@ -127,15 +135,18 @@ pub fn plan(
             absorb: peers.iter().map(|i| i.id.clone()).collect(),
         };
     }
-    if new.kind == AGENT_LOST {
-        if let Some(mass) = lost_nearby.iter().find(|i| i.kind == MASS_DISCONNECT) {
+    if new.kind == IncidentKind::AgentLost {
+        if let Some(mass) = lost_nearby
+            .iter()
+            .find(|i| i.kind == IncidentKind::MassDisconnect)
+        {
             return Plan::MergeInto {
                 leader: mass.id.clone(),
             };
         }
         let lost: Vec<&pb::Incident> = lost_nearby
             .iter()
-            .filter(|i| i.kind == AGENT_LOST)
+            .filter(|i| i.kind == IncidentKind::AgentLost)
             .collect();
         if lost.len() + 1 >= MASS_DISCONNECT_AGENTS {
             let first = lost
@@ -198,14 +209,14 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
     // One crash loop per service: the fleet's and the supervisor's own say
     // the same, and the failed starts in a row are its parts, whichever
     // `oomscope run` (its restarts, or separate calls) made them.
-    let looped_with = match new.kind.as_str() {
-        CRASH_LOOP => &[CRASH_LOOP, FAILED_START][..],
-        FAILED_START => &[CRASH_LOOP][..],
+    let looped_with = match kind_of(&new.kind) {
+        Some(IncidentKind::CrashLoop) => &[IncidentKind::CrashLoop, IncidentKind::FailedStart][..],
+        Some(IncidentKind::FailedStart) => &[IncidentKind::CrashLoop][..],
         _ => &[][..],
     };
     for kind in looped_with {
         for i in store.incidents_of_kind(
-            kind,
+            kind.as_str(),
             new.time_ns - CRASH_LOOP_FOLD_NS,
             new.time_ns + CORRELATION_WINDOW_NS,
         )? {
@@ -216,14 +227,14 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
         }
     }
     let mut lost_nearby = Vec::new();
-    if new.kind == AGENT_LOST {
+    if new.kind == IncidentKind::AgentLost {
         // Lost together means alive together: a service's successive
         // restarts dying one after another are a crash loop, not this.
         let born = |agent: &str| store.first_seen(agent);
         let new_born = born(&new.agent_id)?.unwrap_or(i64::MIN);
-        for kind in [AGENT_LOST, MASS_DISCONNECT] {
+        for kind in [IncidentKind::AgentLost, IncidentKind::MassDisconnect] {
             for i in store.incidents_of_kind(
-                kind,
+                kind.as_str(),
                 new.time_ns - MASS_DISCONNECT_WINDOW_NS,
                 new.time_ns + MASS_DISCONNECT_WINDOW_NS,
             )? {
@@ -240,9 +251,10 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
         Plan::MergeInto { leader } => {
             store.merge_incident(&new.id, &leader)?;
             if let Some(l) = store.incident(&leader)? {
-                if l.kind == MASS_DISCONNECT {
+                if l.kind == IncidentKind::MassDisconnect {
                     let n = store.merged_count(&leader)? + 1;
-                    store.update_incident(&leader, MASS_DISCONNECT, &mass_summary(n as usize))?;
+                    let kind = IncidentKind::MassDisconnect.as_str();
+                    store.update_incident(&leader, kind, &mass_summary(n as usize))?;
                 }
             }
             tracing::info!(
@@ -263,7 +275,8 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
             absorb,
             agents,
         } => {
-            store.update_incident(&leader, MASS_DISCONNECT, &mass_summary(agents))?;
+            let kind = IncidentKind::MassDisconnect.as_str();
+            store.update_incident(&leader, kind, &mass_summary(agents))?;
             for id in absorb.iter().chain(std::iter::once(&new.id)) {
                 store.merge_incident(id, &leader)?;
             }
@@ -274,7 +287,10 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
 
 /// Incidents raised by a child's end (`ChildExit`): each closes a run.
 fn ends_a_run(kind: &str) -> bool {
-    matches!(kind, SIGNAL | EXIT_OOM_TEXT | FAILED_START)
+    matches!(
+        kind_of(kind),
+        Some(IncidentKind::Signal | IncidentKind::ExitOomText | IncidentKind::FailedStart)
+    )
 }
 
 /// How far back a crash loop gathers the crash loops and failed starts of
@@ -309,7 +325,7 @@ pub fn ended_with_instance(store: &Store, agent_id: &str, broke_at_ns: i64) -> R
     };
     let own_pid = store.hello(agent_id)?.map(|h| h.pid);
     for m in inst.members.iter().filter(|m| m.agent_id != agent_id) {
-        if m.role == "supervisor" {
+        if m.role == Role::Supervisor {
             let stopping = instance_stopping(
                 store,
                 &m.agent_id,
@@ -368,10 +384,10 @@ pub fn is_clean_end(exit: &pb::ChildExit) -> bool {
 mod tests {
     use super::*;
 
-    fn inc(id: &str, kind: &str, t: i64) -> pb::Incident {
+    fn inc(id: &str, kind: IncidentKind, t: i64) -> pb::Incident {
         pb::Incident {
             id: id.into(),
-            kind: kind.into(),
+            kind: kind.to_string(),
             time_ns: t,
             ..Default::default()
         }
@@ -379,8 +395,8 @@ mod tests {
 
     #[test]
     fn a_weaker_death_merges_into_the_kernel_kill_and_a_stronger_one_leads() {
-        let kill = inc("i1", KERNEL_OOM_KILL, 10);
-        let lost = inc("i2", AGENT_LOST, 12);
+        let kill = inc("i1", IncidentKind::KernelOomKill, 10);
+        let lost = inc("i2", IncidentKind::AgentLost, 12);
         assert_eq!(
             plan(&lost, std::slice::from_ref(&kill), &[]),
             Plan::MergeInto {
@@ -398,23 +414,23 @@ mod tests {
 
     #[test]
     fn an_allocator_oom_and_a_restart_storm_stand_alone() {
-        let kill = inc("i1", KERNEL_OOM_KILL, 10);
+        let kill = inc("i1", IncidentKind::KernelOomKill, 10);
         assert_eq!(
-            plan(&inc("i2", "oom", 11), std::slice::from_ref(&kill), &[]),
+            plan(&inc("i2", IncidentKind::Oom, 11), std::slice::from_ref(&kill), &[]),
             Plan::Alone
         );
         assert_eq!(
-            plan(&inc("i3", "restart_storm", 11), &[kill], &[]),
+            plan(&inc("i3", IncidentKind::RestartStorm, 11), &[kill], &[]),
             Plan::Alone
         );
     }
 
     #[test]
     fn crash_loops_fold_with_crash_loops_only() {
-        let looped = inc("i1", CRASH_LOOP, 10);
+        let looped = inc("i1", IncidentKind::CrashLoop, 10);
         assert_eq!(
             plan(
-                &inc("i2", CRASH_LOOP, 11),
+                &inc("i2", IncidentKind::CrashLoop, 11),
                 std::slice::from_ref(&looped),
                 &[]
             ),
@@ -423,24 +439,27 @@ mod tests {
             }
         );
         assert_eq!(
-            plan(&inc("i3", AGENT_LOST, 11), &[looped], &[]),
+            plan(&inc("i3", IncidentKind::AgentLost, 11), &[looped], &[]),
             Plan::Alone
         );
     }
 
     #[test]
     fn a_crash_loop_leads_its_failed_starts_and_later_ones_join_it() {
-        let starts = [inc("i1", FAILED_START, 10), inc("i2", FAILED_START, 20)];
+        let starts = [
+            inc("i1", IncidentKind::FailedStart, 10),
+            inc("i2", IncidentKind::FailedStart, 20),
+        ];
         assert_eq!(
-            plan(&inc("i3", CRASH_LOOP, 30), &starts, &[]),
+            plan(&inc("i3", IncidentKind::CrashLoop, 30), &starts, &[]),
             Plan::Lead {
                 absorb: vec!["i1".into(), "i2".into()]
             }
         );
-        let looped = inc("i3", CRASH_LOOP, 30);
+        let looped = inc("i3", IncidentKind::CrashLoop, 30);
         assert_eq!(
             plan(
-                &inc("i4", FAILED_START, 40),
+                &inc("i4", IncidentKind::FailedStart, 40),
                 std::slice::from_ref(&looped),
                 &[]
             ),
@@ -452,7 +471,7 @@ mod tests {
         // beside failed starts not yet absorbed.
         assert_eq!(
             plan(
-                &inc("i5", CRASH_LOOP, 50),
+                &inc("i5", IncidentKind::CrashLoop, 50),
                 &[looped, starts[0].clone()],
                 &[]
             ),
@@ -461,15 +480,18 @@ mod tests {
             }
         );
         // Failed starts alone are separate deaths until they loop.
-        assert_eq!(plan(&inc("i6", FAILED_START, 60), &[], &[]), Plan::Alone);
+        assert_eq!(
+            plan(&inc("i6", IncidentKind::FailedStart, 60), &[], &[]),
+            Plan::Alone
+        );
     }
 
     #[test]
     fn the_third_agent_lost_together_makes_a_mass_disconnect() {
-        let a = inc("i1", AGENT_LOST, 10);
-        let b = inc("i2", AGENT_LOST, 11);
+        let a = inc("i1", IncidentKind::AgentLost, 10);
+        let b = inc("i2", IncidentKind::AgentLost, 11);
         assert_eq!(plan(&b, &[], std::slice::from_ref(&a)), Plan::Alone);
-        let c = inc("i3", AGENT_LOST, 12);
+        let c = inc("i3", IncidentKind::AgentLost, 12);
         assert_eq!(
             plan(&c, &[], &[a.clone(), b.clone()]),
             Plan::MassDisconnect {
@@ -478,9 +500,9 @@ mod tests {
                 agents: 3
             }
         );
-        let mass = inc("i1", MASS_DISCONNECT, 10);
+        let mass = inc("i1", IncidentKind::MassDisconnect, 10);
         assert_eq!(
-            plan(&inc("i4", AGENT_LOST, 12), &[], &[mass]),
+            plan(&inc("i4", IncidentKind::AgentLost, 12), &[], &[mass]),
             Plan::MergeInto {
                 leader: "i1".into()
             }

@@ -18,7 +18,7 @@ use crate::pb::event::Kind as EventKind;
 use crate::store::{now_ns, Store};
 use crate::verdict;
 
-pub use crate::kinds::*;
+use oomscope_proto::IncidentKind;
 
 /// The incident a message raises, if any, without agent or domain filled in.
 /// One incident per event: a crash loop's last exit is reported as the crash
@@ -28,11 +28,11 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
         return None;
     };
     let (kind, summary) = match event.kind.as_ref()? {
-        EventKind::Oom(oom) => (OOM, oom_summary(oom)),
+        EventKind::Oom(oom) => (IncidentKind::Oom, oom_summary(oom)),
         // A task memory.oom.group took with the victim: the victim's record
         // is the incident; this one is its evidence.
         EventKind::KernelOomKill(k) if !k.oom_group.is_empty() => return None,
-        EventKind::KernelOomKill(k) => (KERNEL_OOM_KILL, kernel_kill_summary(k)),
+        EventKind::KernelOomKill(k) => (IncidentKind::KernelOomKill, kernel_kill_summary(k)),
         // A stop `oomscope run` passed on is not a failure; a kernel kill
         // during it has its own record, and so its own incident.
         EventKind::ChildExit(exit) if exit.stop_signal.is_some() && !exit.crash_loop => {
@@ -44,8 +44,10 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
         // signal is how servers stop their own workers: no failure.
         EventKind::ChildExit(exit) if exit.member => {
             let kind = match (exit.signal, exit.exit_code) {
-                (Some(sig), _) if !correlate::STOP_SIGNALS.contains(&sig) => MEMBER_DIED,
-                (None, Some(code)) if code != 0 => MEMBER_FAILED,
+                (Some(sig), _) if !correlate::STOP_SIGNALS.contains(&sig) => {
+                    IncidentKind::MemberDied
+                }
+                (None, Some(code)) if code != 0 => IncidentKind::MemberFailed,
                 _ => return None,
             };
             (kind, exit_summary(exit))
@@ -57,21 +59,21 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
                     .map(|l| format!("; stderr: {}", clip(&l, 160)))
                     .unwrap_or_default();
                 (
-                    CRASH_LOOP,
+                    IncidentKind::CrashLoop,
                     format!(
                         "gave up restarting after attempt {}: {how}{said}",
                         exit.attempt
                     ),
                 )
             } else if exit.signal.is_some() {
-                (SIGNAL, how)
+                (IncidentKind::Signal, how)
             } else if exit.exit_code.unwrap_or(0) != 0 {
                 match oom_line(&exit.stderr_tail)
                     .map(str::to_string)
                     .or_else(|| shm_enospc_line(exit))
                 {
                     Some(line) => (
-                        EXIT_OOM_TEXT,
+                        IncidentKind::ExitOomText,
                         format!("{how}; stderr: {}", clip(&line, 160)),
                     ),
                     // A plain failed exit long after the start is no memory
@@ -80,7 +82,10 @@ pub fn detect(msg: &pb::AgentMessage) -> Option<pb::Incident> {
                         let said = error_line(&exit.stderr_tail)
                             .map(|l| format!("; stderr: {}", clip(&l, 160)))
                             .unwrap_or_default();
-                        (FAILED_START, format!("{how}, while starting{said}"))
+                        (
+                            IncidentKind::FailedStart,
+                            format!("{how}, while starting{said}"),
+                        )
                     }
                     None => return None,
                 }
@@ -116,7 +121,8 @@ pub fn record(
         if store.has_incident(agent_id, incident.seq, &incident.kind)? {
             continue;
         }
-        if [MEMBER_DIED, MEMBER_FAILED].contains(&incident.kind.as_str())
+        if (incident.kind == IncidentKind::MemberDied
+            || incident.kind == IncidentKind::MemberFailed)
             && correlate::instance_stopping(store, agent_id, incident.time_ns)?
         {
             tracing::info!(
@@ -154,7 +160,7 @@ pub fn record_lost(
     // (and so never one of a mass disconnect's agents either).
     if store
         .hello(agent_id)?
-        .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+        .is_some_and(|h| h.role == oomscope_proto::Role::Probe)
     {
         store.set_state(agent_id, "ended", now_ns())?;
         tracing::info!(agent_id, "a probe's stream ended: not lost");
@@ -185,7 +191,7 @@ fn insert_lost(
         agent_id: agent_id.to_string(),
         summary: summary(&name),
         agent_name: name,
-        kind: AGENT_LOST.to_string(),
+        kind: IncidentKind::AgentLost.to_string(),
         time_ns,
         seq: 0,
         ..Default::default()
@@ -204,7 +210,10 @@ pub fn record_recovered(store: &mut Store, agent_id: &str) -> Result<Option<pb::
         return Ok(None);
     }
     let known = store.incidents(Some(agent_id))?;
-    let lost: Vec<_> = known.iter().filter(|i| i.kind == AGENT_LOST).collect();
+    let lost: Vec<_> = known
+        .iter()
+        .filter(|i| i.kind == IncidentKind::AgentLost)
+        .collect();
     if !lost.is_empty() {
         for incident in lost {
             let domain = attribute_domain(store, agent_id, incident);
@@ -360,15 +369,21 @@ pub fn check_fleet(
     };
     let mut recorded = Vec::new();
     let loop_since = now_ns.saturating_sub(nanos(policy.crash_loop_window));
-    if !store.has_incident_of_name(&name, CRASH_LOOP, loop_since)? {
+    if !store.has_incident_of_name(&name, IncidentKind::CrashLoop.as_str(), loop_since)? {
         let deaths = store.deaths_of(&name, loop_since)?;
         if let Some(f) = fleet::crash_loop(&name, &deaths, policy) {
-            recorded.extend(record_finding(store, agent_id, &name, CRASH_LOOP, f)?);
+            recorded.extend(record_finding(
+                store,
+                agent_id,
+                &name,
+                IncidentKind::CrashLoop,
+                f,
+            )?);
         }
     }
     let storm_since = now_ns
         .saturating_sub(nanos(policy.storm_window).saturating_add(nanos(policy.burst_window)));
-    if !store.has_incident_of_name(&name, RESTART_STORM, storm_since)? {
+    if !store.has_incident_of_name(&name, IncidentKind::RestartStorm.as_str(), storm_since)? {
         let starts = store.starts_of(&name, storm_since)?;
         if starts.len() >= policy.storm_instances {
             let from = starts[0]
@@ -376,7 +391,13 @@ pub fn check_fleet(
                 .saturating_sub(nanos(policy.baseline_window));
             let requests = store.request_starts_of(&name, from, now_ns.saturating_add(1))?;
             if let Some(f) = fleet::restart_storm(&name, &starts, &requests, policy) {
-                recorded.extend(record_finding(store, agent_id, &name, RESTART_STORM, f)?);
+                recorded.extend(record_finding(
+                    store,
+                    agent_id,
+                    &name,
+                    IncidentKind::RestartStorm,
+                    f,
+                )?);
             }
         }
     }
@@ -387,7 +408,7 @@ fn record_finding(
     store: &mut Store,
     agent_id: &str,
     name: &str,
-    kind: &str,
+    kind: IncidentKind,
     f: fleet::Finding,
 ) -> Result<Option<pb::Incident>> {
     let incident = pb::Incident {
@@ -428,7 +449,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (killed.kind.as_str(), killed.seq, killed.time_ns),
-            (SIGNAL, 3, 42)
+            (IncidentKind::Signal.as_str(), 3, 42)
         );
         assert!(
             killed.summary.contains("signal 9 (SIGKILL)"),
@@ -445,7 +466,7 @@ mod tests {
             },
         ))
         .unwrap();
-        assert_eq!(oom_text.kind, EXIT_OOM_TEXT);
+        assert_eq!(oom_text.kind, IncidentKind::ExitOomText);
         assert!(
             oom_text.summary.contains("Tried to allocate 96.00 MiB"),
             "{}",
@@ -469,7 +490,7 @@ mod tests {
             },
         ))
         .unwrap();
-        assert_eq!(failed_start.kind, FAILED_START);
+        assert_eq!(failed_start.kind, IncidentKind::FailedStart);
         assert!(
             failed_start.summary.ends_with(
                 "exited with code 1 after 2.5 s, while starting; stderr: ValueError: bad zoom room"
@@ -493,7 +514,7 @@ mod tests {
             ..Default::default()
         };
         let inc = detect(&exit_event(7, looped)).unwrap();
-        assert_eq!(inc.kind, CRASH_LOOP);
+        assert_eq!(inc.kind, IncidentKind::CrashLoop);
         assert!(
             inc.summary.contains("attempt 3") && inc.summary.contains("signal 9"),
             "{}",
@@ -522,7 +543,7 @@ mod tests {
             ..Default::default()
         }))
         .unwrap();
-        assert_eq!(numa.kind, KERNEL_OOM_KILL);
+        assert_eq!(numa.kind, IncidentKind::KernelOomKill);
         assert!(
             numa.summary
                 .contains("NUMA node(s) 0 of cpuset numa0 out of memory"),

@@ -624,7 +624,9 @@ async fn ingest(
                 false => Vec::new(),
             };
             // A death or a request may complete a fleet pattern (crash loop, restart storm).
-            if recorded.iter().any(|i| i.kind != incidents::OOM)
+            if recorded
+                .iter()
+                .any(|i| i.kind != oomscope_proto::IncidentKind::Oom)
                 || storable.iter().any(is_request_event)
             {
                 match incidents::check_fleet(store, &id, &fleet, now_ns()) {

@@ -10,7 +10,6 @@ pub mod correlate;
 pub mod fleet;
 pub mod incidents;
 pub mod ingest;
-pub mod kinds;
 pub mod query_service;
 pub mod serve;
 pub mod store;

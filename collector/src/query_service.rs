@@ -15,6 +15,7 @@ use crate::pb::query_service_server::QueryService;
 use crate::store::{Instance, Store, Target};
 use crate::verdict::{diagnose, incident_ref};
 use oomscope_analysis::join::{join_context, join_tree, TREE_JOIN_MAX_AGE_NS};
+use oomscope_proto::{IncidentKind, Role};
 
 /// The most samples one diagnosis reads, as their figures (the samples less
 /// their `raw` allocator dicts, see `collector/STORAGE.md`): this bounds a
@@ -299,7 +300,7 @@ fn member_evidence(
     for m in inst
         .members
         .iter()
-        .filter(|m| m.agent_id != main && m.role != "supervisor")
+        .filter(|m| m.agent_id != main && m.role != Role::Supervisor)
     {
         let from = store
             .window_start(&m.agent_id, from_ns, to_ns, DIAGNOSE_MAX_SAMPLES)
@@ -322,10 +323,8 @@ fn incident_end(store: &Store, inc: &pb::Incident) -> Result<i64, Status> {
     let parts = store.merged_into(&inc.id).map_err(internal)?;
     let mut end = parts.iter().map(|p| p.time_ns).fold(inc.time_ns, i64::max);
     if matches!(
-        inc.kind.as_str(),
-        crate::incidents::KERNEL_OOM_KILL
-            | crate::incidents::MEMBER_DIED
-            | crate::incidents::MEMBER_FAILED
+        inc.kind.parse(),
+        Ok(IncidentKind::KernelOomKill | IncidentKind::MemberDied | IncidentKind::MemberFailed)
     ) {
         end = end.max(inc.time_ns.saturating_add(KILL_SETTLE_NS));
     }
@@ -397,8 +396,8 @@ fn join_serving_context(
 ) -> anyhow::Result<()> {
     let others = || inst.members.iter().filter(|m| m.agent_id != main);
     let serving = others()
-        .find(|m| m.role == "api_server" || m.role == "server")
-        .or_else(|| others().find(|m| m.role == oomscope_proto::PROBE_ROLE));
+        .find(|m| m.role == Role::ApiServer || m.role == Role::Server)
+        .or_else(|| others().find(|m| m.role == Role::Probe));
     if let Some(m) = serving {
         let theirs = readings_for(store, &m.agent_id, samples, from_ns, to_ns)?;
         join_context(samples, &theirs);

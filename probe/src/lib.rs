@@ -671,7 +671,7 @@ impl Probe {
         let command = hellos
             .iter()
             .filter(|h| !h.command.is_empty())
-            .min_by_key(|h| h.role != "supervisor")
+            .min_by_key(|h| h.role != oomscope_proto::Role::Supervisor)
             .map(|h| h.command.clone())
             .or(launch);
         if let Some(cmd) = command {
@@ -794,7 +794,8 @@ impl Probe {
                 .find(|(_, a, b)| inc.time_ns >= *a && inc.time_ns <= *b)
                 .map(|(n, ..)| n.clone())
                 .unwrap_or_else(|| self.current.clone());
-            let domain = Some(inc.domain.clone()).filter(|d| !d.is_empty() && d != "unknown");
+            let domain = Some(inc.domain.clone())
+                .filter(|d| !d.is_empty() && d != oomscope_analysis::Domain::Unknown.as_str());
             let filled = Death {
                 suite: suite.clone(),
                 time_ns: inc.time_ns,

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use oomscope_proto::CauseKind;
 use serde_json::json;
 
 use super::calibrate::StreamChoice;
@@ -231,7 +232,9 @@ impl Probe {
                     "collector incident {} ({}): {}",
                     inc.id, inc.kind, inc.summary
                 ));
-                if !inc.domain.is_empty() && inc.domain != "unknown" {
+                if !inc.domain.is_empty()
+                    && inc.domain != oomscope_analysis::Domain::Unknown.as_str()
+                {
                     return (inc.domain, evidence);
                 }
             }
@@ -956,11 +959,9 @@ impl Probe {
                         .collect();
                     findings["causes"] = json!(causes);
                     findings["trigger"] = json!(d.trigger);
-                    if let Some(c) = d
-                        .causes
-                        .iter()
-                        .find(|c| c.kind == "leak" || c.kind == "host_growth")
-                    {
+                    if let Some(c) = d.causes.iter().find(|c| {
+                        matches!(c.kind.parse(), Ok(CauseKind::Leak | CauseKind::HostGrowth))
+                    }) {
                         let per = c.metrics.get("bytes_per_request").copied().unwrap_or(0.0);
                         leak = Some(format!(
                             "{}: {} per request ({})",
@@ -1131,7 +1132,7 @@ impl Probe {
             .or((st.timeouts > 0).then_some(false));
         let findings = json!({
             "burst": n, "ok": st.ok, "refused": st.refused, "timeouts": st.timeouts, "server_errors": st.server_errors,
-            "unreachable": st.unreachable, "refused_p99_ms": refuse_p99, "alive_after": alive, "oom": oom, "incidents": incidents,
+            "unreachable": st.unreachable, "refused_p99_ms": refuse_p99, "alive_after": alive, "oom": oom, "incidents": incidents, // vocab: keys
             "queue_bounded": queue_bounded,
         });
         let (status, verdict) = if !problems.is_empty() {

@@ -142,7 +142,7 @@ impl Watch {
             if id == main
                 || m.hello
                     .as_ref()
-                    .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+                    .is_some_and(|h| h.role == oomscope_proto::Role::Probe)
             {
                 continue;
             }

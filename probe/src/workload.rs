@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use crate::pb;
 
 /// Where the workload goes: the CLI sends it on an agent stream with role
-/// [`oomscope_proto::PROBE_ROLE`]. Calls come from request threads, so they
+/// [`oomscope_proto::Role::Probe`]. Calls come from request threads, so they
 /// must not block on the network.
 pub trait WorkloadSink: Send + Sync {
     /// The requests in flight changed (a context sample at `time_ns`).

@@ -14,6 +14,9 @@
 //! as null, and a field missing from the input as its proto default.
 
 pub mod delta;
+pub mod vocab;
+
+pub use vocab::{CauseKind, IncidentKind, Role, TriggerKind, UnknownName, PROBE_ROLE};
 
 #[allow(clippy::all, missing_docs)]
 #[rustfmt::skip]
@@ -35,12 +38,8 @@ pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";
 /// the analysis reads censuses by it.
 pub const CENSUS_PHASE: &str = "census";
 
-/// The `Hello.role` of `oomscope probe`'s own stream: the requests it sends a
-/// server, as that server's workload context. It observes the instance it
-/// joins, so its end is never the instance's death.
-pub const PROBE_ROLE: &str = "probe";
 /// The `RequestContext.phase` of the probe's context samples.
-pub const PROBE_PHASE: &str = "probe";
+pub const PROBE_PHASE: &str = "probe"; // vocab: a phase, not the role
 /// The probe's stream is named after the server it probes with this suffix:
 /// a member of the server's instance, but never the service a name stands
 /// for, nor one of its starts or requests when the collector looks for a

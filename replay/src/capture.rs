@@ -16,6 +16,7 @@ use anyhow::{bail, Result};
 use serde_json::{Map, Value};
 
 use oomscope_agent_core::{pb, torch};
+use oomscope_proto::Role;
 
 /// A decompressed capture larger than this is refused rather than read.
 pub const MAX_CAPTURE_BYTES: u64 = 1 << 30;
@@ -234,7 +235,7 @@ pub fn from_json(v: &Value, origin: &str, base_ns: i64) -> Result<Capture> {
     }
     let last_t = last.as_ref().map_or(0.0, |(t, _)| *t);
 
-    let oom = optional_object(top, "oom", origin)?;
+    let oom = optional_object(top, "oom", origin)?; // vocab: the capture's key
     let error = optional_object(top, "error", origin)?;
     let mut failure_t = None;
     if oom.is_some() || error.is_some() {
@@ -506,8 +507,8 @@ fn hello(
         agent_id: agent_id(scenario),
         name: scenario.to_string(),
         start_time_ns: base_ns,
-        role: "replay".into(),
-        runtime: "replay".into(),
+        role: Role::Replay.into(),
+        runtime: "replay".into(), // vocab: the runtime's name
         pid: notes
             .get("self_pid")
             .and_then(torch::json_i64)

@@ -138,7 +138,7 @@ fn frames(agent_id: &str, source: &[pb::Sample], load: Load, base_ns: i64) -> Fr
         agent_id: agent_id.to_string(),
         name: BENCH_AGENT_NAME.to_string(),
         host: "oomscope-bench".to_string(),
-        role: "bench".to_string(),
+        role: oomscope_proto::Role::Bench.into(),
         runtime: "pytorch".to_string(),
         start_time_ns: base_ns,
         ..Default::default()

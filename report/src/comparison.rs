@@ -250,7 +250,7 @@ pub fn settings(h: &pb::Hello) -> BTreeMap<String, String> {
         );
     }
     if let Some(c) = h.cgroup.as_ref().filter(|c| !c.version.is_empty()) {
-        put("cgroup_limit".into(), limit(c.limit_bytes));
+        put("cgroup_limit".into(), limit(c.limit_bytes)); // vocab: a setting's key
     }
     if let Some(r) = &h.rlimits {
         put("rlimit.address_space".into(), limit(r.address_space_bytes));

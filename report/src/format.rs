@@ -56,7 +56,7 @@ pub fn agents(agents: &[pb::AgentSummary]) -> String {
         let pid = members
             .iter()
             .filter_map(|a| a.hello.as_ref())
-            .find(|h| h.role != "supervisor")
+            .find(|h| h.role != oomscope_proto::Role::Supervisor)
             .map_or(0, |h| h.pid);
         let _ = writeln!(
             out,

@@ -155,7 +155,7 @@ pub(super) fn render(v: &View) -> String {
                         esc(&bytes_short(b))
                     );
                 }
-                None => o.push_str(r#"<td class="unknown">—</td>"#),
+                None => o.push_str(r#"<td class="unknown">—</td>"#), // vocab: a CSS class
             }
         }
         o.push_str("</tr>\n");

@@ -113,7 +113,7 @@ pub const ROWS: [Row; 15] = [
         shown: Shown::Always,
     },
     Row {
-        key: "cgroup_limit",
+        key: "cgroup_limit", // vocab: a row's key
         title: "cgroup limit",
         how: "the tightest memory limit on the process's cgroup or its ancestors",
         shown: Shown::WhenRead,
@@ -457,6 +457,7 @@ impl Ctx<'_> {
             set("tree_rss", Some(s.tree_rss_bytes).filter(|&b| b > 0));
             set("tree_pss", Some(s.tree_pss_bytes).filter(|&b| b > 0));
             set(
+                // vocab: a row's key
                 "cgroup_limit",
                 s.cgroup
                     .iter()

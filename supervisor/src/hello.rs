@@ -17,9 +17,9 @@ pub const KERNEL_LOG_LABEL: &str = "kernel_log";
 pub(crate) fn hello(cfg: &RunConfig, me: &HostReader) -> pb::Hello {
     let mut hello = Identity {
         name: cfg.name.clone(),
-        role: "supervisor".into(),
+        role: oomscope_proto::Role::Supervisor.into(),
         rank: 0,
-        runtime: "supervisor".into(),
+        runtime: "supervisor".into(), // vocab: the runtime's name
     }
     .hello(me);
     // Its CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER are the child's: the

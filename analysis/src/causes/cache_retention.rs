@@ -9,6 +9,7 @@ use crate::findings::Findings;
 use crate::growth;
 use crate::pb;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 /// Reserved must grow at least this much to be worth a line.
 pub const MIN_CACHE_GROWTH_BYTES: u64 = 64 << 20;
@@ -59,7 +60,12 @@ pub fn cache_retention(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             .to_string(),
     );
     let confidence = if f.failed { 0.2 } else { 0.6 };
-    Some(cause("cache_retention", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::CacheRetention,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// Reserved before and after the first cache release after `since`: a

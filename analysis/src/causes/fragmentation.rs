@@ -18,6 +18,7 @@ use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::pb;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 /// Confidence before the evidence is weighed; the share of the limit tied up
 /// in free-but-unusable bytes adds to it.
@@ -123,7 +124,7 @@ pub fn fragmentation(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         confidence += CORROBORATION;
     }
     Some(cause(
-        "fragmentation",
+        CauseKind::Fragmentation,
         confidence.min(MAX_CONFIDENCE),
         evidence,
         &metrics,

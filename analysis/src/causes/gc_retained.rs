@@ -13,6 +13,7 @@ use crate::findings::Findings;
 use crate::growth::{self, RECLAIMED_SHARE};
 use crate::pb;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 /// Live bytes around the first collection.
 pub struct Reclaim {
@@ -87,7 +88,7 @@ fn heap_gc_retained(r: &HeapReclaim) -> pb::Cause {
         ("growth_bytes", r.gained()),
         ("collected_objects", r.collected as f64),
     ];
-    cause("gc_retained", 0.85, evidence, &metrics)
+    cause(CauseKind::GcRetained, 0.85, evidence, &metrics)
 }
 
 /// From the device allocator's live bytes around the first collection.
@@ -112,5 +113,5 @@ fn device_gc_retained(f: &Findings) -> Option<pb::Cause> {
         ("reclaimed_bytes", r.reclaimed.max(0.0)),
         ("growth_bytes", r.growth),
     ];
-    Some(cause("gc_retained", 0.85, evidence, &metrics))
+    Some(cause(CauseKind::GcRetained, 0.85, evidence, &metrics))
 }

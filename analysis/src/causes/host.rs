@@ -6,6 +6,7 @@ use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::pb;
 use crate::units::{bytes, bytes_short};
+use oomscope_proto::CauseKind;
 
 // At or above this share of /dev/shm in use, a SIGBUS is a full /dev/shm;
 // below it the SIGBUS may come from a truncated mapped file instead.
@@ -104,7 +105,12 @@ pub fn cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
             ]);
         }
     }
-    Some(cause("cgroup_limit", m.confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::CgroupLimit,
+        m.confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// A memcg kill the kernel recorded where the counters named no owner (a
@@ -131,7 +137,7 @@ fn kernel_cgroup_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         ("usage_bytes", k.memcg_usage_bytes as f64),
     ];
     metrics.extend(kernel_metrics(k));
-    Some(cause("cgroup_limit", 0.95, evidence, &metrics))
+    Some(cause(CauseKind::CgroupLimit, 0.95, evidence, &metrics))
 }
 
 pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
@@ -182,7 +188,12 @@ pub fn host_ram_exhausted(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     // The kernel's record names the victim; vmstat counts kills anywhere on
     // the host, and only the child's SIGKILL with memory short ties it to us.
     let confidence = if kernel.is_some() { 0.95 } else { 0.9 };
-    Some(cause("host_ram_exhausted", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::HostRamExhausted,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 pub fn address_space_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
@@ -223,7 +234,12 @@ pub fn address_space_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         ("vm_peak_bytes", vm_peak as f64),
         ("vm_size_bytes", vm_size as f64),
     ];
-    Some(cause("address_space_limit", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::AddressSpaceLimit,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// RLIMIT_DATA refuses brk and private writable mappings (malloc's arenas,
@@ -260,7 +276,7 @@ pub fn data_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         (_, Some(_)) => 0.6,
         _ => 0.85,
     };
-    Some(cause("data_limit", confidence, evidence, &metrics))
+    Some(cause(CauseKind::DataLimit, confidence, evidence, &metrics))
 }
 
 /// Strict overcommit (mode 2) refused a reservation. Committed_AS is its
@@ -311,7 +327,12 @@ pub fn overcommit_limit(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     } else {
         0.85
     };
-    Some(cause("overcommit_limit", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::OvercommitLimit,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// /dev/shm ran out: a SIGBUS on a shared page, or the process's own words
@@ -380,7 +401,7 @@ pub fn shm_full(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         ));
         metrics.push(("writer_pid", x.pid as f64));
     }
-    Some(cause("shm_full", confidence, evidence, &metrics))
+    Some(cause(CauseKind::ShmFull, confidence, evidence, &metrics))
 }
 
 pub fn swap_thrash(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
@@ -403,7 +424,12 @@ pub fn swap_thrash(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     } else {
         0.4
     };
-    Some(cause("swap_thrash", confidence, t.evidence(), &metrics))
+    Some(cause(
+        CauseKind::SwapThrash,
+        confidence,
+        t.evidence(),
+        &metrics,
+    ))
 }
 
 pub fn external_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
@@ -427,9 +453,9 @@ pub fn external_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     ];
     let runtime_s = f.exit.map_or(0.0, |(_, x)| x.runtime_ns as f64 / 1e9);
     Some(cause(
-        "external_kill",
+        CauseKind::ExternalKill,
         0.7,
         evidence,
-        &[("signal", 9.0), ("runtime_s", runtime_s)],
+        &[("signal", 9.0), ("runtime_s", runtime_s)], // vocab: a metric
     ))
 }

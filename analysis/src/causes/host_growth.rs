@@ -13,6 +13,7 @@ use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::time_growth;
 use crate::timeline::Point;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 // No floor in bytes: any growth that is certain (growth::Trend::certain) is
 // reported; its runway says how much it matters, and growth under
@@ -94,7 +95,7 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             .to_string(),
     );
     let confidence = if f.failed { 0.7 } else { 0.6 };
-    Some(cause("host_growth", confidence, evidence, &metrics))
+    Some(cause(CauseKind::HostGrowth, confidence, evidence, &metrics))
 }
 
 /// The host's certain growth between requests (RSS, else the usage of a
@@ -161,7 +162,7 @@ fn over_time(f: &Findings) -> Option<pb::Cause> {
     }
     metrics.extend(g.runway.iter().flat_map(|r| r.metrics()));
     let confidence = if f.failed { 0.7 } else { 0.6 };
-    Some(cause("host_growth", confidence, evidence, &metrics))
+    Some(cause(CauseKind::HostGrowth, confidence, evidence, &metrics))
 }
 
 /// "the heap census names the retaining type: torch.Tensor[cpu] +250 KiB per request (49% of the host growth) ..."

@@ -9,6 +9,7 @@ use crate::findings::Findings;
 use crate::kernel_constraints::{high_order, numa_binding};
 use crate::memory_high::high_throttle;
 use crate::pb;
+use oomscope_proto::CauseKind;
 
 /// A kill confined to some NUMA nodes: those nodes ran out, whatever the
 /// host had free elsewhere.
@@ -31,7 +32,12 @@ pub fn numa_binding_cause(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     }
     // The kernel named the constraint; only the node figures may be missing.
     let confidence = if b.nodes.is_empty() { 0.8 } else { 0.95 };
-    Some(cause("numa_binding", confidence, b.evidence(), &metrics))
+    Some(cause(
+        CauseKind::NumaBinding,
+        confidence,
+        b.evidence(),
+        &metrics,
+    ))
 }
 
 /// A high-order allocation that failed with memory free: the blocks were
@@ -60,7 +66,7 @@ pub fn host_fragmentation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     // MemAvailable reading is from before it.
     let confidence = if h.free_bytes.is_some() { 0.9 } else { 0.7 };
     Some(cause(
-        "host_fragmentation",
+        CauseKind::HostFragmentation,
         confidence,
         h.evidence(),
         &metrics,
@@ -89,7 +95,7 @@ pub fn memory_high_throttling(f: &Findings, v: &DomainVerdict) -> Option<pb::Cau
         ("window_s", t.window_ns as f64 / 1e9),
     ];
     Some(cause(
-        "memory_high_throttling",
+        CauseKind::MemoryHighThrottling,
         confidence,
         t.evidence(),
         &metrics,

@@ -7,8 +7,9 @@ use crate::findings::Findings;
 use crate::growth;
 use crate::kv_fit;
 use crate::pb;
-use crate::trigger::{self, Trigger};
+use crate::trigger;
 use crate::units::bytes_short;
+use oomscope_proto::{CauseKind, TriggerKind};
 
 /// A fit explaining less than this share of the variance is weak evidence.
 const GOOD_FIT_R2: f64 = 0.8;
@@ -32,7 +33,7 @@ pub fn kv_growth(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let trig = trigger::decide(f, v).map(|(t, _)| t);
     let rising = matches!(
         trig,
-        Some(Trigger::ConcurrencyDependent | Trigger::SizeDependent)
+        Some(TriggerKind::ConcurrencyDependent | TriggerKind::SizeDependent)
     );
     let failed_at_tokens = if x.context.active_tokens > 0 {
         x.context.active_tokens
@@ -85,5 +86,5 @@ pub fn kv_growth(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     if fit.r2 < GOOD_FIT_R2 {
         confidence -= 0.2;
     }
-    Some(cause("kv_growth", confidence, evidence, &metrics))
+    Some(cause(CauseKind::KvGrowth, confidence, evidence, &metrics))
 }

@@ -24,6 +24,7 @@ use crate::kv_pool_figures::{self, FIT_SHARE, GIB, KV_FULL_USAGE, MIN_FULL_READI
 use crate::pb;
 use crate::settings::{Knob, Runtime};
 use crate::units::{bytes, bytes_short, seconds, time};
+use oomscope_proto::CauseKind;
 
 /// Growers of another process's memory named in the evidence, at most.
 const MAX_NAMED: usize = 5;
@@ -107,7 +108,7 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
                 .to_string(),
         ),
     }
-    Some(cause("kv_reservation", 0.96, evidence, &metrics))
+    Some(cause(CauseKind::KvReservation, 0.96, evidence, &metrics))
 }
 
 /// The pool lives in host memory: vLLM's CPU backend (its variable is set,
@@ -122,6 +123,7 @@ fn kv_on_host(f: &Findings) -> bool {
 /// supervised tree, else the only process there is.
 fn holds_kv(e: &crate::Evidence, k: &pb::KernelOomKill, kill_ns: i64) -> bool {
     let title = k.task.to_ascii_lowercase();
+    // vocab: "worker" in a process title (vLLM's `VLLM::Worker`)
     if title.contains("worker") || title.contains("scheduler") {
         return true;
     }
@@ -299,7 +301,12 @@ pub fn activation_headroom(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
             metrics.push(("proposed_memory_fraction", proposed));
         }
     }
-    Some(cause("activation_headroom", 0.85, evidence, &metrics))
+    Some(cause(
+        CauseKind::ActivationHeadroom,
+        0.85,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// The memory share in force: the command line's, the plugin's resolved
@@ -416,7 +423,7 @@ pub fn taken_after_profiling(f: &Findings, v: &DomainVerdict) -> Option<pb::Caus
             .to_string(),
     );
     let mut c = cause(
-        "taken_after_profiling",
+        CauseKind::TakenAfterProfiling,
         0.8,
         evidence,
         &[
@@ -603,7 +610,12 @@ pub fn kv_pool_saturation(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     });
     // Beside a failure it is the lesser story.
     let confidence = if v.failed { 0.4 } else { 0.7 };
-    Some(cause("kv_pool_saturation", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::KvPoolSaturation,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// "KV pool full (usage 100 %) with nothing waiting or preempted: ..." where

@@ -14,6 +14,7 @@ use crate::pb;
 use crate::pb::event::Kind;
 use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     if f.timeline.device().next().is_some() {
@@ -66,7 +67,7 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
             .to_string(),
     );
     let confidence = if t.p_value < 1e-6 { 0.9 } else { 0.75 };
-    Some(cause("leak", confidence, evidence, &metrics))
+    Some(cause(CauseKind::Leak, confidence, evidence, &metrics))
 }
 
 /// Live Python objects on the host, from the heap censuses.
@@ -103,7 +104,7 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
     } else {
         0.75
     };
-    cause("leak", confidence, evidence, &metrics)
+    cause(CauseKind::Leak, confidence, evidence, &metrics)
 }
 
 /// The process's latest host reading: RSS, else its cgroup's usage.

@@ -31,6 +31,7 @@ pub(crate) use kv_pool::full_without_pressure;
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::pb;
+use oomscope_proto::CauseKind;
 
 /// One analyzer: a cause or nothing.
 pub type Analyzer = fn(&Findings, &DomainVerdict) -> Option<pb::Cause>;
@@ -90,13 +91,13 @@ pub fn analyze(f: &Findings, v: &DomainVerdict) -> Vec<pb::Cause> {
 
 /// A cause from its parts; metrics are named with their unit (`_bytes`, `_per_s`).
 pub(crate) fn cause(
-    kind: &str,
+    kind: CauseKind,
     confidence: f64,
     evidence: Vec<String>,
     metrics: &[(&str, f64)],
 ) -> pb::Cause {
     pb::Cause {
-        kind: kind.to_string(),
+        kind: kind.as_str().to_string(),
         confidence,
         evidence,
         metrics: metrics

@@ -18,6 +18,7 @@ use crate::findings::Findings;
 use crate::pb;
 use crate::torch_text::TorchOomText;
 use crate::units::{bytes, bytes_short};
+use oomscope_proto::CauseKind;
 
 /// About what a bare CUDA context takes (0.49 GiB beside PyTorch on the
 /// H200 captures): unavoidable, so memory only this large explains a
@@ -207,5 +208,10 @@ pub fn non_pytorch_memory(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> 
     if let Some(t) = sf.total {
         metrics.push(("total_bytes", t as f64));
     }
-    Some(cause("non_pytorch_memory", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::NonPytorchMemory,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }

@@ -7,6 +7,7 @@ use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::pb;
 use crate::units::{bytes, bytes_short};
+use oomscope_proto::CauseKind;
 
 /// A process holding at least this share of the domain's total is worth naming.
 const MIN_SHARE: f64 = 0.10;
@@ -129,7 +130,7 @@ pub fn other_process(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         confidence = confidence.min(DERIVED_CONFIDENCE);
     }
     let mut c = cause(
-        "other_process",
+        CauseKind::OtherProcess,
         confidence,
         evidence,
         &[

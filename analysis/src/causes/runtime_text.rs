@@ -15,7 +15,8 @@ use crate::pb;
 /// domain (a kernel kill, a cgroup limit), the text is a lesser witness.
 pub fn runtime_text(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
     let m = f.text.as_ref()?;
-    let kind = m.text.cause?;
+    // Every cause in the table is a CauseKind's name (its tests check).
+    let kind = m.text.cause?.parse().ok()?;
     let confidence = if f.text_domain == Some(v.domain) {
         0.9
     } else {

@@ -13,6 +13,7 @@ use crate::growth::{self, Trend};
 use crate::pb;
 use crate::runway::{self, Runway, SLOW_GROWTH_SHARE};
 use crate::time_growth;
+use oomscope_proto::CauseKind;
 
 /// Far below every leak and host growth (0.6 to 0.9): slow growth explains
 /// no failure on its own.
@@ -37,7 +38,7 @@ pub fn slow_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     ];
     metrics.extend(runway.metrics());
     Some(cause(
-        "slow_growth",
+        CauseKind::SlowGrowth,
         SLOW_GROWTH_CONFIDENCE,
         evidence,
         &metrics,
@@ -89,7 +90,7 @@ fn slow_over_time(f: &Findings) -> Option<pb::Cause> {
     ];
     metrics.extend(runway.metrics());
     Some(cause(
-        "slow_growth",
+        CauseKind::SlowGrowth,
         SLOW_GROWTH_CONFIDENCE,
         evidence,
         &metrics,

@@ -12,6 +12,7 @@ use crate::findings::Findings;
 use crate::pb;
 use crate::pb::event::Kind;
 use crate::units::seconds;
+use oomscope_proto::CauseKind;
 
 /// A process that ends this soon after it started failed while starting:
 /// loading a model and binding a port take seconds; a server that failed
@@ -168,11 +169,11 @@ pub fn startup_failure(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause> {
         None => UNNAMED_CONFIDENCE,
     };
     let ended = match (s.exit.signal, s.exit.exit_code) {
-        (Some(sig), _) => ("signal", sig as f64),
+        (Some(sig), _) => ("signal", sig as f64), // vocab: a metric
         (None, code) => ("exit_code", code.unwrap_or(0) as f64),
     };
     Some(cause(
-        "startup_failure",
+        CauseKind::StartupFailure,
         confidence,
         evidence,
         &[

@@ -7,6 +7,7 @@ use crate::findings::Findings;
 use crate::pb;
 use crate::pb::event::Kind;
 use crate::units::bytes_short;
+use oomscope_proto::CauseKind;
 
 /// Loaded bytes plus the failed request at or above this share of the limit:
 /// the weights themselves filled it. Below it, something else held the rest.
@@ -55,7 +56,12 @@ pub fn weights_too_large(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             0.25
         }
     };
-    Some(cause("weights_too_large", confidence, evidence, &metrics))
+    Some(cause(
+        CauseKind::WeightsTooLarge,
+        confidence,
+        evidence,
+        &metrics,
+    ))
 }
 
 /// The model's full size, where the runtime said it (load phase or context).

@@ -10,7 +10,7 @@ use crate::evidence::Evidence;
 use crate::pb;
 use crate::pb::event::Kind;
 
-use super::Trigger;
+use oomscope_proto::TriggerKind;
 
 /// A probe request that ended this little before the death ended with it
 /// (its error is the connection the death broke).
@@ -42,7 +42,7 @@ pub fn requests(e: &Evidence) -> Vec<ProbeRequest> {
     let probe = e.members.iter().filter(|m| {
         m.hello
             .as_ref()
-            .is_some_and(|h| h.role == oomscope_proto::PROBE_ROLE)
+            .is_some_and(|h| h.role == oomscope_proto::Role::Probe)
     });
     let mut out: Vec<(String, ProbeRequest)> = Vec::new();
     for ev in probe.flat_map(|m| m.events.iter()) {
@@ -95,7 +95,7 @@ fn most_at_once(reqs: &[&ProbeRequest]) -> usize {
 /// The trigger of a death at `died_at` during the probe, if the probe's
 /// requests were in flight then and the fatal step went past what had been
 /// served.
-pub fn decide(e: &Evidence, died_at: i64) -> Option<(Trigger, String)> {
+pub fn decide(e: &Evidence, died_at: i64) -> Option<(TriggerKind, String)> {
     let reqs = requests(e);
     let in_flight: Vec<&ProbeRequest> = reqs
         .iter()
@@ -124,7 +124,7 @@ pub fn decide(e: &Evidence, died_at: i64) -> Option<(Trigger, String)> {
     };
     if longest.prompt_tokens > served_estimate {
         return Some((
-            Trigger::SizeDependent,
+            TriggerKind::SizeDependent,
             format!(
                 "the server died while serving the probe's prompt of {at_kill} ({} request(s) in flight); {before}: the longer prompt set it off",
                 in_flight.len()
@@ -133,7 +133,7 @@ pub fn decide(e: &Evidence, died_at: i64) -> Option<(Trigger, String)> {
     }
     if in_flight.len() > served_at_once {
         return Some((
-            Trigger::ConcurrencyDependent,
+            TriggerKind::ConcurrencyDependent,
             format!(
                 "the server died with {} of the probe's requests in flight, prompts of up to {at_kill}; {before}: more at once, not a longer prompt, set it off",
                 in_flight.len()

@@ -16,6 +16,7 @@ use super::{decode_hello, decode_message, incident_row, Store, INCIDENT_SELECT};
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
+use oomscope_proto::Role;
 
 /// One process of an instance, as the store knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,7 +55,7 @@ impl Instance {
 
     /// The `oomscope run` that supervises the instance, if one does.
     pub fn supervisor(&self) -> Option<&Member> {
-        self.members.iter().find(|m| m.role == "supervisor")
+        self.members.iter().find(|m| m.role == Role::Supervisor)
     }
 }
 

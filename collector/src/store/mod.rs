@@ -570,13 +570,24 @@ impl Store {
     /// deaths of several processes of one start are one failure; a crash
     /// loop needs starts.
     pub fn deaths_of(&self, name: &str, since_ns: i64) -> Result<Vec<crate::fleet::Death>> {
+        use oomscope_proto::IncidentKind as K;
+        let deaths = [
+            K::Signal,
+            K::MemberDied,
+            K::MemberFailed,
+            K::KernelOomKill,
+            K::ExitOomText,
+            K::FailedStart,
+            K::AgentLost,
+        ];
+        let deaths = deaths.map(|k| format!("'{k}'")).join(", ");
         // SQLite takes the bare columns from the row with the MIN.
-        let mut stmt = self.conn.prepare_cached(
+        let mut stmt = self.conn.prepare_cached(&format!(
             "SELECT i.agent_id, MIN(i.time_ns) AS t, i.kind FROM incidents i JOIN agents a ON a.agent_id = i.agent_id
              WHERE a.name = ?1 AND i.time_ns >= ?2
-               AND i.kind IN ('signal', 'member_died', 'member_failed', 'kernel_oom_kill', 'exit_oom_text', 'failed_start', 'agent_lost')
+               AND i.kind IN ({deaths})
              GROUP BY a.instance ORDER BY t",
-        )?;
+        ))?;
         let rows = stmt.query_map(params![name, since_ns], |r| {
             Ok(crate::fleet::Death {
                 agent_id: r.get(0)?,
@@ -710,14 +721,14 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
         Some(EventKind::Phase(_)) => "phase",
         Some(EventKind::Gc(_)) => "gc",
         Some(EventKind::CacheRelease(_)) => "cache_release",
-        Some(EventKind::Oom(_)) => "oom",
+        Some(EventKind::Oom(_)) => "oom", // vocab: the oneof's field name
         Some(EventKind::ProcessList(_)) => "process_list",
         Some(EventKind::Snapshot(_)) => "snapshot",
         Some(EventKind::HeapCensus(_)) => "heap_census",
         Some(EventKind::ChildStart(_)) => "child_start",
         Some(EventKind::ChildExit(_)) => "child_exit",
         Some(EventKind::Request(_)) => "request",
-        Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill",
+        Some(EventKind::KernelOomKill(_)) => "kernel_oom_kill", // vocab: the oneof's field name
         Some(EventKind::StopForwarded(_)) => "stop_forwarded",
         Some(EventKind::KernelAllocFailure(_)) => "kernel_alloc_failure",
         None => "",

@@ -207,7 +207,7 @@ pub fn parse_v2_events(text: &str, level: &mut pb::CgroupLevel) {
         match key {
             "high" => level.events_high = value,
             "max" => level.events_max = value,
-            "oom" => level.events_oom = value,
+            "oom" => level.events_oom = value, // vocab: memory.events' key
             "oom_kill" => level.events_oom_kill = value,
             "oom_group_kill" => level.events_oom_group_kill = value,
             _ => {}
@@ -219,7 +219,7 @@ pub fn parse_v2_events(text: &str, level: &mut pb::CgroupLevel) {
 pub fn parse_v2_events_local(text: &str, level: &mut pb::CgroupLevel) {
     for (key, value) in key_values(text) {
         match key {
-            "oom" => level.local_oom = value,
+            "oom" => level.local_oom = value, // vocab: memory.events' key
             "oom_kill" => level.local_oom_kill = value,
             _ => {}
         }

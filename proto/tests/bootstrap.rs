@@ -103,8 +103,9 @@ fn enums_and_maps(mut builder: Builder, scope: &str, message: &DescriptorProto) 
                 "{at}: a nested enum needs its module path here"
             );
             assert!(
-                field.label() != Label::Repeated && !field.proto3_optional(),
-                "{at}: only singular enum fields have a serde form yet (src/serde_forms.rs)"
+                field.label() != Label::Repeated && field.oneof_index.is_none(),
+                "{at}: only singular enum fields outside a oneof have a serde form yet \
+                 (src/serde_forms.rs)"
             );
             builder = builder.field_attribute(
                 at,

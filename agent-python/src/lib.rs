@@ -609,5 +609,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_stats_conversion, m)?)?;
     m.add_function(wrap_pyfunction!(summarize_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(query_agents, m)?)?;
+    query::register(m)?;
     Ok(())
 }

@@ -1,20 +1,13 @@
 //! Reads a collector back over its QueryService, for tools and tests in
-//! Python: `oomscope.query.timeline(url, agent)` gets every field of the
-//! protos, where `oomscope timeline --json` prints a digest. (A timeline too
-//! large to send whole comes as the samples' figures: every field but the
-//! allocators' `raw` dicts; see `collector/STORAGE.md`.)
-//!
-//! The Python objects are the messages' own serde form (oomscope-proto's
-//! `serde` feature) made by pythonize, so a field added to a `.proto` shows up
-//! here without a line of code: dicts keyed by the proto field names, an unset
-//! message or `optional` field as None, enum fields as their numbers, a
-//! oneof's member under its own field name. Two changes of shape, for the
-//! callers' convenience: a timeline's samples and events are the `Sample` and
-//! `Event` dicts with their `seq` added, and an event names its oneof member
-//! in `kind` (`{"seq": 9, "time_ns": ..., "kind": "oom", "oom": {...}}`;
-//! `"kind": None` for an event without one) and its sender in `agent_id`
-//! (empty for the timeline's own agent; an instance's timeline holds every
-//! member's events, its `members` the members' `AgentSummary` dicts).
+//! Python. Each query gives its reply message's serde form (oomscope-proto's
+//! `serde` feature) made by pythonize: the very shape `oomscope ... --json`
+//! prints, so a field added to a `.proto` shows up here without a line of
+//! code. Dicts keyed by the proto field names, an unset message or
+//! `optional` field as None, enum fields as their lowercase names, a oneof's
+//! member under its own field name (an event is `{"time_ns": ..., "oom":
+//! {...}}`). (A timeline too large to send whole comes as the samples'
+//! figures: every field but the allocators' `raw` dicts; see
+//! `collector/STORAGE.md`.)
 
 use std::time::Duration;
 
@@ -22,7 +15,7 @@ use oomscope_agent_core::pb;
 use oomscope_client::Client;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 use pythonize::pythonize;
 
 /// Runs one query with the GIL released: connecting may take up to
@@ -37,7 +30,7 @@ fn fetch<T: Send>(
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
-/// The agent's whole timeline (by id or name), every sample and event.
+/// The agent's whole timeline (by id or name): a `TimelineResponse` dict.
 pub fn timeline<'py>(
     py: Python<'py>,
     url: &str,
@@ -49,36 +42,7 @@ pub fn timeline<'py>(
         ..Default::default()
     };
     let t = fetch(py, url, timeout, |c| c.timeline(req))?;
-    let samples = PyList::empty(py);
-    for s in t.samples {
-        let d = as_dict(py, &s.sample.unwrap_or_default())?;
-        d.set_item("seq", s.seq)?;
-        samples.append(d)?;
-    }
-    let events = PyList::empty(py);
-    for e in t.events {
-        let mut event = e.event.unwrap_or_default();
-        // Serialized apart, the oneof is a one-entry dict: its key is the kind.
-        let kind = event.kind.take();
-        let d = as_dict(py, &event)?;
-        d.set_item("seq", e.seq)?;
-        d.set_item("agent_id", e.agent_id)?;
-        d.set_item("kind", py.None())?;
-        if let Some(kind) = kind {
-            let member = as_dict(py, &kind)?;
-            for (name, body) in member.iter() {
-                d.set_item("kind", &name)?;
-                d.set_item(name, body)?;
-            }
-        }
-        events.append(d)?;
-    }
-    let out = PyDict::new(py);
-    out.set_item("hello", pythonize(py, &t.hello)?)?;
-    out.set_item("samples", samples)?;
-    out.set_item("events", events)?;
-    out.set_item("members", pythonize(py, &t.members)?)?;
-    Ok(out)
+    Ok(pythonize(py, &t)?.cast_into::<PyDict>()?)
 }
 
 /// Every agent the collector knows, as a list of `AgentSummary` dicts.
@@ -87,6 +51,50 @@ pub fn agents<'py>(py: Python<'py>, url: &str, timeout: Duration) -> PyResult<Bo
     Ok(pythonize(py, &r.agents)?)
 }
 
-fn as_dict<'py>(py: Python<'py>, v: &impl serde::Serialize) -> PyResult<Bound<'py, PyDict>> {
-    Ok(pythonize(py, v)?.cast_into::<PyDict>()?)
+/// The incidents (of one agent, id or name, where given), as a list of
+/// `Incident` dicts.
+#[pyfunction]
+#[pyo3(signature = (collector, agent = "", timeout_s = 10.0))]
+fn query_incidents<'py>(
+    py: Python<'py>,
+    collector: &str,
+    agent: &str,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let req = pb::IncidentsRequest {
+        agent: agent.to_string(),
+    };
+    let r = fetch(py, collector, timeout(timeout_s), |c| c.incidents(req))?;
+    Ok(pythonize(py, &r.incidents)?)
+}
+
+/// The verdict on an incident (its id), or on an agent's latest incident or
+/// history; the latest incident with neither: a `Diagnosis` dict.
+#[pyfunction]
+#[pyo3(signature = (collector, incident = "", agent = "", timeout_s = 10.0))]
+fn query_diagnose<'py>(
+    py: Python<'py>,
+    collector: &str,
+    incident: &str,
+    agent: &str,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let req = pb::DiagnoseRequest {
+        incident: incident.to_string(),
+        agent: agent.to_string(),
+        ..Default::default()
+    };
+    let d = fetch(py, collector, timeout(timeout_s), |c| c.diagnose(req))?;
+    Ok(pythonize(py, &d)?)
+}
+
+fn timeout(timeout_s: f64) -> Duration {
+    Duration::from_secs_f64(timeout_s.clamp(0.1, 600.0))
+}
+
+/// Adds the queries defined here to the native module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(query_incidents, m)?)?;
+    m.add_function(wrap_pyfunction!(query_diagnose, m)?)?;
+    Ok(())
 }

@@ -83,8 +83,12 @@ class Collector:
         return json.loads(r.stdout) if "--json" in args else r
 
     def timeline(self, agent):
+        """`oomscope.query.timeline` (the TimelineResponse's serde form),
+        flattened for reading: each sample is its `Sample` with its `seq`,
+        each event its `Event` with its `seq`, `agent_id` and `kind` (the
+        name of its oneof member, None without one)."""
         import oomscope.query
-        return oomscope.query.timeline(self.url, agent)
+        return flat_timeline(oomscope.query.timeline(self.url, agent))
 
     def agents(self):
         import oomscope.query
@@ -149,6 +153,26 @@ def server_factory(tmp_path, collector):
     yield make
     for s in servers:
         s.stop()
+
+
+def flat_timeline(t):
+    """A TimelineResponse dict with its samples and events flattened (see
+    Collector.timeline)."""
+    kinds = EVENT_KINDS
+
+    def event(e):
+        body = dict(e["event"] or {}, seq=e["seq"], agent_id=e["agent_id"])
+        body["kind"] = next((k for k in kinds if body.get(k) is not None), None)
+        return body
+
+    return dict(t, samples=[dict(s["sample"] or {}, seq=s["seq"]) for s in t["samples"]],
+                events=[event(e) for e in t["events"]])
+
+
+# Event's oneof members (proto/proto/oomscope/v1/agent.proto).
+EVENT_KINDS = ("phase", "gc", "cache_release", "oom", "process_list", "snapshot", "heap_census",
+               "child_start", "child_exit", "stop_forwarded", "request", "kernel_oom_kill",
+               "kernel_alloc_failure")
 
 
 def events(timeline, kind):

@@ -83,7 +83,7 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
         t = col.timeline(first)
         done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
         assert done == [1, 2, 3, 4, 5], "the first process's spooled samples arrived"
-        state = [a["state"] for a in col.cli("agents", "--json") if a["id"] == first]
+        state = [a["state"] for a in col.cli("agents", "--json") if a["hello"]["agent_id"] == first]
         assert state == ["disconnected"], "its spooled Goodbye arrived too: %s" % state
         agent = out.split("agent ")[1].strip()
         t = col.timeline(agent)
@@ -157,7 +157,7 @@ def test_a_sigkilled_servers_spool_is_delivered_by_the_next_agent(tmp_path):
         t = col.timeline(dead)
         done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
         assert done == [1, 2, 3, 4, 5, 6], done
-        state = [a["state"] for a in col.cli("agents", "--json") if a["id"] == dead]
+        state = [a["state"] for a in col.cli("agents", "--json") if a["hello"]["agent_id"] == dead]
         assert state == ["lost"], state
         lost = [i for i in col.cli("incidents", "--json") if i["agent_id"] == dead]
         assert [i["kind"] for i in lost] == ["agent_lost"], lost
@@ -271,7 +271,7 @@ def test_oom_evidence_is_acked_before_the_exception_propagates(collector):
         except MemoryError:
             # No flush: the OOM event must already be stored.
             t = oomscope.query.timeline(%r, oomscope.agent_id())
-            ooms = [e["oom"] for e in t["events"] if e["kind"] == "oom"]
+            ooms = [e["event"]["oom"] for e in t["events"] if "oom" in e["event"]]
             print("OOM", ooms[0]["error_type"], ooms[0]["context"]["request_id"],
                   ooms[0]["context"]["prompt_tokens"], ooms[0]["requested_bytes"],
                   ooms[0]["context"]["labels"].get("active_models"))

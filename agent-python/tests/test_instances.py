@@ -216,7 +216,7 @@ def test_workers_under_oomscope_run_are_one_instance_and_sigterm_stops_it_cleanl
         assert {h["instance"] for h in hellos} == {sup["agent_id"]}, hellos
         assert {a["instance"] for a in agents} == {sup["agent_id"]}, agents  # and the collector agrees
         assert api["parent_pid"] == sup["pid"] and all(w["parent_pid"] == api["pid"] for w in workers), hellos
-        listed = {a["id"] for a in collector.cli("agents", "--json") if a["name"] == "ref"}
+        listed = {a["hello"]["agent_id"] for a in collector.cli("agents", "--json") if a["hello"]["name"] == "ref"}
         assert listed == {h["agent_id"] for h in hellos}
 
         run.proc.send_signal(signal.SIGTERM)

@@ -97,10 +97,10 @@ def test_timeline_returns_the_gpu_facts_of_a_replayed_capture(collector):
     assert gpu["ordinal"] in (None, 0)
     [procs] = events(t, "process_list")
     assert procs["host_top_rss"] == []
-    # A capture's pids are compared by number (view unspecified) and its
+    # A capture's pids are compared by number (view "unspecified") and its
     # list names no device uuid.
     assert procs["gpu"] == [{"device": 0, "pid": p["pid"], "user": "", "command": "", "cgroup": "",
-                             "used_bytes": p["usedGpuMemory"], "view": 0, "device_uuid": ""}
+                             "used_bytes": p["usedGpuMemory"], "view": "unspecified", "device_uuid": ""}
                             for p in notes["nvml_procs_at_failure"]]
     readings = [e["mem_get_info"] for e in cap["timeline"]] + [cap["final"]["mem_get_info"]]
     assert [(s["allocator"][0]["driver_free_bytes"], s["allocator"][0]["driver_total_bytes"])

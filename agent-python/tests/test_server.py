@@ -185,7 +185,7 @@ def test_the_agent_switches_off_and_on_in_a_running_server(collector, server_fac
     assert s.post("/admin/agent", {"on": True}) == (200, {"running": True})
     assert s.drive(2, prefix="c")["statuses"] == {200: 2}
     def switch_agents():
-        mine = [a for a in collector.cli("agents", "--json") if a["name"] == "switch"]
+        mine = [a for a in collector.cli("agents", "--json") if a["hello"]["name"] == "switch"]
         return sorted(mine, key=lambda a: a["first_seen_ns"]) if len(mine) == 2 else None
 
     def served(agent_id):
@@ -196,5 +196,5 @@ def test_the_agent_switches_off_and_on_in_a_running_server(collector, server_fac
     assert agents, collector.cli("agents", "--json")
     first, second = agents
     assert first["state"] == "disconnected", "switching off says Goodbye"
-    assert served(first["id"]) == ["a-0", "a-1", "a-2"]
-    assert wait_for(lambda: served(second["id"]) == ["c-0", "c-1"], 20), served(second["id"])
+    assert served(first["hello"]["agent_id"]) == ["a-0", "a-1", "a-2"]
+    assert wait_for(lambda: served(second["hello"]["agent_id"]) == ["c-0", "c-1"], 20), served(second["hello"]["agent_id"])

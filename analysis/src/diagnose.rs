@@ -118,7 +118,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         Vec::new()
     };
     let victim = victim(&f);
-    let capacity_json = capacity::estimate(e, &f.timeline, f.failure.as_ref())
+    let capacity = capacity::estimate(e, &f.timeline, f.failure.as_ref())
         .and_then(|c| serde_json::to_string(&c).ok())
         .unwrap_or_default();
     // The agent's name, as `incidents` and `--agent` use it; its id when it has none.
@@ -146,7 +146,7 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         trigger: trigger.map(|(t, _)| t.as_str().to_string()),
         causes,
         fixes,
-        capacity_json,
+        capacity,
         evidence: verdict.evidence,
         // What ended the instance: the main process's end, also when the
         // failure took another process (that one's is the victim's).

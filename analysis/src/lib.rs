@@ -31,7 +31,6 @@ mod findings;
 mod fixes;
 pub mod growth;
 pub mod join;
-mod json;
 mod kernel_constraints;
 mod kv_fit;
 pub mod kv_pool_figures;
@@ -57,7 +56,6 @@ pub use counters::LIMIT_SLACK_BYTES;
 pub use diagnose::{diagnose, memory_domain, no_domain_reason};
 pub use domain::{attribute_domain, Domain, DomainVerdict};
 pub use evidence::{is_finite_limit, Evidence, IncidentRef, SUPERVISOR_CGROUP_LABEL};
-pub use json::to_json;
 pub use kernel_constraints::HIGH_ORDER_MIN;
 pub use kv_pool_figures::usage as kv_pool_usage;
 pub use oom_texts::{

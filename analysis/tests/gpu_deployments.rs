@@ -12,7 +12,7 @@ mod common;
 
 use common::*;
 use oomscope_analysis::pb::{self, event::Kind, PidView};
-use oomscope_analysis::{diagnose, to_json, Evidence};
+use oomscope_analysis::{diagnose, Evidence};
 
 /// One deployment and what its verdict must say.
 struct Row {

@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use oomscope_analysis::pb::{self, event::Kind};
-use oomscope_analysis::{diagnose, to_json, Evidence};
+use oomscope_analysis::{diagnose, Evidence};
 
 const OWN_PID: u32 = 4200;
 /// Another user's job, on another GPU or beside us: never to blame here.

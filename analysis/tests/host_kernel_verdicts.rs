@@ -15,7 +15,7 @@ use common::*;
 use oomscope_agent_core::readers::cgroup::{read_level, Version};
 use oomscope_agent_core::readers::kmsg::{parse_alloc_failures, parse_kills};
 use oomscope_analysis::pb::{self, event::Kind};
-use oomscope_analysis::{diagnose, to_json, Evidence};
+use oomscope_analysis::{diagnose, Evidence};
 use serde_json::Value;
 
 const KIB: u64 = 1024;

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use oomscope_analysis::pb::{self, event::Kind};
-use oomscope_analysis::{diagnose, to_json, Evidence};
+use oomscope_analysis::{diagnose, Evidence};
 
 const OWN: &str = "/oomtest/child";
 const WORKER_PID: u32 = 4243;

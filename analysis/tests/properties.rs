@@ -335,7 +335,7 @@ fn one_passing_request_never_claims_capacity() {
     e.events.clear();
     e.incident = None;
     assert!(oomscope_analysis::capacity(&e).is_none());
-    assert!(diagnose(&e).capacity_json.is_empty());
+    assert!(diagnose(&e).capacity.is_empty());
 }
 
 /// What must not move: domain, trigger and the kinds of causes in order.

@@ -98,8 +98,10 @@ pub enum Verb {
         /// Where the collector is.
         #[command(flatten)]
         collector: CollectorArg,
-        /// Print JSON: [{id, name, host, pid, role, runtime, state,
-        /// first_seen_ns, last_seen_ns, samples, events, last_seq}].
+        /// Print JSON: [AgentSummary], each {hello: {agent_id, name, host,
+        /// pid, role, runtime, ...}, state, first_seen_ns, last_seen_ns,
+        /// samples, events, last_seq, instance, goodbye, context} (context:
+        /// the latest load).
         #[arg(long)]
         json: bool,
     },
@@ -112,7 +114,8 @@ pub enum Verb {
         /// Only this agent (id or name).
         #[arg(long)]
         agent: Option<String>,
-        /// Print JSON: [{id, agent, agent_id, kind, time_ns, domain, summary}].
+        /// Print JSON: [Incident], each {id, agent_id, agent_name, kind,
+        /// time_ns, domain, summary, seq, parts}.
         #[arg(long)]
         json: bool,
     },
@@ -131,10 +134,9 @@ pub enum Verb {
         /// newest 4 MiB of events).
         #[arg(long, default_value_t = 200)]
         max_points: u32,
-        /// Print JSON: {agent, name, samples: [{seq, time_ns, rss_bytes,
-        /// cgroup_usage_bytes, mem_available_bytes, allocated_bytes,
-        /// reserved_bytes, inactive_split_bytes, phase}], events: [{seq,
-        /// time_ns, what}]}.
+        /// Print JSON: the TimelineResponse, {hello, samples: [{seq, sample,
+        /// low, high}], events: [{seq, event, agent_id}], members,
+        /// events_cut_ns}.
         #[arg(long)]
         json: bool,
     },
@@ -156,10 +158,10 @@ pub enum Verb {
         /// With --agent: only the last DURATION of its timeline.
         #[arg(long, value_parser = parse_since)]
         since: Option<Duration>,
-        /// Print JSON: {incident, agent, domain, trigger, causes: [{kind,
-        /// confidence, evidence, metrics, processes}], fixes: [{action, risk,
-        /// retest, caveat}], capacity, evidence, exit: {code, signal},
-        /// cgroup: {path, limit_bytes, owner_level}}.
+        /// Print JSON: the Diagnosis, {incident, agent, domain, trigger,
+        /// causes: [{kind, confidence, evidence, metrics, processes}], fixes:
+        /// [{action, risk, retest, caveat}], capacity, evidence, exit, cgroup,
+        /// failure, victim, kernel_report, device}.
         #[arg(long)]
         json: bool,
     },
@@ -174,8 +176,10 @@ pub enum Verb {
         /// Where the collector is.
         #[command(flatten)]
         collector: CollectorArg,
-        /// Print JSON: {a, b, changed: [{setting, a, b}], one_variable,
-        /// warnings, outcome, outcome_reason, memory: {rows, a, b}}.
+        /// Print JSON: the Comparison, {a, b, changed: [{setting, a, b}],
+        /// one_variable, warnings, outcome, outcome_reason, memory_rows}, each
+        /// side {agent_id, name, incident, failure, domain, trigger, cause,
+        /// memory: [{moment, title, time_ns, bytes}]}.
         #[arg(long)]
         json: bool,
     },

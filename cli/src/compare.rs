@@ -1,10 +1,11 @@
 //! `oomscope compare A B`: two runs of one workload (incident ids or agent
-//! names), fetched from the collector and compared.
+//! names), fetched from the collector and compared. `--json` is the
+//! `Comparison` message in its serde form.
 
 use oomscope_client::Client;
 use oomscope_report::comparison;
 
-use super::query::show;
+use super::output::show;
 use super::report::{fetch, Which};
 
 pub fn run(url: &str, a: &str, b: &str, json: bool) -> anyhow::Result<i32> {
@@ -25,9 +26,7 @@ pub fn run(url: &str, a: &str, b: &str, json: bool) -> anyhow::Result<i32> {
     });
     let (ra, rb) = (ra?, rb?);
     let cmp = comparison::compare(&ra, &rb);
-    show(
-        json,
-        || comparison::to_json(&cmp),
-        || comparison::to_text(&cmp),
-    )
+    show(json, &comparison::to_proto(&cmp), || {
+        comparison::to_text(&cmp)
+    })
 }

@@ -5,16 +5,20 @@
 //! analysis, report, probe and replay crates. The command line itself (every
 //! flag and its help) is in [`args`].
 
+mod agents;
 pub mod args;
 mod bench_ingest;
 mod collector;
 mod compare;
+mod diagnose;
+mod incidents;
 mod output;
 mod probe;
-mod query;
 mod replay;
 mod report;
 mod run;
+mod since;
+mod timeline;
 
 use clap::{CommandFactory, Parser};
 
@@ -62,26 +66,26 @@ pub fn main() -> i32 {
             speed,
             timeout,
         } => replay::run(&file, &collector.collector, name, speed, timeout),
-        Verb::Agents { collector, json } => query::agents(&collector.collector, json),
+        Verb::Agents { collector, json } => agents::run(&collector.collector, json),
         Verb::Incidents {
             collector,
             agent,
             json,
-        } => query::incidents(&collector.collector, agent, json),
+        } => incidents::run(&collector.collector, agent, json),
         Verb::Timeline {
             agent,
             collector,
             since,
             max_points,
             json,
-        } => query::timeline(&collector.collector, &agent, since, max_points, json),
+        } => timeline::run(&collector.collector, &agent, since, max_points, json),
         Verb::Diagnose {
             incident,
             collector,
             agent,
             since,
             json,
-        } => query::diagnose(&collector.collector, incident, agent, since, json),
+        } => diagnose::run(&collector.collector, incident, agent, since, json),
         Verb::Compare {
             a,
             b,

@@ -1,6 +1,7 @@
 //! What the verbs print, and how: agent- and server-supplied text is never
 //! written to a terminal raw, and a reader that went away ends a verb
-//! quietly.
+//! quietly. `--json` is always a proto message's serde form
+//! (oomscope-proto's `serde` feature), the shape Python's queries give.
 
 use oomscope_report::format;
 
@@ -17,4 +18,17 @@ pub(crate) fn print_out(text: &str) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         r => Ok(r?),
     }
+}
+
+/// Prints `message`'s serde form for `--json`, else the text rendering.
+pub(crate) fn show<T: serde::Serialize + ?Sized>(
+    json: bool,
+    message: &T,
+    as_text: impl FnOnce() -> String,
+) -> anyhow::Result<i32> {
+    match json {
+        true => print_out(&format!("{}\n", serde_json::to_string_pretty(message)?))?,
+        false => print_out(&as_text())?,
+    }
+    Ok(0)
 }

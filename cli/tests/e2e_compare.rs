@@ -42,6 +42,17 @@ fn settings_changed(c: &Value) -> Vec<String> {
         .collect()
 }
 
+/// One moment of a side's memory table (`before_load`, `after_load`,
+/// `at_failure`); a row without a reading is absent from its `bytes`.
+fn moment<'a>(c: &'a serde_json::Value, side: &str, moment: &str) -> &'a serde_json::Value {
+    c[side]["memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["moment"] == moment)
+        .unwrap_or_else(|| panic!("no {moment} in {side}: {c:#}"))
+}
+
 #[test]
 fn expandable_segments_retest_changes_one_variable_and_the_failure_remains() {
     let tmp = tempdir();
@@ -68,15 +79,15 @@ fn expandable_segments_retest_changes_one_variable_and_the_failure_remains() {
     );
     let (oa, ob) = (oom(&ta), oom(&tb));
     assert_eq!(oa.requested_bytes, 96 << 20);
-    assert_eq!(c["a"]["requested_bytes"], oa.requested_bytes);
-    assert_eq!(c["b"]["requested_bytes"], ob.requested_bytes);
-    assert_eq!(c["a"]["failed"], true);
-    assert_eq!(c["b"]["failed"], true);
+    assert_eq!(c["a"]["failure"]["requested_bytes"], oa.requested_bytes);
+    assert_eq!(c["b"]["failure"]["requested_bytes"], ob.requested_bytes);
+    assert!(c["a"]["failure"].is_object(), "{c:#}");
+    assert!(c["b"]["failure"].is_object(), "{c:#}");
     assert_eq!(c["a"]["domain"], "gpu_vram");
-    assert_eq!(c["a"]["phase"], "big_alloc_oom");
+    assert_eq!(c["a"]["failure"]["phase"], "big_alloc_oom");
     for (side, o) in [("a", &oa), ("b", &ob)] {
         let s = o.stats.as_ref().unwrap();
-        let at = &c["memory"][side]["at_failure"];
+        let at = &moment(&c, side, "at_failure")["bytes"];
         assert_eq!(at["allocated"], s.allocated_bytes, "{side}");
         assert_eq!(at["reserved"], s.reserved_bytes, "{side}");
         assert_eq!(at["cached"], s.reserved_bytes - s.allocated_bytes, "{side}");
@@ -88,12 +99,18 @@ fn expandable_segments_retest_changes_one_variable_and_the_failure_remains() {
     }
     // 800 MiB live and 1200 MiB of fragments, as the error text says; under
     // expandable segments inactive_split is not counted, so no fragments row.
-    assert_eq!(c["memory"]["a"]["at_failure"]["allocated"], 800u64 << 20);
-    assert_eq!(c["memory"]["a"]["at_failure"]["fragments"], 1200u64 << 20);
-    assert!(c["memory"]["b"]["at_failure"]["fragments"].is_null());
-    assert_eq!(c["memory"]["a"]["before_load"]["allocated"], 0);
+    assert_eq!(
+        moment(&c, "a", "at_failure")["bytes"]["allocated"],
+        800u64 << 20
+    );
+    assert_eq!(
+        moment(&c, "a", "at_failure")["bytes"]["fragments"],
+        1200u64 << 20
+    );
+    assert!(moment(&c, "b", "at_failure")["bytes"]["fragments"].is_null());
+    assert_eq!(moment(&c, "a", "before_load")["bytes"]["allocated"], 0);
     assert!(
-        c["memory"]["a"]["after_load"]["allocated"].is_null(),
+        moment(&c, "a", "after_load")["bytes"]["allocated"].is_null(),
         "no load phase in this capture"
     );
 
@@ -103,7 +120,7 @@ fn expandable_segments_retest_changes_one_variable_and_the_failure_remains() {
         incs.as_array()
             .unwrap()
             .iter()
-            .find(|i| i["agent"] == agent)
+            .find(|i| i["agent_name"] == agent)
             .unwrap()["id"]
             .as_str()
             .unwrap()
@@ -148,14 +165,14 @@ fn a_larger_cap_makes_the_failure_vanish() {
         .contains("4294967296"));
     assert_eq!(c["one_variable"], true);
     assert_eq!(c["outcome"], "vanished", "{}", c["outcome_reason"]);
-    assert_eq!(c["b"]["failed"], false);
+    assert!(c["b"]["failure"].is_null(), "{c:#}");
     assert!(c["b"]["incident"].is_null());
     // Without a failure, B's third column is its latest reading.
     let tb = timeline(&col.url, "frag-4g");
     let last = tb.samples.last().unwrap().sample.as_ref().unwrap();
-    assert_eq!(c["memory"]["b"]["at_failure"]["title"], "latest");
+    assert_eq!(moment(&c, "b", "at_failure")["title"], "latest");
     assert_eq!(
-        c["memory"]["b"]["at_failure"]["allocated"],
+        moment(&c, "b", "at_failure")["bytes"]["allocated"],
         last.allocator[0].allocated_bytes
     );
 }
@@ -189,7 +206,7 @@ fn several_changes_at_once_are_flagged() {
     let c = col.json(&["compare", "frag", "kv"]);
     assert_eq!(c["outcome"], "moved", "{}", c["outcome_reason"]);
     assert_eq!(c["one_variable"], false);
-    assert_eq!(c["b"]["phase"], "decode");
+    assert_eq!(c["b"]["failure"]["phase"], "decode");
     let text = col.text(&["compare", "frag", "kv"]);
     assert!(text.contains("Warning: "), "{text}");
 }

@@ -66,7 +66,7 @@ fn collector_down_then_up_receives_everything_once() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|a| a["name"] == "late")
+        .find(|a| a["hello"]["name"] == "late")
         .unwrap();
     assert_eq!(a["state"], "disconnected", "the Goodbye arrived too");
 }
@@ -116,7 +116,7 @@ fn garbage_on_the_wire_does_not_stop_the_collector() {
             .as_array()
             .unwrap()
             .iter()
-            .any(|a| a["name"] == "after-junk"),
+            .any(|a| a["hello"]["name"] == "after-junk"),
         "{agents:#}"
     );
 }
@@ -147,7 +147,7 @@ fn an_agent_killed_without_a_goodbye_is_recorded_as_lost() {
         .as_array()
         .unwrap()
         .iter()
-        .any(|a| a["name"] == "doomed" && a["samples"].as_u64() > Some(2))
+        .any(|a| a["hello"]["name"] == "doomed" && a["samples"].as_u64() > Some(2))
     {
         assert!(
             std::time::Instant::now() < deadline,
@@ -168,7 +168,7 @@ fn an_agent_killed_without_a_goodbye_is_recorded_as_lost() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|a| a["name"] == "doomed")
+        .find(|a| a["hello"]["name"] == "doomed")
         .unwrap();
     assert_eq!(a["state"], "lost");
     assert!(

@@ -200,7 +200,7 @@ fn clean_exit_is_no_incident() {
             .as_array()
             .unwrap()
             .iter()
-            .any(|a| a["name"] == "clean" && a["state"] == "disconnected"),
+            .any(|a| a["hello"]["name"] == "clean" && a["state"] == "disconnected"),
         "{agents:#}"
     );
     assert!(col

@@ -197,7 +197,7 @@ fn last_seq(col: &Collector, name: &str) -> u64 {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|a| a["name"] == name)
+        .filter(|a| a["hello"]["name"] == name)
         .map(|a| a["last_seq"].as_u64().unwrap())
         .max()
         .unwrap_or(0)

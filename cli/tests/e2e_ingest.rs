@@ -60,7 +60,7 @@ fn bench_ingest_stores_every_sample_once_and_reports_every_field() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|a| a["name"] == "bench-ingest")
+        .filter(|a| a["hello"]["name"] == "bench-ingest")
         .collect();
     assert_eq!(bench.len(), 2, "{agents}");
     for a in bench {

@@ -73,7 +73,7 @@ fn launches_of_the_harness() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|a| a["name"].as_str().unwrap().to_string())
+        .map(|a| a["hello"]["name"].as_str().unwrap().to_string())
         .collect();
     assert!(
         names.iter().any(|n| n == "iso-run") && names.iter().any(|n| n == "python3"),

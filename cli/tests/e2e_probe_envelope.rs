@@ -694,11 +694,17 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
     let all = agents.as_array().unwrap();
     let probe = all
         .iter()
-        .find(|a| a["role"] == "probe")
+        .find(|a| a["hello"]["role"] == "probe")
         .unwrap_or_else(|| panic!("no probe member: {all:#?}"));
-    let sup = all.iter().find(|a| a["role"] == "supervisor").unwrap();
+    let sup = all
+        .iter()
+        .find(|a| a["hello"]["role"] == "supervisor")
+        .unwrap();
     assert_eq!(probe["instance"], sup["instance"], "{all:#?}");
-    assert_eq!(probe["name"], "bare.probe", "never the service's own name");
+    assert_eq!(
+        probe["hello"]["name"], "bare.probe",
+        "never the service's own name"
+    );
     assert_ne!(probe["state"], "lost", "{probe:#}");
     let incidents = col.json(&["incidents"]);
     assert!(
@@ -706,7 +712,7 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
             .as_array()
             .unwrap()
             .iter()
-            .any(|i| i["agent_id"] == probe["id"]),
+            .any(|i| i["agent_id"] == probe["hello"]["agent_id"]),
         "{incidents:#}"
     );
 

@@ -64,8 +64,8 @@ fn diagnose_takes_an_agent_where_no_incident_has_the_name() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|a| a["name"] == "leak_retained")
-        .expect("the replayed agent")["id"]
+        .find(|a| a["hello"]["name"] == "leak_retained")
+        .expect("the replayed agent")["hello"]["agent_id"]
         .as_str()
         .unwrap()
         .to_string();

@@ -15,7 +15,11 @@ use oomscope_agent_core::spool::{Origin, Spool, DEFAULT_SPOOL_MAX_BYTES};
 use pb::agent_message::Body;
 
 fn agent<'a>(agents: &'a serde_json::Value, id: &str) -> Option<&'a serde_json::Value> {
-    agents.as_array().unwrap().iter().find(|a| a["id"] == id)
+    agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["hello"]["agent_id"] == id)
 }
 
 fn reading(step: u64) -> pb::Sample {
@@ -111,7 +115,7 @@ fn a_sigkilled_agents_spool_is_delivered_by_the_next_agent() {
 
     let agents = col.json(&["agents"]);
     let v = agent(&agents, &victim_id).unwrap_or_else(|| panic!("victim unknown: {agents:#}"));
-    assert_eq!(v["name"], "victim");
+    assert_eq!(v["hello"]["name"], "victim");
     assert_eq!(
         v["samples"].as_u64().unwrap() + v["events"].as_u64().unwrap(),
         left.len() as u64,

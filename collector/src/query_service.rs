@@ -57,7 +57,13 @@ impl QueryService for QueryApi {
         &self,
         _request: Request<pb::ListAgentsRequest>,
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
-        let agents = self.read(|s| s.list_agents().map_err(internal)).await?;
+        let agents = self
+            .read(|s| {
+                s.list_agents()
+                    .and_then(|a| latest_contexts(s, a))
+                    .map_err(internal)
+            })
+            .await?;
         Ok(Response::new(pb::ListAgentsResponse { agents }))
     }
 
@@ -113,6 +119,25 @@ impl QueryService for QueryApi {
         let diagnosis = self.read(move |s| diagnose_request(s, &req)).await?;
         Ok(Response::new(diagnosis))
     }
+}
+
+/// Each agent's latest load: its newest sample's context (an index seek per
+/// agent), unset when that sample carried none.
+fn latest_contexts(
+    store: &Store,
+    mut agents: Vec<pb::AgentSummary>,
+) -> Result<Vec<pb::AgentSummary>> {
+    for a in &mut agents {
+        let id = a
+            .hello
+            .as_ref()
+            .map(|h| h.agent_id.as_str())
+            .unwrap_or_default();
+        a.context = store
+            .sample_at(id, i64::MAX, i64::MAX)?
+            .and_then(|s| s.context);
+    }
+    Ok(agents)
 }
 
 /// Picks the evidence a DiagnoseRequest names and diagnoses it:

@@ -10,10 +10,15 @@
 //! `Deserialize`, for JSON and Python objects (see `tests/bootstrap.rs`):
 //! fields by their proto names, a oneof's member by its own field name in the
 //! enclosing message (as in the proto3 JSON mapping), enum fields as their
-//! numbers (prost stores them as `i32`), an unset message or `optional` field
-//! as null, and a field missing from the input as its proto default.
+//! lowercase value names (`"own"` for `PID_VIEW_OWN`), maps in key order, an
+//! unset message or `optional` field as null, and a field missing from the
+//! input as its proto default. This is the one JSON shape: every `--json` of
+//! the CLI and every Python query is it (see [`serde_forms`] for the fields
+//! that need more than the derive).
 
 pub mod delta;
+#[cfg(feature = "serde")]
+pub mod serde_forms;
 pub mod vocab;
 
 pub use vocab::{CauseKind, IncidentKind, Role, TriggerKind, UnknownName, PROBE_ROLE};

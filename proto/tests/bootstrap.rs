@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use prost_types::field_descriptor_proto::{Label, Type};
 use prost_types::DescriptorProto;
 use tonic_prost_build::Builder;
 
@@ -44,11 +45,21 @@ fn generated_code_is_up_to_date() {
         .field_attribute(
             ".oomscope.v1.AllocatorStats.raw_changes",
             r#"#[cfg_attr(feature = "serde", serde(skip))]"#,
+        )
+        // Capacity estimates are JSON text on the wire, the object itself in
+        // the serde form.
+        .field_attribute(
+            ".oomscope.v1.Diagnosis.capacity",
+            serde_with(
+                "crate::serde_forms::json_text",
+                "crate::serde_forms::json_text_from",
+            ),
         );
     for file in &fds.file {
         let package = format!(".{}", file.package());
         for message in &file.message_type {
             builder = oneofs(builder, &package, message);
+            builder = enums_and_maps(builder, &package, message);
         }
     }
     builder.out_dir(&tmp).compile_fds(fds).expect("codegen");
@@ -65,6 +76,80 @@ fn generated_code_is_up_to_date() {
              review and commit it"
         );
     }
+}
+
+fn serde_with(ser: &str, de: &str) -> String {
+    format!(
+        r#"#[cfg_attr(feature = "serde", serde(serialize_with = "{ser}", deserialize_with = "{de}"))]"#
+    )
+}
+
+/// Enum fields as their lowercase value names (prost stores them as `i32`,
+/// which serde would write as a number), and maps in key order (prost's are
+/// `HashMap`s), numbers among them as `serde_forms::sorted_numbers` writes
+/// them: the forms `src/serde_forms.rs` gives.
+fn enums_and_maps(mut builder: Builder, scope: &str, message: &DescriptorProto) -> Builder {
+    let path = format!("{scope}.{}", message.name());
+    for field in &message.field {
+        let at = format!("{path}.{}", field.name());
+        if field.r#type() == Type::Enum {
+            // A top-level enum of the package is `crate::v1::Name`.
+            let name = field
+                .type_name()
+                .strip_prefix(scope_package(scope))
+                .unwrap();
+            assert!(
+                !name.contains('.'),
+                "{at}: a nested enum needs its module path here"
+            );
+            assert!(
+                field.label() != Label::Repeated && field.oneof_index.is_none(),
+                "{at}: only singular enum fields outside a oneof have a serde form yet \
+                 (src/serde_forms.rs)"
+            );
+            builder = builder.field_attribute(
+                at,
+                serde_with(
+                    &format!("crate::serde_forms::enum_name::<crate::v1::{name}, _>"),
+                    &format!("crate::serde_forms::enum_from_name::<crate::v1::{name}, _>"),
+                ),
+            );
+        } else if let Some(value) = map_value(message, field.type_name()) {
+            let ser = match value {
+                Type::Double => "crate::serde_forms::sorted_numbers",
+                _ => "crate::serde_forms::sorted",
+            };
+            builder = builder.field_attribute(
+                at,
+                format!(r#"#[cfg_attr(feature = "serde", serde(serialize_with = "{ser}"))]"#),
+            );
+        }
+    }
+    for nested in message.nested_type.iter().filter(|n| !is_map_entry(n)) {
+        builder = enums_and_maps(builder, &path, nested);
+    }
+    builder
+}
+
+/// `.oomscope.v1.` of any scope inside that package.
+fn scope_package(scope: &str) -> &'static str {
+    assert!(scope.starts_with(".oomscope.v1"), "{scope}");
+    ".oomscope.v1."
+}
+
+fn is_map_entry(m: &DescriptorProto) -> bool {
+    m.options.as_ref().is_some_and(|o| o.map_entry())
+}
+
+/// The value type of a map field (its type is a nested `...Entry` message).
+fn map_value(message: &DescriptorProto, type_name: &str) -> Option<Type> {
+    let entry = type_name.rsplit('.').next()?;
+    let m = message
+        .nested_type
+        .iter()
+        .find(|n| n.name() == entry && is_map_entry(n))?;
+    let value = m.field.iter().find(|f| f.name() == "value")?;
+    Some(value.r#type())
 }
 
 /// Flattens each oneof of `message` (and of its nested messages) into its

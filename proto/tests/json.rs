@@ -108,3 +108,74 @@ fn missing_fields_take_proto_defaults() {
     let empty: pb::Event = serde_json::from_value(json!({})).unwrap();
     assert_eq!(empty, pb::Event::default());
 }
+
+#[test]
+fn enum_fields_read_and_write_their_lowercase_names() {
+    let p = pb::GpuProcessUsage {
+        pid: 5,
+        view: pb::PidView::Unresolved as i32,
+        ..Default::default()
+    };
+    let v = serde_json::to_value(p).unwrap();
+    assert_eq!(v["view"], "unresolved");
+    assert_eq!(serde_json::from_value::<pb::GpuProcessUsage>(v).unwrap(), p);
+    // The proto name and the number read too; a number this build does not
+    // name (a newer peer's) stays a number both ways.
+    for (input, view) in [(json!("PID_VIEW_OWN"), 1), (json!(2), 2), (json!(9), 9)] {
+        let back: pb::GpuProcessUsage = serde_json::from_value(json!({ "view": input })).unwrap();
+        assert_eq!(back.view, view, "{input}");
+    }
+    let newer = pb::GpuProcessUsage {
+        view: 9,
+        ..Default::default()
+    };
+    assert_eq!(serde_json::to_value(newer).unwrap()["view"], 9);
+    assert!(serde_json::from_value::<pb::GpuProcessUsage>(json!({"view": "sideways"})).is_err());
+}
+
+#[test]
+fn maps_print_in_key_order_and_whole_numbers_as_integers() {
+    let c = pb::Cause {
+        kind: "leak".into(),
+        metrics: [
+            ("slope_bytes_per_s".to_string(), 1.5),
+            ("growth_bytes".into(), (3u64 << 30) as f64),
+            ("nan".into(), f64::NAN),
+            ("alpha".into(), -2.0),
+        ]
+        .into(),
+        ..Default::default()
+    };
+    let text = serde_json::to_string(&c).unwrap();
+    assert!(
+        text.contains(
+            r#""metrics":{"alpha":-2,"growth_bytes":3221225472,"slope_bytes_per_s":1.5}"#
+        ),
+        "{text}"
+    );
+    let back: pb::Cause = serde_json::from_str(&text).unwrap();
+    assert_eq!(back.metrics["growth_bytes"], (3u64 << 30) as f64);
+    assert!(!back.metrics.contains_key("nan"));
+}
+
+#[test]
+fn the_capacity_estimate_is_an_object_or_null() {
+    let mut d = pb::Diagnosis {
+        capacity: r#"{"safe_sequences": 3, "bytes_per_token": 131072}"#.into(),
+        ..Default::default()
+    };
+    let v = serde_json::to_value(&d).unwrap();
+    assert_eq!(v["capacity"]["bytes_per_token"], 131072);
+    let back: pb::Diagnosis = serde_json::from_value(v).unwrap();
+    let again: serde_json::Value = serde_json::from_str(&back.capacity).unwrap();
+    assert_eq!(again["safe_sequences"], 3);
+    for text in ["", "not json", "[1]"] {
+        d.capacity = text.into();
+        let v = serde_json::to_value(&d).unwrap();
+        assert!(v["capacity"].is_null(), "{text:?}: {v}");
+        assert_eq!(
+            serde_json::from_value::<pb::Diagnosis>(v).unwrap().capacity,
+            ""
+        );
+    }
+}

@@ -9,7 +9,6 @@ use std::fmt::Write;
 
 use oomscope_analysis::settings as runtime_settings;
 use oomscope_analysis::units::{bytes, bytes_short};
-use serde_json::{json, Map, Value};
 
 use crate::memory::{self, MemoryTable, ROWS};
 use crate::pb;
@@ -435,58 +434,53 @@ fn what(f: &pb::Failure, domain: Option<&str>) -> String {
     s
 }
 
-/// The `--json` shape.
-pub fn to_json(c: &Comparison) -> Value {
-    json!({
-        "a": side_json(&c.a),
-        "b": side_json(&c.b),
-        "changed": c.changed.iter().map(|ch| json!({"setting": ch.setting, "a": ch.a, "b": ch.b})).collect::<Vec<_>>(),
-        "one_variable": c.one_variable,
-        "warnings": c.warnings,
-        "outcome": c.outcome.as_str(),
-        "outcome_reason": c.outcome_reason,
-        "memory": {
-            "rows": ROWS.iter().map(|r| r.key).collect::<Vec<_>>(),
-            "a": table_json(&c.a.memory),
-            "b": table_json(&c.b.memory),
-        },
-    })
-}
-
-fn side_json(s: &SideSummary) -> Value {
-    let f = s.failure.as_ref();
-    json!({
-        "agent": s.agent_id,
-        "name": s.name,
-        "incident": s.incident,
-        "failed": f.is_some(),
-        "kind": f.map(|f| &f.kind),
-        "time_ns": f.map(|f| f.time_ns),
-        "domain": s.domain,
-        "trigger": s.trigger,
-        "cause": s.cause,
-        "requested_bytes": f.and_then(|f| f.requested_bytes),
-        "allocated_bytes": f.and_then(|f| f.stats.as_ref()).map(|s| s.allocated_bytes),
-        "phase": f.and_then(|f| f.phase.clone()),
-        "active_tokens": f.and_then(|f| f.active_tokens),
-        "active_sequences": f.and_then(|f| f.active_sequences),
-        "requests_done": f.and_then(|f| f.requests_done),
-    })
-}
-
-/// `{moment: {"title", "time_ns", row: bytes|null, ...}}`.
-pub fn table_json(t: &MemoryTable) -> Value {
-    let mut out = Map::new();
-    for p in &t.points {
-        let mut m = Map::new();
-        m.insert("title".into(), json!(p.title));
-        m.insert("time_ns".into(), json!(p.time_ns));
-        for (row, v) in ROWS.iter().zip(p.values) {
-            m.insert(row.key.into(), json!(v));
-        }
-        out.insert(p.moment.key().into(), Value::Object(m));
+/// The comparison as its proto message, whose serde form is `--json`'s.
+pub fn to_proto(c: &Comparison) -> pb::Comparison {
+    pb::Comparison {
+        a: Some(side(&c.a)),
+        b: Some(side(&c.b)),
+        changed: c
+            .changed
+            .iter()
+            .map(|ch| pb::SettingChange {
+                setting: ch.setting.clone(),
+                a: ch.a.clone(),
+                b: ch.b.clone(),
+            })
+            .collect(),
+        one_variable: c.one_variable,
+        warnings: c.warnings.clone(),
+        outcome: c.outcome.as_str().to_string(),
+        outcome_reason: c.outcome_reason.clone(),
+        memory_rows: ROWS.iter().map(|r| r.key.to_string()).collect(),
     }
-    Value::Object(out)
+}
+
+fn side(s: &SideSummary) -> pb::ComparedRun {
+    pb::ComparedRun {
+        agent_id: s.agent_id.clone(),
+        name: s.name.clone(),
+        incident: s.incident.clone(),
+        failure: s.failure.clone(),
+        domain: s.domain.clone(),
+        trigger: s.trigger.clone(),
+        cause: s.cause.clone(),
+        memory: s.memory.points.iter().map(moment).collect(),
+    }
+}
+
+/// One moment of the memory table; a row without a reading is left out.
+fn moment(p: &memory::Point) -> pb::MemoryMoment {
+    pb::MemoryMoment {
+        moment: p.moment.key().to_string(),
+        title: p.title.clone(),
+        time_ns: p.time_ns,
+        bytes: ROWS
+            .iter()
+            .zip(p.values)
+            .filter_map(|(row, v)| Some((row.key.to_string(), v?)))
+            .collect(),
+    }
 }
 
 /// The comparison for people.
@@ -576,6 +570,7 @@ mod tests {
     use super::*;
     use pb::event::Kind;
 
+    use serde_json::{json, Value};
     const MIB: u64 = 1 << 20;
 
     /// One run: a Hello with `conf`, two samples, and (when `fail`) an OOM
@@ -946,7 +941,7 @@ mod tests {
     }
 
     #[test]
-    fn json_carries_the_sides_and_the_memory_table() {
+    fn the_message_carries_the_sides_and_the_memory_table() {
         let a = run(
             "",
             Some((96 * MIB, 1000, "decode")),
@@ -954,18 +949,23 @@ mod tests {
             "kv_growth",
         );
         let b = run("", None, "", "");
-        let j = to_json(&compare(&a, &b));
-        assert_eq!(j["outcome"], "vanished");
-        assert_eq!(j["a"]["requested_bytes"], 96 * MIB);
-        assert_eq!(j["a"]["active_tokens"], 1000);
-        assert_eq!(j["b"]["failed"], false);
+        let m = to_proto(&compare(&a, &b));
+        let (ma, mb) = (m.a.unwrap(), m.b.unwrap());
+        assert_eq!(m.outcome, "vanished");
+        let fa = ma.failure.clone().unwrap();
+        assert_eq!(fa.requested_bytes, Some(96 * MIB));
+        assert_eq!(fa.active_tokens, Some(1000));
+        assert!(mb.failure.is_none());
         // A's failure reading is the sample before the OOM; B's latest is its last sample.
-        assert_eq!(j["memory"]["a"]["at_failure"]["allocated"], 200 * MIB);
-        assert_eq!(j["memory"]["a"]["at_failure"]["cached"], 10 * MIB);
-        assert_eq!(j["memory"]["b"]["at_failure"]["title"], "latest");
-        assert_eq!(j["memory"]["b"]["at_failure"]["allocated"], 100 * MIB);
-        assert!(j["memory"]["a"]["at_failure"]["host_rss"].is_null());
-        assert_eq!(j["changed"].as_array().unwrap().len(), 0);
-        assert_eq!(j["one_variable"], false);
+        let at_failure = |r: &pb::ComparedRun| r.memory[2].clone();
+        assert_eq!(at_failure(&ma).moment, "at_failure");
+        assert_eq!(at_failure(&ma).bytes["allocated"], 200 * MIB);
+        assert_eq!(at_failure(&ma).bytes["cached"], 10 * MIB);
+        assert_eq!(at_failure(&mb).title, "latest");
+        assert_eq!(at_failure(&mb).bytes["allocated"], 100 * MIB);
+        assert!(!at_failure(&ma).bytes.contains_key("host_rss"));
+        assert_eq!(m.memory_rows.len(), ROWS.len());
+        assert!(m.changed.is_empty());
+        assert!(!m.one_variable);
     }
 }

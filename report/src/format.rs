@@ -1,10 +1,9 @@
-//! Text renderings for people. `--json` renderings live beside each verb.
+//! Text renderings for people. `--json` is each message's serde form.
 
 use std::fmt::Write;
 
 use crate::pb;
 use oomscope_analysis::Domain;
-use serde_json::json;
 
 /// "64.00 MiB", "1.17 GiB", "512 B" and "2026-11-30 00:12:03.123Z" (UTC, to the
 /// millisecond): the table renderings of the analysis crate's units.
@@ -486,58 +485,6 @@ fn event_rows(events: &[pb::TimedEvent]) -> Vec<EventRow> {
         rows[minute.row].label = minute.label();
     }
     rows
-}
-
-pub fn timeline_json(t: &pb::TimelineResponse) -> serde_json::Value {
-    let h = t.hello.clone().unwrap_or_default();
-    let samples: Vec<_> = t
-        .samples
-        .iter()
-        .map(|s| {
-            let smp = s.sample.clone().unwrap_or_default();
-            let a = smp.allocator.first();
-            let mut point = json!({
-                "seq": s.seq, "time_ns": smp.time_ns,
-                "rss_bytes": smp.process.as_ref().map(|p| p.vm_rss_bytes),
-                "cgroup_usage_bytes": smp.cgroup.first().map(|c| c.usage_bytes),
-                "mem_available_bytes": smp.system.as_ref().map(|m| m.mem_available_bytes),
-                "allocated_bytes": a.map(|a| a.allocated_bytes),
-                "reserved_bytes": a.map(|a| a.reserved_bytes),
-                "inactive_split_bytes": a.map(|a| a.inactive_split_bytes),
-                "phase": smp.context.as_ref().map(|c| c.phase.clone()),
-            });
-            // A thinned point: the lowest and highest over its stretch.
-            for (key, env) in [("low", &s.low), ("high", &s.high)] {
-                if let Some(e) = env {
-                    let a = e.allocator.first();
-                    point[key] = json!({
-                        "rss_bytes": e.process.as_ref().map(|p| p.vm_rss_bytes),
-                        "cgroup_usage_bytes": e.cgroup.first().map(|c| c.usage_bytes),
-                        // Used, not available: the extreme is of what is used.
-                        "ram_used_bytes": e.system.as_ref()
-                            .map(|m| m.mem_total_bytes.saturating_sub(m.mem_available_bytes)),
-                        "allocated_bytes": a.map(|a| a.allocated_bytes),
-                        "reserved_bytes": a.map(|a| a.reserved_bytes),
-                    });
-                }
-            }
-            point
-        })
-        .collect();
-    let events: Vec<_> = t
-        .events
-        .iter()
-        .map(|e| {
-            let ev = e.event.clone().unwrap_or_default();
-            json!({"seq": e.seq, "time_ns": ev.time_ns, "what": event_label(&ev)})
-        })
-        .collect();
-    let mut out =
-        json!({"agent": h.agent_id, "name": h.name, "samples": samples, "events": events});
-    if t.events_cut_ns != 0 {
-        out["events_cut_ns"] = json!(t.events_cut_ns);
-    }
-    out
 }
 
 /// What ended the instance, unescaped (the text, HTML and Markdown forms

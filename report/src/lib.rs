@@ -160,7 +160,7 @@ impl<'a> View<'a> {
     /// The capacity estimate's fields, when the analysis made one.
     fn capacity(&self) -> Vec<(String, String)> {
         let Ok(serde_json::Value::Object(m)) =
-            serde_json::from_str::<serde_json::Value>(&self.input.diagnosis.capacity_json)
+            serde_json::from_str::<serde_json::Value>(&self.input.diagnosis.capacity)
         else {
             return Vec::new();
         };

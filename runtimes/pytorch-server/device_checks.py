@@ -66,7 +66,7 @@ def timeline(a, name):
 
 
 def events(t, kind):
-    return [e[kind] for e in t["events"] if e["kind"] == kind]
+    return [e["event"][kind] for e in t["events"] if kind in e["event"]]
 
 
 def causes(d):
@@ -82,7 +82,7 @@ def check_leak(a):
         t = timeline(a, "gpu-leak")
     finally:
         stop(p)
-    alloc = [s["allocator"][0]["allocated_bytes"] for s in t["samples"]
+    alloc = [s["allocator"][0]["allocated_bytes"] for s in (x["sample"] for x in t["samples"])
              if s["context"] and s["context"]["phase"] == "after_request" and s["allocator"]]
     per_req = (alloc[-1] - alloc[9]) / max(1, len(alloc) - 10) if len(alloc) > 10 else 0
     logits = 8 * 32000 * 2  # bf16 scores kept per response

@@ -145,7 +145,7 @@ def timeline(a, agent):
 
 
 def readings(t):
-    return [x for s in t["samples"] for x in s["allocator"]]
+    return [x for s in t["samples"] for x in s["sample"]["allocator"]]
 
 
 def diagnose(a, agent):
@@ -157,7 +157,7 @@ def diagnose(a, agent):
 def check_async(a):
     got = run_child(a, "async", "dev-py-async", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
     t = timeline(a, "dev-py-async")
-    ooms = [e["oom"] for e in t["events"] if e["kind"] == "oom"]
+    ooms = [e["event"]["oom"] for e in t["events"] if "oom" in e["event"]]
     o = ooms[0] if ooms else {}
     missing = sorted(got["stats"].get("torch_hooks_missing") or {})
     backend = (t["hello"].get("allocator_settings") or {}).get("backend")

@@ -192,3 +192,9 @@ pub fn metric(c: &pb::Cause, name: &str) -> f64 {
         .get(name)
         .unwrap_or_else(|| panic!("no metric {name} in {:?}", c.metrics))
 }
+
+/// What `diagnose --json` prints and Python's `oomscope.query.diagnose`
+/// gives: the Diagnosis message's serde form.
+pub fn to_json(d: &pb::Diagnosis) -> serde_json::Value {
+    serde_json::to_value(d).unwrap()
+}

@@ -160,7 +160,7 @@ impl Collector {
                 .as_array()
                 .unwrap()
                 .iter()
-                .filter(|i| i["agent"] == name)
+                .filter(|i| i["agent_name"] == name)
                 .cloned()
                 .collect();
             if mine.len() >= min || Instant::now() > deadline {

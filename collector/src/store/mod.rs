@@ -440,6 +440,7 @@ impl Store {
                     events: r.get::<_, i64>(7)? as u64,
                     instance: r.get(8)?,
                     goodbye: None,
+                    context: None,
                 },
             ))
         })?;

@@ -249,6 +249,13 @@ pub struct GpuProcessUsage {
     #[prost(uint64, optional, tag = "2")]
     pub used_bytes: ::core::option::Option<u64>,
     #[prost(enumeration = "PidView", tag = "3")]
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            serialize_with = "crate::serde_forms::enum_name::<crate::v1::PidView, _>",
+            deserialize_with = "crate::serde_forms::enum_from_name::<crate::v1::PidView, _>"
+        )
+    )]
     pub view: i32,
 }
 /// One device's caching allocator, in PyTorch's vocabulary
@@ -303,6 +310,7 @@ pub struct AllocatorStats {
     /// Every key of the allocator's own stats dict, verbatim
     /// ("allocated_bytes.small_pool.freed", "max_split_size", ...).
     #[prost(map = "string, int64", tag = "22")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
     pub raw: ::std::collections::HashMap<::prost::alloc::string::String, i64>,
     /// The device's identity (torch.cuda.get_device_properties(d).uuid, with
     /// the "GPU-" prefix as NVML writes it; "MIG-…" on a MIG instance), the key
@@ -371,9 +379,14 @@ pub struct RequestContext {
     pub loaded_bytes: u64,
     /// Every other number the runtime reported, by its own name.
     #[prost(map = "string, double", tag = "16")]
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::serde_forms::sorted_numbers")
+    )]
     pub numbers: ::std::collections::HashMap<::prost::alloc::string::String, f64>,
     /// Every other text value (a model config, say), by its own name.
     #[prost(map = "string, string", tag = "17")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
     pub labels: ::std::collections::HashMap<
         ::prost::alloc::string::String,
         ::prost::alloc::string::String,
@@ -406,6 +419,7 @@ pub struct SnapshotSummary {
     pub expandable_segments: bool,
     /// Trace actions counted by kind ("alloc", "free_completed", "oom", ...).
     #[prost(map = "string, uint64", tag = "10")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
     pub trace_actions: ::std::collections::HashMap<::prost::alloc::string::String, u64>,
     #[prost(message, optional, tag = "11")]
     pub settings: ::core::option::Option<AllocatorSettings>,
@@ -437,6 +451,7 @@ pub struct AllocatorSettings {
     #[prost(double, tag = "5")]
     pub garbage_collection_threshold: f64,
     #[prost(map = "string, string", tag = "6")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
     pub other: ::std::collections::HashMap<
         ::prost::alloc::string::String,
         ::prost::alloc::string::String,
@@ -677,6 +692,7 @@ pub struct Hello {
     pub runtime: ::prost::alloc::string::String,
     /// Component versions: {"oomscope": "0.1.0", "torch": "2.11.0", "cuda": "13.0"}.
     #[prost(map = "string, string", tag = "9")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
     pub versions: ::std::collections::HashMap<
         ::prost::alloc::string::String,
         ::prost::alloc::string::String,
@@ -693,6 +709,7 @@ pub struct Hello {
     pub allocator_settings: ::core::option::Option<AllocatorSettings>,
     /// Free-form facts that have no field yet (a capture's notes, say).
     #[prost(map = "string, string", tag = "15")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
     pub labels: ::std::collections::HashMap<
         ::prost::alloc::string::String,
         ::prost::alloc::string::String,
@@ -1193,6 +1210,13 @@ pub struct GpuProcess {
     #[prost(uint64, optional, tag = "6")]
     pub used_bytes: ::core::option::Option<u64>,
     #[prost(enumeration = "PidView", tag = "7")]
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            serialize_with = "crate::serde_forms::enum_name::<crate::v1::PidView, _>",
+            deserialize_with = "crate::serde_forms::enum_from_name::<crate::v1::PidView, _>"
+        )
+    )]
     pub view: i32,
     #[prost(string, tag = "8")]
     pub device_uuid: ::prost::alloc::string::String,
@@ -1671,6 +1695,13 @@ pub struct AgentSummary {
     /// How it said it ended (state "disconnected"): its reason and exit status.
     #[prost(message, optional, tag = "9")]
     pub goodbye: ::core::option::Option<Goodbye>,
+    /// Its latest load, its newest sample's context: KV cache use
+    /// (kv_cache_bytes of kv_cache_capacity_bytes), running (active_sequences)
+    /// and waiting (queued) requests, and the runtime's own numbers
+    /// (preemptions among them). Unset when that sample carried none (or
+    /// before the first); filled by ListAgents.
+    #[prost(message, optional, tag = "10")]
+    pub context: ::core::option::Option<RequestContext>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
@@ -1837,9 +1868,17 @@ pub struct Diagnosis {
     /// Least risky first.
     #[prost(message, repeated, tag = "6")]
     pub fixes: ::prost::alloc::vec::Vec<Fix>,
-    /// JSON text of the capacity estimate; empty = none.
+    /// The capacity estimate as JSON text; empty = none. In the JSON form (and
+    /// Python's) it is that object itself, or null.
     #[prost(string, tag = "7")]
-    pub capacity_json: ::prost::alloc::string::String,
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            serialize_with = "crate::serde_forms::json_text",
+            deserialize_with = "crate::serde_forms::json_text_from"
+        )
+    )]
+    pub capacity: ::prost::alloc::string::String,
     #[prost(string, repeated, tag = "8")]
     pub evidence: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     #[prost(message, optional, tag = "9")]
@@ -2018,6 +2057,10 @@ pub struct Cause {
     #[prost(string, repeated, tag = "3")]
     pub evidence: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     #[prost(map = "string, double", tag = "4")]
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::serde_forms::sorted_numbers")
+    )]
     pub metrics: ::std::collections::HashMap<::prost::alloc::string::String, f64>,
     #[prost(message, repeated, tag = "5")]
     pub processes: ::prost::alloc::vec::Vec<CauseProcess>,
@@ -2068,6 +2111,97 @@ pub struct CgroupVerdict {
     pub limit_bytes: u64,
     #[prost(string, tag = "3")]
     pub owner_level: ::prost::alloc::string::String,
+}
+/// `oomscope compare A B`: two runs of one workload side by side.
+/// `oomscope compare --json` prints exactly this shape.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct Comparison {
+    #[prost(message, optional, tag = "1")]
+    pub a: ::core::option::Option<ComparedRun>,
+    #[prost(message, optional, tag = "2")]
+    pub b: ::core::option::Option<ComparedRun>,
+    /// The settings whose values differ between the runs (their Hellos'
+    /// configuration, command-line flags and memory variables by name).
+    #[prost(message, repeated, tag = "3")]
+    pub changed: ::prost::alloc::vec::Vec<SettingChange>,
+    /// Exactly one setting changed: the outcome can be pinned on it.
+    #[prost(bool, tag = "4")]
+    pub one_variable: bool,
+    #[prost(string, repeated, tag = "5")]
+    pub warnings: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// What became of A's failure in B: "vanished" (A failed, B did not),
+    /// "moved" (another domain, cause, phase or request size, or a failure
+    /// where A had none), "shrank" (the same failure at a clearly smaller
+    /// request or a clearly higher load), "same".
+    #[prost(string, tag = "6")]
+    pub outcome: ::prost::alloc::string::String,
+    /// Why the outcome is what it is, in a sentence.
+    #[prost(string, tag = "7")]
+    pub outcome_reason: ::prost::alloc::string::String,
+    /// The memory table's rows in display order ("weights", "kv", "other_live",
+    /// "allocated", "cached", "fragments", "reserved", host rows...): the keys
+    /// of each MemoryMoment's `bytes`.
+    #[prost(string, repeated, tag = "8")]
+    pub memory_rows: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+}
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SettingChange {
+    #[prost(string, tag = "1")]
+    pub setting: ::prost::alloc::string::String,
+    /// Unset: that run did not report the setting.
+    #[prost(string, optional, tag = "2")]
+    pub a: ::core::option::Option<::prost::alloc::string::String>,
+    #[prost(string, optional, tag = "3")]
+    pub b: ::core::option::Option<::prost::alloc::string::String>,
+}
+/// One side of a comparison, as its diagnosis reads it.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct ComparedRun {
+    #[prost(string, tag = "1")]
+    pub agent_id: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub name: ::prost::alloc::string::String,
+    /// The incident the run is about; unset when it had none.
+    #[prost(string, optional, tag = "3")]
+    pub incident: ::core::option::Option<::prost::alloc::string::String>,
+    /// Its failure's facts; unset when it did not fail.
+    #[prost(message, optional, tag = "4")]
+    pub failure: ::core::option::Option<Failure>,
+    #[prost(string, optional, tag = "5")]
+    pub domain: ::core::option::Option<::prost::alloc::string::String>,
+    #[prost(string, optional, tag = "6")]
+    pub trigger: ::core::option::Option<::prost::alloc::string::String>,
+    /// The first (most likely) cause's kind.
+    #[prost(string, optional, tag = "7")]
+    pub cause: ::core::option::Option<::prost::alloc::string::String>,
+    /// Its memory at three moments: "before_load", "after_load", "at_failure"
+    /// (the last sample's, titled "latest", when nothing failed).
+    #[prost(message, repeated, tag = "8")]
+    pub memory: ::prost::alloc::vec::Vec<MemoryMoment>,
+}
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct MemoryMoment {
+    /// "before_load", "after_load", "at_failure".
+    #[prost(string, tag = "1")]
+    pub moment: ::prost::alloc::string::String,
+    /// "before load", "after load", "at failure" or "latest".
+    #[prost(string, tag = "2")]
+    pub title: ::prost::alloc::string::String,
+    /// The sample's time, or the failure's; unset when the moment is unknown.
+    #[prost(int64, optional, tag = "3")]
+    pub time_ns: ::core::option::Option<i64>,
+    /// Bytes by row (Comparison.memory_rows); a row without a reading is absent.
+    #[prost(map = "string, uint64", tag = "4")]
+    #[cfg_attr(feature = "serde", serde(serialize_with = "crate::serde_forms::sorted"))]
+    pub bytes: ::std::collections::HashMap<::prost::alloc::string::String, u64>,
 }
 /// Generated client implementations.
 pub mod query_service_client {

@@ -209,6 +209,21 @@ def test_bad_settings_are_clear_errors():
     assert "interval_s" in out and "census_every" in out and "oom_wait_s" in out, out
 
 
+def test_start_takes_keyword_arguments_only():
+    """A positional argument or a misspelt setting is a TypeError that names
+    it, and starts nothing."""
+    out = run_py("""
+        import oomscope
+        for args, kw in ((("http://127.0.0.1:9",), {}), ((), {"colector": "http://127.0.0.1:9"})):
+            try:
+                oomscope.start(*args, **kw)
+            except TypeError as e:
+                print("ERR", e)
+        assert not oomscope.is_running()
+        """)
+    assert "positional" in out and "'colector'" in out, out
+
+
 def test_a_request_reads_its_counts_as_int_and_lets_an_error_through(collector):
     out = run_py("""
         import numpy as np, oomscope

@@ -29,9 +29,6 @@ const MARKED_HERE: &[(&str, &str, &str)] = &[(
     "an event's field name in the schema's comment, not the incident kind",
 )];
 
-/// Files #32's json part deletes (its JSON builders become serde of the
-/// messages): their literals are JSON keys and go with them.
-
 /// Every shared name, with the enum that owns it.
 fn names() -> BTreeMap<String, Vec<&'static str>> {
     let mut names: BTreeMap<String, Vec<&'static str>> = BTreeMap::new();

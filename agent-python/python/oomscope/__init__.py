@@ -30,11 +30,19 @@ The work happens in Rust (``oomscope._native``), on the agent's own threads;
 nothing here raises into the server because the collector is away.
 """
 
+from __future__ import annotations
+
 import sys as _sys
+from typing import TYPE_CHECKING
 
 from . import _native
 from ._native import (__version__, agent_id, flush, is_running, record_request, request,
                       set_context, set_identity, set_labels, snapshot, stats)
+
+if TYPE_CHECKING:  # annotations only (never evaluated: see the __future__ import)
+    import os
+    from types import TracebackType
+    from typing import Any
 
 __all__ = [
     "start", "stop", "request", "phase", "set_context", "set_labels", "set_identity",
@@ -43,21 +51,31 @@ __all__ = [
 ]
 
 
-def start(collector=None, name=None, model=None, revision=None, quantization=None, dtype=None,
-          interval_s=None, role=None, rank=None, spool_dir=None, oom_wait_s=None,
-          census_every=None, census_interval_s=None, census_budget_s=None,
-          history_max_entries=None, exit_flush_s=None, boundary_min_interval_s=None,
-          census_auto=None, thread_nice=None, census_trim=None):
+def start(*, collector: str | None = None, name: str | None = None,
+          model: str | None = None, revision: str | None = None,
+          quantization: str | None = None, dtype: str | None = None,
+          interval_s: float | None = None, role: str | None = None,
+          rank: int | None = None, spool_dir: str | os.PathLike[str] | None = None,
+          oom_wait_s: float | None = None, census_every: int | None = None,
+          census_interval_s: float | None = None, census_budget_s: float | None = None,
+          history_max_entries: int | None = None, exit_flush_s: float | None = None,
+          boundary_min_interval_s: float | None = None, census_auto: bool | None = None,
+          thread_nice: int | None = None, census_trim: bool | None = None) -> bool:
     """Starts the agent; returns whether this call started or changed one.
+    Every argument is a keyword (an unknown one is a TypeError).
 
     Arguments left as None come from ``OOMSCOPE_<NAME>`` variables, then the
-    defaults: interval_s 1.0, oom_wait_s 0.2, census_auto True (heap censuses
+    defaults: collector ``http://127.0.0.1:7433``, name the script's, role
+    "server", rank ``$RANK`` or 0, no model (``revision``, ``quantization``
+    and ``dtype`` describe it), interval_s 1.0, oom_wait_s 0.2 (how long an
+    OOM waits for the collector's ack), census_auto True (heap censuses
     after requests 10 and 50, and whenever allocated blocks or RSS grow for
     certain across requests, all within 10 % of wall time, so a short run
     may have none), census_every 0 (none by count),
     census_interval_s 3600, census_budget_s 2.0 (GIL time over all of a
     census's slices, each at most 10 ms), census_trim True (after a census,
-    malloc_trim hands what it freed back to the system), no spool, no memory history,
+    malloc_trim hands what it freed back to the system), no spool_dir, no
+    memory history (history_max_entries 0), exit_flush_s for the Goodbye's acks,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
     a request ending sooner is folded into the next sample), thread_nice 0
     (the agent's own threads run as SCHED_BATCH, so a waking one never
@@ -75,30 +93,24 @@ def start(collector=None, name=None, model=None, revision=None, quantization=Non
     The same settings as the running agent's change nothing (False). Called
     while an agent started by ``start()`` runs, it does nothing (False).
     """
-    return _start(
-        False, collector=collector, name=name, model=model, revision=revision,
-        quantization=quantization, dtype=dtype, interval_s=interval_s, role=role, rank=rank,
-        spool_dir=spool_dir, oom_wait_s=oom_wait_s, census_every=census_every,
-        census_interval_s=census_interval_s, census_budget_s=census_budget_s,
-        history_max_entries=history_max_entries, exit_flush_s=exit_flush_s,
-        boundary_min_interval_s=boundary_min_interval_s, census_auto=census_auto,
-        thread_nice=thread_nice, census_trim=census_trim)
+    # Here locals() is exactly the settings above, passed on by name.
+    return _start(False, **locals())
 
 
-def _start(autostart, **kwargs):
-    started = _native.start(autostart=autostart, **kwargs)
+def _start(autostart: bool, **settings: object) -> bool:
+    started = _native.start(autostart=autostart, **settings)
     if started:
         from . import _hooks
         _hooks.install()
     return started
 
 
-def stop(reason="stop"):
+def stop(reason: str = "stop") -> bool:
     """Sends Goodbye and waits briefly for the collector's acks. Harmless twice."""
     return _native.stop(reason)
 
 
-def census(budget_s=None):
+def census(budget_s: float | None = None) -> dict[str, Any]:
     """Runs a Python heap census now (holds the GIL up to ``budget_s``) and
     returns it: ``{"types": [{"type_name", "count", "bytes"}], ...}``."""
     return _native.census(budget_s)
@@ -110,18 +122,22 @@ class phase:
 
     __slots__ = ("name", "model", "revision", "quantization", "dtype", "_before")
 
-    def __init__(self, name="load", model=None, revision=None, quantization=None, dtype=None):
+    def __init__(self, name: str = "load", model: str | None = None,
+                 revision: str | None = None, quantization: str | None = None,
+                 dtype: object = None) -> None:
         self.name, self.model, self.revision = name, model, revision
-        self.quantization, self.dtype = quantization, (str(dtype) if dtype is not None else None)
+        self.quantization = quantization
+        self.dtype = str(dtype) if dtype is not None else None  # a torch.dtype too
         self._before = 0
 
-    def __enter__(self):
+    def __enter__(self) -> phase:
         _native.ensure_torch_hooks()
         self._before = _native.phase_edge(self.name, True, self.model, self.revision,
                                           self.quantization, self.dtype)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
         # Reports an out-of-memory error; the text as a request's end has it.
         error = _native.exit_error(exc_type, exc) if exc is not None else ""
         _native.ensure_torch_hooks()

@@ -5,10 +5,17 @@ tests. Each query returns its reply message's serde form, the very shape
 lowercase names, an unset message or optional field as None, a oneof's
 member under its own field name."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from . import _native
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def timeline(collector, agent, timeout_s=10.0):
+
+def timeline(collector: str, agent: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """A ``TimelineResponse`` for an agent id or name: ``{"hello": {...},
     "samples": [{"seq", "sample": {"time_ns", "process", "cgroup", "system",
     "gpus", "allocator", "context", ...}, "low", "high"}], "events": [{"seq",
@@ -19,7 +26,7 @@ def timeline(collector, agent, timeout_s=10.0):
     return _native.query_timeline(collector, agent, timeout_s)
 
 
-def agents(collector, timeout_s=10.0):
+def agents(collector: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """A list of ``AgentSummary``: ``[{"hello": {...}, "state":
     "connected"|"disconnected"|"lost", "first_seen_ns", "last_seen_ns",
     "samples", "events", "last_seq", "instance", "goodbye", "context"}]``,
@@ -27,14 +34,18 @@ def agents(collector, timeout_s=10.0):
     return _native.query_agents(collector, timeout_s)
 
 
-def incidents(collector, agent="", timeout_s=10.0):
+def incidents(
+    collector: str, agent: str = "", timeout_s: float = 10.0
+) -> list[dict[str, Any]]:
     """A list of ``Incident``: ``[{"id", "agent_id", "agent_name", "kind",
     "time_ns", "domain", "summary", "seq", "parts": [...]}]``, of one agent
     (id or name) where given."""
     return _native.query_incidents(collector, agent, timeout_s)
 
 
-def diagnose(collector, incident="", agent="", timeout_s=10.0):
+def diagnose(
+    collector: str, incident: str = "", agent: str = "", timeout_s: float = 10.0
+) -> dict[str, Any]:
     """The ``Diagnosis`` of an incident id, else of the agent's latest
     incident (or its whole history without one), else of the latest
     incident: ``{"incident", "agent", "domain", "trigger", "causes": [{"kind",

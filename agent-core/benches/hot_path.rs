@@ -70,9 +70,9 @@ fn main() {
 
     // 2. One full host sample (process, cgroup levels, system, PSI) vs one raw
     //    read of /proc/self/status, the cheapest file it reads.
-    let probe = HostReader::new(HostPaths::system(), std::process::id());
+    let reader = HostReader::new(HostPaths::system(), std::process::id());
     let full = per_call(9, 200, || {
-        black_box(probe.sample());
+        black_box(reader.sample());
     });
     let raw_read = per_call(9, 200, || {
         black_box(std::fs::read_to_string("/proc/self/status").unwrap());
@@ -84,13 +84,13 @@ fn main() {
         full / raw_read
     );
     // Its parts, to see what a lighter sample would save.
-    let (paths, pid) = (probe.paths(), probe.pid());
+    let (paths, pid) = (reader.paths(), reader.pid());
     let process = per_call(9, 200, || {
         black_box(oomscope_agent_core::readers::process::read(paths, pid).ok());
     });
     let cgroup = per_call(9, 200, || {
         black_box(
-            probe
+            reader
                 .memory_cgroup()
                 .map(|cg| oomscope_agent_core::readers::cgroup::read_levels(paths, cg)),
         );
@@ -99,9 +99,9 @@ fn main() {
         black_box(oomscope_agent_core::readers::system::read(paths));
     });
     let gpus = per_call(9, 200, || {
-        black_box(probe.gpu().read());
+        black_box(reader.gpu().read());
     });
-    let devices = probe.gpu().read().len();
+    let devices = reader.gpu().read().len();
     println!(
         "  parts: process {:.1} us, cgroup levels {:.1} us, system {:.1} us, gpus {:.1} us ({devices} NVML devices{})",
         process / 1e3,
@@ -116,9 +116,9 @@ fn main() {
     );
     // 3. A request boundary's reading (process and each level's usage, the
     //    rest carried from the last full sample) against the full sample.
-    let last_levels = probe.sample().cgroup;
+    let last_levels = reader.sample().cgroup;
     let boundary = per_call(9, 200, || {
-        black_box(probe.boundary_sample(&last_levels));
+        black_box(reader.boundary_sample(&last_levels));
     });
     println!(
         "HostReader::boundary_sample {:8.1} us/call   full sample {:8.1} us/call   ratio {:.2}",

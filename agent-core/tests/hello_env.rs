@@ -7,14 +7,14 @@ use oomscope_agent_core::readers::gpu::GpuReader;
 use oomscope_agent_core::readers::{HostPaths, HostReader};
 
 fn hello() -> oomscope_agent_core::pb::Hello {
-    let probe = HostReader::with_gpu(HostPaths::system(), std::process::id(), GpuReader::absent());
+    let reader = HostReader::with_gpu(HostPaths::system(), std::process::id(), GpuReader::absent());
     Identity {
         name: "svc".into(),
         role: "worker".into(),
         rank: 0,
         runtime: "pytorch".into(),
     }
-    .hello(&probe)
+    .hello(&reader)
 }
 
 #[test]

@@ -11,7 +11,7 @@ use oomscope_testkit::TestCgroup;
 
 const LIMIT_64_MIB: u64 = 64 * 1024 * 1024;
 
-/// The memory line of /proc/self/cgroup, read independently of the probe.
+/// The memory line of /proc/self/cgroup, read independently of the reader.
 fn own_memory_path() -> Option<String> {
     let text = fs::read_to_string("/proc/self/cgroup").ok()?;
     text.lines().find_map(|l| {

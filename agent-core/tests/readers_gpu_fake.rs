@@ -1,4 +1,4 @@
-//! The GPU probe over a scripted NVML (tests/support/fake_nvml.rs): MIG
+//! The GPU reader over a scripted NVML (tests/support/fake_nvml.rs): MIG
 //! layouts, refusals, older drivers, what a sample costs, and how NVML's
 //! pids are seen from a faked /proc.
 
@@ -17,7 +17,7 @@ use oomscope_agent_core::readers::{HostPaths, HostReader};
 
 const GIB: u64 = 1 << 30;
 
-fn probe(fake: &FakeNvml) -> GpuReader {
+fn reader(fake: &FakeNvml) -> GpuReader {
     GpuReader::with_api(Box::new(fake.clone()))
 }
 
@@ -50,7 +50,7 @@ fn each_mig_instance_is_a_device_and_a_refusal_is_listed_unreadable() {
     .refusing("max_mig_devices", || NvmlError::NoPermission);
     let lost = FakeDevice::gpu("GPU-lost", 80 * GIB, 0).refusing("device", || NvmlError::GpuLost);
     let fake = FakeNvml::new(vec![whole, mig, refused_parent, lost]);
-    let gpu = probe(&fake);
+    let gpu = reader(&fake);
     assert!(gpu.is_present());
 
     let memory_reads = fake.calls("memory_info_v2");
@@ -129,7 +129,7 @@ fn a_mig_gpu_without_instances_is_still_read_whole() {
         mig: Some(vec![None, None]),
         ..FakeDevice::gpu("GPU-empty", 80 * GIB, GIB)
     };
-    let devices = probe(&FakeNvml::new(vec![empty])).read();
+    let devices = reader(&FakeNvml::new(vec![empty])).read();
     assert_eq!(devices.len(), 1);
     assert_eq!(
         (
@@ -146,7 +146,7 @@ fn a_device_refusing_its_memory_is_unreadable_and_its_processes_still_read() {
     let d = FakeDevice::gpu("GPU-0", 80 * GIB, 70 * GIB)
         .with_processes(&[(77, None), (78, Some(GIB))])
         .refusing("memory_info_v2", || NvmlError::NotSupported);
-    let devices = probe(&FakeNvml::new(vec![d])).read();
+    let devices = reader(&FakeNvml::new(vec![d])).read();
     assert_eq!(devices[0].unreadable, "NotSupported");
     assert_eq!(devices[0].total_bytes, 0);
     let usage: Vec<(u32, Option<u64>)> = devices[0]
@@ -174,7 +174,7 @@ fn an_older_driver_is_read_through_the_older_calls() {
             }),
         ],
     );
-    let gpu = probe(&fake);
+    let gpu = reader(&fake);
     const SAMPLES: usize = 5;
     let mut last = Vec::new();
     for _ in 0..SAMPLES {
@@ -212,7 +212,7 @@ fn static_facts_are_read_once_and_a_sample_costs_two_calls_per_device() {
         },
     ];
     let fake = FakeNvml::new(gpus);
-    let gpu = probe(&fake);
+    let gpu = reader(&fake);
     let at_open = fake.total_calls();
     const SAMPLES: usize = 10;
     for i in 0..SAMPLES {
@@ -246,7 +246,7 @@ fn static_facts_are_read_once_and_a_sample_costs_two_calls_per_device() {
 
 #[test]
 fn without_nvml_or_devices_the_probe_is_absent() {
-    let none = probe(&FakeNvml::new(Vec::new()));
+    let none = reader(&FakeNvml::new(Vec::new()));
     assert!(!none.is_present());
     assert!(none.read().is_empty());
     assert!(none.placements().is_empty());
@@ -317,7 +317,7 @@ fn gpu_with_every_kind_of_pid() -> FakeNvml {
 fn pids_are_own_visible_or_unresolved_in_the_host_namespace() {
     let (_tmp, paths) = fake_proc(HOST_PID_NAMESPACE);
     let fake = gpu_with_every_kind_of_pid();
-    let host = HostReader::with_gpu(paths, ME, probe(&fake));
+    let host = HostReader::with_gpu(paths, ME, reader(&fake));
     let s = host.sample();
     assert_eq!(
         views(&s.gpus),
@@ -378,7 +378,7 @@ fn pids_are_own_visible_or_unresolved_in_the_host_namespace() {
 fn in_a_pid_namespace_of_our_own_no_pid_is_resolved() {
     // A container's namespace: even our own number is not NVML's.
     let (_tmp, paths) = fake_proc("pid:[4026532713]");
-    let host = HostReader::with_gpu(paths.clone(), ME, probe(&gpu_with_every_kind_of_pid()));
+    let host = HostReader::with_gpu(paths.clone(), ME, reader(&gpu_with_every_kind_of_pid()));
     assert!(views(&host.sample().gpus)
         .iter()
         .all(|(_, v)| *v == pb::PidView::Unresolved));
@@ -427,7 +427,7 @@ fn a_pid_view_is_worked_out_once_while_nvml_lists_it() {
 fn a_boundary_sample_reads_no_nvml() {
     let (_tmp, paths) = fake_proc(HOST_PID_NAMESPACE);
     let fake = gpu_with_every_kind_of_pid();
-    let host = HostReader::with_gpu(paths, ME, probe(&fake));
+    let host = HostReader::with_gpu(paths, ME, reader(&fake));
     let full = host.sample();
     assert_eq!(full.gpus.len(), 1);
     let before = fake.total_calls();
@@ -450,7 +450,7 @@ fn a_refused_process_list_is_unknown_not_empty() {
         FakeDevice::gpu("GPU-1", 80 * GIB, 0),
     ];
     let fake = FakeNvml::new(gpus);
-    let read = probe(&fake).read();
+    let read = reader(&fake).read();
     assert_eq!(read[0].processes_unreadable, "NoPermission");
     assert!(read[0].processes.is_empty());
     assert_eq!(

@@ -1,4 +1,4 @@
-//! Every probe against this machine's real /proc, /sys and (absent) GPU.
+//! Every reader against this machine's real /proc, /sys and (absent) GPU.
 
 use oomscope_agent_core::readers::gpu::GpuReader;
 use oomscope_agent_core::readers::{process, processes, system, HostPaths, HostReader};
@@ -18,9 +18,9 @@ fn gpu_probe_is_absent_here_without_panicking() {
 #[test]
 fn host_probe_samples_every_domain() {
     let pid = std::process::id();
-    let probe = HostReader::new(HostPaths::system(), pid);
-    assert_eq!(probe.pid(), pid);
-    let s = probe.sample();
+    let reader = HostReader::new(HostPaths::system(), pid);
+    assert_eq!(reader.pid(), pid);
+    let s = reader.sample();
     assert!(s.time_ns > 0);
     let p = s.process.expect("our own status is readable");
     assert_eq!(p.pid, pid);
@@ -33,22 +33,22 @@ fn host_probe_samples_every_domain() {
     assert!(sys.shm_total_bytes > 0, "/dev/shm is mounted here");
     assert!(!s.cgroup.is_empty());
     assert!(s.cgroup[0].usage_bytes > 0);
-    if !probe.gpu().is_present() {
+    if !reader.gpu().is_present() {
         assert!(s.gpus.is_empty());
     }
 
-    let counters = probe.counters();
+    let counters = reader.counters();
     assert_eq!(counters.cgroup.len(), s.cgroup.len());
-    let info = probe.cgroup_info();
+    let info = reader.cgroup_info();
     assert_eq!(info.path, s.cgroup[0].path);
     assert!(info.version == "v1" || info.version == "v2");
 }
 
 #[test]
 fn a_boundary_sample_reads_this_hosts_usage_files() {
-    let probe = HostReader::new(HostPaths::system(), std::process::id());
-    let full = probe.sample();
-    let cg = probe
+    let reader = HostReader::new(HostPaths::system(), std::process::id());
+    let full = reader.sample();
+    let cg = reader
         .memory_cgroup()
         .expect("a memory controller on this host");
     let usage_file = match cg.version {
@@ -63,7 +63,7 @@ fn a_boundary_sample_reads_this_hosts_usage_files() {
             .unwrap()
     };
     let before = read_own();
-    let b = probe.boundary_sample(&full.cgroup);
+    let b = reader.boundary_sample(&full.cgroup);
     let after = read_own();
     assert_eq!(b.cgroup.len(), full.cgroup.len());
     for (l, f) in b.cgroup.iter().zip(&full.cgroup) {
@@ -149,8 +149,8 @@ fn top_processes_by_rss_include_us() {
 fn host_probe_can_move_to_a_sampling_thread() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<HostReader>();
-    let probe = HostReader::new(HostPaths::system(), std::process::id());
-    let rss = std::thread::spawn(move || probe.sample().process.map(|p| p.vm_rss_bytes))
+    let reader = HostReader::new(HostPaths::system(), std::process::id());
+    let rss = std::thread::spawn(move || reader.sample().process.map(|p| p.vm_rss_bytes))
         .join()
         .unwrap();
     assert!(rss.unwrap_or(0) > 0);

@@ -92,15 +92,15 @@ fn an_empty_proc_tree_gives_empty_readings() {
     let sys = system::read(&paths);
     assert_eq!(sys.mem_total_bytes, 0);
     assert!(sys.pressure.is_none(), "no PSI file: absent, not an error");
-    let probe = HostReader::with_gpu(
+    let reader = HostReader::with_gpu(
         paths,
         1,
         oomscope_agent_core::readers::gpu::GpuReader::absent(),
     );
-    let s = probe.sample();
+    let s = reader.sample();
     assert!(s.process.is_none());
     assert!(s.cgroup.is_empty());
-    assert!(probe.process_list(5).host_top_rss.is_empty());
+    assert!(reader.process_list(5).host_top_rss.is_empty());
 }
 
 #[test]

@@ -71,7 +71,7 @@ fn fake_tree(fx: &Value) -> (tempfile::TempDir, HostPaths) {
     (tmp, paths)
 }
 
-/// The value of `key` in a `key value` file of the fixture, read independently of the probe.
+/// The value of `key` in a `key value` file of the fixture, read independently of the reader.
 fn stat_value(fx: &Value, file: &str, key: &str) -> u64 {
     let text = fx["files"][file].as_str().unwrap();
     let line = text
@@ -243,18 +243,18 @@ fn process_status_and_limits() {
 fn host_probe_over_the_fake_tree() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
-    let probe = HostReader::with_gpu(
+    let reader = HostReader::with_gpu(
         paths,
         PID,
         oomscope_agent_core::readers::gpu::GpuReader::absent(),
     );
-    let s = probe.sample();
+    let s = reader.sample();
     assert!(s.time_ns > 0);
     assert_eq!(s.process.unwrap().vm_rss_bytes, 17664 * KIB);
     assert_eq!(s.cgroup[0].usage_bytes, 15224832);
     assert_eq!(s.system.unwrap().mem_total_bytes, 131981020 * KIB);
-    assert_eq!(probe.cgroup_info().version, "v2");
-    assert_eq!(probe.counters().cgroup.len(), 3);
+    assert_eq!(reader.cgroup_info().version, "v2");
+    assert_eq!(reader.counters().cgroup.len(), 3);
 }
 
 #[test]
@@ -268,13 +268,13 @@ fn no_memory_controller_means_none() {
     )
     .unwrap();
     assert!(cgroup::locate(&paths, PID).is_none());
-    let probe = HostReader::with_gpu(
+    let reader = HostReader::with_gpu(
         paths,
         PID,
         oomscope_agent_core::readers::gpu::GpuReader::absent(),
     );
-    assert!(probe.sample().cgroup.is_empty());
-    assert_eq!(probe.cgroup_info().version, "");
+    assert!(reader.sample().cgroup.is_empty());
+    assert_eq!(reader.cgroup_info().version, "");
 }
 
 #[test]
@@ -282,8 +282,8 @@ fn a_boundary_sample_reads_usage_again_and_carries_the_rest_of_the_levels() {
     let fx = fixture();
     let (_tmp, paths) = fake_tree(&fx);
     let own = paths.cgroup_root.join("app.slice/inference-server");
-    let probe = HostReader::with_gpu(paths.clone(), PID, GpuReader::absent());
-    let full = probe.sample();
+    let reader = HostReader::with_gpu(paths.clone(), PID, GpuReader::absent());
+    let full = reader.sample();
     assert_eq!(full.cgroup[0].usage_bytes, 15224832);
     assert!(full.system.is_some());
 
@@ -301,7 +301,7 @@ fn a_boundary_sample_reads_usage_again_and_carries_the_rest_of_the_levels() {
     );
     write(&paths.proc_root.join(format!("{PID}/status")), &status);
 
-    let b = probe.boundary_sample(&full.cgroup);
+    let b = reader.boundary_sample(&full.cgroup);
     let paths_of = |s: &oomscope_agent_core::pb::Sample| {
         s.cgroup.iter().map(|l| l.path.clone()).collect::<Vec<_>>()
     };
@@ -319,7 +319,7 @@ fn a_boundary_sample_reads_usage_again_and_carries_the_rest_of_the_levels() {
     let mut elsewhere = full.cgroup.clone();
     elsewhere[0].path = "/elsewhere".to_string();
     for last in [&[][..], &elsewhere[..]] {
-        let whole = probe.boundary_sample(last);
+        let whole = reader.boundary_sample(last);
         assert_eq!(paths_of(&whole), paths_of(&full));
         assert_eq!(
             (whole.cgroup[0].usage_bytes, whole.cgroup[0].limit_bytes),
@@ -329,13 +329,13 @@ fn a_boundary_sample_reads_usage_again_and_carries_the_rest_of_the_levels() {
 
     // A usage file gone: 0 and partial, as a full reading would say.
     fs::remove_file(own.join("memory.current")).unwrap();
-    let gone = probe.boundary_sample(&full.cgroup);
+    let gone = reader.boundary_sample(&full.cgroup);
     assert!(!full.cgroup[0].partial);
     assert_eq!(
         (gone.cgroup[0].usage_bytes, gone.cgroup[0].partial),
         (0, true)
     );
-    let whole = probe.sample();
+    let whole = reader.sample();
     assert_eq!(
         (whole.cgroup[0].usage_bytes, whole.cgroup[0].partial),
         (0, true)

@@ -416,7 +416,11 @@ mod tests {
     fn an_allocator_oom_and_a_restart_storm_stand_alone() {
         let kill = inc("i1", IncidentKind::KernelOomKill, 10);
         assert_eq!(
-            plan(&inc("i2", IncidentKind::Oom, 11), std::slice::from_ref(&kill), &[]),
+            plan(
+                &inc("i2", IncidentKind::Oom, 11),
+                std::slice::from_ref(&kill),
+                &[]
+            ),
             Plan::Alone
         );
         assert_eq!(

@@ -136,8 +136,8 @@ pub(crate) fn run_once(
         }
     };
     let pid = child.id();
-    let probe = HostReader::new(paths.clone(), pid);
-    let before = probe.counters();
+    let reader = HostReader::new(paths.clone(), pid);
+    let before = reader.counters();
     let last_process = process::read(paths, pid).ok();
     reporter.send_event(event(pb::event::Kind::ChildStart(pb::ChildStart {
         pid,
@@ -159,7 +159,7 @@ pub(crate) fn run_once(
     // Sample until the child ends; leave it unreaped so /proc/<pid> stays readable.
     let mut watch = ChildWatch {
         tree: TreeWatch::new(paths.clone(), pid),
-        probe,
+        reader,
         pid,
         last_process,
         kmsg,
@@ -174,17 +174,17 @@ pub(crate) fn run_once(
     // the ends of members reported meanwhile.
     watch
         .members
-        .follow_events(&mut watch.tree, pid, &|| watch.probe.counters());
+        .follow_events(&mut watch.tree, pid, &|| watch.reader.counters());
     watch.drain_kills(reporter);
     watch.members.send_ends(reporter);
 
     // The child has ended but is not reaped: read what it left.
-    let after = watch.probe.counters();
+    let after = watch.reader.counters();
     let final_process = match process::read(paths, pid) {
         Ok(p) => merge_process(watch.last_process, p),
         Err(_) => watch.last_process.unwrap_or_default(),
     };
-    let plist = watch.probe.process_list(TOP_PROCESSES);
+    let plist = watch.reader.process_list(TOP_PROCESSES);
     let stop_signal = watch.stop_signal;
 
     let status = child.wait().context("reaping the child")?;
@@ -246,7 +246,7 @@ fn outlive(watch: &mut ChildWatch, reporter: &Reporter, sampling: &mut SamplingL
     );
     let me = std::process::id();
     watch.tree.watch_descendants_of(me);
-    watch.probe = HostReader::new(watch.paths.clone(), survivors[0].pid);
+    watch.reader = HostReader::new(watch.paths.clone(), survivors[0].pid);
     watch.last_process = None;
     watch.main_alive = false;
     sampling.run(watch, None);
@@ -259,7 +259,7 @@ fn outlive(watch: &mut ChildWatch, reporter: &Reporter, sampling: &mut SamplingL
 /// and for the kernel's OOM records. It has no allocator to snapshot and no
 /// heap to census, so other directives are ignored.
 struct ChildWatch<'k> {
-    probe: HostReader,
+    reader: HostReader,
     pid: u32,
     /// The latest reading of the child, whose limits and peaks a zombie no longer shows.
     last_process: Option<pb::ProcessMemory>,
@@ -320,7 +320,7 @@ impl Readers for ChildWatch<'_> {
     type Job = Infallible;
 
     fn tick(&mut self, reporter: &Reporter) {
-        let mut s = self.probe.sample();
+        let mut s = self.reader.sample();
         if let Some(p) = &s.process {
             self.last_process = Some(merge_process(self.last_process.take(), *p));
         }
@@ -328,10 +328,10 @@ impl Readers for ChildWatch<'_> {
         self.tree_empty = !self.main_alive && reading.processes.is_empty();
         reading.fill(&mut s);
         reporter.send_sample(s);
-        let probe = &self.probe;
+        let reader = &self.reader;
         self.members
             .tick(&self.tree, self.pid, self.paths, reporter, &|| {
-                probe.counters()
+                reader.counters()
             });
     }
 
@@ -340,9 +340,9 @@ impl Readers for ChildWatch<'_> {
         // New processes first, and pids taken by others forgotten, so that
         // a kill is matched to the process that holds its pid now.
         self.tree.refresh_children();
-        let probe = &self.probe;
+        let reader = &self.reader;
         self.members
-            .follow_events(&mut self.tree, pid, &|| probe.counters());
+            .follow_events(&mut self.tree, pid, &|| reader.counters());
         self.send_kills(reporter);
         self.members.send_ends(reporter);
         if !self.main_alive {

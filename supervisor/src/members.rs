@@ -3,7 +3,7 @@
 //! that outlive the child.
 //!
 //! How a member's status is read, most reliable first:
-//! - the kernel's process events (`probe::exits`), which report every exit
+//! - the kernel's process events (`readers::exits`), which report every exit
 //!   with its wait status whoever reaps it: the engine a vLLM API server
 //!   reaps within milliseconds included;
 //! - `waitpid` on orphans: `oomscope run` is the tree's child subreaper

@@ -75,7 +75,7 @@ struct Inner {
     /// Driver calls this "driver" lacks, and how the library says so.
     missing: Vec<(&'static str, Refusal)>,
     calls: Mutex<HashMap<&'static str, usize>>,
-    /// Memory changed by the test after the probe opened, by uuid.
+    /// Memory changed by the test after the reader opened, by uuid.
     memory_now: Mutex<HashMap<String, MemoryInfo>>,
 }
 

@@ -173,7 +173,7 @@ fn times(timeline: &serde_json::Value) -> Vec<i64> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|s| s["time_ns"].as_i64().unwrap())
+        .map(|s| s["sample"]["time_ns"].as_i64().unwrap())
         .collect()
 }
 
@@ -204,6 +204,7 @@ fn every_verb_answers_on_a_long_history_with_bounded_memory() {
     assert_eq!((ts[0], *ts.last().unwrap()), (first, last));
     let newest = &looped[(n as usize - 1) % looped.len()].allocator[0];
     let shown = t["samples"].as_array().unwrap().last().unwrap();
+    let shown = &shown["sample"]["allocator"][0];
     assert_eq!(shown["allocated_bytes"], newest.allocated_bytes);
     assert_eq!(shown["reserved_bytes"], newest.reserved_bytes);
     // Each point carries its stretch's lowest and highest (the rollups), so
@@ -211,7 +212,9 @@ fn every_verb_answers_on_a_long_history_with_bounded_memory() {
     // though few of the points themselves hold them. (The newest point
     // stands for itself alone.)
     let points = &t["samples"].as_array().unwrap()[..ts.len() - 1];
-    let figure = |p: &serde_json::Value, key: &str| p[key]["allocated_bytes"].as_u64().unwrap();
+    let figure = |p: &serde_json::Value, key: &str| {
+        p[key]["allocator"][0]["allocated_bytes"].as_u64().unwrap()
+    };
     let (lo, hi) = looped.iter().fold((u64::MAX, 0), |(lo, hi), s| {
         let a = s.allocator[0].allocated_bytes;
         (lo.min(a), hi.max(a))
@@ -225,7 +228,7 @@ fn every_verb_answers_on_a_long_history_with_bounded_memory() {
     );
     let on_points = points
         .iter()
-        .filter(|p| p["allocated_bytes"].as_u64() == Some(hi))
+        .filter(|p| p["sample"]["allocator"][0]["allocated_bytes"].as_u64() == Some(hi))
         .count();
     println!(
         "{} of {} points hold the peak themselves; every envelope holds it",

@@ -12,6 +12,12 @@ use crate::units::bytes_short;
 /// and interned strings grow like that without anything being wrong.
 pub const SLOW_GROWTH_SHARE: f64 = 1e-5;
 
+/// A growth that fills its limit within this at the observed request rate is
+/// urgent however small its share per request: a large host's limit gone by
+/// tomorrow is a leak to hunt today, never "slow growth". Slow growth is for
+/// runways of days or more.
+pub const URGENT_RUNWAY_S: f64 = 86_400.0;
+
 /// Every runway line starts with this, so the diagnosis can lift the
 /// runway of its first growth cause to its own first lines.
 pub const RUNWAY_PREFIX: &str = "runway: ";
@@ -56,9 +62,11 @@ impl Runway<'_> {
         self.per_request / self.limit.max(1) as f64
     }
 
-    /// Under [`SLOW_GROWTH_SHARE`] of the limit per request.
+    /// Under [`SLOW_GROWTH_SHARE`] of the limit per request, and not gone
+    /// within [`URGENT_RUNWAY_S`] at the observed rate.
     pub fn is_slow(&self) -> bool {
         self.share_per_request() < SLOW_GROWTH_SHARE
+            && self.seconds_left().is_none_or(|s| s >= URGENT_RUNWAY_S)
     }
 
     /// "runway: at 100 requests/s (the observed rate), the 23.5 GiB of
@@ -192,6 +200,19 @@ mod tests {
         r.per_request = 1e-5 * r.limit as f64 * 0.99;
         assert!(r.is_slow());
         r.per_request = 1e-5 * r.limit as f64 * 1.01;
+        assert!(!r.is_slow());
+    }
+
+    #[test]
+    fn a_small_share_gone_within_a_day_at_the_observed_rate_is_not_slow() {
+        let mut r = runway(Some(1.0));
+        r.per_request = 1e-5 * r.limit as f64 * 0.99;
+        // About 100,000 requests left: over a day at 1 request/s, ...
+        assert!(r.seconds_left().unwrap() > URGENT_RUNWAY_S);
+        assert!(r.is_slow());
+        // ... about 17 minutes at 100.
+        r.requests_per_s = Some(100.0);
+        assert!(r.seconds_left().unwrap() < URGENT_RUNWAY_S);
         assert!(!r.is_slow());
     }
 

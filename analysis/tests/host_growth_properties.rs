@@ -295,6 +295,51 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
     assert!(d.trigger.is_none());
 }
 
+/// The same share of the limit a request, at 100 requests a second: the
+/// 64 GiB are gone in about half an hour, so it is growth to hunt now, with
+/// its runway in time, never "slow growth" (runway::URGENT_RUNWAY_S).
+#[test]
+fn a_small_share_that_fills_the_limit_within_a_day_is_host_growth_not_slow() {
+    let limit = Limit::MemTotal(64 * GIB);
+    let per_request = 5e-6 * limit.bytes() as f64;
+    let samples: Vec<pb::Sample> = (1..=200u64)
+        .map(|i| {
+            let rss = GIB + (per_request * i as f64) as u64 + (i * 7919 % 5) * 4096;
+            reading(i as i64 * 10 * MS, i, rss, limit)
+        })
+        .collect();
+    let last_rss = rss_of(samples.last());
+    let e = Evidence {
+        samples,
+        ..Default::default()
+    };
+    let d = diagnose(&e);
+    let kinds: Vec<&str> = d.causes.iter().map(|c| c.kind.as_str()).collect();
+    assert_eq!(kinds, ["host_growth"], "{:?}", d.causes);
+    let c = &d.causes[0];
+    let got = c.metrics["bytes_per_request"];
+    assert!((got - per_request).abs() < 0.01 * per_request, "{got}");
+    assert!(
+        (c.metrics["requests_per_s"] - 100.0).abs() < 1.0,
+        "{:?}",
+        c.metrics
+    );
+    let left_s = ((limit.bytes() - last_rss) as f64 / got).floor() / 100.0;
+    let secs = c.metrics["seconds_to_limit"];
+    assert!(
+        (secs - left_s).abs() < 0.02 * left_s,
+        "{secs} s, expected {left_s}"
+    );
+    assert!(secs < 3_600.0, "{secs}");
+    assert!(
+        c.evidence
+            .iter()
+            .any(|l| l.starts_with("runway: at 100") && l.contains("minutes")),
+        "{:?}",
+        c.evidence
+    );
+}
+
 /// A clean loop's RSS settling, shaped after the Python agent's readings of
 /// tests/programs/leaky_service.py --clear (400 requests, 2026-12-01): a
 /// fast rise over the first 10 to 25 requests, one step of 5 to 6 MiB (the
@@ -466,15 +511,20 @@ fn the_agents_own_heap_is_not_the_servers_growth() {
     assert!(found >= 195, "found in only {found} of 200 seeds");
 }
 
-/// A creep of `per_request` bytes, one reading a request after a warm-up of
-/// 1 MiB over the first 20: regular, so certain at any size.
-fn creep(per_request: u64, requests: u64) -> Evidence {
+/// A creep of `per_request` bytes, one reading a request `every` ms after a
+/// warm-up of 1 MiB over the first 20: regular, so certain at any size.
+fn creep(per_request: u64, requests: u64, every: i64) -> Evidence {
     let limit = Limit::MemTotal(24 * GIB);
     let base = 500u64 << 20;
     let samples = (1..=requests)
         .map(|i| {
             let warm = (i.min(20) << 20) / 20;
-            reading(i as i64 * 5 * MS, i, base + warm + i * per_request, limit)
+            reading(
+                i as i64 * every * MS,
+                i,
+                base + warm + i * per_request,
+                limit,
+            )
         })
         .collect();
     Evidence {
@@ -487,11 +537,11 @@ fn creep(per_request: u64, requests: u64) -> Evidence {
 fn host_growth_under_the_allocators_grain_is_no_verdict_until_it_adds_up() {
     // A page a request over 400 requests: 1.6 MiB, what a clean loop's
     // allocators creep. Certain, yet under MIN_HOST_GROWTH_BYTES.
-    let found = growth_causes(&creep(4096, 400));
+    let found = growth_causes(&creep(4096, 400, 5));
     assert!(found.is_empty(), "{found:?}");
-    // The same creep kept up over 2,000 requests (7.8 MiB) is slow growth,
-    // reported at its size.
-    let d = diagnose(&creep(4096, 2000));
+    // The same creep kept up over 2,000 requests (7.8 MiB) at a request a
+    // second is slow growth (24 GiB last about 70 days), reported at its size.
+    let d = diagnose(&creep(4096, 2000, 1_000));
     let c = d
         .causes
         .iter()
@@ -499,4 +549,11 @@ fn host_growth_under_the_allocators_grain_is_no_verdict_until_it_adds_up() {
         .expect("slow growth");
     let got = c.metrics["bytes_per_request"];
     assert!((got - 4096.0).abs() < 0.01 * 4096.0, "{got}");
+    // At 200 requests a second the same page a request fills the 24 GiB in
+    // about 8 hours: growth to hunt, with that runway (runway::URGENT_RUNWAY_S).
+    let d = diagnose(&creep(4096, 2000, 5));
+    let kinds: Vec<&str> = d.causes.iter().map(|c| c.kind.as_str()).collect();
+    assert_eq!(kinds, ["host_growth"], "{:?}", d.causes);
+    let hours = d.causes[0].metrics["seconds_to_limit"] / 3_600.0;
+    assert!((7.0..10.0).contains(&hours), "{hours} h");
 }

@@ -9,7 +9,7 @@ use oomscope_agent_core::readers::HostReader;
 use crate::config::RunConfig;
 
 /// The Hello label that says whether the kernel's OOM records can be read:
-/// "readable", or "unreadable: <reason>" (an unprivileged container).
+/// `"readable"`, or `"unreadable: <reason>"` (an unprivileged container).
 pub const KERNEL_LOG_LABEL: &str = "kernel_log";
 
 /// The supervisor's Hello; its cgroup is the child's where it is read before the

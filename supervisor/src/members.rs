@@ -38,7 +38,7 @@ use oomscope_agent_core::reporter::Reporter;
 use super::event;
 
 /// The Hello label that says how members' ends are read: "process events",
-/// or "reaped orphans only: <why>".
+/// or `"reaped orphans only: <why>"`.
 pub const MEMBER_EXITS_LABEL: &str = "member_exits";
 /// The most member ends sent per minute, failed ones and others each: a
 /// server whose helpers end in a loop must not flood the collector (a

@@ -33,10 +33,11 @@ pub const WARMUP_NS: i64 = 30_000_000_000;
 pub const WARMUP_MAX_SHARE_OF_LIFE: f64 = 1.0 / 3.0;
 
 /// Growth that takes longer than this to fill its limit is `slow_growth`,
-/// not `host_growth`: a server's allocator drift over weeks is no leak to
-/// hunt (it stays on record with its runway), and without requests there
-/// is no per-request share to judge it by instead.
-pub const SLOW_TIME_RUNWAY_S: f64 = 30.0 * 86_400.0;
+/// not `host_growth`: a server's allocator drift over days is no leak to
+/// hunt today (it stays on record with its runway), and without requests
+/// there is no per-request share to judge it by instead. The same day as
+/// growth per request is judged by (`runway::URGENT_RUNWAY_S`).
+pub const SLOW_TIME_RUNWAY_S: f64 = crate::runway::URGENT_RUNWAY_S;
 
 pub const HOST_RSS: &str = "host RSS";
 pub const TREE_PSS: &str = "the process tree's PSS";

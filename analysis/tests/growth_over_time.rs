@@ -386,8 +386,15 @@ fn growth_whose_limit_lasts_months_is_slow_growth() {
     );
     // Slow growth sets nothing off.
     assert_eq!(d.trigger, None);
-    // Ten times faster, it is host growth (about 5 days).
+    // Ten times faster (about 5 days) it is still slow growth: days are not
+    // urgent (runway::URGENT_RUNWAY_S) ...
     let e = run_of(2400.0, None, |t| GIB + (10.0 * rate * t) as u64);
+    let kinds: Vec<String> = diagnose(&e).causes.into_iter().map(|c| c.kind).collect();
+    assert_eq!(kinds, ["slow_growth"]);
+    // ... a hundred times faster (about 12 hours) it is host growth.
+    let e = run_of(2400.0, None, |t| GIB + (100.0 * rate * t) as u64);
     let c = host_growth(&diagnose(&e)).clone();
-    assert!(close(c.metrics["bytes_per_second"], 10.0 * rate, 0.05));
+    assert!(close(c.metrics["bytes_per_second"], 100.0 * rate, 0.05));
+    let hours = c.metrics["seconds_to_limit"] / 3_600.0;
+    assert!((10.0..13.0).contains(&hours), "{hours} h");
 }

@@ -16,7 +16,7 @@
 //! for nine requests at a time and must not be withdrawn in between.
 
 use crate::evidence::Evidence;
-use crate::growth::{self, Trend, MAX_FIT_POINTS, MIN_TREND_POINTS, PERSISTENCE, TREND_P_VALUE};
+use crate::growth::{self, Trend, MAX_FIT_POINTS, MIN_TREND_POINTS, PERSISTENCE};
 use crate::stats;
 use crate::timeline::Timeline;
 use crate::units::bytes_short;
@@ -45,6 +45,11 @@ pub const PLATEAU_SHARE_OF_SPAN: f64 = 0.25;
 /// them (Theil–Sen slopes); the noise of a flat series' slope stays well
 /// under it, a leak's steps well over it.
 pub const PLATEAU_SLOPE_SHARE: f64 = 0.2;
+
+/// The readings past the window must rise at this one-sided Mann–Kendall
+/// level: loose, since the whole series already passed the trend's level
+/// (`growth::TREND_P_VALUE`); a flat stretch past a warm-up does not.
+pub const PAST_P_VALUE: f64 = 0.01;
 
 /// A growth that may be warm-up, or that stopped, explains little: far
 /// below a standing growth's 0.6 to 0.9, level with slow growth.
@@ -232,9 +237,11 @@ fn plateau(series: &[(f64, f64)], accept: &impl Fn(&Trend) -> bool) -> Option<(T
     ))
 }
 
-/// The readings past the warm-up window grow on their own: enough of them,
-/// rising by Mann–Kendall at the trend's level, at least
-/// [`PERSISTENCE`] of the whole trend's slope.
+/// The readings past the warm-up window grow on their own: over at least
+/// [`MIN_PLATEAU_REQUESTS`] requests (a 1-in-10 leak shows two steps in
+/// them), rising by Mann–Kendall at [`PAST_P_VALUE`], at least
+/// [`PERSISTENCE`] of the whole trend's slope. The whole series is already
+/// significant at the trend's level: this asks only that the growth goes on.
 fn shown_past(series: &[(f64, f64)], window: &Window, trend: &Trend) -> bool {
     let past: Vec<(f64, f64)> = series
         .iter()
@@ -242,11 +249,12 @@ fn shown_past(series: &[(f64, f64)], window: &Window, trend: &Trend) -> bool {
         .filter(|p| p.0 > window.requests as f64)
         .collect();
     let past = growth::thin(&past, MAX_FIT_POINTS);
-    if past.len() < MIN_TREND_POINTS {
+    let span = past.last().map_or(0.0, |p| p.0 - window.requests as f64);
+    if past.len() < MIN_TREND_POINTS || span < MIN_PLATEAU_REQUESTS {
         return false;
     }
     let (Some(mk), Some(line)) = (stats::mann_kendall(&past), stats::theil_sen(&past)) else {
         return false;
     };
-    mk.p_increasing < TREND_P_VALUE && line.slope >= PERSISTENCE * trend.line.slope
+    mk.p_increasing < PAST_P_VALUE && line.slope >= PERSISTENCE * trend.line.slope
 }

@@ -377,3 +377,52 @@ fn think_time_between_requests_stays_in_the_serving_rate() {
         c.evidence
     );
 }
+
+/// The 550 kB/request leak with a heap census every 10 requests naming
+/// the kept tensors (a CPU server: the census's type is the leak).
+fn census_leak(requests: u64) -> Evidence {
+    let per_request = 550_000u64;
+    let mut e = served(requests, 36.0, |i| BASE_RSS + per_request * i + jitter(i));
+    let censuses: Vec<(i64, u64)> = e
+        .samples
+        .iter()
+        .filter_map(|s| Some((s.time_ns, s.context.as_ref()?.requests_done)))
+        .filter(|(_, done)| done % 10 == 0)
+        .collect();
+    for (t, done) in censuses {
+        e.events.push(pb::Event {
+            time_ns: t + 1_000_000,
+            kind: Some(pb::event::Kind::HeapCensus(pb::HeapCensus {
+                types: vec![pb::TypeCount {
+                    type_name: "torch.Tensor[cpu]".into(),
+                    count: 18 + done,
+                    bytes: 9_768_960 + per_request * done,
+                }],
+                referrer_chain: vec!["module __main__ global keep".into(), "list".into()],
+                ..Default::default()
+            })),
+        });
+    }
+    e
+}
+
+#[test]
+fn a_census_leak_inside_the_window_is_possible_warm_up_and_past_it_has_its_runway() {
+    let d = diagnose(&census_leak(40));
+    let leak = d.causes.iter().find(|c| c.kind == "leak");
+    let leak = leak.unwrap_or_else(|| panic!("{:?}", d.causes));
+    assert!(is_warm_up(leak), "{leak:?}");
+    assert!(!has_runway(&d), "{d:#?}");
+    assert_eq!(leak.metrics["retained_type_bytes_per_request"], 550_000.0);
+    let d = diagnose(&census_leak(100));
+    let leak = d.causes.iter().find(|c| c.kind == "leak").expect("leak");
+    assert!(!is_warm_up(leak) && leak.confidence >= 0.75, "{leak:?}");
+    assert_eq!(leak.metrics["retained_type_bytes_per_request"], 550_000.0);
+    assert!(
+        leak.evidence[0].starts_with("runway: at 36 requests/s while serving"),
+        "{:?}",
+        leak.evidence
+    );
+    let left = leak.metrics["requests_to_limit"];
+    assert!((leak.metrics["seconds_to_limit"] - left / 36.0).abs() < 1e-3 * left);
+}

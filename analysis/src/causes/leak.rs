@@ -115,9 +115,9 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         ("retained_type_bytes_per_request", per_request.round()),
         ("retained_objects_per_request", g.top.objects_per_request()),
     ];
-    // The censuses' growth is inside warm-up while its last census is.
+    // Possible warm-up while the newest reading is inside the window.
     let window = Window::of(f.evidence, &f.timeline);
-    let in_warmup = g.last.requests_done <= window.requests;
+    let in_warmup = f.timeline.requests_done() <= window.requests;
     if in_warmup {
         metrics.push((WARMUP_METRIC, 1.0));
         evidence.insert(0, window.warmup_line());

@@ -170,13 +170,30 @@ pub struct Assessed {
 /// own test: `Trend::host_certain`, `Trend::leaks`) judges it, placed
 /// against the warm-up window; None where nothing grows, or where a growth
 /// that never showed past the window has levelled off (warm-up).
+///
+/// `window` None: a series with no warm-up to allow for (the device's live
+/// tensors between requests, which a warm-up does not raise: a runtime's
+/// caches and workspaces fill the reserved bytes, not the allocated ones),
+/// read as before, but still said to have stopped once it levels off.
 pub fn assess(
     series: &[(f64, f64)],
-    window: &Window,
+    window: Option<&Window>,
     accept: impl Fn(&Trend) -> bool,
 ) -> Option<Assessed> {
     let last = series.last()?.0;
     let whole = growth::trend(series).filter(&accept);
+    let Some(window) = window else {
+        if let Some((trend, stop)) = plateau(series, &accept) {
+            return Some(Assessed {
+                trend,
+                stage: Stage::Stopped(stop),
+            });
+        }
+        return whole.map(|trend| Assessed {
+            trend,
+            stage: Stage::Growing,
+        });
+    };
     if last <= window.requests as f64 {
         return whole.map(|trend| Assessed {
             trend,

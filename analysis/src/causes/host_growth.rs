@@ -158,7 +158,7 @@ pub fn host_trend(f: &Findings) -> Option<HostTrend> {
     }
     let window = Window::of(f.evidence, &f.timeline);
     let series = |v: fn(&Point) -> Option<u64>| {
-        warmup::assess(&host_series(f, v), &window, Trend::host_certain)
+        warmup::assess(&host_series(f, v), Some(&window), Trend::host_certain)
     };
     // The cgroup's usage only where its limit bounds the process: an
     // unlimited cgroup is shared (a collector's page cache, a neighbour),

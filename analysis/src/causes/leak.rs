@@ -33,7 +33,9 @@ pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
 fn device_leak(f: &Findings) -> Option<pb::Cause> {
     let window = Window::of(f.evidence, &f.timeline);
     let live = growth::baseline_series(&f.timeline, |p| p.has_allocator.then_some(p.allocated));
-    let Assessed { trend: t, stage } = warmup::assess(&live, &window, Trend::leaks)?;
+    // No warm-up window on the device's live bytes (see `warmup::assess`):
+    // a device leak is named with its runway from its first requests.
+    let Assessed { trend: t, stage } = warmup::assess(&live, None, Trend::leaks)?;
     // Growth that a collection gave back is gc_retained, not a leak.
     if gc_retained::reclaim(f).is_some_and(|r| r.gave_back_growth()) {
         return None;

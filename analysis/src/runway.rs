@@ -3,6 +3,7 @@
 //! urgent, whatever its size per request: 550 KB a request is an hour at
 //! 100 requests/s and a month at one a minute.
 
+use crate::stats;
 use crate::timeline::{Point, Timeline};
 use crate::units::bytes_short;
 
@@ -175,7 +176,7 @@ pub fn serving_rate(tl: &Timeline) -> Option<ServingRate> {
             (secs(w[0], w[1]) / n as f64, n)
         })
         .collect();
-    let typical = weighted_median(per_request).unwrap_or(0.0);
+    let typical = stats::weighted_median(per_request).unwrap_or(0.0);
     let threshold = MIN_IDLE_S.max(IDLE_FACTOR * typical);
     let (mut idle, mut stretch) = (0.0, 0.0);
     for w in span.windows(2) {
@@ -199,17 +200,6 @@ pub fn serving_rate(tl: &Timeline) -> Option<ServingRate> {
         per_s: requests / serving_s,
         serving_s,
         idle_s: idle,
-    })
-}
-
-/// The median of values each counted `weight` times.
-fn weighted_median(mut values: Vec<(f64, u64)>) -> Option<f64> {
-    values.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let total: u64 = values.iter().map(|v| v.1).sum();
-    let mut seen = 0;
-    values.into_iter().find_map(|(v, w)| {
-        seen += w;
-        (2 * seen >= total).then_some(v)
     })
 }
 

@@ -174,7 +174,8 @@ pub struct Assessed {
 /// `window` None: a series with no warm-up to allow for (the device's live
 /// tensors between requests, which a warm-up does not raise: a runtime's
 /// caches and workspaces fill the reserved bytes, not the allocated ones),
-/// read as before, but still said to have stopped once it levels off.
+/// read as before, but said to have stopped once it levels off after
+/// growing for more than [`WARMUP_REQUESTS`].
 pub fn assess(
     series: &[(f64, f64)],
     window: Option<&Window>,
@@ -183,7 +184,12 @@ pub fn assess(
     let last = series.last()?.0;
     let whole = growth::trend(series).filter(&accept);
     let Some(window) = window else {
-        if let Some((trend, stop)) = plateau(series, &accept) {
+        // Stopped only after growing longer than any warm-up lasts; a
+        // shorter rise that levelled off is read as before.
+        let first = series.first()?.0;
+        let stopped = plateau(series, &accept)
+            .filter(|(_, stop)| stop.at_requests - first > WARMUP_REQUESTS as f64);
+        if let Some((trend, stop)) = stopped {
             return Some(Assessed {
                 trend,
                 stage: Stage::Stopped(stop),

@@ -426,3 +426,43 @@ fn a_census_leak_inside_the_window_is_possible_warm_up_and_past_it_has_its_runwa
     let left = leak.metrics["requests_to_limit"];
     assert!((leak.metrics["seconds_to_limit"] - left / 36.0).abs() < 1e-3 * left);
 }
+
+/// A device leak: live bytes between requests rise 8 MiB a request for
+/// `grows` requests at 36/s, then stay flat.
+fn device_leak(requests: u64, grows: u64) -> Evidence {
+    let mut e = served(requests, 36.0, |i| BASE_RSS + jitter(i));
+    for s in &mut e.samples {
+        let done = s.context.as_ref().map_or(0, |c| c.requests_done);
+        let live = (2u64 << 30) + 8 * MIB * done.min(grows);
+        s.allocator = vec![pb::AllocatorStats {
+            allocated_bytes: live,
+            allocated_peak_bytes: live,
+            reserved_bytes: live + 64 * MIB,
+            ..Default::default()
+        }];
+    }
+    e
+}
+
+#[test]
+fn a_device_leak_has_no_warm_up_window_and_says_when_it_stopped() {
+    // Inside the first 50 requests: a leak, not possible warm-up.
+    let d = diagnose(&device_leak(40, 40));
+    let leak = d.causes.iter().find(|c| c.kind == "leak").expect("leak");
+    assert!(!is_warm_up(leak) && leak.confidence >= 0.75, "{leak:?}");
+    assert_eq!(leak.metrics["bytes_per_request"], (8 * MIB) as f64);
+    // Grown for 100 requests, then flat for 100: the same kind, stopped.
+    let d = diagnose(&device_leak(200, 100));
+    let leak = d.causes.iter().find(|c| c.kind == "leak").expect("leak");
+    assert!(
+        leak.evidence[0].starts_with("the growth stopped at about request 100 ("),
+        "{:?}",
+        leak.evidence
+    );
+    assert_eq!(leak.metrics["stopped_at_request"], 100.0);
+    assert_eq!(leak.metrics["bytes_per_request"], (8 * MIB) as f64);
+    assert!(!has_runway(&d), "{d:#?}");
+    // A shorter rise that levelled off is read as before: no leak.
+    let d = diagnose(&device_leak(200, 30));
+    assert!(d.causes.iter().all(|c| c.kind != "leak"), "{:?}", d.causes);
+}

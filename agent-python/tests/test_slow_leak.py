@@ -87,7 +87,7 @@ def test_a_leak_of_256_kib_a_request_is_named_within_100_requests(collector, tmp
     assert 3 <= len(censuses), len(censuses)
     # The runway, first, in human terms, and its numbers.
     assert leak["evidence"][0].startswith("runway: at "), leak["evidence"]
-    assert "requests/s (the observed rate)" in leak["evidence"][0], leak["evidence"]
+    assert "requests/s while serving" in leak["evidence"][0], leak["evidence"]
     assert d["evidence"][0] == leak["evidence"][0], d["evidence"]
     limit = m["limit_bytes"]
     assert limit == host_limit() or "the cgroup limit" in leak["evidence"][0], (limit, leak["evidence"][0])

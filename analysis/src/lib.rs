@@ -49,6 +49,7 @@ mod timeline;
 mod torch_text;
 mod trigger;
 pub mod units;
+pub mod warmup;
 
 pub use capacity::{capacity, Capacity};
 pub use causes::startup_failure::STARTUP_WINDOW_NS;

@@ -3,7 +3,8 @@
 //! urgent, whatever its size per request: 550 KB a request is an hour at
 //! 100 requests/s and a month at one a minute.
 
-use crate::timeline::Timeline;
+use crate::stats;
+use crate::timeline::{Point, Timeline};
 use crate::units::bytes_short;
 
 /// Growth under this share of its limit per request (0.001 %) is "slow
@@ -37,7 +38,8 @@ pub struct Runway<'a> {
     pub used: u64,
     /// Growth per completed request (> 0).
     pub per_request: f64,
-    /// Completed requests per second over the timeline, when it shows one.
+    /// Completed requests per second while serving (`serving_rate`), when
+    /// the timeline shows one.
     pub requests_per_s: Option<f64>,
 }
 
@@ -69,7 +71,7 @@ impl Runway<'_> {
             && self.seconds_left().is_none_or(|s| s >= URGENT_RUNWAY_S)
     }
 
-    /// "runway: at 100 requests/s (the observed rate), the 23.5 GiB of
+    /// "runway: at 100 requests/s while serving, the 23.5 GiB of
     /// MemTotal is gone in about 4 hours (about 1440000 more requests at
     /// 550.0 KiB each)"
     pub fn line(&self) -> String {
@@ -81,7 +83,7 @@ impl Runway<'_> {
         );
         match (self.requests_per_s, self.seconds_left()) {
             (Some(rate), Some(secs)) => format!(
-                "{RUNWAY_PREFIX}at {} (the observed rate), {limit} is gone in {} ({requests})",
+                "{RUNWAY_PREFIX}at {} while serving, {limit} is gone in {} ({requests})",
                 rate_text(rate),
                 duration_text(secs)
             ),
@@ -105,18 +107,100 @@ impl Runway<'_> {
     }
 }
 
-/// Completed requests per second between the first reading that counts
-/// requests and the first that shows the last count (readings of an idle
-/// server after its last request do not slow the rate); None without two
-/// such readings apart in time.
+/// A stretch with no request completed and none in flight at either end is
+/// idle, not serving, when it lasts this many times the typical time per
+/// request...
+pub const IDLE_FACTOR: f64 = 10.0;
+
+/// ...and at least this long: a client's think time between requests (a
+/// person reading a reply, a batch job's pause) is part of serving, never
+/// left out of the rate.
+pub const MIN_IDLE_S: f64 = 10.0;
+
+/// The request rate while serving: completed requests over the time the
+/// server was serving, idle stretches left out.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ServingRate {
+    pub per_s: f64,
+    /// The seconds the rate is taken over.
+    pub serving_s: f64,
+    /// The idle stretches left out, in seconds.
+    pub idle_s: f64,
+}
+
+impl ServingRate {
+    /// "the runway's rate is 36 requests/s while serving: 199 requests
+    /// completed over 5.5 s of serving; 1 hour idle ... left out", None where
+    /// nothing was left out (the runway line says the rate).
+    pub fn idle_line(&self) -> Option<String> {
+        (self.idle_s > 0.0).then(|| {
+            format!(
+                "the runway's rate is {} while serving: {:.0} requests completed over {:.1} s of serving; {} idle (no request in flight or completed) left out",
+                rate_text(self.per_s),
+                self.per_s * self.serving_s,
+                self.serving_s,
+                duration_text(self.idle_s).trim_start_matches("about ")
+            )
+        })
+    }
+}
+
+/// Completed requests per second while serving, between the first reading
+/// that counts requests and the first that shows the last count (readings
+/// of an idle server after its last request do not slow the rate); None
+/// without two such readings apart in time.
 pub fn request_rate(tl: &Timeline) -> Option<f64> {
-    let counted = || tl.points.iter().filter(|p| p.requests_done > 0);
-    let first = counted().next()?;
-    let most = counted().map(|p| p.requests_done).max()?;
-    let last = counted().find(|p| p.requests_done == most)?;
-    let secs = (last.time_ns - first.time_ns) as f64 / 1e9;
-    let requests = last.requests_done.checked_sub(first.requests_done)? as f64;
-    (secs > 0.0 && requests > 0.0).then(|| requests / secs)
+    serving_rate(tl).map(|r| r.per_s)
+}
+
+/// [`request_rate`] with the time it is taken over. Idle stretches inside
+/// the span are left out: consecutive readings with the request count
+/// unchanged and nothing in flight at either end, together longer than
+/// [`MIN_IDLE_S`] and [`IDLE_FACTOR`] times the typical time per request (a
+/// server idle for an hour between two bursts must not get a runway a
+/// hundred times too long). Think time between requests never reaches that.
+pub fn serving_rate(tl: &Timeline) -> Option<ServingRate> {
+    let counted: Vec<&Point> = tl.points.iter().filter(|p| p.requests_done > 0).collect();
+    let first = *counted.first()?;
+    let most = counted.iter().map(|p| p.requests_done).max()?;
+    let end = counted.iter().position(|p| p.requests_done == most)?;
+    let span = &counted[..=end];
+    let secs = |a: &Point, b: &Point| (b.time_ns - a.time_ns) as f64 / 1e9;
+    // The typical time per request: the median over completed requests of
+    // the time between the readings that counted them.
+    let per_request: Vec<(f64, u64)> = span
+        .windows(2)
+        .filter(|w| w[1].requests_done > w[0].requests_done)
+        .map(|w| {
+            let n = w[1].requests_done - w[0].requests_done;
+            (secs(w[0], w[1]) / n as f64, n)
+        })
+        .collect();
+    let typical = stats::weighted_median(per_request).unwrap_or(0.0);
+    let threshold = MIN_IDLE_S.max(IDLE_FACTOR * typical);
+    let (mut idle, mut stretch) = (0.0, 0.0);
+    for w in span.windows(2) {
+        let quiet =
+            w[1].requests_done == w[0].requests_done && !w[0].in_request() && !w[1].in_request();
+        if quiet {
+            stretch += secs(w[0], w[1]);
+            continue;
+        }
+        if stretch > threshold {
+            idle += stretch;
+        }
+        stretch = 0.0;
+    }
+    if stretch > threshold {
+        idle += stretch;
+    }
+    let serving_s = secs(first, span[end]) - idle;
+    let requests = most.checked_sub(first.requests_done)? as f64;
+    (serving_s > 0.0 && requests > 0.0).then(|| ServingRate {
+        per_s: requests / serving_s,
+        serving_s,
+        idle_s: idle,
+    })
 }
 
 /// "100 requests/s", "2.5 requests/s", "12 requests/min"
@@ -177,7 +261,7 @@ mod tests {
         assert!((r.seconds_left().unwrap() - 439.25).abs() < 1e-9);
         assert_eq!(
             r.line(),
-            "runway: at 100 requests/s (the observed rate), the 23.5 GiB of MemTotal is gone in about 7 minutes (about 43925 more requests at 537.1 KiB each)"
+            "runway: at 100 requests/s while serving, the 23.5 GiB of MemTotal is gone in about 7 minutes (about 43925 more requests at 537.1 KiB each)"
         );
         let m = r.metrics();
         assert!(m.contains(&("seconds_to_limit", 439.25)));

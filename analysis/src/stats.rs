@@ -10,6 +10,17 @@ pub fn median(values: &[f64]) -> Option<f64> {
     quantile(values, 0.5)
 }
 
+/// The median of values each counted `weight` times.
+pub fn weighted_median(mut values: Vec<(f64, u64)>) -> Option<f64> {
+    values.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = values.iter().map(|v| v.1).sum();
+    let mut seen = 0;
+    values.into_iter().find_map(|(v, w)| {
+        seen += w;
+        (2 * seen >= total).then_some(v)
+    })
+}
+
 /// The q-quantile (0..=1) by linear interpolation between order statistics.
 pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();

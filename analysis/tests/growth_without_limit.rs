@@ -69,7 +69,9 @@ fn rss_of(s: Option<&pb::Sample>) -> u64 {
 
 #[test]
 fn certain_growth_without_a_limit_is_host_growth_with_unknown_runway() {
-    let d = diagnose(&replay(40, 4 * MIB));
+    // 100 requests: past the warm-up window (the first 50), where a growth
+    // states its runway, known or not.
+    let d = diagnose(&replay(100, 4 * MIB));
     let kinds: Vec<&str> = d.causes.iter().map(|c| c.kind.as_str()).collect();
     assert_eq!(kinds, ["host_growth"], "{:?}", d.causes);
     let c = &d.causes[0];
@@ -78,7 +80,7 @@ fn certain_growth_without_a_limit_is_host_growth_with_unknown_runway() {
     assert!((got - want).abs() < 0.1 * want, "bytes_per_request {got}");
     assert_eq!(c.evidence[0], "runway unknown: no limit in the evidence");
     assert!(
-        c.evidence[1].starts_with("between requests host RSS rose from 1.0 GiB to 1.2 GiB"),
+        c.evidence[1].starts_with("between requests host RSS rose from 1.0 GiB to 1.4 GiB"),
         "{:?}",
         c.evidence
     );
@@ -91,7 +93,7 @@ fn certain_growth_without_a_limit_is_host_growth_with_unknown_runway() {
     assert!(
         d.evidence
             .iter()
-            .any(|l| l == "trigger repeated_requests: between requests host RSS grew 4.0 MiB per request over 39 requests"),
+            .any(|l| l == "trigger repeated_requests: between requests host RSS grew 4.0 MiB per request over 99 requests"),
         "{:?}",
         d.evidence
     );
@@ -109,7 +111,7 @@ fn the_same_timeline_flat_gives_no_cause_and_no_trigger() {
 
 #[test]
 fn with_memtotal_the_same_growth_keeps_its_runway() {
-    let mut e = replay(40, 4 * MIB);
+    let mut e = replay(100, 4 * MIB);
     e.samples.last_mut().unwrap().system = Some(pb::SystemMemory {
         mem_total_bytes: 16 * GIB,
         ..Default::default()
@@ -124,4 +126,44 @@ fn with_memtotal_the_same_growth_keeps_its_runway() {
     let left = ((16 * GIB) as f64 - last) / c.metrics["bytes_per_request"];
     assert!((c.metrics["requests_to_limit"] - left.floor()).abs() <= 1.0);
     assert_eq!(d.trigger.as_deref(), Some("repeated_requests"));
+    // At 200 ms a request that is 20 s of serving (2 s of it in requests):
+    // think time is part of the serving rate.
+    assert!(
+        (c.metrics["requests_per_s"] - 5.0).abs() < 1e-6,
+        "{:?}",
+        c.metrics
+    );
+}
+
+#[test]
+fn inside_the_warm_up_window_the_same_growth_is_possible_warm_up_without_a_runway() {
+    let mut e = replay(40, 4 * MIB);
+    e.samples.last_mut().unwrap().system = Some(pb::SystemMemory {
+        mem_total_bytes: 16 * GIB,
+        ..Default::default()
+    });
+    let d = diagnose(&e);
+    let kinds: Vec<&str> = d.causes.iter().map(|c| c.kind.as_str()).collect();
+    assert_eq!(kinds, ["host_growth"], "{:?}", d.causes);
+    let c = &d.causes[0];
+    assert!(
+        c.evidence[0].starts_with("possible warm-up: the warm-up window ended at request 40"),
+        "{:?}",
+        c.evidence
+    );
+    assert_eq!(c.metrics["possible_warmup"], 1.0);
+    assert!(c.confidence < 0.5, "{}", c.confidence);
+    let got = c.metrics["bytes_per_request"];
+    assert!(
+        (got - (4 * MIB) as f64).abs() < 0.1 * (4 * MIB) as f64,
+        "{got}"
+    );
+    for key in ["requests_to_limit", "seconds_to_limit", "limit_bytes"] {
+        assert!(!c.metrics.contains_key(key), "{key}: {:?}", c.metrics);
+    }
+    assert!(
+        !d.evidence.iter().any(|l| l.starts_with("runway")),
+        "{:?}",
+        d.evidence
+    );
 }

@@ -146,7 +146,7 @@ fn serve(s: Shape) -> Run {
     let mut r = Run {
         samples: Vec::new(),
         events: Vec::new(),
-        t: 1_000 * MS,
+        t: 61_000 * MS,
         rss: RSS0,
     };
     r.sample("load", 0);
@@ -187,6 +187,10 @@ fn evidence(r: Run) -> Evidence {
         hello: Some(pb::Hello {
             agent_id: "py-leaky".into(),
             name: "leaky".into(),
+            // The agent started with the process, which loaded its model
+            // for a minute before serving: its warm-up window (the first
+            // 30 s) ended before the first request (`warmup`).
+            start_time_ns: r.samples.first().map_or(0, |s| s.time_ns) - 60_000 * MS,
             ..Default::default()
         }),
         samples: r.samples,

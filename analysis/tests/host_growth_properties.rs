@@ -262,7 +262,7 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
         .collect();
     let last_rss = rss_of(samples.last());
     // Then idle: periodic readings for 500 s with no request must not slow
-    // the observed rate.
+    // the serving rate.
     let mut samples = samples;
     for k in 1..=50i64 {
         let mut idle = reading((100 + 10 * k) * 1_000 * MS, 100, last_rss, limit);
@@ -288,7 +288,7 @@ fn growth_under_a_thousandth_of_a_percent_is_slow_growth_with_its_runway() {
     // One request a second: 200k requests are about 2 days.
     assert!((c.metrics["requests_per_s"] - 1.0).abs() < 1e-9);
     assert!(
-        c.evidence[0].starts_with("runway: at 1.0 requests/s (the observed rate), the 64.0 GiB of MemTotal is gone in about 2 days"),
+        c.evidence[0].starts_with("runway: at 1.0 requests/s while serving, the 64.0 GiB of MemTotal is gone in about 2 days"),
         "{:?}",
         c.evidence
     );

@@ -177,6 +177,9 @@ fn worker_agent(per_request: u64) -> Evidence {
             pid: WORKER_PID,
             role: "worker".into(),
             title: "VLLM::Worker".into(),
+            // It loaded its model for a minute before serving: its warm-up
+            // window (the first 30 s) ended before the first request.
+            start_time_ns: T0 - 100 * SEC,
             ..Default::default()
         }),
         samples,

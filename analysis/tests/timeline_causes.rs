@@ -52,7 +52,8 @@ fn system(total: u64) -> pb::SystemMemory {
 
 #[test]
 fn host_rss_growth_with_a_flat_gpu_is_host_growth() {
-    let mut samples: Vec<pb::Sample> = (1..=30u64)
+    // 60 requests a second apart: past the warm-up window (the first 30 s).
+    let mut samples: Vec<pb::Sample> = (1..=60u64)
         .map(|i| between(i, 2 * GIB, GIB + 8 * MIB * i))
         .collect();
     samples.last_mut().unwrap().system = Some(system(64 * GIB));
@@ -65,7 +66,7 @@ fn host_rss_growth_with_a_flat_gpu_is_host_growth() {
     let c = &d.causes[0];
     assert_eq!(c.kind, "host_growth", "{:?}", d.causes);
     assert_eq!(c.metrics["bytes_per_request"], (8 * MIB) as f64);
-    let left = (64 * GIB - (GIB + 8 * MIB * 30)) as f64 / (8 * MIB) as f64;
+    let left = (64 * GIB - (GIB + 8 * MIB * 60)) as f64 / (8 * MIB) as f64;
     assert_eq!(c.metrics["requests_to_limit"], left.floor());
     assert!(!d.causes.iter().any(|c| c.kind == "leak"));
     assert!(d.domain.is_none());

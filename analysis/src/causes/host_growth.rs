@@ -13,6 +13,7 @@ use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::time_growth;
 use crate::timeline::Point;
 use crate::units::bytes_short;
+use crate::warmup::{self, Stage, Window, STOPPED_METRIC, WARMUP_CONFIDENCE, WARMUP_METRIC};
 use oomscope_proto::CauseKind;
 
 // No floor in bytes: any growth that is certain (growth::Trend::certain) is
@@ -33,12 +34,31 @@ pub struct Standing<'a> {
     pub trend: Trend,
     pub runway: Option<Runway<'static>>,
     pub heap: Option<HeapGrowth<'a>>,
+    /// Growing, possible warm-up, or stopped (`warmup`).
+    pub stage: Stage,
+}
+
+/// The host's certain growth between requests, where it stands against
+/// the warm-up window, and its runway to the host limit.
+pub struct HostTrend {
+    pub what: &'static str,
+    /// Over the whole series, or up to where it stopped.
+    pub trend: Trend,
+    /// None without a limit in the evidence. Computed in every stage (slow
+    /// growth is judged by it); only a growth past warm-up states it.
+    pub runway: Option<Runway<'static>>,
+    pub stage: Stage,
 }
 
 /// The host growth that host_growth reports, or None; the trigger reads the
 /// same, so that the two never disagree.
 pub fn standing<'a>(f: &Findings<'a>) -> Option<Standing<'a>> {
-    let (what, trend, runway) = host_trend(f)?;
+    let HostTrend {
+        what,
+        trend,
+        runway,
+        stage,
+    } = host_trend(f)?;
     // Growth a collection gave back does not corroborate anything.
     let heap = match census::verdict(f) {
         Some(HeapVerdict::Growing(g)) => Some(g),
@@ -52,6 +72,7 @@ pub fn standing<'a>(f: &Findings<'a>) -> Option<Standing<'a>> {
         trend,
         runway,
         heap,
+        stage,
     })
 }
 
@@ -61,12 +82,20 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         trend: t,
         runway,
         heap,
+        stage,
     }) = standing(f)
     else {
         return over_time(f);
     };
-    let runway_line = runway.map_or_else(|| RUNWAY_UNKNOWN.to_string(), |r| r.line());
-    let mut evidence = vec![runway_line, t.rise_line(what)];
+    let window = Window::of(f.evidence, &f.timeline);
+    // Only a growth past warm-up has a runway to state.
+    let runway = runway.filter(|_| stage == Stage::Growing);
+    let first_line = match stage {
+        Stage::Growing => runway.map_or_else(|| RUNWAY_UNKNOWN.to_string(), |r| r.line()),
+        Stage::PossibleWarmUp => window.warmup_line(),
+        Stage::Stopped(s) => window.stopped_line(&f.timeline, &s, &t),
+    };
+    let mut evidence = vec![first_line, t.rise_line(what)];
     if f.timeline.device().next().is_some() {
         evidence.push("device live bytes between requests stayed flat".to_string());
     } else {
@@ -90,18 +119,34 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         ));
     }
     metrics.extend(runway.iter().flat_map(|r| r.metrics()));
+    if let Some(line) = runway
+        .and(runway::serving_rate(&f.timeline))
+        .and_then(|r| r.idle_line())
+    {
+        evidence.push(line);
+    }
+    match stage {
+        Stage::PossibleWarmUp => metrics.push((WARMUP_METRIC, 1.0)),
+        Stage::Stopped(s) => metrics.push((STOPPED_METRIC, s.at_requests)),
+        Stage::Growing => {}
+    }
     evidence.push(
         "find what the process keeps on the host (a heap census, tracemalloc, growing Python lists or caches); more swap only slows the failure down"
             .to_string(),
     );
-    let confidence = if f.failed { 0.7 } else { 0.6 };
+    let confidence = match stage {
+        Stage::Growing if f.failed => 0.7,
+        Stage::Growing => 0.6,
+        Stage::PossibleWarmUp | Stage::Stopped(_) => WARMUP_CONFIDENCE,
+    };
     Some(cause(CauseKind::HostGrowth, confidence, evidence, &metrics))
 }
 
 /// The host's certain growth between requests (RSS, else the usage of a
-/// limited cgroup), while the device's live bytes do not leak, and its
-/// runway to the host limit (None without a limit in the evidence).
-pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'static>>)> {
+/// limited cgroup), while the device's live bytes do not leak, placed
+/// against the warm-up window, and its runway to the host limit (None
+/// without a limit in the evidence).
+pub fn host_trend(f: &Findings) -> Option<HostTrend> {
     if growth::live_baseline(&f.timeline).is_some_and(|t| t.leaks()) {
         return None;
     }
@@ -111,14 +156,15 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'s
     if gave_back || matches!(census::verdict(f), Some(HeapVerdict::Retained(_))) {
         return None;
     }
+    let window = Window::of(f.evidence, &f.timeline);
     let series = |v: fn(&Point) -> Option<u64>| {
-        growth::trend(&host_series(f, v)).filter(|t| t.host_certain())
+        warmup::assess(&host_series(f, v), Some(&window), Trend::host_certain)
     };
     // The cgroup's usage only where its limit bounds the process: an
     // unlimited cgroup is shared (a collector's page cache, a neighbour),
     // and its growth is not this process's.
     // The server's own memory: the agent's heap is not its growth.
-    let (what, t) = match series(Point::server_rss) {
+    let (what, a) = match series(Point::server_rss) {
         Some(t) => ("host RSS", t),
         None => (
             CGROUP_USAGE,
@@ -127,6 +173,7 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'s
     };
     // The runway starts from what the limit sees, the agent's heap included.
     let agent_heap = f.timeline.points.last().map_or(0, |p| p.agent_heap);
+    let t = a.trend;
     let runway = f.host_limit().map(|(limit, limit_name)| Runway {
         limit,
         limit_name,
@@ -134,7 +181,12 @@ pub fn host_trend(f: &Findings) -> Option<(&'static str, Trend, Option<Runway<'s
         per_request: t.bytes_per_request(),
         requests_per_s: runway::request_rate(&f.timeline),
     });
-    Some((what, t, runway))
+    Some(HostTrend {
+        what,
+        trend: t,
+        runway,
+        stage: a.stage,
+    })
 }
 
 /// Growth against time of a process with no request marks (see

@@ -9,11 +9,14 @@ use super::{cause, gc_retained};
 use crate::census::{self, HeapGrowth, HeapVerdict};
 use crate::domain::DomainVerdict;
 use crate::findings::Findings;
-use crate::growth;
+use crate::growth::{self, Trend};
 use crate::pb;
 use crate::pb::event::Kind;
 use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::units::bytes_short;
+use crate::warmup::{
+    self, Assessed, Stage, Window, STOPPED_METRIC, WARMUP_CONFIDENCE, WARMUP_METRIC,
+};
 use oomscope_proto::CauseKind;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
@@ -28,7 +31,11 @@ pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
 
 /// Live tensors on the device, between requests.
 fn device_leak(f: &Findings) -> Option<pb::Cause> {
-    let t = growth::live_baseline(&f.timeline).filter(|t| t.leaks())?;
+    let window = Window::of(f.evidence, &f.timeline);
+    let live = growth::baseline_series(&f.timeline, |p| p.has_allocator.then_some(p.allocated));
+    // No warm-up window on the device's live bytes (see `warmup::assess`):
+    // a device leak is named with its runway from its first requests.
+    let Assessed { trend: t, stage } = warmup::assess(&live, None, Trend::leaks)?;
     // Growth that a collection gave back is gc_retained, not a leak.
     if gc_retained::reclaim(f).is_some_and(|r| r.gave_back_growth()) {
         return None;
@@ -41,7 +48,9 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         ("p_value", t.p_value),
         ("requests_seen", t.span),
     ];
-    if f.device_limit > 0 {
+    if let Some(line) = stage_line(f, &window, stage, &t, &mut metrics) {
+        evidence.insert(0, line);
+    } else if f.device_limit > 0 {
         let runway = Runway {
             limit: f.device_limit,
             limit_name: limit_name(f),
@@ -66,8 +75,34 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         "these bytes are live tensors: empty_cache cannot return them; find what holds them (allocation site, Python type)"
             .to_string(),
     );
-    let confidence = if t.p_value < 1e-6 { 0.9 } else { 0.75 };
+    let confidence = match stage {
+        Stage::Growing if t.p_value < 1e-6 => 0.9,
+        Stage::Growing => 0.75,
+        Stage::PossibleWarmUp | Stage::Stopped(_) => WARMUP_CONFIDENCE,
+    };
     Some(cause(CauseKind::Leak, confidence, evidence, &metrics))
+}
+
+/// The first line of a leak not past warm-up, or stopped (with its metric),
+/// in place of a runway; None for a growing leak, which states its runway.
+fn stage_line(
+    f: &Findings,
+    window: &Window,
+    stage: Stage,
+    t: &Trend,
+    metrics: &mut Vec<(&'static str, f64)>,
+) -> Option<String> {
+    match stage {
+        Stage::Growing => None,
+        Stage::PossibleWarmUp => {
+            metrics.push((WARMUP_METRIC, 1.0));
+            Some(window.warmup_line())
+        }
+        Stage::Stopped(s) => {
+            metrics.push((STOPPED_METRIC, s.at_requests));
+            Some(window.stopped_line(&f.timeline, &s, t))
+        }
+    }
 }
 
 /// Live Python objects on the host, from the heap censuses.
@@ -82,7 +117,13 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         ("retained_type_bytes_per_request", per_request.round()),
         ("retained_objects_per_request", g.top.objects_per_request()),
     ];
-    if let Some(((limit, limit_name), used)) = f.host_limit().zip(last_host_usage(f)) {
+    // Possible warm-up while the newest reading is inside the window.
+    let window = Window::of(f.evidence, &f.timeline);
+    let in_warmup = f.timeline.requests_done() <= window.requests;
+    if in_warmup {
+        metrics.push((WARMUP_METRIC, 1.0));
+        evidence.insert(0, window.warmup_line());
+    } else if let Some(((limit, limit_name), used)) = f.host_limit().zip(last_host_usage(f)) {
         let runway = Runway {
             limit,
             limit_name,
@@ -99,7 +140,9 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
         "no device allocator here: these are live Python objects on the host that no collection freed; drop the references after each request (the chain shows who holds them)"
             .to_string(),
     );
-    let confidence = if g.significance.p_value < 1e-6 {
+    let confidence = if in_warmup {
+        WARMUP_CONFIDENCE
+    } else if g.significance.p_value < 1e-6 {
         0.9
     } else {
         0.75

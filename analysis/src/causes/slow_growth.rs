@@ -13,6 +13,7 @@ use crate::growth::{self, Trend};
 use crate::pb;
 use crate::runway::{self, Runway, SLOW_GROWTH_SHARE};
 use crate::time_growth;
+use crate::warmup::Stage;
 use oomscope_proto::CauseKind;
 
 /// Far below every leak and host growth (0.6 to 0.9): slow growth explains
@@ -62,11 +63,12 @@ fn device_slow(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
     })
 }
 
-/// The host grows for certain, under the slow share, and no heap census
-/// names a retained type (that would be a leak, however slow).
+/// The host grows for certain past warm-up, under the slow share, and no
+/// heap census names a retained type (that would be a leak, however slow).
 fn host_slow(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
-    let (what, t, runway) = host_trend(f)?;
-    let runway = runway.filter(|r| r.is_slow())?;
+    let h = host_trend(f).filter(|h| h.stage == Stage::Growing)?;
+    let (what, t) = (h.what, h.trend);
+    let runway = h.runway.filter(|r| r.is_slow())?;
     let heap_grows = matches!(census::verdict(f), Some(HeapVerdict::Growing(_)));
     (!heap_grows).then_some((what, t, runway))
 }

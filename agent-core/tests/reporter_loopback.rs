@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::pb;
-use prost::Message;
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use pb::agent_message::Body;
 use pb::agent_service_server::{AgentService, AgentServiceServer};
 use pb::collector_message::Body as Reply;
+use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
@@ -644,7 +644,10 @@ fn without_a_spool_an_outage_keeps_the_newest_whole_and_states_what_it_thinned()
     assert_eq!(stored.len() as u64 + stats.dropped, 2000, "{stats:?}");
     assert_eq!(stats.thinned, stats.dropped, "nothing lost but by thinning");
     // The newest whole, the oldest kept, the stretch between thinned evenly.
-    assert_eq!(stored[stored.len() - 45..], (1956..=2000).collect::<Vec<_>>()[..]);
+    assert_eq!(
+        stored[stored.len() - 45..],
+        (1956..=2000).collect::<Vec<_>>()[..]
+    );
     assert_eq!(stored[0], 1);
     let widest = stored.windows(2).map(|w| w[1] - w[0]).max().unwrap();
     assert!(widest <= stats.max_stride, "gap {widest}, {stats:?}");

@@ -323,17 +323,18 @@ impl Ledger {
             })
             .map(|(&seq, e)| (seq, e.ordinal))
             .collect();
-        let Some(stride) = (1..u64::BITS)
-            .map(|shift| 1u64 << shift)
-            .find(|k| candidates.iter().any(|(_, ordinal)| ordinal % k != 0))
-        else {
+        let Some(stride) = (1..u64::BITS).map(|shift| 1u64 << shift).find(|k| {
+            candidates
+                .iter()
+                .any(|(_, ordinal)| !ordinal.is_multiple_of(*k))
+        }) else {
             return Vec::new();
         };
         let stated_stride = u32::try_from(stride).unwrap_or(u32::MAX);
         self.max_stride = self.max_stride.max(stated_stride);
         let mut dropped = Vec::new();
         for (seq, ordinal) in candidates {
-            if ordinal % stride != 0 {
+            if !ordinal.is_multiple_of(stride) {
                 dropped.extend(self.drop_stated(seq, false, stated_stride));
                 self.thinned += 1;
             }
@@ -409,7 +410,7 @@ impl Ledger {
                     .as_deref()
                     .and_then(|b| pb::AgentMessage::decode(b).ok()),
                 resend,
-                dropped_before: entry.dropped_before.clone(),
+                dropped_before: entry.dropped_before,
             });
         }
         None
@@ -621,7 +622,7 @@ mod tests {
             body: Some(Body::Event(pb::Event {
                 time_ns: 1_700_000_000_000_000_000 + seq as i64,
                 kind: Some(Kind::Request(pb::RequestBoundary {
-                    start: seq % 2 == 0,
+                    start: seq.is_multiple_of(2),
                     ..Default::default()
                 })),
             })),
@@ -733,9 +734,9 @@ mod tests {
         let bound = msg(1_000_000).encoded_len() * 100;
         let mut l = Ledger::new(bound, 1);
         let mut dropped = Vec::new();
-        for seq in 1..=3000 {
+        for seq in 1..=3000u64 {
             let m = match seq % 3 {
-                0 if seq % 300 == 0 => oom(seq),
+                0 if seq.is_multiple_of(300) => oom(seq),
                 0 => msg(seq),
                 _ => request_event(seq),
             };
@@ -748,7 +749,7 @@ mod tests {
             (300..=3000).step_by(300).all(|s| sent_seqs.contains(&s)),
             "every OOM kept"
         );
-        let lost_events = dropped.iter().filter(|r| r.seq % 3 != 0).count() as u64;
+        let lost_events = dropped.iter().filter(|r| !r.seq.is_multiple_of(3)).count() as u64;
         let lost_samples = dropped.len() as u64 - lost_events;
         assert!(
             lost_events > 1000 && lost_samples > 300,

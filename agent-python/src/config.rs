@@ -373,6 +373,10 @@ mod tests {
         assert!(e.contains("census_trim") && e.contains("yes"), "{e}");
         let c = Config::resolve(&map(&[("census_trim", "false")]), &none, "p").unwrap();
         assert!(!c.census_trim && c.census_auto);
+        for key in ["buffer_max_bytes", "spool_max_bytes"] {
+            let e = Config::resolve(&map(&[(key, "16M")]), &none, "p").unwrap_err();
+            assert!(e.contains(key) && e.contains("16M"), "{e}");
+        }
         let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();
         assert!(e.contains("oom_wait_s"), "{e}");
         let e =

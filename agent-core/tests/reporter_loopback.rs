@@ -17,6 +17,7 @@ use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use pb::agent_message::Body;
 use pb::agent_service_server::{AgentService, AgentServiceServer};
 use pb::collector_message::Body as Reply;
+use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
@@ -611,4 +612,54 @@ fn without_a_spool_the_memory_bound_drops_the_oldest_and_counts_them() {
     );
     assert_eq!(stored.last(), Some(&300), "the newest must arrive");
     assert_eq!(store.duplicates.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn without_a_spool_an_outage_keeps_the_newest_whole_and_states_what_it_thinned() {
+    let addr = reserved_port();
+    let one = pb::AgentMessage {
+        seq: 2000,
+        body: Some(Body::Sample(bulky_sample(2000))),
+    }
+    .encoded_len();
+    let reporter = Reporter::start(
+        ReporterConfig {
+            // About 100 samples in memory, 2,000 sent while the collector is down.
+            unacked_max_bytes: one * 100,
+            ..config(addr)
+        },
+        hello("outage"),
+    );
+    for step in 1..=2000 {
+        assert!(reporter.send_sample(bulky_sample(step)), "never refused");
+    }
+    wait_until("the outage thinned", Duration::from_secs(20), || {
+        reporter.stats().dropped >= 1900
+    });
+    assert!(reporter.stats().buffered_bytes <= (one * 100) as u64);
+    let (store, _collector) = collector_up(addr);
+    assert_flushes(&reporter, Duration::from_secs(30));
+    let stats = reporter.stats();
+    let stored = store.seqs("outage");
+    assert_eq!(stored.len() as u64 + stats.dropped, 2000, "{stats:?}");
+    assert_eq!(stats.thinned, stats.dropped, "nothing lost but by thinning");
+    // The newest whole, the oldest kept, the stretch between thinned evenly.
+    assert_eq!(
+        stored[stored.len() - 45..],
+        (1956..=2000).collect::<Vec<_>>()[..]
+    );
+    assert_eq!(stored[0], 1);
+    let widest = stored.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    assert!(widest <= stats.max_stride, "gap {widest}, {stats:?}");
+    // Every thinned sample is stated on the next one kept.
+    let messages = store.stored.lock().unwrap();
+    let mut previous = 0;
+    for seq in &stored {
+        let Some(Body::Sample(s)) = &messages[&("outage".to_string(), *seq)].body else {
+            panic!("seq {seq} is not a sample");
+        };
+        let said = s.dropped_before.as_ref().map_or(0, |d| d.samples);
+        assert_eq!(said, seq - previous - 1, "before seq {seq}");
+        previous = *seq;
+    }
 }

@@ -168,6 +168,8 @@ impl Agent {
         }
         let mut rc = ReporterConfig::new(config.collector.clone());
         rc.spool_dir = config.spool_dir.clone();
+        rc.unacked_max_bytes = usize::try_from(config.buffer_max_bytes).unwrap_or(usize::MAX);
+        rc.spool_max_bytes = config.spool_max_bytes;
         rc.hold = held;
         rc.thread_priority = ThreadPriority {
             nice: config.thread_nice,

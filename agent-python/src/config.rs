@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use oomscope_agent_core::agent::check_interval;
+use oomscope_agent_core::{reporter, spool};
 use oomscope_proto::Role;
 
 /// One sample a second: a period that shows growth
@@ -70,6 +71,11 @@ pub struct Config {
     pub interval: Duration,
     pub boundary_min_interval: Duration,
     pub spool_dir: Option<PathBuf>,
+    /// Memory for unacked messages (`buffer_max_bytes`); past it the older
+    /// samples are thinned (agent-core's `reporter::DEFAULT_UNACKED_MAX_BYTES`).
+    pub buffer_max_bytes: u64,
+    /// The spool's disk bound (`spool_max_bytes`; `spool::DEFAULT_SPOOL_MAX_BYTES`).
+    pub spool_max_bytes: u64,
     pub oom_wait: Duration,
     pub census_every: u64,
     pub census_auto: bool,
@@ -196,6 +202,11 @@ impl Config {
             interval,
             boundary_min_interval: secs("boundary_min_interval_s", DEFAULT_BOUNDARY_MIN_INTERVAL)?,
             spool_dir: get("spool").or_else(|| get("spool_dir")).map(PathBuf::from),
+            buffer_max_bytes: count(
+                "buffer_max_bytes",
+                reporter::DEFAULT_UNACKED_MAX_BYTES as u64,
+            )?,
+            spool_max_bytes: count("spool_max_bytes", spool::DEFAULT_SPOOL_MAX_BYTES)?,
             oom_wait: secs("oom_wait_s", DEFAULT_OOM_WAIT)?,
             census_every: count("census_every", DEFAULT_CENSUS_EVERY)?,
             thread_nice: match get("thread_nice") {
@@ -362,6 +373,10 @@ mod tests {
         assert!(e.contains("census_trim") && e.contains("yes"), "{e}");
         let c = Config::resolve(&map(&[("census_trim", "false")]), &none, "p").unwrap();
         assert!(!c.census_trim && c.census_auto);
+        for key in ["buffer_max_bytes", "spool_max_bytes"] {
+            let e = Config::resolve(&map(&[(key, "16M")]), &none, "p").unwrap_err();
+            assert!(e.contains(key) && e.contains("16M"), "{e}");
+        }
         let e = Config::resolve(&map(&[("oom_wait_s", "nan")]), &none, "p").unwrap_err();
         assert!(e.contains("oom_wait_s"), "{e}");
         let e =

@@ -472,6 +472,8 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
     let v = serde_json::json!({
         "agent_id": a.agent_id, "pid": a.pid, "sent": s.sent, "acked": s.acked, "dropped": s.dropped,
         "spooled": s.spooled, "rejected": s.rejected, "connected": s.connected,
+        "thinned": s.thinned, "max_stride": s.max_stride, "buffered_bytes": s.buffered_bytes,
+        "buffer_max_bytes": a.config.buffer_max_bytes,
         "connect_failures": s.connect_failures, "last_error": s.last_error,
         "boundary_dropped": a.boundary_dropped.load(Ordering::Relaxed),
         "torch_hooks": a.torch_hooks.load(Ordering::Relaxed),

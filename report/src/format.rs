@@ -264,6 +264,14 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
         while let Some(e) = events.next_if(|e| e.time_ns <= smp.time_ns) {
             e.write(&mut out);
         }
+        if let Some(d) = &smp.dropped_before {
+            // The agent's memory bound during a collector outage (or its spool's).
+            let _ = writeln!(
+                out,
+                "  ... the agent dropped {} samples and {} events here, unsent ({} past its spool's bound; 1 in {} kept)",
+                d.samples, d.events, d.by_spool, d.stride
+            );
+        }
         let rss = smp
             .process
             .as_ref()
@@ -733,6 +741,46 @@ mod tests {
         // The worker's one, and the server's next minute, as single events.
         assert!(gcs[1].contains("gc gen0 collected 1"), "{text}");
         assert!(gcs[2].contains(" 5   * gc gen0 collected 40"), "{text}");
+    }
+
+    #[test]
+    fn what_the_agent_dropped_during_an_outage_is_said_before_the_sample_after_it() {
+        let sample = |seq: u64, dropped_before| pb::TimedSample {
+            seq,
+            sample: Some(pb::Sample {
+                time_ns: seq as i64 * 1_000_000_000,
+                dropped_before,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let t = pb::TimelineResponse {
+            samples: vec![
+                sample(1, None),
+                sample(
+                    9,
+                    Some(pb::DroppedBefore {
+                        samples: 5,
+                        events: 2,
+                        by_spool: 0,
+                        stride: 8,
+                    }),
+                ),
+            ],
+            ..Default::default()
+        };
+        let text = timeline(&t);
+        let lines: Vec<&str> = text.lines().collect();
+        let said = lines
+            .iter()
+            .position(|l| l.contains("dropped 5 samples and 2 events"))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(lines[said].contains("1 in 8 kept"), "{text}");
+        assert!(
+            lines[said - 1].contains(" 1 ") && lines[said + 1].contains(" 9 "),
+            "{text}"
+        );
+        assert_eq!(text.matches("dropped").count(), 1, "{text}");
     }
 
     #[test]

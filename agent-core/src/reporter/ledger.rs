@@ -8,14 +8,39 @@
 //! - an ack range releases whatever of it is open, in any order, any number
 //!   of times (a second ack of the same seqs releases nothing);
 //! - a new stream resends everything still open, oldest first;
-//! - memory stays under a byte bound: past it the oldest messages live only
-//!   in the spool (reread when sent) or, not spooled, are dropped.
+//! - memory stays under a byte bound. Past it, messages the spool holds
+//!   leave memory first (reread when sent). Then, without a spool, the
+//!   older samples and request events are thinned: of the stretch older
+//!   than the newest [`WHOLE_SHARE`] of the bound, one of every k of each
+//!   kind is kept, k doubling as the outage lasts, and the newest evidence
+//!   (what a failure during the outage needs) stays whole. Only when nothing is left to
+//!   thin does the oldest message go, whatever its kind.
+//! - what is dropped is stated: the next sample sent after a dropped seq
+//!   carries the counts ([`pb::DroppedBefore`]), so the collector's
+//!   timeline says which stretch is thinned and by how much.
+//!
+//! Never thinned ([`Class::Kept`]): everything but samples and request
+//! events. OOMs, Goodbyes and the Hello, and the events verdicts read
+//! (censuses, snapshots, phases, gc collections and cache releases, child
+//! starts and exits, kernel OOM kills and allocation failures, forwarded
+//! stops, process lists) are few; the samples and request events come at
+//! the sampler's and the server's pace and say the same thing every time.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use prost::Message;
 
 use crate::pb;
+use crate::pb::agent_message::Body;
+use crate::pb::event::Kind;
+
+/// The newest share of the memory bound that is never thinned: half keeps
+/// the last stretch whole (the seconds before a failure during the outage)
+/// and leaves the other half for a thinned record of the outage before it.
+pub(super) const WHOLE_SHARE: f64 = 0.5;
+/// Thinning, once the bound is passed, goes down to this share of it: a
+/// pass reads the whole ledger, so it frees room for many messages at once.
+const THIN_TO: f64 = 15.0 / 16.0;
 
 /// A seq the ledger let go of, by an ack or because it will never be acked
 /// (dropped, missing from the spool, rejected). An urgent one has a caller
@@ -34,16 +59,67 @@ pub(super) struct Outgoing {
     pub message: Option<pb::AgentMessage>,
     /// Written to a stream before (this run or the previous one).
     pub resend: bool,
+    /// What was dropped just before it, to stamp on it ([`stamp`]).
+    pub dropped_before: Option<pb::DroppedBefore>,
+}
+
+/// What the memory bound may do to a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Class {
+    Sample,
+    /// A request start or end.
+    RequestEvent,
+    /// Never thinned (see the module's docs).
+    Kept,
+}
+
+impl Class {
+    pub(super) fn of(message: &pb::AgentMessage) -> Class {
+        match &message.body {
+            Some(Body::Sample(_)) => Class::Sample,
+            Some(Body::Event(pb::Event {
+                kind: Some(Kind::Request(_)),
+                ..
+            })) => Class::RequestEvent,
+            _ => Class::Kept,
+        }
+    }
+}
+
+/// Puts `dropped` on `message` when it is a sample (the only kind that
+/// carries it; the ledger states drops on samples only).
+pub(super) fn stamp(message: &mut pb::AgentMessage, dropped: Option<pb::DroppedBefore>) {
+    if let (Some(d), Some(Body::Sample(s))) = (dropped, message.body.as_mut()) {
+        s.dropped_before = Some(d);
+    }
 }
 
 #[derive(Debug)]
 struct Entry {
+    /// Encoded, as it goes on the wire and on disk: a decoded message takes
+    /// 10 to 40 times its encoded bytes (measured, the Python agent's
+    /// samples and request events), so the bound would not bound memory.
     /// `None` when only the spool holds it.
-    message: Option<pb::AgentMessage>,
+    message: Option<Vec<u8>>,
     bytes: usize,
     on_disk: bool,
     urgent: bool,
     sent_before: bool,
+    class: Class,
+    /// Its place among the messages of its class taken so far: thinning at
+    /// stride k keeps those whose ordinal k divides.
+    ordinal: u64,
+    /// Dropped just before it; only samples carry it.
+    dropped_before: Option<pb::DroppedBefore>,
+}
+
+/// How the ledger has had to drop messages so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Thinning {
+    /// Samples and request events the memory bound thinned.
+    pub thinned: u64,
+    /// The largest stride thinning has reached (1 = none).
+    pub max_stride: u32,
 }
 
 #[derive(Debug)]
@@ -51,16 +127,23 @@ pub(super) struct Ledger {
     max_bytes: usize,
     /// Everything not yet acked, rejected or dropped, by seq.
     open: BTreeMap<u64, Entry>,
-    /// Encoded bytes of the messages `open` holds in memory.
+    /// Bytes of the messages `open` holds in memory (encoded).
     memory_bytes: usize,
-    /// Entries below this seq hold no message in memory.
-    evict_from: u64,
+    /// Seqs held in memory that the spool holds too: the first to leave
+    /// memory, oldest first.
+    evictable: BTreeSet<u64>,
     /// Every seq of this run up to here has been taken; seqs above it that
     /// arrived early (urgent ones overtake the queue) wait in `taken_above`.
     taken_upto: u64,
     taken_above: BTreeSet<u64>,
     /// Seqs still to write on the current stream, in order.
     to_send: BTreeSet<u64>,
+    /// Drops with no open sample after them yet: stated on the next taken.
+    unstated: Option<pb::DroppedBefore>,
+    thinned: u64,
+    max_stride: u32,
+    /// The next ordinal of each thinnable class (samples, request events).
+    next_ordinal: [u64; 2],
 }
 
 impl Ledger {
@@ -72,10 +155,14 @@ impl Ledger {
             max_bytes,
             open: BTreeMap::new(),
             memory_bytes: 0,
-            evict_from: 0,
+            evictable: BTreeSet::new(),
             taken_upto: next_seq.saturating_sub(1),
             taken_above: BTreeSet::new(),
             to_send: BTreeSet::new(),
+            unstated: None,
+            thinned: 0,
+            max_stride: 1,
+            next_ordinal: [0; 2],
         }
     }
 
@@ -95,7 +182,6 @@ impl Ledger {
         urgent: bool,
     ) -> Vec<Released> {
         let seq = message.seq;
-        self.evict_from = self.evict_from.min(seq);
         if seq == self.taken_upto + 1 {
             self.taken_upto = seq;
             while self.taken_above.remove(&(self.taken_upto + 1)) {
@@ -111,15 +197,36 @@ impl Ledger {
 
     fn insert(&mut self, message: pb::AgentMessage, on_disk: bool, urgent: bool, sent: bool) {
         let seq = message.seq;
-        let bytes = message.encoded_len();
+        let class = Class::of(&message);
+        let message = message.encode_to_vec();
+        let bytes = message.len();
         self.memory_bytes += bytes;
+        let dropped_before = match class {
+            Class::Sample => self.unstated.take(),
+            _ => None,
+        };
+        let ordinal = match class {
+            Class::Sample => &mut self.next_ordinal[0],
+            Class::RequestEvent => &mut self.next_ordinal[1],
+            Class::Kept => &mut 0,
+        };
+        let this_ordinal = *ordinal;
+        *ordinal += 1;
         let entry = Entry {
             message: Some(message),
             bytes,
             on_disk,
             urgent,
             sent_before: sent,
+            class,
+            ordinal: this_ordinal,
+            dropped_before,
         };
+        if on_disk {
+            self.evictable.insert(seq);
+        } else {
+            self.evictable.remove(&seq);
+        }
         if let Some(old) = self.open.insert(seq, entry) {
             // The same seq twice: only the newer copy counts.
             if old.message.is_some() {
@@ -129,8 +236,8 @@ impl Ledger {
     }
 
     /// The spool deleted `seqs` to stay under its own bound. Those it held
-    /// alone are released (lost); those still in memory are no longer on
-    /// disk.
+    /// alone are released (lost, and stated); those still in memory are no
+    /// longer on disk.
     pub(super) fn spool_dropped(&mut self, seqs: &[u64]) -> Vec<Released> {
         let mut lost = Vec::new();
         for &seq in seqs {
@@ -139,34 +246,141 @@ impl Ledger {
             };
             if entry.message.is_some() {
                 entry.on_disk = false;
+                self.evictable.remove(&seq);
             } else {
-                lost.extend(self.remove(seq));
+                lost.extend(self.drop_stated(seq, true, 1));
             }
         }
         lost
     }
 
-    /// Keeps memory under the bound: the oldest messages are left to the
-    /// spool when it has them, released (dropped) otherwise.
+    /// Keeps memory under the bound: messages the spool holds leave memory
+    /// first, then older samples and request events are thinned (down to
+    /// [`THIN_TO`] of the bound, so that a pass over the ledger comes once
+    /// per many messages, not at each), and only then is the oldest
+    /// message dropped.
     fn enforce_memory_bound(&mut self) -> Vec<Released> {
         let mut dropped = Vec::new();
         while self.memory_bytes > self.max_bytes {
-            let Some((&seq, entry)) = self
-                .open
-                .range_mut(self.evict_from..)
-                .find(|(_, e)| e.message.is_some())
-            else {
+            if let Some(seq) = self.evictable.pop_first() {
+                if let Some(entry) = self.open.get_mut(&seq) {
+                    if entry.message.take().is_some() {
+                        self.memory_bytes -= entry.bytes;
+                    }
+                }
+                continue;
+            }
+            let target = (self.max_bytes as f64 * THIN_TO) as usize;
+            let mut thinned = false;
+            while self.memory_bytes > target {
+                let pass = self.thin();
+                if pass.is_empty() {
+                    break;
+                }
+                thinned = true;
+                dropped.extend(pass);
+            }
+            if thinned {
+                continue;
+            }
+            let Some((&seq, _)) = self.open.iter().find(|(_, e)| e.message.is_some()) else {
                 break;
             };
-            self.evict_from = seq + 1;
-            if entry.on_disk {
-                entry.message = None;
-                self.memory_bytes -= entry.bytes;
-            } else {
-                dropped.extend(self.remove(seq));
+            dropped.extend(self.drop_stated(seq, false, 1));
+        }
+        dropped
+    }
+
+    /// One thinning pass over the stretch older than the newest
+    /// [`WHOLE_SHARE`] of the bound: at the smallest stride k (2, 4, 8, ...)
+    /// that drops something there, drops the samples and the request
+    /// events whose ordinal in their class k does not divide. So the kept
+    /// ones stand every k-th, evenly however long the outage, and those
+    /// newly past the whole stretch are thinned to the same k first.
+    /// Returns what went; nothing when nothing is left to thin.
+    fn thin(&mut self) -> Vec<Released> {
+        let whole_bytes = (self.max_bytes as f64 * WHOLE_SHARE) as usize;
+        let mut newest_bytes = 0;
+        // The newest message always counts as whole, however large.
+        let Some(mut older_than) = self.open.keys().next_back().copied() else {
+            return Vec::new();
+        };
+        for (&seq, e) in self.open.iter().rev() {
+            if e.message.is_none() {
+                continue;
+            }
+            newest_bytes += e.bytes;
+            if newest_bytes > whole_bytes {
+                break;
+            }
+            older_than = seq;
+        }
+        let candidates: Vec<(u64, u64)> = self
+            .open
+            .range(..older_than)
+            .filter(|(_, e)| {
+                e.class != Class::Kept && e.message.is_some() && !e.on_disk && !e.urgent
+            })
+            .map(|(&seq, e)| (seq, e.ordinal))
+            .collect();
+        let Some(stride) = (1..u64::BITS).map(|shift| 1u64 << shift).find(|k| {
+            candidates
+                .iter()
+                .any(|(_, ordinal)| !ordinal.is_multiple_of(*k))
+        }) else {
+            return Vec::new();
+        };
+        let stated_stride = u32::try_from(stride).unwrap_or(u32::MAX);
+        self.max_stride = self.max_stride.max(stated_stride);
+        let mut dropped = Vec::new();
+        for (seq, ordinal) in candidates {
+            if !ordinal.is_multiple_of(stride) {
+                dropped.extend(self.drop_stated(seq, false, stated_stride));
+                self.thinned += 1;
             }
         }
         dropped
+    }
+
+    /// Drops `seq` unsent and states it, with what its own statement
+    /// carried, on the next open sample after it, or on the next sample
+    /// taken when none is open. `stride`: the thinning where it stood.
+    fn drop_stated(&mut self, seq: u64, by_spool: bool, stride: u32) -> Option<Released> {
+        let entry = self.open.get_mut(&seq)?;
+        let (class, carried) = (entry.class, entry.dropped_before.take());
+        let released = self.remove(seq);
+        let d = self.statement_after(seq);
+        if let Some(c) = carried {
+            d.samples += c.samples;
+            d.events += c.events;
+            d.by_spool += c.by_spool;
+            d.stride = d.stride.max(c.stride);
+        }
+        match class {
+            Class::Sample => d.samples += 1,
+            _ => d.events += 1,
+        }
+        d.by_spool += u64::from(by_spool);
+        d.stride = d.stride.max(stride);
+        released
+    }
+
+    /// The statement the next open sample after `seq` carries, or (none
+    /// open) the next sample taken.
+    fn statement_after(&mut self, seq: u64) -> &mut pb::DroppedBefore {
+        let next = self
+            .open
+            .range_mut(seq..)
+            .map(|(_, e)| e)
+            .find(|e| e.class == Class::Sample);
+        let slot = match next {
+            Some(e) => &mut e.dropped_before,
+            None => &mut self.unstated,
+        };
+        slot.get_or_insert_with(|| pb::DroppedBefore {
+            stride: 1,
+            ..Default::default()
+        })
     }
 
     /// A new stream: everything still open is owed again, oldest first.
@@ -189,8 +403,14 @@ impl Ledger {
             entry.sent_before = true;
             return Some(Outgoing {
                 seq,
-                message: entry.message.clone(),
+                // Encoded here from a message: it decodes. Were it not to,
+                // the worker would reread it from the spool, or forget it.
+                message: entry
+                    .message
+                    .as_deref()
+                    .and_then(|b| pb::AgentMessage::decode(b).ok()),
                 resend,
+                dropped_before: entry.dropped_before,
             });
         }
         None
@@ -224,6 +444,7 @@ impl Ledger {
         if entry.message.is_some() {
             self.memory_bytes -= entry.bytes;
         }
+        self.evictable.remove(&seq);
         self.to_send.remove(&seq);
         Some(Released {
             seq,
@@ -243,9 +464,16 @@ impl Ledger {
     }
 
     /// Encoded bytes of the open messages held in memory.
-    #[cfg(test)]
-    fn memory_bytes(&self) -> usize {
+    pub(super) fn memory_bytes(&self) -> usize {
         self.memory_bytes
+    }
+
+    /// What thinning has dropped so far, and the stride in force.
+    pub(super) fn thinning(&self) -> Thinning {
+        Thinning {
+            thinned: self.thinned,
+            max_stride: self.max_stride,
+        }
     }
 
     /// Open seqs, in memory or only on disk.
@@ -388,21 +616,176 @@ mod tests {
         assert_eq!(l.settled_upto(), 2);
     }
 
+    fn request_event(seq: u64) -> pb::AgentMessage {
+        pb::AgentMessage {
+            seq,
+            body: Some(Body::Event(pb::Event {
+                time_ns: 1_700_000_000_000_000_000 + seq as i64,
+                kind: Some(Kind::Request(pb::RequestBoundary {
+                    start: seq.is_multiple_of(2),
+                    ..Default::default()
+                })),
+            })),
+        }
+    }
+
+    fn oom(seq: u64) -> pb::AgentMessage {
+        pb::AgentMessage {
+            seq,
+            body: Some(Body::Event(pb::Event {
+                time_ns: 1_700_000_000_000_000_000 + seq as i64,
+                kind: Some(Kind::Oom(pb::Oom::default())),
+            })),
+        }
+    }
+
+    /// Drains the stream's messages, stamped as the worker stamps them.
+    fn drain(l: &mut Ledger) -> Vec<pb::AgentMessage> {
+        std::iter::from_fn(|| l.next_to_send())
+            .map(|o| {
+                let mut m = o.message.expect("in memory");
+                stamp(&mut m, o.dropped_before);
+                m
+            })
+            .collect()
+    }
+
+    fn dropped_before(m: &pb::AgentMessage) -> Option<&pb::DroppedBefore> {
+        match &m.body {
+            Some(Body::Sample(s)) => s.dropped_before.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// A ledger bounded to about `n` samples, fed `count` of them with no
+    /// spool and no ack (an outage), checked against its bound all along.
+    fn outage(n: usize, count: u64) -> (Ledger, Vec<u64>) {
+        let bound = msg(1_000_000).encoded_len() * n;
+        let mut l = Ledger::new(bound, 1);
+        let mut dropped = Vec::new();
+        for seq in 1..=count {
+            dropped.extend(seqs(&l.take(msg(seq), false, false)));
+            assert!(l.memory_bytes() <= bound, "{} > {bound}", l.memory_bytes());
+        }
+        (l, dropped)
+    }
+
     #[test]
-    fn without_a_spool_memory_stays_bounded_by_dropping_the_oldest() {
-        let one = msg(10).encoded_len();
+    fn without_a_spool_the_newest_stay_whole_and_the_older_are_thinned() {
+        let (mut l, dropped) = outage(100, 5000);
+        let kept: Vec<u64> = drain(&mut l).iter().map(|m| m.seq).collect();
+        assert_eq!(kept.len() + dropped.len(), 5000);
+        assert_eq!(l.thinning().thinned, dropped.len() as u64);
+        // The newest (about WHOLE_SHARE of the bound) all there, in order.
+        let newest: Vec<u64> = (4956..=5000).collect();
+        assert_eq!(kept[kept.len() - newest.len()..], newest[..]);
+        // The oldest is kept (the first of every run is), and the stretch
+        // before the whole one is spread evenly: no gap wider than the
+        // largest stride, and that stride is a power of two past 1.
+        assert_eq!(kept[0], 1);
+        let stride = l.thinning().max_stride;
+        assert!(stride >= 64 && stride.is_power_of_two(), "stride {stride}");
+        let widest = kept.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        assert!(
+            widest <= u64::from(stride),
+            "gap {widest} > stride {stride}"
+        );
+        assert!(kept.len() >= 60, "{} kept of 5000", kept.len());
+    }
+
+    #[test]
+    fn the_stride_doubles_as_the_outage_lasts() {
+        let strides: Vec<u32> = [500, 2000, 8000]
+            .into_iter()
+            .map(|count| outage(100, count).0.thinning().max_stride)
+            .collect();
+        assert!(
+            strides[0] < strides[1] && strides[1] < strides[2],
+            "{strides:?}"
+        );
+    }
+
+    #[test]
+    fn every_thinned_message_is_stated_on_the_next_sample_kept() {
+        let (mut l, dropped) = outage(100, 3000);
+        let sent = drain(&mut l);
+        let mut previous = 0;
+        for m in &sent {
+            let missing = m.seq - previous - 1;
+            let stated = dropped_before(m).map_or(0, |d| d.samples);
+            assert_eq!(stated, missing, "before seq {}", m.seq);
+            if let Some(d) = dropped_before(m) {
+                assert_eq!((d.events, d.by_spool), (0, 0));
+                assert!(d.stride >= 2 && u64::from(d.stride) > missing, "{d:?}");
+            }
+            previous = m.seq;
+        }
+        assert_eq!(
+            sent.iter()
+                .filter_map(dropped_before)
+                .map(|d| d.samples)
+                .sum::<u64>(),
+            dropped.len() as u64
+        );
+    }
+
+    #[test]
+    fn events_verdicts_need_are_never_thinned_and_request_events_are() {
+        let bound = msg(1_000_000).encoded_len() * 100;
+        let mut l = Ledger::new(bound, 1);
+        let mut dropped = Vec::new();
+        for seq in 1..=3000u64 {
+            let m = match seq % 3 {
+                0 if seq.is_multiple_of(300) => oom(seq),
+                0 => msg(seq),
+                _ => request_event(seq),
+            };
+            dropped.extend(l.take(m, false, false));
+            assert!(l.memory_bytes() <= bound);
+        }
+        let sent = drain(&mut l);
+        let sent_seqs: BTreeSet<u64> = sent.iter().map(|m| m.seq).collect();
+        assert!(
+            (300..=3000).step_by(300).all(|s| sent_seqs.contains(&s)),
+            "every OOM kept"
+        );
+        let lost_events = dropped.iter().filter(|r| !r.seq.is_multiple_of(3)).count() as u64;
+        let lost_samples = dropped.len() as u64 - lost_events;
+        assert!(
+            lost_events > 1000 && lost_samples > 300,
+            "{lost_events} {lost_samples}"
+        );
+        let stated = sent
+            .iter()
+            .filter_map(dropped_before)
+            .fold((0, 0), |a, d| (a.0 + d.samples, a.1 + d.events));
+        assert_eq!(stated, (lost_samples, lost_events));
+        // Both kinds are still there across the outage's older stretch.
+        let old = |r: std::ops::Range<u64>| sent_seqs.range(r).count();
+        assert!(old(1..1000) >= 4, "{:?}", sent_seqs.range(1..1000));
+    }
+
+    #[test]
+    fn with_nothing_left_to_thin_the_oldest_go_and_are_stated() {
+        let one = oom(10).encoded_len();
         let mut l = Ledger::new(one * 3, 1);
         let mut dropped = Vec::new();
         for seq in 1..=10 {
-            dropped.extend(l.take(msg(seq), false, seq == 2));
+            dropped.extend(l.take(oom(seq), false, seq == 2));
             assert!(l.memory_bytes() <= one * 3, "{} bytes", l.memory_bytes());
         }
         assert_eq!(seqs(&dropped), [1, 2, 3, 4, 5, 6, 7]);
         assert!(dropped[1].urgent, "a dropped urgent seq says so");
-        assert_eq!(l.len(), 3);
+        assert_eq!(l.thinning().thinned, 0, "events are not thinned");
         // Dropped seqs are settled, and no longer owed to the stream.
         assert_eq!(l.settled_upto(), 7);
         assert_eq!(send_all(&mut l), [(8, false), (9, false), (10, false)]);
+        // With no sample open, the next sample taken states the loss.
+        l.ack(8, 10);
+        l.take(msg(11), false, false);
+        let sent = drain(&mut l);
+        let d = dropped_before(&sent[0]).expect("stated");
+        assert_eq!((d.samples, d.events, d.stride), (0, 7, 1));
     }
 
     #[test]
@@ -441,10 +824,42 @@ mod tests {
         let lost = l.spool_dropped(&[1, 2, 3, 99]);
         assert_eq!(seqs(&lost), [1, 2]);
         assert!(!l.on_disk_only(3));
-        // 3 is memory-only now: the next squeeze drops it instead of
-        // leaving it to the spool.
-        assert_eq!(seqs(&l.take(msg(5), true, false)), [3]);
-        assert_eq!(l.settled_upto(), 3);
+        // 3 is memory-only now: the next squeeze leaves 4 to the spool
+        // and keeps 3 in memory rather than losing it.
+        assert!(l.take(msg(5), true, false).is_empty());
+        assert!(!l.on_disk_only(3) && l.on_disk_only(4));
+        assert_eq!(l.settled_upto(), 2);
+    }
+
+    #[test]
+    fn what_the_spool_deleted_is_stated_on_the_next_sample() {
+        let one = msg(10).encoded_len();
+        let mut l = Ledger::new(one * 2, 1);
+        for seq in 1..=6 {
+            let m = if seq == 2 {
+                request_event(seq)
+            } else {
+                msg(seq)
+            };
+            assert!(l.take(m, true, false).is_empty());
+        }
+        assert_eq!(
+            l.thinning().thinned,
+            0,
+            "spooled messages leave memory, not thinned"
+        );
+        assert_eq!(seqs(&l.spool_dropped(&[1, 2, 3])), [1, 2, 3]);
+        let stamped: Vec<(u64, Option<pb::DroppedBefore>)> =
+            std::iter::from_fn(|| l.next_to_send())
+                .map(|o| (o.seq, o.dropped_before))
+                .collect();
+        let expected = pb::DroppedBefore {
+            samples: 2,
+            events: 1,
+            by_spool: 3,
+            stride: 1,
+        };
+        assert_eq!(stamped, [(4, Some(expected)), (5, None), (6, None)]);
     }
 
     #[test]

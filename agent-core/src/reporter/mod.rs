@@ -67,9 +67,11 @@ use stream::{Inputs, Urgent, Worker};
 
 use crate::priority::ThreadPriority;
 
-/// Messages the hot path may queue before it starts dropping: about an hour
-/// of one-second samples, or a burst of request events, while the worker is
-/// busy or (without a spool) the collector is down.
+/// Messages the hot path may queue before it starts dropping: a burst of
+/// request events while the worker is busy. The worker drains it even while
+/// the collector is down, so an outage is bounded by the ledger (which keeps
+/// the newest and thins the older), not by this queue (which would refuse
+/// the newest).
 pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
 /// First reconnect delay: short, so a collector restart costs little.
 pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(100);
@@ -80,7 +82,10 @@ pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// answers in milliseconds, so seconds means it is not answering.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Memory held for unacked messages. Past it, the oldest live only in the
-/// spool, or (without one) are dropped and counted.
+/// spool, or (without one) the older samples and request events are thinned
+/// (`ledger`), counted and stated on the samples kept. At a few hundred
+/// bytes a message and the Python agent's 20 messages a second at most,
+/// over half an hour of an outage whole and hours more thinned.
 pub const DEFAULT_UNACKED_MAX_BYTES: usize = 16 * 1024 * 1024;
 /// How long dropping the last handle waits for the worker to stop.
 pub const DROP_JOIN_TIMEOUT: Duration = Duration::from_secs(1);
@@ -143,8 +148,17 @@ pub struct ReporterStats {
     /// Distinct seqs the collector acked.
     pub acked: u64,
     /// Messages lost: refused by a full queue, pushed out of memory with no
-    /// spool to hold them, or deleted with a spool segment over its bound.
+    /// spool to hold them (thinned, or the oldest once nothing is left to
+    /// thin), or deleted with a spool segment over its bound.
     pub dropped: u64,
+    /// Of `dropped`, samples and request events the memory bound thinned.
+    pub thinned: u64,
+    /// The largest stride thinning reached: one message kept of this many
+    /// (1 = none thinned).
+    pub max_stride: u64,
+    /// Encoded bytes of unacked messages held in memory now (at most
+    /// `unacked_max_bytes`).
+    pub buffered_bytes: u64,
     /// Messages the collector refused with a `Reject`.
     pub rejected: u64,
     /// Records appended to the spool.
@@ -217,6 +231,9 @@ struct Counters {
     reconnects: AtomicU64,
     connect_failures: AtomicU64,
     connected: AtomicBool,
+    thinned: AtomicU64,
+    max_stride: AtomicU64,
+    buffered_bytes: AtomicU64,
 }
 
 #[derive(Default)]
@@ -592,6 +609,9 @@ impl Reporter {
             resent: c.resent.load(Ordering::Relaxed),
             acked: c.acked.load(Ordering::Relaxed),
             dropped: c.dropped.load(Ordering::Relaxed),
+            thinned: c.thinned.load(Ordering::Relaxed),
+            max_stride: c.max_stride.load(Ordering::Relaxed).max(1),
+            buffered_bytes: c.buffered_bytes.load(Ordering::Relaxed),
             rejected: c.rejected.load(Ordering::Relaxed),
             spooled: c.spooled.load(Ordering::Relaxed),
             reconnects: c.reconnects.load(Ordering::Relaxed),

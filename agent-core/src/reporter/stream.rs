@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Endpoint;
 
 use super::connector::Connector;
-use super::ledger::{Ledger, Released};
+use super::ledger::{stamp, Ledger, Released};
 use super::{ReporterConfig, Shared};
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -200,16 +200,16 @@ impl Worker {
         }
     }
 
-    /// Runs `fut` while still accepting messages: urgent ones always, queued
-    /// ones only when a spool can hold them (without one, the bounded queue
-    /// is the buffer while offline). `None` when asked to stop.
+    /// Runs `fut` while still accepting messages, so that the ledger, not
+    /// the queue, bounds what an outage keeps: the queue, once full, could
+    /// only refuse the newest, where the ledger keeps them and thins the
+    /// older. `None` when asked to stop.
     async fn offline<F: std::future::Future>(
         &mut self,
         inputs: &mut Inputs,
         fut: F,
     ) -> Option<F::Output> {
         tokio::pin!(fut);
-        let spooling = self.shared.spool.get().is_some();
         loop {
             tokio::select! {
                 out = &mut fut => return Some(out),
@@ -219,7 +219,7 @@ impl Worker {
                     }
                 }
                 Some(urgent) = inputs.urgent.recv() => self.take_urgent(urgent),
-                Some(message) = inputs.queue.recv(), if spooling => self.take(message, false, None),
+                Some(message) = inputs.queue.recv() => self.take(message, false, None),
             }
         }
     }
@@ -469,7 +469,7 @@ impl Worker {
                 Some(m) => Some(m),
                 None => self.reread(out.seq),
             };
-            let Some(message) = message else {
+            let Some(mut message) = message else {
                 tracing::warn!(
                     seq = out.seq,
                     "oomscope reporter: message missing from the spool, dropped"
@@ -479,6 +479,7 @@ impl Worker {
                 self.publish();
                 continue;
             };
+            stamp(&mut message, out.dropped_before);
             let c = &self.shared.counters;
             c.sent.fetch_add(1, Ordering::Relaxed);
             if out.resend {
@@ -567,6 +568,13 @@ impl Worker {
     /// Tells waiters how far everything is settled, and the spool what it
     /// may delete.
     fn publish(&mut self) {
+        let c = &self.shared.counters;
+        let thinning = self.ledger.thinning();
+        c.buffered_bytes
+            .store(self.ledger.memory_bytes() as u64, Ordering::Relaxed);
+        c.thinned.store(thinning.thinned, Ordering::Relaxed);
+        c.max_stride
+            .store(u64::from(thinning.max_stride), Ordering::Relaxed);
         let done = self.ledger.settled_upto();
         {
             let mut progress = lock(&self.shared.progress);

@@ -60,7 +60,8 @@ def start(*, collector: str | None = None, name: str | None = None,
           census_interval_s: float | None = None, census_budget_s: float | None = None,
           history_max_entries: int | None = None, exit_flush_s: float | None = None,
           boundary_min_interval_s: float | None = None, census_auto: bool | None = None,
-          thread_nice: int | None = None, census_trim: bool | None = None) -> bool:
+          thread_nice: int | None = None, census_trim: bool | None = None,
+          buffer_max_bytes: int | None = None, spool_max_bytes: int | None = None) -> bool:
     """Starts the agent; returns whether this call started or changed one.
     Every argument is a keyword (an unknown one is a TypeError).
 
@@ -74,7 +75,11 @@ def start(*, collector: str | None = None, name: str | None = None,
     may have none), census_every 0 (none by count),
     census_interval_s 3600, census_budget_s 2.0 (GIL time over all of a
     census's slices, each at most 10 ms), census_trim True (after a census,
-    malloc_trim hands what it freed back to the system), no spool_dir, no
+    malloc_trim hands what it freed back to the system), no spool_dir
+    (unacked evidence waits in memory, at most buffer_max_bytes, 16 MiB: past
+    it, while the collector is down, the older samples and request events
+    are thinned and the newest kept whole; with a spool_dir it waits on disk
+    too, at most spool_max_bytes, 64 MiB, past which the oldest go), no
     memory history (history_max_entries 0), exit_flush_s for the Goodbye's acks,
     boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
     a request ending sooner is folded into the next sample), thread_nice 0

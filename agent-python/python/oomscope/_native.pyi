@@ -24,6 +24,10 @@ class _Stats(TypedDict):
     spooled: int
     rejected: int
     connected: bool
+    thinned: int
+    max_stride: int
+    buffered_bytes: int
+    buffer_max_bytes: int
     connect_failures: int
     last_error: str
     boundary_dropped: int

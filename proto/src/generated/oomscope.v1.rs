@@ -869,6 +869,33 @@ pub struct Sample {
     /// kill bound to some nodes ran out there, whatever the host had free.
     #[prost(message, repeated, tag = "30")]
     pub numa_nodes: ::prost::alloc::vec::Vec<NumaNode>,
+    /// Field 40: far from the fields other work adds next. What the agent
+    /// dropped unsent just before this sample (since the previous sample that
+    /// reached the collector); absent when it dropped nothing.
+    #[prost(message, optional, tag = "40")]
+    pub dropped_before: ::core::option::Option<DroppedBefore>,
+}
+/// Messages an agent let go of, unsent, while the collector was unreachable
+/// (agent-core's reporter/ledger.rs). Without a spool its memory bound thins
+/// the older samples and request events (every `stride`-th kept, the stride
+/// doubling as the outage lasts) and keeps the newest whole; OOMs, Goodbyes
+/// and the other events verdicts need are never thinned. With a spool, the
+/// spool's own bound deletes its oldest records (`by_spool` of these).
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DroppedBefore {
+    #[prost(uint64, tag = "1")]
+    pub samples: u64,
+    #[prost(uint64, tag = "2")]
+    pub events: u64,
+    /// Of samples + events, those the spool deleted past its disk bound.
+    #[prost(uint64, tag = "3")]
+    pub by_spool: u64,
+    /// One kept of every `stride` where this sample stands (1 = nothing
+    /// thinned here: what was dropped went for another reason).
+    #[prost(uint32, tag = "4")]
+    pub stride: u32,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -278,7 +278,7 @@ fn goodbye(sig: libc::c_int) {
     // SAFETY: every pointer stored in AGENT is a leaked Arc, never freed.
     let agent = unsafe { &*raw };
     let goodbye = pb::Goodbye {
-        reason: signal_name(sig).to_string(),
+        reason: signal_name(sig),
         exit_code: 128 + sig,
     };
     let wait = agent.config.exit_flush.min(SIGNAL_GOODBYE_WAIT);
@@ -286,9 +286,9 @@ fn goodbye(sig: libc::c_int) {
 }
 
 /// The Goodbye's reason for a handled signal.
-pub fn signal_name(sig: libc::c_int) -> &'static str {
+pub fn signal_name(sig: libc::c_int) -> String {
     match sig {
-        libc::SIGTERM => "SIGTERM",
-        _ => "signal",
+        libc::SIGTERM => "SIGTERM".to_string(),
+        _ => format!("signal {sig}"),
     }
 }

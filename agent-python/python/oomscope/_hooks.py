@@ -36,6 +36,7 @@ def install():
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_native.after_fork_child,
                             after_in_parent=_native.after_fork_parent)
+        os.register_at_fork(after_in_child=_watch_multiprocessing)
     prev_sys = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
@@ -51,7 +52,6 @@ def install():
 
     threading.excepthook = thread_excepthook
     _install_sigterm()
-    _watch_multiprocessing()
     _native.ensure_torch_hooks()
 
 
@@ -96,12 +96,22 @@ def _watch_multiprocessing():
     runs before that exit, after the app's own; the Goodbye waits for the
     acks of everything sent before it (up to the agent's exit_flush_s).
     The finalizer is registered in the child, by the hook multiprocessing
-    runs there once it has cleared the parent's finalizers."""
+    runs there once it has cleared the parent's finalizers; that hook is
+    registered in each forked child (multiprocessing, already imported by
+    the parent that starts a Process, is not imported here for nothing),
+    once: a grandchild inherits it."""
+    global _mp_registered
+    util = sys.modules.get("multiprocessing.util")
+    if util is None or _mp_registered:
+        return
     try:
-        from multiprocessing import util
         util.register_after_fork(_forked_children, _mp_child_started)
-    except Exception:  # noqa: BLE001 - no multiprocessing: nothing to watch
+        _mp_registered = True
+    except Exception:  # noqa: BLE001 - the child goes on without it
         pass
+
+
+_mp_registered = False
 
 
 def _mp_child_started(_):

@@ -268,8 +268,8 @@ fn watcher() {
 }
 
 /// The Goodbye for `sig`, acked within [`SIGNAL_GOODBYE_WAIT`] or not at
-/// all. Touches no Python and takes no lock the app's threads could hold
-/// at a fork; a held agent says nothing.
+/// all. Touches no Python and not the process's agent slot (see `AGENT`);
+/// a held agent says nothing.
 fn goodbye(sig: libc::c_int) {
     let raw = AGENT.load(Ordering::Acquire);
     if raw.is_null() {
@@ -281,6 +281,9 @@ fn goodbye(sig: libc::c_int) {
         reason: signal_name(sig),
         exit_code: 128 + sig,
     };
+    // The requests' events the sampler has not taken yet go first (the
+    // hand-off's lock is held only for a push, never across a wait).
+    agent.forward_events();
     let wait = agent.config.exit_flush.min(SIGNAL_GOODBYE_WAIT);
     agent.reporter.clone().shutdown(goodbye, wait);
 }

@@ -44,18 +44,23 @@ def in_futex(pid):
         return False
 
 
-#: Starts the agent (argv[1] == "agent") or not, says its agent id, and
-#: blocks its main thread for good in pthread_mutex_lock on a mutex it
-#: already holds (a call that never returns, EINTR or not), through ctypes'
-#: CDLL (GIL released) or PyDLL (GIL held: the agent's sampler cannot take it).
+#: Starts the agent (argv[1] == "agent") or not, says its agent id, records
+#: 5 requests (with the agent), and blocks its main thread for good in
+#: pthread_mutex_lock on a mutex it already holds (a call that never returns,
+#: EINTR or not), through ctypes' CDLL (GIL released) or PyDLL (GIL held:
+#: the agent's sampler cannot take it).
 STUCK = r"""
 import ctypes, sys, time
+REQUESTS = 5
 if sys.argv[1] == "agent":
     import oomscope
     oomscope.start(collector=sys.argv[3], name="stuck-" + sys.argv[2], interval_s=0.1)
     while not oomscope.stats()["connected"]:
         time.sleep(0.02)
     print(oomscope.agent_id(), flush=True)
+    for n in range(REQUESTS):  # just before it blocks: the Goodbye delivers them
+        with oomscope.request(id="r%d" % n):
+            pass
 else:
     print("-", flush=True)
 lib = (ctypes.PyDLL if sys.argv[2] == "gil" else ctypes.CDLL)(None)
@@ -103,7 +108,8 @@ def test_a_process_stuck_in_c_dies_by_sigterm_as_without_the_agent(collector, gi
     assert a, "no Goodbye: %s" % agents_by_id(collector).get(agent_id)
     assert a["state"] == "disconnected", a["state"]
     assert (a["goodbye"]["reason"], a["goodbye"]["exit_code"]) == ("SIGTERM", 128 + signal.SIGTERM)
-    assert a["samples"] >= 1
+    ends = [e for e in events(collector.timeline(agent_id), "request") if not e.get("start")]
+    assert len(ends) == 5, "%d of the 5 requests before it blocked arrived" % len(ends)
     time.sleep(1.5)  # past the collector's --lost-grace of 1 s
     assert collector.cli("incidents", "--json") == [], "a clean SIGTERM was taken for a lost agent"
     print("died %.3f s after SIGTERM (gil %s)" % (took, gil))

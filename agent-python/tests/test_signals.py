@@ -301,3 +301,18 @@ def test_multiprocessing_children_deliver_what_they_recorded_before_os_exit(coll
     time.sleep(1.5)
     lost = [i for i in collector.cli("incidents", "--json") if i["agent_id"] in {c[0] for c in children}]
     assert lost == [], lost
+
+
+@pytest.mark.skipif(FUTEX is None, reason="the futex syscall number of this machine is not known here")
+def test_sigterm_kills_within_the_goodbye_bound_with_the_collector_away(tmp_path):
+    """Nothing listens at the collector's address: the Goodbye waits at
+    most its bound (0.5 s) before the signal kills the process."""
+    from conftest import free_port
+    code = STUCK.replace("while not oomscope.stats()[\"connected\"]", "while False")
+    p = subprocess.Popen([sys.executable, "-c", code, "agent", "released", "http://127.0.0.1:%d" % free_port()],
+                         env=env_for(None), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip(), "it did not start"
+    assert wait_for(lambda: in_futex(p.pid), 10, 0.02), "its main thread never blocked in the lock"
+    status, took = sigterm_and_wait(p)
+    assert status == -signal.SIGTERM, status
+    print("died %.3f s after SIGTERM with no collector" % took)

@@ -33,6 +33,7 @@ pub mod pyjson;
 pub mod query;
 pub mod request;
 pub mod sampler;
+pub mod signals;
 pub mod suspicion;
 pub mod torchread;
 
@@ -148,6 +149,7 @@ fn launch(py: Python<'_>, config: Config) {
     let (agent, reader) = Agent::start(py, config);
     sampler::start(&agent, reader);
     exit::register();
+    signals::watch(&agent);
     *lock(&AGENT) = Some(agent);
 }
 
@@ -178,6 +180,14 @@ fn stop_at_exit(py: Python<'_>) -> bool {
     a.stop_sampler(py);
     exit::defer(a);
     true
+}
+
+/// Installs the native SIGTERM handler (see `signals`), once per process;
+/// returns how SIGTERM was left: "native", "ignored" or "unavailable".
+#[pyfunction]
+fn install_signal_handlers() -> &'static str {
+    // The running agent was made the one to say Goodbye when it launched.
+    signals::install().as_str()
 }
 
 #[pyfunction]
@@ -583,6 +593,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start, m)?)?;
     m.add_function(wrap_pyfunction!(stop, m)?)?;
     m.add_function(wrap_pyfunction!(stop_at_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(install_signal_handlers, m)?)?;
     m.add_function(wrap_pyfunction!(is_running, m)?)?;
     m.add_function(wrap_pyfunction!(agent_id, m)?)?;
     m.add_function(wrap_pyfunction!(set_labels, m)?)?;

@@ -206,7 +206,11 @@ fn insert_lost(
 /// then named again with the evidence that just arrived. Nothing for an
 /// agent whose spool held its Goodbye (it exited cleanly).
 pub fn record_recovered(store: &mut Store, agent_id: &str) -> Result<Option<pb::Incident>> {
-    if store.state(agent_id)?.as_deref() == Some("disconnected") {
+    // It said Goodbye (its evidence complete or not): no death to record.
+    if matches!(
+        store.state(agent_id)?.as_deref(),
+        Some("disconnected" | oomscope_proto::EVIDENCE_INCOMPLETE_STATE)
+    ) {
         return Ok(None);
     }
     let known = store.incidents(Some(agent_id))?;

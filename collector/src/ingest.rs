@@ -279,6 +279,33 @@ impl Collector {
         });
     }
 
+    /// A stream that carried the Goodbye numbered `goodbye_seq` has ended:
+    /// an agent whose messages just before it never came (its process
+    /// ended first, see [`crate::store::Store::unsent_before`]) is
+    /// [`oomscope_proto::EVIDENCE_INCOMPLETE_STATE`], not "disconnected".
+    async fn check_goodbye_tail(&self, agent_id: String, goodbye_seq: u64) {
+        let id = agent_id.clone();
+        let outcome = self
+            .with_store(move |store| {
+                let unsent = store.unsent_before(&id, goodbye_seq)?;
+                // A reconnect since, or a delivered spool, settled it otherwise.
+                if unsent > 0 && store.state(&id)?.as_deref() == Some("disconnected") {
+                    store.set_state(&id, oomscope_proto::EVIDENCE_INCOMPLETE_STATE, now_ns())?;
+                }
+                Ok(unsent)
+            })
+            .await;
+        match outcome {
+            Ok(0) => {}
+            Ok(unsent) => tracing::warn!(
+                agent_id,
+                unsent,
+                "said Goodbye, but its last messages never arrived: evidence incomplete"
+            ),
+            Err(e) => tracing::error!(agent_id, "checking a Goodbye's evidence failed: {e:#}"),
+        }
+    }
+
     /// A dead agent's spool was delivered: it died without a Goodbye.
     async fn recovered(&self, agent_id: String) {
         let id = agent_id.clone();
@@ -450,6 +477,8 @@ async fn session(
 
     let mut stopping = collector.inner.stopping.subscribe();
     let mut said_goodbye = false;
+    // The stored Goodbye's seq, if this stream carried one.
+    let mut goodbye_seq = None;
     let mut last_seq = 0u64;
     // Samples may carry their allocator counters as changes against the
     // previous sample of this stream: rebuilt here, stored complete.
@@ -474,6 +503,7 @@ async fn session(
                 match ingest(&collector, &hello, &mut delta, batch, &tx).await {
                     Ok(outcome) => {
                         said_goodbye |= outcome.goodbye;
+                        goodbye_seq = outcome.goodbye_seq.or(goodbye_seq);
                         last_seq = last_seq.max(outcome.max_seq);
                         if !outcome.replies_delivered {
                             break End::Gone;
@@ -516,7 +546,12 @@ async fn session(
         // State "connected" stays in the store; the next start gives the
         // agent its grace to come back.
         (End::Shutdown, _) => tracing::info!(agent_id, "stream closed for shutdown"),
-        (_, _) if said_goodbye => tracing::info!(agent_id, "agent disconnected (Goodbye)"),
+        (_, _) if said_goodbye => {
+            tracing::info!(agent_id, "agent disconnected (Goodbye)");
+            if let Some(seq) = goodbye_seq {
+                collector.check_goodbye_tail(agent_id, seq).await;
+            }
+        }
         // Our fault, not the agent's: it will reconnect and resend.
         (End::StoreFailed, _) => {}
         (_, None) => collector.recovered(agent_id).await,
@@ -554,6 +589,8 @@ fn drain_ready(
 
 struct IngestOutcome {
     goodbye: bool,
+    /// The seq of the Goodbye stored from this batch.
+    goodbye_seq: Option<u64>,
     max_seq: u64,
     replies_delivered: bool,
 }
@@ -570,6 +607,7 @@ async fn ingest(
     let mut rejects = Vec::new();
     let mut storable = Vec::with_capacity(batch.len());
     let mut goodbye = None;
+    let mut goodbye_seq = None;
     let mut rehello = None;
     for mut msg in batch {
         // In stream order, every message: the next one's changes rest on it.
@@ -592,7 +630,10 @@ async fn ingest(
                 match msg.seq {
                     0 => {}
                     seq if seq > MAX_SEQ => rejects.push(seq_too_large(seq)),
-                    _ => storable.push(msg),
+                    seq => {
+                        goodbye_seq = Some(seq);
+                        storable.push(msg)
+                    }
                 }
             }
             Some(_) if msg.seq == 0 => {
@@ -688,6 +729,7 @@ async fn ingest(
     }
     Ok(IngestOutcome {
         goodbye: has_goodbye,
+        goodbye_seq,
         max_seq,
         replies_delivered: delivered,
     })

@@ -228,6 +228,73 @@ async fn a_silent_agent_is_lost_after_the_grace_and_a_goodbye_is_not() {
     run.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_goodbye_whose_last_messages_never_came_is_evidence_incomplete_not_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let grace = Duration::from_millis(300);
+    let run = start(&dir.path().join("c.db"), grace).await;
+
+    // A child that said Goodbye (seq 5) and ended before 3 and 4 went out.
+    let mut cut = run.agent(hello("agent-cut", "cut")).await;
+    cut.send(sample(1, T0)).await;
+    cut.send(sample(2, T0 + 1)).await;
+    cut.send(goodbye(5)).await;
+    cut.acks_covering(&BTreeSet::from([1, 2, 5]), |_| {}).await;
+    // Everything up to its Goodbye arrived.
+    let mut whole = run.agent(hello("agent-whole", "whole")).await;
+    for seq in 1..=3 {
+        whole.send(sample(seq, T0 + seq as i64)).await;
+    }
+    whole.send(goodbye(4)).await;
+    whole
+        .acks_covering(&BTreeSet::from([1, 2, 3, 4]), |_| {})
+        .await;
+    // Seq 2 was thinned away while the collector was down, long before
+    // the end: its last messages did arrive.
+    let mut thinned = run.agent(hello("agent-thinned", "thinned")).await;
+    for seq in [1, 3, 4] {
+        thinned.send(sample(seq, T0 + seq as i64)).await;
+    }
+    thinned.send(goodbye(5)).await;
+    thinned
+        .acks_covering(&BTreeSet::from([1, 3, 4, 5]), |_| {})
+        .await;
+    drop(cut);
+    drop(whole);
+    drop(thinned);
+
+    let state = eventually(Duration::from_secs(5), || async {
+        let s = agent_summary(&run, "agent-cut").await.state;
+        (s == oomscope_proto::EVIDENCE_INCOMPLETE_STATE).then_some(s)
+    })
+    .await;
+    assert!(
+        state.is_some(),
+        "still {:?}",
+        agent_summary(&run, "agent-cut").await.state
+    );
+    // Past the grace: none of them is lost, and each keeps its Goodbye.
+    tokio::time::sleep(grace * 3).await;
+    for id in ["agent-cut", "agent-whole", "agent-thinned"] {
+        assert!(incidents(&run, id).await.is_empty(), "{id} has an incident");
+        assert!(agent_summary(&run, id).await.goodbye.is_some(), "{id}");
+    }
+    assert_eq!(
+        agent_summary(&run, "agent-cut").await.state,
+        oomscope_proto::EVIDENCE_INCOMPLETE_STATE
+    );
+    assert_eq!(agent_summary(&run, "agent-cut").await.samples, 2);
+    assert_eq!(
+        agent_summary(&run, "agent-whole").await.state,
+        "disconnected"
+    );
+    assert_eq!(
+        agent_summary(&run, "agent-thinned").await.state,
+        "disconnected"
+    );
+    run.stop().await;
+}
+
 /// Sends raw bytes as gRPC messages, to put what no well-behaved client would
 /// on the wire; decodes replies as CollectorMessage.
 #[derive(Clone, Default)]

@@ -21,7 +21,9 @@ pub mod delta;
 pub mod serde_forms;
 pub mod vocab;
 
-pub use vocab::{CauseKind, IncidentKind, Role, TriggerKind, UnknownName, PROBE_ROLE};
+pub use vocab::{
+    CauseKind, IncidentKind, Role, TriggerKind, UnknownName, EVIDENCE_INCOMPLETE_STATE, PROBE_ROLE,
+};
 
 #[allow(clippy::all, missing_docs)]
 #[rustfmt::skip]

@@ -225,6 +225,15 @@ vocabulary! {
     }
 }
 
+/// The state (`AgentSummary.state`) of an agent that said Goodbye but whose
+/// messages just before it never arrived: its process ended (a
+/// multiprocessing child's `os._exit`, a Goodbye on SIGTERM whose acks ran
+/// out of time) with evidence still unsent. Not "disconnected": what is in
+/// its timeline stops short of its end. The other states are "connected",
+/// "disconnected" (said Goodbye), "lost" (went silent) and "ended" (a
+/// probe's stream, or a member's that ended with its instance's clean stop).
+pub const EVIDENCE_INCOMPLETE_STATE: &str = "evidence_incomplete";
+
 /// `Role::Probe`'s name as a constant, for a `Hello` built in a const or a test.
 pub const PROBE_ROLE: &str = "probe";
 

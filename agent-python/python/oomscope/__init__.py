@@ -22,9 +22,12 @@ unrelated programs that share its environment (a load generator), come and
 go without appearing at the collector. An explicit ``start()`` or
 ``flush()`` ends the wait.
 
-On SIGTERM the agent says Goodbye before the process dies (a handler the
-app installed before it is called instead, and one installed after it
-takes over; either way a normal exit still says Goodbye).
+On SIGTERM the agent says Goodbye (within 0.5 s, from its own thread: a
+native handler, so a main thread stuck in C still dies by it), then the
+process dies by SIGTERM as it would have; a handler the app installed
+before it is called instead, and one installed after it takes over (either
+way a normal exit still says Goodbye). A multiprocessing child says Goodbye
+before its ``os._exit``, after delivering what it recorded.
 
 The work happens in Rust (``oomscope._native``), on the agent's own threads;
 nothing here raises into the server because the collector is away.

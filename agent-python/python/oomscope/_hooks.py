@@ -1,5 +1,5 @@
 """The Python-side hooks: gc callbacks, fork handlers, exception hooks,
-interpreter exit, SIGTERM, and (once CUDA is up) torch's OOM observer and an
+interpreter exit, SIGTERM (natively), multiprocessing children's exit, and (once CUDA is up) torch's OOM observer and an
 ``empty_cache`` wrapper. Each hook is a few lines that hand facts to the
 native agent; none of them raises into the server."""
 
@@ -36,6 +36,7 @@ def install():
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_native.after_fork_child,
                             after_in_parent=_native.after_fork_parent)
+        os.register_at_fork(after_in_child=_watch_multiprocessing)
     prev_sys = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
@@ -57,39 +58,89 @@ def install():
 def _install_sigterm():
     """Goodbye on SIGTERM, the usual way a server is stopped, which skips
     atexit when nobody handles it: without it the collector can only call
-    the agent lost. Chains what was there: the default (say Goodbye, then
-    die by SIGTERM as before), a Python handler (call it; the exit it leads
-    to runs the atexit Goodbye), SIG_IGN or a handler set from C (left
-    alone). An app that installs its own handler later simply replaces this
-    one. Python runs handlers on the main thread between bytecodes, so a
-    main thread inside a long C call sees the signal when that call returns."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal.signal() works only there
+    the agent lost. The handler is a native one (``sigaction``), so a main
+    thread stuck in C dies by SIGTERM as it would without the agent; the
+    agent's own thread says the Goodbye (at most 0.5 s) and then lets the
+    signal do what it did before: kill the process (the default), call
+    the app's handler (installed before the agent's), or nothing (SIG_IGN,
+    left alone). A handler the app installs later replaces it, and the exit
+    it leads to says Goodbye. ``signal`` is imported above first: it reads
+    each signal's disposition once, when first imported."""
+    global sigterm
     try:
-        previous = signal.getsignal(signal.SIGTERM)
-    except Exception:  # noqa: BLE001
-        return
-    if previous is signal.SIG_IGN or previous is None:
-        return
+        sigterm = _native.install_signal_handlers()
+    except Exception:  # noqa: BLE001 - the process keeps its own disposition
+        sigterm = "unavailable"
 
-    def on_sigterm(signum, frame):
-        if previous is not signal.SIG_DFL:
-            return previous(signum, frame)  # the app's own: what it raises is its choice
-        try:
-            _native.stop("SIGTERM", 128 + signum)
-        except BaseException:  # noqa: BLE001 - the process is dying anyway
-            pass
-        try:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)  # dies here, by SIGTERM, as without us
-        except BaseException:  # noqa: BLE001
-            pass
-        os._exit(128 + signum)  # SIGTERM blocked or refused: end as it would have
 
+#: How SIGTERM was left by the agent: "native", "ignored" or "unavailable".
+sigterm = None
+
+#: Runs after every other multiprocessing finalizer of the child (those
+#: with an exit priority run highest first).
+MP_EXIT_PRIORITY = -(2 ** 31)
+
+
+class _ForkedChildren:
+    """multiprocessing keeps a weak reference to what it calls after a fork."""
+
+
+_forked_children = _ForkedChildren()
+
+
+def _watch_multiprocessing():
+    """A multiprocessing child ends through ``os._exit``, past atexit: what
+    its agent recorded would die with it, and the collector would call it
+    lost. Each child started by fork (or forkserver) says Goodbye once its
+    ``run()`` is over, from a finalizer that ``multiprocessing.util``
+    runs before that exit, after the app's own; the Goodbye waits for the
+    acks of everything sent before it (up to the agent's exit_flush_s).
+    The finalizer is registered in the child, by the hook multiprocessing
+    runs there once it has cleared the parent's finalizers; that hook is
+    registered in each forked child (multiprocessing, already imported by
+    the parent that starts a Process, is not imported here for nothing),
+    once: a grandchild inherits it."""
+    global _mp_registered
+    util = sys.modules.get("multiprocessing.util")
+    if util is None or _mp_registered:
+        return
     try:
-        signal.signal(signal.SIGTERM, on_sigterm)
-    except Exception:  # noqa: BLE001 - e.g. an embedded interpreter without signals
+        util.register_after_fork(_forked_children, _mp_child_started)
+        _mp_registered = True
+    except Exception:  # noqa: BLE001 - the child goes on without it
         pass
+
+
+_mp_registered = False
+
+
+def _mp_child_started(_):
+    try:
+        from multiprocessing import util
+        util.Finalize(None, _mp_child_exit, exitpriority=MP_EXIT_PRIORITY)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _mp_child_exit():
+    """Called in the ``finally`` around the child's ``run()``: the exception
+    on its way out, if any, decides the status multiprocessing exits with."""
+    try:
+        _native.stop("multiprocessing exit", mp_exit_status(sys.exc_info()[1]))
+    except Exception:  # noqa: BLE001 - the child must still exit
+        pass
+
+
+def mp_exit_status(exc):
+    """The status ``BaseProcess._bootstrap`` gives a child whose ``run()``
+    ended with `exc` (None: it returned)."""
+    if exc is None:
+        return 0
+    if isinstance(exc, SystemExit):
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    return 1
 
 
 def _at_exit():

@@ -361,7 +361,24 @@ impl Store {
         Ok(())
     }
 
-    /// "connected", "disconnected" (said Goodbye) or "lost" (went silent).
+    /// How many of `agent_id`'s messages numbered just below `seq` (its
+    /// Goodbye's) are not stored: the unsent tail of a process that ended
+    /// before its acks came. Counts from the newest stored one below `seq`,
+    /// so older gaps (thinned while the collector was away) are not counted.
+    pub fn unsent_before(&self, agent_id: &str, seq: u64) -> Result<u64> {
+        let newest: Option<i64> = self.conn.query_row(
+            "SELECT max(seq) FROM messages WHERE agent_id = ?1 AND seq < ?2",
+            params![agent_id, seq as i64],
+            |r| r.get(0),
+        )?;
+        let below = seq.saturating_sub(1);
+        Ok(below - newest.map_or(0, |n| (n as u64).min(below)))
+    }
+
+    /// "connected", "disconnected" (said Goodbye), "lost" (went silent),
+    /// "ended" (see `incidents::record_lost`) or
+    /// [`oomscope_proto::EVIDENCE_INCOMPLETE_STATE`] (said Goodbye, its last
+    /// messages missing).
     pub fn set_state(&mut self, agent_id: &str, state: &str, now_ns: i64) -> Result<()> {
         let changed = self.conn.execute(
             "UPDATE agents SET state = ?2, last_seen_ns = max(last_seen_ns, ?3) WHERE agent_id = ?1",
@@ -448,7 +465,9 @@ impl Store {
         for row in rows {
             let (agent_id, hello, mut summary) = row?;
             summary.hello = Some(decode_hello(&agent_id, &hello)?);
-            if summary.state == "disconnected" {
+            if summary.state == "disconnected"
+                || summary.state == oomscope_proto::EVIDENCE_INCOMPLETE_STATE
+            {
                 // An index seek (messages_by_time) per agent that said one.
                 summary.goodbye = self.latest_goodbye(&agent_id)?.map(|(_, g)| g);
             }

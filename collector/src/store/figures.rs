@@ -82,6 +82,7 @@ fn encode(s: &pb::Sample) -> Vec<u8> {
         tree_rss_bytes: s.tree_rss_bytes,
         tree_pss_bytes: s.tree_pss_bytes,
         numa_nodes: s.numa_nodes.clone(),
+        requests: s.requests.clone(),
     }
     .encode_to_vec()
 }

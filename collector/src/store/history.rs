@@ -13,7 +13,7 @@
 //!   events keep the newest [`DEFAULT_EVENT_REPLY_BYTES`].
 
 use anyhow::{anyhow, bail, Result};
-use oomscope_analysis::{Evidence, IncidentRef};
+use oomscope_analysis::{request_readings, Evidence, IncidentRef};
 use oomscope_proto::MAX_MESSAGE_BYTES;
 use prost::Message;
 use rusqlite::{params, OptionalExtension};
@@ -51,15 +51,71 @@ pub struct AgentHistory {
 impl AgentHistory {
     /// The analysis's view: the same messages without seqs, plus the
     /// incident being diagnosed, if any.
+    /// Batches of request readings become the boundary points and request
+    /// events they stand for (`request_readings::expand_all`).
     pub fn into_evidence(self, incident: Option<IncidentRef>) -> Evidence {
+        let mut samples: Vec<pb::Sample> =
+            self.samples.into_iter().filter_map(|s| s.sample).collect();
+        let mut events: Vec<pb::Event> = self.events.into_iter().filter_map(|e| e.event).collect();
+        request_readings::expand_all(&mut samples, &mut events);
         Evidence {
             hello: Some(self.hello),
-            samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
-            events: self.events.into_iter().filter_map(|e| e.event).collect(),
+            samples,
+            events,
             incident,
             members: Vec::new(),
             ended: false,
         }
+    }
+}
+
+/// Encoded bytes a timeline reply may grow by when its batches of request
+/// readings are expanded into points and events: the quarter of the gRPC
+/// limit the samples' and events' budgets leave. Past it the oldest batches
+/// stay as sent (their readings still whole in `Sample.requests`).
+pub const DEFAULT_EXPANDED_REPLY_BYTES: usize = MAX_MESSAGE_BYTES / 4 - (64 << 10);
+
+/// A timeline's batches of request readings as the boundary points and
+/// request events they stand for (each with its batch's seq), newest batch
+/// first while the added bytes fit `budget`; each list stays in time order.
+fn expand_requests(
+    samples: &mut Vec<pb::TimedSample>,
+    events: &mut Vec<pb::TimedEvent>,
+    budget: usize,
+) {
+    let mut added = 0usize;
+    let (mut more_samples, mut more_events) = (Vec::new(), Vec::new());
+    for t in samples.iter_mut().rev() {
+        let Some(s) = t.sample.as_mut() else { continue };
+        let Some(batch) = &s.requests else { continue };
+        // Expanded, a batch is about its own size again (points and
+        // events repeat the readings' fields).
+        added += batch.encoded_len();
+        if added > budget {
+            break;
+        }
+        let e = request_readings::expand(s);
+        let seq = t.seq;
+        more_samples.extend(e.samples.into_iter().map(|s| pb::TimedSample {
+            seq,
+            sample: Some(s),
+            ..Default::default()
+        }));
+        more_events.extend(e.events.into_iter().map(|e| pb::TimedEvent {
+            seq,
+            event: Some(e),
+            ..Default::default()
+        }));
+    }
+    let time_s = |t: &pb::TimedSample| t.sample.as_ref().map_or(0, |s| s.time_ns);
+    let time_e = |t: &pb::TimedEvent| t.event.as_ref().map_or(0, |e| e.time_ns);
+    if !more_samples.is_empty() {
+        samples.extend(more_samples);
+        samples.sort_by_key(time_s);
+    }
+    if !more_events.is_empty() {
+        events.extend(more_events);
+        events.sort_by_key(time_e);
     }
 }
 
@@ -93,8 +149,9 @@ impl Store {
         if thinned {
             samples = self.with_envelopes(agent_id, samples, DEFAULT_SAMPLE_REPLY_BYTES)?;
         }
-        let (events, events_cut_ns) =
+        let (mut events, events_cut_ns) =
             self.newest_events(agent_id, from_ns, to_ns, DEFAULT_EVENT_REPLY_BYTES)?;
+        expand_requests(&mut samples, &mut events, DEFAULT_EXPANDED_REPLY_BYTES);
         Ok(pb::TimelineResponse {
             hello: Some(hello),
             samples,

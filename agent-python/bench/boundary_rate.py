@@ -6,7 +6,7 @@ collector's acks (`stats()["acked"]`), the CPU from the agent's own threads
 
     oomscope collector --listen 127.0.0.1:50551 --db /tmp/bench.db &
     .venv/bin/python agent-python/bench/boundary_rate.py --collector http://127.0.0.1:50551 \\
-        [--requests 3000] [--think-ms 5,0]
+        [--requests 3000] [--think-ms 5,0] [--no-census]
 """
 
 import argparse
@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from overhead import agent_cpu_s  # noqa: E402
 
 
-def one(collector, requests, think_s):
+def one(collector, requests, think_s, census_auto):
     import torch
     import oomscope
-    oomscope.start(collector=collector, name="bench-boundary-rate")
+    oomscope.start(collector=collector, name="bench-boundary-rate", census_auto=census_auto)
     w = torch.randn(64, 64)
     # Warm-up (the agent's first samples, baselines) is not the steady state.
     for i in range(200):
@@ -54,14 +54,17 @@ def main():
     p.add_argument("--collector", required=True, help="a running collector's URL")
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
     p.add_argument("--think-ms", default="5,0", help="think times to run, comma-separated")
+    p.add_argument("--no-census", action="store_true",
+                   help="census_auto=False: the boundary path's cost alone, without censuses")
     p.add_argument("--one", type=float, help="run one think time in this process (internal)")
     a = p.parse_args()
     if a.one is not None:
-        print(json.dumps(one(a.collector, a.requests, a.one / 1e3)))
+        print(json.dumps(one(a.collector, a.requests, a.one / 1e3, not a.no_census)))
         return
     for think in a.think_ms.split(","):
         r = subprocess.run([sys.executable, __file__, "--collector", a.collector, "--requests",
-                            str(a.requests), "--one", think], capture_output=True, text=True,
+                            str(a.requests), "--one", think] + ["--no-census"] * a.no_census,
+                           capture_output=True, text=True,
                            env={k: v for k, v in os.environ.items() if k != "OOMSCOPE_COLLECTOR"})
         print(r.stdout.strip() or r.stderr[-2000:])
 

@@ -276,7 +276,7 @@ impl Agent {
                 host.time_ns = now_ns();
                 let c = lock(&self.context);
                 let phase = if c.phase.is_empty() {
-                    crate::sampler::PERIODIC_PHASE
+                    context::PERIODIC_PHASE
                 } else {
                     ""
                 };

@@ -19,8 +19,7 @@ use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
 use crate::devices::{self, Which};
 use crate::suspicion::{Reading, Suspicion};
 
-/// The phase of a sample taken on the clock rather than at a boundary.
-pub const PERIODIC_PHASE: &str = "periodic";
+pub use crate::context::PERIODIC_PHASE;
 /// The longest a census due by request count waits for a moment with no
 /// request in flight; a server that is never idle gets it anyway, and a
 /// few in-flight temporaries in it.

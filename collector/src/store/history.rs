@@ -786,6 +786,107 @@ mod tests {
         );
     }
 
+    /// One boundary message of `n` requests, each begun and ended within
+    /// its own second (the k-th ends at k s with k MiB of RSS), as agent-core's
+    /// boundary ring sends them: the message is the newest end's point.
+    fn boundary_message(seq: u64, n: u64) -> pb::AgentMessage {
+        let context = |done| pb::RequestContext {
+            requests_done: done,
+            phase: "after_request".into(),
+            ..Default::default()
+        };
+        let readings = (1..=n as i64)
+            .flat_map(|k| {
+                let boundary = |start| pb::RequestBoundary {
+                    request_id: format!("r{k}"),
+                    start,
+                    ..Default::default()
+                };
+                [
+                    pb::RequestReading {
+                        time_ns: k * 1_000_000_000 - 500_000_000,
+                        boundary: Some(boundary(true)),
+                        ..Default::default()
+                    },
+                    pb::RequestReading {
+                        time_ns: k * 1_000_000_000,
+                        boundary: Some(boundary(false)),
+                        rss_bytes: (k as u64) << 20,
+                        context: (k < n as i64).then(|| context(k as u64)),
+                        ..Default::default()
+                    },
+                ]
+            })
+            .collect();
+        pb::AgentMessage {
+            seq,
+            body: Some(Body::Sample(pb::Sample {
+                time_ns: n as i64 * 1_000_000_000,
+                process: Some(pb::ProcessMemory {
+                    vm_rss_bytes: n << 20,
+                    ..Default::default()
+                }),
+                context: Some(context(n)),
+                requests: Some(pb::RequestReadings {
+                    readings,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn a_boundary_message_is_one_stored_row_read_as_a_point_and_two_events_per_request() {
+        let mut store = super::super::tests::store_with_a1();
+        store
+            .insert_batch("a1", &[boundary_message(1, 30)])
+            .unwrap();
+        let rows: i64 = store
+            .conn
+            .query_row(
+                "SELECT count(*) FROM messages WHERE agent_id = 'a1'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(rows, 1);
+        let e = store.evidence("a1", None).unwrap();
+        let done: Vec<u64> = e
+            .samples
+            .iter()
+            .map(|s| s.context.as_ref().unwrap().requests_done)
+            .collect();
+        assert_eq!(done, (1..=30).collect::<Vec<_>>());
+        let rss: Vec<u64> = e
+            .samples
+            .iter()
+            .map(|s| s.process.unwrap().vm_rss_bytes >> 20)
+            .collect();
+        assert_eq!(rss, (1..=30).collect::<Vec<_>>());
+        let requests: Vec<(i64, bool)> = e
+            .events
+            .iter()
+            .map(|ev| match &ev.kind {
+                Some(pb::event::Kind::Request(b)) => (ev.time_ns, b.start),
+                _ => panic!("not a request event"),
+            })
+            .collect();
+        assert_eq!(requests.len(), 60);
+        assert!(requests
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0 && w[0].1 != w[1].1));
+        // The timeline shows the same, each under the message's seq.
+        let t = store.timeline("a1", 0, 0, 0).unwrap();
+        assert_eq!(t.samples.len(), 30);
+        assert_eq!(t.events.len(), 60);
+        assert!(t.samples.iter().all(|s| s.seq == 1) && t.events.iter().all(|e| e.seq == 1));
+        // A restart storm's count of request starts finds them too.
+        let starts = store.request_starts_of("svc", 0, i64::MAX).unwrap();
+        assert_eq!(starts.len(), 30);
+        assert_eq!(starts[0], 500_000_000);
+    }
+
     /// A sample of host RSS `rss_mib` at `t_s` seconds.
     fn rss(seq: u64, t_s: i64, rss_mib: u64) -> pb::AgentMessage {
         pb::AgentMessage {

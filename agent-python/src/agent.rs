@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use oomscope_agent_core::agent::boundary_ring::{self, BoundaryRing, RssReader, Taken};
 use oomscope_agent_core::agent::{Identity, Lineage, Sampler};
 use oomscope_agent_core::priority::ThreadPriority;
 use oomscope_agent_core::readers::gpu::GpuReader;
@@ -23,9 +24,8 @@ use pyo3::prelude::*;
 
 use crate::census::{self, Baseline};
 use crate::config::Config;
-use crate::context::{self, ContextState};
+use crate::context::{self, fold_peaks, ContextState};
 use crate::devices::{Devices, Which};
-use crate::handoff::Handoff;
 use crate::torchread::{self, TorchCuda};
 
 /// Jobs waiting for the sampler thread; past this, boundary samples are
@@ -50,8 +50,8 @@ pub const OOM_TOP_PROCESSES: usize = 10;
 pub use oomscope_proto::CENSUS_PHASE;
 
 pub enum Job {
-    /// The hand-off was empty and now holds something: take it when the
-    /// next boundary sample is due (`handoff.rs`).
+    /// The boundary ring was empty and now holds something: take it when
+    /// the next boundary message is due (agent-core `boundary_ring`).
     Handoff,
     Census {
         budget: Duration,
@@ -77,8 +77,11 @@ pub struct Agent {
     pub pid: u32,
     pub context: Mutex<ContextState>,
     pub pending_oom: Mutex<Option<PendingOom>>,
-    /// What the request path leaves for the sampler (`handoff.rs`).
-    pub handoff: Mutex<Handoff>,
+    /// The request path's begin and end readings, which the sampler sends
+    /// as one message at its pace (agent-core `boundary_ring`).
+    pub handoff: Mutex<BoundaryRing>,
+    /// The RSS read at each request end, on the request's thread.
+    pub rss: RssReader,
     pub baseline: Mutex<Option<Baseline>>,
     pub torch_hooks: AtomicBool,
     /// Children forked so far, for the next child's rank.
@@ -187,7 +190,8 @@ impl Agent {
             pid,
             context: Mutex::new(ContextState::default()),
             pending_oom: Mutex::new(None),
-            handoff: Mutex::new(Handoff::default()),
+            handoff: Mutex::new(BoundaryRing::default()),
+            rss: RssReader::open(),
             baseline: Mutex::new(None),
             torch_hooks: AtomicBool::new(false),
             lineage: Lineage::default(),
@@ -217,12 +221,11 @@ impl Agent {
         queued
     }
 
-    /// Leaves a request boundary's part in the hand-off, and wakes the
+    /// Leaves a request boundary's reading in the ring, and wakes the
     /// sampler only if it was empty (or, at a request `end`, while a census
     /// waits for no request in flight). Without a sampler to take it (no
-    /// thread, or its queue full) the events go to the reporter from here
-    /// and the boundary sample is dropped (and counted).
-    fn hand_off(&self, end: bool, leave: impl FnOnce(&mut Handoff)) {
+    /// thread, or its queue full) the ring is sent from here.
+    fn hand_off(&self, end: bool, leave: impl FnOnce(&mut BoundaryRing)) {
         let was_empty = {
             let mut h = lock(&self.handoff);
             let was_empty = h.is_empty();
@@ -234,32 +237,62 @@ impl Agent {
             return;
         }
         if !self.sampler.submit(Job::Handoff) && was_empty {
-            let h = std::mem::take(&mut *lock(&self.handoff));
-            let lost = h.ends.len() as u64;
-            self.forward(h.events, h.dropped + lost);
+            self.forward_events();
         }
     }
 
-    /// The hand-off's events to the reporter now, ahead of what follows
-    /// them (an OOM, a flush); its boundary sample still waits.
+    /// The ring's readings to the reporter now, from this thread, ahead of
+    /// what follows them (an OOM, a flush): one message with the process's
+    /// RSS read here (the sampler's host reading is not waited for).
     pub fn forward_events(&self) {
-        let (events, dropped) = {
-            let mut h = lock(&self.handoff);
-            (
-                std::mem::take(&mut h.events),
-                std::mem::take(&mut h.dropped),
-            )
+        let taken = lock(&self.handoff).take();
+        if taken.readings.is_empty() && taken.thinned.thinned_requests == 0 {
+            self.count_dropped(taken.dropped);
+            return;
+        }
+        let host = pb::Sample {
+            process: oomscope_agent_core::readers::process::read(&self.paths, self.pid).ok(),
+            ..Default::default()
         };
-        self.forward(events, dropped);
+        self.send_batch(host, taken);
     }
 
-    /// Request events to the reporter, in their order.
-    pub fn forward(&self, events: Vec<pb::Event>, dropped: u64) {
+    /// One boundary message: `host` (the readings taken for it) carrying
+    /// the batch `taken`. It is the boundary point of the batch's newest
+    /// end (that end's time and context); a batch of begins alone is a
+    /// point now, with the context now.
+    pub fn send_batch(&self, mut host: pb::Sample, taken: Taken) {
+        self.count_dropped(taken.dropped);
+        let mut batch = taken.into_batch(fold_peaks);
+        match batch
+            .readings
+            .iter_mut()
+            .rev()
+            .find(|r| boundary_ring::is_end(r))
+        {
+            Some(newest) => {
+                host.time_ns = newest.time_ns;
+                host.context = newest.context.take();
+            }
+            None => {
+                host.time_ns = now_ns();
+                let c = lock(&self.context);
+                let phase = if c.phase.is_empty() {
+                    context::PERIODIC_PHASE
+                } else {
+                    ""
+                };
+                host.context = Some(c.to_pb(phase));
+            }
+        }
+        host.requests = Some(batch);
+        self.reporter.send_sample(host);
+    }
+
+    /// Readings the ring had no room for (`stats()["boundary_dropped"]`).
+    pub fn count_dropped(&self, dropped: u64) {
         if dropped > 0 {
             self.boundary_dropped.fetch_add(dropped, Ordering::Relaxed);
-        }
-        for e in events {
-            self.reporter.send_event(e);
         }
     }
 
@@ -331,29 +364,27 @@ impl Agent {
         self.begin_at(now_ns(), id, prompt_tokens, max_tokens);
     }
 
-    /// A request in flight from `time_ns`: counted, and its start event left
-    /// in the hand-off. The thread's current device is noted (spaced).
+    /// A request in flight from `time_ns`: counted, and its begin left in
+    /// the ring. The thread's current device is noted (spaced).
     fn begin_at(&self, time_ns: i64, id: &str, prompt_tokens: u64, max_tokens: u64) {
         self.release();
         Python::attach(|py| self.devices.note_current_spaced(py));
         lock(&self.context).begin(id, prompt_tokens, max_tokens);
-        let start = pb::Event {
-            time_ns,
-            kind: Some(pb::event::Kind::Request(pb::RequestBoundary {
-                request_id: id.to_string(),
-                start: true,
-                prompt_tokens,
-                max_tokens,
-                ..Default::default()
-            })),
+        let start = pb::RequestBoundary {
+            request_id: id.to_string(),
+            start: true,
+            prompt_tokens,
+            max_tokens,
+            ..Default::default()
         };
-        self.hand_off(false, |h| h.push_event(start));
+        self.hand_off(false, |ring| ring.begin(time_ns, start));
     }
 
-    /// The request's end event and a boundary sample, left for the sampler
-    /// thread (`handoff.rs`), which reads the allocator and the host
-    /// domains: the allocator read costs ~250 us on a GPU (measured on the
-    /// H200), which a request thread must not pay.
+    /// The request's end reading (its facts, the RSS, the context and, so
+    /// often, the allocated blocks) into the ring, for the sampler thread
+    /// to send with the others at its pace (agent-core `boundary_ring`).
+    /// The allocator is read there, once a message: it costs ~250 us on a
+    /// GPU (measured on the H200), which a request thread must not pay.
     pub fn request_end(&self, id: &str, output_tokens: u64, error: &str) {
         let time_ns = now_ns();
         let (context, done) = {
@@ -361,22 +392,21 @@ impl Agent {
             c.end(id, output_tokens, !error.is_empty());
             (c.take_pb("after_request"), c.requests_done)
         };
-        let end = pb::Event {
+        let end = pb::RequestReading {
             time_ns,
-            kind: Some(pb::event::Kind::Request(pb::RequestBoundary {
+            boundary: Some(pb::RequestBoundary {
                 request_id: id.to_string(),
                 start: false,
                 output_tokens,
                 error: error.to_string(),
                 ..Default::default()
-            })),
+            }),
+            rss_bytes: self.rss.read(),
+            context: Some(context),
+            allocated_blocks: self.read_blocks(time_ns),
+            ..Default::default()
         };
-        let blocks = self.read_blocks(time_ns);
-        let every_end = self.config.boundary_min_interval.is_zero();
-        self.hand_off(true, |h| {
-            h.push_event(end);
-            h.end(time_ns, Box::new(context), blocks, every_end);
-        });
+        self.hand_off(true, |ring| ring.end(end, fold_peaks));
         let every = self.config.census_every;
         if every > 0 && done % every == 0 {
             self.submit(Job::Census {

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use oomscope_agent_core::agent::boundary_ring::MIN_BATCH_SPACING;
 use oomscope_agent_core::agent::check_interval;
 use oomscope_agent_core::{reporter, spool};
 use oomscope_proto::Role;
@@ -39,12 +40,12 @@ pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(3600);
 /// of the analysis, so the budget is generous: in slices, it costs CPU, not
 /// latency.
 pub const DEFAULT_CENSUS_BUDGET: Duration = Duration::from_secs(2);
-/// Request-boundary samples at most this often. Each is a full host reading
-/// (~190 us of CPU) plus the allocator; a request ending sooner after the
-/// last one is folded into the next (which carries the newest context), so
-/// a server at hundreds of requests a second pays 50 readings a second, not
-/// hundreds. 0 samples every boundary.
-pub const DEFAULT_BOUNDARY_MIN_INTERVAL: Duration = Duration::from_millis(20);
+/// The spacing of the agent's boundary messages (`boundary_min_interval_s`):
+/// each carries the readings of every request that began or ended since the
+/// last (agent-core `boundary_ring`), with one host reading. A value below
+/// agent-core's `MIN_BATCH_SPACING` (50 ms: at most 20 messages a second at
+/// any request rate) is raised to it; a larger one spaces them further.
+pub const DEFAULT_BOUNDARY_MIN_INTERVAL: Duration = MIN_BATCH_SPACING;
 /// At exit, how long the Goodbye may wait for the collector's acks.
 pub const DEFAULT_EXIT_FLUSH: Duration = Duration::from_secs(2);
 /// How long an autostarted agent (the `.pth` hook, in every Python process
@@ -200,7 +201,8 @@ impl Config {
             rank,
             model,
             interval,
-            boundary_min_interval: secs("boundary_min_interval_s", DEFAULT_BOUNDARY_MIN_INTERVAL)?,
+            boundary_min_interval: secs("boundary_min_interval_s", DEFAULT_BOUNDARY_MIN_INTERVAL)?
+                .max(MIN_BATCH_SPACING),
             spool_dir: get("spool").or_else(|| get("spool_dir")).map(PathBuf::from),
             buffer_max_bytes: count(
                 "buffer_max_bytes",
@@ -384,10 +386,11 @@ mod tests {
         assert!(e.contains("boundary_min_interval_s"), "{e}");
         let c = Config::resolve(&map(&[("boundary_min_interval_s", "0")]), &none, "p").unwrap();
         assert_eq!(
-            c.boundary_min_interval,
-            Duration::ZERO,
-            "0 samples every boundary"
+            c.boundary_min_interval, MIN_BATCH_SPACING,
+            "0 is raised to the cap of 20 messages a second"
         );
+        let c = Config::resolve(&map(&[("boundary_min_interval_s", "5")]), &none, "p").unwrap();
+        assert_eq!(c.boundary_min_interval, Duration::from_secs(5));
     }
 
     #[test]

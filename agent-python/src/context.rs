@@ -10,6 +10,9 @@ use crate::config::ModelSpec;
 
 /// Requests in flight tracked by id; a server that never closes its
 /// requests must not grow this map without end.
+/// The phase of a sample taken on the clock rather than at a boundary.
+pub const PERIODIC_PHASE: &str = "periodic";
+
 pub const MAX_IN_FLIGHT: usize = 65_536;
 
 /// The `set_context` numbers a context carries at their peak since the

@@ -27,7 +27,6 @@ pub mod config;
 pub mod context;
 pub mod devices;
 pub mod exit;
-pub mod handoff;
 pub mod own_heap;
 pub mod pyjson;
 pub mod query;

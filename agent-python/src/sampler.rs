@@ -1,5 +1,6 @@
 //! The agent's sampler thread: a periodic sample of every domain, the
-//! boundary samples the request path hands over, heap censuses, snapshots
+//! boundary messages carrying the request path's readings (agent-core
+//! `boundary_ring`), heap censuses, snapshots
 //! and the collector's directives. Host domains are read without the GIL;
 //! the allocator and the heap with it, and only when the interpreter can be
 //! attached to (never during finalisation).
@@ -8,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use oomscope_agent_core::agent::{Flow, Readers};
+use oomscope_agent_core::agent::{boundary_ring, Flow, Readers};
 use oomscope_agent_core::readers::HostReader;
 use oomscope_agent_core::reporter::Reporter;
 use oomscope_agent_core::{lock, pb};
@@ -18,8 +19,7 @@ use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
 use crate::devices::{self, Which};
 use crate::suspicion::{Reading, Suspicion};
 
-/// The phase of a sample taken on the clock rather than at a boundary.
-pub const PERIODIC_PHASE: &str = "periodic";
+pub use crate::context::PERIODIC_PHASE;
 /// The longest a census due by request count waits for a moment with no
 /// request in flight; a server that is never idle gets it anyway, and a
 /// few in-flight temporaries in it.
@@ -31,7 +31,10 @@ pub fn start(agent: &Arc<Agent>, reader: HostReader) -> bool {
         next_census: (agent.config.census_interval > Duration::ZERO)
             .then(|| Instant::now() + agent.config.census_interval),
         boundaries: Boundaries {
-            min_interval: agent.config.boundary_min_interval,
+            min_interval: agent
+                .config
+                .boundary_min_interval
+                .max(boundary_ring::MIN_BATCH_SPACING),
             last: None,
             signalled: false,
         },
@@ -47,18 +50,19 @@ pub fn start(agent: &Arc<Agent>, reader: HostReader) -> bool {
         .start(readers, agent.reporter.clone(), agent.config.interval)
 }
 
-/// When the hand-off (`handoff.rs`) is taken: at most once per
-/// `boundary_min_interval`, so a burst of requests costs one host reading
-/// and one batch of events, not one a request.
+/// When the boundary ring is taken: at most once per
+/// `boundary_min_interval` (at least agent-core's `MIN_BATCH_SPACING`), so
+/// any rate of requests costs at most 20 host readings and messages a
+/// second, each carrying every request since the last.
 struct Boundaries {
     min_interval: Duration,
     last: Option<Instant>,
-    /// The request path said the hand-off holds something.
+    /// The request path said the ring holds something.
     signalled: bool,
 }
 
 impl Boundaries {
-    /// When the hand-off is due, if something waits in it.
+    /// When the ring is due, if something waits in it.
     fn due(&self) -> Option<Instant> {
         if !self.signalled {
             return None;
@@ -69,7 +73,7 @@ impl Boundaries {
         )
     }
 
-    /// Whether the hand-off is due now; if so it counts as taken now.
+    /// Whether the ring is due now; if so it counts as taken now.
     fn take_due(&mut self) -> bool {
         if self.due().is_none_or(|t| t > Instant::now()) {
             return false;
@@ -119,42 +123,29 @@ impl PythonReaders {
         self.agent.hold_until.filter(|_| self.agent.reporter.held())
     }
 
-    /// Takes the hand-off: its events to the reporter, its readings to the
-    /// suspicion, and a boundary sample for each request end in it.
+    /// Takes the boundary ring: one message carrying its readings, and
+    /// each request end's reading (RSS, allocated blocks) to the suspicion.
     fn take_handoff(&mut self) {
         let agent = self.agent.clone();
-        let h = std::mem::take(&mut *lock(&agent.handoff));
-        agent.forward(h.events, h.dropped);
-        let mut readings = h.readings.into_iter().peekable();
-        for (time_ns, context) in h.ends {
-            let requests_done = context.requests_done;
-            // Readings of the ends folded before this one go in without an
-            // RSS; this end's own goes in with the RSS read for it.
-            let mut blocks = 0;
-            while let Some((done, b)) = readings.next_if(|r| r.0 <= requests_done) {
-                if done == requests_done {
-                    blocks = b;
-                } else {
-                    self.observe(Reading {
-                        requests_done: done,
-                        blocks: b,
-                        rss: 0,
-                    });
-                }
-            }
-            let rss = boundary_sample(&agent, &self.reader, &self.full_levels, time_ns, *context);
-            self.observe(Reading {
-                requests_done,
-                blocks,
-                rss,
-            });
+        let taken = lock(&agent.handoff).take();
+        if taken.readings.is_empty() && taken.thinned.thinned_requests == 0 {
+            agent.count_dropped(taken.dropped);
+            return;
         }
-        for (requests_done, blocks) in readings {
-            self.observe(Reading {
-                requests_done,
-                blocks,
-                rss: 0,
-            });
+        let readings: Vec<Reading> = taken
+            .ends()
+            .map(|r| Reading {
+                requests_done: r.context.as_ref().map_or(0, |c| c.requests_done),
+                blocks: r.allocated_blocks,
+                rss: r.rss_bytes,
+            })
+            .collect();
+        agent.send_batch(
+            boundary_reading(&agent, &self.reader, &self.full_levels),
+            taken,
+        );
+        for r in readings {
+            self.observe(r);
         }
     }
 
@@ -329,30 +320,23 @@ impl Readers for PythonReaders {
     }
 }
 
-/// A sample at a request boundary. Its allocator reading is taken here, on
-/// the agent's thread, a moment after the request ended rather than on its
-/// thread. Only a process with CUDA in use (seen by the periodic tick, which
-/// installs the torch hooks) has an allocator to read; the rest never take
-/// the GIL here. Returns the RSS it read (0 if none).
-fn boundary_sample(
+/// The host reading of a boundary message, taken on the agent's thread a
+/// moment after the batch's newest end. Only a process with CUDA in use
+/// (seen by the periodic tick, which installs the torch hooks) has an
+/// allocator to read; the rest never take the GIL here.
+fn boundary_reading(
     agent: &Agent,
     reader: &HostReader,
     full_levels: &[pb::CgroupLevel],
-    time_ns: i64,
-    context: pb::RequestContext,
-) -> u64 {
+) -> pb::Sample {
     let allocator = if agent.torch_hooks.load(Ordering::Relaxed) {
         Python::try_attach(|py| agent.devices.read(py, Which::Known)).unwrap_or_default()
     } else {
         Vec::new()
     };
     let mut s = reader.boundary_sample(full_levels);
-    s.time_ns = time_ns;
     s.allocator = allocator;
-    s.context = Some(context);
-    let rss = s.process.as_ref().map_or(0, |p| p.vm_rss_bytes);
-    agent.reporter.send_sample(s);
-    rss
+    s
 }
 
 /// One periodic sample: host domains first (no GIL), then the allocator of

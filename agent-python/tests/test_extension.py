@@ -100,12 +100,13 @@ def test_collector_absent_then_started_gets_every_spooled_sample(tmp_path):
         col.stop()
 
 
-def test_boundaries_closer_than_the_spacing_fold_into_one_sample(collector):
+def test_boundaries_closer_than_the_spacing_go_in_one_message(collector):
     """50 requests in well under the 5 s spacing: the first request's end
-    wakes the sampler, which samples at once (with the requests that ended
-    by then: all 50 if its thread was still starting); the rest fold into
-    one sample that carries the newest context, taken when the spacing
-    allows or, here, at stop."""
+    wakes the sampler, which sends at once (with the requests that ended by
+    then: all 50 if its thread was still starting); the rest go in one
+    message, sent when the spacing allows or, here, at stop. The collector
+    expands each message into every request's boundary point and events
+    (all carrying that message's seq)."""
     out = run_py("""
         import oomscope
         oomscope.start(collector=%r, name="fold", interval_s=60, boundary_min_interval_s=5,
@@ -117,10 +118,15 @@ def test_boundaries_closer_than_the_spacing_fold_into_one_sample(collector):
         oomscope.stop()
         """ % collector.url)
     t = collector.timeline(out.split("agent ")[1].strip())
-    done = [s["context"]["requests_done"] for s in t["samples"] if s["context"]["phase"] == "after_request"]
-    assert len(done) in (1, 2) and done[-1] == 50 and done == sorted(set(done)), done
-    ends = [e for e in events(t, "request") if not e["start"]]
-    assert len(ends) == 50, "every request is still an event"
+    points = [s for s in t["samples"] if s["context"]["phase"] == "after_request"]
+    done = [s["context"]["requests_done"] for s in points]
+    assert done == list(range(1, 51)), done
+    assert all(s["process"]["vm_rss_bytes"] > 1 << 20 for s in points), "each end read its RSS"
+    messages = {s["seq"] for s in points}
+    assert len(messages) in (1, 2), messages
+    ends = [e for e in t["events"] if e["kind"] == "request" and not e["request"]["start"]]
+    assert [e["request"]["request_id"] for e in ends] == ["r%d" % i for i in range(50)]
+    assert {e["seq"] for e in ends} == messages, "the events come from the same messages"
 
 
 def test_a_sigkilled_servers_spool_is_delivered_by_the_next_agent(tmp_path):

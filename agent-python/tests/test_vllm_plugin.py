@@ -182,8 +182,8 @@ RECORDED_RUN = logger_run("vllm-recorded", '''
 ''' % finished("r0"))
 
 FOLDED_RUN = logger_run("vllm-folded", '''
-    # One end sampled at once; the next two within the 1 s that follows are
-    # one sample, the newest's. The first of them saw the pool full.
+    # One end sent at once; the next two within the 1 s that follows go in
+    # one message. The first of them saw the pool full.
     log.record(scheduler_stats=ns(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1),
                iteration_stats=%s)
     time.sleep(0.1)  # the sampler takes that end
@@ -208,7 +208,13 @@ def test_a_full_pool_recorded_between_samples_reaches_the_next_one(collector):
     assert got == [(1, 1.0, 12, 0)], [s.get("context") for s in t["samples"]]
 
 
-def test_request_ends_folded_into_one_sample_keep_the_fullest_pool(collector):
+def test_request_ends_in_one_message_each_keep_their_own_pool(collector):
+    """The two ends within the spacing go in one boundary message, and the
+    collector gives each its own point: the first of them with the pool
+    full and 12 waiting (the peaks since the end before), the newest with
+    it drained."""
     ends, t = request_end_contexts(collector, FOLDED_RUN)
     got = [(c["requests_done"], c["numbers"]["kv_cache_usage"], c["queued"], c["active_sequences"]) for c in ends]
-    assert got == [(1, 0.1, 0, 1), (3, 1.0, 12, 0)], [s.get("context") for s in t["samples"]]
+    assert got == [(1, 0.1, 0, 1), (2, 1.0, 12, 10), (3, 0.0, 0, 0)], [s.get("context") for s in t["samples"]]
+    seqs = [s["seq"] for s in t["samples"] if (s.get("context") or {}).get("phase") == "after_request"]
+    assert len(seqs) == 3 and seqs[1] == seqs[2] != seqs[0], seqs

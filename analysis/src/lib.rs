@@ -39,6 +39,7 @@ mod members;
 mod memory_domain;
 mod memory_high;
 pub mod oom_texts;
+pub mod request_readings;
 pub mod runway;
 mod setting_fixes;
 pub mod settings;

@@ -739,14 +739,13 @@ fn is_event(m: &pb::AgentMessage) -> bool {
     matches!(&m.body, Some(Body::Event(_)))
 }
 
+/// A request event, or a sample carrying a batch of request readings.
 fn is_request_event(m: &pb::AgentMessage) -> bool {
-    matches!(
-        &m.body,
-        Some(Body::Event(pb::Event {
-            kind: Some(pb::event::Kind::Request(_)),
-            ..
-        }))
-    )
+    match &m.body {
+        Some(Body::Event(e)) => matches!(e.kind, Some(pb::event::Kind::Request(_))),
+        Some(Body::Sample(s)) => s.requests.is_some(),
+        _ => false,
+    }
 }
 
 /// Ascending seqs as inclusive runs: [1,2,3,7,8] -> [(1,3),(7,8)].

@@ -8,9 +8,12 @@
 //! - `sampling`: one sampling loop (a clock that never bursts, directives,
 //!   jobs from the request path, stop), into which each agent plugs its own
 //!   readers through [`Readers`];
+//! - `boundary_ring`: request begins and ends read on the request's thread
+//!   into a bounded ring, sent by the sampler as one batch at its pace;
 //! - `lineage`: what a forked child reports as, so that its evidence is not
 //!   mixed with its parent's.
 
+pub mod boundary_ring;
 mod identity;
 mod interval;
 mod lineage;

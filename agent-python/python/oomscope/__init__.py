@@ -84,8 +84,10 @@ def start(*, collector: str | None = None, name: str | None = None,
     are thinned and the newest kept whole; with a spool_dir it waits on disk
     too, at most spool_max_bytes, 64 MiB, past which the oldest go), no
     memory history (history_max_entries 0), exit_flush_s for the Goodbye's acks,
-    boundary_min_interval_s 0.02 (request-end samples at most 50 a second;
-    a request ending sooner is folded into the next sample), thread_nice 0
+    boundary_min_interval_s 0.05 (the spacing of boundary messages, each
+    carrying the readings of every request begun or ended since the last;
+    also its floor: at most 20 such messages a second at any request rate,
+    a smaller value is raised to it), thread_nice 0
     (the agent's own threads run as SCHED_BATCH, so a waking one never
     preempts the server's threads; 19 lowers them further, but on a server
     that keeps every core busy its evidence then comes late).

@@ -83,6 +83,7 @@ fn encode(s: &pb::Sample) -> Vec<u8> {
         tree_pss_bytes: s.tree_pss_bytes,
         numa_nodes: s.numa_nodes.clone(),
         dropped_before: s.dropped_before,
+        requests: s.requests.clone(),
     }
     .encode_to_vec()
 }

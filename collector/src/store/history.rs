@@ -13,7 +13,7 @@
 //!   events keep the newest [`DEFAULT_EVENT_REPLY_BYTES`].
 
 use anyhow::{anyhow, bail, Result};
-use oomscope_analysis::{Evidence, IncidentRef};
+use oomscope_analysis::{request_readings, Evidence, IncidentRef};
 use oomscope_proto::MAX_MESSAGE_BYTES;
 use prost::Message;
 use rusqlite::{params, OptionalExtension};
@@ -51,15 +51,71 @@ pub struct AgentHistory {
 impl AgentHistory {
     /// The analysis's view: the same messages without seqs, plus the
     /// incident being diagnosed, if any.
+    /// Batches of request readings become the boundary points and request
+    /// events they stand for (`request_readings::expand_all`).
     pub fn into_evidence(self, incident: Option<IncidentRef>) -> Evidence {
+        let mut samples: Vec<pb::Sample> =
+            self.samples.into_iter().filter_map(|s| s.sample).collect();
+        let mut events: Vec<pb::Event> = self.events.into_iter().filter_map(|e| e.event).collect();
+        request_readings::expand_all(&mut samples, &mut events);
         Evidence {
             hello: Some(self.hello),
-            samples: self.samples.into_iter().filter_map(|s| s.sample).collect(),
-            events: self.events.into_iter().filter_map(|e| e.event).collect(),
+            samples,
+            events,
             incident,
             members: Vec::new(),
             ended: false,
         }
+    }
+}
+
+/// Encoded bytes a timeline reply may grow by when its batches of request
+/// readings are expanded into points and events: the quarter of the gRPC
+/// limit the samples' and events' budgets leave. Past it the oldest batches
+/// stay as sent (their readings still whole in `Sample.requests`).
+pub const DEFAULT_EXPANDED_REPLY_BYTES: usize = MAX_MESSAGE_BYTES / 4 - (64 << 10);
+
+/// A timeline's batches of request readings as the boundary points and
+/// request events they stand for (each with its batch's seq), newest batch
+/// first while the added bytes fit `budget`; each list stays in time order.
+fn expand_requests(
+    samples: &mut Vec<pb::TimedSample>,
+    events: &mut Vec<pb::TimedEvent>,
+    budget: usize,
+) {
+    let mut added = 0usize;
+    let (mut more_samples, mut more_events) = (Vec::new(), Vec::new());
+    for t in samples.iter_mut().rev() {
+        let Some(s) = t.sample.as_mut() else { continue };
+        let Some(batch) = &s.requests else { continue };
+        // Expanded, a batch is about its own size again (points and
+        // events repeat the readings' fields).
+        added += batch.encoded_len();
+        if added > budget {
+            break;
+        }
+        let e = request_readings::expand(s);
+        let seq = t.seq;
+        more_samples.extend(e.samples.into_iter().map(|s| pb::TimedSample {
+            seq,
+            sample: Some(s),
+            ..Default::default()
+        }));
+        more_events.extend(e.events.into_iter().map(|e| pb::TimedEvent {
+            seq,
+            event: Some(e),
+            ..Default::default()
+        }));
+    }
+    let time_s = |t: &pb::TimedSample| t.sample.as_ref().map_or(0, |s| s.time_ns);
+    let time_e = |t: &pb::TimedEvent| t.event.as_ref().map_or(0, |e| e.time_ns);
+    if !more_samples.is_empty() {
+        samples.extend(more_samples);
+        samples.sort_by_key(time_s);
+    }
+    if !more_events.is_empty() {
+        events.extend(more_events);
+        events.sort_by_key(time_e);
     }
 }
 
@@ -93,8 +149,9 @@ impl Store {
         if thinned {
             samples = self.with_envelopes(agent_id, samples, DEFAULT_SAMPLE_REPLY_BYTES)?;
         }
-        let (events, events_cut_ns) =
+        let (mut events, events_cut_ns) =
             self.newest_events(agent_id, from_ns, to_ns, DEFAULT_EVENT_REPLY_BYTES)?;
+        expand_requests(&mut samples, &mut events, DEFAULT_EXPANDED_REPLY_BYTES);
         Ok(pb::TimelineResponse {
             hello: Some(hello),
             samples,
@@ -727,6 +784,107 @@ mod tests {
             got.windows(2).all(|w| w[1] - w[0] >= 3 && w[1] - w[0] <= 5),
             "{got:?}"
         );
+    }
+
+    /// One boundary message of `n` requests, each begun and ended within
+    /// its own second (the k-th ends at k s with k MiB of RSS), as agent-core's
+    /// boundary ring sends them: the message is the newest end's point.
+    fn boundary_message(seq: u64, n: u64) -> pb::AgentMessage {
+        let context = |done| pb::RequestContext {
+            requests_done: done,
+            phase: "after_request".into(),
+            ..Default::default()
+        };
+        let readings = (1..=n as i64)
+            .flat_map(|k| {
+                let boundary = |start| pb::RequestBoundary {
+                    request_id: format!("r{k}"),
+                    start,
+                    ..Default::default()
+                };
+                [
+                    pb::RequestReading {
+                        time_ns: k * 1_000_000_000 - 500_000_000,
+                        boundary: Some(boundary(true)),
+                        ..Default::default()
+                    },
+                    pb::RequestReading {
+                        time_ns: k * 1_000_000_000,
+                        boundary: Some(boundary(false)),
+                        rss_bytes: (k as u64) << 20,
+                        context: (k < n as i64).then(|| context(k as u64)),
+                        ..Default::default()
+                    },
+                ]
+            })
+            .collect();
+        pb::AgentMessage {
+            seq,
+            body: Some(Body::Sample(pb::Sample {
+                time_ns: n as i64 * 1_000_000_000,
+                process: Some(pb::ProcessMemory {
+                    vm_rss_bytes: n << 20,
+                    ..Default::default()
+                }),
+                context: Some(context(n)),
+                requests: Some(pb::RequestReadings {
+                    readings,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn a_boundary_message_is_one_stored_row_read_as_a_point_and_two_events_per_request() {
+        let mut store = super::super::tests::store_with_a1();
+        store
+            .insert_batch("a1", &[boundary_message(1, 30)])
+            .unwrap();
+        let rows: i64 = store
+            .conn
+            .query_row(
+                "SELECT count(*) FROM messages WHERE agent_id = 'a1'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(rows, 1);
+        let e = store.evidence("a1", None).unwrap();
+        let done: Vec<u64> = e
+            .samples
+            .iter()
+            .map(|s| s.context.as_ref().unwrap().requests_done)
+            .collect();
+        assert_eq!(done, (1..=30).collect::<Vec<_>>());
+        let rss: Vec<u64> = e
+            .samples
+            .iter()
+            .map(|s| s.process.unwrap().vm_rss_bytes >> 20)
+            .collect();
+        assert_eq!(rss, (1..=30).collect::<Vec<_>>());
+        let requests: Vec<(i64, bool)> = e
+            .events
+            .iter()
+            .map(|ev| match &ev.kind {
+                Some(pb::event::Kind::Request(b)) => (ev.time_ns, b.start),
+                _ => panic!("not a request event"),
+            })
+            .collect();
+        assert_eq!(requests.len(), 60);
+        assert!(requests
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0 && w[0].1 != w[1].1));
+        // The timeline shows the same, each under the message's seq.
+        let t = store.timeline("a1", 0, 0, 0).unwrap();
+        assert_eq!(t.samples.len(), 30);
+        assert_eq!(t.events.len(), 60);
+        assert!(t.samples.iter().all(|s| s.seq == 1) && t.events.iter().all(|e| e.seq == 1));
+        // A restart storm's count of request starts finds them too.
+        let starts = store.request_starts_of("svc", 0, i64::MAX).unwrap();
+        assert_eq!(starts.len(), 30);
+        assert_eq!(starts[0], 500_000_000);
     }
 
     /// A sample of host RSS `rss_mib` at `t_s` seconds.

@@ -618,12 +618,15 @@ impl Store {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// The times of request starts (`RequestBoundary` with `start`) sent by
-    /// any agent named `name` within [from_ns, to_ns).
+    /// The times of request starts (`RequestBoundary` with `start`, as an
+    /// event or in a batch of request readings) sent by any agent named
+    /// `name` within [from_ns, to_ns) (a batch by its sample's time).
     pub fn request_starts_of(&self, name: &str, from_ns: i64, to_ns: i64) -> Result<Vec<i64>> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT m.agent_id, m.seq, m.body FROM messages m JOIN agents a ON a.agent_id = m.agent_id
-             WHERE a.name = ?1 AND m.kind = 'event' AND m.event_kind = 'request' AND m.time_ns >= ?2 AND m.time_ns < ?3",
+             WHERE a.name = ?1 AND ((m.kind = 'event' AND m.event_kind = 'request')
+                                   OR (m.kind = 'sample' AND m.event_kind = 'requests'))
+               AND m.time_ns >= ?2 AND m.time_ns < ?3",
         )?;
         let rows = stmt.query_map(params![name, from_ns, to_ns], |r| {
             Ok((
@@ -635,10 +638,21 @@ impl Store {
         let mut times = Vec::new();
         for row in rows {
             let (agent_id, seq, body) = row?;
-            if let Some(Body::Event(e)) = decode_message(&agent_id, seq, &body)?.body {
-                if matches!(&e.kind, Some(EventKind::Request(r)) if r.start) {
-                    times.push(e.time_ns);
+            match decode_message(&agent_id, seq, &body)?.body {
+                Some(Body::Event(e)) => {
+                    if matches!(&e.kind, Some(EventKind::Request(r)) if r.start) {
+                        times.push(e.time_ns);
+                    }
                 }
+                Some(Body::Sample(s)) => {
+                    let readings = s.requests.iter().flat_map(|b| &b.readings);
+                    times.extend(
+                        readings
+                            .filter(|r| r.boundary.as_ref().is_some_and(|b| b.start))
+                            .map(|r| r.time_ns),
+                    );
+                }
+                _ => {}
             }
         }
         times.sort_unstable();
@@ -727,13 +741,23 @@ fn insert_incident_tx(tx: &Transaction<'_>, inc: &pb::Incident) -> Result<Option
 /// (kind, event_kind, time_ns) of a storable message; None for Hello or an empty body.
 fn classify(msg: &pb::AgentMessage) -> Option<(&'static str, Option<&'static str>, i64)> {
     match msg.body.as_ref()? {
-        Body::Sample(s) => Some(("sample", None, s.time_ns)),
+        // A sample carrying request readings is marked, so request starts
+        // are found without decoding every sample (`request_starts_of`).
+        Body::Sample(s) => Some((
+            "sample",
+            s.requests.is_some().then_some(REQUESTS_SAMPLE_KIND),
+            s.time_ns,
+        )),
         Body::Event(e) => Some(("event", Some(event_kind_name(e)), e.time_ns)),
         // Kept for the record (the exit code and reason); no timeline shows it.
         Body::Goodbye(_) => Some(("goodbye", None, now_ns())),
         Body::Hello(_) => None,
     }
 }
+
+/// `event_kind` of a stored sample that carries request readings
+/// (`Sample.requests`); other samples have none.
+pub const REQUESTS_SAMPLE_KIND: &str = "requests";
 
 /// The Event oneof's field name, as the proto spells it.
 pub fn event_kind_name(event: &pb::Event) -> &'static str {

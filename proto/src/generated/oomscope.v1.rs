@@ -869,11 +869,20 @@ pub struct Sample {
     /// kill bound to some nodes ran out there, whatever the host had free.
     #[prost(message, repeated, tag = "30")]
     pub numa_nodes: ::prost::alloc::vec::Vec<NumaNode>,
-    /// Field 40: far from the fields other work adds next. What the agent
+    /// Field 40 (and 41 below): far from the fields other work adds next. What the agent
     /// dropped unsent just before this sample (since the previous sample that
     /// reached the collector); absent when it dropped nothing.
     #[prost(message, optional, tag = "40")]
     pub dropped_before: ::core::option::Option<DroppedBefore>,
+    /// The requests that began or ended since the agent's previous such
+    /// sample, read on each request's own thread into the agent's ring
+    /// (agent-core `boundary_ring`): one message per batch, not one per
+    /// request. This sample is itself the boundary point of the newest end it
+    /// carries (its time and context); the collector expands the others into
+    /// the boundary points and request events they stand for (analysis
+    /// `request_readings::expand`).
+    #[prost(message, optional, tag = "41")]
+    pub requests: ::core::option::Option<RequestReadings>,
 }
 /// Messages an agent let go of, unsent, while the collector was unreachable
 /// (agent-core's reporter/ledger.rs). Without a spool its memory bound thins
@@ -896,6 +905,51 @@ pub struct DroppedBefore {
     /// thinned here: what was dropped went for another reason).
     #[prost(uint32, tag = "4")]
     pub stride: u32,
+}
+/// The request begins and ends one batch carries, oldest first, and what
+/// was thinned past the bound of requests one message keeps whole.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct RequestReadings {
+    #[prost(message, repeated, tag = "1")]
+    pub readings: ::prost::alloc::vec::Vec<RequestReading>,
+    /// Requests that ended in this batch but past the bound: not kept one by
+    /// one (nor their begins); their extremes are (the lowest and highest
+    /// RSS, the newest, and every failed one), the rest is counted here.
+    #[prost(uint64, tag = "2")]
+    pub thinned_requests: u64,
+    #[prost(uint64, tag = "3")]
+    pub thinned_prompt_tokens: u64,
+    #[prost(uint64, tag = "4")]
+    pub thinned_output_tokens: u64,
+    /// The span of the thinned requests' ends (0 when none).
+    #[prost(int64, tag = "5")]
+    pub thinned_from_ns: i64,
+    #[prost(int64, tag = "6")]
+    pub thinned_to_ns: i64,
+}
+/// One request's begin or end, read on its thread when it happened.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct RequestReading {
+    #[prost(int64, tag = "1")]
+    pub time_ns: i64,
+    /// The begin or end, as a `request` event carries it.
+    #[prost(message, optional, tag = "2")]
+    pub boundary: ::core::option::Option<RequestBoundary>,
+    /// At an end: the process's RSS then (0: not read), its context (phase
+    /// "after_request", requests_done counting it), the interpreter's
+    /// allocated blocks (0: not read) and the allocators where read then.
+    #[prost(uint64, tag = "3")]
+    pub rss_bytes: u64,
+    #[prost(message, optional, tag = "4")]
+    pub context: ::core::option::Option<RequestContext>,
+    #[prost(uint64, tag = "5")]
+    pub allocated_blocks: u64,
+    #[prost(message, repeated, tag = "6")]
+    pub allocator: ::prost::alloc::vec::Vec<AllocatorStats>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

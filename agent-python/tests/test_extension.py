@@ -343,8 +343,8 @@ def test_phase_gc_and_census_events(collector):
 def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
     # vLLM freezes its start-up heap in every process (vllm.utils.gc_utils.
     # freeze_gc_heap: a full collection, then gc.freeze()). gc lists nothing
-    # frozen, so the census sees only what came after, and the engine and its
-    # dict that retain the leak are in no listing. The censuses run where a
+    # frozen, so the engine and its dict that retain the leak are in no gc
+    # listing; the census's walk from the modules reaches them. The censuses run where a
     # server's do, on the agent's own thread (one every 10 requests).
     out = run_py("""
         import gc, json, time, torch, oomscope
@@ -376,8 +376,9 @@ def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
     censuses = events(collector.timeline("frozen"), "heap_census")
     assert len(censuses) == 3, censuses
     last = censuses[-1]
-    # The scenario: most of the heap frozen, out of the census's listing.
-    assert frozen > 100_000 and last["objects_scanned"] < 5_000, (frozen, last["objects_scanned"])
+    # The scenario: most of the heap frozen, out of what gc lists; the
+    # census walks down from the modules, so it sees the frozen heap too.
+    assert frozen > 100_000 and last["objects_scanned"] > frozen // 2, (frozen, last["objects_scanned"])
     by = {t["type_name"]: t["count"] for t in last["types"]}
     assert by.get("__main__.Resp") == 30, by
     chain = last["referrer_chain"]

@@ -72,7 +72,8 @@ fn roots<'py>(py: Python<'py>, gc: &Bound<'py, PyModule>) -> PyResult<Vec<Bound<
     Ok(out)
 }
 
-/// Walks the heap from [`roots`] in `slices`, breadth first, calling
+/// Walks the heap from [`roots`] in `slices`, breadth first (then from
+/// what gc's young generations hold that no root reached), calling
 /// `visit(obj, container)` once for each container reached and for each
 /// other object at each place it is held (the visitor counts an untracked
 /// buffer once). Returns the containers in the order reached, and whether
@@ -93,29 +94,66 @@ pub(super) fn walk<'py>(
         }
     }
     let mut at = 0;
-    while at < objects.len() {
-        if !slices.step() {
-            return Ok((Listing { objects }, false));
-        }
-        let end = (at + REFERENTS_CHUNK).min(objects.len());
-        let chunk = untracked(PyTuple::new(py, objects[at..end].iter())?);
-        let held = untracked(referents.call1(chunk)?.cast_into::<PyList>()?);
-        at = end;
-        // A chunk's referents can be many (a large dict or list in it), so
-        // the clock is read among them too.
-        for (j, r) in held.iter().enumerate() {
-            if j % CLOCK_EVERY == CLOCK_EVERY - 1 && !slices.step() {
+    let mut young_listed = false;
+    loop {
+        while at < objects.len() {
+            if !slices.step() {
                 return Ok((Listing { objects }, false));
             }
-            if !is_container(&r) {
-                visit(&r, false);
-            } else if seen.insert(r.as_ptr() as usize) {
-                visit(&r, true);
-                objects.push(r);
+            let end = (at + REFERENTS_CHUNK).min(objects.len());
+            let chunk = untracked(PyTuple::new(py, objects[at..end].iter())?);
+            let held = untracked(referents.call1(chunk)?.cast_into::<PyList>()?);
+            at = end;
+            // A chunk's referents can be many (a large dict or list in it), so
+            // the clock is read among them too.
+            for (j, r) in held.iter().enumerate() {
+                if j % CLOCK_EVERY == CLOCK_EVERY - 1 && !slices.step() {
+                    return Ok((Listing { objects }, false));
+                }
+                if !is_container(&r) {
+                    visit(&r, false);
+                } else if seen.insert(r.as_ptr() as usize) {
+                    visit(&r, true);
+                    objects.push(r);
+                }
+            }
+        }
+        if young_listed {
+            break;
+        }
+        // Then what gc's young generations hold that no root reaches:
+        // garbage cycles awaiting the collector (what gc_retained reads).
+        // Bounded by the collection thresholds, so cheap; with automatic
+        // collection off they hold everything made since, and listing them
+        // is one uncut pass again. Cycles already in the oldest generation
+        // are not seen.
+        young_listed = true;
+        for generation in [0u8, 1] {
+            let Ok(listed) = young(gc, generation) else {
+                continue;
+            };
+            for (j, obj) in listed.iter().enumerate() {
+                if j % CLOCK_EVERY == CLOCK_EVERY - 1 && !slices.step() {
+                    return Ok((Listing { objects }, false));
+                }
+                if seen.insert(obj.as_ptr() as usize) {
+                    visit(&obj, true);
+                    objects.push(obj);
+                }
             }
         }
     }
     Ok((Listing { objects }, true))
+}
+
+/// What gc lists in `generation`, out of gc's sight.
+fn young<'py>(gc: &Bound<'py, PyModule>, generation: u8) -> PyResult<Bound<'py, PyList>> {
+    let kwargs = PyDict::new(gc.py());
+    kwargs.set_item("generation", generation)?;
+    Ok(untracked(
+        gc.call_method("get_objects", (), Some(&kwargs))?
+            .cast_into::<PyList>()?,
+    ))
 }
 
 /// `obj` (a list or tuple the census made) out of gc's sight. A collection

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from conftest import wait_for
+from test_slow_leak import end
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "leak_shapes.py")
 GROWTH_CAUSES = ("leak", "host_growth", "slow_growth")
@@ -39,15 +40,6 @@ def run(collector, tmp_path, name, shape, requests, *pacing):
     line = proc.stdout.readline()
     assert line.startswith("done "), "the service failed: %s" % open(log.name).read()
     return proc, json.loads(line[len("done "):])
-
-
-def end(proc):
-    proc.stdin.close()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # (shape, the type named, the global that holds it)

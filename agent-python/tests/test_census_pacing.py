@@ -8,6 +8,7 @@ a real torch service (tests/programs/leak_shapes.py), read back through
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -105,3 +106,42 @@ def test_a_clean_loop_with_think_time_runs_the_baselines_only(collector, tmp_pat
         assert 0 < st["census_longest_hold_ms"], st
         found = [c["kind"] for c in d.get("causes", []) if c["kind"] in GROWTH_CAUSES]
         assert not found, "run %d: %s" % (run_no, d)
+
+
+SPAWNED = '''
+import multiprocessing as mp
+import sys
+
+keep = []
+
+
+def work(q):
+    import oomscope
+    oomscope.start(collector=sys.argv[1], name="spawned", census_every=0, census_auto=False)
+    oomscope.census(budget_s=30)
+    for i in range(20):
+        with oomscope.request(id=str(i)):
+            keep.append(bytes(100_000))
+    q.put(oomscope.census(budget_s=30)["referrer_chain"])
+
+
+if __name__ == "__main__":
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=work, args=(q,))
+    p.start()
+    print("CHAIN", " -> ".join(q.get(timeout=120)))
+    p.join()
+'''
+
+
+def test_a_spawned_workers_script_is_named_by_its_file(collector, tmp_path):
+    # multiprocessing's spawn runs the script in the worker as __mp_main__.
+    script = tmp_path / "leaky_worker.py"
+    script.write_text(SPAWNED)
+    env = dict(os.environ, OOMSCOPE_AUTOSTART="0")
+    env.pop("OOMSCOPE_COLLECTOR", None)
+    r = subprocess.run([sys.executable, str(script), collector.url], env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    chain = r.stdout.split("CHAIN ")[1].splitlines()[0]
+    assert re.fullmatch(r"module leaky_worker\.py global keep -> list\[\d+\] \(20 items\) -> bytes", chain), chain

@@ -121,13 +121,17 @@ pub(super) fn walk<'py>(
         if young_listed {
             break;
         }
-        // Then what gc's young generations hold that no root reaches:
-        // garbage cycles awaiting the collector (what gc_retained reads).
-        // Bounded by the collection thresholds, so cheap; with automatic
-        // collection off they hold everything made since, and listing them
-        // is one uncut pass again. Cycles already in the oldest generation
-        // are not seen.
+        // Then, with automatic collection off, what gc's young generations
+        // hold that no root reaches: garbage cycles piling up for want of a
+        // collector (what gc_retained reads); they hold everything made
+        // since, so listing them is one uncut pass again. With collection
+        // on, young garbage lasts a few hundred allocations: counting it
+        // would only add a request's temporaries to the census. Cycles
+        // already in the oldest generation are not seen.
         young_listed = true;
+        if gc.call_method0("isenabled")?.is_truthy()? {
+            break;
+        }
         for generation in [0u8, 1] {
             let Ok(listed) = young(gc, generation) else {
                 continue;

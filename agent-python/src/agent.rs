@@ -55,6 +55,7 @@ pub enum Job {
     Handoff,
     Census {
         budget: Duration,
+        why: census::Why,
     },
     Snapshot {
         device: Option<i32>,
@@ -98,6 +99,8 @@ pub struct Agent {
     /// `census()`) can interleave between their slices.
     pub censuses: AtomicU64,
     pub census_longest_hold: Mutex<(u64, u64)>,
+    /// Why each census ran (`stats()["census_reasons"]`).
+    pub census_reasons: Mutex<census::Reasons>,
     /// A census waits for a moment with no request in flight: every request
     /// end wakes the sampler to look, not only those that find the hand-off
     /// empty.
@@ -200,6 +203,7 @@ impl Agent {
             last_census: Mutex::new(None),
             censuses: AtomicU64::new(0),
             census_longest_hold: Mutex::new((0, 0)),
+            census_reasons: Mutex::new(census::Reasons::default()),
             census_waiting: AtomicBool::new(false),
             sampler: Sampler::new(JOB_QUEUE),
             hold_until,
@@ -411,6 +415,7 @@ impl Agent {
         if every > 0 && done % every == 0 {
             self.submit(Job::Census {
                 budget: self.config.census_budget,
+                why: census::Why::Every,
             });
         }
     }
@@ -578,7 +583,12 @@ impl Agent {
     /// A heap census now, on this thread (GIL held in slices), sent as an event.
     /// A sample with the context goes first, so the census's place in the
     /// request count is on record (the census message has no field for it).
-    pub fn census(&self, py: Python<'_>, budget: Duration) -> PyResult<pb::HeapCensus> {
+    pub fn census(
+        &self,
+        py: Python<'_>,
+        budget: Duration,
+        why: census::Why,
+    ) -> PyResult<pb::HeapCensus> {
         let (done, context) = {
             let c = lock(&self.context);
             (c.requests_done, c.to_pb(CENSUS_PHASE))
@@ -599,6 +609,7 @@ impl Agent {
         *lock(&self.last_census) = Some(Instant::now());
         let c = result?;
         self.censuses.fetch_add(1, Ordering::Relaxed);
+        lock(&self.census_reasons).record(why, done);
         {
             let mut longest = lock(&self.census_longest_hold);
             if c.longest_hold_ns > longest.0 {

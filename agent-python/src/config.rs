@@ -30,8 +30,9 @@ pub const DEFAULT_CENSUS_AUTO: bool = true;
 /// tables resident, 1 to 7 MiB a census (measured), and they add up. Off
 /// leaves the process's allocator untouched.
 pub const DEFAULT_CENSUS_TRIM: bool = true;
-/// And one every this long regardless of traffic (0 = never), so an idle
-/// server's heap is still on record.
+/// And one every this long (0 = never), only when no other census ran in
+/// it: an idle server's heap is still on record, and a busy one (whose
+/// baselines and suspicions already ran) pays nothing more.
 pub const DEFAULT_CENSUS_INTERVAL: Duration = Duration::from_secs(3600);
 /// A census's total time holding the GIL, over all its slices (each at most
 /// `census::SLICE`); it stops scanning, partial, when this runs out. One

@@ -349,7 +349,7 @@ fn run_census(py: Python<'_>, budget_s: Option<f64>) -> PyResult<Bound<'_, PyAny
             .map_or(config::DEFAULT_CENSUS_BUDGET, |a| a.config.census_budget),
     };
     let c = match a {
-        Some(a) => a.census(py, budget)?,
+        Some(a) => a.census(py, budget, census::Why::Call)?,
         None => census::run(py, budget, 0, &mut None)?,
     };
     Ok(pythonize(py, &c)?)
@@ -478,6 +478,15 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
     let Some(a) = current() else { return Ok(None) };
     let s = a.reporter.stats();
     let longest_hold = *lock(&a.census_longest_hold);
+    let (reasons, recent) = {
+        let r = lock(&a.census_reasons);
+        let recent: Vec<serde_json::Value> = r
+            .recent
+            .iter()
+            .map(|(why, done)| serde_json::json!({"reason": why, "requests_done": done}))
+            .collect();
+        (r.counts.clone(), recent)
+    };
     let v = serde_json::json!({
         "agent_id": a.agent_id, "pid": a.pid, "sent": s.sent, "acked": s.acked, "dropped": s.dropped,
         "spooled": s.spooled, "rejected": s.rejected, "connected": s.connected,
@@ -492,6 +501,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "censuses": a.censuses.load(Ordering::Relaxed),
         "census_longest_hold_ms": longest_hold.0 as f64 / 1e6,
         "census_longest_hold_cpu_ms": longest_hold.1 as f64 / 1e6,
+        "census_reasons": reasons, "census_recent": recent,
         "torch_hooks_missing": lock(&a.hooks_missing).clone(),
     });
     Ok(Some(pythonize(py, &v)?))

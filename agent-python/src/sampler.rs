@@ -16,8 +16,9 @@ use oomscope_agent_core::{lock, pb};
 use pyo3::prelude::*;
 
 use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
+use crate::census::{self, Why};
 use crate::devices::{self, Which};
-use crate::suspicion::{Reading, Suspicion};
+use crate::suspicion::{Reading, Reason, Suspicion};
 
 pub use crate::context::PERIODIC_PHASE;
 /// The longest a census due by request count waits for a moment with no
@@ -91,8 +92,8 @@ struct PythonReaders {
     reader: HostReader,
     boundaries: Boundaries,
     /// A census asked for by request count, waiting for a quiet moment:
-    /// (budget, the latest moment it waits until).
-    census: Option<(Duration, Instant)>,
+    /// (budget, the latest moment it waits until, why).
+    census: Option<(Duration, Instant, Why)>,
     /// When the next census by time is due; None when they are off.
     next_census: Option<Instant>,
     /// Censuses on suspicion; None when `census_auto` is off.
@@ -156,30 +157,35 @@ impl PythonReaders {
             return;
         };
         s.observe(reading);
-        if s.due(Instant::now()).is_some() {
-            self.wait_census(self.agent.config.census_budget);
+        if let Some(reason) = s.due(Instant::now()) {
+            let why = match reason {
+                Reason::Baseline => Why::Baseline,
+                Reason::Blocks => Why::Suspicion("blocks"),
+                Reason::Rss => Why::Suspicion("rss"),
+            };
+            self.wait_census(self.agent.config.census_budget, why);
         }
     }
 
     /// Between requests the heap holds what requests left behind, not the
     /// temporaries of one mid-step: a census waits (a little) for no request
     /// in flight, looked at as each request ends (`Agent::census_waiting`).
-    fn wait_census(&mut self, budget: Duration) {
+    fn wait_census(&mut self, budget: Duration, why: Why) {
         self.census
-            .get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT));
+            .get_or_insert((budget, Instant::now() + CENSUS_IDLE_WAIT, why));
         self.agent.census_waiting.store(true, Ordering::Relaxed);
     }
 
     /// A census now (GIL in slices); the suspicion starts over from it.
-    fn census_now(&mut self, budget: Duration) {
-        self.census_if(budget, false);
+    fn census_now(&mut self, budget: Duration, why: Why) {
+        self.census_if(budget, why, false);
     }
 
     /// A census, unless `idle_only` and a request is in flight once this
     /// thread holds the GIL: one may have begun while it waited for the GIL,
     /// and the census would count its temporaries. False if it did not run
     /// for that reason (the next request end looks again).
-    fn census_if(&mut self, budget: Duration, idle_only: bool) -> bool {
+    fn census_if(&mut self, budget: Duration, why: Why, idle_only: bool) -> bool {
         let agent = &self.agent;
         let attempt = Python::try_attach(|py| {
             let done = {
@@ -189,10 +195,16 @@ impl PythonReaders {
                 }
                 c.requests_done
             };
-            match agent.census(py, budget) {
-                Ok(c) => Attempt::Taken {
+            // The census's cost to the duty cycle is this thread's CPU time
+            // in it, not the GIL's wall time held: on a loaded machine the
+            // thread is descheduled within its slices (207 ms held for 117
+            // ms of CPU measured at load 5 on 2 cores, 4x at load 11), and
+            // that wait would space the censuses out for nothing.
+            let cpu = census::thread_cpu();
+            match agent.census(py, budget, why) {
+                Ok(_) => Attempt::Taken {
                     done,
-                    cost: Duration::from_nanos(c.duration_ns),
+                    cost: census::thread_cpu().saturating_sub(cpu),
                 },
                 Err(e) => {
                     tracing::warn!(error = %e, "oomscope: heap census failed");
@@ -218,7 +230,7 @@ impl PythonReaders {
 enum Attempt {
     /// A request was in flight: not taken.
     Busy,
-    /// Taken after `done` requests, holding the GIL for `cost` in all.
+    /// Taken after `done` requests, at `cost` of this thread's CPU.
     Taken { done: u64, cost: Duration },
     /// The census failed, or the interpreter is gone.
     Failed,
@@ -235,12 +247,14 @@ impl Readers for PythonReaders {
             self.next_census = Some(Instant::now() + agent.config.census_interval);
             // Held, nobody hears it, and a process that never proves to be
             // a server (a load generator, held for its whole life) should
-            // not pay for one: the hour counts again from now.
+            // not pay for one: the hour counts again from now. Only when no
+            // other census ran in the whole interval: it keeps an idle
+            // server's heap on record, and never adds to a busy one's.
             let held = agent.reporter.held();
             let recent = lock(&agent.last_census)
-                .is_some_and(|t| t.elapsed() < agent.config.census_interval / 2);
+                .is_some_and(|t| t.elapsed() < agent.config.census_interval);
             if !(held || recent) {
-                self.census_now(agent.config.census_budget);
+                self.census_now(agent.config.census_budget, Why::Interval);
             }
         }
     }
@@ -248,8 +262,8 @@ impl Readers for PythonReaders {
     fn job(&mut self, job: Job, _: &Reporter) {
         match job {
             Job::Handoff => self.boundaries.signalled = true,
-            Job::Census { budget } => {
-                self.wait_census(budget);
+            Job::Census { budget, why } => {
+                self.wait_census(budget, why);
             }
             Job::Snapshot { device } => {
                 Python::try_attach(|py| self.agent.snapshot(py, device));
@@ -277,7 +291,7 @@ impl Readers for PythonReaders {
                 } else {
                     agent.config.census_budget
                 };
-                self.census_now(budget);
+                self.census_now(budget, Why::Directive);
             }
             _ => {}
         }
@@ -294,10 +308,10 @@ impl Readers for PythonReaders {
         if self.boundaries.take_due() {
             self.take_handoff();
         }
-        if let Some((budget, until)) = self.census {
+        if let Some((budget, until, why)) = self.census {
             let waited = Instant::now() >= until;
             if (waited || lock(&agent.context).in_flight.is_empty())
-                && self.census_if(budget, !waited)
+                && self.census_if(budget, why, !waited)
             {
                 self.census = None;
                 self.agent.census_waiting.store(false, Ordering::Relaxed);
@@ -307,7 +321,7 @@ impl Readers for PythonReaders {
     }
 
     fn next_wake(&self) -> Option<Instant> {
-        let census = self.census.map(|(_, until)| until);
+        let census = self.census.map(|(_, until, _)| until);
         [self.boundaries.due(), census, self.held_until()]
             .into_iter()
             .flatten()

@@ -336,7 +336,9 @@ def test_phase_gc_and_census_events(collector):
     assert "TENSOR 20000" in out, out  # 20 x 1000 bytes, views counted once
     chain = out.split("CHAIN ")[1].splitlines()[0]
     assert chain.startswith("module __main__ global keep"), chain
-    assert "__main__.Retained" in chain and "torch.Tensor[cpu]" in chain, chain
+    # The top grower is the 10,000-byte payload (the census reaches the
+    # bytes each Retained holds), held through its attribute.
+    assert "__main__.Retained.payload" in chain and chain.endswith("<- bytes"), chain
     t = collector.timeline("events")
     phases = events(t, "phase")
     assert [(p["name"], p["start"]) for p in phases] == [("load", True), ("load", False)]
@@ -349,8 +351,8 @@ def test_phase_gc_and_census_events(collector):
 def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
     # vLLM freezes its start-up heap in every process (vllm.utils.gc_utils.
     # freeze_gc_heap: a full collection, then gc.freeze()). gc lists nothing
-    # frozen, so the census sees only what came after, and the engine and its
-    # dict that retain the leak are in no listing. The censuses run where a
+    # frozen, so the engine and its dict that retain the leak are in no gc
+    # listing; the census's walk from the modules reaches them. The censuses run where a
     # server's do, on the agent's own thread (one every 10 requests).
     out = run_py("""
         import gc, json, time, torch, oomscope
@@ -372,6 +374,12 @@ def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
             with oomscope.request(id=str(i)):
                 engine.outputs[i] = Resp(i)
             time.sleep(0.01)
+            # Each census before the next ten requests: the walk sees the
+            # frozen heap too (~200 ms here), and one run late would share
+            # its place in the request count with the next.
+            deadline = time.monotonic() + 60
+            while oomscope.stats()["censuses"] < (i + 1) // 10 and time.monotonic() < deadline:
+                time.sleep(0.01)
         deadline = time.monotonic() + 60
         while oomscope.stats()["censuses"] < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -382,8 +390,9 @@ def test_a_frozen_heap_still_gets_the_whole_referrer_chain(collector):
     censuses = events(collector.timeline("frozen"), "heap_census")
     assert len(censuses) == 3, censuses
     last = censuses[-1]
-    # The scenario: most of the heap frozen, out of the census's listing.
-    assert frozen > 100_000 and last["objects_scanned"] < 5_000, (frozen, last["objects_scanned"])
+    # The scenario: most of the heap frozen, out of what gc lists; the
+    # census walks down from the modules, so it sees the frozen heap too.
+    assert frozen > 100_000 and last["objects_scanned"] > frozen // 2, (frozen, last["objects_scanned"])
     by = {t["type_name"]: t["count"] for t in last["types"]}
     assert by.get("__main__.Resp") == 30, by
     chain = last["referrer_chain"]

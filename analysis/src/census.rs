@@ -428,6 +428,100 @@ fn host_significance(
     })
 }
 
+/// Two whole censuses this many requests apart or more name a growing
+/// type; closer ones mostly differ by the temporaries each caught.
+pub const MIN_NAMING_REQUESTS: u64 = 20;
+
+/// What the censuses say grew, when they are too few (or too young) for
+/// [`growth_over`]'s trend: the type whose bytes grew most per request
+/// between an earlier whole census and the latest, and the chain the agent
+/// found for it. It names and sizes a growth the host readings proved; it
+/// proves nothing by itself.
+#[derive(Clone, Debug)]
+pub struct NamedGrowth<'a> {
+    pub name: String,
+    pub bytes_per_request: f64,
+    pub objects_per_request: f64,
+    pub from: CensusPoint<'a>,
+    pub to: CensusPoint<'a>,
+    /// The latest chain whose leaf is this type, outermost first.
+    pub chain: &'a [String],
+}
+
+impl NamedGrowth<'_> {
+    /// "the heap census names the growing type: bytes +195.3 KiB (+1.0 objects) per request (99% of the host growth) between censuses at requests 40 and 90"
+    pub fn line(&self, host_per_request: f64) -> String {
+        let mut line = format!(
+            "the heap census names the growing type: {} +{} (+{:.1} objects) per request",
+            self.name,
+            bytes_short(self.bytes_per_request.max(0.0).round() as u64),
+            self.objects_per_request.max(0.0),
+        );
+        if host_per_request > 0.0 {
+            line.push_str(&format!(
+                " ({:.0}% of the host growth)",
+                100.0 * self.bytes_per_request / host_per_request
+            ));
+        }
+        line.push_str(&format!(
+            " between censuses at requests {} and {}",
+            self.from.requests_done, self.to.requests_done
+        ));
+        line
+    }
+
+    /// "held by a -> b -> c", when the agent found a chain.
+    pub fn chain_line(&self) -> Option<String> {
+        (!self.chain.is_empty()).then(|| format!("held by {}", self.chain.join(" -> ")))
+    }
+}
+
+/// The type that grew most in bytes per request from the latest whole
+/// census at least [`MIN_NAMING_REQUESTS`] before the last one (else the
+/// first) to the last, with its chain where a census found one.
+pub fn named_growth<'a>(pts: &[CensusPoint<'a>]) -> Option<NamedGrowth<'a>> {
+    let to = *pts.last()?;
+    let from = *pts
+        .iter()
+        .rev()
+        .find(|p| p.requests_done + MIN_NAMING_REQUESTS <= to.requests_done)
+        .or_else(|| pts.first())?;
+    let requests = to.requests_done.checked_sub(from.requests_done)? as f64;
+    if requests < 1.0 {
+        return None;
+    }
+    let (name, db, dc) = to
+        .census
+        .types
+        .iter()
+        .filter_map(|t| {
+            // A type the earlier census did not list was under its lists'
+            // cut, not absent: its growth from there is unknown.
+            let before = from.get(&t.type_name)?;
+            let db = t.bytes as f64 - before.bytes as f64;
+            let dc = t.count as f64 - before.count as f64;
+            (db > 0.0).then_some((t.type_name.as_str(), db, dc))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(a.0)))?;
+    let chain = pts
+        .iter()
+        .rev()
+        .map(|p| p.census.referrer_chain.as_slice())
+        .find(|c| {
+            c.last()
+                .is_some_and(|leaf| leaf.split(' ').next() == Some(name))
+        })
+        .unwrap_or(&[]);
+    Some(NamedGrowth {
+        name: name.to_string(),
+        bytes_per_request: db / requests,
+        objects_per_request: dc / requests,
+        from,
+        to,
+        chain,
+    })
+}
+
 /// Growth that a full collection gave back: not a leak.
 #[derive(Clone, Debug)]
 pub struct HeapReclaim<'a> {
@@ -511,4 +605,81 @@ pub fn verdict<'a>(f: &Findings<'a>) -> Option<HeapVerdict<'a>> {
         return Some(HeapVerdict::Retained(r));
     }
     growth_over(&pts, &f.timeline).map(HeapVerdict::Growing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn census(types: &[(&str, u64, u64)], chain: &[&str]) -> pb::HeapCensus {
+        pb::HeapCensus {
+            types: types
+                .iter()
+                .map(|(n, c, b)| pb::TypeCount {
+                    type_name: n.to_string(),
+                    count: *c,
+                    bytes: *b,
+                })
+                .collect(),
+            referrer_chain: chain.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn at(requests_done: u64, census: &pb::HeapCensus) -> CensusPoint<'_> {
+        CensusPoint {
+            time_ns: requests_done as i64,
+            requests_done,
+            census,
+        }
+    }
+
+    #[test]
+    fn two_censuses_name_the_type_that_grew_most_and_its_chain() {
+        let chain = [
+            "module __main__ global payloads",
+            "dict['r0'] (90 items)",
+            "bytes",
+        ];
+        let a = census(&[("bytes", 100, 1_000_000), ("dict", 5000, 900_000)], &[]);
+        let b = census(&[("bytes", 180, 17_384_000), ("dict", 5004, 905_000)], &[]);
+        let c = census(
+            &[("bytes", 190, 19_432_000), ("dict", 5004, 905_000)],
+            &chain,
+        );
+        // The latest census 20 or more requests before the last: b at 45
+        // is too close to c at 60, so the growth runs from a at 10.
+        let pts = [at(10, &a), at(45, &b), at(60, &c)];
+        let n = named_growth(&pts).unwrap();
+        assert_eq!(n.name, "bytes");
+        assert_eq!((n.from.requests_done, n.to.requests_done), (10, 60));
+        assert_eq!(n.bytes_per_request, (19_432_000.0 - 1_000_000.0) / 50.0);
+        assert_eq!(n.objects_per_request, 90.0 / 50.0);
+        assert_eq!(
+            n.chain_line().unwrap(),
+            "held by module __main__ global payloads -> dict['r0'] (90 items) -> bytes"
+        );
+        assert!(n.line(368_640.0).contains("bytes +360.0 KiB (+1.8 objects) per request (100% of the host growth) between censuses at requests 10 and 60"), "{}", n.line(368_640.0));
+    }
+
+    #[test]
+    fn a_chain_for_another_type_is_not_this_ones() {
+        let a = census(&[("list", 10, 1000)], &[]);
+        let b = census(
+            &[("list", 50, 9000)],
+            &[
+                "module m global cache",
+                "dict['k'] (3 items)",
+                "torch.Tensor[cpu] torch.Size([4])",
+            ],
+        );
+        let pts = [at(10, &a), at(40, &b)];
+        let n = named_growth(&pts).unwrap();
+        assert_eq!(n.name, "list");
+        assert!(n.chain.is_empty(), "{:?}", n.chain);
+        // One census, or none that grew: nothing to name.
+        assert!(named_growth(&pts[..1]).is_none());
+        let flat = [at(10, &a), at(40, &a)];
+        assert!(named_growth(&flat).is_none());
+    }
 }

@@ -1,7 +1,8 @@
-//! The Python heap census: objects and bytes by type, from one scan of
-//! what gc tracks (plus the untracked bytes/arrays those objects
-//! hold), under a time budget, with growth per completed request against the
-//! previous census and one referrer chain for the top grower.
+//! The Python heap census: objects and bytes by type, from one walk of the
+//! heap down from the modules' globals (`listing::walk`: every container,
+//! tracked or frozen or not, and the bytes/arrays they hold), under a time
+//! budget, with growth per completed request against the previous census
+//! and one referrer chain for the top grower.
 //!
 //! It holds the GIL in slices of at most [`SLICE`] and lets it go between
 //! them, so a request thread waits one slice at most, never the whole scan;
@@ -13,18 +14,19 @@ use std::time::Duration;
 
 use oomscope_agent_core::pb;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyType};
 
 mod chain;
 mod listing;
 mod names;
+mod reasons;
 mod slices;
 
 use chain::referrer_chain;
 pub use chain::MAX_CHAIN;
-use listing::{tracked_objects, untracked, REFERENTS_CHUNK};
 pub use names::type_name;
-pub use slices::{Slices, SLICE};
+pub use reasons::{Reasons, Why};
+pub use slices::{thread_cpu, Slices, SLICE};
 
 /// (count, bytes) by type name.
 type Counts = HashMap<String, (u64, u64)>;
@@ -34,15 +36,13 @@ type Counts = HashMap<String, (u64, u64)>;
 pub const TOP_TYPES: usize = 64;
 /// The share of the budget the scan may use; the referrer chain has the rest.
 const SCAN_SHARE: f64 = 0.75;
-/// Objects scanned between two looks at the clock.
-const CLOCK_EVERY: usize = 256;
 
 /// The counts of one census, kept to measure the next one's growth.
 #[derive(Debug, Default, Clone)]
 pub struct Baseline {
     pub by_type: HashMap<String, (u64, u64)>,
     pub requests_done: u64,
-    /// Addresses of the tracked objects it saw: the next census starts its
+    /// Addresses of the objects it saw: the next census starts its
     /// referrer chain at an object that is new since (8 bytes an object,
     /// bounded by the heap itself).
     pub addresses: HashSet<usize>,
@@ -66,51 +66,35 @@ struct TypeInfo {
 }
 
 /// One type's count and bytes, and the instance its referrer chain would
-/// start at. Untracked objects (bytes, arrays) keep none: their holders are
-/// tracked and grow with them.
+/// start at.
 #[derive(Default)]
 struct Tally<'py> {
     count: u64,
     bytes: u64,
-    /// The first instance the previous census did not see.
+    /// The first instance reached that the previous census did not see.
     new: Option<Bound<'py, PyAny>>,
-    /// The first instance in gc's young generations (0 and 1): one made in
-    /// the last few thousand allocations that survived them. A new object
-    /// may reuse the address of a temporary the previous census saw, so a
-    /// steady leak can show no new instance at all.
-    young: Option<Bound<'py, PyAny>>,
-    /// The last instance scanned, for want of both.
-    last: Option<Bound<'py, PyAny>>,
+    /// The first instance reached (nearest the globals), for want of a new
+    /// one: a new object may reuse the address of a temporary the previous
+    /// census saw, so a steady leak can show no new instance at all.
+    first: Option<Bound<'py, PyAny>>,
 }
 
 impl<'py> Tally<'py> {
-    fn add(&mut self, bytes: u64, obj: Option<(&Bound<'py, PyAny>, Age)>) {
+    fn add(&mut self, bytes: u64, obj: &Bound<'py, PyAny>, new: bool) {
         self.count += 1;
         self.bytes = self.bytes.saturating_add(bytes);
-        if let Some((obj, age)) = obj {
-            if age.new && self.new.is_none() {
-                self.new = Some(obj.clone());
-            }
-            if age.young && self.young.is_none() {
-                self.young = Some(obj.clone());
-            }
-            self.last = Some(obj.clone());
+        if new && self.new.is_none() {
+            self.new = Some(obj.clone());
+        }
+        if self.first.is_none() {
+            self.first = Some(obj.clone());
         }
     }
 
-    /// A new instance where there is one, else a young one, else any.
+    /// A new instance where there is one, else the first reached.
     fn instance(self) -> Option<Bound<'py, PyAny>> {
-        self.new.or(self.young).or(self.last)
+        self.new.or(self.first)
     }
-}
-
-/// How recent a tracked object is, two ways.
-#[derive(Clone, Copy)]
-struct Age {
-    /// Not seen by the previous census (any is, without one).
-    new: bool,
-    /// Listed from gc's generation 0 or 1.
-    young: bool,
 }
 
 struct Scanner<'py> {
@@ -168,41 +152,34 @@ impl<'py> Scanner<'py> {
         &self.types[&key]
     }
 
-    /// Whether `obj` is a tracked object the previous census did not see
-    /// (any is, without one).
+    /// Whether `obj` is an object the previous census did not see (any is,
+    /// without one).
     fn is_new(&mut self, obj: &Bound<'py, PyAny>) -> bool {
         let address = obj.as_ptr() as usize;
         self.addresses.insert(address);
         self.previous.as_ref().is_none_or(|p| !p.contains(&address))
     }
 
-    /// Counts one object; `tracked` tells whether it came from
-    /// gc.get_objects, `young` whether from its generation 0 or 1.
-    fn count(&mut self, obj: &Bound<'py, PyAny>, tracked: bool, young: bool) {
+    /// Counts one object: every container once (the walk reaches each
+    /// once), a buffer or array once however many hold it, nothing else.
+    fn count(&mut self, obj: &Bound<'py, PyAny>, container: bool) {
         let key = obj.get_type().as_ptr() as usize;
-        let age = Age {
-            new: tracked && self.is_new(obj),
-            young,
-        };
-        // Only a tracked object may start the referrer chain.
-        let instance = tracked.then_some((obj, age));
         let (kind, basicsize) = {
             let i = self.info(obj);
             (i.kind, i.basicsize)
         };
-        if !tracked && !matches!(kind, Kind::Buffer | Kind::Ndarray) {
+        if !container && !matches!(kind, Kind::Buffer | Kind::Ndarray) {
             return;
         }
-        if matches!(kind, Kind::Buffer | Kind::Ndarray)
-            && !self.seen_untracked.insert(obj.as_ptr() as usize)
-        {
+        if !container && !self.seen_untracked.insert(obj.as_ptr() as usize) {
             return;
         }
+        let new = self.is_new(obj);
         self.scanned += 1;
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                self.tensors.entry(name).or_default().add(bytes, instance);
+                self.tensors.entry(name).or_default().add(bytes, obj, new);
                 return;
             }
             Kind::Ndarray => {
@@ -223,10 +200,10 @@ impl<'py> Scanner<'py> {
                 .unwrap_or(basicsize),
             Kind::Plain => basicsize,
         };
-        self.plain.entry(key).or_default().add(bytes, instance);
+        self.plain.entry(key).or_default().add(bytes, obj, new);
     }
 
-    /// Counts by type name, with one instance of each tracked type.
+    /// Counts by type name, with one instance of each type.
     fn finish(self) -> (Counts, HashMap<String, Bound<'py, PyAny>>) {
         let mut by_type: HashMap<String, (u64, u64)> = HashMap::new();
         let mut sample = HashMap::new();
@@ -308,47 +285,8 @@ pub fn run(
         previous: baseline.as_mut().map(|b| std::mem::take(&mut b.addresses)),
         addresses: HashSet::new(),
     };
-    // The listing starts a slice of its own.
-    slices.end_slice();
-    let objects = tracked_objects(&gc)?;
-    let young = objects.young;
-    let mut complete = true;
-    for (i, obj) in objects.iter().enumerate() {
-        if i % CLOCK_EVERY == 0 && !slices.step() {
-            complete = false;
-            break;
-        }
-        s.count(&obj, true, i < young);
-    }
-    // bytes, bytearrays and (in most numpy versions) arrays are not tracked
-    // by gc: find them among what the tracked objects hold.
-    if complete {
-        for chunk in objects.chunks(REFERENTS_CHUNK) {
-            if !slices.step() {
-                complete = false;
-                break;
-            }
-            let args = untracked(PyTuple::new(py, chunk.iter())?);
-            let referents = untracked(
-                gc.getattr("get_referents")?
-                    .call1(args)?
-                    .cast_into::<PyList>()?,
-            );
-            // A chunk's referents can be many (a large dict or list in
-            // it), so the clock is read among them too.
-            for (j, r) in referents.iter().enumerate() {
-                if j % CLOCK_EVERY == CLOCK_EVERY - 1 && !slices.step() {
-                    complete = false;
-                    break;
-                }
-                s.count(&r, false, false);
-            }
-            if !complete {
-                break;
-            }
-        }
-    }
-    let lists = objects.addresses();
+    let (objects, complete) =
+        listing::walk(&mut slices, &gc, |obj, container| s.count(obj, container))?;
     let scanned = s.scanned;
     let addresses = std::mem::take(&mut s.addresses);
     s.previous = None;
@@ -363,14 +301,8 @@ pub fn run(
     let mut chain = Vec::new();
     if let Some(obj) = top.as_ref().and_then(|n| sample.get(n)) {
         slices.budget = budget;
-        chain = referrer_chain(
-            &mut slices,
-            top.as_deref().unwrap_or(""),
-            obj,
-            &objects,
-            &lists,
-        )
-        .unwrap_or_default();
+        chain = referrer_chain(&mut slices, top.as_deref().unwrap_or(""), obj, &objects)
+            .unwrap_or_default();
     }
     drop(objects);
     let mut census = pb::HeapCensus {

@@ -33,6 +33,26 @@ pub(super) fn is_module_globals(holder: &Bound<'_, PyAny>) -> bool {
     })
 }
 
+/// A module's name from its globals. A script that multiprocessing's spawn
+/// runs in a worker is `__mp_main__` there: it is named by its file instead,
+/// as the user knows it.
+fn module_name(globals: &Bound<'_, PyDict>) -> String {
+    let get = |k: &str| {
+        globals
+            .get_item(k)
+            .ok()
+            .flatten()
+            .and_then(|v| v.extract::<String>().ok())
+    };
+    let name = get("__name__").unwrap_or_default();
+    match get("__file__") {
+        Some(file) if name == "__mp_main__" => std::path::Path::new(&file)
+            .file_name()
+            .map_or(file.clone(), |f| f.to_string_lossy().into_owned()),
+        _ => name,
+    }
+}
+
 /// How `holder` holds `child`, and whether `holder` is a module's globals.
 pub(super) fn describe_holder(
     holder: &Bound<'_, PyAny>,
@@ -48,25 +68,16 @@ pub(super) fn describe_holder(
     };
     if let Ok(d) = holder.cast::<PyDict>() {
         let key = d.iter().find(|(_, v)| v.is(child)).map(|(k, _)| k);
-        let module = is_module_globals(holder)
-            .then(|| d.get_item("__name__").ok().flatten())
-            .flatten();
+        let module = is_module_globals(holder).then(|| module_name(d));
         return match (module, key) {
             (Some(m), Some(k)) => (
                 format!(
-                    "module {} global {}",
-                    m.str().map(|s| s.to_string()).unwrap_or_default(),
+                    "module {m} global {}",
                     k.str().map(|s| s.to_string()).unwrap_or_default()
                 ),
                 true,
             ),
-            (Some(m), None) => (
-                format!(
-                    "module {} globals",
-                    m.str().map(|s| s.to_string()).unwrap_or_default()
-                ),
-                true,
-            ),
+            (Some(m), None) => (format!("module {m} globals"), true),
             (None, Some(k)) => (format!("dict[{}] ({} items)", short(&k), d.len()), false),
             (None, None) => (format!("dict ({} items)", d.len()), false),
         };

@@ -117,6 +117,16 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
             "retained_type_bytes_per_request",
             g.top.bytes_per_request().round(),
         ));
+    } else if let Some(n) = census::named_growth(&census::points(&f.evidence.events, &f.timeline)) {
+        // Too few censuses for the heap's own verdict: they still name
+        // and size what the host readings proved grows.
+        evidence.push(n.line(t.bytes_per_request()));
+        evidence.extend(n.chain_line());
+        metrics.push((
+            "retained_type_bytes_per_request",
+            n.bytes_per_request.round(),
+        ));
+        metrics.push(("retained_objects_per_request", n.objects_per_request));
     }
     metrics.extend(runway.iter().flat_map(|r| r.metrics()));
     if let Some(line) = runway

@@ -9,7 +9,10 @@ agent's own CPU per request, from /proc/self/task/*/stat of its threads
 (named oomscope-*), and the censuses it ran.
 
     .venv/bin/python agent-python/bench/overhead.py [--requests 3000] [--collector URL]
-        [--modes plain,oomscope] [--rounds 15]
+        [--modes plain,oomscope] [--rounds 15] [--think-ms 5]
+
+--think-ms sleeps that long between requests (every mode alike): a paced
+service, whose requests' boundaries do not coalesce as a tight loop's do.
 
 With --rounds the modes run in turn that many times and the table gives
 each mode's median and minimum wall time against plain's.
@@ -65,7 +68,7 @@ class Ticker(threading.Thread):
             last = now
 
 
-def one_mode(mode, requests, collector):
+def one_mode(mode, requests, collector, think_s=0.0):
     import torch
     w = torch.randn(256, 256)
     ctx = None
@@ -101,6 +104,8 @@ def one_mode(mode, requests, collector):
             torch.randn(32, 256) @ w
             {k: [k, k + 1, k + 2] for k in range(50)}
         times[i] = time.perf_counter() - s
+        if think_s:
+            time.sleep(think_s)
     wall = time.perf_counter() - t0
     cpu = agent_cpu_s() - cpu0
     ticker.running = False
@@ -129,12 +134,14 @@ def main():
     p.add_argument("--mode", choices=MODES, help="run one mode in this process (internal)")
     p.add_argument("--modes", default=",".join(MODES),
                    help="the modes to compare, comma-separated (default: all four)")
+    p.add_argument("--think-ms", type=float, default=0.0,
+                   help="sleep this long between requests, in every mode (default: a tight loop)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every mode this many times, alternating, and report medians and "
                         "minimums: on a shared machine one run each swings by 1.5x")
     a = p.parse_args()
     if a.mode:
-        print(json.dumps(one_mode(a.mode, a.requests, a.collector)))
+        print(json.dumps(one_mode(a.mode, a.requests, a.collector, a.think_ms / 1e3)))
         return
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -146,7 +153,8 @@ def main():
             env = dict(os.environ, OOMSCOPE_AUTOSTART="0")
             env.pop("OOMSCOPE_COLLECTOR", None)
             r = subprocess.run([sys.executable, __file__, "--mode", mode, "--requests",
-                                str(a.requests), "--collector", a.collector],
+                                str(a.requests), "--collector", a.collector,
+                                "--think-ms", str(a.think_ms)],
                                capture_output=True, text=True, env=env)
             if r.returncode != 0:
                 print("%-12s skipped: %s" % (mode, (r.stderr.strip().splitlines() or ["?"])[-1]))

@@ -41,6 +41,10 @@ pub fn expand(sample: &mut pb::Sample) -> Expanded {
             vm_rss_bytes: rss,
             address_space_limit_bytes: p.address_space_limit_bytes,
             data_limit_bytes: p.data_limit_bytes,
+            // The agent's own heap as read with the batch (it moves slowly):
+            // the growth rules subtract it from every point alike, else the
+            // agent's first seconds of buffers read as the server's growth.
+            agent_heap_bytes: p.agent_heap_bytes,
             ..Default::default()
         }
     };
@@ -112,6 +116,7 @@ mod tests {
             process: Some(pb::ProcessMemory {
                 pid: 7,
                 vm_rss_bytes: 500,
+                agent_heap_bytes: 64,
                 ..Default::default()
             }),
             context: Some(pb::RequestContext {
@@ -144,6 +149,8 @@ mod tests {
         assert_eq!(p.time_ns, 20);
         assert_eq!(p.process.unwrap().vm_rss_bytes, 300);
         assert_eq!(p.process.unwrap().pid, 7);
+        // The agent's own heap read with the batch, which the rules subtract.
+        assert_eq!(p.process.unwrap().agent_heap_bytes, 64);
         assert_eq!(p.context.as_ref().unwrap().requests_done, 1);
         let events: Vec<(i64, &str, bool)> = e
             .events

@@ -91,7 +91,9 @@ def outage(tmp_path, name, *flags):
 
 
 def stored_seqs(timeline):
-    return sorted([s["seq"] for s in timeline["samples"]] + [e["seq"] for e in timeline["events"]])
+    """The messages stored, by seq: a batch of request readings is one
+    message, expanded into a point and events per request, all of its seq."""
+    return sorted({s["seq"] for s in timeline["samples"]} | {e["seq"] for e in timeline["events"]})
 
 
 def statements(timeline):

@@ -6,6 +6,7 @@
 
 use oomscope_analysis::pb::{self, event::Kind};
 use oomscope_analysis::{diagnose, Evidence};
+use oomscope_testkit::readings::host_reading;
 
 #[path = "support/rng.rs"]
 mod rng;
@@ -61,24 +62,8 @@ struct Run {
 impl Run {
     fn sample(&mut self, phase: &str, done: u64) {
         self.t += MS;
-        self.samples.push(pb::Sample {
-            time_ns: self.t,
-            process: Some(pb::ProcessMemory {
-                pid: 42,
-                vm_rss_bytes: self.rss,
-                ..Default::default()
-            }),
-            system: Some(pb::SystemMemory {
-                mem_total_bytes: MEM_TOTAL,
-                ..Default::default()
-            }),
-            context: Some(pb::RequestContext {
-                phase: phase.into(),
-                requests_done: done,
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
+        self.samples
+            .push(host_reading(self.t, 42, self.rss, MEM_TOTAL, phase, done));
     }
 
     fn event(&mut self, kind: Kind) {

@@ -6,6 +6,7 @@
 
 use oomscope_analysis::pb;
 use oomscope_analysis::{diagnose, Evidence};
+use oomscope_testkit::readings::{host_reading, page_jitter as jitter};
 
 const MIB: u64 = 1 << 20;
 /// A 23.5 GiB host, as in the runs.
@@ -19,29 +20,7 @@ fn after_request(t_ns: i64, done: u64, rss: u64) -> pb::Sample {
 }
 
 fn reading(t_ns: i64, done: u64, rss: u64, phase: &str) -> pb::Sample {
-    pb::Sample {
-        time_ns: t_ns,
-        process: Some(pb::ProcessMemory {
-            pid: 7,
-            vm_rss_bytes: rss,
-            ..Default::default()
-        }),
-        system: Some(pb::SystemMemory {
-            mem_total_bytes: MEM_TOTAL,
-            ..Default::default()
-        }),
-        context: Some(pb::RequestContext {
-            phase: phase.into(),
-            requests_done: done,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// A few allocator pages of scatter, deterministic.
-fn jitter(i: u64) -> u64 {
-    (i * 7919 % 13) * 4096
+    host_reading(t_ns, 7, rss, MEM_TOTAL, phase, done)
 }
 
 /// One end reading a request at `per_s` requests a second, RSS from `rss`.

@@ -9,6 +9,7 @@ mod common;
 
 use common::*;
 use oomscope_proto::v1 as pb;
+use oomscope_testkit::readings::{host_reading, page_jitter as jitter};
 use serde_json::Value;
 
 const T0: i64 = 1_793_700_000_000_000_000;
@@ -32,31 +33,11 @@ fn hello(name: &str) -> pb::Hello {
 }
 
 fn reading(seq: u64, time_ns: i64, done: u64, rss: u64, phase: &str) -> pb::AgentMessage {
+    let sample = host_reading(time_ns, 4242, rss, MEM_TOTAL, phase, done);
     pb::AgentMessage {
         seq,
-        body: Some(pb::agent_message::Body::Sample(pb::Sample {
-            time_ns,
-            process: Some(pb::ProcessMemory {
-                pid: 4242,
-                vm_rss_bytes: rss,
-                ..Default::default()
-            }),
-            system: Some(pb::SystemMemory {
-                mem_total_bytes: MEM_TOTAL,
-                ..Default::default()
-            }),
-            context: Some(pb::RequestContext {
-                phase: phase.into(),
-                requests_done: done,
-                ..Default::default()
-            }),
-            ..Default::default()
-        })),
+        body: Some(pb::agent_message::Body::Sample(sample)),
     }
-}
-
-fn jitter(i: u64) -> u64 {
-    (i * 7919 % 13) * 4096
 }
 
 fn causes(d: &Value) -> Vec<&Value> {

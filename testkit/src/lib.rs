@@ -8,12 +8,14 @@
 //! - [`cgroups`]: a memory cgroup of the test's own (create, limit, run
 //!   in, remove);
 //! - [`torch_h200`]: the real H200 captures of `tests/fixtures/torch-h200`;
-//! - [`agent_stream`]: an agent's gRPC stream to a collector, by hand.
+//! - [`agent_stream`]: an agent's gRPC stream to a collector, by hand;
+//! - [`readings`]: a process's host reading at a request boundary.
 
 pub mod agent_stream;
 pub mod cgroups;
 pub mod collector_process;
 pub mod ports;
+pub mod readings;
 pub mod torch_h200;
 
 pub use cgroups::TestCgroup;

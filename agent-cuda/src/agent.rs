@@ -257,12 +257,15 @@ impl CudaAgent {
             self.inner.hand_off(|p| p.ring.begin(time_ns, boundary));
             return true;
         }
+        // The pool's counters before the context's lock: never both held.
+        let allocator = vec![(self.inner.stats)()];
+        let context = lock(&self.inner.context).clone();
         let end = pb::RequestReading {
             time_ns,
             boundary: Some(boundary),
             rss_bytes: self.inner.rss.read(),
-            context: Some(lock(&self.inner.context).clone()),
-            allocator: vec![(self.inner.stats)()],
+            context: Some(context),
+            allocator,
             ..Default::default()
         };
         self.inner.hand_off(|p| p.ring.end(end, fold_peaks));
@@ -510,5 +513,75 @@ impl Readers for PoolReaders {
         // The last requests are not lost to the spacing.
         self.inner
             .send_pending(self.reader.boundary_sample(&self.full_levels));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn end(ring: &mut BoundaryRing, id: &str, time_ns: i64, done: u64) {
+        ring.end(
+            pb::RequestReading {
+                time_ns,
+                boundary: Some(pb::RequestBoundary {
+                    request_id: id.into(),
+                    ..Default::default()
+                }),
+                context: Some(pb::RequestContext {
+                    requests_done: done,
+                    ..Default::default()
+                }),
+                allocator: vec![pb::AllocatorStats {
+                    allocated_bytes: done,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            fold_peaks,
+        );
+    }
+
+    fn sample(time_ns: i64, phase: &str) -> pb::Sample {
+        pb::Sample {
+            time_ns,
+            context: Some(pb::RequestContext {
+                phase: phase.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_message_is_the_newest_end_when_no_sample_came_after_it() {
+        let mut ring = BoundaryRing::default();
+        end(&mut ring, "a", 10, 1);
+        end(&mut ring, "b", 20, 2);
+        let p = boundary_point(ring.take(), Some(sample(15, "decode"))).unwrap();
+        // The end's own time, context and counters: the collector takes it
+        // for that end's point; the older sample is superseded.
+        assert_eq!(p.time_ns, 20);
+        assert_eq!(p.context.unwrap().requests_done, 2);
+        assert_eq!(p.allocator[0].allocated_bytes, 2);
+        let batch = p.requests.unwrap();
+        assert_eq!(batch.readings.len(), 2);
+        assert!(batch.readings[1].context.is_none(), "taken into the point");
+        assert_eq!(batch.readings[0].context.as_ref().unwrap().requests_done, 1);
+    }
+
+    #[test]
+    fn a_sample_after_the_newest_end_is_the_message_and_the_ends_ride_in_it() {
+        let mut ring = BoundaryRing::default();
+        end(&mut ring, "a", 10, 1);
+        let p = boundary_point(ring.take(), Some(sample(30, "decode"))).unwrap();
+        assert_eq!(p.time_ns, 30);
+        assert_eq!(p.context.unwrap().phase, "decode");
+        let batch = p.requests.unwrap();
+        assert_eq!(batch.readings[0].context.as_ref().unwrap().requests_done, 1);
+        // Nothing waiting: no message; a sample alone: itself, no batch.
+        assert!(boundary_point(BoundaryRing::default().take(), None).is_none());
+        let alone = boundary_point(BoundaryRing::default().take(), Some(sample(5, "load")));
+        assert!(alone.unwrap().requests.is_none());
     }
 }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::boundary_ring::{
-    self, BoundaryRing, RssReader, Taken, MIN_BATCH_SPACING,
+    self, BoundaryRing, Pacing, RssReader, Taken, MIN_BATCH_SPACING,
 };
 use oomscope_agent_core::agent::{
     check_interval, Flow, Identity, IntervalTooShort, Readers, Sampler,
@@ -107,6 +107,8 @@ struct Inner {
     reporter: Reporter,
     context: Mutex<pb::RequestContext>,
     stats: StatsFn,
+    /// The counters without their `raw` map, read at each request end.
+    stats_named: StatsFn,
     snapshot: SnapshotFn,
     oom_ack_wait: Duration,
     pending: Mutex<Pending>,
@@ -166,11 +168,12 @@ impl CudaAgent {
         // Its threads share the inference server's cores.
         rcfg.thread_priority = oomscope_agent_core::priority::ThreadPriority::IN_PROCESS;
         let reporter = Reporter::start(rcfg, hello);
-        let (p1, p2) = (pool.clone(), pool.clone());
+        let (p1, p2, p3) = (pool.clone(), pool.clone(), pool.clone());
         let inner = Arc::new(Inner {
             reporter,
             context: Mutex::new(pb::RequestContext::default()),
             stats: Box::new(move || p1.stats()),
+            stats_named: Box::new(move || p3.stats_named()),
             snapshot: Box::new(move || p2.snapshot()),
             oom_ack_wait: cfg.oom_ack_wait,
             pending: Mutex::new(Pending::default()),
@@ -193,7 +196,7 @@ impl CudaAgent {
                 inner: inner.clone(),
                 reader,
                 full_levels: Vec::new(),
-                pacing: Pacing::default(),
+                pacing: Pacing::new(MIN_BATCH_SPACING),
             },
             reporter,
             interval,
@@ -223,7 +226,13 @@ impl CudaAgent {
     /// ([`CudaAgent::request`]) is a point by itself. Never blocks; true
     /// (kept for source compatibility: it once said the queue had room).
     pub fn sample(&self) -> bool {
-        let sample = self.inner.allocator_sample();
+        // The named counters: the periodic sample and an OOM carry `raw`.
+        let sample = pb::Sample {
+            time_ns: now_ns(),
+            allocator: vec![(self.inner.stats_named)()],
+            context: Some(self.context()),
+            ..Default::default()
+        };
         self.inner.hand_off(|p| p.sample = Some(sample));
         true
     }
@@ -258,7 +267,7 @@ impl CudaAgent {
             return true;
         }
         // The pool's counters before the context's lock: never both held.
-        let allocator = vec![(self.inner.stats)()];
+        let allocator = vec![(self.inner.stats_named)()];
         let context = lock(&self.inner.context).clone();
         let end = pb::RequestReading {
             time_ns,
@@ -425,37 +434,6 @@ fn boundary_point(taken: Taken, sample: Option<pb::Sample>) -> Option<pb::Sample
     Some(point)
 }
 
-/// When the pending readings go: at most once per [`MIN_BATCH_SPACING`],
-/// at once when the last message is older than that.
-#[derive(Default)]
-struct Pacing {
-    last: Option<Instant>,
-    /// The request path said something waits.
-    signalled: bool,
-}
-
-impl Pacing {
-    fn due(&self) -> Option<Instant> {
-        if !self.signalled {
-            return None;
-        }
-        Some(
-            self.last
-                .map_or_else(Instant::now, |t| t + MIN_BATCH_SPACING),
-        )
-    }
-
-    /// Whether a message is due now; if so it counts as sent now.
-    fn take_due(&mut self) -> bool {
-        if self.due().is_none_or(|t| t > Instant::now()) {
-            return false;
-        }
-        self.last = Some(Instant::now());
-        self.signalled = false;
-        true
-    }
-}
-
 /// What the sampler thread reads: the host domains, then the pool's
 /// counters, in one sample; and the request path's readings at their pace.
 struct PoolReaders {
@@ -483,7 +461,7 @@ impl Readers for PoolReaders {
 
     fn job(&mut self, job: Job, _: &Reporter) {
         match job {
-            Job::Handoff => self.pacing.signalled = true,
+            Job::Handoff => self.pacing.signal(),
         }
     }
 

@@ -16,9 +16,12 @@ use oomscope_testkit::CollectorProcess;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
-/// Requests driven: far past one message's 200, and within what one
-/// timeline reply holds whole (its samples' byte budget).
-const REQUESTS: u64 = 2000;
+/// Requests driven as fast as one thread goes: far past one message's
+/// 200, and within what one timeline reply holds whole.
+const FAST: u64 = 2000;
+/// Then requests over 1 ms apart (at most 50 a message): kept whole.
+const PACED: u64 = 200;
+const REQUESTS: u64 = FAST + PACED;
 /// What the leaking pool keeps per request (one block each).
 const LEAK: u64 = MIB;
 
@@ -51,8 +54,8 @@ fn json(url: &str, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-#[test]
-fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_point() {
+/// This test's own collector, over a temp db (kept while the dir lives).
+fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
     let collector = CollectorProcess::start(
         || {
@@ -63,6 +66,12 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
         &dir.path().join("oomscope.db"),
         None,
     );
+    (dir, collector)
+}
+
+#[test]
+fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_point() {
+    let (_dir, collector) = collector();
     let pool = TrackingPool::new(Simulated::new(64 << 30));
     let mut cfg = AgentConfig::new("ring");
     cfg.collector_url = Some(collector.url.clone());
@@ -70,10 +79,17 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
     let agent = CudaAgent::start(cfg, &pool).unwrap();
     let reporter = agent.reporter().clone();
 
-    // As fast as one thread goes: a begin, a block kept (the leak), a
-    // decode-step sample, the context a server sets, an end.
+    // As fast as one thread goes, then paced: a begin, a block kept (the
+    // leak), a decode-step sample, the context a server sets, an end.
     let mut kept = Vec::new();
+    let mut driven = Duration::ZERO;
     for i in 1..=REQUESTS {
+        if i > FAST {
+            if driven.is_zero() {
+                driven = started.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let id = i.to_string();
         agent.request(pb::RequestBoundary {
             request_id: id.clone(),
@@ -99,7 +115,6 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
             ..Default::default()
         });
     }
-    let driven = started.elapsed();
     // Let a few more boundary slots and periodic ticks pass, then flush.
     std::thread::sleep(Duration::from_millis(500));
     assert!(
@@ -112,8 +127,8 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
     // samples (1 s), the Hello and the Goodbye.
     let bound = 21.0 * lifetime.ceil() + (lifetime.ceil() + 1.0) + 2.0;
     eprintln!(
-        "{REQUESTS} requests in {driven:?} ({:.0}/s); {acked} messages acked in {lifetime:.2} s (bound {bound})",
-        REQUESTS as f64 / driven.as_secs_f64()
+        "{FAST} requests in {driven:?} ({:.0}/s), {PACED} paced; {acked} messages acked in {lifetime:.2} s (bound {bound})",
+        FAST as f64 / driven.as_secs_f64()
     );
     assert!(acked <= bound, "{acked} messages acked, bound {bound}");
 
@@ -173,10 +188,15 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
         REQUESTS,
         "ends whole + thinned"
     );
+    // (A periodic sample between two requests repeats a context too.)
     assert!(
-        points == ends,
+        ends.iter().all(|e| points.binary_search(e).is_ok()),
         "each end kept whole is a point, at its request"
     );
+    // The first paced ones may share the burst's last message (thinned
+    // with it); the later half, over 100 ms after the burst, is whole.
+    let later: Vec<u64> = (REQUESTS - PACED / 2 + 1..=REQUESTS).collect();
+    assert!(ends.ends_with(&later), "paced requests are kept whole");
     // A begin went whole in an earlier message than its end, which a later
     // one may have thinned: begins are a superset of the ends, each once.
     assert!(
@@ -204,16 +224,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
 
 #[test]
 fn an_oom_goes_at_once_after_the_requests_the_ring_held() {
-    let dir = tempfile::tempdir().unwrap();
-    let collector = CollectorProcess::start(
-        || {
-            let mut c = Command::new(oomscope_bin());
-            c.env_remove("OOMSCOPE_COLLECTOR");
-            c
-        },
-        &dir.path().join("oomscope.db"),
-        None,
-    );
+    let (_dir, collector) = collector();
     let pool = TrackingPool::new(Simulated::new(256 * MIB));
     let mut cfg = AgentConfig::new("ring-oom");
     cfg.collector_url = Some(collector.url.clone());

@@ -2,17 +2,26 @@
 //! request-boundary samples in PyTorch's vocabulary, load phases, and the
 //! OOM event (sent with `send_urgent` before the pool returns its error).
 //!
-//! Request-path calls ([`CudaAgent::sample`], [`CudaAgent::phase`],
-//! [`CudaAgent::set_context`]) only read the pool's counters and queue a
-//! message: no network, no file reads. Host readings (procfs, cgroup, NVML)
-//! are taken on the agent's own sampler thread.
+//! Request-path calls ([`CudaAgent::request`], [`CudaAgent::sample`],
+//! [`CudaAgent::phase`], [`CudaAgent::set_context`]) only read the pool's
+//! counters (and, at a request end, the RSS from `/proc/self/statm`) and
+//! queue: no network. Request begins and ends go into agent-core's
+//! boundary ring, and [`CudaAgent::sample`] into one pending slot; the
+//! sampler thread sends them as one message at most every
+//! [`MIN_BATCH_SPACING`] (20 a second at any request rate). Host readings
+//! (procfs, cgroup, NVML) are taken on that thread.
 
-use std::convert::Infallible;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use oomscope_agent_core::agent::{check_interval, Identity, IntervalTooShort, Readers, Sampler};
+use oomscope_agent_core::agent::boundary_ring::{
+    self, BoundaryRing, Pacing, RssReader, Taken, MIN_BATCH_SPACING,
+};
+use oomscope_agent_core::agent::{
+    check_interval, Flow, Identity, IntervalTooShort, Readers, Sampler,
+};
 use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns};
@@ -73,20 +82,49 @@ impl AgentConfig {
 type StatsFn = Box<dyn Fn() -> pb::AllocatorStats + Send + Sync>;
 type SnapshotFn = Box<dyn Fn() -> pb::SnapshotSummary + Send + Sync>;
 
+/// What the request path hands the sampler thread: the boundary ring or
+/// the pending sample was empty and now holds something.
+enum Job {
+    Handoff,
+}
+
+/// The request path's readings, waiting for the next boundary message.
+#[derive(Default)]
+struct Pending {
+    ring: BoundaryRing,
+    /// The newest [`CudaAgent::sample`] since the last message: a newer
+    /// one replaces it (only the state at the message's time is sent).
+    sample: Option<pb::Sample>,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.ring.is_empty() && self.sample.is_none()
+    }
+}
+
 struct Inner {
     reporter: Reporter,
     context: Mutex<pb::RequestContext>,
     stats: StatsFn,
+    /// The counters without their `raw` map, read at each request end.
+    stats_named: StatsFn,
     snapshot: SnapshotFn,
     oom_ack_wait: Duration,
+    pending: Mutex<Pending>,
+    /// The RSS read at each request end, on the request's thread.
+    rss: RssReader,
+    pid: u32,
+    /// The sampler's queue (one `Handoff` at most waits in it).
+    sampler: Sampler<Job>,
+    /// Whether its thread runs (false: none could be made, or it stopped).
+    sampling: AtomicBool,
 }
 
 /// Reports one pool to the collector. Cheap to clone.
 #[derive(Clone)]
 pub struct CudaAgent {
     inner: Arc<Inner>,
-    // The pool's agent takes no jobs: its request path sends directly.
-    sampler: Arc<Sampler<Infallible>>,
 }
 
 impl CudaAgent {
@@ -130,13 +168,19 @@ impl CudaAgent {
         // Its threads share the inference server's cores.
         rcfg.thread_priority = oomscope_agent_core::priority::ThreadPriority::IN_PROCESS;
         let reporter = Reporter::start(rcfg, hello);
-        let (p1, p2) = (pool.clone(), pool.clone());
+        let (p1, p2, p3) = (pool.clone(), pool.clone(), pool.clone());
         let inner = Arc::new(Inner {
             reporter,
             context: Mutex::new(pb::RequestContext::default()),
             stats: Box::new(move || p1.stats()),
+            stats_named: Box::new(move || p3.stats_named()),
             snapshot: Box::new(move || p2.snapshot()),
             oom_ack_wait: cfg.oom_ack_wait,
+            pending: Mutex::new(Pending::default()),
+            rss: RssReader::open(),
+            pid: std::process::id(),
+            sampler: Sampler::new(1),
+            sampling: AtomicBool::new(false),
         });
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         if !pool.set_oom_hook(Box::new(move |oom| {
@@ -146,20 +190,19 @@ impl CudaAgent {
         })) {
             tracing::warn!("oomscope: this pool already reports its OOMs elsewhere");
         }
-        let sampler = Sampler::new(1);
         let reporter = inner.reporter.clone();
-        sampler.start(
+        let started = inner.sampler.start(
             PoolReaders {
                 inner: inner.clone(),
                 reader,
+                full_levels: Vec::new(),
+                pacing: Pacing::new(MIN_BATCH_SPACING),
             },
             reporter,
             interval,
         );
-        Ok(CudaAgent {
-            inner,
-            sampler: Arc::new(sampler),
-        })
+        inner.sampling.store(started, Relaxed);
+        Ok(CudaAgent { inner })
     }
 
     pub fn reporter(&self) -> &Reporter {
@@ -176,12 +219,22 @@ impl CudaAgent {
         lock(&self.inner.context).clone()
     }
 
-    /// A boundary sample: the allocator counters and the context. Never
-    /// blocks; false when the reporter's queue is full.
+    /// A point: the allocator counters and the context now. It waits in
+    /// one slot for the next boundary message (at most
+    /// [`MIN_BATCH_SPACING`] away), replacing the one waiting there, so a
+    /// sample per decode step costs no message of its own; a request end
+    /// ([`CudaAgent::request`]) is a point by itself. Never blocks; true
+    /// (kept for source compatibility: it once said the queue had room).
     pub fn sample(&self) -> bool {
-        self.inner
-            .reporter
-            .send_sample(self.inner.allocator_sample())
+        // The named counters: the periodic sample and an OOM carry `raw`.
+        let sample = pb::Sample {
+            time_ns: now_ns(),
+            allocator: vec![(self.inner.stats_named)()],
+            context: Some(self.context()),
+            ..Default::default()
+        };
+        self.inner.hand_off(|p| p.sample = Some(sample));
+        true
     }
 
     /// A phase edge (a weights load: `name` "load"), with the allocated
@@ -201,11 +254,31 @@ impl CudaAgent {
         })
     }
 
+    /// A request's begin (`boundary.start`) or end. Either goes into the
+    /// boundary ring; an end with its reading (the RSS, the pool's
+    /// counters, the context as set now), which the collector shows as a
+    /// point. The sampler sends the ring at its pace; past
+    /// `MAX_REQUESTS_PER_BATCH` ends in one message the ring keeps the
+    /// extremes and counts the rest. Never blocks; true.
     pub fn request(&self, boundary: pb::RequestBoundary) -> bool {
-        self.inner.reporter.send_event(pb::Event {
-            time_ns: now_ns(),
-            kind: Some(pb::event::Kind::Request(boundary)),
-        })
+        let time_ns = now_ns();
+        if boundary.start {
+            self.inner.hand_off(|p| p.ring.begin(time_ns, boundary));
+            return true;
+        }
+        // The pool's counters before the context's lock: never both held.
+        let allocator = vec![(self.inner.stats_named)()];
+        let context = lock(&self.inner.context).clone();
+        let end = pb::RequestReading {
+            time_ns,
+            boundary: Some(boundary),
+            rss_bytes: self.inner.rss.read(),
+            context: Some(context),
+            allocator,
+            ..Default::default()
+        };
+        self.inner.hand_off(|p| p.ring.end(end, fold_peaks));
+        true
     }
 
     pub fn cache_release(&self, release: pb::CacheRelease) -> bool {
@@ -218,7 +291,10 @@ impl CudaAgent {
     /// Stops the sampler, says goodbye and waits up to `timeout` for every
     /// message to be acked. Returns whether they all were.
     pub fn shutdown(self, reason: &str, exit_code: i32, timeout: Duration) -> bool {
-        self.sampler.stop();
+        // The sampler sends what waits as it stops; without one, send it here.
+        self.inner.sampling.store(false, Relaxed);
+        self.inner.sampler.stop();
+        self.inner.forward();
         self.inner.reporter.clone().shutdown(
             pb::Goodbye {
                 reason: reason.into(),
@@ -239,7 +315,60 @@ impl Inner {
         }
     }
 
+    /// Leaves a reading in the pending slot or ring, and wakes the sampler
+    /// only if nothing waited before (once per message at most). Without a
+    /// sampler to take it (no thread), it is sent from here.
+    fn hand_off(&self, leave: impl FnOnce(&mut Pending)) {
+        let was_empty = {
+            let mut p = lock(&self.pending);
+            let was_empty = p.is_empty();
+            leave(&mut p);
+            was_empty
+        };
+        // A full queue already holds a Handoff for the running loop.
+        if was_empty && !self.sampler.submit(Job::Handoff) && !self.sampling.load(Relaxed) {
+            self.forward();
+        }
+    }
+
+    /// What waits, to the reporter now, from this thread, ahead of what
+    /// follows it (an OOM, a Goodbye): the RSS read here stands for the
+    /// host reading the sampler would have taken.
+    fn forward(&self) {
+        let host = pb::Sample {
+            process: Some(pb::ProcessMemory {
+                pid: self.pid,
+                vm_rss_bytes: self.rss.read(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.send_pending(host);
+    }
+
+    /// One boundary message: `host` (the host reading taken for it)
+    /// carrying what waits. It is the point of the newest reading: the
+    /// pending sample if newer than the ring's newest end, else that end
+    /// (its time, context and allocator); the other ends ride in it as
+    /// `requests`, each a point of its own at the collector.
+    fn send_pending(&self, mut host: pb::Sample) {
+        let (taken, sample) = {
+            let mut p = lock(&self.pending);
+            (p.ring.take(), p.sample.take())
+        };
+        let Some(point) = boundary_point(taken, sample) else {
+            return;
+        };
+        host.time_ns = point.time_ns;
+        host.allocator = point.allocator;
+        host.context = point.context;
+        host.requests = point.requests;
+        self.reporter.send_sample(host);
+    }
+
     fn report_oom(&self, oom: &pb::Oom) {
+        // The requests before it go first: the OOM must find them.
+        self.forward();
         let mut oom = oom.clone();
         oom.context = Some(lock(&self.context).clone());
         let event = pb::Event {
@@ -254,31 +383,183 @@ impl Inner {
     }
 }
 
+/// The peaks of a request end the ring thinned, carried by the next end it
+/// kept: the most KV bytes, sequences and tokens any of them saw.
+fn fold_peaks(newer: &mut pb::RequestContext, older: &pb::RequestContext) {
+    newer.kv_cache_bytes = newer.kv_cache_bytes.max(older.kv_cache_bytes);
+    newer.active_sequences = newer.active_sequences.max(older.active_sequences);
+    newer.active_tokens = newer.active_tokens.max(older.active_tokens);
+    newer.queued = newer.queued.max(older.queued);
+    newer.batch_size = newer.batch_size.max(older.batch_size);
+}
+
+/// The sample one boundary message is (its `host` reading aside): the
+/// newest of `sample` and the ring's newest end, carrying the ring's
+/// batch. None when nothing waited.
+fn boundary_point(taken: Taken, sample: Option<pb::Sample>) -> Option<pb::Sample> {
+    let empty = taken.readings.is_empty() && taken.thinned.thinned_requests == 0;
+    if taken.dropped > 0 {
+        tracing::debug!(
+            dropped = taken.dropped,
+            "oomscope: request begins past the ring's bound"
+        );
+    }
+    if empty {
+        return sample;
+    }
+    let mut batch = taken.into_batch(fold_peaks);
+    let newest_end = batch
+        .readings
+        .iter_mut()
+        .rev()
+        .find(|r| boundary_ring::is_end(r));
+    // A sample after the newest end is the state now; the end stays in
+    // the batch, a point of its own. Begins alone: a point now, with
+    // nothing read but the host.
+    let sample = sample.filter(|s| newest_end.as_ref().is_none_or(|e| s.time_ns > e.time_ns));
+    let mut point = match (sample, newest_end) {
+        (Some(s), _) => s,
+        (None, Some(end)) => pb::Sample {
+            time_ns: end.time_ns,
+            allocator: std::mem::take(&mut end.allocator),
+            context: end.context.take(),
+            ..Default::default()
+        },
+        (None, None) => pb::Sample {
+            time_ns: now_ns(),
+            ..Default::default()
+        },
+    };
+    point.requests = Some(batch);
+    Some(point)
+}
+
 /// What the sampler thread reads: the host domains, then the pool's
-/// counters, in one sample.
+/// counters, in one sample; and the request path's readings at their pace.
 struct PoolReaders {
     inner: Arc<Inner>,
     reader: HostReader,
+    /// The cgroup levels of the newest periodic sample, which boundary
+    /// messages carry with their usage read again.
+    full_levels: Vec<pb::CgroupLevel>,
+    pacing: Pacing,
 }
 
 impl Readers for PoolReaders {
-    type Job = Infallible;
+    type Job = Job;
 
     fn tick(&mut self, reporter: &Reporter) {
+        let inner = &self.inner;
         let mut sample = self.reader.sample();
-        let a = self.inner.allocator_sample();
+        self.full_levels = sample.cgroup.clone();
+        let a = inner.allocator_sample();
         sample.time_ns = a.time_ns;
         sample.allocator = a.allocator;
         sample.context = a.context;
         reporter.send_sample(sample);
     }
 
+    fn job(&mut self, job: Job, _: &Reporter) {
+        match job {
+            Job::Handoff => self.pacing.signal(),
+        }
+    }
+
     fn directive(&mut self, d: pb::Directive, reporter: &Reporter) {
+        let inner = &self.inner;
         if let Some(pb::directive::Kind::TakeSnapshot(_)) = d.kind {
             reporter.send_event(pb::Event {
                 time_ns: now_ns(),
-                kind: Some(pb::event::Kind::Snapshot((self.inner.snapshot)())),
+                kind: Some(pb::event::Kind::Snapshot((inner.snapshot)())),
             });
         }
+    }
+
+    fn poll(&mut self, _: &Reporter) -> Flow {
+        if self.pacing.take_due() {
+            self.inner
+                .send_pending(self.reader.boundary_sample(&self.full_levels));
+        }
+        Flow::Continue
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        self.pacing.due()
+    }
+
+    fn stop(&mut self, _: &Reporter) {
+        // The last requests are not lost to the spacing.
+        self.inner
+            .send_pending(self.reader.boundary_sample(&self.full_levels));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn end(ring: &mut BoundaryRing, id: &str, time_ns: i64, done: u64) {
+        ring.end(
+            pb::RequestReading {
+                time_ns,
+                boundary: Some(pb::RequestBoundary {
+                    request_id: id.into(),
+                    ..Default::default()
+                }),
+                context: Some(pb::RequestContext {
+                    requests_done: done,
+                    ..Default::default()
+                }),
+                allocator: vec![pb::AllocatorStats {
+                    allocated_bytes: done,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            fold_peaks,
+        );
+    }
+
+    fn sample(time_ns: i64, phase: &str) -> pb::Sample {
+        pb::Sample {
+            time_ns,
+            context: Some(pb::RequestContext {
+                phase: phase.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_message_is_the_newest_end_when_no_sample_came_after_it() {
+        let mut ring = BoundaryRing::default();
+        end(&mut ring, "a", 10, 1);
+        end(&mut ring, "b", 20, 2);
+        let p = boundary_point(ring.take(), Some(sample(15, "decode"))).unwrap();
+        // The end's own time, context and counters: the collector takes it
+        // for that end's point; the older sample is superseded.
+        assert_eq!(p.time_ns, 20);
+        assert_eq!(p.context.unwrap().requests_done, 2);
+        assert_eq!(p.allocator[0].allocated_bytes, 2);
+        let batch = p.requests.unwrap();
+        assert_eq!(batch.readings.len(), 2);
+        assert!(batch.readings[1].context.is_none(), "taken into the point");
+        assert_eq!(batch.readings[0].context.as_ref().unwrap().requests_done, 1);
+    }
+
+    #[test]
+    fn a_sample_after_the_newest_end_is_the_message_and_the_ends_ride_in_it() {
+        let mut ring = BoundaryRing::default();
+        end(&mut ring, "a", 10, 1);
+        let p = boundary_point(ring.take(), Some(sample(30, "decode"))).unwrap();
+        assert_eq!(p.time_ns, 30);
+        assert_eq!(p.context.unwrap().phase, "decode");
+        let batch = p.requests.unwrap();
+        assert_eq!(batch.readings[0].context.as_ref().unwrap().requests_done, 1);
+        // Nothing waiting: no message; a sample alone: itself, no batch.
+        assert!(boundary_point(BoundaryRing::default().take(), None).is_none());
+        let alone = boundary_point(BoundaryRing::default().take(), Some(sample(5, "load")));
+        assert!(alone.unwrap().requests.is_none());
     }
 }

@@ -31,14 +31,9 @@ pub fn start(agent: &Arc<Agent>, reader: HostReader) -> bool {
     let readers = PythonReaders {
         next_census: (agent.config.census_interval > Duration::ZERO)
             .then(|| Instant::now() + agent.config.census_interval),
-        boundaries: Boundaries {
-            min_interval: agent
-                .config
-                .boundary_min_interval
-                .max(boundary_ring::MIN_BATCH_SPACING),
-            last: None,
-            signalled: false,
-        },
+        // At most once per `boundary_min_interval` (at least agent-core's
+        // `MIN_BATCH_SPACING`).
+        boundaries: boundary_ring::Pacing::new(agent.config.boundary_min_interval),
         census: None,
         suspicion: agent.config.census_auto.then(Suspicion::default),
         full_levels: Vec::new(),
@@ -51,46 +46,12 @@ pub fn start(agent: &Arc<Agent>, reader: HostReader) -> bool {
         .start(readers, agent.reporter.clone(), agent.config.interval)
 }
 
-/// When the boundary ring is taken: at most once per
-/// `boundary_min_interval` (at least agent-core's `MIN_BATCH_SPACING`), so
-/// any rate of requests costs at most 20 host readings and messages a
-/// second, each carrying every request since the last.
-struct Boundaries {
-    min_interval: Duration,
-    last: Option<Instant>,
-    /// The request path said the ring holds something.
-    signalled: bool,
-}
-
-impl Boundaries {
-    /// When the ring is due, if something waits in it.
-    fn due(&self) -> Option<Instant> {
-        if !self.signalled {
-            return None;
-        }
-        Some(
-            self.last
-                .map_or_else(Instant::now, |t| t + self.min_interval),
-        )
-    }
-
-    /// Whether the ring is due now; if so it counts as taken now.
-    fn take_due(&mut self) -> bool {
-        if self.due().is_none_or(|t| t > Instant::now()) {
-            return false;
-        }
-        self.last = Some(Instant::now());
-        self.signalled = false;
-        true
-    }
-}
-
 /// What the Python agent reads on the sampling thread: host domains without
 /// the GIL, the allocator and the heap with it.
 struct PythonReaders {
     agent: Arc<Agent>,
     reader: HostReader,
-    boundaries: Boundaries,
+    boundaries: boundary_ring::Pacing,
     /// A census asked for by request count, waiting for a quiet moment:
     /// (budget, the latest moment it waits until, why).
     census: Option<(Duration, Instant, Why)>,
@@ -261,7 +222,7 @@ impl Readers for PythonReaders {
 
     fn job(&mut self, job: Job, _: &Reporter) {
         match job {
-            Job::Handoff => self.boundaries.signalled = true,
+            Job::Handoff => self.boundaries.signal(),
             Job::Census { budget, why } => {
                 self.wait_census(budget, why);
             }

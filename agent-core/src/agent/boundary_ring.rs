@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::pb;
 
@@ -87,6 +87,55 @@ fn statm_resident(text: &[u8]) -> u64 {
         .and_then(|t| t.split_ascii_whitespace().nth(1))
         .and_then(|f| f.parse().ok())
         .unwrap_or(0)
+}
+
+/// When the sampler takes the ring: at most once per `min_interval` (at
+/// least [`MIN_BATCH_SPACING`]), and at once when the last take is older
+/// than that, so any rate of requests costs at most that many host
+/// readings and messages a second, each carrying every request since the
+/// last. The sampler's own state: the request path only signals.
+#[derive(Debug)]
+pub struct Pacing {
+    min_interval: Duration,
+    last: Option<Instant>,
+    /// The request path said the ring holds something.
+    signalled: bool,
+}
+
+impl Pacing {
+    pub fn new(min_interval: Duration) -> Pacing {
+        Pacing {
+            min_interval: min_interval.max(MIN_BATCH_SPACING),
+            last: None,
+            signalled: false,
+        }
+    }
+
+    /// Something waits in the ring.
+    pub fn signal(&mut self) {
+        self.signalled = true;
+    }
+
+    /// When the ring is due, if something waits in it.
+    pub fn due(&self) -> Option<Instant> {
+        if !self.signalled {
+            return None;
+        }
+        Some(
+            self.last
+                .map_or_else(Instant::now, |t| t + self.min_interval),
+        )
+    }
+
+    /// Whether the ring is due now; if so it counts as taken now.
+    pub fn take_due(&mut self) -> bool {
+        if self.due().is_none_or(|t| t > Instant::now()) {
+            return false;
+        }
+        self.last = Some(Instant::now());
+        self.signalled = false;
+        true
+    }
 }
 
 /// Whether a reading is a request's end.
@@ -429,6 +478,20 @@ mod tests {
         let taken = ring.take();
         assert_eq!(taken.readings.len(), MAX_RING_READINGS);
         assert_eq!(taken.dropped, 5);
+    }
+
+    #[test]
+    fn pacing_takes_at_once_then_at_most_once_per_interval_and_only_when_signalled() {
+        let mut p = Pacing::new(Duration::ZERO);
+        assert_eq!(p.min_interval, MIN_BATCH_SPACING, "never under the floor");
+        assert!(p.due().is_none() && !p.take_due(), "nothing signalled");
+        p.signal();
+        assert!(p.take_due(), "the first take is at once");
+        assert!(p.due().is_none(), "taken: nothing waits");
+        p.signal();
+        let due = p.due().unwrap();
+        assert!(due > Instant::now() + MIN_BATCH_SPACING / 2, "spaced");
+        assert!(!p.take_due());
     }
 
     #[test]

@@ -324,6 +324,16 @@ impl<D: DeviceMemory, const TRACK: bool> Pool<D, TRACK> {
             .to_pb(self.inner.device.info(), driver, st.largest_free_block())
     }
 
+    /// [`Pool::stats`] without its `raw` map (every counter by PyTorch's
+    /// name): the named fields only, for a point per request end.
+    pub fn stats_named(&self) -> pb::AllocatorStats {
+        let driver = ContextScope::enter(&self.inner.device)
+            .and_then(|_scope| self.inner.device.mem_get_info())
+            .ok();
+        let st = lock(&self.inner.state);
+        st.counters.to_pb_named(self.inner.device.info(), driver)
+    }
+
     pub fn snapshot(&self) -> pb::SnapshotSummary {
         let settings = self.settings();
         let st = lock(&self.inner.state);

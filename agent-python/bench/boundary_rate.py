@@ -44,7 +44,9 @@ def one(collector, requests, think_s, census_auto):
            "requests_per_s": round(requests / wall), "messages": st["acked"] - acked0,
            "messages_per_s": round((st["acked"] - acked0) / wall, 1),
            "agent_cpu_ms_per_request": round(1e3 * (agent_cpu_s() - cpu0) / requests, 4),
-           "boundary_dropped": st["boundary_dropped"], "censuses": st.get("censuses")}
+           "boundary_dropped": st["boundary_dropped"], "censuses": st.get("censuses"),
+           "census_reasons": st.get("census_reasons"),
+           "census_longest_hold_ms": st.get("census_longest_hold_ms")}
     oomscope.stop()
     return out
 

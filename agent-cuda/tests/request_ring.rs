@@ -7,11 +7,11 @@
 //! Needs the `oomscope` binary next to this test's target directory
 //! (`cargo build -p oomscope-cli`), or `OOMSCOPE_BIN`.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_cuda::{pb, AgentConfig, CudaAgent, Simulated, Tag, TrackingPool};
+use oomscope_testkit::cli::{oomscope_bin, query_json};
 use oomscope_testkit::CollectorProcess;
 use serde_json::Value;
 
@@ -24,35 +24,6 @@ const PACED: u64 = 200;
 const REQUESTS: u64 = FAST + PACED;
 /// What the leaking pool keeps per request (one block each).
 const LEAK: u64 = MIB;
-
-fn oomscope_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("OOMSCOPE_BIN") {
-        return p.into();
-    }
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().unwrap().parent().unwrap().join("oomscope");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build -p oomscope-cli` first",
-        bin.display()
-    );
-    bin
-}
-
-fn json(url: &str, args: &[&str]) -> Value {
-    let out = Command::new(oomscope_bin())
-        .args(args)
-        .args(["--collector", url, "--json"])
-        .env_remove("OOMSCOPE_COLLECTOR")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "oomscope {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
 
 /// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
@@ -137,7 +108,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
     // the message that carried it (the ring keeps the extremes). The
     // timeline expands the newest batches into points and events within
     // its reply budget; older ones it shows as sent, readings whole.
-    let t = json(&collector.url, &["timeline", "ring", "--max-points", "0"]);
+    let t = query_json(&collector.url, &["timeline", "ring", "--max-points", "0"]);
     let samples = t["samples"].as_array().unwrap();
     let raw: Vec<&Value> = samples
         .iter()
@@ -207,7 +178,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
     assert!(ends.contains(&REQUESTS), "the newest end is always kept");
 
     // The leak verdict: one block per request, read from the ends' points.
-    let d = json(&collector.url, &["diagnose", "--agent", "ring"]);
+    let d = query_json(&collector.url, &["diagnose", "--agent", "ring"]);
     let leak = d["causes"]
         .as_array()
         .unwrap()
@@ -248,7 +219,7 @@ fn an_oom_goes_at_once_after_the_requests_the_ring_held() {
         .alloc::<u8>(512 * MIB as usize, Tag::Activation)
         .is_err());
     // No shutdown, no wait: the OOM and the requests before it are stored.
-    let t = json(
+    let t = query_json(
         &collector.url,
         &["timeline", "ring-oom", "--max-points", "0"],
     );

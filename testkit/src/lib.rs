@@ -9,10 +9,12 @@
 //!   in, remove);
 //! - [`torch_h200`]: the real H200 captures of `tests/fixtures/torch-h200`;
 //! - [`agent_stream`]: an agent's gRPC stream to a collector, by hand;
-//! - [`readings`]: a process's host reading at a request boundary.
+//! - [`readings`]: a process's host reading at a request boundary;
+//! - [`cli`]: the `oomscope` binary beside the test, its queries as JSON.
 
 pub mod agent_stream;
 pub mod cgroups;
+pub mod cli;
 pub mod collector_process;
 pub mod ports;
 pub mod readings;

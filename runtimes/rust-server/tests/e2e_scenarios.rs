@@ -7,30 +7,15 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use oomscope_testkit::cli::{oomscope_bin, query_json};
 use oomscope_testkit::CollectorProcess;
 
 const MIB: u64 = 1 << 20;
-
-fn oomscope_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("OOMSCOPE_BIN") {
-        return p.into();
-    }
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap(); // target/<profile>/deps -> target/<profile>
-    let bin = dir.join("oomscope");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build -p oomscope` first (scripts/test does)",
-        bin.display()
-    );
-    bin
-}
 
 struct Proc(Child);
 impl Drop for Proc {
@@ -63,17 +48,7 @@ impl Collector {
     }
 
     fn json(&self, args: &[&str]) -> Value {
-        let out = Command::new(oomscope_bin())
-            .args(args)
-            .args(["--collector", &self.url, "--json"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "oomscope {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        query_json(&self.url, args)
     }
 
     fn incidents(&self, agent: &str, min: usize) -> Vec<Value> {

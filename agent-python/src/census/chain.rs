@@ -1,12 +1,13 @@
 //! Who holds the top grower: a referrer chain up to a module's globals.
 
 use std::collections::HashSet;
+use std::ops::ControlFlow;
 
 use pyo3::exceptions::PyBaseException;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple, PyType};
 
-use super::listing::{Listing, REFERENTS_CHUNK};
+use super::listing::{walk, Listing, Reach, REFERENTS_CHUNK};
 use super::names::{attribute_step, describe_holder, describe_leaf, is_module_globals};
 use super::slices::Slices;
 
@@ -19,12 +20,17 @@ pub const MAX_CHAIN: usize = 8;
 /// holds for a moment) and not already on the chain, up to a module's
 /// globals or [`MAX_CHAIN`] steps. Outermost first. Each step looks through
 /// the walk's `objects` in slices ([`referrer_among`]) while the census's
-/// budget lasts.
+/// budget lasts. A holder the census did not list (it kept outside a
+/// frozen heap: `reach`) is looked for by a walk of the whole heap down
+/// from the globals that stops where it reaches the child: a module's
+/// frozen list is a few hundred objects in, a frozen object's dict a few
+/// thousand.
 pub(super) fn referrer_chain<'py>(
     slices: &mut Slices<'py>,
     census_name: &str,
     obj: &Bound<'py, PyAny>,
     objects: &Listing<'py>,
+    reach: Reach,
 ) -> PyResult<Vec<String>> {
     let py = slices.py;
     let gc = py.import("gc")?;
@@ -48,9 +54,19 @@ pub(super) fn referrer_chain<'py>(
     let mut holders: Vec<Bound<'py, PyAny>> = Vec::new();
     let mut child = obj.clone();
     while holders.len() < MAX_CHAIN {
-        let next = referrer_among(slices, &gc, objects, &child, |r| {
-            !on_chain.contains(&(r.as_ptr() as usize)) && !is_transient(r)
-        })?;
+        let accept =
+            |r: &Bound<'py, PyAny>| !on_chain.contains(&(r.as_ptr() as usize)) && !is_transient(r);
+        let mut next = referrer_among(slices, &gc, objects, &child, accept)?;
+        if next.is_none() && reach == Reach::OutsideFrozen {
+            let (deep, _) = walk(slices, &gc, Reach::All, |r, _| {
+                if r.is(&child) {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })?;
+            next = referrer_among(slices, &gc, &deep, &child, accept)?;
+        }
         let Some(parent) = next else { break };
         on_chain.insert(parent.as_ptr() as usize);
         holders.push(parent.clone());

@@ -1,6 +1,7 @@
 //! The Python heap census: objects and bytes by type, from one walk of the
 //! heap down from the modules' globals (`listing::walk`: every container,
-//! tracked or frozen or not, and the bytes/arrays they hold), under a time
+//! tracked or not, and the bytes/arrays they hold; once a start-up heap is
+//! frozen, what was made since), under a time
 //! budget, with growth per completed request against the previous census
 //! and one referrer chain for the top grower.
 //!
@@ -10,18 +11,22 @@
 //! own thread or on demand, never on a request path.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use oomscope_agent_core::pb;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyType};
 
+mod addr;
 mod chain;
 mod listing;
 mod names;
 mod reasons;
 mod slices;
 
+use addr::AddrMap;
+pub use addr::AddrSet;
 use chain::referrer_chain;
 pub use chain::MAX_CHAIN;
 pub use names::type_name;
@@ -45,7 +50,13 @@ pub struct Baseline {
     /// Addresses of the objects it saw: the next census starts its
     /// referrer chain at an object that is new since (8 bytes an object,
     /// bounded by the heap itself).
-    pub addresses: HashSet<usize>,
+    pub addresses: AddrSet,
+    /// Its top grower's bytes grown since the census before (0 without
+    /// one): what the suspicion confirms a leak by.
+    pub top_grown_bytes: u64,
+    /// Whether it kept outside a frozen heap: a census that walked the
+    /// whole heap is no baseline for one that did not (or the other way).
+    pub outside_frozen: bool,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -101,15 +112,15 @@ struct Scanner<'py> {
     py: Python<'py>,
     tensor: Option<Bound<'py, PyAny>>,
     ndarray: Option<Bound<'py, PyAny>>,
-    types: HashMap<usize, TypeInfo>,
+    types: AddrMap<TypeInfo>,
     /// By type object, and for tensors by device.
-    plain: HashMap<usize, Tally<'py>>,
+    plain: AddrMap<Tally<'py>>,
     tensors: HashMap<String, Tally<'py>>,
     storages: HashSet<(String, usize)>,
-    seen_untracked: HashSet<usize>,
+    seen_untracked: AddrSet,
     scanned: u64,
-    previous: Option<HashSet<usize>>,
-    addresses: HashSet<usize>,
+    previous: Option<AddrSet>,
+    addresses: AddrSet,
 }
 
 impl<'py> Scanner<'py> {
@@ -272,27 +283,43 @@ pub fn run(
     let gc = py.import("gc")?;
     let counts: (u64, u64, u64) = gc.call_method0("get_count")?.extract().unwrap_or((0, 0, 0));
     let garbage = gc.getattr("garbage").and_then(|g| g.len()).unwrap_or(0) as u64;
+    let reach = listing::Reach::of(&gc);
+    let outside_frozen = reach == listing::Reach::OutsideFrozen;
+    if baseline
+        .as_ref()
+        .is_some_and(|b| b.outside_frozen != outside_frozen)
+    {
+        *baseline = None;
+    }
     let mut s = Scanner {
         py,
         tensor: module_attr(py, "torch", "Tensor"),
         ndarray: module_attr(py, "numpy", "ndarray"),
-        types: HashMap::new(),
-        plain: HashMap::new(),
+        types: AddrMap::default(),
+        plain: AddrMap::default(),
         tensors: HashMap::new(),
         storages: HashSet::new(),
-        seen_untracked: HashSet::new(),
+        seen_untracked: AddrSet::default(),
         scanned: 0,
         previous: baseline.as_mut().map(|b| std::mem::take(&mut b.addresses)),
-        addresses: HashSet::new(),
+        addresses: AddrSet::default(),
     };
-    let (objects, complete) =
-        listing::walk(&mut slices, &gc, |obj, container| s.count(obj, container))?;
+    let (objects, ended) = listing::walk(&mut slices, &gc, reach, |obj, container| {
+        s.count(obj, container);
+        ControlFlow::Continue(())
+    })?;
     let scanned = s.scanned;
     let addresses = std::mem::take(&mut s.addresses);
     s.previous = None;
     let (by_type, sample) = s.finish();
 
     let growth = growth_per_request(&by_type, baseline.as_ref(), requests_done);
+    let top_grown_bytes = match (growth.first(), baseline.as_ref()) {
+        (Some((_, per_request, _)), Some(b)) => {
+            (per_request * requests_done.saturating_sub(b.requests_done) as f64) as u64
+        }
+        _ => 0,
+    };
     // The chain starts at the top grower that has an instance on record.
     let top = growth
         .iter()
@@ -301,8 +328,14 @@ pub fn run(
     let mut chain = Vec::new();
     if let Some(obj) = top.as_ref().and_then(|n| sample.get(n)) {
         slices.budget = budget;
-        chain = referrer_chain(&mut slices, top.as_deref().unwrap_or(""), obj, &objects)
-            .unwrap_or_default();
+        chain = referrer_chain(
+            &mut slices,
+            top.as_deref().unwrap_or(""),
+            obj,
+            &objects,
+            reach,
+        )
+        .unwrap_or_default();
     }
     drop(objects);
     let mut census = pb::HeapCensus {
@@ -318,7 +351,7 @@ pub fn run(
         longest_hold_ns: slices.longest.as_nanos() as u64,
         longest_hold_cpu_ns: slices.longest_cpu.as_nanos() as u64,
     };
-    if !complete {
+    if ended != listing::Ended::Complete {
         census.referrer_chain.insert(
             0,
             format!(
@@ -333,6 +366,8 @@ pub fn run(
         by_type,
         requests_done,
         addresses,
+        top_grown_bytes,
+        outside_frozen,
     });
     Ok(census)
 }
@@ -427,7 +462,9 @@ mod tests {
                 ("Resp", 0, 0),
             ]),
             requests_done: 10,
-            addresses: HashSet::new(),
+            addresses: AddrSet::default(),
+            top_grown_bytes: 0,
+            outside_frozen: false,
         };
         let now = counts(&[
             ("torch.Tensor[cpu]", 30, 41_000),
@@ -449,7 +486,9 @@ mod tests {
         let base = Baseline {
             by_type: counts(&[("a", 1, 1)]),
             requests_done: 10,
-            addresses: HashSet::new(),
+            addresses: AddrSet::default(),
+            top_grown_bytes: 0,
+            outside_frozen: false,
         };
         assert!(growth_per_request(&now, Some(&base), 10).is_empty());
     }

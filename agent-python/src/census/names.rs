@@ -17,12 +17,58 @@ pub fn type_name(ty: &Bound<'_, PyType>) -> String {
 
 pub(super) fn describe_leaf(census_name: &str, obj: &Bound<'_, PyAny>) -> String {
     // The census's own name (`torch.Tensor[cpu]`), so the chain and the
-    // type counts agree; arrays and tensors also give their shape.
+    // type counts agree; arrays and tensors also give their shape (asked of
+    // those only: any other object's attributes may run its code).
+    if !(census_name.starts_with("torch") || census_name.starts_with("numpy")) {
+        return census_name.to_string();
+    }
     match obj.getattr("shape").and_then(|s| s.str()) {
-        Ok(shape) if census_name.starts_with("torch") || census_name.starts_with("numpy") => {
-            format!("{census_name} {shape}")
-        }
+        Ok(shape) => format!("{census_name} {shape}"),
         _ => census_name.to_string(),
+    }
+}
+
+/// `obj.__dict__` by the generic lookup, which never calls the class's
+/// `__getattr__`: a lazy proxy (openai's, in vLLM's API server) answers a
+/// missing attribute by importing its module, and a census must not run
+/// the server's code.
+pub(super) fn instance_dict<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
+    let name = pyo3::types::PyString::new(obj.py(), "__dict__");
+    // SAFETY: both live, the GIL held; a new reference or NULL with an
+    // error set, which `from_owned_ptr_or_err` takes.
+    let dict = unsafe {
+        Bound::from_owned_ptr_or_err(
+            obj.py(),
+            pyo3::ffi::PyObject_GenericGetAttr(obj.as_ptr(), name.as_ptr()),
+        )
+    };
+    dict.ok()?.cast_into::<PyDict>().ok()
+}
+
+/// A dict key as the chain shows it: the value of a string, number or
+/// bytes key, else its type (any other `repr` may run the server's code).
+fn key_text(key: &Bound<'_, PyAny>) -> String {
+    let plain = key.is_exact_instance_of::<pyo3::types::PyString>()
+        || key.is_exact_instance_of::<pyo3::types::PyInt>()
+        || key.is_exact_instance_of::<pyo3::types::PyFloat>()
+        || key.is_exact_instance_of::<pyo3::types::PyBytes>();
+    if !plain {
+        return format!("<{}>", type_name(&key.get_type()));
+    }
+    let t = key.repr().map(|r| r.to_string()).unwrap_or_default();
+    if t.chars().count() > 40 {
+        format!("{}...", t.chars().take(40).collect::<String>())
+    } else {
+        t
+    }
+}
+
+/// A global's or attribute's name: a string key as it is, any other by
+/// [`key_text`].
+fn global_name(key: &Bound<'_, PyAny>) -> String {
+    match key.cast::<pyo3::types::PyString>() {
+        Ok(s) => s.to_string(),
+        Err(_) => key_text(key),
     }
 }
 
@@ -58,27 +104,13 @@ pub(super) fn describe_holder(
     holder: &Bound<'_, PyAny>,
     child: &Bound<'_, PyAny>,
 ) -> (String, bool) {
-    let short = |o: &Bound<'_, PyAny>| -> String {
-        let t = o.repr().map(|r| r.to_string()).unwrap_or_default();
-        if t.chars().count() > 40 {
-            format!("{}...", t.chars().take(40).collect::<String>())
-        } else {
-            t
-        }
-    };
     if let Ok(d) = holder.cast::<PyDict>() {
         let key = d.iter().find(|(_, v)| v.is(child)).map(|(k, _)| k);
         let module = is_module_globals(holder).then(|| module_name(d));
         return match (module, key) {
-            (Some(m), Some(k)) => (
-                format!(
-                    "module {m} global {}",
-                    k.str().map(|s| s.to_string()).unwrap_or_default()
-                ),
-                true,
-            ),
+            (Some(m), Some(k)) => (format!("module {m} global {}", global_name(&k)), true),
             (Some(m), None) => (format!("module {m} globals"), true),
-            (None, Some(k)) => (format!("dict[{}] ({} items)", short(&k), d.len()), false),
+            (None, Some(k)) => (format!("dict[{}] ({} items)", key_text(&k), d.len()), false),
             (None, None) => (format!("dict ({} items)", d.len()), false),
         };
     }
@@ -100,12 +132,10 @@ pub(super) fn describe_holder(
         return (format!("tuple[{i}] ({} items)", t.len()), false);
     }
     let name = type_name(&holder.get_type());
-    let attr = holder.getattr("__dict__").ok().and_then(|d| {
-        d.cast::<PyDict>().ok().and_then(|d| {
-            d.iter()
-                .find(|(_, v)| v.is(child))
-                .map(|(k, _)| k.to_string())
-        })
+    let attr = instance_dict(holder).and_then(|d| {
+        d.iter()
+            .find(|(_, v)| v.is(child))
+            .map(|(k, _)| global_name(&k))
     });
     (
         match attr {
@@ -130,14 +160,16 @@ pub(super) fn attribute_step(
     let attr = key.extract::<String>().ok()?;
     let name = match owner.cast::<PyType>() {
         // A class's namespace is behind a mappingproxy: ask the class.
+        // (Its namespace, not the attribute: a descriptor's `__get__`
+        // would run.)
         Ok(ty) => ty
-            .getattr(attr.as_str())
+            .getattr("__dict__")
+            .ok()?
+            .get_item(attr.as_str())
             .ok()?
             .is(value)
             .then(|| type_name(ty))?,
-        Err(_) => owner
-            .getattr("__dict__")
-            .ok()?
+        Err(_) => instance_dict(owner)?
             .is(dict)
             .then(|| type_name(&owner.get_type()))?,
     };

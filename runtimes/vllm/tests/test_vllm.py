@@ -435,8 +435,10 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
         # vLLM's three processes on 2 cores) the third comes later.
         censuses = harness.wait_for(chained, 150)
         got = api_censuses()
-        assert censuses, "%d censuses (3 needed), the last with chain %s" % (
-            len(got), got[-1]["referrer_chain"] if got else None)
+        assert censuses, "%d censuses (3 needed), the last with chain %s; each %s" % (
+            len(got), got[-1]["referrer_chain"] if got else None,
+            [(c.get("objects_scanned"), c.get("duration_ns", 0) // 10**6, len(c.get("types", [])))
+             for c in got])
 
         # The leak hunt names the instance; the censuses are its API server's.
         def leak():
@@ -451,13 +453,15 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
     last = censuses[-1]
     by = {t["type_name"]: t["bytes"] for t in last["types"]}
     assert by.get("bytes", 0) >= 20 * 256 * 1024, by
-    # vLLM froze the heap: the census lists little of it...
-    assert last["objects_scanned"] < 20_000, last["objects_scanned"]
-    # ...and the chain still climbs through the frozen list to its module.
+    # vLLM froze the heap (~640k objects in its API server): the census
+    # lists what was made since and the modules' own collections (~20k)...
+    assert last["objects_scanned"] < 60_000, last["objects_scanned"]
+    # ...and the chain climbs from the planted buffer (the top grower, each
+    # the third of its tuple) through the frozen list to its module.
     chain = last["referrer_chain"]
     assert chain[0] == "module sitecustomize global KEPT", chain
-    assert chain[1].startswith("list[") and chain[2].startswith("tuple["), chain
-    assert any(".protocol.Completion" in step for step in chain), chain
+    assert chain[1].startswith("list[") and chain[2].startswith("tuple[2] (3 items)"), chain
+    assert chain[-1] == "bytes", chain
     # The verdict: a leak of the planted 256 KiB a request, in the API
     # server, held by the list, with its runway first.
     assert d["domain"] is None, d

@@ -228,3 +228,19 @@ fn the_real_log_opens_at_its_end() {
         Some(why) => eprintln!("kernel log unreadable here: {why}"),
     }
 }
+
+#[test]
+fn a_record_is_placed_when_the_kernel_logged_it() {
+    use oomscope_agent_core::readers::kmsg::{logged_at_now, logged_at_ns, monotonic_ns};
+    let now = 1_800_000_000_000_000_000;
+    let mono = 5_000_000_000_000; // 5,000 s since boot
+                                  // Logged 1.5 s before it was read.
+    assert_eq!(now - logged_at_ns(4_998_500_000, now, mono), 1_500_000_000);
+    // A stamp in the future, or older than the clocks can be trusted: the
+    // read time.
+    assert_eq!(logged_at_ns(5_000_100_000, now, mono), now);
+    assert_eq!(logged_at_ns(4_000_000_000, now, mono), now);
+    // The real clocks: a record stamped now is placed now.
+    let placed = logged_at_now((monotonic_ns() / 1000) as u64);
+    assert!((oomscope_agent_core::now_ns() - placed).abs() < 1_000_000_000);
+}

@@ -178,7 +178,9 @@ impl PythonReaders {
                 Ok(_) => Attempt::Taken {
                     done,
                     cost: census::thread_cpu().saturating_sub(cpu),
-                    grown: lock(&agent.baseline).as_ref().map_or(0, |b| b.top_grown_bytes),
+                    grown: lock(&agent.baseline)
+                        .as_ref()
+                        .map_or(0, |b| b.top_grown_bytes),
                 },
                 Err(e) => {
                     tracing::warn!(error = %e, "oomscope: heap census failed");
@@ -206,7 +208,11 @@ enum Attempt {
     Busy,
     /// Taken after `done` requests, at `cost` of this thread's CPU; its
     /// top type grew `grown` bytes since the census before.
-    Taken { done: u64, cost: Duration, grown: u64 },
+    Taken {
+        done: u64,
+        cost: Duration,
+        grown: u64,
+    },
     /// The census failed, or the interpreter is gone.
     Failed,
 }

@@ -331,7 +331,12 @@ mod tests {
         );
         assert_eq!(s.due(t0 + Duration::from_secs(1)), Some(Reason::Blocks));
         // Growth that goes on: the next census waits twice as many requests.
-        s.censused(20, Duration::from_millis(100), 0, t0 + Duration::from_secs(1));
+        s.censused(
+            20,
+            Duration::from_millis(100),
+            0,
+            t0 + Duration::from_secs(1),
+        );
         let t1 = t0 + Duration::from_secs(60);
         feed(&mut s, 21, 39, |i| 1000 + 1000 * i);
         assert_eq!(s.due(t1), None, "19 requests since, 20 needed");

@@ -238,25 +238,43 @@ fn a_server_that_serves_one_request_at_a_time_is_serialized() {
     // (115.09 ms against 2.5 x 46.06) is over the probe's bound.
     let bound_ms = (2.5 * one).floor();
     let bound = format!("{bound_ms}ms");
-    let (_, r) = probe_seeded(&[
-        "--endpoint",
-        &format!("http://127.0.0.1:{port}/v1"),
-        "--suite",
-        "concurrency",
-        "--max-concurrency",
-        "8",
-        "--typical-context",
-        "64",
-        "--output-tokens",
-        "8",
-        "--latency-bound",
-        &bound,
-    ]);
+    let ramp = || {
+        let (_, r) = probe_seeded(&[
+            "--endpoint",
+            &format!("http://127.0.0.1:{port}/v1"),
+            "--suite",
+            "concurrency",
+            "--max-concurrency",
+            "8",
+            "--typical-context",
+            "64",
+            "--output-tokens",
+            "8",
+            "--latency-bound",
+            &bound,
+        ]);
+        let steps = suite(&r, "concurrency")["steps"]
+            .as_array()
+            .unwrap()
+            .clone();
+        (r, steps)
+    };
+    // A single request slower than 2.5 of them (a loaded machine's stall)
+    // ends the ramp at its first rung, with nothing to compare: the ramp is
+    // run again then, at most twice.
+    let (mut r, mut steps) = ramp();
+    for _ in 0..2 {
+        if steps.len() >= 2 {
+            break;
+        }
+        eprintln!("the first rung was over {bound}: {steps:?}; again");
+        (r, steps) = ramp();
+    }
     let fig = &r["envelope"]["max_concurrency_at_typical_context"];
-    let steps = suite(&r, "concurrency")["steps"]
-        .as_array()
-        .unwrap()
-        .clone();
+    assert!(
+        steps.len() >= 2,
+        "three ramps ended at the first rung: {steps:#?}"
+    );
     let over = |s: &Value| s["p99_ms"].as_f64().unwrap() > bound_ms;
     let last = steps.last().unwrap();
     let p99s: Vec<f64> = steps

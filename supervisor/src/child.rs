@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use oomscope_agent_core::agent::{Flow, Readers, SamplingLoop, INSTANCE_ENV};
 use oomscope_agent_core::pb;
-use oomscope_agent_core::readers::kmsg::KmsgReader;
+use oomscope_agent_core::readers::kmsg::{self, KmsgReader};
 use oomscope_agent_core::readers::tree::TreeWatch;
 use oomscope_agent_core::readers::{process, HostPaths, HostReader};
 use oomscope_agent_core::reporter::Reporter;
@@ -284,7 +284,11 @@ impl ChildWatch<'_> {
     fn send_kills(&mut self, reporter: &Reporter) {
         for kill in self.kmsg.read_new() {
             if kill.pid == self.pid || self.tree.owns(kill.pid) {
-                reporter.send_event(event(pb::event::Kind::KernelOomKill(kill)));
+                // Placed when the kernel logged it, not when it was read.
+                reporter.send_event(pb::Event {
+                    time_ns: kmsg::logged_at_now(kill.kernel_time_us),
+                    kind: Some(pb::event::Kind::KernelOomKill(kill)),
+                });
             }
         }
         self.send_alloc_failures(reporter, false);

@@ -537,6 +537,48 @@ fn set_kb(field: &mut u64, v: &str) {
     }
 }
 
+/// The farthest back a record's own stamp may place it from when it was
+/// read: beyond this the kernel's clock and ours disagree (a VM's
+/// sched_clock can drift from CLOCK_MONOTONIC), and the read time is used.
+pub const MAX_RECORD_AGE_NS: i64 = 60_000_000_000;
+
+/// When the kernel logged a record stamped `kernel_time_us` (its
+/// microseconds since boot), on the wall clock, given the wall and
+/// monotonic clocks read now. Not the time it was read: a reader polling
+/// on a loaded machine can read a kill a second or more late, past the
+/// second within which the analysis takes a request that ended as the one
+/// the death broke. The read time where the stamp is in the future or older
+/// than [`MAX_RECORD_AGE_NS`].
+pub fn logged_at_ns(kernel_time_us: u64, now_ns: i64, monotonic_now_ns: i64) -> i64 {
+    let age = monotonic_now_ns.saturating_sub((kernel_time_us as i64).saturating_mul(1000));
+    if (0..=MAX_RECORD_AGE_NS).contains(&age) {
+        now_ns - age
+    } else {
+        now_ns
+    }
+}
+
+/// [`logged_at_ns`] with the clocks read now.
+pub fn logged_at_now(kernel_time_us: u64) -> i64 {
+    logged_at_ns(kernel_time_us, crate::now_ns(), monotonic_ns())
+}
+
+/// CLOCK_MONOTONIC, the clock /dev/kmsg's stamps count (since boot, without
+/// suspend), in nanoseconds; 0 where it cannot be read.
+pub fn monotonic_ns() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write into.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+        return 0;
+    }
+    (ts.tv_sec as i64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as i64)
+}
+
 /// Reads the OOM kills the kernel logs from now on. `Unavailable` where the
 /// log cannot be read (EACCES/EPERM in an unprivileged container, or not
 /// Linux): the evidence then says why, once, instead of guessing.

@@ -574,9 +574,9 @@ pub fn monotonic_ns() -> i64 {
     if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
         return 0;
     }
-    i64::from(ts.tv_sec)
+    ts.tv_sec
         .saturating_mul(1_000_000_000)
-        .saturating_add(i64::from(ts.tv_nsec))
+        .saturating_add(ts.tv_nsec)
 }
 
 /// Reads the OOM kills the kernel logs from now on. `Unavailable` where the

@@ -41,8 +41,9 @@ pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
 pub const DEFAULT_OOM_ACK_WAIT: Duration = Duration::from_secs(2);
 /// The collector's default address, overridden by `OOMSCOPE_COLLECTOR`.
 pub const COLLECTOR_ENV: &str = "OOMSCOPE_COLLECTOR";
-/// The cudarc version this agent is built against (reported in the Hello).
-pub const CUDARC_VERSION: &str = "0.19.10";
+/// The cudarc versions this agent builds against (reported in the Hello):
+/// the application's cudarc picks the one within.
+pub const CUDARC_VERSION: &str = ">=0.19.10, <0.20";
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {

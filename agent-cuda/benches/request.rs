@@ -18,7 +18,7 @@ fn bench(c: &mut Criterion) {
     let pool = TrackingPool::new(Simulated::new(1 << 30));
     let mut cfg = AgentConfig::new("bench");
     cfg.collector_url = Some(url);
-    let agent = CudaAgent::start(cfg, &pool).unwrap();
+    let agent = CudaAgent::start_with_pool(cfg, &pool).unwrap();
     let mut g = c.benchmark_group("agent_request");
     g.measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_millis(500));
@@ -27,14 +27,14 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             let id = i.to_string();
-            agent.request(pb::RequestBoundary {
+            agent.request_boundary(pb::RequestBoundary {
                 request_id: id.clone(),
                 start: true,
                 ..Default::default()
             });
             agent.set_context(|c| c.requests_done = i);
             black_box(agent.sample());
-            agent.request(pb::RequestBoundary {
+            agent.request_boundary(pb::RequestBoundary {
                 request_id: id,
                 ..Default::default()
             });

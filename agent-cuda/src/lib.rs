@@ -24,3 +24,8 @@ pub use device::{ContextScope, DeviceError, DeviceInfo, DeviceMemory};
 pub use pool::{OomError, Pool, PoolError, StreamId, TrackedSlice, TrackingPool, UntrackedPool};
 pub use simulated::Simulated;
 pub use tag::Tag;
+
+/// The README's examples, compiled (and the KV one run) as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -102,6 +102,20 @@ fn a_host_only_agent_reports_no_gpu_and_finds_a_leak_by_its_requests() {
         "bytes_per_request {per_request} against {LEAK} kept per request: {c:#}"
     );
     eprintln!("{}: {per_request:.0} B/request", c["kind"]);
+    // The fixes in Rust's words: no Python tool, no allocator without a device.
+    let text = d.to_string();
+    assert!(text.contains("heaptrack"), "{d:#}");
+    for foreign in [
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "tracemalloc",
+        "torch.",
+        "empty_cache",
+    ] {
+        assert!(
+            !text.contains(foreign),
+            "{foreign} for a Rust process without a device: {d:#}"
+        );
+    }
     drop(leaked);
 }
 

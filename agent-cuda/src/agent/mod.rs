@@ -40,10 +40,9 @@ pub use guards::{Phase, Request, AFTER_REQUEST_PHASE};
 /// The cudarc versions this agent builds against (reported in the Hello):
 /// the application's cudarc picks the one within.
 pub const CUDARC_VERSION: &str = ">=0.19.10, <0.20";
-/// The runtime a Hello names: what reads the memory. With a pool attached,
-/// "cudarc"; without, "rust" (host domains only).
-pub const RUNTIME_HOST: &str = "rust";
-pub const RUNTIME_POOL: &str = "cudarc";
+/// The runtime a Hello names: what reads the memory. Without a pool,
+/// "rust" (host domains only); with one attached, "cudarc".
+pub use oomscope_proto::{RUNTIME_CUDARC as RUNTIME_POOL, RUNTIME_RUST as RUNTIME_HOST};
 
 type StatsFn = Box<dyn Fn() -> pb::AllocatorStats + Send + Sync>;
 type SnapshotFn = Box<dyn Fn() -> pb::SnapshotSummary + Send + Sync>;

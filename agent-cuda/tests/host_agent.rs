@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_cuda::agent::{DEFAULT_SAMPLE_INTERVAL, DEFAULT_SHUTDOWN_WAIT};
-use oomscope_agent_cuda::{Agent, AgentConfig, StartError};
+use oomscope_agent_cuda::{Agent, AgentConfig, Simulated, StartError, Tag, TrackingPool};
 use oomscope_testkit::cli::{oomscope_bin, query_json};
 use oomscope_testkit::CollectorProcess;
 
@@ -42,6 +42,10 @@ fn resident(bytes: usize) -> Vec<u8> {
     v
 }
 
+/// RSS is the process's: two leaking tests at once would each read both
+/// leaks. They take turns.
+static LEAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn config(name: &str, url: &str) -> AgentConfig {
     let mut cfg = AgentConfig::new(name);
     cfg.collector_url = Some(url.into());
@@ -51,6 +55,7 @@ fn config(name: &str, url: &str) -> AgentConfig {
 
 #[test]
 fn a_host_only_agent_reports_no_gpu_and_finds_a_leak_by_its_requests() {
+    let _turn = LEAKING.lock().unwrap_or_else(|e| e.into_inner());
     let (_dir, collector) = collector();
     let agent = Agent::start(config("host-leak", &collector.url)).unwrap();
     {
@@ -116,6 +121,43 @@ fn a_host_only_agent_reports_no_gpu_and_finds_a_leak_by_its_requests() {
             "{foreign} for a Rust process without a device: {d:#}"
         );
     }
+    drop(leaked);
+}
+
+#[test]
+fn a_host_leak_beside_a_pool_says_the_device_stayed_flat() {
+    let _turn = LEAKING.lock().unwrap_or_else(|e| e.into_inner());
+    let (_dir, collector) = collector();
+    let pool = TrackingPool::new(Simulated::new(1 << 30));
+    let agent = Agent::start_with_pool(config("host-leak-pool", &collector.url), &pool).unwrap();
+    let mut leaked = Vec::new();
+    for i in 0..REQUESTS {
+        let _r = agent.request(i, 16);
+        // KV that comes and goes on the device; what stays is on the host.
+        let kv = pool.alloc::<u8>(4 * MIB, Tag::KvCache).unwrap();
+        leaked.push(resident(LEAK));
+        drop(kv);
+    }
+    assert!(agent.shutdown("done", 0, DEFAULT_SHUTDOWN_WAIT));
+    let d = query_json(&collector.url, &["diagnose", "--agent", "host-leak-pool"]);
+    let c = d["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["kind"] == "host_growth")
+        .unwrap_or_else(|| panic!("no host_growth: {d:#}"));
+    let per_request = c["metrics"]["bytes_per_request"].as_f64().unwrap();
+    assert!(
+        (per_request - LEAK as f64).abs() < 0.10 * LEAK as f64,
+        "{c:#}"
+    );
+    let evidence = c["evidence"].to_string();
+    // Every reading had the pool's counters: the evidence says so.
+    assert!(
+        evidence.contains("device live bytes between requests stayed flat"),
+        "{c:#}"
+    );
+    assert!(!evidence.contains("no device allocator readings"), "{c:#}");
     drop(leaked);
 }
 

@@ -171,6 +171,15 @@ pub fn plan(
 /// it is an incident of its own (alone or leading), None when it merged into
 /// another.
 pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Incident>> {
+    if let Some(leader) = first_device_oom(store, &new)? {
+        store.merge_incident(&new.id, &leader)?;
+        tracing::info!(
+            incident = new.id,
+            leader,
+            "one failure: merged into its incident"
+        );
+        return Ok(None);
+    }
     if strength(&new.kind) == 0 {
         return Ok(Some(new));
     }
@@ -283,6 +292,42 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
             Ok(None)
         }
     }
+}
+
+/// The device OOM that `new` follows, when `new` is another device OOM or
+/// the failed exit with an OOM text of the same process or instance within
+/// [`CORRELATION_WINDOW_NS`]: threads that outgrow a device together fail
+/// within milliseconds of each other, and a server that gives up on an OOM
+/// exits seconds later; the first OOM, with the allocator's state, leads.
+fn first_device_oom(store: &Store, new: &pb::Incident) -> Result<Option<String>> {
+    if !matches!(
+        kind_of(&new.kind),
+        Some(IncidentKind::Oom | IncidentKind::ExitOomText)
+    ) {
+        return Ok(None);
+    }
+    let instance = store.instance_of(&new.agent_id)?.unwrap_or_default();
+    let mut first: Option<pb::Incident> = None;
+    for i in store.incidents_of_kind(
+        IncidentKind::Oom.as_str(),
+        new.time_ns - CORRELATION_WINDOW_NS,
+        new.time_ns,
+    )? {
+        if i.id == new.id {
+            continue;
+        }
+        let same = i.agent_id == new.agent_id
+            || (!instance.is_empty()
+                && store.instance_of(&i.agent_id)?.as_deref() == Some(instance.as_str()));
+        if same
+            && first
+                .as_ref()
+                .is_none_or(|f| (i.time_ns, &i.id) < (f.time_ns, &f.id))
+        {
+            first = Some(i);
+        }
+    }
+    Ok(first.map(|f| f.id))
 }
 
 /// Incidents raised by a child's end (`ChildExit`): each closes a run.

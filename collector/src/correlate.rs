@@ -171,14 +171,23 @@ pub fn plan(
 /// it is an incident of its own (alone or leading), None when it merged into
 /// another.
 pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Incident>> {
-    if let Some(leader) = first_device_oom(store, &new)? {
-        store.merge_incident(&new.id, &leader)?;
-        tracing::info!(
-            incident = new.id,
-            leader,
-            "one failure: merged into its incident"
-        );
-        return Ok(None);
+    match device_oom_plan(store, &new)? {
+        Some(Plan::MergeInto { leader }) => {
+            store.merge_incident(&new.id, &leader)?;
+            tracing::info!(
+                incident = new.id,
+                leader,
+                "one failure: merged into its incident"
+            );
+            return Ok(None);
+        }
+        Some(Plan::Lead { absorb }) => {
+            for id in &absorb {
+                store.merge_incident(id, &new.id)?;
+            }
+            return Ok(Some(new));
+        }
+        _ => {}
     }
     if strength(&new.kind) == 0 {
         return Ok(Some(new));
@@ -294,40 +303,55 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
     }
 }
 
-/// The device OOM that `new` follows, when `new` is another device OOM or
-/// the failed exit with an OOM text of the same process or instance within
-/// [`CORRELATION_WINDOW_NS`]: threads that outgrow a device together fail
-/// within milliseconds of each other, and a server that gives up on an OOM
-/// exits seconds later; the first OOM, with the allocator's state, leads.
-fn first_device_oom(store: &Store, new: &pb::Incident) -> Result<Option<String>> {
+/// One device failure, one incident: threads that outgrow a device
+/// together fail within milliseconds of each other, and a server that
+/// gives up on an OOM exits seconds later with its text. Within
+/// [`CORRELATION_WINDOW_NS`], for the same process or instance, the first
+/// device OOM (with the allocator's state) leads: a later OOM or a failed
+/// exit with an OOM text merges into it, and an OOM stored after such an
+/// exit (the agent's stream and the supervisor's arrive in any order)
+/// takes the exit and any later OOMs in. None: the rule does not apply.
+fn device_oom_plan(store: &Store, new: &pb::Incident) -> Result<Option<Plan>> {
+    let new_kind = kind_of(&new.kind);
     if !matches!(
-        kind_of(&new.kind),
+        new_kind,
         Some(IncidentKind::Oom | IncidentKind::ExitOomText)
     ) {
         return Ok(None);
     }
     let instance = store.instance_of(&new.agent_id)?.unwrap_or_default();
-    let mut first: Option<pb::Incident> = None;
-    for i in store.incidents_of_kind(
-        IncidentKind::Oom.as_str(),
-        new.time_ns - CORRELATION_WINDOW_NS,
-        new.time_ns,
-    )? {
-        if i.id == new.id {
-            continue;
-        }
-        let same = i.agent_id == new.agent_id
-            || (!instance.is_empty()
-                && store.instance_of(&i.agent_id)?.as_deref() == Some(instance.as_str()));
-        if same
-            && first
-                .as_ref()
-                .is_none_or(|f| (i.time_ns, &i.id) < (f.time_ns, &f.id))
-        {
-            first = Some(i);
+    let mut related = Vec::new();
+    for kind in [IncidentKind::Oom, IncidentKind::ExitOomText] {
+        for i in store.incidents_of_kind(
+            kind.as_str(),
+            new.time_ns - CORRELATION_WINDOW_NS,
+            new.time_ns + CORRELATION_WINDOW_NS,
+        )? {
+            let same = i.agent_id == new.agent_id
+                || (!instance.is_empty()
+                    && store.instance_of(&i.agent_id)?.as_deref() == Some(instance.as_str()));
+            if same && i.id != new.id {
+                related.push(i);
+            }
         }
     }
-    Ok(first.map(|f| f.id))
+    let first_oom = related
+        .iter()
+        .filter(|i| i.kind == IncidentKind::Oom)
+        .min_by_key(|i| (i.time_ns, i.id.clone()));
+    let leads = |o: &pb::Incident| (o.time_ns, &o.id) < (new.time_ns, &new.id);
+    if let Some(first) =
+        first_oom.filter(|o| new_kind == Some(IncidentKind::ExitOomText) || leads(o))
+    {
+        return Ok(Some(Plan::MergeInto {
+            leader: first.id.clone(),
+        }));
+    }
+    if new_kind != Some(IncidentKind::Oom) {
+        return Ok(None);
+    }
+    let absorb: Vec<String> = related.into_iter().map(|i| i.id).collect();
+    Ok((!absorb.is_empty()).then_some(Plan::Lead { absorb }))
 }
 
 /// Incidents raised by a child's end (`ChildExit`): each closes a run.

@@ -10,7 +10,8 @@
 //! network. Request begins and ends go into agent-core's boundary ring, and
 //! [`Agent::sample`] into one pending slot; the sampler thread sends them
 //! as one message at most every [`MIN_BATCH_SPACING`] (20 a second at any
-//! request rate). Host readings (procfs, cgroup) are taken on that thread.
+//! request rate). Host readings (procfs, cgroup, and NVML's per-process
+//! device memory in the periodic sample) are taken on that thread.
 
 mod config;
 mod guards;
@@ -122,6 +123,10 @@ impl Agent {
         .hello(&reader);
         hello.models = cfg.models.clone();
         hello.labels = resolved.labels.into_iter().collect();
+        // The GPUs NVML sees (none on a host without one): the periodic
+        // sample reads their memory per process, what a framework that
+        // allocates outside any pool (candle through cudarc) uses included.
+        hello.gpus = reader.gpu().placements();
         let mut rcfg = ReporterConfig::new(resolved.url);
         rcfg.spool_dir = resolved.spool_dir;
         // Its threads share the inference server's cores.
@@ -173,7 +178,10 @@ impl Agent {
         self.inner.reporter.update_hello(|h| {
             h.runtime = RUNTIME_POOL.into();
             h.versions.insert("cudarc".into(), CUDARC_VERSION.into());
-            // The pool's own device, not NVML's view: it is what the pool allocates on.
+            // The pool's own device, not NVML's view: it is what the pool
+            // allocates on (its ordinal), in place of NVML's entry for it.
+            h.gpus
+                .retain(|g| info.uuid.is_empty() || g.uuid != info.uuid);
             h.gpus.push(pb::GpuPlacement {
                 index: info.index,
                 uuid: info.uuid.clone(),

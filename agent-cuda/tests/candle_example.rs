@@ -129,3 +129,72 @@ fn a_2_mib_per_request_leak_is_found_within_150_requests() {
         "bytes_per_request {per_request} against 2 MiB kept per request: {c:#}"
     );
 }
+
+/// Far past the cgroup's limit at 2 MiB a request: the kernel kills it.
+const KILL_LIMIT: u64 = 300 << 20;
+
+#[test]
+fn a_leak_killed_by_the_kernel_under_oomscope_run_is_one_incident_in_rusts_words() {
+    let (_dir, collector) = collector();
+    let cg =
+        oomscope_testkit::cgroups::TestCgroup::create(None, "oomscope-candle", Some(KILL_LIMIT));
+    let bin = oomscope_bin();
+    let example = example_bin();
+    let argv = [
+        bin.to_str().unwrap(),
+        "run",
+        "--collector",
+        &collector.url,
+        "--name",
+        "candle-kill",
+        "--",
+        example.to_str().unwrap(),
+        "--requests",
+        "1000",
+        "--leak-mib",
+        "2",
+    ];
+    let out = cg.command(&argv).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(137),
+        "killed by the kernel: {stderr}"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let incidents = loop {
+        let list = query_json(&collector.url, &["incidents"]);
+        let list = list.as_array().unwrap().clone();
+        if !list.is_empty() || std::time::Instant::now() > deadline {
+            break list;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(incidents.len(), 1, "{incidents:#?}");
+    let id = incidents[0]["id"].as_str().unwrap();
+    let d = query_json(&collector.url, &["diagnose", id]);
+    eprintln!("{d:#}");
+    assert_eq!(d["trigger"], "repeated_requests", "{d:#}");
+    let first = &d["causes"][0];
+    assert!(
+        ["leak", "host_growth"].contains(&first["kind"].as_str().unwrap()),
+        "{d:#}"
+    );
+    let per_request = first["metrics"]["bytes_per_request"].as_f64().unwrap();
+    assert!(
+        (per_request - 2.0 * MIB).abs() < 0.10 * 2.0 * MIB,
+        "bytes_per_request {per_request}: {first:#}"
+    );
+    let text = d.to_string();
+    assert!(
+        text.contains("anon-rss"),
+        "the kernel's anon-rss quoted: {d:#}"
+    );
+    assert!(text.contains("heaptrack"), "a Rust remedy: {d:#}");
+    for foreign in ["tracemalloc", "PYTORCH_CUDA_ALLOC_CONF", "torch."] {
+        assert!(
+            !text.contains(foreign),
+            "{foreign} for a Rust process: {d:#}"
+        );
+    }
+}

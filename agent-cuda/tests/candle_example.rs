@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use oomscope_testkit::cli::{oomscope_bin, query_json};
+use oomscope_testkit::cli::{oomscope_bin, own_collector, query_json};
 use oomscope_testkit::CollectorProcess;
 use serde_json::Value;
 
@@ -48,17 +48,10 @@ fn example_bin() -> &'static PathBuf {
     })
 }
 
+/// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
-    let collector = CollectorProcess::start(
-        || {
-            let mut c = Command::new(oomscope_bin());
-            c.env_remove("OOMSCOPE_COLLECTOR");
-            c
-        },
-        &dir.path().join("oomscope.db"),
-        None,
-    );
+    let collector = own_collector(&dir.path().join("oomscope.db"));
     (dir, collector)
 }
 

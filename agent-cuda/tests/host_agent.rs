@@ -6,12 +6,11 @@
 //!
 //! Needs the `oomscope` binary (`cargo build -p oomscope-cli`), or `OOMSCOPE_BIN`.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_cuda::agent::{DEFAULT_SAMPLE_INTERVAL, DEFAULT_SHUTDOWN_WAIT};
 use oomscope_agent_cuda::{Agent, AgentConfig, Simulated, StartError, Tag, TrackingPool};
-use oomscope_testkit::cli::{oomscope_bin, query_json};
+use oomscope_testkit::cli::{own_collector, query_json};
 use oomscope_testkit::CollectorProcess;
 
 const MIB: usize = 1 << 20;
@@ -19,17 +18,10 @@ const MIB: usize = 1 << 20;
 const LEAK: usize = 2 * MIB;
 const REQUESTS: u64 = 150;
 
+/// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
-    let collector = CollectorProcess::start(
-        || {
-            let mut c = Command::new(oomscope_bin());
-            c.env_remove("OOMSCOPE_COLLECTOR");
-            c
-        },
-        &dir.path().join("oomscope.db"),
-        None,
-    );
+    let collector = own_collector(&dir.path().join("oomscope.db"));
     (dir, collector)
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use oomscope_agent_cuda::{Agent, AgentConfig, Simulated, Tag, TrackingPool};
-use oomscope_testkit::cli::{oomscope_bin, query_json};
+use oomscope_testkit::cli::{oomscope_bin, own_collector, query_json};
 use oomscope_testkit::CollectorProcess;
 use serde_json::Value;
 
@@ -30,17 +30,10 @@ const SEQUENCE_TOKENS: u64 = 256;
 /// Set in the child `oomscope run` starts.
 const CHILD_ENV: &str = "OOMSCOPE_TEST_ONE_FAILURE_CHILD";
 
+/// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
-    let collector = CollectorProcess::start(
-        || {
-            let mut c = Command::new(oomscope_bin());
-            c.env_remove("OOMSCOPE_COLLECTOR");
-            c
-        },
-        &dir.path().join("oomscope.db"),
-        None,
-    );
+    let collector = own_collector(&dir.path().join("oomscope.db"));
     (dir, collector)
 }
 

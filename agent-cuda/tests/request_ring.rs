@@ -7,11 +7,10 @@
 //! Needs the `oomscope` binary next to this test's target directory
 //! (`cargo build -p oomscope-cli`), or `OOMSCOPE_BIN`.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_cuda::{pb, AgentConfig, CudaAgent, Simulated, Tag, TrackingPool};
-use oomscope_testkit::cli::{oomscope_bin, query_json};
+use oomscope_testkit::cli::{own_collector, query_json};
 use oomscope_testkit::CollectorProcess;
 use serde_json::Value;
 
@@ -28,15 +27,7 @@ const LEAK: u64 = MIB;
 /// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
-    let collector = CollectorProcess::start(
-        || {
-            let mut c = Command::new(oomscope_bin());
-            c.env_remove("OOMSCOPE_COLLECTOR");
-            c
-        },
-        &dir.path().join("oomscope.db"),
-        None,
-    );
+    let collector = own_collector(&dir.path().join("oomscope.db"));
     (dir, collector)
 }
 

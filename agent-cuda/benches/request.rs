@@ -9,7 +9,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use oomscope_agent_cuda::{pb, AgentConfig, CudaAgent, Simulated, TrackingPool};
+use oomscope_agent_cuda::{pb, Agent, AgentConfig, CudaAgent, Simulated, TrackingPool};
 
 fn bench(c: &mut Criterion) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -17,8 +17,8 @@ fn bench(c: &mut Criterion) {
     drop(listener);
     let pool = TrackingPool::new(Simulated::new(1 << 30));
     let mut cfg = AgentConfig::new("bench");
-    cfg.collector_url = Some(url);
-    let agent = CudaAgent::start(cfg, &pool).unwrap();
+    cfg.collector_url = Some(url.clone());
+    let agent = CudaAgent::start_with_pool(cfg, &pool).unwrap();
     let mut g = c.benchmark_group("agent_request");
     g.measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_millis(500));
@@ -27,17 +27,27 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             let id = i.to_string();
-            agent.request(pb::RequestBoundary {
+            agent.request_boundary(pb::RequestBoundary {
                 request_id: id.clone(),
                 start: true,
                 ..Default::default()
             });
             agent.set_context(|c| c.requests_done = i);
             black_box(agent.sample());
-            agent.request(pb::RequestBoundary {
+            agent.request_boundary(pb::RequestBoundary {
                 request_id: id,
                 ..Default::default()
             });
+        })
+    });
+    // The guard a program holds: its begin, its end on drop (the agent
+    // counts the request and reads the pool at the end).
+    g.bench_function("guard", |b| {
+        b.iter(|| {
+            i += 1;
+            let mut r = agent.request(i, 8);
+            r.set_output_tokens(4);
+            drop(black_box(r));
         })
     });
     // What an end reads besides the RSS: the pool's counters.
@@ -47,6 +57,21 @@ fn bench(c: &mut Criterion) {
     });
     g.finish();
     agent.shutdown("bench", 0, Duration::from_millis(10));
+    // The same guard with no device at all (a CPU-only program).
+    let mut cfg = AgentConfig::new("bench-host");
+    cfg.collector_url = Some(url);
+    let host = Agent::start(cfg).unwrap();
+    let mut g = c.benchmark_group("agent_request_host_only");
+    g.measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    g.bench_function("guard", |b| {
+        b.iter(|| {
+            i += 1;
+            drop(black_box(host.request(i, 8)));
+        })
+    });
+    g.finish();
+    host.shutdown("bench", 0, Duration::from_millis(10));
 }
 
 criterion_group!(benches, bench);

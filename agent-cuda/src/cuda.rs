@@ -1,5 +1,6 @@
-//! The CUDA driver through cudarc (dynamically loaded, so a binary built
-//! here runs where there is no GPU and reports the device absent).
+//! The CUDA driver through cudarc, linked as the application chose (loaded
+//! at run time by default, so a binary built here runs where there is no
+//! GPU and reports the device absent).
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -25,11 +26,28 @@ impl std::fmt::Debug for Cuda {
     }
 }
 
+/// The names cudarc loads libcuda by on Linux.
+const LIBCUDA_NAMES: [&std::ffi::CStr; 2] = [c"libcuda.so.1", c"libcuda.so"];
+
 /// True when libcuda can be loaded. cudarc panics on its first driver call
-/// without it, so every path checks this first.
+/// without it, so every path checks this first. Asked of the dynamic loader
+/// here, not of cudarc: cudarc's own check exists only when it loads libcuda
+/// at run time, and the application may link it instead (then it is loaded
+/// already and this is true).
 pub fn libcuda_present() -> bool {
-    // SAFETY: only tries to dlopen the library names; no driver call.
-    unsafe { sys::is_culib_present() }
+    LIBCUDA_NAMES.iter().any(|name| {
+        // SAFETY: dlopen/dlclose of a library by name; RTLD_LAZY resolves no
+        // symbol and the handle is closed at once (libcuda stays loaded if
+        // anything else holds it).
+        unsafe {
+            let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+            if handle.is_null() {
+                return false;
+            }
+            libc::dlclose(handle);
+            true
+        }
+    })
 }
 
 fn driver_error(e: DriverError, requested: u64) -> DeviceError {

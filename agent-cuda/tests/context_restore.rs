@@ -112,12 +112,12 @@ fn agent_sample_on_the_request_path_leaves_the_callers_context_current() {
         // Nothing listens here: the agent queues and never blocks.
         cfg.collector_url = Some("http://127.0.0.1:9".into());
         cfg.sample_interval = Duration::from_secs(3600);
-        let agent = CudaAgent::start(cfg, &pool).unwrap();
-        still_device_1("CudaAgent::start()");
+        let agent = CudaAgent::start_with_pool(cfg, &pool).unwrap();
+        still_device_1("CudaAgent::start_with_pool()");
         let _kv = pool.alloc::<u8>(2 << 20, Tag::KvCache).unwrap();
         agent.sample();
         still_device_1("sample()");
-        agent.phase("load", true, None, "");
+        agent.phase_edge("load", true, None, "");
         still_device_1("phase()");
         agent.shutdown("test", 0, Duration::from_millis(10));
     });

@@ -7,11 +7,10 @@
 //! Needs the `oomscope` binary next to this test's target directory
 //! (`cargo build -p oomscope-cli`), or `OOMSCOPE_BIN`.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_cuda::{pb, AgentConfig, CudaAgent, Simulated, Tag, TrackingPool};
-use oomscope_testkit::cli::{oomscope_bin, query_json};
+use oomscope_testkit::cli::{own_collector, query_json};
 use oomscope_testkit::CollectorProcess;
 use serde_json::Value;
 
@@ -28,15 +27,7 @@ const LEAK: u64 = MIB;
 /// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
-    let collector = CollectorProcess::start(
-        || {
-            let mut c = Command::new(oomscope_bin());
-            c.env_remove("OOMSCOPE_COLLECTOR");
-            c
-        },
-        &dir.path().join("oomscope.db"),
-        None,
-    );
+    let collector = own_collector(&dir.path().join("oomscope.db"));
     (dir, collector)
 }
 
@@ -47,7 +38,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
     let mut cfg = AgentConfig::new("ring");
     cfg.collector_url = Some(collector.url.clone());
     let started = Instant::now();
-    let agent = CudaAgent::start(cfg, &pool).unwrap();
+    let agent = CudaAgent::start_with_pool(cfg, &pool).unwrap();
     let reporter = agent.reporter().clone();
 
     // As fast as one thread goes, then paced: a begin, a block kept (the
@@ -62,7 +53,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
             std::thread::sleep(Duration::from_millis(1));
         }
         let id = i.to_string();
-        agent.request(pb::RequestBoundary {
+        agent.request_boundary(pb::RequestBoundary {
             request_id: id.clone(),
             start: true,
             prompt_tokens: 8,
@@ -78,7 +69,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
             c.phase = "after_request".into();
             c.requests_done = i;
         });
-        agent.request(pb::RequestBoundary {
+        agent.request_boundary(pb::RequestBoundary {
             request_id: id,
             start: false,
             prompt_tokens: 8,
@@ -199,16 +190,16 @@ fn an_oom_goes_at_once_after_the_requests_the_ring_held() {
     let pool = TrackingPool::new(Simulated::new(256 * MIB));
     let mut cfg = AgentConfig::new("ring-oom");
     cfg.collector_url = Some(collector.url.clone());
-    let agent = CudaAgent::start(cfg, &pool).unwrap();
+    let agent = CudaAgent::start_with_pool(cfg, &pool).unwrap();
     let mut kept = Vec::new();
     for i in 1..=5u64 {
-        agent.request(pb::RequestBoundary {
+        agent.request_boundary(pb::RequestBoundary {
             request_id: i.to_string(),
             start: true,
             ..Default::default()
         });
         kept.push(pool.alloc::<u8>(MIB as usize, Tag::Request(i)).unwrap());
-        agent.request(pb::RequestBoundary {
+        agent.request_boundary(pb::RequestBoundary {
             request_id: i.to_string(),
             ..Default::default()
         });

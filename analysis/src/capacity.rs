@@ -87,6 +87,8 @@ pub(crate) fn estimate(
         / fit.bytes_per_token)
         .floor()
         .max(0.0) as u64;
+    let (safe_active_tokens, safe_sequences) =
+        below_failures(safe_active_tokens, safe_sequences, &failures(e, failure));
     Some(Capacity {
         limit_bytes,
         weights_bytes,
@@ -97,6 +99,30 @@ pub(crate) fn estimate(
         safe_sequences,
         uncertainty: (uncertainty * 1000.0).round() / 1000.0,
     })
+}
+
+/// The (active tokens, active sequences) at each failure the evidence
+/// holds: the one diagnosed and every device OOM's context (threads that
+/// failed together each sent one).
+fn failures(e: &Evidence, failure: Option<&AtFailure>) -> Vec<(u64, u64)> {
+    let at = failure.map(|f| (f.context.active_tokens, f.context.active_sequences));
+    let ooms = e.events.iter().filter_map(|ev| match &ev.kind {
+        Some(crate::pb::event::Kind::Oom(o)) => o
+            .context
+            .as_ref()
+            .map(|c| (c.active_tokens, c.active_sequences)),
+        _ => None,
+    });
+    at.into_iter().chain(ooms).collect()
+}
+
+/// A safe figure is below the smallest load that failed: the fit's
+/// estimate, capped one under the fewest tokens and the fewest sequences
+/// any failure came at (a failure with 0 of either did not say).
+fn below_failures(tokens: u64, sequences: u64, failures: &[(u64, u64)]) -> (u64, u64) {
+    let least = |v: fn(&(u64, u64)) -> u64| failures.iter().map(v).filter(|&n| n > 0).min();
+    let cap = |safe: u64, failed: Option<u64>| failed.map_or(safe, |f| safe.min(f - 1));
+    (cap(tokens, least(|f| f.0)), cap(sequences, least(|f| f.1)))
 }
 
 /// The weights: as the runtime reports them, else the live bytes at the end
@@ -130,4 +156,22 @@ fn held_unusable(tl: &Timeline, failure: Option<&AtFailure>) -> f64 {
         .map(|p| p.reserved.saturating_sub(p.allocated) as f64)
         .collect();
     stats::median(&gaps).unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::below_failures;
+
+    #[test]
+    fn a_safe_figure_is_below_every_failure_in_the_evidence() {
+        // The case: the fit said 3891 tokens and 8 sequences; the
+        // run failed at 3840 tokens in 8 sequences.
+        assert_eq!(below_failures(3891, 8, &[(3840, 8)]), (3839, 7));
+        // Several failures: the smallest of each.
+        assert_eq!(below_failures(5000, 10, &[(4096, 8), (3000, 9)]), (2999, 7));
+        // Already below: unchanged; failures that said nothing cap nothing.
+        assert_eq!(below_failures(1000, 2, &[(3840, 8)]), (1000, 2));
+        assert_eq!(below_failures(1000, 2, &[(0, 0)]), (1000, 2));
+        assert_eq!(below_failures(1000, 2, &[]), (1000, 2));
+    }
 }

@@ -5,6 +5,7 @@
 use crate::domain::{Domain, DomainVerdict};
 use crate::findings::Findings;
 use crate::pb;
+use crate::runtime_kind::{self, Allocator, RuntimeKind};
 use crate::setting_fixes::{self, load_knobs, with_knobs};
 use crate::settings::Knob;
 use crate::units::bytes_short;
@@ -74,11 +75,43 @@ const MORE_CAPACITY: &str = "More capacity:";
 
 const ONE_REQUEST: &str = "one passing request does not prove capacity: retest at the peak concurrency and the longest context expected";
 const EMPTY_CACHE: &str = "empty_cache is not a capacity plan: it returns cached blocks, not live tensors, and the cache refills";
+const POOL_EMPTY_CACHE: &str = "TrackingPool::empty_cache() is not a capacity plan: it returns cached segments, not live blocks, and the cache refills";
+
+/// The caveat that emptying the allocator's cache is no plan, in its words;
+/// none where no device allocator ran.
+fn empty_cache_caveat(rk: &RuntimeKind) -> Option<&'static str> {
+    match rk.allocator {
+        Allocator::TrackingPool => Some(POOL_EMPTY_CACHE),
+        _ if rk.torch_allocator() => Some(EMPTY_CACHE),
+        _ => None,
+    }
+}
+
+/// A host leak's first fix: find what holds the bytes, with the tools of
+/// the process's language.
+fn host_holder_fix(rk: &RuntimeKind, retest: String) -> pb::Fix {
+    if rk.python_tools() {
+        fix(
+            "Find what the process keeps on the host: a heap census by type, tracemalloc, growing caches or queues",
+            "low",
+            retest,
+            None,
+        )
+    } else {
+        fix(
+            "Find the collection that grows with each request (a map keyed by request, a cache without a bound, a Vec that is only pushed to) and bound it (an LRU with a capacity) or clear it when the request ends; to name the holder, profile the heap: `heaptrack <binary>` or dhat (`dhat::Profiler` in a test build) gives the allocation site of what stays",
+            "low",
+            retest,
+            None,
+        )
+    }
+}
 const RESTART_BOUNDED: &str = "containment, not a fix: keep restarts bounded (`oomscope run --restart N`), never an unbounded auto-restart loop";
 const QUALITY: &str =
     "quality re-evaluation required: rerun the model's accuracy suite at the new precision";
 
 fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
+    let rk = runtime_kind::of(f.evidence);
     match c.kind.parse() {
         Ok(CauseKind::KvGrowth) => {
             let cap = crate::capacity::estimate(f.evidence, &f.timeline, f.failure.as_ref());
@@ -124,6 +157,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 ),
             ]
         }
+        Ok(CauseKind::Fragmentation) if rk.allocator == Allocator::TrackingPool => pool_fragmentation_fixes(&rk),
         Ok(CauseKind::Fragmentation) => {
             let expandable = c.metrics.get("expandable_segments").is_some_and(|v| *v > 0.0);
             let async_pool = c.metrics.get("cuda_malloc_async").is_some_and(|v| *v > 0.0);
@@ -172,17 +206,29 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 format!("{MORE_CAPACITY} a larger per-process cap or GPU"),
                 "high",
                 "rerun the same failing workload",
-                Some(EMPTY_CACHE),
+                empty_cache_caveat(&rk),
             ));
             v
         }
         Ok(CauseKind::Leak) => vec![
-            fix(
-                "Find the owner of the retained bytes: allocation sites of live blocks (snapshot) and the retained Python type (heap census); drop references after each request",
-                "low",
-                format!("{SAME_WORKLOAD} bytes_per_request between requests: it must fall to 0"),
-                Some(EMPTY_CACHE),
-            ),
+            {
+                let retest = format!("{SAME_WORKLOAD} bytes_per_request between requests: it must fall to 0");
+                match rk.allocator {
+                    Allocator::TrackingPool => fix(
+                        "Find the owner of the retained blocks: the pool's live blocks by tag and allocation site (`TrackingPool::snapshot()`, or `oomscope snapshot`); drop each request's `TrackedSlice`s (its KV blocks, `Tag::Request(id)`) when the request ends",
+                        "low",
+                        retest,
+                        empty_cache_caveat(&rk),
+                    ),
+                    _ if !rk.gpu => host_holder_fix(&rk, retest),
+                    _ => fix(
+                        "Find the owner of the retained bytes: allocation sites of live blocks (snapshot) and the retained Python type (heap census); drop references after each request",
+                        "low",
+                        retest,
+                        empty_cache_caveat(&rk),
+                    ),
+                }
+            },
             fix(
                 format!(
                     "Until it is fixed, restart the worker before the limit (about {} requests at this rate)",
@@ -193,6 +239,8 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                 Some(RESTART_BOUNDED),
             ),
         ],
+        // Python's cycle collector: nothing of it in another language.
+        Ok(CauseKind::GcRetained) if !rk.python_tools() => Vec::new(),
         Ok(CauseKind::GcRetained) => vec![
             fix(
                 "Break the reference cycles that hold tensors (or call gc.collect() between requests)",
@@ -208,10 +256,14 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
             ),
         ],
         Ok(CauseKind::CacheRetention) => vec![fix(
-            "Nothing to fix for this process; if other processes share the GPU, give each a per-process cap (torch.cuda.set_per_process_memory_fraction) or set garbage_collection_threshold",
+            if rk.allocator == Allocator::TrackingPool {
+                "Nothing to fix for this process; if other processes share the GPU, call `TrackingPool::empty_cache()` when the server idles so they can have the cached segments"
+            } else {
+                "Nothing to fix for this process; if other processes share the GPU, give each a per-process cap (torch.cuda.set_per_process_memory_fraction) or set garbage_collection_threshold"
+            },
             "low",
             format!("{SAME_WORKLOAD} reserved bytes at the plateau"),
-            Some(EMPTY_CACHE),
+            empty_cache_caveat(&rk),
         )],
         Ok(CauseKind::WeightsTooLarge) => vec![
             fix(
@@ -243,12 +295,7 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
                     None,
                 )
             } else {
-                fix(
-                    "Find what the process keeps on the host: a heap census by type, tracemalloc, growing caches or queues",
-                    "low",
-                    format!("{SAME_WORKLOAD} host RSS between requests: it must plateau"),
-                    None,
-                )
+                host_holder_fix(&rk, format!("{SAME_WORKLOAD} host RSS between requests: it must plateau"))
             },
             fix(
                 "Until it is fixed, restart the worker before the limit",
@@ -281,6 +328,37 @@ fn gpu_timeline_fixes(c: &pb::Cause, f: &Findings) -> Vec<pb::Fix> {
         )],
         _ => Vec::new(),
     }
+}
+
+/// Fragmentation in the Rust agent's `TrackingPool`: its own mechanics
+/// (PyTorch's sizes, no PyTorch settings to set) and its own API.
+fn pool_fragmentation_fixes(rk: &RuntimeKind) -> Vec<pb::Fix> {
+    vec![
+        fix(
+            "Allocate from the TrackingPool in few sizes: one fixed KV block size (a paged cache) and long-lived buffers (weights, the KV pool) first; it rounds to 512 B, serves requests up to 1 MiB from 2 MiB segments and larger ones from 20 MiB segments (10 MiB and up get a segment of their own), so a freed block of a common size is reused whole",
+            "low",
+            format!("{SAME_WORKLOAD} reserved − allocated and the largest free block at the failure"),
+            None,
+        ),
+        fix(
+            "Call `TrackingPool::empty_cache()` before a large allocation after a burst of small ones: it releases every fully free cached segment (the pool does so itself once on an out-of-memory)",
+            "low",
+            format!("{SAME_WORKLOAD} reserved bytes before the large allocation"),
+            Some("it frees whole free segments only: a segment with one live block stays"),
+        ),
+        fix(
+            "Restart the worker periodically to reset the fragmented cache",
+            "medium",
+            "rerun the same workload and count restarts",
+            Some(RESTART_BOUNDED),
+        ),
+        fix(
+            format!("{MORE_CAPACITY} a larger GPU"),
+            "high",
+            "rerun the same failing workload",
+            empty_cache_caveat(rk),
+        ),
+    ]
 }
 
 /// The fix the runtime's text names, in its own settings (the table in
@@ -617,8 +695,9 @@ const RERUN_SUPERVISED: &str =
 /// Where no cause says more.
 fn for_domain(d: Domain, f: &Findings) -> Vec<pb::Fix> {
     match d {
-        Domain::GpuVram => vec![
-            fix(
+        Domain::GpuVram => {
+            let rk = runtime_kind::of(f.evidence);
+            let mut v = vec![fix(
                 match load_knobs(f) {
                     Some(k) => format!("Lower concurrency, batch size or max context on this GPU, one at a time: {k}"),
                     None => "Lower concurrency, batch size or max context on this GPU, one at a time".to_string(),
@@ -626,14 +705,18 @@ fn for_domain(d: Domain, f: &Findings) -> Vec<pb::Fix> {
                 "low",
                 "rerun the same failing request at the new setting, then at the expected peak load",
                 Some("one passing request does not prove capacity"),
-            ),
-            fix(
-                "Capture the allocator state at the next failure (oomscope agent with snapshots) to separate leak, fragmentation and growth",
-                "low",
-                "reproduce with the same request",
-                Some("empty_cache is not a capacity plan"),
-            ),
-        ],
+            )];
+            // Where an agent already read the allocator, asking for it sends the user in a circle.
+            if !f.timeline.points.iter().any(|p| p.has_allocator) {
+                v.push(fix(
+                    "Capture the allocator state at the next failure (oomscope agent with snapshots) to separate leak, fragmentation and growth",
+                    "low",
+                    "reproduce with the same request",
+                    empty_cache_caveat(&rk),
+                ));
+            }
+            v
+        }
         // Evidence that `oomscope run` recorded already has its counters and
         // samples: telling its user to rerun under it would send them in a circle.
         _ if f.evidence.from_supervisor() => vec![],

@@ -40,6 +40,7 @@ mod memory_domain;
 mod memory_high;
 pub mod oom_texts;
 pub mod request_readings;
+mod runtime_kind;
 pub mod runway;
 mod setting_fixes;
 pub mod settings;

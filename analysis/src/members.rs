@@ -23,6 +23,7 @@ use crate::evidence::Evidence;
 use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
+use crate::runtime_kind;
 use crate::runway::{RUNWAY_PREFIX, RUNWAY_UNKNOWN};
 use crate::time_growth::PER_SECOND_METRIC;
 use crate::units::bytes_short;
@@ -286,10 +287,10 @@ pub fn causes(
                     .to_string(),
             );
         }
-        evidence.push(
-            "find what that process keeps (a heap census in it, tracemalloc, a module-level list or cache); a larger limit only delays the failure"
-                .to_string(),
-        );
+        evidence.push(format!(
+            "find what that process keeps ({}); a larger limit only delays the failure",
+            runtime_kind::host_holder_hint(&runtime_kind::of(f.evidence))
+        ));
         let mut c = cause(
             CauseKind::HostGrowth,
             if died {

@@ -171,6 +171,24 @@ pub fn plan(
 /// it is an incident of its own (alone or leading), None when it merged into
 /// another.
 pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Incident>> {
+    match device_oom_plan(store, &new)? {
+        Some(Plan::MergeInto { leader }) => {
+            store.merge_incident(&new.id, &leader)?;
+            tracing::info!(
+                incident = new.id,
+                leader,
+                "one failure: merged into its incident"
+            );
+            return Ok(None);
+        }
+        Some(Plan::Lead { absorb }) => {
+            for id in &absorb {
+                store.merge_incident(id, &new.id)?;
+            }
+            return Ok(Some(new));
+        }
+        _ => {}
+    }
     if strength(&new.kind) == 0 {
         return Ok(Some(new));
     }
@@ -283,6 +301,57 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
             Ok(None)
         }
     }
+}
+
+/// One device failure, one incident: threads that outgrow a device
+/// together fail within milliseconds of each other, and a server that
+/// gives up on an OOM exits seconds later with its text. Within
+/// [`CORRELATION_WINDOW_NS`], for the same process or instance, the first
+/// device OOM (with the allocator's state) leads: a later OOM or a failed
+/// exit with an OOM text merges into it, and an OOM stored after such an
+/// exit (the agent's stream and the supervisor's arrive in any order)
+/// takes the exit and any later OOMs in. None: the rule does not apply.
+fn device_oom_plan(store: &Store, new: &pb::Incident) -> Result<Option<Plan>> {
+    let new_kind = kind_of(&new.kind);
+    if !matches!(
+        new_kind,
+        Some(IncidentKind::Oom | IncidentKind::ExitOomText)
+    ) {
+        return Ok(None);
+    }
+    let instance = store.instance_of(&new.agent_id)?.unwrap_or_default();
+    let mut related = Vec::new();
+    for kind in [IncidentKind::Oom, IncidentKind::ExitOomText] {
+        for i in store.incidents_of_kind(
+            kind.as_str(),
+            new.time_ns - CORRELATION_WINDOW_NS,
+            new.time_ns + CORRELATION_WINDOW_NS,
+        )? {
+            let same = i.agent_id == new.agent_id
+                || (!instance.is_empty()
+                    && store.instance_of(&i.agent_id)?.as_deref() == Some(instance.as_str()));
+            if same && i.id != new.id {
+                related.push(i);
+            }
+        }
+    }
+    let first_oom = related
+        .iter()
+        .filter(|i| i.kind == IncidentKind::Oom)
+        .min_by_key(|i| (i.time_ns, i.id.clone()));
+    let leads = |o: &pb::Incident| (o.time_ns, &o.id) < (new.time_ns, &new.id);
+    if let Some(first) =
+        first_oom.filter(|o| new_kind == Some(IncidentKind::ExitOomText) || leads(o))
+    {
+        return Ok(Some(Plan::MergeInto {
+            leader: first.id.clone(),
+        }));
+    }
+    if new_kind != Some(IncidentKind::Oom) {
+        return Ok(None);
+    }
+    let absorb: Vec<String> = related.into_iter().map(|i| i.id).collect();
+    Ok((!absorb.is_empty()).then_some(Plan::Lead { absorb }))
 }
 
 /// Incidents raised by a child's end (`ChildExit`): each closes a run.

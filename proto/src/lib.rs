@@ -41,6 +41,15 @@ pub const DEFAULT_COLLECTOR_ADDR: &str = "127.0.0.1:7433";
 /// The URL agents and the CLI use unless `--collector` or `OOMSCOPE_COLLECTOR` says otherwise.
 pub const DEFAULT_COLLECTOR_URL: &str = "http://127.0.0.1:7433";
 
+/// `Hello.runtime` of the Python agent (PyTorch's caching allocator when it
+/// has CUDA) and of the Rust agent without and with a `TrackingPool`: the
+/// analysis words its fixes for the runtime that produced the evidence.
+pub const RUNTIME_PYTORCH: &str = "pytorch";
+pub const RUNTIME_RUST: &str = "rust";
+pub const RUNTIME_CUDARC: &str = "cudarc";
+/// `AllocatorSettings.backend` of the Rust agent's `TrackingPool`.
+pub const TRACKING_POOL_BACKEND: &str = "oomscope-pool";
+
 /// The `Sample.phase` of a heap census's sample: the Python agent sends it,
 /// the analysis reads censuses by it.
 pub const CENSUS_PHASE: &str = "census";

@@ -38,3 +38,17 @@ pub fn query_json(url: &str, args: &[&str]) -> Value {
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
+
+/// The test's own `oomscope collector` over the SQLite file `db` (never one
+/// named in the environment), on a free port.
+pub fn own_collector(db: &std::path::Path) -> crate::CollectorProcess {
+    crate::CollectorProcess::start(
+        || {
+            let mut c = Command::new(oomscope_bin());
+            c.env_remove("OOMSCOPE_COLLECTOR");
+            c
+        },
+        db,
+        None,
+    )
+}

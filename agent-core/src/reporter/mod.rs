@@ -132,6 +132,37 @@ impl ReporterConfig {
     }
 }
 
+/// Whether `url` can name a collector: `http://` or `https://`, a host, a
+/// port if any. The reporter takes any text and, on a bad one, only retries
+/// with a warning; an agent that starts from a user's setting checks it
+/// first so the mistake is an error at start, not a silent absence.
+pub fn check_collector_url(url: &str) -> Result<(), String> {
+    let uri: tonic::transport::Uri = url
+        .parse()
+        .map_err(|e| format!("collector URL {url:?} is not a URL: {e}"))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(format!(
+            "collector URL {url:?} must start with http:// or https:// (e.g. {})",
+            oomscope_proto::DEFAULT_COLLECTOR_URL
+        ));
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("collector URL {url:?} names no host"));
+    }
+    // The URI parser takes any text after the host's colon.
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let after_host = authority
+        .rsplit_once(']')
+        .map_or(authority, |(_, rest)| rest);
+    if let Some((_, port)) = after_host.rsplit_once(':') {
+        port.parse::<u16>()
+            .map_err(|_| format!("collector URL {url:?} is not a URL: port {port:?}"))?;
+    }
+    tonic::transport::Endpoint::from_shared(url.to_string())
+        .map(|_| ())
+        .map_err(|e| format!("collector URL {url:?}: {e}"))
+}
+
 impl Default for ReporterConfig {
     fn default() -> Self {
         Self::new(oomscope_proto::DEFAULT_COLLECTOR_URL)
@@ -704,5 +735,32 @@ impl Drop for Handle {
         // The last handle is gone: stop without flushing. Unacked messages
         // stay in the spool (if any) for the next run.
         self.stop_worker(DROP_JOIN_TIMEOUT);
+    }
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::check_collector_url;
+
+    #[test]
+    fn a_collector_url_needs_a_scheme_and_a_host() {
+        for good in [
+            "http://127.0.0.1:4317",
+            "https://collector.example",
+            "http://[::1]:9",
+        ] {
+            assert_eq!(check_collector_url(good), Ok(()), "{good}");
+        }
+        for (bad, says) in [
+            ("127.0.0.1:4317", "http://"),
+            ("localhost:4317", "http://"),
+            ("grpc://host:1", "http://"),
+            ("http://", "not a URL"),
+            ("", "not a URL"),
+            ("http://host:notaport", "not a URL"),
+        ] {
+            let e = check_collector_url(bad).expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 }

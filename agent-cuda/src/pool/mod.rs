@@ -47,7 +47,7 @@ pub type StreamId = u64;
 pub const DEFAULT_STREAM: StreamId = 0;
 
 /// The allocator backend named in the Hello and in snapshots.
-pub const BACKEND: &str = "oomscope-pool";
+pub const BACKEND: &str = oomscope_proto::TRACKING_POOL_BACKEND;
 
 /// What the pool calls with the OOM event before returning the error
 /// (the agent's reporter, a test's recorder).

@@ -9,6 +9,7 @@ use crate::domain::DomainVerdict;
 use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
+use crate::runtime_kind;
 use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::time_growth;
 use crate::timeline::Point;
@@ -140,10 +141,10 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         Stage::Stopped(s) => metrics.push((STOPPED_METRIC, s.at_requests)),
         Stage::Growing => {}
     }
-    evidence.push(
-        "find what the process keeps on the host (a heap census, tracemalloc, growing Python lists or caches); more swap only slows the failure down"
-            .to_string(),
-    );
+    evidence.push(format!(
+        "find what the process keeps on the host ({}); more swap only slows the failure down",
+        runtime_kind::host_holder_hint(&runtime_kind::of(f.evidence))
+    ));
     let confidence = match stage {
         Stage::Growing if f.failed => 0.7,
         Stage::Growing => 0.6,

@@ -12,6 +12,7 @@ use crate::findings::Findings;
 use crate::growth::{self, Trend};
 use crate::pb;
 use crate::pb::event::Kind;
+use crate::runtime_kind;
 use crate::runway::{self, Runway, RUNWAY_UNKNOWN};
 use crate::units::bytes_short;
 use crate::warmup::{
@@ -71,10 +72,7 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         evidence.push(line);
         metrics.push(("retained_type_bytes_per_request", type_bytes));
     }
-    evidence.push(
-        "these bytes are live tensors: empty_cache cannot return them; find what holds them (allocation site, Python type)"
-            .to_string(),
-    );
+    evidence.push(runtime_kind::live_bytes_line(&runtime_kind::of(f.evidence)).to_string());
     let confidence = match stage {
         Stage::Growing if t.p_value < 1e-6 => 0.9,
         Stage::Growing => 0.75,

@@ -84,7 +84,7 @@ impl<D: DeviceMemory> Engine<D> {
             c.numbers
                 .insert("model_bytes".into(), self.cfg.model_bytes as f64);
         });
-        self.agent.phase("load", true, Some(self.model()), "");
+        self.agent.phase_edge("load", true, Some(self.model()), "");
         self.agent.sample();
         for layer in 0..layers {
             let bytes = per_layer.min(self.cfg.model_bytes - layer * per_layer);
@@ -92,7 +92,7 @@ impl<D: DeviceMemory> Engine<D> {
                 Ok(w) => lock(&self.weights).push(w),
                 Err(e) => {
                     self.agent
-                        .phase("load", false, Some(self.model()), &e.to_string());
+                        .phase_edge("load", false, Some(self.model()), &e.to_string());
                     return Err(e);
                 }
             }
@@ -103,7 +103,7 @@ impl<D: DeviceMemory> Engine<D> {
             });
             self.agent.sample();
         }
-        self.agent.phase("load", false, Some(self.model()), "");
+        self.agent.phase_edge("load", false, Some(self.model()), "");
         let weights = self.weight_bytes.load(Ordering::Relaxed);
         self.agent.set_context(|c| {
             c.phase = "weights_loaded".into();
@@ -168,7 +168,7 @@ impl<D: DeviceMemory> Engine<D> {
         prompt_tokens: u64,
         max_tokens: u64,
     ) -> Result<Completion, PoolError> {
-        self.agent.request(pb::RequestBoundary {
+        self.agent.request_boundary(pb::RequestBoundary {
             request_id: id.to_string(),
             start: true,
             prompt_tokens,
@@ -199,7 +199,7 @@ impl<D: DeviceMemory> Engine<D> {
         }
         self.report("after_request", id);
         let output_tokens = result.as_ref().map_or(0, |t| *t);
-        self.agent.request(pb::RequestBoundary {
+        self.agent.request_boundary(pb::RequestBoundary {
             request_id: id.to_string(),
             start: false,
             prompt_tokens,

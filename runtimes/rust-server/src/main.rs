@@ -60,10 +60,10 @@ fn serve<D: DeviceMemory>(pool: TrackingPool<D>, cfg: Config) -> i32 {
         bytes: cfg.model_bytes,
         ..Default::default()
     }];
-    let agent = match CudaAgent::start(acfg, &pool) {
+    let agent = match CudaAgent::start_with_pool(acfg, &pool) {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("error: --sample-interval-ms: {e}");
+            eprintln!("error: {e}");
             return 2;
         }
     };

@@ -1,27 +1,29 @@
-//! The agent around a pool: a Hello that says what runs where, periodic and
-//! request-boundary samples in PyTorch's vocabulary, load phases, and the
-//! OOM event (sent with `send_urgent` before the pool returns its error).
+//! The agent of a Rust inference process: one per process, with or
+//! without a device. It sends a Hello that says what runs where, periodic
+//! and request-boundary samples in PyTorch's vocabulary, phases, and, for
+//! each attached [`crate::TrackingPool`], its counters and OOM events (sent
+//! with `send_urgent` before the pool returns its error).
 //!
-//! Request-path calls ([`CudaAgent::request`], [`CudaAgent::sample`],
-//! [`CudaAgent::phase`], [`CudaAgent::set_context`]) only read the pool's
-//! counters (and, at a request end, the RSS from `/proc/self/statm`) and
-//! queue: no network. Request begins and ends go into agent-core's
-//! boundary ring, and [`CudaAgent::sample`] into one pending slot; the
-//! sampler thread sends them as one message at most every
-//! [`MIN_BATCH_SPACING`] (20 a second at any request rate). Host readings
-//! (procfs, cgroup, NVML) are taken on that thread.
+//! Request-path calls ([`Agent::request`] and its drop, [`Agent::sample`],
+//! [`Agent::phase`], [`Agent::set_context`]) only read the pools' counters
+//! (and, at a request end, the RSS from `/proc/self/statm`) and queue: no
+//! network. Request begins and ends go into agent-core's boundary ring, and
+//! [`Agent::sample`] into one pending slot; the sampler thread sends them
+//! as one message at most every [`MIN_BATCH_SPACING`] (20 a second at any
+//! request rate). Host readings (procfs, cgroup, and NVML's per-process
+//! device memory in the periodic sample) are taken on that thread.
 
-use std::path::PathBuf;
+mod config;
+mod guards;
+
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::boundary_ring::{
     self, BoundaryRing, Pacing, RssReader, Taken, MIN_BATCH_SPACING,
 };
-use oomscope_agent_core::agent::{
-    check_interval, Flow, Identity, IntervalTooShort, Readers, Sampler,
-};
+use oomscope_agent_core::agent::{Flow, Identity, Readers, Sampler};
 use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns};
@@ -29,55 +31,19 @@ use oomscope_agent_core::{lock, now_ns};
 use crate::device::DeviceMemory;
 use crate::pb;
 use crate::pool::Pool;
-use oomscope_proto::Role;
 
-/// A full reading (host domains and allocator) this often; the collector
-/// can change it with a SetSampleInterval directive. At least
-/// [`oomscope_agent_core::agent::MIN_SAMPLE_INTERVAL`].
-pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
-/// How long an OOM waits for the collector's ack before the error returns:
-/// long enough for a loopback or LAN round trip, short enough that a dead
-/// collector delays the failing request by at most this.
-pub const DEFAULT_OOM_ACK_WAIT: Duration = Duration::from_secs(2);
-/// The collector's default address, overridden by `OOMSCOPE_COLLECTOR`.
-pub const COLLECTOR_ENV: &str = "OOMSCOPE_COLLECTOR";
-/// The cudarc version this agent is built against (reported in the Hello).
-pub const CUDARC_VERSION: &str = "0.19.10";
+pub use config::{
+    AgentConfig, StartError, COLLECTOR_ENV, DEFAULT_OOM_ACK_WAIT, DEFAULT_SAMPLE_INTERVAL,
+    DEFAULT_SHUTDOWN_WAIT, NAME_ENV, SPOOL_ENV, SUPERVISOR_ENV,
+};
+pub use guards::{Phase, Request, AFTER_REQUEST_PHASE};
 
-#[derive(Debug, Clone)]
-pub struct AgentConfig {
-    pub name: String,
-    /// None: `OOMSCOPE_COLLECTOR`, else the default local collector.
-    pub collector_url: Option<String>,
-    pub role: String,
-    pub models: Vec<pb::Model>,
-    pub sample_interval: Duration,
-    pub oom_ack_wait: Duration,
-    pub spool_dir: Option<PathBuf>,
-    pub labels: Vec<(String, String)>,
-}
-
-impl AgentConfig {
-    pub fn new(name: impl Into<String>) -> Self {
-        AgentConfig {
-            name: name.into(),
-            collector_url: None,
-            role: Role::Server.into(),
-            models: Vec::new(),
-            sample_interval: DEFAULT_SAMPLE_INTERVAL,
-            oom_ack_wait: DEFAULT_OOM_ACK_WAIT,
-            spool_dir: None,
-            labels: Vec::new(),
-        }
-    }
-
-    fn url(&self) -> String {
-        self.collector_url
-            .clone()
-            .or_else(|| std::env::var(COLLECTOR_ENV).ok().filter(|s| !s.is_empty()))
-            .unwrap_or_else(|| oomscope_proto::DEFAULT_COLLECTOR_URL.to_string())
-    }
-}
+/// The cudarc versions this agent builds against (reported in the Hello):
+/// the application's cudarc picks the one within.
+pub const CUDARC_VERSION: &str = ">=0.19.10, <0.20";
+/// The runtime a Hello names: what reads the memory. Without a pool,
+/// "rust" (host domains only); with one attached, "cudarc".
+pub use oomscope_proto::{RUNTIME_CUDARC as RUNTIME_POOL, RUNTIME_RUST as RUNTIME_HOST};
 
 type StatsFn = Box<dyn Fn() -> pb::AllocatorStats + Send + Sync>;
 type SnapshotFn = Box<dyn Fn() -> pb::SnapshotSummary + Send + Sync>;
@@ -103,13 +69,20 @@ impl Pending {
     }
 }
 
-struct Inner {
-    reporter: Reporter,
-    context: Mutex<pb::RequestContext>,
+/// One attached pool, read through these.
+struct Attached {
     stats: StatsFn,
     /// The counters without their `raw` map, read at each request end.
     stats_named: StatsFn,
     snapshot: SnapshotFn,
+}
+
+struct Inner {
+    reporter: Reporter,
+    context: Mutex<pb::RequestContext>,
+    /// Every pool attached, one allocator reading each; none for a
+    /// host-only agent. Written only by [`Agent::attach`].
+    pools: RwLock<Vec<Attached>>,
     oom_ack_wait: Duration,
     pending: Mutex<Pending>,
     /// The RSS read at each request end, on the request's thread.
@@ -121,60 +94,48 @@ struct Inner {
     sampling: AtomicBool,
 }
 
-/// Reports one pool to the collector. Cheap to clone.
+/// This process's agent: host readings, requests and phases, and every
+/// pool attached to it. Cheap to clone; one per process.
 #[derive(Clone)]
-pub struct CudaAgent {
+pub struct Agent {
     inner: Arc<Inner>,
 }
 
-impl CudaAgent {
-    /// Starts reporting `pool`: sends the Hello, installs the pool's OOM
-    /// hook, starts the sampler thread. Returns at once whether or not a
-    /// collector is reachable; refuses only an interval under the floor.
-    pub fn start<D: DeviceMemory, const TRACK: bool>(
-        cfg: AgentConfig,
-        pool: &Pool<D, TRACK>,
-    ) -> Result<CudaAgent, IntervalTooShort> {
-        let interval = check_interval(cfg.sample_interval)?;
+/// The name this agent had when it served one pool only.
+pub type CudaAgent = Agent;
+
+impl Agent {
+    /// Starts the agent with no device: host domains, requests, phases;
+    /// the Hello reports no GPU. Sends the Hello and starts the sampler
+    /// thread; returns at once whether or not a collector is reachable
+    /// (an unreachable one is one warning, and messages wait in memory or
+    /// the spool). Refuses a bad setting: an interval under the floor, a
+    /// collector URL that is not `http://host[:port]`.
+    pub fn start(cfg: AgentConfig) -> Result<Agent, StartError> {
+        let resolved = cfg.resolve()?;
         let reader = HostReader::new(HostPaths::system(), std::process::id());
-        let info = pool.device().info().clone();
         let mut hello = Identity {
-            name: cfg.name.clone(),
+            name: resolved.name,
             role: cfg.role.clone(),
             rank: 0,
-            runtime: "cudarc".into(),
+            runtime: RUNTIME_HOST.into(),
         }
         .hello(&reader);
-        hello
-            .versions
-            .insert("cudarc".into(), CUDARC_VERSION.into());
         hello.models = cfg.models.clone();
-        // The pool's own device, not NVML's view: it is what the pool allocates on.
-        hello.gpus = vec![pb::GpuPlacement {
-            index: info.index,
-            uuid: info.uuid.clone(),
-            name: info.name.clone(),
-            total_bytes: info.total_bytes,
-            cap_bytes: 0,
-            pci_bus_id: info.pci_bus_id.clone(),
-            ordinal: Some(info.index),
-            // A MIG instance's parent is not read through the driver API.
-            parent_uuid: String::new(),
-        }];
-        hello.allocator_settings = Some(pool.settings());
-        hello.labels = cfg.labels.iter().cloned().collect();
-        let mut rcfg = ReporterConfig::new(cfg.url());
-        rcfg.spool_dir = cfg.spool_dir.clone();
+        hello.labels = resolved.labels.into_iter().collect();
+        // The GPUs NVML sees (none on a host without one): the periodic
+        // sample reads their memory per process, what a framework that
+        // allocates outside any pool (candle through cudarc) uses included.
+        hello.gpus = reader.gpu().placements();
+        let mut rcfg = ReporterConfig::new(resolved.url);
+        rcfg.spool_dir = resolved.spool_dir;
         // Its threads share the inference server's cores.
         rcfg.thread_priority = oomscope_agent_core::priority::ThreadPriority::IN_PROCESS;
         let reporter = Reporter::start(rcfg, hello);
-        let (p1, p2, p3) = (pool.clone(), pool.clone(), pool.clone());
         let inner = Arc::new(Inner {
             reporter,
             context: Mutex::new(pb::RequestContext::default()),
-            stats: Box::new(move || p1.stats()),
-            stats_named: Box::new(move || p3.stats_named()),
-            snapshot: Box::new(move || p2.snapshot()),
+            pools: RwLock::new(Vec::new()),
             oom_ack_wait: cfg.oom_ack_wait,
             pending: Mutex::new(Pending::default()),
             rss: RssReader::open(),
@@ -182,27 +143,112 @@ impl CudaAgent {
             sampler: Sampler::new(1),
             sampling: AtomicBool::new(false),
         });
-        let weak: Weak<Inner> = Arc::downgrade(&inner);
-        if !pool.set_oom_hook(Box::new(move |oom| {
-            if let Some(inner) = weak.upgrade() {
-                inner.report_oom(oom);
-            }
-        })) {
-            tracing::warn!("oomscope: this pool already reports its OOMs elsewhere");
-        }
         let reporter = inner.reporter.clone();
         let started = inner.sampler.start(
-            PoolReaders {
+            AgentReaders {
                 inner: inner.clone(),
                 reader,
                 full_levels: Vec::new(),
                 pacing: Pacing::new(MIN_BATCH_SPACING),
             },
             reporter,
-            interval,
+            resolved.interval,
         );
         inner.sampling.store(started, Relaxed);
-        Ok(CudaAgent { inner })
+        Ok(Agent { inner })
+    }
+
+    /// [`Agent::start`] with `pool` attached.
+    pub fn start_with_pool<D: DeviceMemory, const TRACK: bool>(
+        cfg: AgentConfig,
+        pool: &Pool<D, TRACK>,
+    ) -> Result<Agent, StartError> {
+        let agent = Agent::start(cfg)?;
+        agent.attach(pool);
+        Ok(agent)
+    }
+
+    /// Reports `pool` too: its device joins the Hello's GPUs, its counters
+    /// every reading, its OOMs go out as events before its error returns.
+    /// False when the pool already reports its OOMs to an agent (its
+    /// counters are read here all the same).
+    pub fn attach<D: DeviceMemory, const TRACK: bool>(&self, pool: &Pool<D, TRACK>) -> bool {
+        let info = pool.device().info().clone();
+        let settings = pool.settings();
+        self.inner.reporter.update_hello(|h| {
+            h.runtime = RUNTIME_POOL.into();
+            h.versions.insert("cudarc".into(), CUDARC_VERSION.into());
+            // The pool's own device, not NVML's view: it is what the pool
+            // allocates on (its ordinal), in place of NVML's entry for it.
+            h.gpus
+                .retain(|g| info.uuid.is_empty() || g.uuid != info.uuid);
+            h.gpus.push(pb::GpuPlacement {
+                index: info.index,
+                uuid: info.uuid.clone(),
+                name: info.name.clone(),
+                total_bytes: info.total_bytes,
+                cap_bytes: 0,
+                pci_bus_id: info.pci_bus_id.clone(),
+                ordinal: Some(info.index),
+                // A MIG instance's parent is not read through the driver API.
+                parent_uuid: String::new(),
+            });
+            h.allocator_settings = Some(settings);
+        });
+        let (p1, p2, p3) = (pool.clone(), pool.clone(), pool.clone());
+        self.inner
+            .pools
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Attached {
+                stats: Box::new(move || p1.stats()),
+                stats_named: Box::new(move || p3.stats_named()),
+                snapshot: Box::new(move || p2.snapshot()),
+            });
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        let hooked = pool.set_oom_hook(Box::new(move |oom| {
+            if let Some(inner) = weak.upgrade() {
+                inner.report_oom(oom);
+            }
+        }));
+        if !hooked {
+            tracing::warn!("oomscope: this pool already reports its OOMs elsewhere");
+        }
+        hooked
+    }
+
+    /// A request begins: `let _r = agent.request(id, prompt_tokens);`. It
+    /// ends when the returned [`Request`] drops (set its output tokens
+    /// first). Never blocks.
+    pub fn request(&self, id: impl ToString, prompt_tokens: u64) -> Request {
+        Request::begin(self, id.to_string(), prompt_tokens)
+    }
+
+    /// A phase begins: `let _p = agent.phase("load");`. It ends when the
+    /// returned [`Phase`] drops.
+    pub fn phase(&self, name: impl Into<String>) -> Phase {
+        Phase::begin(self, name.into(), None)
+    }
+
+    /// A model's load: the phase "load" naming `model`.
+    pub fn load(&self, model: pb::Model) -> Phase {
+        Phase::begin(self, "load".into(), Some(model))
+    }
+
+    /// Ends a request begun with [`Agent::request`]: one more done, the end
+    /// reading in the ring with the context at this moment.
+    fn end_request(&self, boundary: pb::RequestBoundary) {
+        let context = {
+            let mut c = lock(&self.inner.context);
+            c.requests_done += 1;
+            c.request_id = boundary.request_id.clone();
+            c.prompt_tokens = boundary.prompt_tokens;
+            c.output_tokens = boundary.output_tokens;
+            let mut now = c.clone();
+            now.phase = AFTER_REQUEST_PHASE.into();
+            now
+        };
+        self.inner.push_end(boundary, context);
     }
 
     pub fn reporter(&self) -> &Reporter {
@@ -229,7 +275,7 @@ impl CudaAgent {
         // The named counters: the periodic sample and an OOM carry `raw`.
         let sample = pb::Sample {
             time_ns: now_ns(),
-            allocator: vec![(self.inner.stats_named)()],
+            allocator: self.inner.allocators(|p| (p.stats_named)()),
             context: Some(self.context()),
             ..Default::default()
         };
@@ -238,9 +284,21 @@ impl CudaAgent {
     }
 
     /// A phase edge (a weights load: `name` "load"), with the allocated
-    /// bytes at this edge.
-    pub fn phase(&self, name: &str, start: bool, model: Option<pb::Model>, error: &str) -> bool {
-        let allocated = (self.inner.stats)().allocated_bytes;
+    /// bytes (all pools) and the RSS at this edge. [`Agent::phase`] sends
+    /// both edges for you.
+    pub fn phase_edge(
+        &self,
+        name: &str,
+        start: bool,
+        model: Option<pb::Model>,
+        error: &str,
+    ) -> bool {
+        let allocated = self
+            .inner
+            .allocators(|p| (p.stats)())
+            .iter()
+            .map(|a| a.allocated_bytes)
+            .sum();
         self.inner.reporter.send_event(pb::Event {
             time_ns: now_ns(),
             kind: Some(pb::event::Kind::Phase(pb::Phase {
@@ -248,36 +306,28 @@ impl CudaAgent {
                 start,
                 model,
                 allocated_bytes: allocated,
-                host_rss_bytes: 0,
+                host_rss_bytes: self.inner.rss.read(),
                 error: error.into(),
             })),
         })
     }
 
-    /// A request's begin (`boundary.start`) or end. Either goes into the
-    /// boundary ring; an end with its reading (the RSS, the pool's
+    /// A request's begin (`boundary.start`) or end, for a program that
+    /// counts its own requests (`requests_done` in [`Agent::set_context`]);
+    /// [`Agent::request`] does both and the counting. Either goes into the
+    /// boundary ring; an end with its reading (the RSS, the pools'
     /// counters, the context as set now), which the collector shows as a
     /// point. The sampler sends the ring at its pace; past
     /// `MAX_REQUESTS_PER_BATCH` ends in one message the ring keeps the
     /// extremes and counts the rest. Never blocks; true.
-    pub fn request(&self, boundary: pb::RequestBoundary) -> bool {
-        let time_ns = now_ns();
+    pub fn request_boundary(&self, boundary: pb::RequestBoundary) -> bool {
         if boundary.start {
+            let time_ns = now_ns();
             self.inner.hand_off(|p| p.ring.begin(time_ns, boundary));
             return true;
         }
-        // The pool's counters before the context's lock: never both held.
-        let allocator = vec![(self.inner.stats_named)()];
         let context = lock(&self.inner.context).clone();
-        let end = pb::RequestReading {
-            time_ns,
-            boundary: Some(boundary),
-            rss_bytes: self.inner.rss.read(),
-            context: Some(context),
-            allocator,
-            ..Default::default()
-        };
-        self.inner.hand_off(|p| p.ring.end(end, fold_peaks));
+        self.inner.push_end(boundary, context);
         true
     }
 
@@ -289,7 +339,10 @@ impl CudaAgent {
     }
 
     /// Stops the sampler, says goodbye and waits up to `timeout` for every
-    /// message to be acked. Returns whether they all were.
+    /// message to be acked ([`DEFAULT_SHUTDOWN_WAIT`] is a fair one).
+    /// Returns whether they all were; returns within `timeout` plus the
+    /// time to stop the sampler and the reporter's threads, which never
+    /// wait on the network (at most 50 ms past `timeout` for the reporter).
     pub fn shutdown(self, reason: &str, exit_code: i32, timeout: Duration) -> bool {
         // The sampler sends what waits as it stops; without one, send it here.
         self.inner.sampling.store(false, Relaxed);
@@ -306,10 +359,31 @@ impl CudaAgent {
 }
 
 impl Inner {
+    /// One reading of each attached pool.
+    fn allocators<T>(&self, read: impl Fn(&Attached) -> T) -> Vec<T> {
+        let pools = self.pools.read().unwrap_or_else(|e| e.into_inner());
+        pools.iter().map(read).collect()
+    }
+
+    /// A request's end reading into the ring: the RSS and the pools'
+    /// counters now, with `context`.
+    fn push_end(&self, boundary: pb::RequestBoundary, context: pb::RequestContext) {
+        let time_ns = now_ns();
+        let end = pb::RequestReading {
+            time_ns,
+            boundary: Some(boundary),
+            rss_bytes: self.rss.read(),
+            context: Some(context),
+            allocator: self.allocators(|p| (p.stats_named)()),
+            ..Default::default()
+        };
+        self.hand_off(|p| p.ring.end(end, fold_peaks));
+    }
+
     fn allocator_sample(&self) -> pb::Sample {
         pb::Sample {
             time_ns: now_ns(),
-            allocator: vec![(self.stats)()],
+            allocator: self.allocators(|p| (p.stats)()),
             context: Some(lock(&self.context).clone()),
             ..Default::default()
         }
@@ -436,7 +510,7 @@ fn boundary_point(taken: Taken, sample: Option<pb::Sample>) -> Option<pb::Sample
 
 /// What the sampler thread reads: the host domains, then the pool's
 /// counters, in one sample; and the request path's readings at their pace.
-struct PoolReaders {
+struct AgentReaders {
     inner: Arc<Inner>,
     reader: HostReader,
     /// The cgroup levels of the newest periodic sample, which boundary
@@ -445,7 +519,7 @@ struct PoolReaders {
     pacing: Pacing,
 }
 
-impl Readers for PoolReaders {
+impl Readers for AgentReaders {
     type Job = Job;
 
     fn tick(&mut self, reporter: &Reporter) {
@@ -468,10 +542,12 @@ impl Readers for PoolReaders {
     fn directive(&mut self, d: pb::Directive, reporter: &Reporter) {
         let inner = &self.inner;
         if let Some(pb::directive::Kind::TakeSnapshot(_)) = d.kind {
-            reporter.send_event(pb::Event {
-                time_ns: now_ns(),
-                kind: Some(pb::event::Kind::Snapshot((inner.snapshot)())),
-            });
+            for snapshot in inner.allocators(|p| (p.snapshot)()) {
+                reporter.send_event(pb::Event {
+                    time_ns: now_ns(),
+                    kind: Some(pb::event::Kind::Snapshot(snapshot)),
+                });
+            }
         }
     }
 

@@ -15,7 +15,6 @@
 
 use std::ops::ControlFlow;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -97,37 +96,49 @@ pub(super) enum Reach {
     OutsideFrozen,
 }
 
-/// How long a census trusts the last answer to whether anything is frozen.
-/// CPython counts the frozen objects one by one to answer
-/// `gc.get_freeze_count()`: 60 ms for vLLM's 636k, two thirds of a census
-/// that keeps outside them. A server freezes once, at start-up; for up to
-/// this long after, censuses still walk everything (and cost more).
-pub(super) const FREEZE_RECHECK: Duration = Duration::from_secs(60);
+/// What the censuses know of the frozen heap: how many objects the last
+/// ask counted frozen (0: none, or never asked), and how many gc listed at
+/// the last census that kept outside them.
+struct FrozenSeen {
+    frozen: u64,
+    listed: usize,
+}
 
-/// The last answer and when it was asked (censuses run one at a time).
-static FROZEN_ASKED: Mutex<Option<(Instant, Reach)>> = Mutex::new(None);
+/// Censuses run one at a time; this outlives each.
+static FROZEN_SEEN: Mutex<FrozenSeen> = Mutex::new(FrozenSeen {
+    frozen: 0,
+    listed: 0,
+});
 
 impl Reach {
-    /// `OutsideFrozen` once anything is frozen, asked again after
-    /// [`FREEZE_RECHECK`].
+    /// `OutsideFrozen` once anything is frozen. CPython answers
+    /// `gc.get_freeze_count()` by counting the frozen objects one by one, in
+    /// one hold of the GIL: nothing when none are (so it is asked at each
+    /// census until some are), 60 ms for vLLM's 636k. So once they are, it
+    /// is asked again only when gc lists more than were frozen (an
+    /// `unfreeze`, or a heap grown past the frozen one), where the ask costs
+    /// less than the listing the census makes anyway: the one long hold is
+    /// the first census after a freeze.
     pub(super) fn of(gc: &Bound<'_, PyModule>) -> Reach {
-        let mut asked = FROZEN_ASKED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((at, reach)) = *asked {
-            if at.elapsed() < FREEZE_RECHECK {
-                return reach;
-            }
+        let mut seen = FROZEN_SEEN.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.frozen > 0 && seen.listed as u64 <= seen.frozen {
+            return Reach::OutsideFrozen;
         }
-        let frozen = gc
+        seen.frozen = gc
             .call_method0("get_freeze_count")
             .and_then(|n| n.extract::<u64>())
             .unwrap_or(0);
-        let reach = if frozen > 0 {
+        seen.listed = 0;
+        if seen.frozen > 0 {
             Reach::OutsideFrozen
         } else {
             Reach::All
-        };
-        *asked = Some((Instant::now(), reach));
-        reach
+        }
+    }
+
+    /// A census outside the frozen heap found `n` objects listed by gc.
+    fn listed(n: usize) {
+        FROZEN_SEEN.lock().unwrap_or_else(|e| e.into_inner()).listed = n;
     }
 }
 
@@ -250,6 +261,7 @@ pub(super) fn walk<'py>(
             }
             all.extend(young(gc, generation)?.iter());
         }
+        Reach::listed(all.len());
         live = Some(all);
     }
     let live_set: Option<AddrSet> = live

@@ -6,8 +6,10 @@
 //! Its only consumer-facing surface is the two gRPC services: the CLI, the
 //! probe and the Python agent's `oomscope.query` reach it through them.
 
+pub mod accept;
 pub mod correlate;
 pub mod fleet;
+pub mod inbound;
 pub mod incidents;
 pub mod ingest;
 pub mod query_service;

@@ -520,6 +520,14 @@ async fn session(
     if let Some(generation) = generation {
         collector.unregister(&agent_id, generation);
     }
+    // What the writer held for this stream goes (a reconnect starts afresh).
+    let id = agent_id.clone();
+    let _ = collector
+        .with_store(move |s| {
+            s.forget_agent(&id);
+            Ok(())
+        })
+        .await;
 
     match &end {
         // An agent that said Goodbye, or a spool delivery that is done, may

@@ -18,6 +18,7 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 
+mod counters;
 mod figures;
 mod file;
 mod history;
@@ -25,6 +26,7 @@ mod instances;
 mod readers;
 mod rollups;
 
+pub use counters::KEYFRAME_INTERVAL;
 pub use file::{FileWatch, DB_FILE_MODE};
 pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
@@ -34,7 +36,7 @@ pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 4;
+const SCHEMA_VERSION: i64 = 5;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -85,6 +87,8 @@ pub struct Store {
     conn: Connection,
     /// The writer's open rollup buckets (unused by readers).
     rollups: rollups::Open,
+    /// The writer's open chains of counters as changes (unused by readers).
+    chains: counters::Chains,
 }
 
 impl Store {
@@ -118,6 +122,7 @@ impl Store {
         Ok(Store {
             conn,
             rollups: Default::default(),
+            chains: Default::default(),
         })
     }
 
@@ -134,6 +139,7 @@ impl Store {
         let mut store = Store {
             conn,
             rollups: Default::default(),
+            chains: Default::default(),
         };
         store.migrate()?;
         Ok(store)
@@ -171,6 +177,12 @@ impl Store {
             let tx = self.conn.transaction()?;
             rollups::migrate_v4(&tx)?;
             tx.pragma_update(None, "user_version", 4)?;
+            tx.commit()?;
+        }
+        if version < 5 {
+            let tx = self.conn.transaction()?;
+            counters::migrate_v5(&tx)?;
+            tx.pragma_update(None, "user_version", 5)?;
             tx.commit()?;
         }
         Ok(())
@@ -215,8 +227,15 @@ impl Store {
         let stored = self.insert_batch_once(agent_id, messages);
         if stored.is_err() {
             self.rollups.forget();
+            self.chains.forget();
         }
         stored
+    }
+
+    /// The agent's stream ended: the writer frees what it held for it (its
+    /// next sample, on a new stream, starts a new chain).
+    pub fn forget_agent(&mut self, agent_id: &str) {
+        self.chains.forget_agent(agent_id);
     }
 
     fn insert_batch_once(
@@ -230,14 +249,15 @@ impl Store {
         let (mut allocator_samples, mut samples, mut events) = (0i64, 0i64, 0i64);
         {
             let mut insert = tx.prepare_cached(
-                "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body, key_seq, whole_len)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
             for msg in messages {
                 let Some((kind, event_kind, time_ns)) = classify(msg) else {
                     continue;
                 };
                 let seq = seq_to_sql(msg.seq)?;
+                let stored = self.chains.encode(agent_id, seq, msg);
                 let added = insert
                     .execute(params![
                         agent_id,
@@ -245,9 +265,14 @@ impl Store {
                         time_ns,
                         kind,
                         event_kind,
-                        msg.encode_to_vec()
+                        stored.body,
+                        stored.key_seq,
+                        stored.whole_len
                     ])
                     .with_context(|| format!("storing seq {} of agent {agent_id}", msg.seq))?;
+                if added == 0 && stored.key_seq.is_some() {
+                    self.chains.not_stored(agent_id);
+                }
                 if added > 0 {
                     out.fresh.push(msg.seq);
                     match &msg.body {
@@ -934,6 +959,18 @@ mod tests {
         );
     }
 
+    /// A store at `path` that knows agent "a1" (named "svc").
+    pub(super) fn store_at(path: &Path) -> Store {
+        let mut store = Store::open(path).unwrap();
+        let hello = pb::Hello {
+            agent_id: "a1".into(),
+            name: "svc".into(),
+            ..Default::default()
+        };
+        store.upsert_agent(&hello, 1).unwrap();
+        store
+    }
+
     /// An in-memory store that knows agent "a1" (named "svc").
     pub(super) fn store_with_a1() -> Store {
         let mut store = Store::open_in_memory().unwrap();
@@ -952,7 +989,7 @@ mod tests {
         store
             .conn
             .execute(
-                "INSERT INTO messages VALUES ('a1', 7, 5, 'sample', NULL, x'12ff')",
+                "INSERT INTO messages(agent_id, seq, time_ns, kind, event_kind, body) VALUES ('a1', 7, 5, 'sample', NULL, x'12ff')",
                 [],
             )
             .unwrap();

@@ -194,6 +194,7 @@ pub struct Connection {
     idle: Duration,
     check: Pin<Box<tokio::time::Sleep>>,
     closed_idle: bool,
+    frames: GoawayWatch,
 }
 
 impl Connection {
@@ -211,6 +212,7 @@ impl Connection {
             idle,
             check: Box::pin(tokio::time::sleep(idle)),
             closed_idle: false,
+            frames: GoawayWatch::default(),
         }
     }
 
@@ -272,7 +274,12 @@ impl AsyncWrite for Connection {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = written {
+            this.frames.watch(&buf[..n], this.info.tcp.remote_addr);
+        }
+        written
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -282,16 +289,93 @@ impl AsyncWrite for Connection {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
+}
 
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+/// HTTP/2 frame header: length (3), type, flags, stream id (4).
+const FRAME_HEADER: usize = 9;
+const GOAWAY: u8 = 0x7;
+/// What of a GOAWAY's payload is read: last stream, error code and the
+/// start of the debug text.
+const GOAWAY_KEPT: usize = 8 + 120;
+
+/// Follows the frames the server writes on a connection, to log why it
+/// closes one in error (a GOAWAY with an error code): the one line that
+/// says why a client's connection dropped, at the default log level,
+/// where tonic says it only at debug.
+#[derive(Default)]
+struct GoawayWatch {
+    header: Vec<u8>,
+    /// Payload bytes still to pass of the current frame.
+    remaining: usize,
+    /// The current GOAWAY's payload, while one passes.
+    goaway: Option<Vec<u8>>,
+    logged: bool,
+}
+
+impl GoawayWatch {
+    fn watch(&mut self, mut out: &[u8], peer: Option<SocketAddr>) {
+        while !out.is_empty() && !self.logged {
+            if self.remaining == 0 && self.goaway.is_none() {
+                let take = (FRAME_HEADER - self.header.len()).min(out.len());
+                self.header.extend_from_slice(&out[..take]);
+                out = &out[take..];
+                if self.header.len() == FRAME_HEADER {
+                    let h = std::mem::take(&mut self.header);
+                    self.remaining = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+                    self.goaway = (h[3] == GOAWAY).then(Vec::new);
+                }
+                continue;
+            }
+            let take = self.remaining.min(out.len());
+            if let Some(g) = &mut self.goaway {
+                let room = GOAWAY_KEPT.saturating_sub(g.len()).min(take);
+                g.extend_from_slice(&out[..room]);
+            }
+            self.remaining -= take;
+            out = &out[take..];
+            if self.remaining == 0 {
+                if let Some(g) = self.goaway.take() {
+                    self.goaway_sent(&g, peer);
+                }
+            }
+        }
     }
 
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
+    fn goaway_sent(&mut self, payload: &[u8], peer: Option<SocketAddr>) {
+        if payload.len() < 8 {
+            return;
+        }
+        let code = u32::from_be_bytes(payload[4..8].try_into().unwrap());
+        if code == 0 {
+            return; // NO_ERROR: a graceful close.
+        }
+        self.logged = true;
+        let reason = h2_error_name(code);
+        let detail = String::from_utf8_lossy(&payload[8..]);
+        tracing::warn!(
+            ?peer,
+            "closed a connection for an HTTP/2 protocol error: {reason} {detail}"
+        );
     }
+}
+
+/// RFC 9113 section 7's error codes.
+fn h2_error_name(code: u32) -> String {
+    let name = match code {
+        0x1 => "PROTOCOL_ERROR",
+        0x2 => "INTERNAL_ERROR",
+        0x3 => "FLOW_CONTROL_ERROR",
+        0x4 => "SETTINGS_TIMEOUT",
+        0x5 => "STREAM_CLOSED",
+        0x6 => "FRAME_SIZE_ERROR",
+        0x7 => "REFUSED_STREAM",
+        0x8 => "CANCEL",
+        0x9 => "COMPRESSION_ERROR",
+        0xa => "CONNECT_ERROR",
+        0xb => "ENHANCE_YOUR_CALM",
+        0xc => "INADEQUATE_SECURITY",
+        0xd => "HTTP_1_1_REQUIRED",
+        _ => return format!("error code {code:#x}"),
+    };
+    name.to_string()
 }

@@ -18,7 +18,10 @@ fn sample(seq: u64) -> pb::AgentMessage {
     let raw: HashMap<String, i64> = (0..122)
         .map(|k: i64| {
             let moving = if k % 8 == 0 { seq as i64 * 4096 } else { 0 };
-            (format!("allocated_bytes.small_pool.counter_{k}"), k * 1_000_003 + moving)
+            (
+                format!("allocated_bytes.small_pool.counter_{k}"),
+                k * 1_000_003 + moving,
+            )
         })
         .collect();
     pb::AgentMessage {
@@ -65,7 +68,9 @@ fn main() -> anyhow::Result<()> {
             )?;
             for seq in 1..=n {
                 let m = sample(seq);
-                let Some(Body::Sample(s)) = &m.body else { unreachable!() };
+                let Some(Body::Sample(s)) = &m.body else {
+                    unreachable!()
+                };
                 insert.execute(params![seq as i64, s.time_ns, m.encode_to_vec()])?;
             }
         }

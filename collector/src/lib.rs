@@ -16,5 +16,6 @@ pub mod query_service;
 pub mod serve;
 pub mod store;
 pub mod verdict;
+mod writer;
 
 pub use oomscope_proto::v1 as pb;

@@ -283,12 +283,7 @@ mod tests {
     fn sample(seq: u64) -> pb::AgentMessage {
         let stats = |device: i32| {
             let mut raw: HashMap<String, i64> = (0..120)
-                .map(|k| {
-                    (
-                        format!("counter.{k}"),
-                        k * 1000 + (seq as i64 / (k + 1)),
-                    )
-                })
+                .map(|k| (format!("counter.{k}"), k * 1000 + (seq as i64 / (k + 1))))
                 .collect();
             if device == 1 && seq >= 70 {
                 raw.insert("counter.new".into(), seq as i64);

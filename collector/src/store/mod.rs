@@ -12,7 +12,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use prost::Message;
-use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -226,16 +226,60 @@ impl Store {
     ) -> Result<BatchOutcome> {
         let stored = self.insert_batch_once(agent_id, messages);
         if stored.is_err() {
-            self.rollups.forget();
-            self.chains.forget();
+            self.forget_writer_state();
         }
         stored
+    }
+
+    /// Opens a group transaction: what the writer stores until
+    /// [`Store::commit_group`] becomes durable in one commit (one fsync for
+    /// every agent's batch in it). Each part runs in [`Store::group_part`].
+    pub fn begin_group(&mut self) -> Result<()> {
+        self.conn
+            .execute_batch("BEGIN IMMEDIATE")
+            .context("starting a group transaction")
+    }
+
+    /// Commits the group; on failure nothing of it is stored.
+    pub fn commit_group(&mut self) -> Result<()> {
+        let committed = self.conn.execute_batch("COMMIT");
+        if committed.is_err() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+            self.forget_writer_state();
+        }
+        committed.context("committing a group of batches")
+    }
+
+    /// Runs one part of a group: a part that fails (or panics) leaves
+    /// nothing behind, and the parts beside it are committed.
+    pub fn group_part<R>(&mut self, part: impl FnOnce(&mut Store) -> Result<R>) -> Result<R> {
+        self.conn.execute_batch("SAVEPOINT group_part")?;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| part(self)))
+            .unwrap_or_else(|_| Err(anyhow!("storing a batch panicked")));
+        match &result {
+            Ok(_) => self.conn.execute_batch("RELEASE group_part")?,
+            Err(_) => {
+                self.conn
+                    .execute_batch("ROLLBACK TO group_part; RELEASE group_part")?;
+                // What memory holds may include the rows just undone.
+                self.forget_writer_state();
+            }
+        }
+        result
+    }
+
+    /// Drops the writer's open rollup buckets and chains: the next batch
+    /// reads or starts afresh, so nothing uncommitted is built upon.
+    fn forget_writer_state(&mut self) {
+        self.rollups.forget();
+        self.chains.forget();
     }
 
     /// The agent's stream ended: the writer frees what it held for it (its
     /// next sample, on a new stream, starts a new chain).
     pub fn forget_agent(&mut self, agent_id: &str) {
         self.chains.forget_agent(agent_id);
+        self.rollups.forget_agent(agent_id);
     }
 
     fn insert_batch_once(
@@ -244,7 +288,9 @@ impl Store {
         messages: &[pb::AgentMessage],
     ) -> Result<BatchOutcome> {
         let mut out = BatchOutcome::default();
-        let tx = self.conn.transaction()?;
+        // A savepoint: its own transaction alone, a part of the writer's
+        // group transaction inside one (see `begin_group`).
+        let tx = self.conn.savepoint()?;
         let mut max_seq = 0u64;
         let (mut allocator_samples, mut samples, mut events) = (0i64, 0i64, 0i64);
         {
@@ -431,7 +477,7 @@ impl Store {
     /// it has one. Returns None, storing nothing, when the same event already
     /// raised an incident of that kind.
     pub fn insert_incident(&mut self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
-        let tx = self.conn.transaction()?;
+        let tx = self.conn.savepoint()?;
         let stored = insert_incident_tx(&tx, incident)?;
         tx.commit()?;
         Ok(stored)
@@ -717,7 +763,7 @@ fn incident_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<pb::Incident> {
     })
 }
 
-fn insert_incident_tx(tx: &Transaction<'_>, inc: &pb::Incident) -> Result<Option<pb::Incident>> {
+fn insert_incident_tx(tx: &Connection, inc: &pb::Incident) -> Result<Option<pb::Incident>> {
     // A placeholder id first: the real one derives from the row number, which
     // SQLite assigns on insert, so ids stay dense and sortable.
     let placeholder = format!("pending-{}", now_ns());

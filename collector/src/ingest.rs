@@ -48,6 +48,14 @@ fn release_free_memory() {
     }
 }
 
+/// Messages decoded and not yet stored, across every stream: a PyTorch
+/// sample rebuilt with complete counters is ~10 KB in memory (122 keyed
+/// counters), 20x its wire form, so 2,000 agents with 32 in flight each
+/// held 1.3 GB. Past this many a stream waits before decoding its next
+/// batch (its messages stay in the connection's buffers as they came, and
+/// flow control slows the agent): at most ~40 MB.
+pub const MAX_DECODED_MESSAGES: usize = 4096;
+
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
 
@@ -76,6 +84,8 @@ pub(crate) struct Inner {
     fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
     next_generation: AtomicU64,
+    /// Permits for [`MAX_DECODED_MESSAGES`].
+    decoded: Arc<tokio::sync::Semaphore>,
     /// A memory trim is scheduled (see `Collector::schedule_trim`).
     trim_pending: std::sync::atomic::AtomicBool,
     pub(crate) stopping: watch::Sender<bool>,
@@ -142,6 +152,7 @@ impl Collector {
                 fleet,
                 links: Mutex::new(HashMap::new()),
                 next_generation: AtomicU64::new(1),
+                decoded: Arc::new(tokio::sync::Semaphore::new(MAX_DECODED_MESSAGES)),
                 trim_pending: std::sync::atomic::AtomicBool::new(false),
                 stopping: watch::channel(false).0,
             }),
@@ -702,6 +713,17 @@ async fn ingest(
     tx: &ReplyTx,
 ) -> Result<IngestOutcome, ()> {
     let agent_id = hello.agent_id.clone();
+    // Held until the batch is stored: bounds what every stream together
+    // holds decoded (MAX_BATCH is far below the total).
+    let Ok(_decoded) = collector
+        .inner
+        .decoded
+        .clone()
+        .acquire_many_owned(batch.len() as u32)
+        .await
+    else {
+        return Err(());
+    };
     let mut rejects = Vec::new();
     let mut storable = Vec::with_capacity(batch.len());
     let mut goodbye = None;

@@ -61,18 +61,10 @@ async fn open_agent(
     run: &Running,
     agent_id: &str,
 ) -> (h2::client::ResponseFuture, h2::SendStream<Bytes>) {
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!(
-            "http://{}/oomscope.v1.AgentService/Connect",
-            run.addr
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
     let mut client = client.clone().ready().await.unwrap();
-    let (response, mut send) = client.send_request(request, false).unwrap();
+    let (response, mut send) = client
+        .send_request(connect_request(run.addr), false)
+        .unwrap();
     let hello = pb::AgentMessage {
         seq: 0,
         body: Some(pb::agent_message::Body::Hello(hello(agent_id, agent_id))),

@@ -269,3 +269,15 @@ pub fn stored_seqs(db: &Path, agent_id: &str) -> Vec<u64> {
         .map(|s| s.unwrap() as u64)
         .collect()
 }
+
+/// The request that opens an agent stream (`AgentService.Connect`), for a
+/// test that speaks HTTP/2 by hand.
+pub fn connect_request(addr: SocketAddr) -> http::Request<()> {
+    http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}/oomscope.v1.AgentService/Connect"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
+}

@@ -1005,9 +1005,8 @@ mod tests {
         );
     }
 
-    /// A store at `path` that knows agent "a1" (named "svc").
-    pub(super) fn store_at(path: &Path) -> Store {
-        let mut store = Store::open(path).unwrap();
+    /// `store`, told of agent "a1" (named "svc").
+    fn knowing_a1(mut store: Store) -> Store {
         let hello = pb::Hello {
             agent_id: "a1".into(),
             name: "svc".into(),
@@ -1017,16 +1016,14 @@ mod tests {
         store
     }
 
+    /// A store at `path` that knows agent "a1" (named "svc").
+    pub(super) fn store_at(path: &Path) -> Store {
+        knowing_a1(Store::open(path).unwrap())
+    }
+
     /// An in-memory store that knows agent "a1" (named "svc").
     pub(super) fn store_with_a1() -> Store {
-        let mut store = Store::open_in_memory().unwrap();
-        let hello = pb::Hello {
-            agent_id: "a1".into(),
-            name: "svc".into(),
-            ..Default::default()
-        };
-        store.upsert_agent(&hello, 1).unwrap();
-        store
+        knowing_a1(Store::open_in_memory().unwrap())
     }
 
     #[test]

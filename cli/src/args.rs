@@ -64,6 +64,9 @@ pub enum Verb {
         /// before the agent is recorded as lost (an incident).
         #[arg(long, default_value = "5s", value_parser = parse_duration)]
         lost_grace: Duration,
+        /// What one client may hold of the collector.
+        #[command(flatten)]
+        limits: ConnectionLimitArgs,
     },
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status
@@ -289,6 +292,41 @@ pub struct RunArgs {
 fn probe_defaults() -> &'static ProbeConfig {
     static DEFAULTS: LazyLock<ProbeConfig> = LazyLock::new(|| ProbeConfig::new(""));
     &DEFAULTS
+}
+
+/// What one client may hold of the collector (`oomscope collector`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConnectionLimitArgs {
+    /// Streams one connection may have open at once, advertised to clients
+    /// (HTTP/2 MAX_CONCURRENT_STREAMS).
+    #[arg(long, default_value_t = oomscope_collector::serve::DEFAULT_MAX_STREAMS)]
+    pub max_streams: u32,
+    /// How long one message may take to arrive once its first byte came; a
+    /// message still partial then is dropped and its stream ended.
+    #[arg(long, value_parser = parse_duration,
+          default_value = shown(format_duration(oomscope_collector::serve::DEFAULT_MESSAGE_DEADLINE)))]
+    pub message_deadline: Duration,
+    /// MiB of partly arrived messages held across all streams; a stream
+    /// whose message would pass it is refused (RESOURCE_EXHAUSTED).
+    #[arg(long, value_name = "MIB",
+          default_value_t = oomscope_collector::serve::DEFAULT_MAX_BUFFERED_BYTES / (1024 * 1024))]
+    pub max_buffered_mib: usize,
+    /// A connection that has had no stream open for this long is closed.
+    #[arg(long, value_parser = parse_duration,
+          default_value = shown(format_duration(oomscope_collector::serve::DEFAULT_IDLE_CONNECTION)))]
+    pub idle_connection: Duration,
+}
+
+impl ConnectionLimitArgs {
+    /// The limits as the collector takes them.
+    pub fn limits(&self) -> oomscope_collector::serve::ConnectionLimits {
+        oomscope_collector::serve::ConnectionLimits {
+            max_streams: self.max_streams,
+            message_deadline: self.message_deadline,
+            max_buffered_bytes: self.max_buffered_mib.saturating_mul(1024 * 1024),
+            idle_connection: self.idle_connection,
+        }
+    }
 }
 
 /// A computed default as clap's `default_value` wants it, `&'static str`:

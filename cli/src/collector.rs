@@ -4,9 +4,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use oomscope_collector::serve::{bind, serve_with_listener, ServeConfig};
+use oomscope_collector::serve::{bind, serve_with_limits, ConnectionLimits, ServeConfig};
 
-pub fn run(listen: SocketAddr, db: PathBuf, lost_grace: Duration) -> anyhow::Result<i32> {
+pub fn run(
+    listen: SocketAddr,
+    db: PathBuf,
+    lost_grace: Duration,
+    limits: ConnectionLimits,
+) -> anyhow::Result<i32> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let shutdown = async {
@@ -23,6 +28,7 @@ pub fn run(listen: SocketAddr, db: PathBuf, lost_grace: Duration) -> anyhow::Res
             listen,
             db,
             lost_grace,
+            limits,
         };
         // Only once the port is ours and the store open: a "listening" line
         // is a promise that agents can connect.
@@ -32,7 +38,8 @@ pub fn run(listen: SocketAddr, db: PathBuf, lost_grace: Duration) -> anyhow::Res
             listener.local_addr()?,
             cfg.db.display()
         );
-        serve_with_listener(listener, collector, shutdown).await
+        let limits = cfg.limits.clone();
+        serve_with_limits(listener, collector, limits, shutdown).await
     })?;
     Ok(0)
 }

@@ -34,17 +34,22 @@ pub fn command() -> clap::Command {
     Cli::command()
 }
 
-/// The log filter without `OOMSCOPE_LOG`. Tonic says why it dropped a
-/// connection (an HTTP/2 GOAWAY, a protocol error, a reset) only at debug,
-/// and only there; the agent's stream otherwise just ends.
-const DEFAULT_LOG: &str = "warn,oomscope=info,tonic::transport::server=debug";
+/// The log filter without `OOMSCOPE_LOG`: oomscope's own crates at info
+/// (a target matches by prefix, so `oomscope` covers every `oomscope_*`),
+/// dependencies at warn. Tonic's server logs every failed accept at debug:
+/// out of descriptors that was millions of lines; `OOMSCOPE_LOG=info,tonic=debug`
+/// shows why a connection dropped.
+const DEFAULT_LOG: &str = "warn,oomscope=info";
 
 fn init_tracing() {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("OOMSCOPE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only where a person reads them: not in a log file.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 
@@ -57,7 +62,8 @@ pub fn main() -> i32 {
             listen,
             db,
             lost_grace,
-        } => collector::run(listen, db, lost_grace),
+            limits,
+        } => collector::run(listen, db, lost_grace, limits.limits()),
         Verb::Run(args) => run::run(args),
         Verb::Replay {
             file,

@@ -78,11 +78,40 @@ fn untimed(mut s: pb::Sample) -> pb::Sample {
     s
 }
 
+/// One agent's whole timeline, or `max_points` whole samples picked
+/// evenly across it (each then rebuilt from its keyframe alone).
+fn stored_samples(url: &str, agent: &str, max_points: u32) -> Vec<(u64, pb::Sample)> {
+    with_channel(url, |ch| async move {
+        pb::query_service_client::QueryServiceClient::new(ch)
+            .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
+            .timeline(pb::TimelineRequest {
+                agent: agent.into(),
+                max_points,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    })
+    .samples
+    .into_iter()
+    .map(|t| (t.seq, untimed(t.sample.unwrap())))
+    .collect()
+}
+
+/// The store keeps each capture's counters as changes in chains of
+/// `KEYFRAME_INTERVAL` (schema v5, collector/src/store/counters.rs); every
+/// read gives back the complete values, field by field as the capture has
+/// them: the whole timeline, samples picked mid-chain, and both again after
+/// the collector restarts (its writer then holds no chain).
 #[test]
 fn every_capture_replayed_with_changes_stores_the_same_values() {
+    use oomscope_collector::store::KEYFRAME_INTERVAL;
     let tmp = tempdir();
-    let col = Collector::start(&tmp.path().join("db"));
+    let db = tmp.path().join("db");
+    let mut col = Collector::start(&db);
     let mut sent_as_changes = 0;
+    let mut expected_of = Vec::new();
     for path in torch_h200::paths() {
         let cap = capture::load(&path, 0).unwrap();
         let expected: Vec<pb::Sample> = cap.samples().cloned().map(untimed).collect();
@@ -99,24 +128,70 @@ fn every_capture_replayed_with_changes_stores_the_same_values() {
         }
         let name = format!("delta-{}", cap.scenario);
         replay(&col, &path, &name);
-        let stored: Vec<pb::Sample> = timeline(&col.url, &name)
-            .samples
-            .into_iter()
-            .map(|t| untimed(t.sample.unwrap()))
-            .collect();
-        assert_eq!(stored.len(), expected.len(), "{}", cap.scenario);
-        for (i, (got, want)) in stored.iter().zip(&expected).enumerate() {
-            assert!(
-                got.allocator.iter().all(|a| a.raw_changes.is_none()),
-                "{} sample {i}: stored with changes",
-                cap.scenario
-            );
-            assert_eq!(got, want, "{} sample {i}", cap.scenario);
-        }
+        expected_of.push((name, expected));
     }
     assert!(
         sent_as_changes > 100,
         "the captures went out as changes only {sent_as_changes} times"
+    );
+    let longest = expected_of.iter().map(|(_, e)| e.len()).max().unwrap();
+    assert!(
+        longest > KEYFRAME_INTERVAL as usize,
+        "no capture crosses keyframes ({longest} samples)"
+    );
+    let check = |col: &Collector, when: &str| {
+        for (name, expected) in &expected_of {
+            let stored = stored_samples(&col.url, name, 0);
+            assert_eq!(stored.len(), expected.len(), "{name} {when}");
+            for (i, ((_, got), want)) in stored.iter().zip(expected).enumerate() {
+                assert!(
+                    got.allocator.iter().all(|a| a.raw_changes.is_none()),
+                    "{name} sample {i} {when}: returned with changes"
+                );
+                assert_eq!(got, want, "{name} sample {i} {when}");
+            }
+            // A few picked across the history: each rebuilt on its own.
+            let by_seq: std::collections::HashMap<u64, &pb::Sample> =
+                stored.iter().map(|(seq, s)| (*seq, s)).collect();
+            let picked = stored_samples(&col.url, name, 7);
+            assert!(picked.len() >= 2.min(expected.len()), "{name} {when}");
+            for (seq, got) in &picked {
+                assert_eq!(
+                    Some(&got),
+                    by_seq.get(seq),
+                    "{name} seq {seq} picked {when}"
+                );
+            }
+        }
+    };
+    check(&col, "as stored");
+    col.kill();
+    let col = Collector::start_on(&db, col.port);
+    check(&col, "after a restart");
+
+    // Stored as chains of changes, each sample under 1 KB on average.
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let (samples, changed, chains, bytes): (i64, i64, i64, i64) = conn
+        .query_row(
+            "SELECT count(*), count(whole_len), count(DISTINCT agent_id || '/' || key_seq),
+                    sum(length(body)) FROM messages WHERE kind = 'sample' AND agent_id IN
+                    (SELECT agent_id FROM agents WHERE name LIKE 'delta-%')",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .unwrap();
+    assert!(
+        changed > samples / 2,
+        "{changed} of {samples} stored as changes"
+    );
+    assert!(
+        chains >= samples / KEYFRAME_INTERVAL as i64,
+        "{chains} chains for {samples} samples: longer than {KEYFRAME_INTERVAL}"
+    );
+    assert!(
+        bytes / samples < 1024,
+        "{} B a stored sample",
+        bytes / samples
     );
 }
 

@@ -6,13 +6,16 @@
 //! Its only consumer-facing surface is the two gRPC services: the CLI, the
 //! probe and the Python agent's `oomscope.query` reach it through them.
 
+pub mod accept;
 pub mod correlate;
 pub mod fleet;
+pub mod inbound;
 pub mod incidents;
 pub mod ingest;
 pub mod query_service;
 pub mod serve;
 pub mod store;
 pub mod verdict;
+mod writer;
 
 pub use oomscope_proto::v1 as pb;

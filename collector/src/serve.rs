@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use oomscope_proto::MAX_MESSAGE_BYTES;
-use tokio_stream::wrappers::TcpListenerStream;
 
+use crate::accept::Incoming;
+use crate::inbound::{InboundLayer, InboundLimits};
 use crate::ingest::{AgentApi, Collector};
 use crate::pb::agent_service_server::AgentServiceServer;
 use crate::pb::query_service_server::QueryServiceServer;
@@ -23,6 +24,45 @@ pub struct ServeConfig {
     /// How long a stream that broke without a Goodbye may take to reconnect
     /// before the agent is recorded as lost.
     pub lost_grace: Duration,
+    pub limits: ConnectionLimits,
+}
+
+/// What one client may hold of the collector: streams, time and memory.
+#[derive(Clone, Debug)]
+pub struct ConnectionLimits {
+    /// Streams one connection may have open at once (HTTP/2
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`, so a client learns it up front).
+    pub max_streams: u32,
+    /// How long one message may take to arrive once its first byte came.
+    pub message_deadline: Duration,
+    /// Bytes of partly arrived messages, across every stream.
+    pub max_buffered_bytes: usize,
+    /// A connection with no stream for this long is closed.
+    pub idle_connection: Duration,
+}
+
+/// An agent holds one stream; a tool a few queries at once. 100 is what
+/// the HTTP/2 RFC recommends as the least a server should allow.
+pub const DEFAULT_MAX_STREAMS: u32 = 100;
+/// The largest message (16 MiB) at 1 MiB/s, twice over: a slow but live
+/// link finishes well within it; a sender that stopped mid-message lets go.
+pub const DEFAULT_MESSAGE_DEADLINE: Duration = Duration::from_secs(30);
+/// Eight largest messages arriving at once; a normal sample is 0.5-5 KB and
+/// arrives in one frame, so only a flood of huge messages ever reaches it.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 128 * 1024 * 1024;
+/// Agents keep their stream open and tools open a connection per command,
+/// so a connection without a stream for a minute is forgotten or hostile.
+pub const DEFAULT_IDLE_CONNECTION: Duration = Duration::from_secs(60);
+
+impl Default for ConnectionLimits {
+    fn default() -> ConnectionLimits {
+        ConnectionLimits {
+            max_streams: DEFAULT_MAX_STREAMS,
+            message_deadline: DEFAULT_MESSAGE_DEADLINE,
+            max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+            idle_connection: DEFAULT_IDLE_CONNECTION,
+        }
+    }
 }
 
 pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
@@ -44,7 +84,7 @@ pub const DEFAULT_CONNECTION_WINDOW: u32 = 32 * 1024 * 1024;
 /// Binds `cfg.listen` and serves until `shutdown` completes.
 pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let (listener, collector) = bind(&cfg).await?;
-    serve_with_listener(listener, collector, shutdown).await
+    serve_with_limits(listener, collector, cfg.limits, shutdown).await
 }
 
 /// Binds `cfg.listen`, then opens the store: a taken port fails before any
@@ -67,10 +107,22 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     Ok((listener, collector))
 }
 
-/// Serves both services on an already bound listener (tests bind port 0).
+/// Serves both services on an already bound listener (tests bind port 0),
+/// with the default [`ConnectionLimits`].
 pub async fn serve_with_listener(
     listener: tokio::net::TcpListener,
     collector: Collector,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    serve_with_limits(listener, collector, ConnectionLimits::default(), shutdown).await
+}
+
+/// Serves both services on an already bound listener, holding each client
+/// to `limits`.
+pub async fn serve_with_limits(
+    listener: tokio::net::TcpListener,
+    collector: Collector,
+    limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let addr = listener.local_addr().ok();
@@ -99,9 +151,14 @@ pub async fn serve_with_listener(
     tonic::transport::Server::builder()
         .initial_stream_window_size(DEFAULT_STREAM_WINDOW)
         .initial_connection_window_size(DEFAULT_CONNECTION_WINDOW)
+        .max_concurrent_streams(limits.max_streams)
+        .layer(InboundLayer::new(InboundLimits {
+            message_deadline: limits.message_deadline,
+            max_buffered_bytes: limits.max_buffered_bytes,
+        }))
         .add_service(agents)
         .add_service(queries)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(Incoming::new(listener, limits.idle_connection), shutdown)
         .await
         .context("the gRPC server failed")?;
     match collector.inner.fatal.lock().take() {

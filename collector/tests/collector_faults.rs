@@ -135,7 +135,7 @@ async fn a_stream_without_a_hello_is_closed_after_the_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_tiny_frames_on_one_stream_are_all_acked() {
     use prost::Message;
-    use tonic::codegen::{http, Bytes};
+    use tonic::codegen::Bytes;
     const N: u64 = 20_000;
     let dir = tempfile::tempdir().unwrap();
     let run = start_in(&dir).await;
@@ -145,17 +145,9 @@ async fn thousands_of_tiny_frames_on_one_stream_are_all_acked() {
         let _ = conn.await;
     });
     let mut client = client.ready().await.unwrap();
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!(
-            "http://{}/oomscope.v1.AgentService/Connect",
-            run.addr
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
+    let (response, mut send) = client
+        .send_request(connect_request(run.addr), false)
         .unwrap();
-    let (response, mut send) = client.send_request(request, false).unwrap();
     // One gRPC message, length-prefixed, in a DATA frame of its own.
     let frame = |m: &pb::AgentMessage| {
         let body = m.encode_to_vec();

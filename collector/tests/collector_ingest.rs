@@ -290,3 +290,54 @@ async fn data_survives_a_restart_on_the_same_file() {
     assert_eq!(agent_summary(&run, "agent-p").await.samples, 20);
     run.stop().await;
 }
+
+/// Group commit: sixteen agents sending at once have their batches written
+/// in shared transactions (fewer commits than batches), and each ack still
+/// follows the commit that made its seqs durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_agents_share_commits_and_acks_follow_them() {
+    const AGENTS: u64 = 16;
+    const SAMPLES: u64 = 60;
+    let dir = tempfile::tempdir().unwrap();
+    let run = start_in(&dir).await;
+    let mut agents = Vec::new();
+    for a in 0..AGENTS {
+        agents.push(run.agent(hello(&format!("agent-g{a}"), "grouped")).await);
+    }
+    let mut tasks = Vec::new();
+    for (a, mut agent) in agents.into_iter().enumerate() {
+        let db = run.db.clone();
+        tasks.push(tokio::spawn(async move {
+            let id = format!("agent-g{a}");
+            for seq in 1..=SAMPLES {
+                agent.send(sample(seq, T0 + seq as i64 * 1_000_000)).await;
+            }
+            let want: BTreeSet<u64> = (1..=SAMPLES).collect();
+            agent
+                .acks_covering(&want, |ack| {
+                    let stored: BTreeSet<u64> = stored_seqs(&db, &id).into_iter().collect();
+                    for seq in ack.from_seq..=ack.to_seq {
+                        assert!(stored.contains(&seq), "{id} seq {seq} acked before commit");
+                    }
+                })
+                .await;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (groups, batches) = run.collector.group_commits();
+    eprintln!("{batches} batches of {AGENTS} agents in {groups} commits");
+    assert!(batches >= AGENTS, "{batches} batches");
+    assert!(
+        groups < batches,
+        "{groups} commits for {batches} batches: none shared"
+    );
+    for a in 0..AGENTS {
+        assert_eq!(
+            stored_seqs(&run.db, &format!("agent-g{a}")),
+            (1..=SAMPLES).collect::<Vec<_>>()
+        );
+    }
+    run.stop().await;
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 use oomscope_collector::ingest::Collector;
 use oomscope_collector::pb;
 use oomscope_collector::pb::agent_message::Body;
-use oomscope_collector::serve::serve_with_listener;
+use oomscope_collector::serve::{serve_with_limits, ConnectionLimits};
 use oomscope_collector::store::Store;
 /// An agent's stream by hand: the one connect set-up, shared with the cli's tests.
 pub use oomscope_testkit::agent_stream::AgentStream;
@@ -53,14 +53,20 @@ pub async fn start_with(
 
 /// Serves `collector` (over the store at `db`) on an ephemeral loopback port.
 pub async fn serving(db: &Path, collector: Collector) -> Running {
+    serving_limited(db, collector, ConnectionLimits::default()).await
+}
+
+/// The same, holding clients to `limits`.
+pub async fn serving_limited(db: &Path, collector: Collector, limits: ConnectionLimits) -> Running {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(serve_with_listener(
+    let task = tokio::spawn(serve_with_limits(
         listener,
         collector.clone(),
+        limits,
         async move {
             let _ = stopped.await;
         },
@@ -262,4 +268,16 @@ pub fn stored_seqs(db: &Path, agent_id: &str) -> Vec<u64> {
         .unwrap()
         .map(|s| s.unwrap() as u64)
         .collect()
+}
+
+/// The request that opens an agent stream (`AgentService.Connect`), for a
+/// test that speaks HTTP/2 by hand.
+pub fn connect_request(addr: SocketAddr) -> http::Request<()> {
+    http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}/oomscope.v1.AgentService/Connect"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
 }

@@ -12,7 +12,7 @@
 
 use anyhow::Result;
 use prost::Message;
-use rusqlite::{params, Transaction};
+use rusqlite::{params, Connection, Transaction};
 
 use super::decode_message;
 use crate::pb;
@@ -48,12 +48,7 @@ pub(super) fn migrate_v3(tx: &Transaction<'_>) -> Result<()> {
 }
 
 /// Stores the record of one sample (a new seq of `agent_id`).
-pub(super) fn insert(
-    tx: &Transaction<'_>,
-    agent_id: &str,
-    seq: i64,
-    sample: &pb::Sample,
-) -> Result<()> {
+pub(super) fn insert(tx: &Connection, agent_id: &str, seq: i64, sample: &pb::Sample) -> Result<()> {
     let mut stmt = tx.prepare_cached(
         "INSERT OR IGNORE INTO figures(agent_id, time_ns, seq, sample) VALUES (?1, ?2, ?3, ?4)",
     )?;

@@ -18,7 +18,7 @@ use oomscope_proto::MAX_MESSAGE_BYTES;
 use prost::Message;
 use rusqlite::{params, OptionalExtension};
 
-use super::{decode_message, figures, rollups, Store};
+use super::{counters, decode_message, figures, rollups, Store};
 use crate::pb;
 use crate::pb::agent_message::Body;
 
@@ -440,7 +440,9 @@ impl Store {
     ) -> Result<Option<Vec<pb::TimedSample>>> {
         let mut size = self
             .conn
-            .prepare_cached("SELECT length(body) FROM messages WHERE agent_id = ?1 AND seq = ?2")?;
+            .prepare_cached(
+                "SELECT coalesce(whole_len, length(body)) FROM messages WHERE agent_id = ?1 AND seq = ?2",
+            )?;
         let mut bytes = 0usize;
         for &(_, seq) in keys {
             let len: Option<i64> = size
@@ -451,14 +453,21 @@ impl Store {
                 return Ok(None);
             }
         }
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT body FROM messages WHERE agent_id = ?1 AND seq = ?2")?;
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT body, key_seq FROM messages WHERE agent_id = ?1 AND seq = ?2",
+        )?;
         let mut out = Vec::with_capacity(keys.len());
+        // Counters stored as changes come back complete (`counters.rs`).
+        let mut rebuilder = counters::Rebuilder::default();
         for &(_, seq) in keys {
             let mut rows = stmt.query(params![agent_id, seq])?;
             let Some(row) = rows.next()? else { continue };
-            match decode_message(agent_id, seq as u64, row.get_ref(0)?.as_blob()?)?.body {
+            let stored = decode_message(agent_id, seq as u64, row.get_ref(0)?.as_blob()?)?;
+            let key_seq: Option<i64> = row.get(1)?;
+            match rebuilder
+                .complete(&self.conn, agent_id, seq, key_seq, stored)?
+                .body
+            {
                 Some(Body::Sample(s)) => out.push(pb::TimedSample {
                     seq: seq as u64,
                     sample: Some(s),
@@ -736,7 +745,8 @@ mod tests {
         let keys = store.sample_keys("a1", i64::MIN, i64::MAX, 100).unwrap();
         assert_eq!(keys.len(), 100);
         let whole_bytes: usize = {
-            let sql = "SELECT sum(length(body)) FROM messages WHERE kind = 'sample'";
+            let sql =
+                "SELECT sum(coalesce(whole_len, length(body))) FROM messages WHERE kind = 'sample'";
             store
                 .conn
                 .query_row(sql, [], |r| r.get::<_, i64>(0))

@@ -12,12 +12,13 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use prost::Message;
-use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 
+mod counters;
 mod figures;
 mod file;
 mod history;
@@ -25,6 +26,7 @@ mod instances;
 mod readers;
 mod rollups;
 
+pub use counters::KEYFRAME_INTERVAL;
 pub use file::{FileWatch, DB_FILE_MODE};
 pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
@@ -34,7 +36,7 @@ pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 4;
+const SCHEMA_VERSION: i64 = 5;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -85,6 +87,8 @@ pub struct Store {
     conn: Connection,
     /// The writer's open rollup buckets (unused by readers).
     rollups: rollups::Open,
+    /// The writer's open chains of counters as changes (unused by readers).
+    chains: counters::Chains,
 }
 
 impl Store {
@@ -118,6 +122,7 @@ impl Store {
         Ok(Store {
             conn,
             rollups: Default::default(),
+            chains: Default::default(),
         })
     }
 
@@ -134,6 +139,7 @@ impl Store {
         let mut store = Store {
             conn,
             rollups: Default::default(),
+            chains: Default::default(),
         };
         store.migrate()?;
         Ok(store)
@@ -171,6 +177,12 @@ impl Store {
             let tx = self.conn.transaction()?;
             rollups::migrate_v4(&tx)?;
             tx.pragma_update(None, "user_version", 4)?;
+            tx.commit()?;
+        }
+        if version < 5 {
+            let tx = self.conn.transaction()?;
+            counters::migrate_v5(&tx)?;
+            tx.pragma_update(None, "user_version", 5)?;
             tx.commit()?;
         }
         Ok(())
@@ -214,9 +226,60 @@ impl Store {
     ) -> Result<BatchOutcome> {
         let stored = self.insert_batch_once(agent_id, messages);
         if stored.is_err() {
-            self.rollups.forget();
+            self.forget_writer_state();
         }
         stored
+    }
+
+    /// Opens a group transaction: what the writer stores until
+    /// [`Store::commit_group`] becomes durable in one commit (one fsync for
+    /// every agent's batch in it). Each part runs in [`Store::group_part`].
+    pub fn begin_group(&mut self) -> Result<()> {
+        self.conn
+            .execute_batch("BEGIN IMMEDIATE")
+            .context("starting a group transaction")
+    }
+
+    /// Commits the group; on failure nothing of it is stored.
+    pub fn commit_group(&mut self) -> Result<()> {
+        let committed = self.conn.execute_batch("COMMIT");
+        if committed.is_err() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+            self.forget_writer_state();
+        }
+        committed.context("committing a group of batches")
+    }
+
+    /// Runs one part of a group: a part that fails (or panics) leaves
+    /// nothing behind, and the parts beside it are committed.
+    pub fn group_part<R>(&mut self, part: impl FnOnce(&mut Store) -> Result<R>) -> Result<R> {
+        self.conn.execute_batch("SAVEPOINT group_part")?;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| part(self)))
+            .unwrap_or_else(|_| Err(anyhow!("storing a batch panicked")));
+        match &result {
+            Ok(_) => self.conn.execute_batch("RELEASE group_part")?,
+            Err(_) => {
+                self.conn
+                    .execute_batch("ROLLBACK TO group_part; RELEASE group_part")?;
+                // What memory holds may include the rows just undone.
+                self.forget_writer_state();
+            }
+        }
+        result
+    }
+
+    /// Drops the writer's open rollup buckets and chains: the next batch
+    /// reads or starts afresh, so nothing uncommitted is built upon.
+    fn forget_writer_state(&mut self) {
+        self.rollups.forget();
+        self.chains.forget();
+    }
+
+    /// The agent's stream ended: the writer frees what it held for it (its
+    /// next sample, on a new stream, starts a new chain).
+    pub fn forget_agent(&mut self, agent_id: &str) {
+        self.chains.forget_agent(agent_id);
+        self.rollups.forget_agent(agent_id);
     }
 
     fn insert_batch_once(
@@ -225,19 +288,22 @@ impl Store {
         messages: &[pb::AgentMessage],
     ) -> Result<BatchOutcome> {
         let mut out = BatchOutcome::default();
-        let tx = self.conn.transaction()?;
+        // A savepoint: its own transaction alone, a part of the writer's
+        // group transaction inside one (see `begin_group`).
+        let tx = self.conn.savepoint()?;
         let mut max_seq = 0u64;
         let (mut allocator_samples, mut samples, mut events) = (0i64, 0i64, 0i64);
         {
             let mut insert = tx.prepare_cached(
-                "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body, key_seq, whole_len)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
             for msg in messages {
                 let Some((kind, event_kind, time_ns)) = classify(msg) else {
                     continue;
                 };
                 let seq = seq_to_sql(msg.seq)?;
+                let stored = self.chains.encode(agent_id, seq, msg);
                 let added = insert
                     .execute(params![
                         agent_id,
@@ -245,9 +311,14 @@ impl Store {
                         time_ns,
                         kind,
                         event_kind,
-                        msg.encode_to_vec()
+                        stored.body,
+                        stored.key_seq,
+                        stored.whole_len
                     ])
                     .with_context(|| format!("storing seq {} of agent {agent_id}", msg.seq))?;
+                if added == 0 && stored.key_seq.is_some() {
+                    self.chains.not_stored(agent_id);
+                }
                 if added > 0 {
                     out.fresh.push(msg.seq);
                     match &msg.body {
@@ -406,7 +477,7 @@ impl Store {
     /// it has one. Returns None, storing nothing, when the same event already
     /// raised an incident of that kind.
     pub fn insert_incident(&mut self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
-        let tx = self.conn.transaction()?;
+        let tx = self.conn.savepoint()?;
         let stored = insert_incident_tx(&tx, incident)?;
         tx.commit()?;
         Ok(stored)
@@ -692,7 +763,7 @@ fn incident_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<pb::Incident> {
     })
 }
 
-fn insert_incident_tx(tx: &Transaction<'_>, inc: &pb::Incident) -> Result<Option<pb::Incident>> {
+fn insert_incident_tx(tx: &Connection, inc: &pb::Incident) -> Result<Option<pb::Incident>> {
     // A placeholder id first: the real one derives from the row number, which
     // SQLite assigns on insert, so ids stay dense and sortable.
     let placeholder = format!("pending-{}", now_ns());
@@ -934,9 +1005,8 @@ mod tests {
         );
     }
 
-    /// An in-memory store that knows agent "a1" (named "svc").
-    pub(super) fn store_with_a1() -> Store {
-        let mut store = Store::open_in_memory().unwrap();
+    /// `store`, told of agent "a1" (named "svc").
+    fn knowing_a1(mut store: Store) -> Store {
         let hello = pb::Hello {
             agent_id: "a1".into(),
             name: "svc".into(),
@@ -946,13 +1016,23 @@ mod tests {
         store
     }
 
+    /// A store at `path` that knows agent "a1" (named "svc").
+    pub(super) fn store_at(path: &Path) -> Store {
+        knowing_a1(Store::open(path).unwrap())
+    }
+
+    /// An in-memory store that knows agent "a1" (named "svc").
+    pub(super) fn store_with_a1() -> Store {
+        knowing_a1(Store::open_in_memory().unwrap())
+    }
+
     #[test]
     fn corrupt_blob_names_agent_and_seq() {
         let store = store_with_a1();
         store
             .conn
             .execute(
-                "INSERT INTO messages VALUES ('a1', 7, 5, 'sample', NULL, x'12ff')",
+                "INSERT INTO messages(agent_id, seq, time_ns, kind, event_kind, body) VALUES ('a1', 7, 5, 'sample', NULL, x'12ff')",
                 [],
             )
             .unwrap();

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 use prost::Message;
-use rusqlite::{params, OptionalExtension, Transaction};
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
 use super::figures;
 use crate::pb;
@@ -229,12 +229,7 @@ struct OpenBucket {
 
 impl Open {
     /// Folds one newly stored sample of `agent_id` into its buckets.
-    pub(super) fn fold(
-        &mut self,
-        tx: &Transaction<'_>,
-        agent_id: &str,
-        s: &pb::Sample,
-    ) -> Result<()> {
+    pub(super) fn fold(&mut self, tx: &Connection, agent_id: &str, s: &pb::Sample) -> Result<()> {
         if self.buckets.len() >= MAX_OPEN_BUCKETS {
             self.flush(tx)?;
             self.buckets.clear();
@@ -267,7 +262,7 @@ impl Open {
     }
 
     /// Writes every bucket changed since the last flush.
-    pub(super) fn flush(&mut self, tx: &Transaction<'_>) -> Result<()> {
+    pub(super) fn flush(&mut self, tx: &Connection) -> Result<()> {
         for ((agent_id, width_s), open) in self.buckets.iter_mut() {
             if open.dirty {
                 write(tx, agent_id, *width_s, open)?;
@@ -277,6 +272,13 @@ impl Open {
         Ok(())
     }
 
+    /// Drops the agent's buckets (its stream ended). Every batch ends
+    /// with a flush, so nothing unwritten goes; a later sample reads its
+    /// bucket's row back.
+    pub(super) fn forget_agent(&mut self, agent_id: &str) {
+        self.buckets.retain(|(a, _), _| a != agent_id);
+    }
+
     /// Drops what is held: after a failed transaction, memory may hold
     /// samples the store does not, so the next fold reads the rows again.
     pub(super) fn forget(&mut self) {
@@ -284,7 +286,7 @@ impl Open {
     }
 }
 
-fn write(tx: &Transaction<'_>, agent_id: &str, width_s: i64, open: &OpenBucket) -> Result<()> {
+fn write(tx: &Connection, agent_id: &str, width_s: i64, open: &OpenBucket) -> Result<()> {
     if !open.dirty {
         return Ok(());
     }
@@ -304,12 +306,7 @@ fn write(tx: &Transaction<'_>, agent_id: &str, width_s: i64, open: &OpenBucket) 
     Ok(())
 }
 
-fn read(
-    tx: &Transaction<'_>,
-    agent_id: &str,
-    width_s: i64,
-    bucket_ns: i64,
-) -> Result<Option<Envelope>> {
+fn read(tx: &Connection, agent_id: &str, width_s: i64, bucket_ns: i64) -> Result<Option<Envelope>> {
     let mut stmt = tx.prepare_cached(
         "SELECT samples, low, high FROM rollups
          WHERE agent_id = ?1 AND width_s = ?2 AND bucket_ns = ?3",

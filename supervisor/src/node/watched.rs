@@ -185,6 +185,7 @@ fn counted_kill(
         _ => "memory.events",
     };
     pb::KernelOomKill {
+        counted_only: true,
         constraint: "CONSTRAINT_MEMCG".into(),
         oom_memcg: path.to_string(),
         task_memcg: path.to_string(),

@@ -311,7 +311,12 @@ pub struct NodeArgs {
     /// The kernel's log, read for its OOM records. Where it cannot be read,
     /// kills are still recorded from the cgroups' counters, without the
     /// kernel's figures.
-    #[arg(long, env = "OOMSCOPE_KMSG", hide_env_values = true, default_value = "/dev/kmsg")]
+    #[arg(
+        long,
+        env = "OOMSCOPE_KMSG",
+        hide_env_values = true,
+        default_value = "/dev/kmsg"
+    )]
     pub kmsg: String,
     /// How long to wait at the end for the collector to ack everything.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]

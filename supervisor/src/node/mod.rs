@@ -49,6 +49,10 @@ const KMSG_POLL: Duration = Duration::from_millis(100);
 /// The counters are read at least this often, whatever the sampling
 /// interval, so that a kill seen only by them is an incident within 2 s.
 const MAX_COUNT_DELAY: Duration = Duration::from_secs(1);
+/// How often the cgroup tree is walked for new cgroups (a kernel record
+/// naming an unknown cgroup walks it at once): walking a few hundred
+/// directories each sweep cost more than reading them.
+const DISCOVERY_PERIOD: Duration = Duration::from_secs(2);
 /// How long a counted kill waits for its kernel record before it is
 /// reported from the counter alone (the record is logged with the kill).
 const KERNEL_RECORD_WAIT: Duration = Duration::from_millis(500);
@@ -95,6 +99,7 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
         kernel_log,
         watched: HashMap::new(),
         capped_said: false,
+        next_discovery: Instant::now() + DISCOVERY_PERIOD,
     };
     node.discover(true);
     eprintln!(
@@ -138,6 +143,7 @@ struct Node<'a> {
     /// By cgroup path.
     watched: HashMap<String, Watched>,
     capped_said: bool,
+    next_discovery: Instant,
 }
 
 impl Node<'_> {
@@ -216,7 +222,10 @@ impl Node<'_> {
     /// sample on the timeline when `sample`; streams of cgroups gone end,
     /// and new cgroups are found.
     fn sweep(&mut self, sample: bool, kernel_readable: bool, now: Instant) {
-        self.discover(false);
+        if now >= self.next_discovery {
+            self.discover(false);
+            self.next_discovery = now + DISCOVERY_PERIOD;
+        }
         let mut readings = Vec::with_capacity(self.watched.len());
         let mut gone = Vec::new();
         for (path, w) in self.watched.iter_mut() {

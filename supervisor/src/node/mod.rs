@@ -15,6 +15,7 @@
 //! stream (`watched`); the loop is here.
 
 mod discover;
+mod gpus;
 mod identity;
 mod oom_count;
 mod watched;
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::check_interval;
 use oomscope_agent_core::pb;
+use oomscope_agent_core::readers::gpu::GpuReader;
 use oomscope_agent_core::readers::kmsg::KmsgReader;
 
 use crate::shield::OomShield;
@@ -92,22 +94,30 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
         );
     }
     let kernel_log = kmsg.describe();
+    // Absent (never an error) without a GPU, its driver or NVML.
+    let gpu = GpuReader::open();
     install_forwarding();
     let mut node = Node {
         hierarchy,
         cfg: &cfg,
         kernel_log,
         watched: HashMap::new(),
+        gpu,
         capped_said: false,
         next_discovery: Instant::now() + DISCOVERY_PERIOD,
     };
     node.discover(true);
     eprintln!(
-        "oomscope: watching {} memory cgroup(s) under {} ({}), sampling every {:.1} s",
+        "oomscope: watching {} memory cgroup(s) under {} ({}), sampling every {:.1} s; {}",
         node.watched.len(),
         node.hierarchy.top.display(),
         node.hierarchy.version.as_str(),
-        interval.as_secs_f64()
+        interval.as_secs_f64(),
+        if node.gpu.is_present() {
+            "GPU processes through NVML"
+        } else {
+            "no GPU seen through NVML"
+        }
     );
     let check = interval.min(MAX_COUNT_DELAY);
     let mut next_check = Instant::now() + check;
@@ -142,6 +152,8 @@ struct Node<'a> {
     kernel_log: String,
     /// By cgroup path.
     watched: HashMap<String, Watched>,
+    /// NVML: each sample carries its cgroup's GPU processes.
+    gpu: GpuReader,
     capped_said: bool,
     next_discovery: Instant,
 }
@@ -243,6 +255,13 @@ impl Node<'_> {
                 *child_increase.entry(parent(path)).or_default() += d;
             }
         }
+        // One NVML reading a sample, split by each process's cgroup.
+        let mut gpus = if sample && self.gpu.is_present() {
+            let version = self.hierarchy.version;
+            gpus::by_cgroup(&self.gpu.read(), |pid| gpus::memory_cgroup_of(pid, version))
+        } else {
+            HashMap::new()
+        };
         let due = if kernel_readable {
             now + KERNEL_RECORD_WAIT
         } else {
@@ -261,7 +280,7 @@ impl Node<'_> {
             }
             w.count = count;
             if sample {
-                w.send_sample(level);
+                w.send_sample(level, gpus.remove(&path).unwrap_or_default());
             }
         }
         for path in gone {

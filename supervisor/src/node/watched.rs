@@ -96,11 +96,13 @@ impl Watched {
         Some(level)
     }
 
-    /// The memory reading on the cgroup's timeline.
-    pub fn send_sample(&self, level: pb::CgroupLevel) {
+    /// The memory reading on the cgroup's timeline, with the GPU devices
+    /// where its processes run (only its processes listed).
+    pub fn send_sample(&self, level: pb::CgroupLevel, gpus: Vec<pb::GpuDevice>) {
         self.reporter.send_sample(pb::Sample {
             time_ns: now_ns(),
             cgroup: vec![level],
+            gpus,
             ..Default::default()
         });
     }

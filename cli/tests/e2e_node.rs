@@ -158,6 +158,11 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
     let log = dir.path().join("node.log");
     let w = watcher(&col, &parent.dir, &log, &[]);
     let agents = wait_agents(&col, 3);
+    let watcher_pid = w.0.as_ref().unwrap().id();
+    // Never the victim: shielded as the supervisor is, or it says why not.
+    let adj = std::fs::read_to_string(format!("/proc/{watcher_pid}/oom_score_adj")).unwrap();
+    let shielded = adj.trim() == "-1000";
+    assert_eq!(shielded, has_sys_resource(), "oom_score_adj {adj}");
     let (hog_agent, calm_agent) = (
         agent_of(&agents, &limited.path),
         agent_of(&agents, &calm.path),
@@ -219,6 +224,49 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
     let said = stop(w, &log);
     assert!(incidents(&col).len() == 1, "still one incident");
     assert!(said.contains("watching 3 memory cgroup(s)"), "{said}");
+    assert_eq!(
+        said.contains("cannot set the node watcher's oom_score_adj to -1000"),
+        !shielded,
+        "{said}"
+    );
+}
+
+#[test]
+fn a_cgroup_made_after_the_start_counts_its_first_kill() {
+    let _serial = serial();
+    let dir = tempdir();
+    let col = Collector::start(&dir.path().join("db"));
+    let parent = TestCgroup::create(None, "node-late", None);
+    let log = dir.path().join("node.log");
+    let w = watcher(&col, &parent.dir, &log, &[]);
+    wait_agents(&col, 1);
+    // Made and killed between two walks of the tree: the kernel's record
+    // names a cgroup the watcher has not seen yet, and finds it.
+    let late = TestCgroup::create(Some(&parent), "late", Some(64 * MIB));
+    let victim = hog(&late);
+    let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    let agents = wait_agents(&col, 2);
+    assert_eq!(found[0]["agent_id"], agent_of(&agents, &late.path).as_str());
+    let d = col.json(&["diagnose", found[0]["id"].as_str().unwrap()]);
+    assert_eq!(d["kernel_report"]["pid"], victim);
+    stop(w, &log);
+    assert_eq!(
+        incidents(&col).len(),
+        1,
+        "the counter confirmed the same kill"
+    );
+}
+
+/// Whether this process may lower an oom_score_adj below the floor
+/// (CAP_SYS_RESOURCE, capability 24, in CapEff).
+fn has_sys_resource() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 24) != 0)
 }
 
 #[test]

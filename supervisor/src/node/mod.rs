@@ -84,7 +84,7 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
         )
     })?;
     // Never the victim: it holds every container's evidence.
-    let _shield = OomShield::engage();
+    let _shield = OomShield::engage_as("the node watcher", "");
     // From its end: kills logged before the start are not incidents.
     let mut kmsg = KmsgReader::open_path(&cfg.kmsg_path);
     if let Some(why) = kmsg.unavailable() {

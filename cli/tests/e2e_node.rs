@@ -190,7 +190,7 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
 
     let d = col.json(&["diagnose", inc["id"].as_str().unwrap()]);
     let k = &d["kernel_report"];
-    assert_eq!(k["pid"], victim, "the kernel's victim is the hog: {k:#}");
+    assert_eq!(k["pid"], victim, "the kernel's victim is the hog: {d:#}");
     assert_eq!(k["command"], "python3");
     assert_eq!(k["task_memcg"], limited.path.as_str());
     assert_eq!(k["memcg_limit_bytes"], 64 * MIB);
@@ -256,17 +256,6 @@ fn a_cgroup_made_after_the_start_counts_its_first_kill() {
         1,
         "the counter confirmed the same kill"
     );
-}
-
-/// Whether this process may lower an oom_score_adj below the floor
-/// (CAP_SYS_RESOURCE, capability 24, in CapEff).
-fn has_sys_resource() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << 24) != 0)
 }
 
 #[test]

@@ -157,7 +157,12 @@ pub fn diagnose(e: &Evidence) -> pb::Diagnosis {
         cgroup: verdict.cgroup,
         failure: failure::of_incident(e),
         victim,
-        kernel_report: f.kernel.map(|(_, k)| kernel_report(k)),
+        // A kill only counted by its cgroup (`oomscope node` without the
+        // kernel's log) has no report of the kernel's to show.
+        kernel_report: f
+            .kernel
+            .filter(|(_, k)| !k.counted_only)
+            .map(|(_, k)| kernel_report(k)),
         device: verdict.device,
     }
 }

@@ -277,6 +277,17 @@ pub(crate) fn decide(f: &Findings) -> DomainVerdict {
 /// "Killed process" line, the levels, and the victim's memory at the kill.
 fn kernel_lines(f: &Findings, k: &pb::KernelOomKill) -> (Domain, Vec<String>) {
     let memcg = k.constraint == "CONSTRAINT_MEMCG";
+    if k.counted_only {
+        // `oomscope node` without the kernel's log: the cgroup's counter
+        // says a kill happened there; nothing says who or how large.
+        let mut ev = k.lines.clone();
+        ev.push(format!(
+            "no kernel record of the kill was read: the victim and its memory at the kill \
+             are unknown; the limit of {} is the cgroup's",
+            k.oom_memcg
+        ));
+        return (Domain::Cgroup, ev);
+    }
     let killed = k
         .lines
         .iter()

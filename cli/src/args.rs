@@ -72,6 +72,11 @@ pub enum Verb {
     /// stderr tail, and record how it ended. Exits with the command's status
     /// (128+N when signal N killed it).
     Run(RunArgs),
+    /// Watch every memory cgroup of this host (every container) without
+    /// wrapping anything: a timeline per cgroup, and each OOM kill an
+    /// incident with the kernel's own record. Starts and signals nothing;
+    /// runs until SIGTERM or SIGINT.
+    Node(NodeArgs),
     /// Feed a capture file (a JSON capture of allocator readings, .json or
     /// .json.gz) through the agent reporter, as a live agent would have sent it.
     /// Exits 0 once the collector has acked every message.
@@ -286,6 +291,39 @@ pub struct RunArgs {
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// `oomscope node`'s flags.
+#[derive(clap::Args)]
+pub struct NodeArgs {
+    /// Where the collector is.
+    #[command(flatten)]
+    pub collector: CollectorArg,
+    /// The cgroup filesystem to watch: its mount (v1's memory hierarchy is
+    /// found under it), or one cgroup, whose subtree alone is watched.
+    #[arg(long, default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
+    /// How often each cgroup's memory is sampled (OOM counters are read at
+    /// least every second whatever this is).
+    #[arg(long, default_value = "1s", value_parser = parse_interval)]
+    pub interval: Duration,
+    /// Watch at most N cgroups (each is one stream to the collector); past
+    /// it the upper levels are kept, and the watcher says so.
+    #[arg(long, default_value_t = oomscope_supervisor::node::DEFAULT_MAX_CGROUPS)]
+    pub max_cgroups: usize,
+    /// The kernel's log, read for its OOM records. Where it cannot be read,
+    /// kills are still recorded from the cgroups' counters, without the
+    /// kernel's figures.
+    #[arg(
+        long,
+        env = "OOMSCOPE_KMSG",
+        hide_env_values = true,
+        default_value = "/dev/kmsg"
+    )]
+    pub kmsg: String,
+    /// How long to wait at the end for the collector to ack everything.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub flush_timeout: Duration,
 }
 
 /// The probe's defaults, from their one source, `ProbeConfig::new`.

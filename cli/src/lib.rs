@@ -1,5 +1,5 @@
 //! The `oomscope` command, one module per verb: `collector`, `run` (the
-//! supervisor), `replay`, the queries (`agents`, `incidents`, `timeline`,
+//! supervisor), `node` (the per-host watcher), `replay`, the queries (`agents`, `incidents`, `timeline`,
 //! `diagnose`), `compare`, `probe`, `report` and `bench ingest`. Each verb is a
 //! thin shell: the work lives in the collector, supervisor, agent-core,
 //! analysis, report, probe and replay crates. The command line itself (every
@@ -12,6 +12,7 @@ mod collector;
 mod compare;
 mod diagnose;
 mod incidents;
+mod node;
 mod output;
 mod probe;
 mod replay;
@@ -65,6 +66,7 @@ pub fn main() -> i32 {
             limits,
         } => collector::run(listen, db, lost_grace, limits.limits()),
         Verb::Run(args) => run::run(args),
+        Verb::Node(args) => node::run(args),
         Verb::Replay {
             file,
             collector,

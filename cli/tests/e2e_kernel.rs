@@ -59,17 +59,6 @@ fn oom_score_adj(pid: u32) -> i32 {
         .unwrap()
 }
 
-/// Whether this process may lower an oom_score_adj below the floor
-/// (CAP_SYS_RESOURCE, capability 24, in CapEff).
-fn has_sys_resource() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << 24) != 0)
-}
-
 fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
     let t = Instant::now();
     loop {

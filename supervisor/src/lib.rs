@@ -26,6 +26,7 @@ mod child;
 mod config;
 mod hello;
 mod members;
+pub mod node;
 mod place;
 mod restarts;
 mod shield;

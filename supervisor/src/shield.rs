@@ -21,16 +21,27 @@ impl OomShield {
     /// without it, it goes as low as permitted, which still ranks it below
     /// its child, and says once what that risks.
     pub(crate) fn engage() -> Self {
+        Self::engage_as("the supervisor", " (still below its child)")
+    }
+
+    /// As [`engage`](Self::engage), for `who` (the node watcher, which has
+    /// no child); `partly` ends the warning where it got only part way.
+    pub(crate) fn engage_as(who: &str, partly: &str) -> Self {
         let previous = match std::fs::read_to_string(OOM_SCORE_ADJ_PATH) {
             Ok(t) => match parse_oom_score_adj(&t) {
                 Some(v) => v,
                 None => {
-                    warn_unshielded(&format!("{OOM_SCORE_ADJ_PATH} reads {:?}", t.trim()), None);
+                    warn_unshielded(
+                        who,
+                        &format!("{OOM_SCORE_ADJ_PATH} reads {:?}", t.trim()),
+                        None,
+                        partly,
+                    );
                     return OomShield { previous: None };
                 }
             },
             Err(e) => {
-                warn_unshielded(&e.to_string(), None);
+                warn_unshielded(who, &e.to_string(), None, partly);
                 return OomShield { previous: None };
             }
         };
@@ -44,7 +55,7 @@ impl OomShield {
         });
         if now != SUPERVISOR_OOM_SCORE_ADJ {
             let why = refused.map_or_else(|| "refused".to_string(), |e| e.to_string());
-            warn_unshielded(&why, (now < previous).then_some(now));
+            warn_unshielded(who, &why, (now < previous).then_some(now), partly);
         }
         OomShield {
             previous: (now < previous).then_some(previous),
@@ -102,14 +113,14 @@ fn set_own_oom_score_adj(v: i32) -> std::io::Result<()> {
         .write_all(v.to_string().as_bytes())
 }
 
-fn warn_unshielded(why: &str, lowered_to: Option<i32>) {
+fn warn_unshielded(who: &str, why: &str, lowered_to: Option<i32>, partly_note: &str) {
     let partly = match lowered_to {
-        Some(v) => format!(", only to {v} (still below its child)"),
+        Some(v) => format!(", only to {v}{partly_note}"),
         None => String::new(),
     };
     eprintln!(
-        "oomscope: cannot set the supervisor's oom_score_adj to {SUPERVISOR_OOM_SCORE_ADJ} \
-         ({why}){partly}: under memory pressure the kernel may choose the supervisor as the \
+        "oomscope: cannot set {who}'s oom_score_adj to {SUPERVISOR_OOM_SCORE_ADJ} \
+         ({why}){partly}: under memory pressure the kernel may choose {who} as the \
          OOM victim and take the evidence with it"
     );
 }

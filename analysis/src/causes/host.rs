@@ -21,6 +21,12 @@ const AS_NEAR_FRACTION: f64 = 0.5;
 /// anon-rss 2.0 GiB, file-rss 6.5 MiB, shmem-rss 0 B; cgroup /x usage
 /// 64.0 MiB of limit 64.0 MiB".
 fn kernel_figures(k: &pb::KernelOomKill) -> String {
+    if k.counted_only {
+        return format!(
+            "an OOM kill counted by cgroup {} (the kernel's record was not read: no victim figures)",
+            k.oom_memcg
+        );
+    }
     let mut line = format!(
         "the kernel's record at the kill: victim pid {} ({}) anon-rss {}, file-rss {}, shmem-rss {}",
         k.pid,

@@ -326,3 +326,14 @@ pub fn evidence_text(d: &serde_json::Value) -> String {
     }
     all.join("\n")
 }
+
+/// Whether this process may lower an oom_score_adj below the floor
+/// (CAP_SYS_RESOURCE, capability 24, in CapEff).
+pub fn has_sys_resource() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 24) != 0)
+}

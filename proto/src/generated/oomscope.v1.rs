@@ -1088,6 +1088,12 @@ pub struct KernelOomKill {
     /// set"), not because it was chosen: the group's path.
     #[prost(string, tag = "36")]
     pub oom_group: ::prost::alloc::string::String,
+    /// Field 40: far from the fields other work adds next. Set by `oomscope  node` where the kernel's log could not be read: the kill is known from
+    /// the cgroup's own OOM-kill counter alone, so no victim and no figures
+    /// (pid, task and the rss fields stay 0); `lines` says which counter moved
+    /// and why the kernel's record is missing.
+    #[prost(bool, tag = "40")]
+    pub counted_only: bool,
 }
 /// One zone's free lists as the kernel's OOM or allocation-failure record
 /// shows them ("Node 0 Normal: 12*4kB (UME) 3*8kB ... = 72kB").

@@ -1,0 +1,337 @@
+//! `oomscope node` against the real kernel: processes it did not start, in
+//! cgroups the test makes (the watcher is kept to the test's own subtree
+//! with --cgroup-root), one killed at its 64 MiB limit. One incident, for
+//! that cgroup, with the kernel's record (anon-rss at the kill, which no
+//! file read afterwards still shows); the other cgroup has a timeline and
+//! no incident; kills from before the start are not incidents; without the
+//! kernel's log the kill is still recorded, from the cgroup's counter.
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// The hog asks for this much in a 64 MiB cgroup.
+const HOG: &str = "b = bytearray(200 << 20)";
+
+/// The watcher the test started, killed if the test fails before stopping it.
+struct Watcher(Option<Child>);
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `oomscope node` on `root` reporting to `col`, its stderr in `log`.
+fn watcher(col: &Collector, root: &Path, log: &Path, extra: &[&str]) -> Watcher {
+    let child = oomscope()
+        .args(["node", "--collector", &col.url, "--interval", "200ms"])
+        .arg("--cgroup-root")
+        .arg(root)
+        .args(extra)
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    Watcher(Some(child))
+}
+
+/// The node's agents, once `n` are connected (at most 10 s).
+fn wait_agents(col: &Collector, n: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let all = col.json(&["agents"]);
+        let connected: Vec<Value> = all
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["state"] == "connected" && a["hello"]["runtime"] == "node")
+            .cloned()
+            .collect();
+        if connected.len() >= n {
+            return connected;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the watcher's {n} streams never connected: {all:#}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The agent id of the stream watching cgroup `path`.
+fn agent_of(agents: &[Value], path: &str) -> String {
+    agents
+        .iter()
+        .find(|a| a["hello"]["labels"]["container.cgroup"] == path)
+        .unwrap_or_else(|| panic!("no stream for {path}: {agents:#?}"))["hello"]["agent_id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Stops the watcher the test started (SIGTERM) and returns its stderr.
+fn stop(mut watcher: Watcher, log: &Path) -> String {
+    let mut w = watcher.0.take().expect("running");
+    // SAFETY: kill(2) on the test's own child.
+    unsafe { libc::kill(w.id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = w.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the watcher did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let said = std::fs::read_to_string(log).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "the watcher's exit; it said: {said}"
+    );
+    said
+}
+
+/// Runs the hog in `cg` to its kill; returns its pid.
+fn hog(cg: &TestCgroup) -> u32 {
+    let mut c = cg
+        .command(&["python3", "-c", HOG])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = c.id();
+    let status = c.wait().unwrap();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the kernel killed the hog: {status:?}"
+    );
+    pid
+}
+
+/// `n` samples on `agent`'s timeline: the watcher has swept that often.
+fn wait_samples(col: &Collector, agent: &str, n: usize) -> oomscope_proto::v1::TimelineResponse {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = timeline(&col.url, agent);
+        if t.samples.len() >= n {
+            return t;
+        }
+        assert!(Instant::now() < deadline, "{agent}: no {n} samples");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn incidents(col: &Collector) -> Vec<Value> {
+    col.json(&["incidents"]).as_array().unwrap().clone()
+}
+
+/// The incidents, once there are `n` (at most `wait`).
+fn wait_incidents(col: &Collector, n: usize, wait: Duration) -> Vec<Value> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let all = incidents(col);
+        if all.len() >= n || Instant::now() > deadline {
+            return all;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
+    let _serial = serial();
+    let dir = tempdir();
+    let col = Collector::start(&dir.path().join("db"));
+    let parent = TestCgroup::create(None, "node-kernel", None);
+    let limited = TestCgroup::create(Some(&parent), "hog", Some(64 * MIB));
+    let calm = TestCgroup::create(Some(&parent), "calm", None);
+    let log = dir.path().join("node.log");
+    let w = watcher(&col, &parent.dir, &log, &[]);
+    let agents = wait_agents(&col, 3);
+    let watcher_pid = w.0.as_ref().unwrap().id();
+    // Never the victim: shielded as the supervisor is, or it says why not.
+    let adj = std::fs::read_to_string(format!("/proc/{watcher_pid}/oom_score_adj")).unwrap();
+    let shielded = adj.trim() == "-1000";
+    assert_eq!(shielded, has_sys_resource(), "oom_score_adj {adj}");
+    let (hog_agent, calm_agent) = (
+        agent_of(&agents, &limited.path),
+        agent_of(&agents, &calm.path),
+    );
+
+    // Started outside oomscope: a process holding 16 MiB that outlives the kill.
+    let mut neighbour = calm
+        .command(&["python3", "-c", "import time; b = bytearray(16 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(4)"])
+        .spawn()
+        .unwrap();
+    let killed_at = Instant::now();
+    let victim = hog(&limited);
+
+    let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    let within = killed_at.elapsed();
+    assert_eq!(found.len(), 1, "exactly one incident: {found:#?}");
+    let inc = &found[0];
+    assert!(within < Duration::from_secs(5), "incident after {within:?}");
+    assert_eq!(inc["kind"], "kernel_oom_kill");
+    assert_eq!(
+        inc["agent_id"],
+        hog_agent.as_str(),
+        "the right cgroup: {inc:#}"
+    );
+
+    let d = col.json(&["diagnose", inc["id"].as_str().unwrap()]);
+    let k = &d["kernel_report"];
+    assert_eq!(k["pid"], victim, "the kernel's victim is the hog: {d:#}");
+    assert_eq!(k["command"], "python3");
+    assert_eq!(k["task_memcg"], limited.path.as_str());
+    assert_eq!(k["memcg_limit_bytes"], 64 * MIB);
+    // At the kill the victim held most of the 64 MiB: the kernel's figure.
+    // After its death the cgroup's files show almost nothing.
+    let anon = k["anon_rss_bytes"].as_u64().unwrap();
+    assert!((40 * MIB..=64 * MIB).contains(&anon), "anon-rss {anon}");
+    let after = std::fs::read_to_string(limited.dir.join("memory.usage_in_bytes"))
+        .or_else(|_| std::fs::read_to_string(limited.dir.join("memory.current")))
+        .unwrap();
+    assert!(
+        after.trim().parse::<u64>().unwrap() < anon / 2,
+        "the files read after the kill no longer show the victim's memory"
+    );
+    assert_eq!(d["domain"], "cgroup", "{d:#}");
+
+    // The neighbour: a timeline with its memory, no incident, not signalled.
+    let t = wait_samples(&col, &calm_agent, 3);
+    let peak = t
+        .samples
+        .iter()
+        .filter_map(|s| s.sample.as_ref()?.cgroup.first().map(|l| l.usage_bytes))
+        .max()
+        .unwrap();
+    assert!(
+        peak >= 16 * MIB,
+        "the neighbour's 16 MiB on its timeline: {peak}"
+    );
+    let status = neighbour.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "the neighbour ended by itself");
+    let said = stop(w, &log);
+    assert!(incidents(&col).len() == 1, "still one incident");
+    assert!(said.contains("watching 3 memory cgroup(s)"), "{said}");
+    assert_eq!(
+        said.contains("cannot set the node watcher's oom_score_adj to -1000"),
+        !shielded,
+        "{said}"
+    );
+}
+
+#[test]
+fn a_cgroup_made_after_the_start_counts_its_first_kill() {
+    let _serial = serial();
+    let dir = tempdir();
+    let col = Collector::start(&dir.path().join("db"));
+    let parent = TestCgroup::create(None, "node-late", None);
+    let log = dir.path().join("node.log");
+    let w = watcher(&col, &parent.dir, &log, &[]);
+    wait_agents(&col, 1);
+    // Made and killed between two walks of the tree: the kernel's record
+    // names a cgroup the watcher has not seen yet, and finds it.
+    let late = TestCgroup::create(Some(&parent), "late", Some(64 * MIB));
+    let victim = hog(&late);
+    let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    let agents = wait_agents(&col, 2);
+    assert_eq!(found[0]["agent_id"], agent_of(&agents, &late.path).as_str());
+    let d = col.json(&["diagnose", found[0]["id"].as_str().unwrap()]);
+    assert_eq!(d["kernel_report"]["pid"], victim);
+    stop(w, &log);
+    assert_eq!(
+        incidents(&col).len(),
+        1,
+        "the counter confirmed the same kill"
+    );
+}
+
+#[test]
+fn kills_before_the_start_are_the_baseline_and_without_the_kernel_log_the_counter_speaks() {
+    let _serial = serial();
+    let dir = tempdir();
+    let col = Collector::start(&dir.path().join("db"));
+    let parent = TestCgroup::create(None, "node-counter", None);
+    let limited = TestCgroup::create(Some(&parent), "hog", Some(64 * MIB));
+    // Before the watcher: its counter's 1 is the baseline, not an incident.
+    hog(&limited);
+    let log = dir.path().join("node.log");
+    let missing = dir.path().join("no-kmsg");
+    let w = watcher(
+        &col,
+        &parent.dir,
+        &log,
+        &["--kmsg", missing.to_str().unwrap()],
+    );
+    let agents = wait_agents(&col, 2);
+    let hog_agent = agent_of(&agents, &limited.path);
+    wait_samples(&col, &hog_agent, 3);
+    assert_eq!(incidents(&col).len(), 0, "a kill from before the start");
+
+    let victim = hog(&limited);
+    let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    assert_eq!(found.len(), 1, "exactly one incident: {found:#?}");
+    assert_eq!(found[0]["agent_id"], hog_agent.as_str());
+    let d = col.json(&["diagnose", found[0]["id"].as_str().unwrap()]);
+    // No record to name the victim: the cgroup's counter, and it says so.
+    assert!(d["kernel_report"].is_null(), "{:#}", d["kernel_report"]);
+    assert_eq!(d["domain"], "cgroup", "{d:#}");
+    assert!(
+        found[0]["summary"]
+            .as_str()
+            .unwrap()
+            .contains(&limited.path),
+        "{:#}",
+        found[0]
+    );
+    let evidence = evidence_text(&d);
+    assert!(
+        evidence.contains("oom_kill 1 -> 2")
+            && evidence.contains("the kernel's record of the kill was not read")
+            && evidence.contains("no-kmsg")
+            && !evidence.contains(&format!("pid {victim}")),
+        "{evidence}"
+    );
+    let said = stop(w, &log);
+    assert!(
+        said.contains("the kernel log is unreadable") && said.contains("no-kmsg"),
+        "{said}"
+    );
+    let agents = col.json(&["agents"]);
+    let label = agents
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["hello"]["agent_id"] == hog_agent.as_str())
+        .unwrap()["hello"]["labels"]["kernel_log"]
+        .clone();
+    assert!(
+        label.as_str().unwrap().starts_with("unreadable: "),
+        "{label}"
+    );
+}
+
+#[test]
+fn a_root_without_a_memory_controller_is_a_clear_error() {
+    let dir = tempdir();
+    let out = Command::new(bin())
+        .args(["node", "--collector", "http://127.0.0.1:9", "--cgroup-root"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("no memory cgroup controller at"), "{said}");
+}

@@ -38,9 +38,9 @@ pub struct Runway<'a> {
     pub used: u64,
     /// Growth per completed request (> 0).
     pub per_request: f64,
-    /// Completed requests per second while serving (`serving_rate`), when
-    /// the timeline shows one.
-    pub requests_per_s: Option<f64>,
+    /// The request rate while serving (`serving_rate`), when the timeline
+    /// shows one.
+    pub rate: Option<ServingRate>,
 }
 
 impl Runway<'_> {
@@ -52,9 +52,14 @@ impl Runway<'_> {
         (self.limit.saturating_sub(self.used) as f64 / self.per_request).floor()
     }
 
+    /// Completed requests per second while serving.
+    pub fn requests_per_s(&self) -> Option<f64> {
+        self.rate.map(|r| r.per_s)
+    }
+
     /// Seconds left at the observed request rate.
     pub fn seconds_left(&self) -> Option<f64> {
-        self.requests_per_s
+        self.requests_per_s()
             .filter(|r| *r > 0.0)
             .map(|r| self.requests_left() / r)
     }
@@ -81,7 +86,7 @@ impl Runway<'_> {
             self.requests_left(),
             bytes_short(self.per_request.max(0.0).round() as u64)
         );
-        match (self.requests_per_s, self.seconds_left()) {
+        match (self.requests_per_s(), self.seconds_left()) {
             (Some(rate), Some(secs)) => format!(
                 "{RUNWAY_PREFIX}at {} while serving, {limit} is gone in {} ({requests})",
                 rate_text(rate),
@@ -99,7 +104,7 @@ impl Runway<'_> {
             ("limit_bytes", self.limit as f64),
             ("limit_share_per_request", self.share_per_request()),
         ];
-        if let (Some(rate), Some(secs)) = (self.requests_per_s, self.seconds_left()) {
+        if let (Some(rate), Some(secs)) = (self.requests_per_s(), self.seconds_left()) {
             m.push(("requests_per_s", rate));
             m.push(("seconds_to_limit", secs));
         }
@@ -147,13 +152,9 @@ impl ServingRate {
 
 /// Completed requests per second while serving, between the first reading
 /// that counts requests and the first that shows the last count (readings
-/// of an idle server after its last request do not slow the rate); None
-/// without two such readings apart in time.
-pub fn request_rate(tl: &Timeline) -> Option<f64> {
-    serving_rate(tl).map(|r| r.per_s)
-}
-
-/// [`request_rate`] with the time it is taken over. Idle stretches inside
+/// of an idle server after its last request do not slow the rate), with the
+/// time it is taken over; None without two such readings apart in time.
+/// Idle stretches inside
 /// the span are left out: consecutive readings with the request count
 /// unchanged and nothing in flight at either end, together longer than
 /// [`MIN_IDLE_S`] and [`IDLE_FACTOR`] times the typical time per request (a
@@ -243,13 +244,21 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
+    fn at(per_s: f64) -> ServingRate {
+        ServingRate {
+            per_s,
+            serving_s: 60.0,
+            idle_s: 0.0,
+        }
+    }
+
     fn runway(rate: Option<f64>) -> Runway<'static> {
         Runway {
             limit: 47 * GIB / 2,
             limit_name: "MemTotal",
             used: GIB,
             per_request: 550_000.0,
-            requests_per_s: rate,
+            rate: rate.map(at),
         }
     }
 
@@ -295,7 +304,7 @@ mod tests {
         assert!(r.seconds_left().unwrap() > URGENT_RUNWAY_S);
         assert!(r.is_slow());
         // ... about 17 minutes at 100.
-        r.requests_per_s = Some(100.0);
+        r.rate = Some(at(100.0));
         assert!(r.seconds_left().unwrap() < URGENT_RUNWAY_S);
         assert!(!r.is_slow());
     }

@@ -130,10 +130,7 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
         metrics.push(("retained_objects_per_request", n.objects_per_request));
     }
     metrics.extend(runway.iter().flat_map(|r| r.metrics()));
-    if let Some(line) = runway
-        .and(runway::serving_rate(&f.timeline))
-        .and_then(|r| r.idle_line())
-    {
+    if let Some(line) = runway.and_then(|r| r.rate).and_then(|r| r.idle_line()) {
         evidence.push(line);
     }
     match stage {
@@ -190,7 +187,7 @@ pub fn host_trend(f: &Findings) -> Option<HostTrend> {
         limit_name,
         used: t.last_bytes.max(0.0) as u64 + agent_heap,
         per_request: t.bytes_per_request(),
-        requests_per_s: runway::request_rate(&f.timeline),
+        rate: runway::serving_rate(&f.timeline),
     });
     Some(HostTrend {
         what,

@@ -57,7 +57,7 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
             limit_name: limit_name(f),
             used: last.reserved.max(last.allocated),
             per_request,
-            requests_per_s: runway::request_rate(&f.timeline),
+            rate: runway::serving_rate(&f.timeline),
         };
         evidence.insert(0, runway.line());
         metrics.extend(runway.metrics());
@@ -127,7 +127,7 @@ fn heap_leak(f: &Findings, g: &HeapGrowth) -> pb::Cause {
             limit_name,
             used,
             per_request,
-            requests_per_s: runway::request_rate(&f.timeline),
+            rate: runway::serving_rate(&f.timeline),
         };
         evidence.insert(0, runway.line());
         metrics.extend(runway.metrics());

@@ -57,7 +57,7 @@ fn device_slow(f: &Findings) -> Option<(&'static str, Trend, Runway<'static>)> {
             limit_name: "the device's memory",
             used: last.reserved.max(last.allocated),
             per_request: t.bytes_per_request(),
-            requests_per_s: runway::request_rate(&f.timeline),
+            rate: runway::serving_rate(&f.timeline),
         };
         ("live bytes (allocated)", t, runway)
     })

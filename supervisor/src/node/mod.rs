@@ -55,6 +55,10 @@ const MAX_COUNT_DELAY: Duration = Duration::from_secs(1);
 /// naming an unknown cgroup walks it at once): walking a few hundred
 /// directories each sweep cost more than reading them.
 const DISCOVERY_PERIOD: Duration = Duration::from_secs(2);
+/// Samples between whole readings of a cgroup's files (limits, peak, the
+/// stat breakdown, swap, PSI): 10 s at the default interval. The usage and
+/// the OOM counters are read at every sweep.
+pub const FULL_READ_EVERY: u64 = 10;
 /// How long a counted kill waits for its kernel record before it is
 /// reported from the counter alone. The kernel counts the kill just before
 /// it logs "Killed process", so the record normally follows within one
@@ -110,6 +114,7 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
         gpu,
         capped_said: false,
         next_discovery: Instant::now() + DISCOVERY_PERIOD,
+        samples: 0,
     };
     node.discover(true);
     eprintln!(
@@ -161,6 +166,8 @@ struct Node<'a> {
     gpu: GpuReader,
     capped_said: bool,
     next_discovery: Instant,
+    /// Sample sweeps so far (every FULL_READ_EVERY-th reads whole).
+    samples: u64,
 }
 
 impl Node<'_> {
@@ -245,8 +252,15 @@ impl Node<'_> {
         }
         let mut readings = Vec::with_capacity(self.watched.len());
         let mut gone = Vec::new();
+        // Every file on every sample cost 3.3 % of a core at 200 cgroups and
+        // 1 s (7 v1 files each); the usage and the OOM counters are read
+        // every sweep, the rest every FULL_READ_EVERY samples.
+        let whole = sample && self.samples % FULL_READ_EVERY == 0;
+        if sample {
+            self.samples += 1;
+        }
         for (path, w) in self.watched.iter_mut() {
-            match w.read() {
+            match w.read(whole) {
                 Some(level) => readings.push((path.clone(), level)),
                 None => gone.push(path.clone()),
             }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::agent_id;
 use oomscope_agent_core::pb;
-use oomscope_agent_core::readers::cgroup::{read_level, Version};
+use oomscope_agent_core::readers::cgroup::{read_level, refresh_counters, Version};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{hostname, now_ns};
 
@@ -86,12 +86,18 @@ impl Watched {
         self.reporter.agent_id()
     }
 
-    /// Reads the cgroup's files; None once it is gone.
-    pub fn read(&mut self) -> Option<pb::CgroupLevel> {
+    /// Reads the cgroup's files (all of them when `whole`, else the usage
+    /// and the OOM counters over the last whole reading); None once it is
+    /// gone.
+    pub fn read(&mut self, whole: bool) -> Option<pb::CgroupLevel> {
         if !self.found.dir.exists() {
             return None;
         }
-        let level = read_level(&self.found.dir, &self.found.path, self.version);
+        let level = if whole {
+            read_level(&self.found.dir, &self.found.path, self.version)
+        } else {
+            refresh_counters(&self.found.dir, &self.last_level, self.version)
+        };
         self.last_level = level.clone();
         Some(level)
     }

@@ -280,9 +280,21 @@ pub struct RunArgs {
     /// (default: in memory only).
     #[arg(long, env = "OOMSCOPE_SPOOL", hide_env_values = true)]
     pub spool: Option<PathBuf>,
+    /// Run the command in a memory cgroup of SIZE (e.g. 512M, 4GiB; swap
+    /// included), made for this run and removed after it (cgroup v1 or v2; root).
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_size)]
+    pub memory_limit: Option<u64>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// A memory size: bytes, or with a binary unit (K, M, G, T; "MiB" and "MB" alike).
+fn parse_memory_size(s: &str) -> Result<u64, String> {
+    oomscope_analysis::kv_pool_figures::parse_size(s)
+        .filter(|b| *b >= 1.0)
+        .map(|b| b as u64)
+        .ok_or_else(|| format!("`{s}` is not a memory size (e.g. 512M, 4GiB)"))
 }
 
 /// The probe's defaults, from their one source, `ProbeConfig::new`.

@@ -429,6 +429,15 @@ pub struct ProbeArgs {
     /// more than one setting differs.
     #[arg(long, value_name = "BASELINE.json")]
     pub compare: Option<PathBuf>,
+    /// Replay this `oomscope.fixture/v1` file after the smoke instead of the
+    /// suites: exits non-zero when the failure it holds comes back (a
+    /// regression test for CI).
+    #[arg(long, value_name = "FIXTURE.json")]
+    pub fixture: Option<PathBuf>,
+    /// Write the `oomscope.fixture/v1` of the first step a suite failed at
+    /// (request sizes only, no prompt text) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub fixture_out: Option<PathBuf>,
     /// Print the report as JSON, the versioned oomscope.probe/v1 schema:
     /// {schema, endpoint, model, agent, started_ns, duration_s, settings,
     /// verdict, suites: [{suite, status, verdict, reason, steps, findings,

@@ -14,6 +14,7 @@ pub mod baseline;
 pub mod calibrate;
 mod clock;
 pub mod concurrency;
+pub mod fixture;
 pub mod http;
 pub mod idle;
 pub mod load;
@@ -241,6 +242,9 @@ pub struct ProbeConfig {
     /// Stream requests: auto (where the server streams and counts tokens
     /// without a non-streamed answer), on or off; chosen once per run.
     pub stream: calibrate::StreamChoice,
+    /// Replay this fixture after the smoke instead of the suites: the
+    /// regression check that a failure does not come back.
+    pub fixture: Option<fixture::Fixture>,
 }
 
 impl ProbeConfig {
@@ -279,6 +283,7 @@ impl ProbeConfig {
             seed: None,
             metrics_poll: metrics::DEFAULT_POLL,
             stream: calibrate::StreamChoice::Auto,
+            fixture: None,
         }
     }
 }
@@ -843,10 +848,11 @@ impl Probe {
             smoke.reason.as_deref().unwrap_or("ok")
         ));
         suites.push(smoke);
+        // A fixture replaces the suites: the run is the regression check.
         let wanted: Vec<&str> = SUITES[1..]
             .iter()
             .copied()
-            .filter(|s| self.wants(s))
+            .filter(|s| self.wants(s) && self.cfg.fixture.is_none())
             .collect();
         // The pace sizes the budgeted suites' time: none, no pace.
         let budgeted = wanted
@@ -994,6 +1000,20 @@ impl Probe {
             self.windows
                 .push((name.to_string(), from, oomscope_proto::now_ns()));
         }
+        if let Some(f) = self.cfg.fixture.clone() {
+            if smoke_ok && !self.down {
+                self.current = "fixture".into();
+                let from = oomscope_proto::now_ns();
+                suites.push(self.replay_fixture(&f));
+                self.windows
+                    .push(("fixture".into(), from, oomscope_proto::now_ns()));
+            } else {
+                suites.push(skip(
+                    "fixture",
+                    "not run: the smoke test failed, so the fixture proves nothing".into(),
+                ));
+            }
+        }
         if let Some(l) = self.launched.take() {
             l.stop();
         }
@@ -1024,8 +1044,10 @@ impl Probe {
             "environment"
         } else if !self.deaths.is_empty()
             || suites.iter().any(|s| {
-                matches!(s.suite.as_str(), "overload" | "restart" | "repeated")
-                    && s.status == Status::Fail
+                matches!(
+                    s.suite.as_str(),
+                    "overload" | "restart" | "repeated" | "fixture"
+                ) && s.status == Status::Fail
             })
         {
             "unsafe"

@@ -187,6 +187,19 @@ pub enum Verb {
     /// then bounded suites, and a safe envelope with the domain bounding each figure.
     #[command(after_help = exit_codes_help())]
     Probe(Box<ProbeArgs>),
+    /// The `oomscope.fixture/v1` of an incident, from its load at the failure
+    /// (its sequences at once, each its share of the active tokens; a leak's
+    /// requests repeated): request sizes only, for `probe --fixture` and `retest`.
+    Fixture {
+        /// The incident id (inc-000042, from `oomscope incidents`).
+        incident: String,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Write it to this file (default: stdout).
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
     /// Write an incident report (the latest incident by default): a
     /// self-contained HTML page with charts, or Markdown on stdout.
     Report {

@@ -11,6 +11,7 @@ mod bench_ingest;
 mod collector;
 mod compare;
 mod diagnose;
+mod fixture;
 mod incidents;
 mod output;
 mod probe;
@@ -93,6 +94,11 @@ pub fn main() -> i32 {
             json,
         } => compare::run(&collector.collector, &a, &b, json),
         Verb::Probe(args) => probe::run(*args),
+        Verb::Fixture {
+            incident,
+            collector,
+            out,
+        } => fixture::run(&collector.collector, &incident, out.as_deref()),
         Verb::Report {
             incident,
             collector,

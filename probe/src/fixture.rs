@@ -74,6 +74,58 @@ impl Fixture {
     }
 }
 
+/// Output tokens per request of a fixture derived from an incident, whose
+/// load counts prompt and generated tokens together: a short answer, as the
+/// probe's own requests (16), so that nearly all of each request's share of
+/// the tokens at the failure is its prompt.
+pub const INCIDENT_OUTPUT_TOKENS: u64 = 16;
+
+/// The fixture of an incident, from its load at the failure: as many
+/// requests as it had sequences, at once, each holding an even share of its
+/// active tokens (prompt plus [`INCIDENT_OUTPUT_TOKENS`]); with a
+/// `repeated_requests` trigger, the list sent as many times as the
+/// requests it served before. Err: why the incident gives no fixture.
+pub fn from_failure(
+    incident: &str,
+    trigger: &str,
+    f: &crate::pb::Failure,
+) -> Result<Fixture, String> {
+    let (Some(n), Some(tokens)) = (
+        f.active_sequences.filter(|&n| n > 0),
+        f.active_tokens.filter(|&t| t > 0),
+    ) else {
+        return Err(format!(
+            "incident {incident} recorded no load at its failure (active sequences and tokens): no request shapes to replay"
+        ));
+    };
+    let per = tokens.div_ceil(n);
+    let output = INCIDENT_OUTPUT_TOKENS.min(per.saturating_sub(1)).max(1);
+    let concurrency = usize::try_from(n).map_err(|e| e.to_string())?;
+    let repeats = match (trigger, f.requests_done) {
+        ("repeated_requests", Some(done)) if done > 0 => {
+            usize::try_from(done).map_err(|e| e.to_string())?
+        }
+        _ => 1,
+    };
+    let fx = Fixture {
+        schema: SCHEMA.into(),
+        source: format!(
+            "incident {incident}: {tokens} active tokens in {n} sequences at the failure ({trigger})"
+        ),
+        requests: vec![
+            Request {
+                prompt_tokens: per.saturating_sub(output).max(1),
+                output_tokens: output,
+            };
+            concurrency
+        ],
+        concurrency,
+        repeats,
+    };
+    // The same bounds a reader applies.
+    Fixture::parse(&serde_json::to_string(&fx).map_err(|e| e.to_string())?)
+}
+
 /// The suites whose steps are request shapes at a size and a concurrency.
 const SHAPED_SUITES: [&str; 4] = [
     "long-context",
@@ -175,6 +227,33 @@ mod tests {
         r.suites[1].steps[2].server_errors = 0;
         r.suites[1].steps[2].refused = 4;
         assert!(from_report(&r, 16).is_none());
+    }
+
+    #[test]
+    fn an_incident_load_becomes_its_share_of_tokens_per_sequence() {
+        let f = crate::pb::Failure {
+            active_sequences: Some(4),
+            active_tokens: Some(14848),
+            requests_done: Some(7),
+            ..Default::default()
+        };
+        let fx = from_failure("inc-1", "concurrency_dependent", &f).unwrap();
+        assert_eq!((fx.concurrency, fx.repeats, fx.requests.len()), (4, 1, 4));
+        let total: u64 = fx
+            .requests
+            .iter()
+            .map(|q| q.prompt_tokens + q.output_tokens)
+            .sum();
+        assert_eq!(total, 14848);
+        assert_eq!(fx.requests[0].output_tokens, INCIDENT_OUTPUT_TOKENS);
+        // A leak's requests are repeated as often as it served them.
+        let leak = from_failure("inc-2", "repeated_requests", &f).unwrap();
+        assert_eq!(leak.repeats, 7);
+        // No load recorded: no shapes, and it says so.
+        let none = crate::pb::Failure::default();
+        assert!(from_failure("inc-3", "", &none)
+            .unwrap_err()
+            .contains("no load"));
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod output;
 mod probe;
 mod replay;
 mod report;
+mod retest;
 mod run;
 mod since;
 mod timeline;
@@ -94,6 +95,7 @@ pub fn main() -> i32 {
             json,
         } => compare::run(&collector.collector, &a, &b, json),
         Verb::Probe(args) => probe::run(*args),
+        Verb::Retest(args) => retest::run(*args),
         Verb::Fixture {
             incident,
             collector,

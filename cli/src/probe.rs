@@ -22,7 +22,7 @@ use crate::output::print_out;
 
 /// The probe's evidence, asked of the collector over its QueryService.
 /// A failed query is no evidence: the probe says "not measured".
-struct Collector(Client);
+pub(crate) struct Collector(pub(crate) Client);
 
 impl EvidenceSource for Collector {
     fn timeline(&mut self, agent: &str, from_ns: i64) -> Option<pb::TimelineResponse> {

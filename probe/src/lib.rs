@@ -23,6 +23,7 @@ pub mod pace;
 pub mod progress;
 pub mod report;
 pub mod restart;
+pub mod retest;
 pub mod server;
 mod suites;
 pub mod tokens;
@@ -245,6 +246,9 @@ pub struct ProbeConfig {
     /// Replay this fixture after the smoke instead of the suites: the
     /// regression check that a failure does not come back.
     pub fixture: Option<fixture::Fixture>,
+    /// With a fixture: the suites that run after it (retest's overload
+    /// burst); none for the regression check.
+    pub after_fixture: Vec<String>,
 }
 
 impl ProbeConfig {
@@ -284,6 +288,7 @@ impl ProbeConfig {
             metrics_poll: metrics::DEFAULT_POLL,
             stream: calibrate::StreamChoice::Auto,
             fixture: None,
+            after_fixture: Vec::new(),
         }
     }
 }
@@ -852,7 +857,10 @@ impl Probe {
         let wanted: Vec<&str> = SUITES[1..]
             .iter()
             .copied()
-            .filter(|s| self.wants(s) && self.cfg.fixture.is_none())
+            .filter(|s| match self.cfg.fixture {
+                None => self.wants(s),
+                Some(_) => self.cfg.after_fixture.iter().any(|x| x == s),
+            })
             .collect();
         // The pace sizes the budgeted suites' time: none, no pace.
         let budgeted = wanted
@@ -905,6 +913,20 @@ impl Probe {
         let mut max_ctx: Option<u64> = None;
         let mut conc_cap: Option<u64> = None;
         self.ahead = self.plan(&wanted);
+        if let Some(f) = self.cfg.fixture.clone() {
+            if smoke_ok && !self.down {
+                self.current = "fixture".into();
+                let from = oomscope_proto::now_ns();
+                suites.push(self.replay_fixture(&f));
+                self.windows
+                    .push(("fixture".into(), from, oomscope_proto::now_ns()));
+            } else {
+                suites.push(skip(
+                    "fixture",
+                    "not run: the smoke test failed, so the fixture proves nothing".into(),
+                ));
+            }
+        }
         for name in wanted {
             if !smoke_ok {
                 suites.push(skip(
@@ -999,20 +1021,6 @@ impl Probe {
             }
             self.windows
                 .push((name.to_string(), from, oomscope_proto::now_ns()));
-        }
-        if let Some(f) = self.cfg.fixture.clone() {
-            if smoke_ok && !self.down {
-                self.current = "fixture".into();
-                let from = oomscope_proto::now_ns();
-                suites.push(self.replay_fixture(&f));
-                self.windows
-                    .push(("fixture".into(), from, oomscope_proto::now_ns()));
-            } else {
-                suites.push(skip(
-                    "fixture",
-                    "not run: the smoke test failed, so the fixture proves nothing".into(),
-                ));
-            }
         }
         if let Some(l) = self.launched.take() {
             l.stop();

@@ -36,6 +36,11 @@ const READY_POLL: Duration = Duration::from_millis(200);
 /// cap a fix might set, never a load test.
 const MIN_BURST: usize = 8;
 const MAX_BURST: usize = 64;
+/// How long an overloaded request may wait before it counts as stuck in an
+/// unbounded queue: a fix that caps sequences queues the rest, and a CPU
+/// server behind a cap takes tens of seconds to serve a queue of short
+/// requests; what retest checks is that the queue ends (served or refused).
+const OVERLOAD_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One launched server: `oomscope run` in a process group of its own.
 struct Launch {
@@ -123,6 +128,7 @@ fn check(
         a.burst
             .unwrap_or((fx.concurrency * 2).clamp(MIN_BURST, MAX_BURST)),
     );
+    cfg.overload_timeout = OVERLOAD_TIMEOUT.min(a.check_deadline);
     cfg.deadline = a.check_deadline;
     cfg.request_timeout = a.check_deadline.min(cfg.request_timeout * 2);
     cfg.collector = Some(a.collector.collector.clone());

@@ -18,6 +18,7 @@ use oomscope_analysis::settings;
 use oomscope_client::Client;
 use oomscope_probe::fixture::Fixture;
 use oomscope_probe::http::Endpoint;
+use oomscope_probe::quality;
 use oomscope_probe::report::ProbeReport;
 use oomscope_probe::restart::ready;
 use oomscope_probe::retest::{self, Retest, Row};
@@ -107,6 +108,9 @@ impl Launch {
     }
 }
 
+/// A launch's probe report and its quality answers (or why there are none).
+type Checked = (ProbeReport, Result<Vec<quality::Answer>, String>);
+
 /// One launch with `command` (and `env`) checked: its probe report, or why it did not start.
 fn check(
     a: &RetestArgs,
@@ -114,13 +118,15 @@ fn check(
     name: &str,
     command: &[String],
     env: &[(String, String)],
-) -> anyhow::Result<Result<ProbeReport, String>> {
+) -> anyhow::Result<Result<Checked, String>> {
     let ep = Endpoint::parse(&a.endpoint)?;
     let mut launch = Launch::start(a, name, command, env)?;
     if let Err(why) = launch.await_ready(&ep, &a.ready_path, a.launch_timeout) {
         launch.stop();
         return Ok(Err(why));
     }
+    // Before the fixture, which may kill it: the answers at a size that does not fail.
+    let answers = quality::answers(&ep, None, a.launch_timeout);
     let mut cfg = ProbeConfig::new(&a.endpoint);
     cfg.fixture = Some(fx.clone());
     cfg.after_fixture = vec!["overload".into()];
@@ -141,7 +147,7 @@ fn check(
         .map(|c| Box::new(crate::probe::Collector(c)) as Box<dyn EvidenceSource>);
     let report = Probe::new(cfg, evidence).map(Probe::run);
     launch.stop();
-    Ok(Ok(report?))
+    Ok(Ok((report?, answers)))
 }
 
 /// `SETTING=VALUE`.
@@ -202,14 +208,18 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
         ),
     };
     let tag = std::process::id();
-    let base = match check(&a, &fx, &format!("retest-{tag}-baseline"), &a.command, &[])? {
-        Ok(r) => r,
-        Err(why) => {
-            t.why = Some(format!("the baseline did not start: {why}"));
-            return finish(&a, &t, 2);
-        }
-    };
+    let (base, base_answers) =
+        match check(&a, &fx, &format!("retest-{tag}-baseline"), &a.command, &[])? {
+            Ok(r) => r,
+            Err(why) => {
+                t.why = Some(format!("the baseline did not start: {why}"));
+                return finish(&a, &t, 2);
+            }
+        };
     t.baseline = retest::measured("", "", runtime, &base);
+    if let Err(why) = &base_answers {
+        t.baseline.quality_note = Some(why.clone());
+    }
     if !retest::reproduced(&base) {
         t.why = Some(format!(
             "the fixture does not reproduce: the unchanged command answered {}/{} of its requests without a failure",
@@ -225,9 +235,14 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
         };
         let name = format!("retest-{tag}-{}", i + 1);
         let row = match check(&a, &fx, &name, &command, &env)? {
-            Ok(r) => {
+            Ok((r, answers)) => {
                 let mut row = retest::measured(setting, value, runtime, &r);
                 row.outcome = Some(retest::outcome(&t.baseline, &row, &r));
+                match (&base_answers, answers) {
+                    (Ok(b), Ok(c)) => row.quality_drift = Some(quality::compare(b, &c)),
+                    (Err(why), _) => row.quality_note = Some(format!("baseline: {why}")),
+                    (_, Err(why)) => row.quality_note = Some(why),
+                }
                 row
             }
             Err(why) => retest::failed_start(setting, value, runtime, why),

@@ -29,9 +29,13 @@ const OUTPUT: u64 = 16;
 const CONCURRENCY: u64 = 8;
 const MAX_QUEUE: u64 = 8;
 
-/// Bytes one request holds in service.
+/// Bytes one request holds in service, with `kv_bytes` an element of its KV.
+fn per_request_with(kv_bytes: u64) -> u64 {
+    PROMPT * VOCAB * 4 + (PROMPT + OUTPUT) * 2 * LAYERS * D_MODEL * kv_bytes
+}
+
 fn per_request() -> u64 {
-    PROMPT * VOCAB * 4 + (PROMPT + OUTPUT) * 2 * LAYERS * D_MODEL * 4
+    per_request_with(4)
 }
 
 /// What the model predicts when the server lets `in_service` of the
@@ -108,6 +112,8 @@ fn each_candidate_measures_what_the_memory_model_predicts() {
         format!("--max-total-tokens={max_total}"),
         // argparse refuses it: the server never starts.
         "--layers=two".to_string(),
+        // Half the KV bytes, rounded: the numerics change.
+        "--kv-dtype=bfloat16".to_string(),
     ];
     let (code, r) = retest(&col, &fixture, &tries);
     assert_eq!(r["schema"], "oomscope.retest/v1", "{r:#}");
@@ -117,7 +123,7 @@ fn each_candidate_measures_what_the_memory_model_predicts() {
     assert!(base["answered"].as_u64().unwrap() < CONCURRENCY, "{r:#}");
     assert_eq!(base["domain"], "cgroup", "{r:#}");
     let rows = r["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 4, "{r:#}");
+    assert_eq!(rows.len(), 5, "{r:#}");
     let outcome = |i: usize| rows[i]["outcome"].as_str().unwrap();
     // --max-active 3: three in service, five queued behind them, none refused.
     assert_eq!(outcome(0), predicted(3, 0), "{r:#}");
@@ -139,6 +145,25 @@ fn each_candidate_measures_what_the_memory_model_predicts() {
     assert_eq!(rows[2]["answered"], admitted, "{r:#}");
     // The candidate that never started is one failed row, and the run went on after it.
     assert_eq!(outcome(3), "failed_start", "{r:#}");
+    // A bfloat16 KV: the logits still dominate, 8 at once still overrun the limit.
+    let bf16_need = AT_REST + CONCURRENCY * per_request_with(2);
+    assert!(bf16_need > LIMIT_MIB * MIB);
+    assert_eq!(outcome(4), "same", "{r:#}");
+    // The quality check: the KV type's change is flagged (the logprobs moved),
+    // the changes that alter no numerics are not, and show no drift at all.
+    let q = |i: usize| &rows[i]["quality_drift"];
+    assert_eq!(q(4)["flagged"], true, "{r:#}");
+    assert!(
+        q(4)["mean_abs_logprob_delta"].as_f64().unwrap()
+            > oomscope_probe::quality::MAX_MEAN_LOGPROB_DELTA,
+        "{r:#}"
+    );
+    assert_eq!(rows[4]["risk"], "high", "{r:#}");
+    for i in 0..3 {
+        assert_eq!(q(i)["flagged"], false, "row {i}: {r:#}");
+        assert_eq!(q(i)["identical_share"], 1.0, "row {i}: {r:#}");
+        assert_eq!(q(i)["mean_abs_logprob_delta"], 0.0, "row {i}: {r:#}");
+    }
     // Chosen: the lowest-risk row that vanished (with overload clean).
     let vanished: Vec<&serde_json::Value> = rows
         .iter()

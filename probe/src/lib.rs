@@ -21,6 +21,7 @@ pub mod load;
 pub mod metrics;
 pub mod pace;
 pub mod progress;
+pub mod quality;
 pub mod report;
 pub mod restart;
 pub mod retest;

@@ -70,8 +70,11 @@ pub struct Row {
     /// "clean" (the burst was served or refused with 429/503), "failure:
     /// why", or "not run: why".
     pub overload: String,
-    /// The quality check's drift (share of completions that differ), where measured.
-    pub quality_drift: Option<f64>,
+    /// The quality check against the baseline's answers, where measured.
+    pub quality_drift: Option<crate::quality::Drift>,
+    /// Why the quality check did not run, where it did not.
+    #[serde(default)]
+    pub quality_note: Option<String>,
     /// "low", "medium", "high": what the change costs where it works.
     pub risk: String,
     pub chosen: bool,
@@ -266,10 +269,6 @@ pub fn failed_start(setting: &str, value: &str, runtime: Option<Runtime>, why: S
     }
 }
 
-/// The drift over which a change counts as altering the model's answers
-/// (see the quality check). None: not measured, which does not disqualify.
-pub const MAX_QUALITY_DRIFT: f64 = 0.0;
-
 /// Marks the chosen row: the least risky that vanished with overload clean
 /// and quality within the threshold; the first such in order among equals.
 /// Returns why none qualifies where none does.
@@ -278,7 +277,7 @@ pub fn choose(rows: &mut [Row]) -> Result<usize, String> {
     let ok = |r: &Row| {
         r.outcome == Some(Outcome::Vanished)
             && r.overload == "clean"
-            && r.quality_drift.is_none_or(|d| d <= MAX_QUALITY_DRIFT)
+            && r.quality_drift.as_ref().is_none_or(|d| !d.flagged)
     };
     let best = rows
         .iter()
@@ -298,7 +297,9 @@ pub fn choose(rows: &mut [Row]) -> Result<usize, String> {
                     Some(Outcome::Vanished) if r.overload != "clean" => {
                         format!("overload {}", r.overload)
                     }
-                    Some(Outcome::Vanished) => "quality drift over the threshold".into(),
+                    Some(Outcome::Vanished) => {
+                        "quality drift over the threshold: rerun the model's accuracy suite".into()
+                    }
                     Some(o) => format!("the failure {}", o.name()),
                     None => "baseline".into(),
                 };
@@ -352,7 +353,16 @@ fn cells(r: &Row, base: &Row) -> Vec<String> {
         vs(r.p99_ms, base.p99_ms),
         opt(r.throughput_rps, |t| format!("{t:.2}")),
         r.overload.clone(),
-        opt(r.quality_drift, |d| format!("{d:.2}")),
+        opt(r.quality_drift.as_ref(), |d| {
+            format!(
+                "{:.0}% identical{}{}",
+                d.identical_share * 100.0,
+                d.mean_abs_logprob_delta
+                    .map(|l| format!(", |dlogprob| {l:.1e}"))
+                    .unwrap_or_default(),
+                if d.flagged { " FLAGGED" } else { "" }
+            )
+        }),
         r.risk.clone(),
         if r.chosen {
             "yes".into()

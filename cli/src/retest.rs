@@ -172,6 +172,8 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
         })?;
         candidates.extend(retest::candidates_from_fixes(
             d.fixes.iter().map(|f| f.action.as_str()),
+            runtime,
+            &fx,
         ));
     }
     for t in &a.tries {

@@ -61,6 +61,13 @@ fn write_fixture(dir: &Path, n: u64) -> std::path::PathBuf {
     p
 }
 
+fn server_args(port: u16) -> Vec<String> {
+    format!("--port {port} --max-queue {MAX_QUEUE} --restore-seconds 0")
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
 fn retest(col: &Collector, fixture: &Path, tries: &[String]) -> (i32, serde_json::Value) {
     let port = free_port();
     let mut c = oomscope();
@@ -84,9 +91,7 @@ fn retest(col: &Collector, fixture: &Path, tries: &[String]) -> (i32, serde_json
     c.arg("--")
         .arg(python())
         .arg(repo().join("runtimes/pytorch-server/server.py"))
-        .args(
-            format!("--port {port} --max-queue {MAX_QUEUE} --restore-seconds 0").split_whitespace(),
-        );
+        .args(server_args(port));
     let out = c.output().unwrap();
     let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
@@ -216,4 +221,94 @@ fn a_fixture_that_does_not_fail_stops_the_run() {
         0,
         "no candidate ran: {r:#}"
     );
+}
+
+#[test]
+fn candidates_from_an_incident_come_from_its_diagnosis() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let fixture = write_fixture(tmp.path(), CONCURRENCY);
+    // The incident: the fixture replayed against the server in its cgroup.
+    let port = free_port();
+    let mut srv = oomscope()
+        .args(run_args(&col.url, "retest-from"))
+        .args(["--memory-limit", &format!("{LIMIT_MIB}M"), "--", &python()])
+        .arg(repo().join("runtimes/pytorch-server/server.py"))
+        .args(server_args(port))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    await_health(port);
+    let (code, _) = probe(&[
+        "--endpoint",
+        &format!("http://127.0.0.1:{port}/v1"),
+        "--fixture",
+        fixture.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_ne!(code, 0);
+    let _ = srv.wait();
+    let incs = col.incidents_of("retest-from", 1, std::time::Duration::from_secs(10));
+    let id = incs[0]["id"].as_str().unwrap().to_string();
+    let d = col.json(&["diagnose", &id]);
+    let actions: Vec<&str> = d["fixes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["action"].as_str().unwrap())
+        .collect();
+    // The candidates retest takes are the reference server's settings its fixes name.
+    let expected = oomscope_probe::retest::candidates_from_fixes(
+        actions.iter().copied(),
+        Some(oomscope_analysis::settings::Runtime::ReferencePytorch),
+        &oomscope_probe::fixture::Fixture::parse(&std::fs::read_to_string(&fixture).unwrap())
+            .unwrap(),
+    );
+    assert!(!expected.is_empty(), "the diagnosis names a setting: {d:#}");
+    let port = free_port();
+    let out = oomscope()
+        .args([
+            "retest",
+            "--json",
+            "--collector",
+            &col.url,
+            "--from",
+            &id,
+            "--memory-limit",
+        ])
+        .arg(format!("{LIMIT_MIB}M"))
+        .args([
+            "--endpoint",
+            &format!("http://127.0.0.1:{port}/v1"),
+            "--fixture",
+        ])
+        .arg(&fixture)
+        .arg("--")
+        .arg(python())
+        .arg(repo().join("runtimes/pytorch-server/server.py"))
+        .args(server_args(port))
+        .output()
+        .unwrap();
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<(String, String)> = r["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            (
+                row["setting"].as_str().unwrap().to_string(),
+                row["value"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(rows, expected, "{r:#}");
+    // Every row measured: an outcome each, none a failed start.
+    for row in r["rows"].as_array().unwrap() {
+        assert!(
+            ["vanished", "moved", "shrank", "same"].contains(&row["outcome"].as_str().unwrap()),
+            "{r:#}"
+        );
+    }
 }

@@ -134,11 +134,30 @@ pub fn with_setting(command: &[String], setting: &str, value: &str) -> Vec<Strin
 /// The changes a diagnosis proposes, as (setting, value): every
 /// `` `SETTING VALUE` `` or `` `SETTING=VALUE` `` in its fixes' actions that
 /// names a known setting of the settings map (the form `setting_fixes`
-/// writes proposals in), each once, in the fixes' order (least risky first).
+/// writes computed proposals in), each once, in the fixes' order (least
+/// risky first). A setting named with no value gets one from the fixture
+/// where its knob has a basis there: sequences at once halved from the
+/// fixture's concurrency, tokens in flight halved from its first wave's;
+/// others (a context, a pool) need the diagnosis's figures and are left out.
 pub fn candidates_from_fixes<'a>(
     actions: impl IntoIterator<Item = &'a str>,
+    runtime: Option<Runtime>,
+    fx: &crate::fixture::Fixture,
 ) -> Vec<(String, String)> {
-    use oomscope_analysis::settings::SETTINGS;
+    use oomscope_analysis::settings::{Knob, SETTINGS};
+    let knob_of = |name: &str| {
+        let named = || SETTINGS.iter().filter(move |s| s.name == name);
+        named()
+            .find(|s| Some(s.runtime) == runtime)
+            .or_else(|| named().next())
+            .map(|s| s.knob)
+    };
+    let wave_tokens: u64 = fx
+        .requests
+        .iter()
+        .take(fx.concurrency)
+        .map(|q| q.prompt_tokens + q.output_tokens)
+        .sum();
     let mut out: Vec<(String, String)> = Vec::new();
     for action in actions {
         for (i, span) in action.split('`').enumerate() {
@@ -146,19 +165,24 @@ pub fn candidates_from_fixes<'a>(
                 continue;
             }
             let (name, value) = match span.split_once('=') {
-                Some((n, v)) if !n.contains(' ') => (n, v),
+                Some((n, v)) if !n.contains(' ') => (n, v.to_string()),
                 _ => match span.split_once(' ') {
-                    Some((n, v)) => (n, v.trim()),
-                    None => continue,
+                    Some((n, v)) => (n, v.trim().to_string()),
+                    None => (span, String::new()),
                 },
             };
-            let known = SETTINGS.iter().any(|s| s.name == name);
-            if known
-                && !value.is_empty()
-                && !value.contains(' ')
-                && !out.iter().any(|(n, _)| n == name)
-            {
-                out.push((name.to_string(), value.to_string()));
+            let Some(knob) = knob_of(name) else { continue };
+            let value = if !value.is_empty() {
+                value
+            } else {
+                match knob {
+                    Knob::MaxSequences if fx.concurrency > 1 => (fx.concurrency / 2).to_string(),
+                    Knob::MaxBatchTokens if wave_tokens > 1 => (wave_tokens / 2).to_string(),
+                    _ => continue,
+                }
+            };
+            if !value.contains(' ') && !out.iter().any(|(n, _)| n == name) {
+                out.push((name.to_string(), value));
             }
         }
     }
@@ -358,7 +382,7 @@ fn cells(r: &Row, base: &Row) -> Vec<String> {
                 "{:.0}% identical{}{}",
                 d.identical_share * 100.0,
                 d.mean_abs_logprob_delta
-                    .map(|l| format!(", |dlogprob| {l:.1e}"))
+                    .map(|l| format!(", mean dlogprob {l:.1e}"))
                     .unwrap_or_default(),
                 if d.flagged { " FLAGGED" } else { "" }
             )
@@ -469,16 +493,38 @@ mod tests {
 
     #[test]
     fn a_diagnosis_proposals_become_candidates() {
+        let fx = crate::fixture::Fixture {
+            schema: crate::fixture::SCHEMA.into(),
+            source: String::new(),
+            requests: vec![
+                crate::fixture::Request {
+                    prompt_tokens: 1000,
+                    output_tokens: 16
+                };
+                8
+            ],
+            concurrency: 8,
+            repeats: 1,
+        };
         let actions = [
             "Admit fewer requests at once: lower `--max-num-seqs 8` (now 64)",
             "Give the KV cache less: `VLLM_CPU_KVCACHE_SPACE=2` (now 4)",
             "Again `--max-num-seqs 4`, and `--not-a-setting 3`, `--max-model-len` alone",
         ];
         assert_eq!(
-            candidates_from_fixes(actions),
+            candidates_from_fixes(actions, Some(Runtime::Vllm), &fx),
             vec![
                 ("--max-num-seqs".to_string(), "8".to_string()),
                 ("VLLM_CPU_KVCACHE_SPACE".to_string(), "2".to_string())
+            ]
+        );
+        // Named without a value: halved from the fixture where the knob has a basis there.
+        let named = ["Cap concurrency: `--max-active` (not set), `--max-total-tokens` (not set), `--max-context` (not set)"];
+        assert_eq!(
+            candidates_from_fixes(named, Some(Runtime::ReferencePytorch), &fx),
+            vec![
+                ("--max-active".to_string(), "4".to_string()),
+                ("--max-total-tokens".to_string(), "4064".to_string())
             ]
         );
     }

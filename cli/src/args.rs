@@ -359,6 +359,11 @@ pub struct RetestArgs {
     /// Print the decision table as Markdown.
     #[arg(long, conflicts_with = "json")]
     pub md: bool,
+    /// Also write a self-contained HTML page: with --from, the incident's
+    /// report (timeline, memory table, verdict) followed by the retests and
+    /// the choice, so the incident closes in one document.
+    #[arg(long, value_name = "OUT.html")]
+    pub html: Option<PathBuf>,
     /// The server command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,

@@ -259,7 +259,58 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
     finish(&a, &t, code)
 }
 
+/// The retests as an HTML section: the table, the choice, the regression test.
+fn html_section(t: &Retest) -> String {
+    use oomscope_report::escape::html as esc;
+    let mut s = String::from("<section id=\"retest\"><h2>Retests</h2>\n");
+    s += &format!(
+        "<p>Fixture: {}<br>Command: <code>{}</code>{}</p>\n<table>\n<tr>",
+        esc(&t.fixture),
+        esc(&t.command.join(" ")),
+        t.memory_limit
+            .as_ref()
+            .map(|m| format!("<br>Memory limit: {}", esc(m)))
+            .unwrap_or_default()
+    );
+    for h in retest::HEADER {
+        s += &format!("<th>{}</th>", esc(h));
+    }
+    s += "</tr>\n";
+    for row in retest::table(t) {
+        s += "<tr>";
+        for c in row {
+            s += &format!("<td>{}</td>", esc(&c));
+        }
+        s += "</tr>\n";
+    }
+    s += "</table>\n";
+    for line in retest::closing(t).lines().filter(|l| !l.is_empty()) {
+        s += &format!("<p>{}</p>\n", esc(line));
+    }
+    s + "</section>\n"
+}
+
+/// The page: the incident's report with the retests before its footer, or
+/// the retests alone.
+fn page(a: &RetestArgs, t: &Retest) -> anyhow::Result<String> {
+    let section = html_section(t);
+    if let Some(inc) = &a.from {
+        let mut client = Client::connect(&a.collector.collector)?;
+        let run = crate::report::fetch(&mut client, crate::report::Which::Incident(inc.clone()))?;
+        let mut page = oomscope_report::html(&run);
+        let at = page.rfind("<footer>").unwrap_or(page.len());
+        page.insert_str(at, &section);
+        return Ok(page);
+    }
+    Ok(format!(
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>oomscope retest</title></head>\n<body>\n{section}</body>\n</html>\n"
+    ))
+}
+
 fn finish(a: &RetestArgs, t: &Retest, code: i32) -> anyhow::Result<i32> {
+    if let Some(path) = &a.html {
+        std::fs::write(path, page(a, t)?).with_context(|| format!("writing {}", path.display()))?;
+    }
     let out = if a.json {
         serde_json::to_string_pretty(t)? + "\n"
     } else if a.md {

@@ -268,6 +268,7 @@ fn candidates_from_an_incident_come_from_its_diagnosis() {
     );
     assert!(!expected.is_empty(), "the diagnosis names a setting: {d:#}");
     let port = free_port();
+    let page = tmp.path().join("closed.html");
     let out = oomscope()
         .args([
             "retest",
@@ -285,6 +286,8 @@ fn candidates_from_an_incident_come_from_its_diagnosis() {
             "--fixture",
         ])
         .arg(&fixture)
+        .arg("--html")
+        .arg(&page)
         .arg("--")
         .arg(python())
         .arg(repo().join("runtimes/pytorch-server/server.py"))
@@ -304,6 +307,22 @@ fn candidates_from_an_incident_come_from_its_diagnosis() {
         })
         .collect();
     assert_eq!(rows, expected, "{r:#}");
+    // One document closes the incident: its report (the verdict's domain on
+    // the page), then each retest and the choice.
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        html.contains("data-domain=\"cgroup\""),
+        "the incident's report"
+    );
+    let retests = &html[html.find("<section id=\"retest\">").expect("the retests")..];
+    assert!(html.find("data-domain").unwrap() < html.find("<section id=\"retest\">").unwrap());
+    for (setting, value) in &rows {
+        assert!(retests.contains(&format!("{setting} {value}")), "{retests}");
+    }
+    assert!(
+        retests.contains("Regression test: oomscope probe"),
+        "{retests}"
+    );
     // Every row measured: an outcome each, none a failed start.
     for row in r["rows"].as_array().unwrap() {
         assert!(

@@ -396,7 +396,8 @@ fn cells(r: &Row, base: &Row) -> Vec<String> {
     ]
 }
 
-const HEADER: [&str; 13] = [
+/// The decision table's columns.
+pub const HEADER: [&str; 13] = [
     "change",
     "outcome",
     "domain",
@@ -411,6 +412,19 @@ const HEADER: [&str; 13] = [
     "risk",
     "chosen",
 ];
+
+/// The decision table's rows (the baseline first), cell by cell, as the text forms show them.
+pub fn table(t: &Retest) -> Vec<Vec<String>> {
+    std::iter::once(&t.baseline)
+        .chain(&t.rows)
+        .map(|r| cells(r, &t.baseline))
+        .collect()
+}
+
+/// The closing lines: the choice (or why none) and the regression test.
+pub fn closing(t: &Retest) -> String {
+    summary(t)
+}
 
 /// The decision table as Markdown.
 pub fn markdown(t: &Retest) -> String {

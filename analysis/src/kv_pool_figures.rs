@@ -346,7 +346,7 @@ fn figure_after(line: &str, lower: &str, marker: &str) -> Option<f64> {
 }
 
 /// "4294967296", "4G", "4GiB", "1.5 GB" as bytes (binary units).
-fn parse_size(v: &str) -> Option<f64> {
+pub fn parse_size(v: &str) -> Option<f64> {
     let v = v.trim();
     let split = v
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))

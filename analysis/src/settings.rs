@@ -408,6 +408,12 @@ pub const SETTINGS: &[Setting] = &[
     ),
     s(
         Runtime::ReferencePytorch,
+        "--max-total-tokens",
+        Knob::MaxBatchTokens,
+        "tokens",
+    ),
+    s(
+        Runtime::ReferencePytorch,
         "--memory-cap",
         Knob::MemoryFraction,
         "fraction",

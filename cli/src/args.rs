@@ -195,6 +195,24 @@ pub enum Verb {
     /// then bounded suites, and a safe envelope with the domain bounding each figure.
     #[command(after_help = exit_codes_help())]
     Probe(Box<ProbeArgs>),
+    /// Close the fix loop: launch the server command (after `--`) as it is,
+    /// then once per candidate change, each under `oomscope run
+    /// --memory-limit`, replay the fixture and a short overload burst, and
+    /// choose the least risky change that made the failure vanish.
+    Retest(Box<RetestArgs>),
+    /// The `oomscope.fixture/v1` of an incident, from its load at the failure
+    /// (its sequences at once, each its share of the active tokens; a leak's
+    /// requests repeated): request sizes only, for `probe --fixture` and `retest`.
+    Fixture {
+        /// The incident id (inc-000042, from `oomscope incidents`).
+        incident: String,
+        /// Where the collector is.
+        #[command(flatten)]
+        collector: CollectorArg,
+        /// Write it to this file (default: stdout).
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
     /// Write an incident report (the latest incident by default): a
     /// self-contained HTML page with charts, or Markdown on stdout.
     Report {
@@ -288,6 +306,10 @@ pub struct RunArgs {
     /// (default: in memory only).
     #[arg(long, env = "OOMSCOPE_SPOOL", hide_env_values = true)]
     pub spool: Option<PathBuf>,
+    /// Run the command in a memory cgroup of SIZE (e.g. 512M, 4GiB; swap
+    /// included), made for this run and removed after it (cgroup v1 or v2; root).
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_size)]
+    pub memory_limit: Option<u64>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -324,6 +346,68 @@ pub struct NodeArgs {
     /// How long to wait at the end for the collector to ack everything.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub flush_timeout: Duration,
+}
+
+/// A memory size: bytes, or with a binary unit (K, M, G, T; "MiB" and "MB" alike).
+fn parse_memory_size(s: &str) -> Result<u64, String> {
+    oomscope_analysis::kv_pool_figures::parse_size(s)
+        .filter(|b| *b >= 1.0)
+        .map(|b| b as u64)
+        .ok_or_else(|| format!("`{s}` is not a memory size (e.g. 512M, 4GiB)"))
+}
+
+/// `oomscope retest`'s flags.
+#[derive(clap::Args)]
+pub struct RetestArgs {
+    /// The failing workload, an `oomscope.fixture/v1` file.
+    #[arg(long, value_name = "FIXTURE.json")]
+    pub fixture: PathBuf,
+    /// A candidate change, SETTING=VALUE (a flag of the command, or an
+    /// environment variable); repeat for more. Each is tried alone.
+    #[arg(long = "try", value_name = "SETTING=VALUE", allow_hyphen_values = true)]
+    pub tries: Vec<String>,
+    /// Take candidates from this incident's diagnosis: its fixes' proposed
+    /// settings, mapped through the runtime's settings.
+    #[arg(long, value_name = "INCIDENT")]
+    pub from: Option<String>,
+    /// The OpenAI-compatible base URL the launched server listens at.
+    #[arg(long)]
+    pub endpoint: String,
+    /// Run each launch in a memory cgroup of SIZE (`oomscope run --memory-limit`).
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_size)]
+    pub memory_limit: Option<u64>,
+    /// The readiness path, polled until it answers 200.
+    #[arg(long, default_value = "/health")]
+    pub ready_path: String,
+    /// How long a launch may take to become ready before it is a failed start.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub launch_timeout: Duration,
+    /// The most one launch's checks may take (smoke, replay, overload burst).
+    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    pub check_deadline: Duration,
+    /// Requests of the overload burst (default: twice the fixture's concurrency, 8..=64).
+    #[arg(long)]
+    pub burst: Option<usize>,
+    /// Where the collector is (the launches report to it, and --from reads it).
+    #[command(flatten)]
+    pub collector: CollectorArg,
+    /// Print the decision table as JSON (`oomscope.retest/v1`: baseline,
+    /// rows: [{setting, value, outcome, domain, answered, requests,
+    /// peak_memory, capacity, p50_ms, p99_ms, throughput_rps, overload,
+    /// quality_drift, risk, chosen, note}], chosen, why, regression).
+    #[arg(long)]
+    pub json: bool,
+    /// Print the decision table as Markdown.
+    #[arg(long, conflicts_with = "json")]
+    pub md: bool,
+    /// Also write a self-contained HTML page: with --from, the incident's
+    /// report (timeline, memory table, verdict) followed by the retests and
+    /// the choice, so the incident closes in one document.
+    #[arg(long, value_name = "OUT.html")]
+    pub html: Option<PathBuf>,
+    /// The server command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
 }
 
 /// The probe's defaults, from their one source, `ProbeConfig::new`.
@@ -493,6 +577,15 @@ pub struct ProbeArgs {
     /// more than one setting differs.
     #[arg(long, value_name = "BASELINE.json")]
     pub compare: Option<PathBuf>,
+    /// Replay this `oomscope.fixture/v1` file after the smoke instead of the
+    /// suites: exits non-zero when the failure it holds comes back (a
+    /// regression test for CI).
+    #[arg(long, value_name = "FIXTURE.json")]
+    pub fixture: Option<PathBuf>,
+    /// Write the `oomscope.fixture/v1` of the first step a suite failed at
+    /// (request sizes only, no prompt text) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub fixture_out: Option<PathBuf>,
     /// Print the report as JSON, the versioned oomscope.probe/v1 schema:
     /// {schema, endpoint, model, agent, started_ns, duration_s, settings,
     /// verdict, suites: [{suite, status, verdict, reason, steps, findings,

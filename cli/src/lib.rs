@@ -11,12 +11,14 @@ mod bench_ingest;
 mod collector;
 mod compare;
 mod diagnose;
+mod fixture;
 mod incidents;
 mod node;
 mod output;
 mod probe;
 mod replay;
 mod report;
+mod retest;
 mod run;
 mod since;
 mod timeline;
@@ -101,6 +103,12 @@ pub fn main() -> i32 {
             json,
         } => compare::run(&collector.collector, &a, &b, json),
         Verb::Probe(args) => probe::run(*args),
+        Verb::Retest(args) => retest::run(*args),
+        Verb::Fixture {
+            incident,
+            collector,
+            out,
+        } => fixture::run(&collector.collector, &incident, out.as_deref()),
         Verb::Report {
             incident,
             collector,

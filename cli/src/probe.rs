@@ -11,6 +11,7 @@ use oomscope_agent_core::agent::Identity;
 use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_client::Client;
+use oomscope_probe::fixture::{self, Fixture};
 use oomscope_probe::watch::EvidenceSource;
 use oomscope_probe::workload::WorkloadSink;
 use oomscope_probe::{baseline, progress, report, Probe, ProbeConfig, Suite};
@@ -21,7 +22,7 @@ use crate::output::print_out;
 
 /// The probe's evidence, asked of the collector over its QueryService.
 /// A failed query is no evidence: the probe says "not measured".
-struct Collector(Client);
+pub(crate) struct Collector(pub(crate) Client);
 
 impl EvidenceSource for Collector {
     fn timeline(&mut self, agent: &str, from_ns: i64) -> Option<pb::TimelineResponse> {
@@ -242,6 +243,13 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
         }
         None => None,
     };
+    if let Some(p) = &a.fixture {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        cfg.fixture =
+            Some(Fixture::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?);
+    }
+    let output_tokens = cfg.output_tokens as u64;
     let evidence: Option<Box<dyn EvidenceSource>> = match (&cfg.collector, &cfg.agent) {
         (Some(url), Some(_)) => Some(Box::new(Collector(Client::connect(url)?))),
         _ => None,
@@ -276,6 +284,19 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<i32> {
             eprintln!(
                 "oomscope probe: the collector did not take all of the probe's workload in time"
             );
+        }
+    }
+    if let Some(p) = &a.fixture_out {
+        match fixture::from_report(&r, output_tokens) {
+            Some(f) => {
+                std::fs::write(p, serde_json::to_string_pretty(&f)? + "\n")
+                    .with_context(|| format!("writing {}", p.display()))?;
+                eprintln!("oomscope probe: wrote the fixture of {} to {}", f.source, p.display());
+            }
+            None => eprintln!(
+                "oomscope probe: no suite step failed on the server's side: no fixture written to {}",
+                p.display()
+            ),
         }
     }
     if a.json {

@@ -194,7 +194,7 @@ pub fn run(
 /// in a shared directory must not aim a root-run report at another file):
 /// without `force` an existing `path` of any kind is refused, and with it
 /// the entry itself is replaced, never what a link points to.
-fn write_page(path: &Path, bytes: &[u8], force: bool) -> anyhow::Result<()> {
+pub(crate) fn write_page(path: &Path, bytes: &[u8], force: bool) -> anyhow::Result<()> {
     use std::io::Write;
     if !force {
         match std::fs::symlink_metadata(path) {

@@ -16,6 +16,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         stderr_tail_bytes: oomscope_supervisor::DEFAULT_STDERR_TAIL_BYTES,
         flush_timeout: args.flush_timeout,
         spool_dir: args.spool,
+        memory_limit_bytes: args.memory_limit,
     })
 }
 

@@ -14,14 +14,17 @@ pub mod baseline;
 pub mod calibrate;
 mod clock;
 pub mod concurrency;
+pub mod fixture;
 pub mod http;
 pub mod idle;
 pub mod load;
 pub mod metrics;
 pub mod pace;
 pub mod progress;
+pub mod quality;
 pub mod report;
 pub mod restart;
+pub mod retest;
 pub mod server;
 mod suites;
 pub mod tokens;
@@ -241,6 +244,12 @@ pub struct ProbeConfig {
     /// Stream requests: auto (where the server streams and counts tokens
     /// without a non-streamed answer), on or off; chosen once per run.
     pub stream: calibrate::StreamChoice,
+    /// Replay this fixture after the smoke instead of the suites: the
+    /// regression check that a failure does not come back.
+    pub fixture: Option<fixture::Fixture>,
+    /// With a fixture: the suites that run after it (retest's overload
+    /// burst); none for the regression check.
+    pub after_fixture: Vec<String>,
 }
 
 impl ProbeConfig {
@@ -279,6 +288,8 @@ impl ProbeConfig {
             seed: None,
             metrics_poll: metrics::DEFAULT_POLL,
             stream: calibrate::StreamChoice::Auto,
+            fixture: None,
+            after_fixture: Vec::new(),
         }
     }
 }
@@ -843,10 +854,14 @@ impl Probe {
             smoke.reason.as_deref().unwrap_or("ok")
         ));
         suites.push(smoke);
+        // A fixture replaces the suites: the run is the regression check.
         let wanted: Vec<&str> = SUITES[1..]
             .iter()
             .copied()
-            .filter(|s| self.wants(s))
+            .filter(|s| match self.cfg.fixture {
+                None => self.wants(s),
+                Some(_) => self.cfg.after_fixture.iter().any(|x| x == s),
+            })
             .collect();
         // The pace sizes the budgeted suites' time: none, no pace.
         let budgeted = wanted
@@ -899,6 +914,20 @@ impl Probe {
         let mut max_ctx: Option<u64> = None;
         let mut conc_cap: Option<u64> = None;
         self.ahead = self.plan(&wanted);
+        if let Some(f) = self.cfg.fixture.clone() {
+            if smoke_ok && !self.down {
+                self.current = "fixture".into();
+                let from = oomscope_proto::now_ns();
+                suites.push(self.replay_fixture(&f));
+                self.windows
+                    .push(("fixture".into(), from, oomscope_proto::now_ns()));
+            } else {
+                suites.push(skip(
+                    "fixture",
+                    "not run: the smoke test failed, so the fixture proves nothing".into(),
+                ));
+            }
+        }
         for name in wanted {
             if !smoke_ok {
                 suites.push(skip(
@@ -1024,8 +1053,10 @@ impl Probe {
             "environment"
         } else if !self.deaths.is_empty()
             || suites.iter().any(|s| {
-                matches!(s.suite.as_str(), "overload" | "restart" | "repeated")
-                    && s.status == Status::Fail
+                matches!(
+                    s.suite.as_str(),
+                    "overload" | "restart" | "repeated" | "fixture"
+                ) && s.status == Status::Fail
             })
         {
             "unsafe"

@@ -10,6 +10,7 @@ use serde_json::json;
 use super::calibrate::StreamChoice;
 use super::clock::{Clock, Limit};
 use super::concurrency::{self, Effective};
+use super::fixture::{self, Fixture};
 use super::http::request;
 use super::load::{burst, complete, count, first_token_percentile, percentile, Api, Call, Outcome};
 use super::metrics::{self, Load};
@@ -1025,6 +1026,91 @@ impl Probe {
             clock.t,
             Some(budget),
         )
+    }
+
+    /// The fixture, replayed: its requests in waves of its concurrency,
+    /// each prompt distinct and sized to the fixture's tokens, `repeats`
+    /// times. It fails at the first wave the server fails (an error, a
+    /// death, no answer): the failure came back. Bounded by the fixture's
+    /// own size ([`fixture::MAX_REPLAY_REQUESTS`]) and the run's deadline.
+    pub(crate) fn replay_fixture(&mut self, f: &Fixture) -> SuiteReport {
+        let t = Instant::now();
+        let total = f.requests.len() * f.repeats;
+        self.progress.line(&format!(
+            "fixture: {total} requests, {} at a time ({})",
+            f.concurrency, f.source
+        ));
+        let mut words_for: std::collections::BTreeMap<u64, usize> = Default::default();
+        let mut steps: Vec<Step> = Vec::new();
+        let mut failed: Option<String> = None;
+        let mut cut: Option<String> = None;
+        for (i, wave) in f.waves().enumerate() {
+            let left = self.deadline_left();
+            if left.is_zero() {
+                cut = Some(format!(
+                    "the run's {:.0} s deadline came before wave {}",
+                    self.cfg.deadline.as_secs_f64(),
+                    i + 1
+                ));
+                break;
+            }
+            let timeout = self.cfg.request_timeout.min(left);
+            let mut asks = Vec::with_capacity(wave.len());
+            for q in wave {
+                let words = match words_for.get(&q.prompt_tokens) {
+                    Some(&w) => w,
+                    None => {
+                        let w = self.size(q.prompt_tokens);
+                        words_for.insert(q.prompt_tokens, w);
+                        w
+                    }
+                };
+                asks.push(self.ask(words, q.output_tokens as usize, timeout));
+            }
+            let tokens = wave.iter().map(|q| q.prompt_tokens).max().unwrap_or(0);
+            let words = words_for.get(&tokens).copied().unwrap_or(0);
+            let since = oomscope_proto::now_ns();
+            let calls = burst(&self.ep, asks);
+            self.after_calls(&calls);
+            let label = format!("wave {}: {} x {tokens} tokens", i + 1, wave.len());
+            let mut st = step(label, words, Some(tokens), wave.len(), &calls);
+            self.measure(&mut st, since);
+            self.progress.line(&progress::rung_line("fixture", &st));
+            let bad = fixture::step_failed(&st);
+            steps.push(st);
+            if bad {
+                let (bound, evidence) = self.bound(&calls, since);
+                failed = Some(format!("{bound}: {}", evidence.join("; ")));
+                break;
+            }
+        }
+        let (status, verdict, reason) = match (failed, cut) {
+            (Some(why), _) => (
+                Status::Fail,
+                "the failure came back: the fixture failed".to_string(),
+                Some(why),
+            ),
+            (None, Some(why)) => (
+                Status::Error,
+                "incomplete: the fixture did not finish".to_string(),
+                Some(why),
+            ),
+            (None, None) => (
+                Status::Pass,
+                format!("the fixture completed: {total} requests without a failure"),
+                None,
+            ),
+        };
+        SuiteReport {
+            suite: "fixture".into(),
+            status,
+            verdict,
+            reason,
+            steps,
+            findings: json!({"source": f.source, "requests": total, "concurrency": f.concurrency}),
+            duration_s: t.elapsed().as_secs_f64(),
+            budget_s: None,
+        }
     }
 
     /// A burst above capacity. A well-run server answers 429/503 quickly,

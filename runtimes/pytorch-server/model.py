@@ -9,9 +9,12 @@ from torch import nn
 
 
 class Layer(nn.Module):
-    def __init__(self, d, heads, dtype, device):
+    def __init__(self, d, heads, dtype, device, kv_dtype=None):
         super().__init__()
         self.heads = heads
+        # The KV cache's element type (None: the model's): a lower one holds
+        # less and rounds the keys and values attention reads back.
+        self.kv_dtype = kv_dtype
         self.qkv = nn.Linear(d, 3 * d, bias=False, dtype=dtype, device=device)
         self.out = nn.Linear(d, d, bias=False, dtype=dtype, device=device)
         self.up = nn.Linear(d, 4 * d, bias=False, dtype=dtype, device=device)
@@ -30,10 +33,13 @@ class Layer(nn.Module):
             qi = q[i].view(t, self.heads, hd).transpose(0, 1)
             ki = k[i].view(t, self.heads, hd).transpose(0, 1)
             vi = v[i].view(t, self.heads, hd).transpose(0, 1)
+            if self.kv_dtype is not None:
+                ki, vi = ki.to(self.kv_dtype), vi.to(self.kv_dtype)
             if layer in cache:  # grow the cache the way a dynamic cache does
                 pk, pv = cache[layer]
                 ki, vi = torch.cat([pk, ki], dim=1), torch.cat([pv, vi], dim=1)
             cache[layer] = (ki, vi)
+            ki, vi = ki.to(q.dtype), vi.to(q.dtype)
             scores = (qi @ ki.transpose(1, 2)) / math.sqrt(hd)
             if t > 1:
                 mask = torch.ones(t, ki.shape[1], dtype=torch.bool, device=x.device).tril(ki.shape[1] - t)
@@ -44,11 +50,11 @@ class Layer(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    def __init__(self, vocab=32000, d=256, layers=2, heads=4, dtype=torch.float32, device="cpu"):
+    def __init__(self, vocab=32000, d=256, layers=2, heads=4, dtype=torch.float32, device="cpu", kv_dtype=None):
         super().__init__()
         self.vocab, self.d, self.n_layers = vocab, d, layers
         self.embed = nn.Embedding(vocab, d, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Layer(d, heads, dtype, device) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(d, heads, dtype, device, kv_dtype) for _ in range(layers))
         self.head = nn.Linear(d, vocab, bias=False, dtype=dtype, device=device)
 
     def kv_bytes_per_token(self):

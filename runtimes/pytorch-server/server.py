@@ -12,6 +12,8 @@ KV cache per sequence. Switches reproduce the incidents of the design:
   --fragment         interleave long- and short-lived tensors of mixed sizes
   --max-active N     cap active sequences (the rest queue)
   --max-context N    refuse requests longer than N tokens
+  --kv-dtype T       keep the KV cache in float32 or bfloat16 (halved, rounded:
+                     the answers' numerics change)
   --slow-prefill-ms-per-token MS  a slow server (a big model on a small
                      machine): the engine sleeps MS ms per prompt token
                      before each prefill, holding the engine meanwhile (with
@@ -261,6 +263,9 @@ class Engine:
 
     def _finish(self, seq):
         logits = torch.stack(seq.logits)
+        # Each generated token's log-probability, for `logprobs` in the answer.
+        picked = torch.tensor(seq.out, device=logits.device).unsqueeze(-1)
+        seq.token_logprobs = torch.log_softmax(logits.float(), -1).gather(-1, picked).squeeze(-1).tolist()
         completion = Completion(seq.id, list(seq.out), logits)
         if self.args.leak_responses:
             RESPONSE_LOG.append(completion)
@@ -397,6 +402,7 @@ def make_handler(state, args):
                 state["count"]("failed")
                 return None, e
             state["count"]("served")
+            self.token_logprobs = getattr(seq, "token_logprobs", None)
             return list(seq.out), None
 
         def _completions(self, body):
@@ -465,6 +471,9 @@ def make_handler(state, args):
                             "choices": [{"index": 0, "text": " ".join("t%d" % t for t in out), "finish_reason": "length",
                                          "logprobs": None}],
                             "usage": usage}
+                lps = getattr(self, "token_logprobs", None)
+                if body.get("logprobs") is not None and lps is not None and len(lps) == len(out):
+                    response["choices"][0]["logprobs"] = {"tokens": ["t%d" % t for t in out], "token_logprobs": lps}
                 if args.no_usage:
                     del response["usage"]
                 self._reply(200, response)
@@ -540,6 +549,8 @@ def parse_args(argv=None):
     p.add_argument("--fragment-keep", type=int, default=64, help="long-lived --fragment tensors kept")
     p.add_argument("--max-active", type=int, default=0)
     p.add_argument("--max-context", type=int, default=0)
+    p.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the KV cache's element type (default: the model's); bfloat16 halves it and rounds it")
     p.add_argument("--slow-prefill-ms-per-token", type=float, default=0.0,
                    help="sleep this long per prompt token before each prefill (a slow server)")
     p.add_argument("--memory-cap", type=int, default=0, help="bytes; needs CUDA")
@@ -625,7 +636,8 @@ def load_engine(args, device, dtype):
             if oomscope else _NoAgent())
     with load:
         torch.manual_seed(0)
-        model = TinyDecoder(args.vocab, args.d_model, args.layers, args.heads, dtype, device).eval()
+        kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.kv_dtype)
+        model = TinyDecoder(args.vocab, args.d_model, args.layers, args.heads, dtype, device, kv_dtype).eval()
         time.sleep(args.load_seconds)
     return Engine(model, args)
 

@@ -13,6 +13,7 @@ something real to catch):
   processing it twice.
 """
 
+import zlib
 import json
 import math
 import os
@@ -134,12 +135,16 @@ class IdempotencyStore:
 def tokenize(prompt, vocab, per_word=1):
     """The server's token ids for a prompt: `per_word` ids for each word of a
     text (so a tokenizer of several tokens a word can be tried), or the ids
-    given as a list. /tokenize, usage and the context check all count these."""
+    given as a list. /tokenize, usage and the context check all count these.
+    The ids are stable across runs (crc32, not Python's salted hash), so a
+    prompt gets the same greedy answer from every launch: quality checks
+    compare launches."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = " ".join(prompt)
     if isinstance(prompt, list):
         return [int(t) % vocab for t in prompt] or [0]
-    return [hash((w, i)) % vocab for w in str(prompt).split() for i in range(per_word)] or [0]
+    return [zlib.crc32(b"%s\0%d" % (w.encode(), i)) % vocab
+            for w in str(prompt).split() for i in range(per_word)] or [0]
 
 
 def sse(chunks):

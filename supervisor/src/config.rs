@@ -30,4 +30,7 @@ pub struct RunConfig {
     pub stderr_tail_bytes: usize,
     pub flush_timeout: Duration,
     pub spool_dir: Option<PathBuf>,
+    /// `--memory-limit`: run the child in a memory cgroup of this size,
+    /// made for the run and removed after it.
+    pub memory_limit_bytes: Option<u64>,
 }

@@ -18,13 +18,15 @@
 //! One role per file: what it is told (`config`), its life of starts,
 //! restarts and the goodbye (`restarts`), its Hello (`hello`), one run of
 //! the child on the sampling loop and how it ended (`child`), the tree's
-//! other processes (`members`), its cgroup (`place`), its OOM-killer bias
+//! other processes (`members`), the cgroup `--memory-limit` makes (`limit`),
+//! its cgroup (`place`), its OOM-killer bias
 //! (`shield`) and the stop signals it passes on (`signals`). The
 //! `oomscope run` verb is a thin shell over [`run`].
 
 mod child;
 mod config;
 mod hello;
+mod limit;
 mod members;
 pub mod node;
 mod place;

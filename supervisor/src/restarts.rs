@@ -13,6 +13,7 @@ use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use crate::child::{describe, run_once, Supervision};
 use crate::config::RunConfig;
 use crate::hello::{hello, KERNEL_LOG_LABEL};
+use crate::limit::LimitCgroup;
 use crate::members::{Members, MEMBER_EXITS_LABEL};
 use crate::place::Placement;
 use crate::shield::OomShield;
@@ -22,6 +23,11 @@ use crate::signals::{install_forwarding, stop_requested};
 pub fn run(cfg: RunConfig) -> anyhow::Result<i32> {
     let interval = check_interval(cfg.interval)?;
     let paths = HostPaths::system();
+    // Made first and dropped last: `placement` goes back into it before it is removed.
+    let _limit = match cfg.memory_limit_bytes {
+        Some(bytes) => Some(LimitCgroup::create(&paths, bytes)?),
+        None => None,
+    };
     let me = HostReader::new(paths.clone(), std::process::id());
     // Read before the supervisor leaves its cgroup: the Hello's cgroup is the child's.
     let mut hello = hello(&cfg, &me);

@@ -1,0 +1,32 @@
+//! `oomscope fixture INCIDENT`: the incident's diagnosis, its load at the
+//! failure, becomes an `oomscope.fixture/v1` (see `oomscope_probe::fixture`).
+
+use std::path::Path;
+
+use anyhow::Context;
+use oomscope_client::Client;
+use oomscope_probe::fixture;
+use oomscope_proto::v1 as pb;
+
+use crate::output::print_out;
+
+pub fn run(url: &str, incident: &str, out: Option<&Path>) -> anyhow::Result<i32> {
+    let mut client = Client::connect(url)?;
+    let d = client.diagnose(pb::DiagnoseRequest {
+        incident: incident.to_string(),
+        ..Default::default()
+    })?;
+    let failure = d.failure.unwrap_or_default();
+    let fx = fixture::from_failure(
+        incident,
+        d.trigger.as_deref().unwrap_or("unknown"),
+        &failure,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let text = serde_json::to_string_pretty(&fx)? + "\n";
+    match out {
+        Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,
+        None => print_out(&text)?,
+    }
+    Ok(0)
+}

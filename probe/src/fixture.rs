@@ -1,0 +1,295 @@
+//! `oomscope.fixture/v1`: the request shapes that reproduce a failure, to
+//! replay it against a server before and after a fix. Only sizes are kept,
+//! never text: a replay sends distinct synthetic prompts sized to the same
+//! token counts.
+//!
+//! ```json
+//! {"schema": "oomscope.fixture/v1",
+//!  "source": "probe concurrency step 8 x 256 tokens",
+//!  "requests": [{"prompt_tokens": 256, "output_tokens": 16}, ...],
+//!  "concurrency": 8,
+//!  "repeats": 1}
+//! ```
+//! A replay sends `requests` in order, `concurrency` at a time (each group
+//! a burst that starts together), and the whole list `repeats` times.
+//! Pure: what to replay, from a probe report or a list of shapes.
+
+use serde::{Deserialize, Serialize};
+
+use crate::report::{ProbeReport, Step};
+
+/// The fixture's schema name; a reader refuses any other.
+pub const SCHEMA: &str = "oomscope.fixture/v1";
+
+/// The most requests one fixture may send in all (requests x repeats): a
+/// replay is a bounded reproduction, not a load test.
+pub const MAX_REPLAY_REQUESTS: usize = 4096;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fixture {
+    pub schema: String,
+    /// Where the shapes came from (a probe step, an incident).
+    pub source: String,
+    /// In the order they are sent.
+    pub requests: Vec<Request>,
+    /// At most this many in flight at once.
+    pub concurrency: usize,
+    /// How many times the whole list is sent.
+    pub repeats: usize,
+}
+
+impl Fixture {
+    /// Reads a fixture, refusing another schema and a shape that cannot be sent.
+    pub fn parse(text: &str) -> Result<Fixture, String> {
+        let f: Fixture =
+            serde_json::from_str(text).map_err(|e| format!("not an {SCHEMA} fixture: {e}"))?;
+        if f.schema != SCHEMA {
+            return Err(format!(
+                "schema {:?}; this oomscope reads {SCHEMA:?}",
+                f.schema
+            ));
+        }
+        if f.requests.is_empty() || f.concurrency == 0 || f.repeats == 0 {
+            return Err("a fixture needs requests, a concurrency and repeats of at least 1".into());
+        }
+        if f.requests.len().saturating_mul(f.repeats) > MAX_REPLAY_REQUESTS {
+            return Err(format!(
+                "{} requests x {} repeats is over the {MAX_REPLAY_REQUESTS} a replay sends",
+                f.requests.len(),
+                f.repeats
+            ));
+        }
+        Ok(f)
+    }
+
+    /// The groups a replay sends, in order: `concurrency` requests at a time.
+    pub fn waves(&self) -> impl Iterator<Item = &[Request]> {
+        (0..self.repeats).flat_map(move |_| self.requests.chunks(self.concurrency.max(1)))
+    }
+}
+
+/// Output tokens per request of a fixture derived from an incident, whose
+/// load counts prompt and generated tokens together: a short answer, as the
+/// probe's own requests (16), so that nearly all of each request's share of
+/// the tokens at the failure is its prompt.
+pub const INCIDENT_OUTPUT_TOKENS: u64 = 16;
+
+/// The fixture of an incident, from its load at the failure: as many
+/// requests as it had sequences, at once, each holding an even share of its
+/// active tokens (prompt plus [`INCIDENT_OUTPUT_TOKENS`]); with a
+/// `repeated_requests` trigger, the list sent as many times as the
+/// requests it served before. Err: why the incident gives no fixture.
+pub fn from_failure(
+    incident: &str,
+    trigger: &str,
+    f: &crate::pb::Failure,
+) -> Result<Fixture, String> {
+    let (Some(n), Some(tokens)) = (
+        f.active_sequences.filter(|&n| n > 0),
+        f.active_tokens.filter(|&t| t > 0),
+    ) else {
+        return Err(format!(
+            "incident {incident} recorded no load at its failure (active sequences and tokens): no request shapes to replay"
+        ));
+    };
+    let per = tokens.div_ceil(n);
+    let output = INCIDENT_OUTPUT_TOKENS.min(per.saturating_sub(1)).max(1);
+    let concurrency = usize::try_from(n).map_err(|e| e.to_string())?;
+    let repeats = match (trigger, f.requests_done) {
+        ("repeated_requests", Some(done)) if done > 0 => {
+            usize::try_from(done).map_err(|e| e.to_string())?
+        }
+        _ => 1,
+    };
+    let fx = Fixture {
+        schema: SCHEMA.into(),
+        source: format!(
+            "incident {incident}: {tokens} active tokens in {n} sequences at the failure ({trigger})"
+        ),
+        requests: vec![
+            Request {
+                prompt_tokens: per.saturating_sub(output).max(1),
+                output_tokens: output,
+            };
+            concurrency
+        ],
+        concurrency,
+        repeats,
+    };
+    // The same bounds a reader applies.
+    Fixture::parse(&serde_json::to_string(&fx).map_err(|e| e.to_string())?)
+}
+
+/// The suites whose steps are request shapes at a size and a concurrency.
+const SHAPED_SUITES: [&str; 4] = [
+    "long-context",
+    "concurrency",
+    "concurrency-at-max-context",
+    "repeated",
+];
+
+/// Whether a step failed on the server's side (an error, a death, no
+/// answer); a clean refusal (429/503) or a rejected size is the server
+/// handling its limits, not the failure to reproduce.
+pub fn step_failed(s: &Step) -> bool {
+    s.server_errors + s.unreachable + s.timeouts > 0
+}
+
+/// The fixture for the first step of `r` that failed, with `output_tokens`
+/// per request (what the probe asked for); None when no shaped step failed.
+pub fn from_report(r: &ProbeReport, output_tokens: u64) -> Option<Fixture> {
+    r.suites
+        .iter()
+        .filter(|s| SHAPED_SUITES.contains(&s.suite.as_str()))
+        .find_map(|s| {
+            let st = s.steps.iter().find(|st| step_failed(st))?;
+            let tokens = st.context_tokens.or(st.prompt_tokens)?;
+            let concurrency = st.concurrency.max(1);
+            Some(Fixture {
+                schema: SCHEMA.into(),
+                source: format!("probe {} step {}", s.suite, st.label),
+                requests: vec![
+                    Request {
+                        prompt_tokens: tokens,
+                        output_tokens,
+                    };
+                    concurrency
+                ],
+                concurrency,
+                repeats: (st.calls / concurrency).max(1),
+            })
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{Status, SuiteReport};
+
+    fn suite(name: &str, steps: Vec<Step>) -> SuiteReport {
+        SuiteReport {
+            suite: name.into(),
+            status: Status::Fail,
+            verdict: String::new(),
+            reason: None,
+            steps,
+            findings: serde_json::json!({}),
+            duration_s: 0.0,
+            budget_s: None,
+        }
+    }
+
+    fn step(conc: usize, tokens: u64, errors: usize) -> Step {
+        Step {
+            label: format!("{conc} x {tokens} tokens"),
+            context_tokens: Some(tokens),
+            concurrency: conc,
+            calls: conc,
+            server_errors: errors,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_first_failed_step_becomes_the_fixture() {
+        let mut r: ProbeReport = serde_json::from_value(serde_json::json!({
+            "schema": "x", "endpoint": "e", "model": null, "agent": null, "started_ns": 0,
+            "duration_s": 0.0, "settings": {}, "verdict": "unsafe", "suites": [], "envelope": null,
+            "warnings": []
+        }))
+        .unwrap();
+        r.suites = vec![
+            suite("smoke", vec![step(1, 8, 0)]),
+            suite(
+                "concurrency",
+                vec![step(1, 256, 0), step(2, 256, 0), step(4, 256, 3)],
+            ),
+        ];
+        let f = from_report(&r, 16).unwrap();
+        assert_eq!(f.concurrency, 4);
+        assert_eq!(f.repeats, 1);
+        assert_eq!(f.requests.len(), 4);
+        assert!(f
+            .requests
+            .iter()
+            .all(|q| q.prompt_tokens == 256 && q.output_tokens == 16));
+        assert_eq!(f.source, "probe concurrency step 4 x 256 tokens");
+        // Round trip through its text.
+        let again = Fixture::parse(&serde_json::to_string(&f).unwrap()).unwrap();
+        assert_eq!(again, f);
+        // Nothing failed on the server's side: no fixture.
+        r.suites[1].steps[2].server_errors = 0;
+        r.suites[1].steps[2].refused = 4;
+        assert!(from_report(&r, 16).is_none());
+    }
+
+    #[test]
+    fn an_incident_load_becomes_its_share_of_tokens_per_sequence() {
+        let f = crate::pb::Failure {
+            active_sequences: Some(4),
+            active_tokens: Some(14848),
+            requests_done: Some(7),
+            ..Default::default()
+        };
+        let fx = from_failure("inc-1", "concurrency_dependent", &f).unwrap();
+        assert_eq!((fx.concurrency, fx.repeats, fx.requests.len()), (4, 1, 4));
+        let total: u64 = fx
+            .requests
+            .iter()
+            .map(|q| q.prompt_tokens + q.output_tokens)
+            .sum();
+        assert_eq!(total, 14848);
+        assert_eq!(fx.requests[0].output_tokens, INCIDENT_OUTPUT_TOKENS);
+        // A leak's requests are repeated as often as it served them.
+        let leak = from_failure("inc-2", "repeated_requests", &f).unwrap();
+        assert_eq!(leak.repeats, 7);
+        // No load recorded: no shapes, and it says so.
+        let none = crate::pb::Failure::default();
+        assert!(from_failure("inc-3", "", &none)
+            .unwrap_err()
+            .contains("no load"));
+    }
+
+    #[test]
+    fn a_fixture_is_sent_in_waves_of_its_concurrency_repeats_times() {
+        let q = |t| Request {
+            prompt_tokens: t,
+            output_tokens: 4,
+        };
+        let f = Fixture {
+            schema: SCHEMA.into(),
+            source: String::new(),
+            requests: vec![q(1), q(2), q(3)],
+            concurrency: 2,
+            repeats: 2,
+        };
+        let waves: Vec<Vec<u64>> = f
+            .waves()
+            .map(|w| w.iter().map(|r| r.prompt_tokens).collect())
+            .collect();
+        assert_eq!(waves, vec![vec![1, 2], vec![3], vec![1, 2], vec![3]]);
+    }
+
+    #[test]
+    fn another_schema_or_an_unbounded_fixture_is_refused() {
+        let text = |schema: &str, n: usize, repeats: usize| {
+            serde_json::json!({"schema": schema, "source": "", "concurrency": 1, "repeats": repeats,
+                "requests": vec![serde_json::json!({"prompt_tokens": 1, "output_tokens": 1}); n]})
+            .to_string()
+        };
+        assert!(Fixture::parse(&text(SCHEMA, 2, 3)).is_ok());
+        assert!(Fixture::parse(&text("oomscope.fixture/v0", 2, 3))
+            .unwrap_err()
+            .contains("schema"));
+        assert!(Fixture::parse(&text(SCHEMA, 0, 1)).is_err());
+        assert!(Fixture::parse(&text(SCHEMA, 2, MAX_REPLAY_REQUESTS))
+            .unwrap_err()
+            .contains("over"));
+    }
+}

@@ -299,7 +299,7 @@ impl Node<'_> {
             }
             w.count = count;
             if sample {
-                w.send_sample(level, gpus.remove(&path).unwrap_or_default());
+                w.send_sample(level, gpus.remove(&path).unwrap_or_default(), whole);
             }
         }
         for path in gone {

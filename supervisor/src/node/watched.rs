@@ -46,6 +46,8 @@ pub(super) struct Watched {
     kernel_credits: VecDeque<Instant>,
     unexplained: VecDeque<Unexplained>,
     last_level: pb::CgroupLevel,
+    /// The last reading put on the timeline.
+    last_sent: Option<pb::CgroupLevel>,
 }
 
 impl Watched {
@@ -79,6 +81,7 @@ impl Watched {
             kernel_credits: VecDeque::new(),
             unexplained: VecDeque::new(),
             last_level: level,
+            last_sent: None,
         }
     }
 
@@ -103,8 +106,15 @@ impl Watched {
     }
 
     /// The memory reading on the cgroup's timeline, with the GPU devices
-    /// where its processes run (only its processes listed).
-    pub fn send_sample(&self, level: pb::CgroupLevel, gpus: Vec<pb::GpuDevice>) {
+    /// where its processes run (only its processes listed). A reading equal
+    /// to the last one sent, with no GPU process, is not sent unless
+    /// `whole`: an idle cgroup's line is drawn from one point every whole
+    /// reading, and the sweep's cost stays with the cgroups that move.
+    pub fn send_sample(&mut self, level: pb::CgroupLevel, gpus: Vec<pb::GpuDevice>, whole: bool) {
+        if !whole && gpus.is_empty() && self.last_sent.as_ref() == Some(&level) {
+            return;
+        }
+        self.last_sent = Some(level.clone());
         self.reporter.send_sample(pb::Sample {
             time_ns: now_ns(),
             cgroup: vec![level],

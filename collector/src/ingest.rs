@@ -25,7 +25,7 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::store::{now_ns, FileWatch, ReaderPool, Store, MAX_SEQ};
+use crate::store::{now_ns, FileWatch, ReaderPool, Store, WriterLock, MAX_SEQ};
 
 /// How long a new stream may take to send its Hello before it is closed: an
 /// agent opens its stream when its Hello is ready (agent-core queues it
@@ -77,6 +77,8 @@ pub(crate) struct Inner {
     /// The store's files as opened: every write first checks that the path
     /// still names them (see [`FileWatch`]).
     file: Option<Mutex<FileWatch>>,
+    /// Held while serving: no second collector writes the file.
+    _writer_lock: Option<WriterLock>,
     /// Why the collector stopped serving: a write found its store gone.
     pub(crate) fatal: Mutex<Option<String>>,
     lost_grace: Duration,
@@ -88,6 +90,8 @@ pub(crate) struct Inner {
     decoded: Arc<tokio::sync::Semaphore>,
     /// A memory trim is scheduled (see `Collector::schedule_trim`).
     trim_pending: std::sync::atomic::AtomicBool,
+    /// Resent seqs refused because their content differs from the stored.
+    conflicts: AtomicU64,
     pub(crate) stopping: watch::Sender<bool>,
 }
 
@@ -146,6 +150,7 @@ impl Collector {
                 writer: std::sync::OnceLock::new(),
                 readers: None,
                 file: None,
+                _writer_lock: None,
                 fatal: Mutex::new(None),
                 lost_grace,
                 hello_timeout: DEFAULT_HELLO_TIMEOUT,
@@ -154,6 +159,7 @@ impl Collector {
                 next_generation: AtomicU64::new(1),
                 decoded: Arc::new(tokio::sync::Semaphore::new(MAX_DECODED_MESSAGES)),
                 trim_pending: std::sync::atomic::AtomicBool::new(false),
+                conflicts: AtomicU64::new(0),
                 stopping: watch::channel(false).0,
             }),
         }
@@ -179,6 +185,16 @@ impl Collector {
         self
     }
 
+    /// Holds `lock` for as long as the collector lives; call before the
+    /// collector is shared.
+    pub fn with_writer_lock(mut self, lock: WriterLock) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner._writer_lock = Some(lock),
+            None => tracing::warn!("the collector is already shared; its lock is not held"),
+        }
+        self
+    }
+
     /// Closes a stream that sends no Hello within `timeout` (default
     /// [`DEFAULT_HELLO_TIMEOUT`]); call before the collector is shared.
     pub fn with_hello_timeout(mut self, timeout: Duration) -> Collector {
@@ -187,6 +203,12 @@ impl Collector {
             None => tracing::warn!("the collector is already shared; the Hello timeout stays"),
         }
         self
+    }
+
+    /// Resent seqs refused so far because their content differed from what
+    /// was stored at that seq (see [`crate::store::BatchOutcome::conflicting`]).
+    pub fn conflicting_resends(&self) -> u64 {
+        self.inner.conflicts.load(Ordering::Relaxed)
     }
 
     /// Runs `f` on the store on a blocking thread: SQLite calls block.
@@ -775,6 +797,14 @@ async fn ingest(
                 store.record_hello(h, now_ns())?;
             }
             let outcome = store.insert_batch(&id, &storable)?;
+            // What was refused raises nothing: its seq holds other content.
+            let storable: Vec<_> = match outcome.conflicting.is_empty() {
+                true => storable,
+                false => storable
+                    .into_iter()
+                    .filter(|m| outcome.conflicting.binary_search(&m.seq).is_err())
+                    .collect(),
+            };
             // An incident that fails to record must not cost the agent its
             // ack: the messages are stored, and a resend would retry it.
             // Only events start incidents: a batch of samples skips the check.
@@ -819,6 +849,27 @@ async fn ingest(
     for inc in &recorded {
         log_incident(inc);
     }
+    if !outcome.conflicting.is_empty() {
+        collector
+            .inner
+            .conflicts
+            .fetch_add(outcome.conflicting.len() as u64, Ordering::Relaxed);
+        tracing::warn!(
+            agent_id,
+            seqs = ?outcome.conflicting,
+            "refused resent seqs whose content differs from the stored"
+        );
+    }
+    let conflicts = outcome.conflicting.iter().map(|&seq| {
+        reject(
+            seq,
+            &format!(
+                "seq {seq} of agent {agent_id} is already stored with other content; the stored \
+                 message is kept (another process may be sending as this agent, or the agent \
+                 reused its id after losing its spool)"
+            ),
+        )
+    });
     if let Some(g) = &goodbye {
         tracing::info!(
             agent_id,
@@ -828,20 +879,22 @@ async fn ingest(
         );
     }
     let mut delivered = true;
-    let replies = rejects
-        .into_iter()
-        .chain(
-            ack_ranges(&outcome.stored)
-                .into_iter()
-                .map(|(from_seq, to_seq)| pb::CollectorMessage {
-                    body: Some(Reply::Ack(pb::Ack {
-                        from_seq,
-                        to_seq,
-                        // The session's delta::Decoder rebuilds them.
-                        changes_accepted: true,
-                    })),
-                }),
-        );
+    let replies =
+        rejects
+            .into_iter()
+            .chain(conflicts)
+            .chain(
+                ack_ranges(&outcome.stored)
+                    .into_iter()
+                    .map(|(from_seq, to_seq)| pb::CollectorMessage {
+                        body: Some(Reply::Ack(pb::Ack {
+                            from_seq,
+                            to_seq,
+                            // The session's delta::Decoder rebuilds them.
+                            changes_accepted: true,
+                        })),
+                    }),
+            );
     for reply in replies {
         if tx.send(Ok(reply)).await.is_err() {
             delivered = false;

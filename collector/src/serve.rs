@@ -15,7 +15,7 @@ use crate::ingest::{AgentApi, Collector};
 use crate::pb::agent_service_server::AgentServiceServer;
 use crate::pb::query_service_server::QueryServiceServer;
 use crate::query_service::QueryApi;
-use crate::store::FileWatch;
+use crate::store::{FileWatch, WriterLock};
 use crate::store::{ReaderPool, Store, DEFAULT_READERS};
 
 pub struct ServeConfig {
@@ -93,6 +93,8 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    // Before the store opens: a second collector must not even migrate it.
+    let lock = WriterLock::acquire(&cfg.db, &format!("a collector listening on {}", cfg.listen))?;
     let db = cfg.db.clone();
     let (store, reader) = tokio::task::spawn_blocking(move || {
         let store = Store::open(&db)?;
@@ -103,7 +105,8 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     let watch = FileWatch::new(&cfg.db)?;
     let collector = Collector::new(store, cfg.lost_grace)
         .with_readers(reader)
-        .with_file_watch(watch);
+        .with_file_watch(watch)
+        .with_writer_lock(lock);
     Ok((listener, collector))
 }
 

@@ -27,7 +27,7 @@ mod readers;
 mod rollups;
 
 pub use counters::KEYFRAME_INTERVAL;
-pub use file::{FileWatch, DB_FILE_MODE};
+pub use file::{FileWatch, WriterLock, DB_FILE_MODE};
 pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
@@ -81,6 +81,9 @@ pub struct BatchOutcome {
     pub stored: Vec<u64>,
     /// The subset that this batch stored for the first time.
     pub fresh: Vec<u64>,
+    /// Seqs already stored with other content: refused, neither stored nor
+    /// acked (an acked message is never replaced, see [`Store::insert_batch`]).
+    pub conflicting: Vec<u64>,
 }
 
 pub struct Store {
@@ -216,9 +219,13 @@ impl Store {
     }
 
     /// Stores a batch of an agent's messages in one transaction. A seq that is
-    /// already stored is left as it was (the agent resent it after a lost ack)
-    /// and still counts as stored. Hello messages carry no seq and are skipped:
-    /// use `upsert_agent`.
+    /// already stored is left as it was: with the same content (the agent
+    /// resent it after a lost ack) it still counts as stored; with other
+    /// content it is `conflicting`, since the stored one may have been acked
+    /// and an ack promises it is kept. Contents are compared decoded and
+    /// complete, not as bytes: counters travel and are stored as changes, so
+    /// a resend encodes differently, and maps encode in any order. Hello
+    /// messages carry no seq and are skipped: use `upsert_agent`.
     pub fn insert_batch(
         &mut self,
         agent_id: &str,
@@ -319,6 +326,10 @@ impl Store {
                 if added == 0 && stored.key_seq.is_some() {
                     self.chains.not_stored(agent_id);
                 }
+                if added == 0 && !same_as_stored(&tx, agent_id, seq, msg)? {
+                    out.conflicting.push(msg.seq);
+                    continue;
+                }
                 if added > 0 {
                     out.fresh.push(msg.seq);
                     match &msg.body {
@@ -358,6 +369,11 @@ impl Store {
         out.stored.dedup();
         out.fresh.sort_unstable();
         out.fresh.dedup();
+        out.conflicting.sort_unstable();
+        out.conflicting.dedup();
+        // A seq sent twice in one batch, the second time different.
+        out.stored
+            .retain(|s| out.conflicting.binary_search(s).is_err());
         Ok(out)
     }
 
@@ -857,6 +873,23 @@ pub const MAX_SEQ: u64 = i64::MAX as u64;
 fn seq_to_sql(seq: u64) -> Result<i64> {
     i64::try_from(seq)
         .map_err(|_| anyhow!("seq {seq} is beyond what the store can hold ({MAX_SEQ})"))
+}
+
+/// Whether `msg` equals what is stored at (`agent_id`, `seq`), both complete
+/// (the stored one rebuilt from its chain). Read only for a resent seq.
+fn same_as_stored(
+    conn: &Connection,
+    agent_id: &str,
+    seq: i64,
+    msg: &pb::AgentMessage,
+) -> Result<bool> {
+    let (body, key_seq): (Vec<u8>, Option<i64>) = conn
+        .prepare_cached("SELECT body, key_seq FROM messages WHERE agent_id = ?1 AND seq = ?2")?
+        .query_row(params![agent_id, seq], |r| Ok((r.get(0)?, r.get(1)?)))
+        .with_context(|| format!("reading stored seq {seq} of agent {agent_id}"))?;
+    let stored = decode_message(agent_id, seq as u64, &body)?;
+    let stored = counters::Rebuilder::default().complete(conn, agent_id, seq, key_seq, stored)?;
+    Ok(stored == *msg)
 }
 
 fn decode_message(agent_id: &str, seq: u64, body: &[u8]) -> Result<pb::AgentMessage> {

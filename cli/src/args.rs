@@ -42,6 +42,21 @@ pub struct CollectorArg {
     /// The collector's URL.
     #[arg(long, env = "OOMSCOPE_COLLECTOR", hide_env_values = true, default_value = oomscope_proto::DEFAULT_COLLECTOR_URL)]
     pub collector: String,
+    /// The collector's token (a secret of its --token-file), sent with every
+    /// call; agents started by `run` get it too.
+    #[arg(long, env = "OOMSCOPE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+impl CollectorArg {
+    /// Puts `--token` where every client of the collector reads it (the
+    /// query client, the reporter, a supervised command's agent): the
+    /// OOMSCOPE_TOKEN environment variable. Call before any thread starts.
+    pub fn export_token(&self) {
+        if let Some(t) = &self.token {
+            std::env::set_var(oomscope_proto::bearer::TOKEN_ENV, t);
+        }
+    }
 }
 
 /// The verbs.
@@ -67,6 +82,15 @@ pub enum Verb {
         /// What one client may hold of the collector.
         #[command(flatten)]
         limits: ConnectionLimitArgs,
+        /// Named tokens, one `name:secret` line each: every call must carry
+        /// one (`OOMSCOPE_TOKEN` or `--token` on the client), and each agent
+        /// id stays with the token that first used it.
+        #[arg(long, value_name = "FILE", env = "OOMSCOPE_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+        /// Serve a non-loopback address without --token-file: anyone who can
+        /// reach it may then write as any agent and read every agent's data.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status
@@ -216,6 +240,24 @@ pub enum Verb {
     /// Measure a collector: how many agents one collector takes.
     #[command(subcommand)]
     Bench(BenchVerb),
+}
+
+impl Verb {
+    /// Where this verb finds a collector, for verbs that talk to one.
+    pub fn collector_arg(&self) -> Option<&CollectorArg> {
+        match self {
+            Verb::Run(a) => Some(&a.collector),
+            Verb::Replay { collector, .. }
+            | Verb::Agents { collector, .. }
+            | Verb::Incidents { collector, .. }
+            | Verb::Timeline { collector, .. }
+            | Verb::Diagnose { collector, .. }
+            | Verb::Compare { collector, .. }
+            | Verb::Report { collector, .. }
+            | Verb::Bench(BenchVerb::Ingest { collector, .. }) => Some(collector),
+            _ => None,
+        }
+    }
 }
 
 /// What `oomscope bench` measures.

@@ -4,14 +4,36 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use oomscope_collector::auth::Tokens;
 use oomscope_collector::serve::{bind, serve_with_limits, ConnectionLimits, ServeConfig};
 
-pub fn run(
-    listen: SocketAddr,
-    db: PathBuf,
-    lost_grace: Duration,
-    limits: ConnectionLimits,
-) -> anyhow::Result<i32> {
+/// What `oomscope collector` was given.
+pub struct Options {
+    pub listen: SocketAddr,
+    pub db: PathBuf,
+    pub lost_grace: Duration,
+    pub limits: ConnectionLimits,
+    pub token_file: Option<PathBuf>,
+    pub insecure: bool,
+}
+
+pub fn run(opts: Options) -> anyhow::Result<i32> {
+    let Options {
+        listen,
+        db,
+        lost_grace,
+        limits,
+        token_file,
+        insecure,
+    } = opts;
+    if !listen.ip().is_loopback() && token_file.is_none() && !insecure {
+        anyhow::bail!(
+            "refusing to listen on {listen} without --token-file: any host that reaches it could \
+             write as any agent and read every agent's command lines and environment; give \
+             --token-file FILE (lines of name:secret), or --insecure on a network you trust"
+        );
+    }
+    let tokens = token_file.as_deref().map(Tokens::read).transpose()?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let shutdown = async {
@@ -29,6 +51,7 @@ pub fn run(
             db,
             lost_grace,
             limits,
+            tokens,
         };
         // Only once the port is ours and the store open: a "listening" line
         // is a promise that agents can connect.

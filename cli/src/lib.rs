@@ -56,6 +56,10 @@ fn init_tracing() {
 /// Entry point; returns the process exit status.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    // Still one thread: the environment may change safely.
+    if let Some(c) = cli.verb.collector_arg() {
+        c.export_token();
+    }
     init_tracing();
     let result = match cli.verb {
         Verb::Collector {
@@ -63,7 +67,16 @@ pub fn main() -> i32 {
             db,
             lost_grace,
             limits,
-        } => collector::run(listen, db, lost_grace, limits.limits()),
+            token_file,
+            insecure,
+        } => collector::run(collector::Options {
+            listen,
+            db,
+            lost_grace,
+            limits: limits.limits(),
+            token_file,
+            insecure,
+        }),
         Verb::Run(args) => run::run(args),
         Verb::Replay {
             file,

@@ -10,8 +10,10 @@
 use std::future::Future;
 use std::time::Duration;
 
+use oomscope_proto::bearer::Bearer;
 use oomscope_proto::v1 as pb;
 use pb::query_service_client::QueryServiceClient;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 /// How long connecting may take before the collector counts as unreachable.
@@ -32,6 +34,8 @@ pub enum Error {
     Timeout(Duration),
     #[error("{} ({:?})", .0.message(), .0.code())]
     Status(#[from] tonic::Status),
+    #[error("{0}")]
+    BadToken(String),
     #[error("cannot start a runtime for the query: {0}")]
     Runtime(#[from] std::io::Error),
 }
@@ -45,10 +49,13 @@ impl Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// A channel whose calls carry the token of `OOMSCOPE_TOKEN`, if set.
+type Authed = InterceptedService<Channel, Bearer>;
+
 /// A connection to one collector's `QueryService`.
 pub struct Client {
     rt: tokio::runtime::Runtime,
-    inner: QueryServiceClient<Channel>,
+    inner: QueryServiceClient<Authed>,
     call_timeout: Duration,
 }
 
@@ -79,7 +86,8 @@ impl Client {
                 url: url.to_string(),
                 reason: e.to_string(),
             })?;
-        let inner = QueryServiceClient::new(channel)
+        let bearer = Bearer::from_env().map_err(Error::BadToken)?;
+        let inner = QueryServiceClient::with_interceptor(channel, bearer)
             .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
         Ok(Client {
@@ -91,7 +99,7 @@ impl Client {
 
     fn call<T, F, Fut>(&mut self, f: F) -> Result<T>
     where
-        F: FnOnce(QueryServiceClient<Channel>) -> Fut,
+        F: FnOnce(QueryServiceClient<Authed>) -> Fut,
         Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
         let deadline = self.call_timeout;

@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
 
+use crate::auth::TokenName;
 use crate::incidents;
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -77,6 +78,8 @@ pub(crate) struct Inner {
     /// The store's files as opened: every write first checks that the path
     /// still names them (see [`FileWatch`]).
     file: Option<Mutex<FileWatch>>,
+    /// The tokens calls must carry (None: no authentication).
+    pub(crate) tokens: Option<crate::auth::Tokens>,
     /// Held while serving: no second collector writes the file.
     _writer_lock: Option<WriterLock>,
     /// Why the collector stopped serving: a write found its store gone.
@@ -151,6 +154,7 @@ impl Collector {
                 readers: None,
                 file: None,
                 _writer_lock: None,
+                tokens: None,
                 fatal: Mutex::new(None),
                 lost_grace,
                 hello_timeout: DEFAULT_HELLO_TIMEOUT,
@@ -181,6 +185,16 @@ impl Collector {
         match Arc::get_mut(&mut self.inner) {
             Some(inner) => inner.file = Some(Mutex::new(watch)),
             None => tracing::warn!("the collector is already shared; its store is not watched"),
+        }
+        self
+    }
+
+    /// Every call must carry one of `tokens`, and an agent id stays with the
+    /// token that first used it; call before the collector is shared.
+    pub fn with_tokens(mut self, tokens: crate::auth::Tokens) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.tokens = Some(tokens),
+            None => tracing::warn!("the collector is already shared; tokens are not checked"),
         }
         self
     }
@@ -488,12 +502,14 @@ impl AgentService for AgentApi {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let peer = request.remote_addr();
+        let token = request.extensions().get::<TokenName>().cloned();
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(session(
             self.collector.clone(),
             request.into_inner(),
             tx,
             peer,
+            token,
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -517,6 +533,7 @@ async fn session(
     mut inbound: Streaming<pb::AgentMessage>,
     tx: ReplyTx,
     peer: Option<SocketAddr>,
+    token: Option<TokenName>,
 ) {
     let waited = collector.inner.hello_timeout;
     let first = match tokio::time::timeout(waited, inbound.message()).await {
@@ -559,6 +576,29 @@ async fn session(
         }
     };
     let agent_id = hello.agent_id.clone();
+    // Before anything of the agent's is touched, its link included.
+    if let Some(TokenName(token)) = token {
+        let id = agent_id.clone();
+        let bound = collector
+            .with_store(move |s| Ok(s.bind_token(&id, &token)? == token))
+            .await;
+        let refusal = match bound {
+            Ok(true) => None,
+            // The holder's name is not told: names say who else sends here.
+            Ok(false) => Some(Status::permission_denied(format!(
+                "agent id {agent_id:?} belongs to another token: each agent id stays with the \
+                 token that first used it; give this agent its own id or its own token"
+            ))),
+            Err(e) => Some(Status::unavailable(format!(
+                "the collector could not check the agent's token: {e:#}"
+            ))),
+        };
+        if let Some(status) = refusal {
+            tracing::warn!(agent_id, ?peer, "refused a stream: {}", status.message());
+            let _ = tx.send(Err(status)).await;
+            return;
+        }
+    }
     // A dead agent's spool, delivered by another process: no live link (no
     // directives, no reconnect to wait for).
     let recovery = hello.recovery;

@@ -7,6 +7,7 @@
 //! probe and the Python agent's `oomscope.query` reach it through them.
 
 pub mod accept;
+pub mod auth;
 pub mod correlate;
 pub mod fleet;
 pub mod inbound;

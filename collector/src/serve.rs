@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use oomscope_proto::MAX_MESSAGE_BYTES;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::accept::Incoming;
 use crate::inbound::{InboundLayer, InboundLimits};
@@ -25,6 +26,8 @@ pub struct ServeConfig {
     /// before the agent is recorded as lost.
     pub lost_grace: Duration,
     pub limits: ConnectionLimits,
+    /// Tokens every call must carry (`--token-file`); None: no check.
+    pub tokens: Option<crate::auth::Tokens>,
 }
 
 /// What one client may hold of the collector: streams, time and memory.
@@ -107,6 +110,10 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
         .with_readers(reader)
         .with_file_watch(watch)
         .with_writer_lock(lock);
+    let collector = match cfg.tokens.clone() {
+        Some(tokens) => collector.with_tokens(tokens),
+        None => collector,
+    };
     Ok((listener, collector))
 }
 
@@ -138,6 +145,10 @@ pub async fn serve_with_limits(
     let queries = QueryServiceServer::new(QueryApi::new(collector.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    // Checked before any handler runs: a refused call writes nothing.
+    let check = crate::auth::interceptor(collector.inner.tokens.clone());
+    let agents = InterceptedService::new(agents, check.clone());
+    let queries = InterceptedService::new(queries, check);
     tracing::info!(?addr, "collector serving");
     let stopping = collector.inner.stopping.clone();
     let mut stopped = stopping.subscribe();

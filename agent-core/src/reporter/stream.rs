@@ -271,7 +271,12 @@ impl Worker {
         let mut client = pb::agent_service_client::AgentServiceClient::new(channel)
             .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
             .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
-        let opened = tokio::time::timeout(timeout, client.connect(ReceiverStream::new(out_rx)));
+        let mut request = tonic::Request::new(ReceiverStream::new(out_rx));
+        match oomscope_proto::bearer::Bearer::new(self.cfg.token.as_deref()) {
+            Ok(bearer) => bearer.stamp(&mut request),
+            Err(e) => return self.connect_failed(e),
+        }
+        let opened = tokio::time::timeout(timeout, client.connect(request));
         let mut inbound = match self.offline(inputs, opened).await {
             None => return SessionEnd::Stopped,
             Some(Err(_)) => {

@@ -36,7 +36,7 @@ pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 5;
+const SCHEMA_VERSION: i64 = 6;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -72,6 +72,16 @@ CREATE TABLE incidents(
 -- An event raises its incident once, however often the agent resends it.
 CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE seq > 0;
 CREATE INDEX incidents_by_agent ON incidents(agent_id, time_ns);
+";
+
+/// v6: which token each agent id is bound to (see `auth.rs`). Agents of a
+/// collector without tokens have no row; the first token that names an
+/// agent id after tokens are turned on takes it.
+const SCHEMA_V6: &str = "
+CREATE TABLE IF NOT EXISTS agent_tokens(
+    agent_id TEXT PRIMARY KEY,
+    token    TEXT NOT NULL        -- the token's name, never its secret
+) WITHOUT ROWID;
 ";
 
 /// What `insert_batch` did with one batch.
@@ -186,6 +196,12 @@ impl Store {
             let tx = self.conn.transaction()?;
             counters::migrate_v5(&tx)?;
             tx.pragma_update(None, "user_version", 5)?;
+            tx.commit()?;
+        }
+        if version < 6 {
+            let tx = self.conn.transaction()?;
+            tx.execute_batch(SCHEMA_V6)?;
+            tx.pragma_update(None, "user_version", 6)?;
             tx.commit()?;
         }
         Ok(())
@@ -375,6 +391,23 @@ impl Store {
         out.stored
             .retain(|s| out.conflicting.binary_search(s).is_err());
         Ok(out)
+    }
+
+    /// Binds `agent_id` to the token named `token` if no token holds it yet;
+    /// returns the token that holds it (so `token` where the binding is
+    /// new or already its own).
+    pub fn bind_token(&mut self, agent_id: &str, token: &str) -> Result<String> {
+        self.conn
+            .execute(
+                "INSERT OR IGNORE INTO agent_tokens(agent_id, token) VALUES (?1, ?2)",
+                params![agent_id, token],
+            )
+            .with_context(|| format!("binding agent {agent_id} to its token"))?;
+        Ok(self.conn.query_row(
+            "SELECT token FROM agent_tokens WHERE agent_id = ?1",
+            [agent_id],
+            |r| r.get(0),
+        )?)
     }
 
     /// Records a Hello as it arrives: a live agent's (see

@@ -46,15 +46,22 @@ pub struct CollectorArg {
     /// call; agents started by `run` get it too.
     #[arg(long, env = "OOMSCOPE_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// For an https:// collector: a PEM file of the CA that signed its
+    /// certificate (default: the public web roots).
+    #[arg(long, env = "OOMSCOPE_CA", value_name = "PEM")]
+    pub ca: Option<PathBuf>,
 }
 
 impl CollectorArg {
-    /// Puts `--token` where every client of the collector reads it (the
+    /// Puts `--token` (and `--ca`) where every client of the collector reads it (the
     /// query client, the reporter, a supervised command's agent): the
     /// OOMSCOPE_TOKEN environment variable. Call before any thread starts.
     pub fn export_token(&self) {
         if let Some(t) = &self.token {
             std::env::set_var(oomscope_proto::bearer::TOKEN_ENV, t);
+        }
+        if let Some(ca) = &self.ca {
+            std::env::set_var(oomscope_proto::tls::CA_ENV, ca);
         }
     }
 }
@@ -91,6 +98,17 @@ pub enum Verb {
         /// reach it may then write as any agent and read every agent's data.
         #[arg(long)]
         insecure: bool,
+        /// Serve TLS with this certificate chain (PEM); clients then use an
+        /// https:// URL (and OOMSCOPE_CA or --ca for a private CA).
+        #[arg(long, value_name = "PEM", requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The private key of --tls-cert (PEM).
+        #[arg(long, value_name = "PEM", requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Require client certificates signed by this CA (PEM); clients give
+        /// theirs in OOMSCOPE_CLIENT_CERT and OOMSCOPE_CLIENT_KEY.
+        #[arg(long, value_name = "PEM", requires = "tls_cert")]
+        tls_client_ca: Option<PathBuf>,
     },
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status

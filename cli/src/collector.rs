@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use oomscope_collector::auth::Tokens;
-use oomscope_collector::serve::{bind, serve_with_limits, ConnectionLimits, ServeConfig};
+use oomscope_collector::serve::{bind, serve_with_limits, ConnectionLimits, ServeConfig, TlsFiles};
 
 /// What `oomscope collector` was given.
 pub struct Options {
@@ -15,6 +15,7 @@ pub struct Options {
     pub limits: ConnectionLimits,
     pub token_file: Option<PathBuf>,
     pub insecure: bool,
+    pub tls: Option<TlsFiles>,
 }
 
 pub fn run(opts: Options) -> anyhow::Result<i32> {
@@ -25,6 +26,7 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
         limits,
         token_file,
         insecure,
+        tls,
     } = opts;
     if !listen.ip().is_loopback() && token_file.is_none() && !insecure {
         anyhow::bail!(
@@ -52,13 +54,15 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
             lost_grace,
             limits,
             tokens,
+            tls,
         };
         // Only once the port is ours and the store open: a "listening" line
         // is a promise that agents can connect.
         let (listener, collector) = bind(&cfg).await?;
         eprintln!(
-            "oomscope collector listening on {}, store {}",
+            "oomscope collector listening on {}{}, store {}",
             listener.local_addr()?,
+            if collector.serves_tls() { " (TLS)" } else { "" },
             cfg.db.display()
         );
         let limits = cfg.limits.clone();

@@ -9,6 +9,7 @@ mod agents;
 pub mod args;
 mod bench_ingest;
 mod collector;
+use oomscope_collector::serve::TlsFiles;
 mod compare;
 mod diagnose;
 mod incidents;
@@ -69,7 +70,15 @@ pub fn main() -> i32 {
             limits,
             token_file,
             insecure,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
         } => collector::run(collector::Options {
+            tls: tls_cert.zip(tls_key).map(|(cert, key)| TlsFiles {
+                cert,
+                key,
+                client_ca: tls_client_ca,
+            }),
             listen,
             db,
             lost_grace,

@@ -95,3 +95,99 @@ fn a_non_loopback_listen_without_a_token_refuses_to_start() {
     assert!(!err.contains("listening on"), "{err}");
     assert!(!db.exists());
 }
+
+/// Kills the collector it holds when the test ends, however it ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A collector with TLS and a token, certificates made now: `run` and
+/// `agents` reach it over https:// trusting the test CA (OOMSCOPE_CA and
+/// --ca); an http:// URL to it fails saying to use https://.
+#[test]
+fn tls_and_a_token_together_from_run_and_the_query_verbs() {
+    let tmp = tempdir();
+    let pki = oomscope_testkit::certs::TestPki::create(tmp.path());
+    let tokens = tmp.path().join("tokens");
+    std::fs::write(&tokens, format!("ci:{SECRET}\n")).unwrap();
+    let port = free_port();
+    let mut child = oomscope()
+        .args([
+            "collector",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--db",
+        ])
+        .arg(tmp.path().join("db"))
+        .arg("--token-file")
+        .arg(&tokens)
+        .arg("--tls-cert")
+        .arg(&pki.server_cert)
+        .arg("--tls-key")
+        .arg(&pki.server_key)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (log, lines) = std::sync::mpsc::channel::<String>();
+    struct Lines(std::sync::mpsc::Sender<String>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            let _ = self.0.send(String::from_utf8_lossy(b).into_owned());
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let ready =
+        oomscope_testkit::collector_process::wait_listening(&mut child, Box::new(Lines(log)));
+    let _col = Killed(child);
+    ready.expect("the TLS collector listens");
+    let said: String = lines.try_iter().collect();
+    assert!(said.contains("(TLS)"), "{said}");
+
+    let https = format!("https://localhost:{port}");
+    let out = oomscope()
+        .args(run_args(&https, "over-tls"))
+        .env("OOMSCOPE_TOKEN", SECRET)
+        .env("OOMSCOPE_CA", &pki.ca)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+
+    let out = oomscope()
+        .args([
+            "agents",
+            "--json",
+            "--collector",
+            &https,
+            "--token",
+            SECRET,
+            "--ca",
+        ])
+        .arg(&pki.ca)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let agents: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(agents[0]["hello"]["name"], "over-tls", "{agents}");
+    assert!(agents[0]["last_seq"].as_u64().unwrap() >= 1, "{agents}");
+
+    let plain = format!("http://127.0.0.1:{port}");
+    let out = oomscope()
+        .args(["agents", "--collector", &plain, "--token", SECRET])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        stderr(&out).contains("use an https:// URL"),
+        "{}",
+        stderr(&out)
+    );
+}

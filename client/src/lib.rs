@@ -34,6 +34,11 @@ pub enum Error {
     Timeout(Duration),
     #[error("{} ({:?})", .0.message(), .0.code())]
     Status(#[from] tonic::Status),
+    #[error("{} ({:?}){hint}", status.message(), status.code())]
+    Explained {
+        status: tonic::Status,
+        hint: &'static str,
+    },
     #[error("{0}")]
     BadToken(String),
     #[error("cannot start a runtime for the query: {0}")]
@@ -57,6 +62,7 @@ pub struct Client {
     rt: tokio::runtime::Runtime,
     inner: QueryServiceClient<Authed>,
     call_timeout: Duration,
+    url: String,
 }
 
 impl Client {
@@ -76,6 +82,11 @@ impl Client {
                 reason: e.to_string(),
             })?
             .connect_timeout(connect);
+        let endpoint =
+            oomscope_proto::tls::secure(endpoint, url).map_err(|reason| Error::BadUrl {
+                url: url.to_string(),
+                reason,
+            })?;
         let channel = rt
             .block_on(async { tokio::time::timeout(connect, endpoint.connect()).await })
             .map_err(|_| Error::Unreachable {
@@ -94,6 +105,7 @@ impl Client {
             rt,
             inner,
             call_timeout: call,
+            url: url.to_string(),
         })
     }
 
@@ -109,7 +121,11 @@ impl Client {
             .rt
             .block_on(async move { tokio::time::timeout(deadline, fut).await })
         {
-            Ok(r) => Ok(r?.into_inner()),
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(status)) => match oomscope_proto::tls::hint(&self.url, &format!("{status:?}")) {
+                "" => Err(Error::Status(status)),
+                hint => Err(Error::Explained { status, hint }),
+            },
             Err(_) => Err(Error::Timeout(deadline)),
         }
     }

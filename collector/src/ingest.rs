@@ -80,6 +80,8 @@ pub(crate) struct Inner {
     file: Option<Mutex<FileWatch>>,
     /// The tokens calls must carry (None: no authentication).
     pub(crate) tokens: Option<crate::auth::Tokens>,
+    /// Serve TLS with this (None: plaintext).
+    pub(crate) tls: Option<tonic::transport::ServerTlsConfig>,
     /// Held while serving: no second collector writes the file.
     _writer_lock: Option<WriterLock>,
     /// Why the collector stopped serving: a write found its store gone.
@@ -155,6 +157,7 @@ impl Collector {
                 file: None,
                 _writer_lock: None,
                 tokens: None,
+                tls: None,
                 fatal: Mutex::new(None),
                 lost_grace,
                 hello_timeout: DEFAULT_HELLO_TIMEOUT,
@@ -197,6 +200,20 @@ impl Collector {
             None => tracing::warn!("the collector is already shared; tokens are not checked"),
         }
         self
+    }
+
+    /// Serves TLS with `tls`; call before the collector is shared.
+    pub fn with_tls(mut self, tls: tonic::transport::ServerTlsConfig) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.tls = Some(tls),
+            None => tracing::warn!("the collector is already shared; it serves plaintext"),
+        }
+        self
+    }
+
+    /// Whether it serves TLS.
+    pub fn serves_tls(&self) -> bool {
+        self.inner.tls.is_some()
     }
 
     /// Holds `lock` for as long as the collector lives; call before the

@@ -28,6 +28,36 @@ pub struct ServeConfig {
     pub limits: ConnectionLimits,
     /// Tokens every call must carry (`--token-file`); None: no check.
     pub tokens: Option<crate::auth::Tokens>,
+    /// Serve TLS with these files; None: plaintext.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The collector's TLS: its certificate chain and key, and optionally the
+/// CA that client certificates must chain to (then every client needs one).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// tonic's server config from the files (rustls, TLS 1.2 and 1.3).
+    pub fn server_config(&self) -> Result<tonic::transport::ServerTlsConfig> {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+        let read = |p: &PathBuf, what: &str| {
+            std::fs::read(p).with_context(|| format!("reading the {what} {}", p.display()))
+        };
+        let identity = Identity::from_pem(
+            read(&self.cert, "TLS certificate")?,
+            read(&self.key, "TLS key")?,
+        );
+        let mut cfg = ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.client_ca {
+            cfg = cfg.client_ca_root(Certificate::from_pem(read(ca, "client CA")?));
+        }
+        Ok(cfg)
+    }
 }
 
 /// What one client may hold of the collector: streams, time and memory.
@@ -114,6 +144,10 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
         Some(tokens) => collector.with_tokens(tokens),
         None => collector,
     };
+    let collector = match &cfg.tls {
+        Some(files) => collector.with_tls(files.server_config()?),
+        None => collector,
+    };
     Ok((listener, collector))
 }
 
@@ -162,7 +196,14 @@ pub async fn serve_with_limits(
         }
         let _ = stopping.send(true);
     };
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = collector.inner.tls.clone() {
+        // A bad certificate or key fails here, before anything is served.
+        server = server
+            .tls_config(tls)
+            .context("the collector's TLS certificate or key")?;
+    }
+    server
         .initial_stream_window_size(DEFAULT_STREAM_WINDOW)
         .initial_connection_window_size(DEFAULT_CONNECTION_WINDOW)
         .max_concurrent_streams(limits.max_streams)

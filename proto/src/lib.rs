@@ -20,6 +20,7 @@ pub mod bearer;
 pub mod delta;
 #[cfg(feature = "serde")]
 pub mod serde_forms;
+pub mod tls;
 pub mod vocab;
 
 pub use vocab::{

@@ -289,6 +289,7 @@ async fn run(url: &str, load: Load) -> Result<Figures> {
         .with_context(|| format!("`{url}` is not a collector URL"))?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(3));
+    let endpoint = oomscope_proto::tls::secure(endpoint, url).map_err(|e| anyhow!(e))?;
     let base_ns = now_ns();
     let source = capture_samples(base_ns)?;
     let mut all = Vec::with_capacity(agents);

@@ -244,6 +244,11 @@ impl Worker {
                 ))
             }
         };
+        // https:// dials TLS (OOMSCOPE_CA and the client certificate, if set).
+        let endpoint = match oomscope_proto::tls::secure(endpoint, &self.cfg.collector_url) {
+            Ok(e) => e,
+            Err(e) => return failed(e),
+        };
         let timeout = self.cfg.connect_timeout;
         let channel = match self
             .offline(
@@ -284,7 +289,10 @@ impl Worker {
                     .connect_failed(format!("opening the stream timed out after {timeout:?}"))
             }
             Some(Ok(Err(status))) => {
-                return self.connect_failed(format!("collector refused the stream: {status}"))
+                let hint =
+                    oomscope_proto::tls::hint(&self.cfg.collector_url, &format!("{status:?}"));
+                return self
+                    .connect_failed(format!("collector refused the stream: {status}{hint}"));
             }
             Some(Ok(Ok(response))) => response.into_inner(),
         };

@@ -109,6 +109,11 @@ pub enum Verb {
         /// theirs in OOMSCOPE_CLIENT_CERT and OOMSCOPE_CLIENT_KEY.
         #[arg(long, value_name = "PEM", requires = "tls_cert")]
         tls_client_ca: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+        /// 127.0.0.1:9433): ingest, incidents, store latency, connected
+        /// agents, and each agent's latest memory readings.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<std::net::SocketAddr>,
     },
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status

@@ -16,6 +16,7 @@ pub struct Options {
     pub token_file: Option<PathBuf>,
     pub insecure: bool,
     pub tls: Option<TlsFiles>,
+    pub metrics: Option<SocketAddr>,
 }
 
 pub fn run(opts: Options) -> anyhow::Result<i32> {
@@ -27,6 +28,7 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
         token_file,
         insecure,
         tls,
+        metrics,
     } = opts;
     if !listen.ip().is_loopback() && token_file.is_none() && !insecure {
         anyhow::bail!(
@@ -58,7 +60,25 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
         };
         // Only once the port is ours and the store open: a "listening" line
         // is a promise that agents can connect.
+        // Both ports first: a taken one fails before the store opens.
+        let metrics_listener = match metrics {
+            Some(addr) => Some(oomscope_collector::metrics::bind(addr).await?),
+            None => None,
+        };
         let (listener, collector) = bind(&cfg).await?;
+        if let Some(l) = metrics_listener {
+            eprintln!(
+                "oomscope collector metrics on http://{}/metrics",
+                l.local_addr()?
+            );
+            let c = collector.clone();
+            let stop = collector.until_stopping();
+            tokio::spawn(async move {
+                if let Err(e) = oomscope_collector::metrics::serve(l, c, stop).await {
+                    tracing::error!("serving /metrics failed: {e:#}");
+                }
+            });
+        }
         eprintln!(
             "oomscope collector listening on {}{}, store {}",
             listener.local_addr()?,

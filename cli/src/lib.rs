@@ -73,7 +73,9 @@ pub fn main() -> i32 {
             tls_cert,
             tls_key,
             tls_client_ca,
+            metrics,
         } => collector::run(collector::Options {
+            metrics,
             tls: tls_cert.zip(tls_key).map(|(cert, key)| TlsFiles {
                 cert,
                 key,

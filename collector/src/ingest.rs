@@ -97,6 +97,8 @@ pub(crate) struct Inner {
     trim_pending: std::sync::atomic::AtomicBool,
     /// Resent seqs refused because their content differs from the stored.
     conflicts: AtomicU64,
+    /// What `/metrics` shows.
+    metrics: Arc<crate::metrics::Metrics>,
     pub(crate) stopping: watch::Sender<bool>,
 }
 
@@ -167,6 +169,7 @@ impl Collector {
                 decoded: Arc::new(tokio::sync::Semaphore::new(MAX_DECODED_MESSAGES)),
                 trim_pending: std::sync::atomic::AtomicBool::new(false),
                 conflicts: AtomicU64::new(0),
+                metrics: Arc::new(crate::metrics::Metrics::new()),
                 stopping: watch::channel(false).0,
             }),
         }
@@ -240,6 +243,30 @@ impl Collector {
     /// was stored at that seq (see [`crate::store::BatchOutcome::conflicting`]).
     pub fn conflicting_resends(&self) -> u64 {
         self.inner.conflicts.load(Ordering::Relaxed)
+    }
+
+    /// Completes once the collector begins to stop (a signal, or its store
+    /// went away): what serves beside it (`/metrics`) stops then too.
+    pub fn until_stopping(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut stopping = self.inner.stopping.subscribe();
+        async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        }
+    }
+
+    /// The collector's Prometheus metrics.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.inner.metrics
+    }
+
+    /// Agents with a stream open to this collector now.
+    pub fn connected_agents(&self) -> usize {
+        self.inner
+            .links
+            .lock()
+            .values()
+            .filter(|l| l.directives.is_some())
+            .count()
     }
 
     /// Runs `f` on the store on a blocking thread: SQLite calls block.
@@ -413,12 +440,16 @@ impl Collector {
                     let lost = incidents::record_lost(store, &id, broke_at_ns, grace)?;
                     for inc in incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())? {
                         log_incident(&inc);
+                        c.inner.metrics.incident(&inc);
                     }
                     Ok(lost)
                 })
                 .await;
             match outcome {
-                Ok(Some(inc)) => log_incident(&inc),
+                Ok(Some(inc)) => {
+                    log_incident(&inc);
+                    collector.inner.metrics.incident(&inc);
+                }
                 Ok(None) => tracing::debug!(agent_id, "reconnected within the grace period"),
                 Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
             }
@@ -460,7 +491,10 @@ impl Collector {
             .with_store(move |store| incidents::record_recovered(store, &id))
             .await
         {
-            Ok(Some(inc)) => log_incident(&inc),
+            Ok(Some(inc)) => {
+                log_incident(&inc);
+                self.inner.metrics.incident(&inc);
+            }
             Ok(None) => tracing::info!(agent_id, "a dead agent's spool was delivered"),
             Err(e) => tracing::error!(agent_id, "recording a recovered agent failed: {e:#}"),
         }
@@ -844,16 +878,34 @@ async fn ingest(
         }
     }
     let max_seq = storable.iter().map(|m| m.seq).max().unwrap_or(0);
+    let metrics = collector.inner.metrics.clone();
+    metrics.received(
+        storable.len() as u64,
+        storable
+            .iter()
+            .map(|m| prost::Message::encoded_len(m) as u64)
+            .sum(),
+    );
+    let sampled_by = hello.clone();
     let has_goodbye = goodbye.is_some();
     let id = agent_id.clone();
     let fleet = collector.inner.fleet.clone();
     // Acked only once the group this batch joins is committed.
+    let writing = std::time::Instant::now();
     let result = collector
         .write(move |store| {
             if let Some(h) = &rehello {
                 store.record_hello(h, now_ns())?;
             }
             let outcome = store.insert_batch(&id, &storable)?;
+            let now = std::time::Instant::now();
+            for m in &storable {
+                if let Some(Body::Sample(sample)) = &m.body {
+                    if outcome.fresh.binary_search(&m.seq).is_ok() {
+                        metrics.sample(&sampled_by, sample, now);
+                    }
+                }
+            }
             // What was refused raises nothing: its seq holds other content.
             let storable: Vec<_> = match outcome.conflicting.is_empty() {
                 true => storable,
@@ -891,6 +943,7 @@ async fn ingest(
             Ok((outcome, recorded))
         })
         .await;
+    collector.inner.metrics.store_write(writing.elapsed());
     let (outcome, recorded) = match result {
         Ok(r) => r,
         Err(e) => {
@@ -905,12 +958,17 @@ async fn ingest(
     };
     for inc in &recorded {
         log_incident(inc);
+        collector.inner.metrics.incident(inc);
     }
     if !outcome.conflicting.is_empty() {
         collector
             .inner
             .conflicts
             .fetch_add(outcome.conflicting.len() as u64, Ordering::Relaxed);
+        collector
+            .inner
+            .metrics
+            .conflicting(outcome.conflicting.len() as u64);
         tracing::warn!(
             agent_id,
             seqs = ?outcome.conflicting,

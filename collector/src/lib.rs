@@ -13,6 +13,7 @@ pub mod fleet;
 pub mod inbound;
 pub mod incidents;
 pub mod ingest;
+pub mod metrics;
 pub mod query_service;
 pub mod serve;
 pub mod store;

@@ -98,6 +98,10 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// The services' names, as grpc.health.v1 is asked about them.
+pub const AGENT_SERVICE: &str = "oomscope.v1.AgentService";
+pub const QUERY_SERVICE: &str = "oomscope.v1.QueryService";
+
 pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
 
 /// HTTP/2 flow control for each agent stream: what a client may send before
@@ -183,6 +187,14 @@ pub async fn serve_with_limits(
     let check = crate::auth::interceptor(collector.inner.tokens.clone());
     let agents = InterceptedService::new(agents, check.clone());
     let queries = InterceptedService::new(queries, check);
+    // grpc.health.v1, unauthenticated: what a load balancer or a
+    // Kubernetes probe asks. It says NOT_SERVING once shutdown begins.
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    for name in ["", AGENT_SERVICE, QUERY_SERVICE] {
+        health_reporter
+            .set_service_status(name, tonic_health::ServingStatus::Serving)
+            .await;
+    }
     tracing::info!(?addr, "collector serving");
     let stopping = collector.inner.stopping.clone();
     let mut stopped = stopping.subscribe();
@@ -193,6 +205,11 @@ pub async fn serve_with_limits(
         tokio::select! {
             _ = shutdown => {}
             _ = stopped.wait_for(|s| *s) => {}
+        }
+        for name in ["", AGENT_SERVICE, QUERY_SERVICE] {
+            health_reporter
+                .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                .await;
         }
         let _ = stopping.send(true);
     };
@@ -213,6 +230,7 @@ pub async fn serve_with_limits(
         }))
         .add_service(agents)
         .add_service(queries)
+        .add_service(health)
         .serve_with_incoming_shutdown(Incoming::new(listener, limits.idle_connection), shutdown)
         .await
         .context("the gRPC server failed")?;

@@ -96,16 +96,6 @@ fn a_non_loopback_listen_without_a_token_refuses_to_start() {
     assert!(!db.exists());
 }
 
-/// Kills the collector it holds when the test ends, however it ends.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A collector with TLS and a token, certificates made now: `run` and
 /// `agents` reach it over https:// trusting the test CA (OOMSCOPE_CA and
 /// --ca); an http:// URL to it fails saying to use https://.
@@ -115,40 +105,22 @@ fn tls_and_a_token_together_from_run_and_the_query_verbs() {
     let pki = oomscope_testkit::certs::TestPki::create(tmp.path());
     let tokens = tmp.path().join("tokens");
     std::fs::write(&tokens, format!("ci:{SECRET}\n")).unwrap();
-    let port = free_port();
-    let mut child = oomscope()
-        .args([
-            "collector",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--db",
-        ])
-        .arg(tmp.path().join("db"))
-        .arg("--token-file")
-        .arg(&tokens)
-        .arg("--tls-cert")
-        .arg(&pki.server_cert)
-        .arg("--tls-key")
-        .arg(&pki.server_key)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (log, lines) = std::sync::mpsc::channel::<String>();
-    struct Lines(std::sync::mpsc::Sender<String>);
-    impl std::io::Write for Lines {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            let _ = self.0.send(String::from_utf8_lossy(b).into_owned());
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let ready =
-        oomscope_testkit::collector_process::wait_listening(&mut child, Box::new(Lines(log)));
-    let _col = Killed(child);
-    ready.expect("the TLS collector listens");
-    let said: String = lines.try_iter().collect();
+    let log = tmp.path().join("collector.log");
+    let col = CollectorProcess::start_with(
+        oomscope,
+        &tmp.path().join("db"),
+        &[
+            "--token-file".as_ref(),
+            tokens.as_os_str(),
+            "--tls-cert".as_ref(),
+            pki.server_cert.as_os_str(),
+            "--tls-key".as_ref(),
+            pki.server_key.as_os_str(),
+        ],
+        Some(&log),
+    );
+    let port = col.port;
+    let said = std::fs::read_to_string(&log).unwrap();
     assert!(said.contains("(TLS)"), "{said}");
 
     let https = format!("https://localhost:{port}");

@@ -114,6 +114,11 @@ pub enum Verb {
         /// agents, and each agent's latest memory readings.
         #[arg(long, value_name = "ADDR")]
         metrics: Option<std::net::SocketAddr>,
+        /// Delete what is older than this (e.g. 14d), by the agents' clocks,
+        /// in small batches every few minutes; incidents younger than it
+        /// stay (default: keep everything).
+        #[arg(long, value_parser = parse_duration)]
+        retain: Option<Duration>,
     },
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status
@@ -645,7 +650,12 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use ms, s, m or h)")),
+        "d" => n * 86400.0,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit `{unit}` (use ms, s, m, h or d)"
+            ))
+        }
     };
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}` is not a duration"));

@@ -17,6 +17,7 @@ pub struct Options {
     pub insecure: bool,
     pub tls: Option<TlsFiles>,
     pub metrics: Option<SocketAddr>,
+    pub retain: Option<Duration>,
 }
 
 pub fn run(opts: Options) -> anyhow::Result<i32> {
@@ -29,6 +30,7 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
         insecure,
         tls,
         metrics,
+        retain,
     } = opts;
     if !listen.ip().is_loopback() && token_file.is_none() && !insecure {
         anyhow::bail!(
@@ -66,6 +68,9 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
             None => None,
         };
         let (listener, collector) = bind(&cfg).await?;
+        if let Some(window) = retain {
+            collector.retain(window);
+        }
         if let Some(l) = metrics_listener {
             eprintln!(
                 "oomscope collector metrics on http://{}/metrics",

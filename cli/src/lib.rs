@@ -74,8 +74,10 @@ pub fn main() -> i32 {
             tls_key,
             tls_client_ca,
             metrics,
+            retain,
         } => collector::run(collector::Options {
             metrics,
+            retain,
             tls: tls_cert.zip(tls_key).map(|(cert, key)| TlsFiles {
                 cert,
                 key,

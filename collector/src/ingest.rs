@@ -26,7 +26,9 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::store::{now_ns, FileWatch, ReaderPool, Store, WriterLock, MAX_SEQ};
+use crate::store::{
+    now_ns, FileWatch, ReaderPool, Store, WriterLock, MAX_RETENTION_BATCH, MAX_SEQ,
+};
 
 /// How long a new stream may take to send its Hello before it is closed: an
 /// agent opens its stream when its Hello is ready (agent-core queues it
@@ -59,6 +61,10 @@ pub const MAX_DECODED_MESSAGES: usize = 4096;
 
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
+
+/// How often retention looks for rows past the window: old rows appear as
+/// time passes, a few minutes' worth at a time.
+pub const RETENTION_INTERVAL: Duration = Duration::from_secs(5 * 60);
 
 /// The shared state of a running collector: the store, the connected agents
 /// and their directive queues. Cheap to clone.
@@ -252,6 +258,45 @@ impl Collector {
         async move {
             let _ = stopping.wait_for(|s| *s).await;
         }
+    }
+
+    /// Deletes what is older than `window` now and every
+    /// [`RETENTION_INTERVAL`], in batches of [`MAX_RETENTION_BATCH`] rows per
+    /// table, each its own group part (ingest goes on between them), until
+    /// the collector stops.
+    pub fn retain(&self, window: Duration) {
+        let collector = self.clone();
+        let stop = self.until_stopping();
+        tokio::spawn(async move {
+            let prune = async {
+                loop {
+                    let cutoff =
+                        now_ns().saturating_sub(window.as_nanos().min(i64::MAX as u128) as i64);
+                    let mut total = 0u64;
+                    loop {
+                        match collector
+                            .write(move |s| s.prune_before(cutoff, MAX_RETENTION_BATCH))
+                            .await
+                        {
+                            Ok(0) => break,
+                            Ok(n) => total += n,
+                            Err(e) => {
+                                tracing::error!("retention failed: {e:#}");
+                                break;
+                            }
+                        }
+                    }
+                    if total > 0 {
+                        tracing::info!(rows = total, ?window, "retention deleted old rows");
+                    }
+                    tokio::time::sleep(RETENTION_INTERVAL).await;
+                }
+            };
+            tokio::select! {
+                _ = prune => {}
+                _ = stop => {}
+            }
+        });
     }
 
     /// The collector's Prometheus metrics.

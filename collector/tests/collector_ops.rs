@@ -128,3 +128,46 @@ async fn health_says_serving_and_metrics_show_what_came_in() {
     assert!(line("oomscope_store_write_seconds_count") >= 1.0);
     run.stop().await;
 }
+
+/// `--retain`: rows older than the window go while the collector serves;
+/// younger ones, and the incident younger than the window, stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_removes_old_data_and_keeps_young_incidents() {
+    const DAY: i64 = 86_400_000_000_000;
+    let dir = tempfile::tempdir().unwrap();
+    let run = start_in(&dir).await;
+    let now = oomscope_collector::store::now_ns();
+    let mut agent = run.agent(hello("agent-old", "svc")).await;
+    for seq in 1..=5u64 {
+        agent.send(sample(seq, now - 20 * DAY + seq as i64)).await;
+    }
+    agent.send(oom(6, now - 20 * DAY + 6)).await;
+    for seq in 7..=9u64 {
+        agent.send(sample(seq, now - DAY + seq as i64)).await;
+    }
+    agent.send(oom(10, now - DAY + 10)).await;
+    agent.acks_covering(&(1..=10).collect(), |_| {}).await;
+    assert_eq!(incidents(&run, "agent-old").await.len(), 2);
+
+    run.collector.retain(Duration::from_secs(14 * 86_400));
+    let db = run.db.clone();
+    let kept = eventually(Duration::from_secs(20), || {
+        let db = db.clone();
+        async move {
+            let seqs = stored_seqs(&db, "agent-old");
+            (seqs == (7..=10).collect::<Vec<_>>()).then_some(seqs)
+        }
+    })
+    .await;
+    assert!(
+        kept.is_some(),
+        "left: {:?}",
+        stored_seqs(&run.db, "agent-old")
+    );
+    let left = incidents(&run, "agent-old").await;
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].time_ns > now - 14 * DAY, "{left:?}");
+    let tl = timeline(&run, "agent-old").await;
+    assert_eq!(tl.samples.len(), 3);
+    run.stop().await;
+}

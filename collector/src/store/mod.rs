@@ -24,6 +24,7 @@ mod file;
 mod history;
 mod instances;
 mod readers;
+mod retention;
 mod rollups;
 
 pub use counters::KEYFRAME_INTERVAL;
@@ -34,6 +35,7 @@ pub use history::{
 };
 pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
+pub use retention::MAX_RETENTION_BATCH;
 
 /// Bump when the schema changes, and add a step to `migrate`.
 const SCHEMA_VERSION: i64 = 6;
@@ -74,7 +76,8 @@ CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE 
 CREATE INDEX incidents_by_agent ON incidents(agent_id, time_ns);
 ";
 
-/// v6: which token each agent id is bound to (see `auth.rs`). Agents of a
+/// v6: which token each agent id is bound to (see `auth.rs`), and the
+/// chains' index for retention. Agents of a
 /// collector without tokens have no row; the first token that names an
 /// agent id after tokens are turned on takes it.
 const SCHEMA_V6: &str = "
@@ -82,6 +85,8 @@ CREATE TABLE IF NOT EXISTS agent_tokens(
     agent_id TEXT PRIMARY KEY,
     token    TEXT NOT NULL        -- the token's name, never its secret
 ) WITHOUT ROWID;
+-- Retention keeps a chain while any row of it is young (retention.rs).
+CREATE INDEX IF NOT EXISTS messages_by_chain ON messages(agent_id, key_seq) WHERE key_seq IS NOT NULL;
 ";
 
 /// What `insert_batch` did with one batch.

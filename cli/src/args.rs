@@ -159,6 +159,12 @@ pub enum Verb {
         /// the latest load).
         #[arg(long)]
         json: bool,
+        /// Only agents seen within this long (e.g. 1h).
+        #[arg(long, value_parser = parse_since)]
+        since: Option<Duration>,
+        /// Only agents on this host.
+        #[arg(long)]
+        host: Option<String>,
     },
     /// List incidents: OOMs, deaths by signal, OOM text in a failed exit,
     /// lost agents, crash loops.
@@ -169,6 +175,18 @@ pub enum Verb {
         /// Only this agent (id or name).
         #[arg(long)]
         agent: Option<String>,
+        /// Only incidents within this long (e.g. 1d).
+        #[arg(long, value_parser = parse_since)]
+        since: Option<Duration>,
+        /// Only this memory domain (e.g. gpu_vram, cgroup, host_ram).
+        #[arg(long)]
+        domain: Option<String>,
+        /// Only this cause, the incident's kind (e.g. oom, agent_lost, crash_loop).
+        #[arg(long)]
+        cause: Option<String>,
+        /// Only incidents of agents on this host.
+        #[arg(long)]
+        host: Option<String>,
         /// Print JSON: [Incident], each {id, agent_id, agent_name, kind,
         /// time_ns, domain, summary, seq, parts}.
         #[arg(long)]

@@ -98,12 +98,31 @@ pub fn main() -> i32 {
             speed,
             timeout,
         } => replay::run(&file, &collector.collector, name, speed, timeout),
-        Verb::Agents { collector, json } => agents::run(&collector.collector, json),
+        Verb::Agents {
+            collector,
+            json,
+            since,
+            host,
+        } => agents::run(&collector.collector, json, since, host),
         Verb::Incidents {
             collector,
             agent,
             json,
-        } => incidents::run(&collector.collector, agent, json),
+            since,
+            domain,
+            cause,
+            host,
+        } => incidents::run(
+            &collector.collector,
+            agent,
+            incidents::Filter {
+                since,
+                domain,
+                cause,
+                host,
+            },
+            json,
+        ),
         Verb::Timeline {
             agent,
             collector,

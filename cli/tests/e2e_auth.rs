@@ -81,11 +81,7 @@ fn a_token_reaches_the_collector_from_run_and_the_query_verbs() {
 fn a_non_loopback_listen_without_a_token_refuses_to_start() {
     let tmp = tempdir();
     let db = tmp.path().join("never.db");
-    let out = oomscope()
-        .args(["collector", "--listen", "0.0.0.0:0", "--db"])
-        .arg(&db)
-        .output()
-        .unwrap();
+    let out = collector_refusing("0.0.0.0:0", &db);
     let err = stderr(&out);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(

@@ -121,11 +121,7 @@ fn a_second_collector_on_the_same_store_refuses_and_names_the_first() {
     let db = tmp.path().join("db");
     let col = Collector::start(&db);
     let first = col.url.trim_start_matches("http://").to_string();
-    let out = oomscope()
-        .args(["collector", "--listen", "127.0.0.1:0", "--db"])
-        .arg(&db)
-        .output()
-        .unwrap();
+    let out = collector_refusing("127.0.0.1:0", &db);
     let err = stderr(&out);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(

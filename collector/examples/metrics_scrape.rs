@@ -1,6 +1,6 @@
 //! How long one `/metrics` scrape takes with N agents' series (the issue's
 //! bar: 1,000 agents under 100 ms). Each agent's sample reads one GPU, one
-//! allocator device, the process, a cgroup with a limit and host swap: 11
+//! allocator device, the process, a cgroup with a limit and host swap: 10
 //! series an agent. Prints the median and worst of 20 renders.
 //!
 //! `cargo run --release -p oomscope-collector --example metrics_scrape [N]`
@@ -57,16 +57,21 @@ fn main() {
         m.sample(&hello, &sample, now);
     }
     let mut times = Vec::new();
-    let mut bytes = 0;
+    let mut text = String::new();
     for _ in 0..20 {
         let t = Instant::now();
-        bytes = m.render(agents as i64).len();
+        text = m.render(agents as i64);
         times.push(t.elapsed().as_secs_f64() * 1000.0);
     }
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("oomscope_agent_memory_bytes{"))
+        .count();
+    let bytes = text.len();
     times.sort_by(f64::total_cmp);
     println!(
-        "agents={agents} series={} bytes={bytes} median_ms={:.2} max_ms={:.2}",
-        bytes / 150,
+        "agents={agents} agent_series={} bytes={bytes} median_ms={:.2} max_ms={:.2}",
+        series,
         times[times.len() / 2],
         times[times.len() - 1]
     );

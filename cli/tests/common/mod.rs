@@ -326,3 +326,13 @@ pub fn evidence_text(d: &serde_json::Value) -> String {
     }
     all.join("\n")
 }
+
+/// `oomscope collector --listen LISTEN --db DB` that is expected to refuse:
+/// its output once it exits.
+pub fn collector_refusing(listen: &str, db: &Path) -> Output {
+    oomscope()
+        .args(["collector", "--listen", listen, "--db"])
+        .arg(db)
+        .output()
+        .unwrap()
+}

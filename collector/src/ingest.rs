@@ -943,14 +943,17 @@ async fn ingest(
                 store.record_hello(h, now_ns())?;
             }
             let outcome = store.insert_batch(&id, &storable)?;
-            let now = std::time::Instant::now();
-            for m in &storable {
-                if let Some(Body::Sample(sample)) = &m.body {
-                    if outcome.fresh.binary_search(&m.seq).is_ok() {
-                        metrics.sample(&sampled_by, sample, now);
-                    }
-                }
-            }
+            // The newest fresh sample is the agent's latest reading; read
+            // into /metrics after the write, off the writer's thread.
+            let latest = storable
+                .iter()
+                .filter(|m| outcome.fresh.binary_search(&m.seq).is_ok())
+                .filter_map(|m| match &m.body {
+                    Some(Body::Sample(s)) => Some((m.seq, s)),
+                    _ => None,
+                })
+                .max_by_key(|(seq, _)| *seq)
+                .map(|(_, s)| s.clone());
             // What was refused raises nothing: its seq holds other content.
             let storable: Vec<_> = match outcome.conflicting.is_empty() {
                 true => storable,
@@ -985,12 +988,17 @@ async fn ingest(
             if has_goodbye {
                 store.set_state(&id, "disconnected", now_ns())?;
             }
-            Ok((outcome, recorded))
+            Ok((outcome, recorded, latest))
         })
         .await;
     collector.inner.metrics.store_write(writing.elapsed());
     let (outcome, recorded) = match result {
-        Ok(r) => r,
+        Ok((outcome, recorded, latest)) => {
+            if let Some(sample) = latest {
+                metrics.sample(&sampled_by, &sample, std::time::Instant::now());
+            }
+            (outcome, recorded)
+        }
         Err(e) => {
             tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
             let _ = tx

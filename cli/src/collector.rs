@@ -79,7 +79,8 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
             let c = collector.clone();
             let stop = collector.until_stopping();
             tokio::spawn(async move {
-                if let Err(e) = oomscope_collector::metrics::serve(l, c, stop).await {
+                let render = move || c.render_metrics();
+                if let Err(e) = oomscope_collector::metrics::serve(l, render, stop).await {
                     tracing::error!("serving /metrics failed: {e:#}");
                 }
             });

@@ -304,6 +304,11 @@ impl Collector {
         &self.inner.metrics
     }
 
+    /// What a `/metrics` scrape answers now.
+    pub fn render_metrics(&self) -> String {
+        self.metrics().render(self.connected_agents() as i64)
+    }
+
     /// Agents with a stream open to this collector now.
     pub fn connected_agents(&self) -> usize {
         self.inner

@@ -261,24 +261,25 @@ fn figures_of(s: &pb::Sample) -> Vec<(&'static str, &'static str, String, f64)> 
     out
 }
 
-/// Serves `GET /metrics` on `addr` until `shutdown` completes.
+/// Serves `GET /metrics` on `listener` until `shutdown` completes; each
+/// scrape answers what `render` returns (`Collector::render_metrics`).
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    collector: crate::ingest::Collector,
+    render: impl Fn() -> String + Clone + Send + Sync + 'static,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     use axum::routing::get;
     let app = axum::Router::new().route(
         "/metrics",
         get(move || {
-            let c = collector.clone();
+            let render = render.clone();
             async move {
                 (
                     [(
                         axum::http::header::CONTENT_TYPE,
                         "application/openmetrics-text; version=1.0.0; charset=utf-8",
                     )],
-                    c.metrics().render(c.connected_agents() as i64),
+                    render(),
                 )
             }
         }),

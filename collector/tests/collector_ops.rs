@@ -67,9 +67,10 @@ async fn health_says_serving_and_metrics_show_what_came_in() {
         .await
         .unwrap();
     let metrics_addr = listener.local_addr().unwrap();
+    let c = run.collector.clone();
     tokio::spawn(oomscope_collector::metrics::serve(
         listener,
-        run.collector.clone(),
+        move || c.render_metrics(),
         run.collector.until_stopping(),
     ));
 

@@ -42,6 +42,28 @@ pub struct CollectorArg {
     /// The collector's URL.
     #[arg(long, env = "OOMSCOPE_COLLECTOR", hide_env_values = true, default_value = oomscope_proto::DEFAULT_COLLECTOR_URL)]
     pub collector: String,
+    /// The collector's token (a secret of its --token-file), sent with every
+    /// call; agents started by `run` get it too.
+    #[arg(long, env = "OOMSCOPE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// For an https:// collector: a PEM file of the CA that signed its
+    /// certificate (default: the public web roots).
+    #[arg(long, env = "OOMSCOPE_CA", value_name = "PEM")]
+    pub ca: Option<PathBuf>,
+}
+
+impl CollectorArg {
+    /// Puts `--token` (and `--ca`) where every client of the collector reads it (the
+    /// query client, the reporter, a supervised command's agent): the
+    /// OOMSCOPE_TOKEN environment variable. Call before any thread starts.
+    pub fn export_token(&self) {
+        if let Some(t) = &self.token {
+            std::env::set_var(oomscope_proto::bearer::TOKEN_ENV, t);
+        }
+        if let Some(ca) = &self.ca {
+            std::env::set_var(oomscope_proto::tls::CA_ENV, ca);
+        }
+    }
 }
 
 /// The verbs.
@@ -67,6 +89,36 @@ pub enum Verb {
         /// What one client may hold of the collector.
         #[command(flatten)]
         limits: ConnectionLimitArgs,
+        /// Named tokens, one `name:secret` line each: every call must carry
+        /// one (`OOMSCOPE_TOKEN` or `--token` on the client), and each agent
+        /// id stays with the token that first used it.
+        #[arg(long, value_name = "FILE", env = "OOMSCOPE_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+        /// Serve a non-loopback address without --token-file: anyone who can
+        /// reach it may then write as any agent and read every agent's data.
+        #[arg(long)]
+        insecure: bool,
+        /// Serve TLS with this certificate chain (PEM); clients then use an
+        /// https:// URL (and OOMSCOPE_CA or --ca for a private CA).
+        #[arg(long, value_name = "PEM", requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The private key of --tls-cert (PEM).
+        #[arg(long, value_name = "PEM", requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Require client certificates signed by this CA (PEM); clients give
+        /// theirs in OOMSCOPE_CLIENT_CERT and OOMSCOPE_CLIENT_KEY.
+        #[arg(long, value_name = "PEM", requires = "tls_cert")]
+        tls_client_ca: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+        /// 127.0.0.1:9433): ingest, incidents, store latency, connected
+        /// agents, and each agent's latest memory readings.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<std::net::SocketAddr>,
+        /// Delete what is older than this (e.g. 14d), by the agents' clocks,
+        /// in small batches every few minutes; incidents younger than it
+        /// stay (default: keep everything).
+        #[arg(long, value_parser = parse_duration)]
+        retain: Option<Duration>,
     },
     /// Supervise a command: sample its memory domains from outside, keep its
     /// stderr tail, and record how it ended. Exits with the command's status
@@ -112,6 +164,12 @@ pub enum Verb {
         /// the latest load).
         #[arg(long)]
         json: bool,
+        /// Only agents seen within this long (e.g. 1h).
+        #[arg(long, value_parser = parse_since)]
+        since: Option<Duration>,
+        /// Only agents on this host.
+        #[arg(long)]
+        host: Option<String>,
     },
     /// List incidents: OOMs, deaths by signal, OOM text in a failed exit,
     /// lost agents, crash loops.
@@ -122,6 +180,18 @@ pub enum Verb {
         /// Only this agent (id or name).
         #[arg(long)]
         agent: Option<String>,
+        /// Only incidents within this long (e.g. 1d).
+        #[arg(long, value_parser = parse_since)]
+        since: Option<Duration>,
+        /// Only this memory domain (e.g. gpu_vram, cgroup, host_ram).
+        #[arg(long)]
+        domain: Option<String>,
+        /// Only this cause, the incident's kind (e.g. oom, agent_lost, crash_loop).
+        #[arg(long)]
+        cause: Option<String>,
+        /// Only incidents of agents on this host.
+        #[arg(long)]
+        host: Option<String>,
         /// Print JSON: [Incident], each {id, agent_id, agent_name, kind,
         /// time_ns, domain, summary, seq, parts}.
         #[arg(long)]
@@ -239,6 +309,24 @@ pub enum Verb {
     /// Measure a collector: how many agents one collector takes.
     #[command(subcommand)]
     Bench(BenchVerb),
+}
+
+impl Verb {
+    /// Where this verb finds a collector, for verbs that talk to one.
+    pub fn collector_arg(&self) -> Option<&CollectorArg> {
+        match self {
+            Verb::Run(a) => Some(&a.collector),
+            Verb::Replay { collector, .. }
+            | Verb::Agents { collector, .. }
+            | Verb::Incidents { collector, .. }
+            | Verb::Timeline { collector, .. }
+            | Verb::Diagnose { collector, .. }
+            | Verb::Compare { collector, .. }
+            | Verb::Report { collector, .. }
+            | Verb::Bench(BenchVerb::Ingest { collector, .. }) => Some(collector),
+            _ => None,
+        }
+    }
 }
 
 /// What `oomscope bench` measures.
@@ -711,7 +799,12 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use ms, s, m or h)")),
+        "d" => n * 86400.0,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit `{unit}` (use ms, s, m, h or d)"
+            ))
+        }
     };
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}` is not a duration"));

@@ -9,6 +9,7 @@ mod agents;
 pub mod args;
 mod bench_ingest;
 mod collector;
+use oomscope_collector::serve::TlsFiles;
 mod compare;
 mod diagnose;
 mod fixture;
@@ -59,6 +60,10 @@ fn init_tracing() {
 /// Entry point; returns the process exit status.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    // Still one thread: the environment may change safely.
+    if let Some(c) = cli.verb.collector_arg() {
+        c.export_token();
+    }
     init_tracing();
     let result = match cli.verb {
         Verb::Collector {
@@ -66,7 +71,28 @@ pub fn main() -> i32 {
             db,
             lost_grace,
             limits,
-        } => collector::run(listen, db, lost_grace, limits.limits()),
+            token_file,
+            insecure,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            metrics,
+            retain,
+        } => collector::run(collector::Options {
+            metrics,
+            retain,
+            tls: tls_cert.zip(tls_key).map(|(cert, key)| TlsFiles {
+                cert,
+                key,
+                client_ca: tls_client_ca,
+            }),
+            listen,
+            db,
+            lost_grace,
+            limits: limits.limits(),
+            token_file,
+            insecure,
+        }),
         Verb::Run(args) => run::run(args),
         Verb::Node(args) => node::run(args),
         Verb::Replay {
@@ -76,12 +102,31 @@ pub fn main() -> i32 {
             speed,
             timeout,
         } => replay::run(&file, &collector.collector, name, speed, timeout),
-        Verb::Agents { collector, json } => agents::run(&collector.collector, json),
+        Verb::Agents {
+            collector,
+            json,
+            since,
+            host,
+        } => agents::run(&collector.collector, json, since, host),
         Verb::Incidents {
             collector,
             agent,
             json,
-        } => incidents::run(&collector.collector, agent, json),
+            since,
+            domain,
+            cause,
+            host,
+        } => incidents::run(
+            &collector.collector,
+            agent,
+            incidents::Filter {
+                since,
+                domain,
+                cause,
+                host,
+            },
+            json,
+        ),
         Verb::Timeline {
             agent,
             collector,

@@ -113,6 +113,29 @@ fn a_taken_port_is_a_clear_error_and_creates_no_store() {
     assert!(left.is_empty(), "no store files: {left:?}");
 }
 
+/// A second collector on a store another one serves refuses to start,
+/// naming the first (its pid and address), and leaves the store to it.
+#[test]
+fn a_second_collector_on_the_same_store_refuses_and_names_the_first() {
+    let tmp = tempdir();
+    let db = tmp.path().join("db");
+    let col = Collector::start(&db);
+    let first = col.url.trim_start_matches("http://").to_string();
+    let out = collector_refusing("127.0.0.1:0", &db);
+    let err = stderr(&out);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("already being written by another collector")
+            && err.contains(&format!("listening on {first}"))
+            && err.contains("pid "),
+        "names the first collector: {err}"
+    );
+    assert!(!err.contains("listening on 127.0.0.1:0"), "{err}");
+    // The first still serves.
+    let out = verb(&col, &["agents"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
 /// `report --html PATH` never writes through a planted symlink, and
 /// replaces an existing file only with --force (the link itself, then, not
 /// what it points to); the page goes through a temporary file in the

@@ -279,3 +279,32 @@ fn timeline_text_shows_the_serving_context_and_folds_gc_collections() {
         "{text}"
     );
 }
+
+/// `agents` and `incidents` filters: each keeps what matches and drops
+/// what does not, on an incident and agent made by a real `run`.
+#[test]
+fn agents_and_incidents_filter_by_since_domain_cause_and_host() {
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let out = run(&col.url, "filtered", &[], &["sh", "-c", "kill -9 $$"]);
+    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
+    let inc = col.incidents_of("filtered", 1, Duration::from_secs(10))[0].clone();
+    let (domain, cause) = (
+        inc["domain"].as_str().unwrap().to_string(),
+        inc["kind"].as_str().unwrap().to_string(),
+    );
+    let agents = col.json(&["agents"]);
+    let host = agents[0]["hello"]["host"].as_str().unwrap().to_string();
+    assert!(!host.is_empty(), "{agents}");
+    let count = |args: &[&str]| col.json(args).as_array().unwrap().len();
+
+    assert_eq!(count(&["agents", "--host", &host]), 1);
+    assert_eq!(count(&["agents", "--host", "no-such-host"]), 0);
+    assert_eq!(count(&["agents", "--since", "1h"]), 1);
+    assert_eq!(count(&["incidents", "--domain", &domain]), 1);
+    assert_eq!(count(&["incidents", "--domain", "no_such_domain"]), 0);
+    assert_eq!(count(&["incidents", "--cause", &cause]), 1);
+    assert_eq!(count(&["incidents", "--cause", "no_such_cause"]), 0);
+    assert_eq!(count(&["incidents", "--host", &host, "--since", "1h"]), 1);
+    assert_eq!(count(&["incidents", "--host", "no-such-host"]), 0);
+}

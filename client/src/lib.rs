@@ -10,8 +10,10 @@
 use std::future::Future;
 use std::time::Duration;
 
+use oomscope_proto::bearer::Bearer;
 use oomscope_proto::v1 as pb;
 use pb::query_service_client::QueryServiceClient;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 /// How long connecting may take before the collector counts as unreachable.
@@ -32,6 +34,13 @@ pub enum Error {
     Timeout(Duration),
     #[error("{} ({:?})", .0.message(), .0.code())]
     Status(#[from] tonic::Status),
+    #[error("{} ({:?}){hint}", status.message(), status.code())]
+    Explained {
+        status: tonic::Status,
+        hint: &'static str,
+    },
+    #[error("{0}")]
+    BadToken(String),
     #[error("cannot start a runtime for the query: {0}")]
     Runtime(#[from] std::io::Error),
 }
@@ -45,11 +54,15 @@ impl Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// A channel whose calls carry the token of `OOMSCOPE_TOKEN`, if set.
+type Authed = InterceptedService<Channel, Bearer>;
+
 /// A connection to one collector's `QueryService`.
 pub struct Client {
     rt: tokio::runtime::Runtime,
-    inner: QueryServiceClient<Channel>,
+    inner: QueryServiceClient<Authed>,
     call_timeout: Duration,
+    url: String,
 }
 
 impl Client {
@@ -69,6 +82,11 @@ impl Client {
                 reason: e.to_string(),
             })?
             .connect_timeout(connect);
+        let endpoint =
+            oomscope_proto::tls::secure(endpoint, url).map_err(|reason| Error::BadUrl {
+                url: url.to_string(),
+                reason,
+            })?;
         let channel = rt
             .block_on(async { tokio::time::timeout(connect, endpoint.connect()).await })
             .map_err(|_| Error::Unreachable {
@@ -79,19 +97,21 @@ impl Client {
                 url: url.to_string(),
                 reason: e.to_string(),
             })?;
-        let inner = QueryServiceClient::new(channel)
+        let bearer = Bearer::from_env().map_err(Error::BadToken)?;
+        let inner = QueryServiceClient::with_interceptor(channel, bearer)
             .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
         Ok(Client {
             rt,
             inner,
             call_timeout: call,
+            url: url.to_string(),
         })
     }
 
     fn call<T, F, Fut>(&mut self, f: F) -> Result<T>
     where
-        F: FnOnce(QueryServiceClient<Channel>) -> Fut,
+        F: FnOnce(QueryServiceClient<Authed>) -> Fut,
         Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
         let deadline = self.call_timeout;
@@ -101,7 +121,11 @@ impl Client {
             .rt
             .block_on(async move { tokio::time::timeout(deadline, fut).await })
         {
-            Ok(r) => Ok(r?.into_inner()),
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(status)) => match oomscope_proto::tls::hint(&self.url, &format!("{status:?}")) {
+                "" => Err(Error::Status(status)),
+                hint => Err(Error::Explained { status, hint }),
+            },
             Err(_) => Err(Error::Timeout(deadline)),
         }
     }

@@ -20,12 +20,15 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
 
+use crate::auth::TokenName;
 use crate::incidents;
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
-use crate::store::{now_ns, FileWatch, ReaderPool, Store, MAX_SEQ};
+use crate::store::{
+    now_ns, FileWatch, ReaderPool, Store, WriterLock, MAX_RETENTION_BATCH, MAX_SEQ,
+};
 
 /// How long a new stream may take to send its Hello before it is closed: an
 /// agent opens its stream when its Hello is ready (agent-core queues it
@@ -59,6 +62,10 @@ pub const MAX_DECODED_MESSAGES: usize = 4096;
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
 
+/// How often retention looks for rows past the window: old rows appear as
+/// time passes, a few minutes' worth at a time.
+pub const RETENTION_INTERVAL: Duration = Duration::from_secs(5 * 60);
+
 /// The shared state of a running collector: the store, the connected agents
 /// and their directive queues. Cheap to clone.
 #[derive(Clone)]
@@ -77,6 +84,12 @@ pub(crate) struct Inner {
     /// The store's files as opened: every write first checks that the path
     /// still names them (see [`FileWatch`]).
     file: Option<Mutex<FileWatch>>,
+    /// The tokens calls must carry (None: no authentication).
+    pub(crate) tokens: Option<crate::auth::Tokens>,
+    /// Serve TLS with this (None: plaintext).
+    pub(crate) tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Held while serving: no second collector writes the file.
+    _writer_lock: Option<WriterLock>,
     /// Why the collector stopped serving: a write found its store gone.
     pub(crate) fatal: Mutex<Option<String>>,
     lost_grace: Duration,
@@ -88,6 +101,10 @@ pub(crate) struct Inner {
     decoded: Arc<tokio::sync::Semaphore>,
     /// A memory trim is scheduled (see `Collector::schedule_trim`).
     trim_pending: std::sync::atomic::AtomicBool,
+    /// Resent seqs refused because their content differs from the stored.
+    conflicts: AtomicU64,
+    /// What `/metrics` shows.
+    metrics: Arc<crate::metrics::Metrics>,
     pub(crate) stopping: watch::Sender<bool>,
 }
 
@@ -146,6 +163,9 @@ impl Collector {
                 writer: std::sync::OnceLock::new(),
                 readers: None,
                 file: None,
+                _writer_lock: None,
+                tokens: None,
+                tls: None,
                 fatal: Mutex::new(None),
                 lost_grace,
                 hello_timeout: DEFAULT_HELLO_TIMEOUT,
@@ -154,6 +174,8 @@ impl Collector {
                 next_generation: AtomicU64::new(1),
                 decoded: Arc::new(tokio::sync::Semaphore::new(MAX_DECODED_MESSAGES)),
                 trim_pending: std::sync::atomic::AtomicBool::new(false),
+                conflicts: AtomicU64::new(0),
+                metrics: Arc::new(crate::metrics::Metrics::new()),
                 stopping: watch::channel(false).0,
             }),
         }
@@ -179,6 +201,40 @@ impl Collector {
         self
     }
 
+    /// Every call must carry one of `tokens`, and an agent id stays with the
+    /// token that first used it; call before the collector is shared.
+    pub fn with_tokens(mut self, tokens: crate::auth::Tokens) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.tokens = Some(tokens),
+            None => tracing::warn!("the collector is already shared; tokens are not checked"),
+        }
+        self
+    }
+
+    /// Serves TLS with `tls`; call before the collector is shared.
+    pub fn with_tls(mut self, tls: tonic::transport::ServerTlsConfig) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.tls = Some(tls),
+            None => tracing::warn!("the collector is already shared; it serves plaintext"),
+        }
+        self
+    }
+
+    /// Whether it serves TLS.
+    pub fn serves_tls(&self) -> bool {
+        self.inner.tls.is_some()
+    }
+
+    /// Holds `lock` for as long as the collector lives; call before the
+    /// collector is shared.
+    pub fn with_writer_lock(mut self, lock: WriterLock) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner._writer_lock = Some(lock),
+            None => tracing::warn!("the collector is already shared; its lock is not held"),
+        }
+        self
+    }
+
     /// Closes a stream that sends no Hello within `timeout` (default
     /// [`DEFAULT_HELLO_TIMEOUT`]); call before the collector is shared.
     pub fn with_hello_timeout(mut self, timeout: Duration) -> Collector {
@@ -187,6 +243,80 @@ impl Collector {
             None => tracing::warn!("the collector is already shared; the Hello timeout stays"),
         }
         self
+    }
+
+    /// Resent seqs refused so far because their content differed from what
+    /// was stored at that seq (see [`crate::store::BatchOutcome::conflicting`]).
+    pub fn conflicting_resends(&self) -> u64 {
+        self.inner.conflicts.load(Ordering::Relaxed)
+    }
+
+    /// Completes once the collector begins to stop (a signal, or its store
+    /// went away): what serves beside it (`/metrics`) stops then too.
+    pub fn until_stopping(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut stopping = self.inner.stopping.subscribe();
+        async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        }
+    }
+
+    /// Deletes what is older than `window` now and every
+    /// [`RETENTION_INTERVAL`], in batches of [`MAX_RETENTION_BATCH`] rows per
+    /// table, each its own group part (ingest goes on between them), until
+    /// the collector stops.
+    pub fn retain(&self, window: Duration) {
+        let collector = self.clone();
+        let stop = self.until_stopping();
+        tokio::spawn(async move {
+            let prune = async {
+                loop {
+                    let cutoff =
+                        now_ns().saturating_sub(window.as_nanos().min(i64::MAX as u128) as i64);
+                    let mut total = 0u64;
+                    loop {
+                        match collector
+                            .write(move |s| s.prune_before(cutoff, MAX_RETENTION_BATCH))
+                            .await
+                        {
+                            Ok(0) => break,
+                            Ok(n) => total += n,
+                            Err(e) => {
+                                tracing::error!("retention failed: {e:#}");
+                                break;
+                            }
+                        }
+                    }
+                    if total > 0 {
+                        tracing::info!(rows = total, ?window, "retention deleted old rows");
+                    }
+                    tokio::time::sleep(RETENTION_INTERVAL).await;
+                }
+            };
+            tokio::select! {
+                _ = prune => {}
+                _ = stop => {}
+            }
+        });
+    }
+
+    /// The collector's Prometheus metrics.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.inner.metrics
+    }
+
+    /// What a `/metrics` scrape answers now.
+    pub fn render_metrics(&self) -> String {
+        self.metrics().render(self.connected_agents() as i64)
+    }
+
+    /// Agents with a stream open to this collector now.
+    pub fn connected_agents(&self) -> usize {
+        self.inner
+            .links
+            .lock()
+            .values()
+            .filter(|l| l.directives.is_some())
+            .count()
     }
 
     /// Runs `f` on the store on a blocking thread: SQLite calls block.
@@ -360,12 +490,16 @@ impl Collector {
                     let lost = incidents::record_lost(store, &id, broke_at_ns, grace)?;
                     for inc in incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())? {
                         log_incident(&inc);
+                        c.inner.metrics.incident(&inc);
                     }
                     Ok(lost)
                 })
                 .await;
             match outcome {
-                Ok(Some(inc)) => log_incident(&inc),
+                Ok(Some(inc)) => {
+                    log_incident(&inc);
+                    collector.inner.metrics.incident(&inc);
+                }
                 Ok(None) => tracing::debug!(agent_id, "reconnected within the grace period"),
                 Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
             }
@@ -407,7 +541,10 @@ impl Collector {
             .with_store(move |store| incidents::record_recovered(store, &id))
             .await
         {
-            Ok(Some(inc)) => log_incident(&inc),
+            Ok(Some(inc)) => {
+                log_incident(&inc);
+                self.inner.metrics.incident(&inc);
+            }
             Ok(None) => tracing::info!(agent_id, "a dead agent's spool was delivered"),
             Err(e) => tracing::error!(agent_id, "recording a recovered agent failed: {e:#}"),
         }
@@ -466,12 +603,14 @@ impl AgentService for AgentApi {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let peer = request.remote_addr();
+        let token = request.extensions().get::<TokenName>().cloned();
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(session(
             self.collector.clone(),
             request.into_inner(),
             tx,
             peer,
+            token,
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -495,6 +634,7 @@ async fn session(
     mut inbound: Streaming<pb::AgentMessage>,
     tx: ReplyTx,
     peer: Option<SocketAddr>,
+    token: Option<TokenName>,
 ) {
     let waited = collector.inner.hello_timeout;
     let first = match tokio::time::timeout(waited, inbound.message()).await {
@@ -537,6 +677,29 @@ async fn session(
         }
     };
     let agent_id = hello.agent_id.clone();
+    // Before anything of the agent's is touched, its link included.
+    if let Some(TokenName(token)) = token {
+        let id = agent_id.clone();
+        let bound = collector
+            .with_store(move |s| Ok(s.bind_token(&id, &token)? == token))
+            .await;
+        let refusal = match bound {
+            Ok(true) => None,
+            // The holder's name is not told: names say who else sends here.
+            Ok(false) => Some(Status::permission_denied(format!(
+                "agent id {agent_id:?} belongs to another token: each agent id stays with the \
+                 token that first used it; give this agent its own id or its own token"
+            ))),
+            Err(e) => Some(Status::unavailable(format!(
+                "the collector could not check the agent's token: {e:#}"
+            ))),
+        };
+        if let Some(status) = refusal {
+            tracing::warn!(agent_id, ?peer, "refused a stream: {}", status.message());
+            let _ = tx.send(Err(status)).await;
+            return;
+        }
+    }
     // A dead agent's spool, delivered by another process: no live link (no
     // directives, no reconnect to wait for).
     let recovery = hello.recovery;
@@ -765,16 +928,45 @@ async fn ingest(
         }
     }
     let max_seq = storable.iter().map(|m| m.seq).max().unwrap_or(0);
+    let metrics = collector.inner.metrics.clone();
+    metrics.received(
+        storable.len() as u64,
+        storable
+            .iter()
+            .map(|m| prost::Message::encoded_len(m) as u64)
+            .sum(),
+    );
+    let sampled_by = hello.clone();
     let has_goodbye = goodbye.is_some();
     let id = agent_id.clone();
     let fleet = collector.inner.fleet.clone();
     // Acked only once the group this batch joins is committed.
+    let writing = std::time::Instant::now();
     let result = collector
         .write(move |store| {
             if let Some(h) = &rehello {
                 store.record_hello(h, now_ns())?;
             }
             let outcome = store.insert_batch(&id, &storable)?;
+            // The newest fresh sample is the agent's latest reading; read
+            // into /metrics after the write, off the writer's thread.
+            let latest = storable
+                .iter()
+                .filter(|m| outcome.fresh.binary_search(&m.seq).is_ok())
+                .filter_map(|m| match &m.body {
+                    Some(Body::Sample(s)) => Some((m.seq, s)),
+                    _ => None,
+                })
+                .max_by_key(|(seq, _)| *seq)
+                .map(|(_, s)| s.clone());
+            // What was refused raises nothing: its seq holds other content.
+            let storable: Vec<_> = match outcome.conflicting.is_empty() {
+                true => storable,
+                false => storable
+                    .into_iter()
+                    .filter(|m| outcome.conflicting.binary_search(&m.seq).is_err())
+                    .collect(),
+            };
             // An incident that fails to record must not cost the agent its
             // ack: the messages are stored, and a resend would retry it.
             // Only events start incidents: a batch of samples skips the check.
@@ -801,11 +993,17 @@ async fn ingest(
             if has_goodbye {
                 store.set_state(&id, "disconnected", now_ns())?;
             }
-            Ok((outcome, recorded))
+            Ok((outcome, recorded, latest))
         })
         .await;
+    collector.inner.metrics.store_write(writing.elapsed());
     let (outcome, recorded) = match result {
-        Ok(r) => r,
+        Ok((outcome, recorded, latest)) => {
+            if let Some(sample) = latest {
+                metrics.sample(&sampled_by, &sample, std::time::Instant::now());
+            }
+            (outcome, recorded)
+        }
         Err(e) => {
             tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
             let _ = tx
@@ -818,7 +1016,33 @@ async fn ingest(
     };
     for inc in &recorded {
         log_incident(inc);
+        collector.inner.metrics.incident(inc);
     }
+    if !outcome.conflicting.is_empty() {
+        collector
+            .inner
+            .conflicts
+            .fetch_add(outcome.conflicting.len() as u64, Ordering::Relaxed);
+        collector
+            .inner
+            .metrics
+            .conflicting(outcome.conflicting.len() as u64);
+        tracing::warn!(
+            agent_id,
+            seqs = ?outcome.conflicting,
+            "refused resent seqs whose content differs from the stored"
+        );
+    }
+    let conflicts = outcome.conflicting.iter().map(|&seq| {
+        reject(
+            seq,
+            &format!(
+                "seq {seq} of agent {agent_id} is already stored with other content; the stored \
+                 message is kept (another process may be sending as this agent, or the agent \
+                 reused its id after losing its spool)"
+            ),
+        )
+    });
     if let Some(g) = &goodbye {
         tracing::info!(
             agent_id,
@@ -828,20 +1052,22 @@ async fn ingest(
         );
     }
     let mut delivered = true;
-    let replies = rejects
-        .into_iter()
-        .chain(
-            ack_ranges(&outcome.stored)
-                .into_iter()
-                .map(|(from_seq, to_seq)| pb::CollectorMessage {
-                    body: Some(Reply::Ack(pb::Ack {
-                        from_seq,
-                        to_seq,
-                        // The session's delta::Decoder rebuilds them.
-                        changes_accepted: true,
-                    })),
-                }),
-        );
+    let replies =
+        rejects
+            .into_iter()
+            .chain(conflicts)
+            .chain(
+                ack_ranges(&outcome.stored)
+                    .into_iter()
+                    .map(|(from_seq, to_seq)| pb::CollectorMessage {
+                        body: Some(Reply::Ack(pb::Ack {
+                            from_seq,
+                            to_seq,
+                            // The session's delta::Decoder rebuilds them.
+                            changes_accepted: true,
+                        })),
+                    }),
+            );
     for reply in replies {
         if tx.send(Ok(reply)).await.is_err() {
             delivered = false;

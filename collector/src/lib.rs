@@ -7,11 +7,13 @@
 //! probe and the Python agent's `oomscope.query` reach it through them.
 
 pub mod accept;
+pub mod auth;
 pub mod correlate;
 pub mod fleet;
 pub mod inbound;
 pub mod incidents;
 pub mod ingest;
+pub mod metrics;
 pub mod query_service;
 pub mod serve;
 pub mod store;

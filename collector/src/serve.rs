@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use oomscope_proto::MAX_MESSAGE_BYTES;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::accept::Incoming;
 use crate::inbound::{InboundLayer, InboundLimits};
@@ -15,7 +16,7 @@ use crate::ingest::{AgentApi, Collector};
 use crate::pb::agent_service_server::AgentServiceServer;
 use crate::pb::query_service_server::QueryServiceServer;
 use crate::query_service::QueryApi;
-use crate::store::FileWatch;
+use crate::store::{FileWatch, WriterLock};
 use crate::store::{ReaderPool, Store, DEFAULT_READERS};
 
 pub struct ServeConfig {
@@ -25,6 +26,38 @@ pub struct ServeConfig {
     /// before the agent is recorded as lost.
     pub lost_grace: Duration,
     pub limits: ConnectionLimits,
+    /// Tokens every call must carry (`--token-file`); None: no check.
+    pub tokens: Option<crate::auth::Tokens>,
+    /// Serve TLS with these files; None: plaintext.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The collector's TLS: its certificate chain and key, and optionally the
+/// CA that client certificates must chain to (then every client needs one).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// tonic's server config from the files (rustls, TLS 1.2 and 1.3).
+    pub fn server_config(&self) -> Result<tonic::transport::ServerTlsConfig> {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+        let read = |p: &PathBuf, what: &str| {
+            std::fs::read(p).with_context(|| format!("reading the {what} {}", p.display()))
+        };
+        let identity = Identity::from_pem(
+            read(&self.cert, "TLS certificate")?,
+            read(&self.key, "TLS key")?,
+        );
+        let mut cfg = ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.client_ca {
+            cfg = cfg.client_ca_root(Certificate::from_pem(read(ca, "client CA")?));
+        }
+        Ok(cfg)
+    }
 }
 
 /// What one client may hold of the collector: streams, time and memory.
@@ -65,6 +98,10 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// The services' names, as grpc.health.v1 is asked about them.
+pub const AGENT_SERVICE: &str = "oomscope.v1.AgentService";
+pub const QUERY_SERVICE: &str = "oomscope.v1.QueryService";
+
 pub const DEFAULT_LOST_GRACE: Duration = Duration::from_secs(5);
 
 /// HTTP/2 flow control for each agent stream: what a client may send before
@@ -93,6 +130,8 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    // Before the store opens: a second collector must not even migrate it.
+    let lock = WriterLock::acquire(&cfg.db, &format!("a collector listening on {}", cfg.listen))?;
     let db = cfg.db.clone();
     let (store, reader) = tokio::task::spawn_blocking(move || {
         let store = Store::open(&db)?;
@@ -103,7 +142,16 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     let watch = FileWatch::new(&cfg.db)?;
     let collector = Collector::new(store, cfg.lost_grace)
         .with_readers(reader)
-        .with_file_watch(watch);
+        .with_file_watch(watch)
+        .with_writer_lock(lock);
+    let collector = match cfg.tokens.clone() {
+        Some(tokens) => collector.with_tokens(tokens),
+        None => collector,
+    };
+    let collector = match &cfg.tls {
+        Some(files) => collector.with_tls(files.server_config()?),
+        None => collector,
+    };
     Ok((listener, collector))
 }
 
@@ -135,6 +183,18 @@ pub async fn serve_with_limits(
     let queries = QueryServiceServer::new(QueryApi::new(collector.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    // Checked before any handler runs: a refused call writes nothing.
+    let check = crate::auth::interceptor(collector.inner.tokens.clone());
+    let agents = InterceptedService::new(agents, check.clone());
+    let queries = InterceptedService::new(queries, check);
+    // grpc.health.v1, unauthenticated: what a load balancer or a
+    // Kubernetes probe asks. It says NOT_SERVING once shutdown begins.
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    for name in ["", AGENT_SERVICE, QUERY_SERVICE] {
+        health_reporter
+            .set_service_status(name, tonic_health::ServingStatus::Serving)
+            .await;
+    }
     tracing::info!(?addr, "collector serving");
     let stopping = collector.inner.stopping.clone();
     let mut stopped = stopping.subscribe();
@@ -146,9 +206,21 @@ pub async fn serve_with_limits(
             _ = shutdown => {}
             _ = stopped.wait_for(|s| *s) => {}
         }
+        for name in ["", AGENT_SERVICE, QUERY_SERVICE] {
+            health_reporter
+                .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                .await;
+        }
         let _ = stopping.send(true);
     };
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = collector.inner.tls.clone() {
+        // A bad certificate or key fails here, before anything is served.
+        server = server
+            .tls_config(tls)
+            .context("the collector's TLS certificate or key")?;
+    }
+    server
         .initial_stream_window_size(DEFAULT_STREAM_WINDOW)
         .initial_connection_window_size(DEFAULT_CONNECTION_WINDOW)
         .max_concurrent_streams(limits.max_streams)
@@ -158,6 +230,7 @@ pub async fn serve_with_limits(
         }))
         .add_service(agents)
         .add_service(queries)
+        .add_service(health)
         .serve_with_incoming_shutdown(Incoming::new(listener, limits.idle_connection), shutdown)
         .await
         .context("the gRPC server failed")?;

@@ -141,30 +141,97 @@ async fn hundred_samples_are_acked_after_storage_and_queryable() {
     run.stop().await;
 }
 
+/// A sample of [`sample`] whose allocator carries 40 raw counters, one of
+/// them moving with `seq`: on a stream the counters travel as changes.
+fn counted_sample(seq: u64) -> pb::AgentMessage {
+    let mut msg = sample(seq, T0 + seq as i64);
+    if let Some(pb::agent_message::Body::Sample(s)) = &mut msg.body {
+        s.allocator[0].raw = (0..40)
+            .map(|i| {
+                (
+                    format!("counter.{i:02}"),
+                    i * 1000 + i64::from(i == 7) * seq as i64,
+                )
+            })
+            .collect();
+    }
+    msg
+}
+
+/// Replies until every seq of `want` is acked and `rejects` Rejects came.
+async fn acks_and_rejects(
+    agent: &mut AgentStream,
+    want: &BTreeSet<u64>,
+    rejects: usize,
+) -> (BTreeSet<u64>, Vec<pb::Reject>) {
+    let (mut acked, mut refused) = (BTreeSet::new(), Vec::new());
+    while !want.is_subset(&acked) || refused.len() < rejects {
+        match agent.next().await {
+            Ok(Some(pb::CollectorMessage {
+                body: Some(Reply::Ack(a)),
+            })) => acked.extend(a.from_seq..=a.to_seq),
+            Ok(Some(pb::CollectorMessage {
+                body: Some(Reply::Reject(r)),
+            })) => refused.push(r),
+            other => panic!("acked {acked:?}, refused {refused:?}, then {other:?}"),
+        }
+    }
+    (acked, refused)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resent_seqs_are_acked_again_and_stored_once() {
+async fn resent_seqs_are_acked_again_only_with_the_same_content() {
     let dir = tempfile::tempdir().unwrap();
     let run = start_in(&dir).await;
+    // The first stream sends the counters as changes, as agents do.
     let mut first = run.agent(hello("agent-r", "svc")).await;
+    let mut encoder = oomscope_proto::delta::Encoder::new();
     for seq in 1..=10u64 {
-        first.send(sample(seq, T0 + seq as i64)).await;
+        let wire = encoder.encode(counted_sample(seq));
+        if seq > 1 {
+            let stats = match &wire.body {
+                Some(pb::agent_message::Body::Sample(s)) => &s.allocator[0],
+                _ => unreachable!(),
+            };
+            assert!(
+                stats.raw.is_empty() && stats.raw_changes.is_some(),
+                "{stats:?}"
+            );
+        }
+        first.send(wire).await;
     }
     first.acks_covering(&(1..=10).collect(), |_| {}).await;
     first.close();
     drop(first);
 
-    // The reconnected agent never saw acks for 5..=10 (say) and resends them,
-    // with different bytes, then goes on with 11..=15.
+    // The reconnected agent never saw acks for 5..=10 (say) and resends
+    // them, complete this time (other bytes, the same content), except seq 8,
+    // which now says something else; then it goes on with 11..=15.
     let mut again = run.agent(hello("agent-r", "svc")).await;
     for seq in 5..=15u64 {
-        let mut msg = sample(seq, T0 + seq as i64);
-        if seq <= 10 {
-            msg = sample(seq + 1000, T0 + seq as i64);
+        let mut msg = counted_sample(seq);
+        if seq == 8 {
+            msg = counted_sample(seq + 1000);
             msg.seq = seq;
         }
         again.send(msg).await;
     }
-    again.acks_covering(&(5..=15).collect(), |_| {}).await;
+    let want: BTreeSet<u64> = (5..=15).filter(|&s| s != 8).collect();
+    let (acked, refused) = acks_and_rejects(&mut again, &want, 1).await;
+    assert!(
+        !acked.contains(&8),
+        "a differing seq 8 was acked: {acked:?}"
+    );
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].seq, 8);
+    assert!(
+        refused[0]
+            .reason
+            .contains("already stored with other content"),
+        "{}",
+        refused[0].reason
+    );
+    assert_eq!(run.collector.conflicting_resends(), 1);
     assert_eq!(
         stored_seqs(&run.db, "agent-r"),
         (1..=15).collect::<Vec<_>>()
@@ -172,10 +239,36 @@ async fn resent_seqs_are_acked_again_and_stored_once() {
 
     let tl = timeline(&run, "agent-r").await;
     assert_eq!(tl.samples.len(), 15);
-    // The first write wins: seq 7 keeps the RSS it was first stored with.
-    let seven = tl.samples.iter().find(|s| s.seq == 7).unwrap();
-    assert_eq!(rss(seven), 7 * MIB);
+    // The acked write stays: seq 8 keeps the RSS it was first stored with.
+    let eight = tl.samples.iter().find(|s| s.seq == 8).unwrap();
+    assert_eq!(rss(eight), 8 * MIB);
     assert_eq!(agent_summary(&run, "agent-r").await.last_seq, 15);
+    run.stop().await;
+}
+
+/// An impostor that stored seq 5 first: the real agent's OOM event at seq 5
+/// is refused, not acked and dropped, and raises no incident from the
+/// impostor's sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_at_a_seq_already_stored_is_refused_not_acked() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = start_in(&dir).await;
+    let mut impostor = run.agent(hello("agent-i", "svc")).await;
+    impostor.send(sample(5, T0 + 5)).await;
+    impostor.acks_covering(&BTreeSet::from([5]), |_| {}).await;
+    impostor.close();
+    drop(impostor);
+
+    let mut real = run.agent(hello("agent-i", "svc")).await;
+    real.send(oom(5, T0 + 5)).await;
+    real.send(oom(6, T0 + 6)).await;
+    let (acked, refused) = acks_and_rejects(&mut real, &BTreeSet::from([6]), 1).await;
+    assert!(!acked.contains(&5), "{acked:?}");
+    assert_eq!(refused[0].seq, 5, "{refused:?}");
+    let found = incidents(&run, "agent-i").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].domain, "gpu_vram", "{found:?}");
+    assert_eq!(run.collector.conflicting_resends(), 1);
     run.stop().await;
 }
 

@@ -16,9 +16,11 @@
 //! the CLI and every Python query is it (see [`serde_forms`] for the fields
 //! that need more than the derive).
 
+pub mod bearer;
 pub mod delta;
 #[cfg(feature = "serde")]
 pub mod serde_forms;
+pub mod tls;
 pub mod vocab;
 
 pub use vocab::{

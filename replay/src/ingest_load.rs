@@ -199,9 +199,13 @@ async fn open(endpoint: &Endpoint, hello: PreEncoded, window: usize) -> Result<S
         .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
         .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
     grpc.ready().await.map_err(|e| anyhow!("{e}"))?;
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    oomscope_proto::bearer::Bearer::from_env()
+        .map_err(|e| anyhow!(e))?
+        .stamp(&mut request);
     let response = grpc
         .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
+            request,
             tonic::codegen::http::uri::PathAndQuery::from_static(CONNECT_PATH),
             tonic_prost::ProstCodec::<PreEncoded, pb::CollectorMessage>::default(),
         )
@@ -285,6 +289,7 @@ async fn run(url: &str, load: Load) -> Result<Figures> {
         .with_context(|| format!("`{url}` is not a collector URL"))?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(3));
+    let endpoint = oomscope_proto::tls::secure(endpoint, url).map_err(|e| anyhow!(e))?;
     let base_ns = now_ns();
     let source = capture_samples(base_ns)?;
     let mut all = Vec::with_capacity(agents);

@@ -82,9 +82,20 @@ impl CollectorProcess {
     /// the caller isolates it); the log (stderr) goes to `log`, or to the
     /// test's stderr.
     pub fn start(oomscope: impl Fn() -> Command, db: &Path, log: Option<&Path>) -> Self {
+        Self::start_with(oomscope, db, &[], log)
+    }
+
+    /// [`CollectorProcess::start`] with `extra` arguments after the
+    /// collector's own (`--token-file F`, `--tls-cert F`, `--metrics A`).
+    pub fn start_with(
+        oomscope: impl Fn() -> Command,
+        db: &Path,
+        extra: &[&std::ffi::OsStr],
+        log: Option<&Path>,
+    ) -> Self {
         let mut why = String::new();
         for _ in 0..START_TRIES {
-            match Self::start_on(oomscope(), db, crate::free_port(), log) {
+            match Self::start_on_with(oomscope(), db, crate::free_port(), extra, log) {
                 Ok(c) => return c,
                 Err(e) => why = e,
             }
@@ -95,9 +106,19 @@ impl CollectorProcess {
     /// On `port` (a restart on the port agents know). Ready once the
     /// collector says it listens; Err: why not (the child is reaped).
     pub fn start_on(
+        oomscope: Command,
+        db: &Path,
+        port: u16,
+        log: Option<&Path>,
+    ) -> Result<Self, String> {
+        Self::start_on_with(oomscope, db, port, &[], log)
+    }
+
+    fn start_on_with(
         mut oomscope: Command,
         db: &Path,
         port: u16,
+        extra: &[&std::ffi::OsStr],
         log: Option<&Path>,
     ) -> Result<Self, String> {
         let mut child = oomscope
@@ -109,6 +130,7 @@ impl CollectorProcess {
             ])
             .arg(db)
             .args(["--lost-grace", "1s"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

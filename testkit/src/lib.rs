@@ -13,6 +13,7 @@
 //! - [`cli`]: the `oomscope` binary beside the test, its queries as JSON.
 
 pub mod agent_stream;
+pub mod certs;
 pub mod cgroups;
 pub mod cli;
 pub mod collector_process;

@@ -112,6 +112,9 @@ pub struct ReporterConfig {
     /// are scheduled ([`crate::priority`]); the default leaves them as the
     /// process's threads are.
     pub thread_priority: ThreadPriority,
+    /// The collector's token (`OOMSCOPE_TOKEN`, read by [`ReporterConfig::new`]),
+    /// sent as `authorization: Bearer` on the stream; None sends none.
+    pub token: Option<String>,
 }
 
 impl ReporterConfig {
@@ -128,6 +131,7 @@ impl ReporterConfig {
             backoff_max: DEFAULT_BACKOFF_MAX,
             hold: false,
             thread_priority: ThreadPriority::default(),
+            token: std::env::var(oomscope_proto::bearer::TOKEN_ENV).ok(),
         }
     }
 }

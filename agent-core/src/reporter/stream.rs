@@ -244,6 +244,11 @@ impl Worker {
                 ))
             }
         };
+        // https:// dials TLS (OOMSCOPE_CA and the client certificate, if set).
+        let endpoint = match oomscope_proto::tls::secure(endpoint, &self.cfg.collector_url) {
+            Ok(e) => e,
+            Err(e) => return failed(e),
+        };
         let timeout = self.cfg.connect_timeout;
         let channel = match self
             .offline(
@@ -271,7 +276,12 @@ impl Worker {
         let mut client = pb::agent_service_client::AgentServiceClient::new(channel)
             .max_encoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES)
             .max_decoding_message_size(oomscope_proto::MAX_MESSAGE_BYTES);
-        let opened = tokio::time::timeout(timeout, client.connect(ReceiverStream::new(out_rx)));
+        let mut request = tonic::Request::new(ReceiverStream::new(out_rx));
+        match oomscope_proto::bearer::Bearer::new(self.cfg.token.as_deref()) {
+            Ok(bearer) => bearer.stamp(&mut request),
+            Err(e) => return self.connect_failed(e),
+        }
+        let opened = tokio::time::timeout(timeout, client.connect(request));
         let mut inbound = match self.offline(inputs, opened).await {
             None => return SessionEnd::Stopped,
             Some(Err(_)) => {
@@ -279,7 +289,10 @@ impl Worker {
                     .connect_failed(format!("opening the stream timed out after {timeout:?}"))
             }
             Some(Ok(Err(status))) => {
-                return self.connect_failed(format!("collector refused the stream: {status}"))
+                let hint =
+                    oomscope_proto::tls::hint(&self.cfg.collector_url, &format!("{status:?}"));
+                return self
+                    .connect_failed(format!("collector refused the stream: {status}{hint}"));
             }
             Some(Ok(Ok(response))) => response.into_inner(),
         };

@@ -196,6 +196,16 @@ pub fn run(url: &str, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
         .expect("oomscope run")
 }
 
+/// `oomscope collector --listen LISTEN --db DB` that is expected to refuse:
+/// its output once it exits.
+pub fn collector_refusing(listen: &str, db: &Path) -> Output {
+    oomscope()
+        .args(["collector", "--listen", listen, "--db"])
+        .arg(db)
+        .output()
+        .unwrap()
+}
+
 /// A capture of tests/fixtures/torch-h200 by its file name.
 pub fn fixture(name: &str) -> PathBuf {
     torch_h200::file(name)

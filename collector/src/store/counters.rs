@@ -400,7 +400,8 @@ mod tests {
             store
                 .conn
                 .execute_batch(
-                    "ALTER TABLE messages DROP COLUMN key_seq;
+                    "DROP INDEX IF EXISTS messages_by_chain;
+                     ALTER TABLE messages DROP COLUMN key_seq;
                      ALTER TABLE messages DROP COLUMN whole_len;
                      PRAGMA user_version = 4;",
                 )

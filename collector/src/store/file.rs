@@ -12,6 +12,10 @@
 //!   with those seen at open. A database deleted or replaced under a running
 //!   collector would otherwise take acked writes into an unlinked file, lost
 //!   at the next start; the collector stops acking and exits instead.
+//! - **One writer**: [`WriterLock`] holds an advisory lock beside the file
+//!   while a collector serves it. Two collectors writing one file would each
+//!   keep their own chains, rollups and lost-agent timers, so a second one
+//!   refuses to start and names the first.
 
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -46,6 +50,66 @@ pub fn create_private(path: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
         Err(e) => Err(e).with_context(|| format!("creating the store {}", path.display())),
     }
+}
+
+/// An exclusive `flock` on `<db>.lock`, held while a collector writes the
+/// store; the file says who holds it. The kernel drops the lock when the
+/// holder exits, however it exits, so a crash never leaves the store locked.
+#[derive(Debug)]
+pub struct WriterLock {
+    _file: std::fs::File,
+}
+
+impl WriterLock {
+    /// Takes the lock for the store at `db`, recording `holder` (who this is,
+    /// e.g. the listen address); fails, naming the holder, when another
+    /// process (or another collector in this one) has it.
+    pub fn acquire(db: &Path, holder: &str) -> Result<WriterLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = lock_path(db);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(DB_FILE_MODE)
+            .open(&path)
+            .with_context(|| format!("opening the store's lock file {}", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(err).with_context(|| format!("locking {}", path.display()));
+            }
+            let mut who = String::new();
+            let _ = file.read_to_string(&mut who);
+            bail!(
+                "the store {} is already being written by another collector ({}); one collector \
+                 writes a SQLite store: stop that one, or give this one another --db",
+                db.display(),
+                match who.trim() {
+                    "" => "its lock file is empty",
+                    w => w,
+                }
+            );
+        }
+        let who = format!("pid {}, {holder}", std::process::id());
+        file.set_len(0)?;
+        file.rewind()?;
+        file.write_all(who.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(WriterLock { _file: file })
+    }
+}
+
+/// `<db>.lock`: beside the database, not on it, since SQLite's own locks
+/// are on the database file (fcntl locks, which flock does not see, but a
+/// close of any descriptor of the file would drop them).
+fn lock_path(db: &Path) -> PathBuf {
+    let mut name = db.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
 }
 
 /// Refuses a database whose pages are damaged, with SQLite's own findings.
@@ -170,6 +234,21 @@ mod tests {
         std::fs::rename(&other, &db).unwrap();
         let err = watch.check().unwrap_err().to_string();
         assert!(err.contains("s.db") && err.contains("replaced"), "{err}");
+    }
+
+    #[test]
+    fn a_second_writer_is_refused_and_told_who_holds_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let first = WriterLock::acquire(&db, "listening on 127.0.0.1:7000").unwrap();
+        let err = WriterLock::acquire(&db, "listening on 127.0.0.1:7001")
+            .unwrap_err()
+            .to_string();
+        let holder = format!("pid {}, listening on 127.0.0.1:7000", std::process::id());
+        assert!(err.contains(&holder) && err.contains("s.db"), "{err}");
+        drop(first);
+        // Released with its holder: the next one takes it.
+        WriterLock::acquire(&db, "listening on 127.0.0.1:7001").unwrap();
     }
 
     #[test]

@@ -24,19 +24,21 @@ mod file;
 mod history;
 mod instances;
 mod readers;
+mod retention;
 mod rollups;
 
 pub use counters::KEYFRAME_INTERVAL;
-pub use file::{FileWatch, DB_FILE_MODE};
+pub use file::{FileWatch, WriterLock, DB_FILE_MODE};
 pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
 };
 pub use instances::{Instance, Member, Target};
 pub use readers::{ReaderPool, DEFAULT_READERS};
+pub use retention::MAX_RETENTION_BATCH;
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 5;
+const SCHEMA_VERSION: i64 = 6;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -74,6 +76,19 @@ CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE 
 CREATE INDEX incidents_by_agent ON incidents(agent_id, time_ns);
 ";
 
+/// v6: which token each agent id is bound to (see `auth.rs`), and the
+/// chains' index for retention. Agents of a
+/// collector without tokens have no row; the first token that names an
+/// agent id after tokens are turned on takes it.
+const SCHEMA_V6: &str = "
+CREATE TABLE IF NOT EXISTS agent_tokens(
+    agent_id TEXT PRIMARY KEY,
+    token    TEXT NOT NULL        -- the token's name, never its secret
+) WITHOUT ROWID;
+-- Retention keeps a chain while any row of it is young (retention.rs).
+CREATE INDEX IF NOT EXISTS messages_by_chain ON messages(agent_id, key_seq) WHERE key_seq IS NOT NULL;
+";
+
 /// What `insert_batch` did with one batch.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct BatchOutcome {
@@ -81,6 +96,9 @@ pub struct BatchOutcome {
     pub stored: Vec<u64>,
     /// The subset that this batch stored for the first time.
     pub fresh: Vec<u64>,
+    /// Seqs already stored with other content: refused, neither stored nor
+    /// acked (an acked message is never replaced, see [`Store::insert_batch`]).
+    pub conflicting: Vec<u64>,
 }
 
 pub struct Store {
@@ -185,6 +203,12 @@ impl Store {
             tx.pragma_update(None, "user_version", 5)?;
             tx.commit()?;
         }
+        if version < 6 {
+            let tx = self.conn.transaction()?;
+            tx.execute_batch(SCHEMA_V6)?;
+            tx.pragma_update(None, "user_version", 6)?;
+            tx.commit()?;
+        }
         Ok(())
     }
 
@@ -216,9 +240,13 @@ impl Store {
     }
 
     /// Stores a batch of an agent's messages in one transaction. A seq that is
-    /// already stored is left as it was (the agent resent it after a lost ack)
-    /// and still counts as stored. Hello messages carry no seq and are skipped:
-    /// use `upsert_agent`.
+    /// already stored is left as it was: with the same content (the agent
+    /// resent it after a lost ack) it still counts as stored; with other
+    /// content it is `conflicting`, since the stored one may have been acked
+    /// and an ack promises it is kept. Contents are compared decoded and
+    /// complete, not as bytes: counters travel and are stored as changes, so
+    /// a resend encodes differently, and maps encode in any order. Hello
+    /// messages carry no seq and are skipped: use `upsert_agent`.
     pub fn insert_batch(
         &mut self,
         agent_id: &str,
@@ -319,6 +347,10 @@ impl Store {
                 if added == 0 && stored.key_seq.is_some() {
                     self.chains.not_stored(agent_id);
                 }
+                if added == 0 && !same_as_stored(&tx, agent_id, seq, msg)? {
+                    out.conflicting.push(msg.seq);
+                    continue;
+                }
                 if added > 0 {
                     out.fresh.push(msg.seq);
                     match &msg.body {
@@ -358,7 +390,29 @@ impl Store {
         out.stored.dedup();
         out.fresh.sort_unstable();
         out.fresh.dedup();
+        out.conflicting.sort_unstable();
+        out.conflicting.dedup();
+        // A seq sent twice in one batch, the second time different.
+        out.stored
+            .retain(|s| out.conflicting.binary_search(s).is_err());
         Ok(out)
+    }
+
+    /// Binds `agent_id` to the token named `token` if no token holds it yet;
+    /// returns the token that holds it (so `token` where the binding is
+    /// new or already its own).
+    pub fn bind_token(&mut self, agent_id: &str, token: &str) -> Result<String> {
+        self.conn
+            .execute(
+                "INSERT OR IGNORE INTO agent_tokens(agent_id, token) VALUES (?1, ?2)",
+                params![agent_id, token],
+            )
+            .with_context(|| format!("binding agent {agent_id} to its token"))?;
+        Ok(self.conn.query_row(
+            "SELECT token FROM agent_tokens WHERE agent_id = ?1",
+            [agent_id],
+            |r| r.get(0),
+        )?)
     }
 
     /// Records a Hello as it arrives: a live agent's (see
@@ -857,6 +911,23 @@ pub const MAX_SEQ: u64 = i64::MAX as u64;
 fn seq_to_sql(seq: u64) -> Result<i64> {
     i64::try_from(seq)
         .map_err(|_| anyhow!("seq {seq} is beyond what the store can hold ({MAX_SEQ})"))
+}
+
+/// Whether `msg` equals what is stored at (`agent_id`, `seq`), both complete
+/// (the stored one rebuilt from its chain). Read only for a resent seq.
+fn same_as_stored(
+    conn: &Connection,
+    agent_id: &str,
+    seq: i64,
+    msg: &pb::AgentMessage,
+) -> Result<bool> {
+    let (body, key_seq): (Vec<u8>, Option<i64>) = conn
+        .prepare_cached("SELECT body, key_seq FROM messages WHERE agent_id = ?1 AND seq = ?2")?
+        .query_row(params![agent_id, seq], |r| Ok((r.get(0)?, r.get(1)?)))
+        .with_context(|| format!("reading stored seq {seq} of agent {agent_id}"))?;
+    let stored = decode_message(agent_id, seq as u64, &body)?;
+    let stored = counters::Rebuilder::default().complete(conn, agent_id, seq, key_seq, stored)?;
+    Ok(stored == *msg)
 }
 
 fn decode_message(agent_id: &str, seq: u64, body: &[u8]) -> Result<pb::AgentMessage> {

@@ -19,7 +19,9 @@ pub fn run(url: &str, incident: &str, out: Option<&Path>) -> anyhow::Result<i32>
     let failure = d.failure.unwrap_or_default();
     let fx = fixture::from_failure(
         incident,
-        d.trigger.as_deref().unwrap_or("unknown"),
+        d.trigger
+            .as_deref()
+            .unwrap_or(oomscope_proto::TriggerKind::Unknown.as_str()),
         &failure,
     )
     .map_err(anyhow::Error::msg)?;

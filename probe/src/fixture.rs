@@ -14,6 +14,7 @@
 //! a burst that starts together), and the whole list `repeats` times.
 //! Pure: what to replay, from a probe report or a list of shapes.
 
+use oomscope_proto::TriggerKind;
 use serde::{Deserialize, Serialize};
 
 use crate::report::{ProbeReport, Step};
@@ -101,10 +102,9 @@ pub fn from_failure(
     let per = tokens.div_ceil(n);
     let output = INCIDENT_OUTPUT_TOKENS.min(per.saturating_sub(1)).max(1);
     let concurrency = usize::try_from(n).map_err(|e| e.to_string())?;
-    let repeats = match (trigger, f.requests_done) {
-        ("repeated_requests", Some(done)) if done > 0 => {
-            usize::try_from(done).map_err(|e| e.to_string())?
-        }
+    let repeated = trigger.parse::<TriggerKind>().ok() == Some(TriggerKind::RepeatedRequests);
+    let repeats = match (repeated, f.requests_done) {
+        (true, Some(done)) if done > 0 => usize::try_from(done).map_err(|e| e.to_string())?,
         _ => 1,
     };
     let fx = Fixture {

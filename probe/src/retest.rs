@@ -15,6 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 use oomscope_analysis::settings::Runtime;
+use oomscope_proto::IncidentKind;
 
 use crate::report::{ProbeReport, Status, SuiteReport};
 
@@ -39,7 +40,8 @@ impl Outcome {
             Outcome::Moved => "moved",
             Outcome::Shrank => "shrank",
             Outcome::Same => "same",
-            Outcome::FailedStart => "failed_start",
+            // The incident kind of a server that failed while starting.
+            Outcome::FailedStart => IncidentKind::FailedStart.as_str(),
             Outcome::NotMeasured => "not_measured",
         }
     }

@@ -102,6 +102,13 @@ pub enum Reason {
 /// its baselines at requests 10 and 82 and no third census.
 pub const MIN_CENSUS_FOUND_BYTES: u64 = growth::MIN_HOST_GROWTH_BYTES as u64;
 
+/// No reading for this long after a census that found growth: the burst
+/// has ended, and the confirming census runs on whatever requests came
+/// since (one is enough: census bytes are exact), not [`MIN_REQUESTS_BETWEEN`].
+/// In vLLM's suite the late baseline came at request 95 of 100, and no
+/// tenth request followed it.
+pub const QUIET_AFTER_BURST: Duration = Duration::from_secs(1);
+
 #[derive(Debug)]
 pub struct Suspicion {
     readings: Vec<Reading>,
@@ -119,6 +126,8 @@ pub struct Suspicion {
     duty: f64,
     /// The last census found a type grown by [`MIN_CENSUS_FOUND_BYTES`].
     found: bool,
+    /// When the latest reading came.
+    last_reading: Option<Instant>,
 }
 
 impl Default for Suspicion {
@@ -139,6 +148,7 @@ impl Suspicion {
             started,
             duty: duty.clamp(1e-6, 1.0),
             found: false,
+            last_reading: None,
         }
     }
 
@@ -160,6 +170,7 @@ impl Suspicion {
         }
         self.readings.push(r);
         self.untested += 1;
+        self.last_reading = Some(Instant::now());
     }
 
     /// Whether a census is due now, and why.
@@ -172,6 +183,13 @@ impl Suspicion {
             return Some(Reason::Baseline);
         }
         let since = done.saturating_sub(self.last_census_requests.unwrap_or(0));
+        let quiet = self
+            .last_reading
+            .is_some_and(|t| now.saturating_duration_since(t) >= QUIET_AFTER_BURST);
+        if self.found && quiet && since > 0 {
+            self.untested = 0;
+            return Some(Reason::Census);
+        }
         if since < self.between || self.untested < TEST_EVERY {
             return None;
         }
@@ -357,6 +375,16 @@ mod tests {
         feed(&mut s, 83, 100, |_| TORCH_BLOCKS);
         assert_eq!(s.due(t0 + secs(2.0)), None, "the duty cycle first");
         assert_eq!(s.due(t0 + secs(2.6)), Some(Reason::Census));
+        // A late census near a burst's end: once no reading came for a
+        // while, one request since is enough.
+        let mut late = Suspicion::new(DEFAULT_DUTY, t0);
+        feed(&mut late, 1, 10, |_| TORCH_BLOCKS);
+        late.censused(10, Duration::from_millis(1), 0, t0);
+        late.censused(95, Duration::from_millis(1), 20 << 20, t0);
+        feed(&mut late, 96, 100, |_| TORCH_BLOCKS);
+        let after = Instant::now();
+        assert_eq!(late.due(after + secs(0.5)), None, "the burst may go on");
+        assert_eq!(late.due(after + secs(1.5)), Some(Reason::Census));
         // That census found nothing more: the signals decide again.
         s.censused(100, Duration::from_millis(100), 1 << 20, t0 + secs(2.6));
         feed(&mut s, 101, 200, |_| TORCH_BLOCKS);

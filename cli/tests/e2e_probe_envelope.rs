@@ -197,22 +197,25 @@ fn a_server_that_serves_one_request_at_a_time_is_serialized() {
     let port = free_port();
     // One active sequence: the reference server's serializing switch.
     let _srv = Server::start(&col, "one", port, "--max-active 1 --max-queue 64");
-    let (code, r) = probe_seeded(&[
-        "--endpoint",
-        &format!("http://127.0.0.1:{port}/v1"),
-        "--collector",
-        &col.url,
-        "--agent",
-        "one",
-        "--suite",
-        "concurrency",
-        "--max-concurrency",
-        "8",
-        "--typical-context",
-        "64",
-        "--output-tokens",
-        "8",
-    ]);
+    // The concurrency ramp against this server, and what else each run adds.
+    let endpoint = format!("http://127.0.0.1:{port}/v1");
+    let concurrency = |extra: &[&str]| {
+        let mut args = vec![
+            "--endpoint",
+            endpoint.as_str(),
+            "--suite",
+            "concurrency",
+            "--max-concurrency",
+            "8",
+            "--typical-context",
+            "64",
+            "--output-tokens",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        probe_seeded(&args)
+    };
+    let (code, r) = concurrency(&["--collector", &col.url, "--agent", "one"]);
     assert_eq!(code, 0, "{r:#}");
     let fig = &r["envelope"]["max_concurrency_at_typical_context"];
     assert_eq!(
@@ -239,20 +242,7 @@ fn a_server_that_serves_one_request_at_a_time_is_serialized() {
     let bound_ms = (2.5 * one).floor();
     let bound = format!("{bound_ms}ms");
     let ramp = || {
-        let (_, r) = probe_seeded(&[
-            "--endpoint",
-            &format!("http://127.0.0.1:{port}/v1"),
-            "--suite",
-            "concurrency",
-            "--max-concurrency",
-            "8",
-            "--typical-context",
-            "64",
-            "--output-tokens",
-            "8",
-            "--latency-bound",
-            &bound,
-        ]);
+        let (_, r) = concurrency(&["--latency-bound", &bound]);
         let steps = suite(&r, "concurrency")["steps"]
             .as_array()
             .unwrap()

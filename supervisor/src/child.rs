@@ -13,18 +13,18 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use oomscope_agent_core::agent::{Flow, Readers, SamplingLoop, INSTANCE_ENV};
 use oomscope_agent_core::pb;
-use oomscope_agent_core::readers::kmsg::{self, KmsgReader};
+use oomscope_agent_core::readers::kmsg::KmsgReader;
 use oomscope_agent_core::readers::tree::TreeWatch;
 use oomscope_agent_core::readers::{process, HostPaths, HostReader};
 use oomscope_agent_core::reporter::Reporter;
 use oomscope_analysis::units::signal_name;
 
 use crate::config::RunConfig;
-use crate::event;
 use crate::members::{name_processes, Members};
 use crate::place::join_cgroup;
 use crate::shield::write_own_oom_score_adj;
 use crate::signals::take_pending_signal;
+use crate::{event, kill_event};
 
 /// How often `waitid` is polled for the child's end (and a stop signal passed
 /// on) between samples, so that the end is read within this delay even when
@@ -284,11 +284,7 @@ impl ChildWatch<'_> {
     fn send_kills(&mut self, reporter: &Reporter) {
         for kill in self.kmsg.read_new() {
             if kill.pid == self.pid || self.tree.owns(kill.pid) {
-                // Placed when the kernel logged it, not when it was read.
-                reporter.send_event(pb::Event {
-                    time_ns: kmsg::logged_at_now(kill.kernel_time_us),
-                    kind: Some(pb::event::Kind::KernelOomKill(kill)),
-                });
+                reporter.send_event(kill_event(kill));
             }
         }
         self.send_alloc_failures(reporter, false);

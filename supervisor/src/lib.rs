@@ -52,3 +52,17 @@ pub(crate) fn event(kind: pb::event::Kind) -> pb::Event {
         kind: Some(kind),
     }
 }
+
+/// A kernel OOM kill's event, placed when the kernel logged it (its
+/// /dev/kmsg stamp on the wall clock), not when it was read: a reader on a
+/// loaded machine reads a kill a second or more late. One without a
+/// kernel stamp (counted from a cgroup alone) is placed now.
+pub(crate) fn kill_event(kill: pb::KernelOomKill) -> pb::Event {
+    pb::Event {
+        time_ns: match kill.kernel_time_us {
+            0 => now_ns(),
+            us => oomscope_agent_core::readers::kmsg::logged_at_now(us),
+        },
+        kind: Some(pb::event::Kind::KernelOomKill(kill)),
+    }
+}

@@ -14,8 +14,8 @@ use oomscope_agent_core::{hostname, now_ns};
 use super::discover::Found;
 use super::identity::{identify, ContainerIdentity};
 use super::oom_count::{kills, Count};
-use crate::event;
 use crate::hello::KERNEL_LOG_LABEL;
+use crate::kill_event;
 
 /// How long a kernel record read before the counter moved waits for it: the
 /// kernel counts the kill and logs it within the same call, so a record the
@@ -126,8 +126,7 @@ impl Watched {
     /// The kernel's record of a kill of a task of this cgroup: the
     /// incident's evidence. A kill the counter already showed is explained.
     pub fn kernel_kill(&mut self, kill: pb::KernelOomKill, now: Instant) {
-        self.reporter
-            .send_event(event(pb::event::Kind::KernelOomKill(kill)));
+        self.reporter.send_event(kill_event(kill));
         if self.unexplained.pop_front().is_none() && self.kernel_credits.len() < MAX_KERNEL_CREDITS
         {
             self.kernel_credits.push_back(now);
@@ -171,8 +170,7 @@ impl Watched {
                 u.now,
                 kernel_log,
             );
-            self.reporter
-                .send_event(event(pb::event::Kind::KernelOomKill(kill)));
+            self.reporter.send_event(kill_event(kill));
         }
     }
 

@@ -601,7 +601,12 @@ impl Agent {
             ..Default::default()
         });
         let mut baseline = lock(&self.baseline).take();
-        let result = census::run(py, budget, done, &mut baseline);
+        let result = census::run(py, budget, done, &mut baseline).map(|mut c| {
+            // Its slices let requests run: one that ended after the sample
+            // above may have left its objects in the counts, or not.
+            c.requests_ended_during = lock(&self.context).requests_done.saturating_sub(done);
+            c
+        });
         *lock(&self.baseline) = baseline;
         if self.config.census_trim {
             py.detach(crate::own_heap::trim_after_census);

@@ -60,6 +60,23 @@ def census_points(timeline):
     return out
 
 
+class Requests:
+    """The requests whose leftovers lie between two censuses: `n` by the
+    samples before them, give or take the requests that ended while each
+    ran (its GIL slices let the server go on; CI once saw one: 19 of 20)."""
+
+    def __init__(self, n, first, last):
+        self.n = n
+        self.lo = n - first.get("requests_ended_during", 0)
+        self.hi = n + last.get("requests_ended_during", 0)
+
+    def holds(self, count, per=1, rel=0.0):
+        return self.lo * per * (1 - rel) <= count <= self.hi * per * (1 + rel)
+
+    def __repr__(self):
+        return "%d requests (%d..%d)" % (self.n, self.lo, self.hi)
+
+
 def span(timeline):
     """The second and last censuses (the first has no baseline, so it lists
     only the largest types) and the requests completed between them; both
@@ -69,16 +86,16 @@ def span(timeline):
     assert n1 - n0 >= 15, [p[0] for p in points]
     in_flight = [s["context"]["numbers"]["requests_in_flight"] for s in (s0, s1)]
     assert in_flight == [0, 0], "a census taken mid-request: %s" % in_flight
-    return first, last, n1 - n0
+    return first, last, Requests(n1 - n0, first, last)
 
 
 def test_leak_responses_grow_per_request_and_the_type_is_named(collector, server_factory):
     _, t = run_scenario(collector, server_factory, "leaky", "--leak-responses")
     first, last, n = span(t)
     dc, db = growth(first, last, "__main__.Completion")
-    assert dc == n, (dc, db, n)  # one kept response per request
+    assert n.holds(dc), (dc, db, n)  # one kept response per request
     dc, db = growth(first, last, "torch.Tensor[cpu]")
-    assert dc >= n and db == pytest.approx(n * LOGITS_BYTES, rel=0.02), (dc, db, n)
+    assert dc >= n.lo and n.holds(db, LOGITS_BYTES, rel=0.02), (dc, db, n)
     chain = last["referrer_chain"]
     assert chain[0] == "module __main__ global RESPONSE_LOG", chain
     assert any(step.startswith("__main__.Completion.logits") for step in chain), chain
@@ -98,7 +115,7 @@ def test_gc_cycles_grow_until_the_cycle_collector_runs(collector, server_factory
     c = events(t, "heap_census")
     first, last, n = span(t)
     dc, db = growth(first, last, "__main__.Completion")
-    assert dc == n, (dc, db, n)
+    assert n.holds(dc), (dc, db, n)
     status, body = s.post("/admin/gc")
     assert status == 200 and body["collected"] > 0, body
     t = wait_for(lambda: (lambda t: len(events(t, "heap_census")) > len(c) and t)(collector.timeline("cycles")), 30)
@@ -115,7 +132,7 @@ def test_host_leak_grows_rss_and_names_the_retaining_type(collector, server_fact
     dc, db = growth(first, last, "torch.Tensor[cpu]")
     # The count may catch a few of the engine's temporaries mid-step; the
     # bytes are the copies.
-    assert abs(dc - n) <= 3 and db == pytest.approx(n * LOGITS_BYTES, rel=0.02), (dc, db, n)
+    assert n.lo - 3 <= dc <= n.hi + 3 and n.holds(db, LOGITS_BYTES, rel=0.02), (dc, db, n)
     assert last["referrer_chain"][0] == "module __main__ global HOST_COPIES", last["referrer_chain"]
     # RSS as each census began: like with like, since after each census the
     # agent hands the heap's free pages back (malloc_trim), the server's

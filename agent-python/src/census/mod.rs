@@ -350,6 +350,8 @@ pub fn run(
         referrer_chain: chain,
         longest_hold_ns: slices.longest.as_nanos() as u64,
         longest_hold_cpu_ns: slices.longest_cpu.as_nanos() as u64,
+        // The caller knows the requests; see `Agent::census`.
+        requests_ended_during: 0,
     };
     if ended != listing::Ended::Complete {
         census.referrer_chain.insert(

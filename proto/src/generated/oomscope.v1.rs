@@ -1339,6 +1339,12 @@ pub struct HeapCensus {
     /// server): the part the machine added, not the census. 0 from older agents.
     #[prost(uint64, tag = "10")]
     pub longest_hold_cpu_ns: u64,
+    /// Requests that ended while the census ran: its GIL slices let the server
+    /// go on, so its counts hold what the requests done before it left, plus up
+    /// to this many more (the sample before it gives that count). 0 for a
+    /// census no request crossed, and from older agents.
+    #[prost(uint64, tag = "11")]
+    pub requests_ended_during: u64,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -43,6 +43,11 @@ pub const BLOCKS_TIME_SHARE: f64 = 0.002;
 /// Allocated blocks are read at least this often while requests end (a read
 /// that happened to be slow, descheduled, does not space the next by more).
 pub const MAX_BLOCKS_SPACING: Duration = Duration::from_secs(1);
+/// The longest a census due by request count waits for a moment with no
+/// request in flight, before it begins and again between its slices; a
+/// server that is never idle gets it anyway, and a few in-flight
+/// temporaries in it.
+pub const CENSUS_IDLE_WAIT: Duration = Duration::from_secs(2);
 /// Host processes listed at an OOM: the largest by RSS.
 pub const OOM_TOP_PROCESSES: usize = 10;
 
@@ -588,6 +593,7 @@ impl Agent {
         py: Python<'_>,
         budget: Duration,
         why: census::Why,
+        between_requests: bool,
     ) -> PyResult<pb::HeapCensus> {
         let (done, context) = {
             let c = lock(&self.context);
@@ -601,7 +607,9 @@ impl Agent {
             ..Default::default()
         });
         let mut baseline = lock(&self.baseline).take();
-        let result = census::run(py, budget, done, &mut baseline).map(|mut c| {
+        let idle = || lock(&self.context).in_flight.is_empty();
+        let between = between_requests.then_some((&idle as census::Idle, CENSUS_IDLE_WAIT));
+        let result = census::run(py, budget, done, &mut baseline, between).map(|mut c| {
             // Its slices let requests run: one that ended after the sample
             // above may have left its objects in the counts, or not.
             c.requests_ended_during = lock(&self.context).requests_done.saturating_sub(done);

@@ -349,8 +349,8 @@ fn run_census(py: Python<'_>, budget_s: Option<f64>) -> PyResult<Bound<'_, PyAny
             .map_or(config::DEFAULT_CENSUS_BUDGET, |a| a.config.census_budget),
     };
     let c = match a {
-        Some(a) => a.census(py, budget, census::Why::Call)?,
-        None => census::run(py, budget, 0, &mut None)?,
+        Some(a) => a.census(py, budget, census::Why::Call, false)?,
+        None => census::run(py, budget, 0, &mut None, None)?,
     };
     Ok(pythonize(py, &c)?)
 }

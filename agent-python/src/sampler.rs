@@ -15,16 +15,12 @@ use oomscope_agent_core::reporter::Reporter;
 use oomscope_agent_core::{lock, pb};
 use pyo3::prelude::*;
 
-use crate::agent::{Agent, Job, OOM_TOP_PROCESSES};
+use crate::agent::{Agent, Job, CENSUS_IDLE_WAIT, OOM_TOP_PROCESSES};
 use crate::census::{self, Why};
 use crate::devices::{self, Which};
 use crate::suspicion::{Reading, Reason, Suspicion};
 
 pub use crate::context::PERIODIC_PHASE;
-/// The longest a census due by request count waits for a moment with no
-/// request in flight; a server that is never idle gets it anyway, and a
-/// few in-flight temporaries in it.
-pub const CENSUS_IDLE_WAIT: Duration = Duration::from_secs(2);
 
 /// Starts `agent`'s sampler thread (agent-core's loop) with this process's readers.
 pub fn start(agent: &Arc<Agent>, reader: HostReader) -> bool {
@@ -174,7 +170,7 @@ impl PythonReaders {
             // ms of CPU measured at load 5 on 2 cores, 4x at load 11), and
             // that wait would space the censuses out for nothing.
             let cpu = census::thread_cpu();
-            match agent.census(py, budget, why) {
+            match agent.census(py, budget, why, idle_only) {
                 Ok(_) => Attempt::Taken {
                     done,
                     cost: census::thread_cpu().saturating_sub(cpu),

@@ -31,7 +31,7 @@ use chain::referrer_chain;
 pub use chain::MAX_CHAIN;
 pub use names::type_name;
 pub use reasons::{Reasons, Why};
-pub use slices::{thread_cpu, Slices, SLICE};
+pub use slices::{thread_cpu, Idle, Slices, SLICE};
 
 /// (count, bytes) by type name.
 type Counts = HashMap<String, (u64, u64)>;
@@ -271,15 +271,21 @@ fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'
 }
 
 /// Runs a census now. `baseline` is the previous census (updated here);
-/// growth is per completed request since it.
+/// growth is per completed request since it. `between_requests`: a census
+/// begun with no request in flight resumes each slice with none, waiting up
+/// to the given time in all ([`Slices::between_requests`]).
 pub fn run(
     py: Python<'_>,
     budget: Duration,
     requests_done: u64,
     baseline: &mut Option<Baseline>,
+    between_requests: Option<(Idle<'_>, Duration)>,
 ) -> PyResult<pb::HeapCensus> {
     // The scan gets most of the budget; the referrer chain what is left.
     let mut slices = Slices::new(py, budget.mul_f64(SCAN_SHARE));
+    if let Some((idle, wait)) = between_requests {
+        slices = slices.between_requests(idle, wait);
+    }
     let gc = py.import("gc")?;
     let counts: (u64, u64, u64) = gc.call_method0("get_count")?.extract().unwrap_or((0, 0, 0));
     let garbage = gc.getattr("garbage").and_then(|g| g.len()).unwrap_or(0) as u64;

@@ -11,6 +11,13 @@ use pyo3::prelude::*;
 /// within its slice (a 10 ms slice measured 29 ms of wall time for 7 ms of
 /// CPU at load 11 on 2 cores).
 pub const SLICE: Duration = Duration::from_millis(5);
+/// How often a census waiting between slices for the requests in flight to
+/// end looks again (the GIL released).
+const IDLE_POLL: Duration = Duration::from_millis(1);
+
+/// Whether the server has no request in flight, asked between slices by a
+/// census that began between requests ([`Slices::between_requests`]).
+pub type Idle<'a> = &'a (dyn Fn() -> bool + Sync);
 /// The GIL's time held in slices: [`Slices::step`] lets the GIL go
 /// whenever the current slice reaches [`SLICE`], and says when the budget
 /// (of held time, over every slice) is spent.
@@ -25,6 +32,12 @@ pub struct Slices<'py> {
     /// This thread's CPU time in that hold: less than `longest` when the
     /// thread was descheduled while it held the GIL (a busy machine).
     pub longest_cpu: Duration,
+    /// A census begun between requests resumes between requests: a request
+    /// that began while the GIL was let go runs to its end first, up to
+    /// `idle_wait` in all, so the counts never hold a request's temporaries
+    /// (CI once saw three logits tensors of a request mid-step).
+    idle: Option<Idle<'py>>,
+    idle_wait: Duration,
 }
 
 impl<'py> Slices<'py> {
@@ -37,7 +50,18 @@ impl<'py> Slices<'py> {
             slice_cpu_start: thread_cpu(),
             longest: Duration::ZERO,
             longest_cpu: Duration::ZERO,
+            idle: None,
+            idle_wait: Duration::ZERO,
         }
+    }
+
+    /// Between slices, waits (GIL let go) for no request in flight, up to
+    /// `wait` in all; then goes on whatever is in flight (a server that is
+    /// never idle still gets its census).
+    pub fn between_requests(mut self, idle: Idle<'py>, wait: Duration) -> Self {
+        self.idle = Some(idle);
+        self.idle_wait = wait;
+        self
     }
 
     /// GIL time held so far, this slice included.
@@ -63,7 +87,16 @@ impl<'py> Slices<'py> {
         let slice = self.close_slice();
         self.held_before += slice;
         // Another thread waiting for the GIL takes it here.
-        self.py.detach(std::thread::yield_now);
+        let (idle, wait) = (self.idle, &mut self.idle_wait);
+        self.py.detach(|| {
+            std::thread::yield_now();
+            let Some(idle) = idle else { return };
+            let start = Instant::now();
+            while !idle() && start.elapsed() < *wait {
+                std::thread::sleep(IDLE_POLL);
+            }
+            *wait = wait.saturating_sub(start.elapsed());
+        });
         self.slice_start = Instant::now();
         self.slice_cpu_start = thread_cpu();
     }

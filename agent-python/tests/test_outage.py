@@ -16,6 +16,8 @@ from conftest import Collector, free_port
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "outage_service.py")
 REQUESTS = 10000
+# With the service's 100 warm-up requests before the outage.
+SERVED = REQUESTS + 100
 PACE_MS = 3.5
 # Seconds of the pace's bytes the memory bound holds: its newest half
 # (ledger.rs WHOLE_SHARE) is 13 s, over the 10 s that must stay whole, and
@@ -100,6 +102,15 @@ def statements(timeline):
     return [s["dropped_before"] for s in timeline["samples"] if s.get("dropped_before")]
 
 
+def requests_accounted(timeline):
+    """Requests ended: those stored one by one, those a stored batch
+    counted as thinned, and those the agent stated dropped."""
+    ends = [e for e in timeline["events"] if e["kind"] == "request" and not e["request"].get("start")]
+    thinned = sum(int((s.get("requests") or {}).get("thinned_requests", 0)) for s in timeline["samples"])
+    stated = sum(int(d.get("requests", 0)) for d in statements(timeline))
+    return len(ends) + thinned + stated, stated
+
+
 def missing(seqs):
     have = set(seqs)
     return [s for s in range(1, seqs[-1] + 1) if s not in have]
@@ -124,6 +135,9 @@ def test_without_a_spool_the_newest_stay_whole_and_the_older_are_thinned(tmp_pat
     said = statements(timeline)
     assert sum(int(d.get("samples", 0)) + int(d.get("events", 0)) for d in said) == len(lost)
     assert all(int(d.get("by_spool", 0)) == 0 and int(d["stride"]) >= 2 for d in said), said
+    # And by request: a dropped batch stands for the requests it carried.
+    total, stated = requests_accounted(timeline)
+    assert total == SERVED and stated > len(lost), (total, stated, len(lost))
 
     samples = [s for s in timeline["samples"] if down["t_down_ns"] <= s["time_ns"] <= t_back]
     whole_from = t_back - WHOLE_S * 10**9
@@ -162,6 +176,8 @@ def test_with_a_spool_what_it_kept_is_resent_and_what_it_dropped_is_stated(tmp_p
     said = statements(timeline)
     assert sum(int(d.get("samples", 0)) + int(d.get("events", 0)) for d in said) == len(lost)
     assert sum(int(d.get("by_spool", 0)) for d in said) == len(lost) - stats["thinned"], (said, stats)
+    total, stated = requests_accounted(timeline)
+    assert total == SERVED and stated > len(lost), (total, stated, len(lost))
     # What the spool kept, the newest, all arrived: from the last loss on,
     # every seq up to the end.
     after = [s for s in seqs if s > lost[-1]]

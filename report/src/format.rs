@@ -268,8 +268,8 @@ pub fn timeline(t: &pb::TimelineResponse) -> String {
             // The agent's memory bound during a collector outage (or its spool's).
             let _ = writeln!(
                 out,
-                "  ... the agent dropped {} samples and {} events here, unsent ({} past its spool's bound; 1 in {} kept)",
-                d.samples, d.events, d.by_spool, d.stride
+                "  ... the agent dropped {} samples and {} events here, unsent, with {} requests' ends ({} past its spool's bound; 1 in {} kept)",
+                d.samples, d.events, d.requests, d.by_spool, d.stride
             );
         }
         let rss = smp
@@ -764,6 +764,7 @@ mod tests {
                         events: 2,
                         by_spool: 0,
                         stride: 8,
+                        requests: 400,
                     }),
                 ),
             ],
@@ -776,6 +777,7 @@ mod tests {
             .position(|l| l.contains("dropped 5 samples and 2 events"))
             .unwrap_or_else(|| panic!("{text}"));
         assert!(lines[said].contains("1 in 8 kept"), "{text}");
+        assert!(lines[said].contains("with 400 requests' ends"), "{text}");
         assert!(
             lines[said - 1].contains(" 1 ") && lines[said + 1].contains(" 9 "),
             "{text}"

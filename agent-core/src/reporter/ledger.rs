@@ -111,6 +111,27 @@ struct Entry {
     ordinal: u64,
     /// Dropped just before it; only samples carry it.
     dropped_before: Option<pb::DroppedBefore>,
+    /// The request ends it carries (a batch's, or one request event's).
+    requests: u64,
+}
+
+/// The request ends `message` stands for: a sample's batch (kept ends and
+/// thinned ones), or one request-end event.
+fn requests_ended(message: &pb::AgentMessage) -> u64 {
+    match &message.body {
+        Some(Body::Sample(s)) => s.requests.as_ref().map_or(0, |r| {
+            let ends = r
+                .readings
+                .iter()
+                .filter(|x| x.boundary.as_ref().is_some_and(|b| !b.start));
+            ends.count() as u64 + r.thinned_requests
+        }),
+        Some(Body::Event(e)) => match &e.kind {
+            Some(Kind::Request(b)) if !b.start => 1,
+            _ => 0,
+        },
+        _ => 0,
+    }
 }
 
 /// How the ledger has had to drop messages so far.
@@ -198,6 +219,7 @@ impl Ledger {
     fn insert(&mut self, message: pb::AgentMessage, on_disk: bool, urgent: bool, sent: bool) {
         let seq = message.seq;
         let class = Class::of(&message);
+        let requests = requests_ended(&message);
         let message = message.encode_to_vec();
         let bytes = message.len();
         self.memory_bytes += bytes;
@@ -221,6 +243,7 @@ impl Ledger {
             class,
             ordinal: this_ordinal,
             dropped_before,
+            requests,
         };
         if on_disk {
             self.evictable.insert(seq);
@@ -347,7 +370,7 @@ impl Ledger {
     /// taken when none is open. `stride`: the thinning where it stood.
     fn drop_stated(&mut self, seq: u64, by_spool: bool, stride: u32) -> Option<Released> {
         let entry = self.open.get_mut(&seq)?;
-        let (class, carried) = (entry.class, entry.dropped_before.take());
+        let (class, carried, requests) = (entry.class, entry.dropped_before.take(), entry.requests);
         let released = self.remove(seq);
         let d = self.statement_after(seq);
         if let Some(c) = carried {
@@ -355,7 +378,9 @@ impl Ledger {
             d.events += c.events;
             d.by_spool += c.by_spool;
             d.stride = d.stride.max(c.stride);
+            d.requests += c.requests;
         }
+        d.requests += requests;
         match class {
             Class::Sample => d.samples += 1,
             _ => d.events += 1,
@@ -616,6 +641,29 @@ mod tests {
         assert_eq!(l.settled_upto(), 2);
     }
 
+    /// A sample carrying a batch: `ends` request ends kept whole (each with
+    /// its begin) and `thinned` counted.
+    fn batch(seq: u64, ends: usize, thinned: u64) -> pb::AgentMessage {
+        let mut m = msg(seq);
+        let reading = |start| pb::RequestReading {
+            boundary: Some(pb::RequestBoundary {
+                start,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        if let Some(Body::Sample(s)) = m.body.as_mut() {
+            s.requests = Some(pb::RequestReadings {
+                readings: (0..ends)
+                    .flat_map(|_| [reading(true), reading(false)])
+                    .collect(),
+                thinned_requests: thinned,
+                ..Default::default()
+            });
+        }
+        m
+    }
+
     fn request_event(seq: u64) -> pb::AgentMessage {
         pb::AgentMessage {
             seq,
@@ -836,10 +884,10 @@ mod tests {
         let one = msg(10).encoded_len();
         let mut l = Ledger::new(one * 2, 1);
         for seq in 1..=6 {
-            let m = if seq == 2 {
-                request_event(seq)
-            } else {
-                msg(seq)
+            let m = match seq {
+                2 => request_event(seq),
+                3 => batch(seq, 2, 5),
+                _ => msg(seq),
             };
             assert!(l.take(m, true, false).is_empty());
         }
@@ -858,6 +906,8 @@ mod tests {
             events: 1,
             by_spool: 3,
             stride: 1,
+            // The batch's 2 kept ends and 5 thinned; seq 2 was a begin.
+            requests: 7,
         };
         assert_eq!(stamped, [(4, Some(expected)), (5, None), (6, None)]);
     }

@@ -905,6 +905,11 @@ pub struct DroppedBefore {
     /// thinned here: what was dropped went for another reason).
     #[prost(uint32, tag = "4")]
     pub stride: u32,
+    /// The requests that ended within the dropped samples (each batch's kept
+    /// ends and its thinned ones) and the dropped request-end events: a
+    /// dropped batch stands for many requests, not one sample's worth.
+    #[prost(uint64, tag = "5")]
+    pub requests: u64,
 }
 /// The request begins and ends one batch carries, oldest first, and what
 /// was thinned past the bound of requests one message keeps whole.

@@ -15,8 +15,7 @@ mod fake_nvml;
 use std::time::{Duration, Instant};
 
 use fake_nvml::{FakeDevice, FakeNvml};
-use oomscope_agent_core::readers::gpu::GpuReader;
-use oomscope_agent_cuda::agent::DEFAULT_SHUTDOWN_WAIT;
+use oomscope_agent_cuda::agent::{GpuReader, DEFAULT_SHUTDOWN_WAIT};
 use oomscope_agent_cuda::{Agent, AgentConfig};
 use oomscope_testkit::cli::{own_collector, query_json};
 use serde_json::Value;

@@ -30,7 +30,8 @@ use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns};
 
 use one_per_process::Registration;
-use oomscope_agent_core::readers::gpu::GpuReader;
+/// The NVML reader [`Agent::start_with_nvml`] takes (`GpuReader::absent`: none).
+pub use oomscope_agent_core::readers::gpu::GpuReader;
 
 use crate::device::DeviceMemory;
 use crate::pb;

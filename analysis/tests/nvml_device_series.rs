@@ -235,6 +235,11 @@ fn device_memory_growing_per_request_is_a_leak_with_its_bytes_per_request() {
         (g.own + LEAK * REQUESTS + page_jitter(REQUESTS)) as f64
     );
     let text = c.evidence.join("\n");
+    // Its runway is against the H200's total.
+    assert!(
+        c.evidence[0].starts_with("runway:") && text.contains("140.4 GiB"),
+        "{text}"
+    );
     assert!(
         text.contains("this process's device memory (NVML)"),
         "{text}"

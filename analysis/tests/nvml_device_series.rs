@@ -76,8 +76,18 @@ enum View {
 
 /// The Rust agent's messages over `REQUESTS` requests, expanded as the
 /// collector stores them. After request `i` this process holds `own(i)`
-/// on the GPU and the other process `other(i)`.
+/// on the GPU and the other process `other(i)`; its RSS is flat.
 fn evidence(view: View, own: impl Fn(u64) -> u64, other: impl Fn(u64) -> u64) -> Evidence {
+    evidence_with_rss(view, own, other, |i| 900 * MIB + page_jitter(i))
+}
+
+/// [`evidence`] with this RSS after request `i`.
+fn evidence_with_rss(
+    view: View,
+    own: impl Fn(u64) -> u64,
+    other: impl Fn(u64) -> u64,
+    rss: impl Fn(u64) -> u64,
+) -> Evidence {
     let g = h200();
     let own_view = match view {
         View::Own => pb::PidView::Own,
@@ -98,9 +108,9 @@ fn evidence(view: View, own: impl Fn(u64) -> u64, other: impl Fn(u64) -> u64) ->
         ..Default::default()
     };
     let time = |i: u64| 1_000_000_000 + i as i64 * REQUEST_NS;
-    let process = pb::ProcessMemory {
+    let process = |i: u64| pb::ProcessMemory {
         pid: g.own_pid,
-        vm_rss_bytes: 900 * MIB,
+        vm_rss_bytes: rss(i),
         ..Default::default()
     };
     let end_context = |i: u64| pb::RequestContext {
@@ -118,7 +128,7 @@ fn evidence(view: View, own: impl Fn(u64) -> u64, other: impl Fn(u64) -> u64) ->
     for i in (0..=REQUESTS).step_by(PERIODIC_EVERY as usize) {
         samples.push(pb::Sample {
             time_ns: time(i) + 1,
-            process: Some(process),
+            process: Some(process(i)),
             gpus: vec![pb::GpuDevice {
                 index: 0,
                 uuid: g.uuid.clone(),
@@ -160,14 +170,14 @@ fn evidence(view: View, own: impl Fn(u64) -> u64, other: impl Fn(u64) -> u64) ->
             readings.push(pb::RequestReading {
                 time_ns: time(i),
                 boundary: Some(boundary(i, false)),
-                rss_bytes: 900 * MIB + page_jitter(i),
+                rss_bytes: rss(i),
                 context: (i != last).then(|| end_context(i)),
                 ..Default::default()
             });
         }
         samples.push(pb::Sample {
             time_ns: time(last),
-            process: Some(process),
+            process: Some(process(last)),
             context: Some(end_context(last)),
             gpu_processes: vec![mine(last)],
             requests: Some(pb::RequestReadings {
@@ -287,4 +297,28 @@ fn an_entry_no_one_could_resolve_is_no_ones_leak() {
     let e = evidence(View::Unresolved, |i| g.own + LEAK * i, |_| g.other);
     let d = diagnose(&e);
     assert!(!kinds(&d).contains(&"leak"), "{:#?}", d.causes);
+}
+
+#[test]
+fn a_host_leak_says_what_nvml_saw_of_the_device() {
+    let g = h200();
+    let e = evidence_with_rss(View::Own, |_| g.own, |_| g.other, |i| 900 * MIB + LEAK * i);
+    let d = diagnose(&e);
+    assert!(!kinds(&d).contains(&"leak"), "{:#?}", d.causes);
+    let c = d
+        .causes
+        .iter()
+        .find(|c| c.kind == "host_growth")
+        .unwrap_or_else(|| panic!("no host_growth: {:#?}", d.causes));
+    let per_request = c.metrics["bytes_per_request"];
+    assert!(
+        (per_request - LEAK as f64).abs() < 0.01 * LEAK as f64,
+        "{c:#?}"
+    );
+    let text = c.evidence.join("\n");
+    assert!(
+        text.contains("this process's device memory (NVML) between requests stayed flat"),
+        "{text}"
+    );
+    assert!(!text.contains("no device allocator readings"), "{text}");
 }

@@ -442,6 +442,52 @@ fn a_boundary_sample_reads_no_nvml() {
 }
 
 #[test]
+fn a_boundarys_own_device_reading_is_one_process_list_call_per_gpu_we_are_on() {
+    let (_tmp, paths) = fake_proc(HOST_PID_NAMESPACE);
+    // GPU-0 lists us (and a child, and others); GPU-1 only a neighbour.
+    let fake = FakeNvml::new(vec![
+        FakeDevice::gpu("GPU-0", 80 * GIB, 40 * GIB).with_processes(&[
+            (ME, Some(10 * GIB)),
+            (GRANDCHILD, Some(GIB)),
+            (NEIGHBOUR, Some(10 * GIB)),
+            (ELSEWHERE, Some(GIB)),
+        ]),
+        FakeDevice::gpu("GPU-1", 80 * GIB, 10 * GIB).with_processes(&[(NEIGHBOUR, Some(GIB))]),
+    ]);
+    let host = HostReader::with_gpu(paths, ME, reader(&fake));
+    let last = host.sample().gpus;
+    fake.set_processes(
+        "GPU-0",
+        &[
+            (ME, Some(12 * GIB)),
+            (GRANDCHILD, Some(GIB)),
+            (NEIGHBOUR, Some(10 * GIB)),
+        ],
+    );
+    let before = fake.total_calls();
+    let own = host.own_gpu_processes(&last);
+    // Only GPU-0's list was read: no memory call, nothing of GPU-1.
+    assert_eq!(fake.total_calls(), before + 1);
+    let got: Vec<(u32, Option<u64>, &str, pb::PidView)> = own
+        .iter()
+        .map(|p| (p.pid, p.used_bytes, p.device_uuid.as_str(), p.view()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (ME, Some(12 * GIB), "GPU-0", pb::PidView::Own),
+            (GRANDCHILD, Some(GIB), "GPU-0", pb::PidView::Own),
+        ],
+        "only our tree's entries, read now"
+    );
+    // On no GPU of ours (the newest periodic reading listed none): no call.
+    let elsewhere: Vec<pb::GpuDevice> = last.into_iter().skip(1).collect();
+    let before = fake.total_calls();
+    assert!(host.own_gpu_processes(&elsewhere).is_empty());
+    assert_eq!(fake.total_calls(), before);
+}
+
+#[test]
 fn a_refused_process_list_is_unknown_not_empty() {
     let gpus = vec![
         FakeDevice::gpu("GPU-0", 80 * GIB, 60 * GIB)

@@ -34,9 +34,14 @@ fn resident(bytes: usize) -> Vec<u8> {
     v
 }
 
-/// RSS is the process's: two leaking tests at once would each read both
-/// leaks. They take turns.
-static LEAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// One agent per process (a second is refused), and RSS is the process's
+/// (two leaking tests at once would each read both leaks): the tests that
+/// start one take turns.
+static ONE_AGENT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AGENT.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn config(name: &str, url: &str) -> AgentConfig {
     let mut cfg = AgentConfig::new(name);
@@ -47,7 +52,7 @@ fn config(name: &str, url: &str) -> AgentConfig {
 
 #[test]
 fn a_host_only_agent_reports_no_gpu_and_finds_a_leak_by_its_requests() {
-    let _turn = LEAKING.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = turn();
     let (_dir, collector) = collector();
     let agent = Agent::start(config("host-leak", &collector.url)).unwrap();
     {
@@ -118,7 +123,7 @@ fn a_host_only_agent_reports_no_gpu_and_finds_a_leak_by_its_requests() {
 
 #[test]
 fn a_host_leak_beside_a_pool_says_the_device_stayed_flat() {
-    let _turn = LEAKING.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = turn();
     let (_dir, collector) = collector();
     let pool = TrackingPool::new(Simulated::new(1 << 30));
     let agent = Agent::start_with_pool(config("host-leak-pool", &collector.url), &pool).unwrap();
@@ -167,6 +172,7 @@ fn a_bad_collector_url_is_an_error_at_start() {
 
 #[test]
 fn without_a_collector_requests_go_on_and_shutdown_returns_within_its_wait() {
+    let _turn = turn();
     // A port nothing listens on.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -210,4 +216,28 @@ fn walk(dir: &std::path::Path) -> u64 {
             }
         })
         .sum()
+}
+
+#[test]
+fn a_second_agent_in_the_process_is_refused_naming_the_first() {
+    let _turn = turn();
+    // Nothing listens here: the agents queue, and the test waits on nothing.
+    let url = "http://127.0.0.1:9";
+    let first = Agent::start(config("first-server", url)).unwrap();
+    let e = Agent::start(config("second-server", url))
+        .err()
+        .expect("a second agent while the first runs");
+    assert!(
+        matches!(&e, StartError::AlreadyRunning(first) if first == "first-server"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("\"first-server\""), "{e}");
+    // A clone is the same agent, not a second one; its requests count.
+    let shared = first.clone();
+    drop(shared.request(1, 4));
+    assert_eq!(first.context().requests_done, 1);
+    first.shutdown("done", 0, Duration::from_millis(10));
+    // Once the first has shut down, another may start.
+    let next = Agent::start(config("second-server", url)).unwrap();
+    next.shutdown("done", 0, Duration::from_millis(10));
 }

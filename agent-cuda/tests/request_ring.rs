@@ -24,6 +24,9 @@ const REQUESTS: u64 = FAST + PACED;
 /// What the leaking pool keeps per request (one block each).
 const LEAK: u64 = MIB;
 
+/// One agent per process: the tests that start one take turns.
+static ONE_AGENT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// This test's own collector, over a temp db (kept while the dir lives).
 fn collector() -> (tempfile::TempDir, CollectorProcess) {
     let dir = tempfile::tempdir().unwrap();
@@ -33,6 +36,7 @@ fn collector() -> (tempfile::TempDir, CollectorProcess) {
 
 #[test]
 fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_point() {
+    let _turn = ONE_AGENT.lock().unwrap_or_else(|e| e.into_inner());
     let (_dir, collector) = collector();
     let pool = TrackingPool::new(Simulated::new(64 << 30));
     let mut cfg = AgentConfig::new("ring");
@@ -186,6 +190,7 @@ fn requests_at_any_rate_cost_at_most_20_messages_a_second_and_each_end_is_a_poin
 
 #[test]
 fn an_oom_goes_at_once_after_the_requests_the_ring_held() {
+    let _turn = ONE_AGENT.lock().unwrap_or_else(|e| e.into_inner());
     let (_dir, collector) = collector();
     let pool = TrackingPool::new(Simulated::new(256 * MIB));
     let mut cfg = AgentConfig::new("ring-oom");
@@ -239,4 +244,6 @@ fn an_oom_goes_at_once_after_the_requests_the_ring_held() {
         "the ends went ahead of the OOM (seq {oom_seq}): {ends:?}"
     );
     drop(kept);
+    // The next test's agent may start.
+    agent.shutdown("done", 0, Duration::from_millis(100));
 }

@@ -180,6 +180,12 @@ pub fn live_baseline(tl: &Timeline) -> Option<Trend> {
     }))
 }
 
+/// This process's device memory as NVML lists it, between requests: the
+/// device's series where no allocator is read (`Point::device_used`).
+pub fn nvml_baseline(tl: &Timeline) -> Option<Trend> {
+    trend(&baseline_series(tl, |p| p.device_used))
+}
+
 /// When the first garbage collection was seen: a GcCollection event that
 /// collected something, or an `after_gc_collect` reading.
 pub fn first_collection(tl: &Timeline) -> Option<i64> {

@@ -1,7 +1,8 @@
 //! The one place where a batch of request readings (`Sample.requests`, one
 //! message per batch from the agent's boundary ring) becomes the boundary
 //! points and request events the rules read: a boundary sample for each
-//! request end (its RSS, allocators where read, and context), and a
+//! request end (its RSS, allocators and NVML's per-process figure where
+//! read, and context), and a
 //! `request` event for each begin and end. The growth, KV, concurrency and
 //! probe rules so read a batch exactly as they read one message per
 //! boundary before; older agents' messages pass through unchanged.
@@ -57,6 +58,7 @@ pub fn expand(sample: &mut pb::Sample) -> Expanded {
                 process: (r.rss_bytes > 0).then(|| process(r.rss_bytes)),
                 allocator: r.allocator,
                 context: r.context,
+                gpu_processes: r.gpu_processes,
                 ..Default::default()
             });
         }

@@ -69,6 +69,17 @@ pub fn live_bytes_line(rk: &RuntimeKind) -> &'static str {
     }
 }
 
+/// The device leak's evidence line where no allocator was read, only
+/// NVML's figure for the process: where the bytes are, in the runtime's
+/// words.
+pub fn unread_device_line(rk: &RuntimeKind) -> &'static str {
+    if rk.python_tools() {
+        "no device allocator reading here: NVML's figure for this process is what its framework holds on the device (tensors, its caching pool, the CUDA context); find what keeps tensors alive across requests"
+    } else {
+        "no device allocator reading here: NVML's figure for this process is what the framework holds on the device (candle's tensors through cudarc, the CUDA context); find what keeps tensors alive across requests (a cache or collection of them), or route the memory you want named per block through a TrackingPool"
+    }
+}
+
 /// The Hellos of the agents in the evidence (its own, its members'), the
 /// supervisor's left out: it reads no runtime.
 fn agent_hellos(e: &Evidence) -> Vec<&pb::Hello> {

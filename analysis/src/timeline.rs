@@ -50,6 +50,11 @@ pub struct Point {
     pub agent_heap: u64,
     /// `oomscope run`: the PSS of the supervised process tree.
     pub tree_pss: Option<u64>,
+    /// This process's device memory as NVML lists it (its own pids'
+    /// entries, summed): what a framework allocates outside any allocator
+    /// the agent reads (candle through cudarc), the CUDA context included.
+    /// None where the sample had no such reading.
+    pub device_used: Option<u64>,
 }
 
 impl Point {
@@ -123,10 +128,11 @@ impl Timeline {
     /// only other devices' have none (`has_allocator` false), so a process
     /// that fails on its GPU 3 is never judged by GPU 0's numbers.
     pub fn of_device(e: &Evidence, device: Option<&DeviceKey>) -> Timeline {
+        let own = e.own_pids();
         let mut points: Vec<Point> = e
             .samples
             .iter()
-            .map(|s| point(s, device))
+            .map(|s| point(s, device, &own))
             .filter(|p| p.phase != FINAL_PHASE)
             .collect();
         points.sort_by_key(|p| p.time_ns);
@@ -216,7 +222,7 @@ impl Timeline {
     }
 }
 
-fn point(s: &pb::Sample, device: Option<&DeviceKey>) -> Point {
+fn point(s: &pb::Sample, device: Option<&DeviceKey>, own: &[u32]) -> Point {
     let ctx = s.context.clone().unwrap_or_default();
     let a = DeviceKey::allocator(device, &s.allocator);
     // Own cgroup first: its usage is what this process charges.
@@ -252,7 +258,41 @@ fn point(s: &pb::Sample, device: Option<&DeviceKey>) -> Point {
             .min(),
         agent_heap: s.process.as_ref().map_or(0, |p| p.agent_heap_bytes),
         tree_pss: Some(s.tree_pss_bytes).filter(|&b| b > 0),
+        device_used: nvml_own_bytes(s, device, own),
     }
+}
+
+/// This process's device memory in one sample, as NVML lists it: its
+/// boundary reading (`gpu_processes`), else the periodic reading's entries,
+/// on `device` (every device where none is known). Entries are the
+/// process's by the agent's view, or by number where it gave none; an
+/// unresolved pid (a container's) is no one's. None where no entry of ours
+/// with a figure was listed.
+fn nvml_own_bytes(s: &pb::Sample, device: Option<&DeviceKey>, own: &[u32]) -> Option<u64> {
+    let known = device.filter(|k| k.uuid.is_some() || k.nvml_index.is_some());
+    let ours = |pid: u32, view: pb::PidView| match view {
+        pb::PidView::Own => true,
+        pb::PidView::Unresolved => false,
+        pb::PidView::Visible | pb::PidView::Unspecified => own.contains(&pid),
+    };
+    let entries: Vec<Option<u64>> = if !s.gpu_processes.is_empty() {
+        s.gpu_processes
+            .iter()
+            .filter(|p| known.is_none_or(|k| k.lists(p)))
+            .filter(|p| ours(p.pid, p.view()))
+            .map(|p| p.used_bytes)
+            .collect()
+    } else {
+        s.gpus
+            .iter()
+            .filter(|g| known.is_none_or(|k| k.reads(g)))
+            .flat_map(|g| g.processes.iter())
+            .filter(|p| ours(p.pid, p.view()))
+            .map(|p| p.used_bytes)
+            .collect()
+    };
+    let figures: Vec<u64> = entries.into_iter().flatten().collect();
+    (!figures.is_empty()).then(|| figures.iter().sum())
 }
 
 #[cfg(test)]

@@ -303,25 +303,30 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
     }
 }
 
+/// Incidents that follow a device OOM as its consequence: the exit with
+/// its text, and a member (a GPU worker) that gave up with a code after
+/// its OOM (`member_failed`); a member killed by a signal is a death of its
+/// own (the kernel's or someone's), not this rule's.
+const AFTER_DEVICE_OOM: [IncidentKind; 2] = [IncidentKind::ExitOomText, IncidentKind::MemberFailed];
+
 /// One device failure, one incident: threads that outgrow a device
 /// together fail within milliseconds of each other, and a server that
-/// gives up on an OOM exits seconds later with its text. Within
-/// [`CORRELATION_WINDOW_NS`], for the same process or instance, the first
-/// device OOM (with the allocator's state) leads: a later OOM or a failed
-/// exit with an OOM text merges into it, and an OOM stored after such an
-/// exit (the agent's stream and the supervisor's arrive in any order)
-/// takes the exit and any later OOMs in. None: the rule does not apply.
+/// gives up on an OOM exits seconds later with its text (or its GPU worker
+/// exits with a code, `member_failed`). Within [`CORRELATION_WINDOW_NS`],
+/// for the same process or instance, the first device OOM (with the
+/// allocator's state) leads: a later OOM or an incident of
+/// [`AFTER_DEVICE_OOM`] merges into it, and an OOM stored after such an
+/// incident (the agent's stream and the supervisor's arrive in any order)
+/// takes it and any later OOMs in. None: the rule does not apply.
 fn device_oom_plan(store: &Store, new: &pb::Incident) -> Result<Option<Plan>> {
     let new_kind = kind_of(&new.kind);
-    if !matches!(
-        new_kind,
-        Some(IncidentKind::Oom | IncidentKind::ExitOomText)
-    ) {
+    let follows = new_kind.is_some_and(|k| AFTER_DEVICE_OOM.contains(&k));
+    if new_kind != Some(IncidentKind::Oom) && !follows {
         return Ok(None);
     }
     let instance = store.instance_of(&new.agent_id)?.unwrap_or_default();
     let mut related = Vec::new();
-    for kind in [IncidentKind::Oom, IncidentKind::ExitOomText] {
+    for kind in std::iter::once(IncidentKind::Oom).chain(AFTER_DEVICE_OOM) {
         for i in store.incidents_of_kind(
             kind.as_str(),
             new.time_ns - CORRELATION_WINDOW_NS,
@@ -340,9 +345,7 @@ fn device_oom_plan(store: &Store, new: &pb::Incident) -> Result<Option<Plan>> {
         .filter(|i| i.kind == IncidentKind::Oom)
         .min_by_key(|i| (i.time_ns, i.id.clone()));
     let leads = |o: &pb::Incident| (o.time_ns, &o.id) < (new.time_ns, &new.id);
-    if let Some(first) =
-        first_oom.filter(|o| new_kind == Some(IncidentKind::ExitOomText) || leads(o))
-    {
+    if let Some(first) = first_oom.filter(|o| follows || leads(o)) {
         return Ok(Some(Plan::MergeInto {
             leader: first.id.clone(),
         }));

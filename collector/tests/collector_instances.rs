@@ -388,6 +388,86 @@ async fn a_members_failed_exit_is_a_part_of_the_servers_out_of_memory_text() {
     run.stop().await;
 }
 
+/// A multi-process GPU server: its worker (an agent of its own) runs out
+/// of device memory and exits 1 (the supervisor's `member_failed`). One
+/// failure, one incident, led by the OOM with the allocator's state,
+/// whichever stream the collector reads first; and a worker's failed exit
+/// with no OOM before it stays an incident of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_device_oom_and_its_failed_exit_are_one_incident() {
+    for oom_stored_first in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let run = start(&dir.path().join("c.db"), GRACE).await;
+        let t = now();
+        let mut sup = run.agent(supervisor("sup", "gpu")).await;
+        sup.send(child_start(1, t, 400)).await;
+        sup.acks_covering(&[1].into(), |_| {}).await;
+        let mut worker = run
+            .agent(member("gpu-worker-0", "gpu", "sup", 401, "worker"))
+            .await;
+        let failed_exit = child_exit(
+            2,
+            t + 1_500_000_000,
+            pb::ChildExit {
+                pid: 401,
+                exit_code: Some(1),
+                member: true,
+                title: "GpuWorker-0".into(),
+                status_from: "proc_events".into(),
+                ..Default::default()
+            },
+        );
+        if oom_stored_first {
+            worker.send(oom(1, t + 1_000_000_000)).await;
+            worker.acks_covering(&[1].into(), |_| {}).await;
+            sup.send(failed_exit).await;
+            sup.acks_covering(&[2].into(), |_| {}).await;
+        } else {
+            sup.send(failed_exit).await;
+            sup.acks_covering(&[2].into(), |_| {}).await;
+            worker.send(oom(1, t + 1_000_000_000)).await;
+            worker.acks_covering(&[1].into(), |_| {}).await;
+        }
+        sup.send(goodbye(3)).await;
+        sup.acks_covering(&[3].into(), |_| {}).await;
+        let incs = all_incidents(&run).await;
+        assert_eq!(
+            incs.len(),
+            1,
+            "oom stored first: {oom_stored_first}: {:#?}",
+            incident_rows(&run)
+        );
+        assert_eq!(incs[0].kind, "oom", "{:#?}", incs);
+        assert_eq!(incs[0].agent_id, "gpu-worker-0");
+        let parts: Vec<&str> = incs[0].parts.iter().map(|p| p.kind.as_str()).collect();
+        assert_eq!(parts, ["member_failed"], "{:#?}", incs);
+        worker.close();
+        run.stop().await;
+    }
+    // No OOM: the worker's failed exit is its own incident.
+    let dir = tempfile::tempdir().unwrap();
+    let run = start(&dir.path().join("c.db"), GRACE).await;
+    let t = now();
+    let mut sup = run.agent(supervisor("sup", "gpu")).await;
+    sup.send(child_start(1, t, 400)).await;
+    sup.send(child_exit(
+        2,
+        t + 1_000_000,
+        pb::ChildExit {
+            pid: 401,
+            exit_code: Some(1),
+            member: true,
+            ..Default::default()
+        },
+    ))
+    .await;
+    sup.acks_covering(&[1, 2].into(), |_| {}).await;
+    let incs = all_incidents(&run).await;
+    let kinds: Vec<&str> = incs.iter().map(|i| i.kind.as_str()).collect();
+    assert_eq!(kinds, ["member_failed"], "{:#?}", incident_rows(&run));
+    run.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_agents_lost_at_once_are_one_incident() {
     let dir = tempfile::tempdir().unwrap();

@@ -58,6 +58,30 @@ impl HostReader {
         gpus
     }
 
+    /// This process's own entries in NVML's compute process lists now, on
+    /// the devices where `last` (the latest periodic reading, views set)
+    /// listed one of ours: one NVML call per such device, none where the
+    /// process holds no device memory. For request boundaries, read on the
+    /// agent's thread: NVML calls can take milliseconds.
+    pub fn own_gpu_processes(&self, last: &[pb::GpuDevice]) -> Vec<pb::GpuProcess> {
+        let on: Vec<&str> = last
+            .iter()
+            .filter(|g| !g.uuid.is_empty())
+            .filter(|g| g.processes.iter().any(|p| p.view() == pb::PidView::Own))
+            .map(|g| g.uuid.as_str())
+            .collect();
+        if on.is_empty() {
+            return Vec::new();
+        }
+        let mut own = self.gpu.processes_on(&on);
+        own.retain_mut(|p| {
+            let view = self.pids.known_view(p.pid);
+            p.set_view(view);
+            view == pb::PidView::Own
+        });
+        own
+    }
+
     /// Where the memory controller is, if there is one.
     pub fn memory_cgroup(&self) -> Option<&MemoryCgroup> {
         self.cgroup.as_ref()

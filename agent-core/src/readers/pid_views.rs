@@ -65,6 +65,13 @@ impl PidViews {
         }
     }
 
+    /// `pid`'s view as the latest `fill` found it, else read now (not
+    /// remembered: `fill` keeps the list NVML shows).
+    pub fn known_view(&self, pid: u32) -> pb::PidView {
+        let known = lock(&self.known).get(&pid).copied();
+        known.unwrap_or_else(|| self.view(pid))
+    }
+
     /// Sets every process's view in `gpus`, reusing the previous reading's.
     pub fn fill(&self, gpus: &mut [pb::GpuDevice]) {
         let mut known = lock(&self.known);

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
 use oomscope_agent_core::readers::gpu::{
     DeviceHandle, MemoryInfo, NvmlApi, NvmlError, ProcessUsage,
@@ -77,6 +78,10 @@ struct Inner {
     calls: Mutex<HashMap<&'static str, usize>>,
     /// Memory changed by the test after the reader opened, by uuid.
     memory_now: Mutex<HashMap<String, MemoryInfo>>,
+    /// Process lists changed by the test after the reader opened, by uuid.
+    processes_now: Mutex<HashMap<String, Vec<ProcessUsage>>>,
+    /// The thread each call was made on, in order.
+    threads: Mutex<Vec<(&'static str, ThreadId)>>,
 }
 
 /// The scripted NVML; clones share the call counts.
@@ -112,6 +117,8 @@ impl FakeNvml {
             missing: missing.to_vec(),
             calls: Mutex::default(),
             memory_now: Mutex::default(),
+            processes_now: Mutex::default(),
+            threads: Mutex::default(),
         }))
     }
 
@@ -134,10 +141,34 @@ impl FakeNvml {
             .insert(uuid.into(), memory);
     }
 
+    /// The device `uuid` now lists `processes` (pid, used bytes).
+    pub fn set_processes(&self, uuid: &str, processes: &[(u32, Option<u64>)]) {
+        let list = processes
+            .iter()
+            .map(|&(pid, used_bytes)| ProcessUsage { pid, used_bytes })
+            .collect();
+        self.0
+            .processes_now
+            .lock()
+            .unwrap()
+            .insert(uuid.into(), list);
+    }
+
+    /// How many times `call` was made on `thread`.
+    pub fn calls_on(&self, call: &str, thread: ThreadId) -> usize {
+        let threads = self.0.threads.lock().unwrap();
+        threads
+            .iter()
+            .filter(|(c, t)| *c == call && *t == thread)
+            .count()
+    }
+
     /// Counts the call, then answers: missing from the driver, refused by
     /// the device, or the device.
     fn call(&self, call: &'static str, handle: DeviceHandle) -> Result<&FakeDevice, NvmlError> {
         *self.0.calls.lock().unwrap().entry(call).or_default() += 1;
+        let thread = std::thread::current().id();
+        self.0.threads.lock().unwrap().push((call, thread));
         if let Some((_, how)) = self.0.missing.iter().find(|(c, _)| *c == call) {
             return Err(how());
         }
@@ -232,12 +263,12 @@ impl NvmlApi for FakeNvml {
 
     fn compute_processes_v3(&self, device: DeviceHandle) -> Result<Vec<ProcessUsage>, NvmlError> {
         self.call("compute_processes_v3", device)
-            .map(|d| d.processes.clone())
+            .map(|d| self.processes(d))
     }
 
     fn compute_processes_v2(&self, device: DeviceHandle) -> Result<Vec<ProcessUsage>, NvmlError> {
         self.call("compute_processes_v2", device)
-            .map(|d| d.processes.clone())
+            .map(|d| self.processes(d))
     }
 }
 
@@ -250,5 +281,10 @@ impl FakeNvml {
             .get(&d.uuid)
             .copied()
             .unwrap_or(d.memory)
+    }
+
+    fn processes(&self, d: &FakeDevice) -> Vec<ProcessUsage> {
+        let now = self.0.processes_now.lock().unwrap();
+        now.get(&d.uuid).unwrap_or(&d.processes).clone()
     }
 }

@@ -58,6 +58,11 @@ pub enum StartError {
     Interval(#[from] IntervalTooShort),
     #[error("oomscope: {0}")]
     CollectorUrl(String),
+    /// Another agent runs in this process (its name): one serves every
+    /// pool and device; share it (`Agent` is `Clone`, `attach` more pools)
+    /// or shut it down first.
+    #[error("oomscope: an agent already runs in this process (\"{0}\"); share it (Agent is Clone; attach more pools to it) or shut it down before starting another")]
+    AlreadyRunning(String),
 }
 
 /// The settings the agent runs with, every source applied.

@@ -15,6 +15,7 @@
 
 mod config;
 mod guards;
+mod one_per_process;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -27,6 +28,10 @@ use oomscope_agent_core::agent::{Flow, Identity, Readers, Sampler};
 use oomscope_agent_core::readers::{HostPaths, HostReader};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{lock, now_ns};
+
+use one_per_process::Registration;
+/// The NVML reader [`Agent::start_with_nvml`] takes (`GpuReader::absent`: none).
+pub use oomscope_agent_core::readers::gpu::GpuReader;
 
 use crate::device::DeviceMemory;
 use crate::pb;
@@ -92,6 +97,8 @@ struct Inner {
     sampler: Sampler<Job>,
     /// Whether its thread runs (false: none could be made, or it stopped).
     sampling: AtomicBool,
+    /// This process's one agent until shutdown.
+    registration: Registration,
 }
 
 /// This process's agent: host readings, requests and phases, and every
@@ -110,10 +117,23 @@ impl Agent {
     /// thread; returns at once whether or not a collector is reachable
     /// (an unreachable one is one warning, and messages wait in memory or
     /// the spool). Refuses a bad setting: an interval under the floor, a
-    /// collector URL that is not `http://host[:port]`.
+    /// collector URL that is not `http://host[:port]`, and a second agent
+    /// while one runs in this process ([`StartError::AlreadyRunning`]).
     pub fn start(cfg: AgentConfig) -> Result<Agent, StartError> {
+        Agent::start_with_nvml(cfg, GpuReader::open)
+    }
+
+    /// [`Agent::start`] with the NVML reader `gpu` makes (called once the
+    /// settings are accepted): `GpuReader::absent` where NVML must not be
+    /// read (a driver that hangs on it), a scripted one in tests.
+    pub fn start_with_nvml(
+        cfg: AgentConfig,
+        gpu: impl FnOnce() -> GpuReader,
+    ) -> Result<Agent, StartError> {
         let resolved = cfg.resolve()?;
-        let reader = HostReader::new(HostPaths::system(), std::process::id());
+        let registration =
+            Registration::take(&resolved.name).map_err(StartError::AlreadyRunning)?;
+        let reader = HostReader::with_gpu(HostPaths::system(), std::process::id(), gpu());
         let mut hello = Identity {
             name: resolved.name,
             role: cfg.role.clone(),
@@ -142,6 +162,7 @@ impl Agent {
             pid: std::process::id(),
             sampler: Sampler::new(1),
             sampling: AtomicBool::new(false),
+            registration,
         });
         let reporter = inner.reporter.clone();
         let started = inner.sampler.start(
@@ -149,6 +170,7 @@ impl Agent {
                 inner: inner.clone(),
                 reader,
                 full_levels: Vec::new(),
+                last_gpus: Vec::new(),
                 pacing: Pacing::new(MIN_BATCH_SPACING),
             },
             reporter,
@@ -348,6 +370,7 @@ impl Agent {
         self.inner.sampling.store(false, Relaxed);
         self.inner.sampler.stop();
         self.inner.forward();
+        self.inner.registration.release();
         self.inner.reporter.clone().shutdown(
             pb::Goodbye {
                 reason: reason.into(),
@@ -417,26 +440,30 @@ impl Inner {
             }),
             ..Default::default()
         };
-        self.send_pending(host);
+        // No NVML here: this may be a request's thread.
+        self.send_pending(host, Vec::new());
     }
 
     /// One boundary message: `host` (the host reading taken for it)
     /// carrying what waits. It is the point of the newest reading: the
     /// pending sample if newer than the ring's newest end, else that end
     /// (its time, context and allocator); the other ends ride in it as
-    /// `requests`, each a point of its own at the collector.
-    fn send_pending(&self, mut host: pb::Sample) {
+    /// `requests`, each a point of its own at the collector. `gpu` (this
+    /// process's NVML entries, read for this message) goes with the newest
+    /// end.
+    fn send_pending(&self, mut host: pb::Sample, gpu: Vec<pb::GpuProcess>) {
         let (taken, sample) = {
             let mut p = lock(&self.pending);
             (p.ring.take(), p.sample.take())
         };
-        let Some(point) = boundary_point(taken, sample) else {
+        let Some(point) = boundary_point(taken, sample, gpu) else {
             return;
         };
         host.time_ns = point.time_ns;
         host.allocator = point.allocator;
         host.context = point.context;
         host.requests = point.requests;
+        host.gpu_processes = point.gpu_processes;
         self.reporter.send_sample(host);
     }
 
@@ -469,8 +496,13 @@ fn fold_peaks(newer: &mut pb::RequestContext, older: &pb::RequestContext) {
 
 /// The sample one boundary message is (its `host` reading aside): the
 /// newest of `sample` and the ring's newest end, carrying the ring's
-/// batch. None when nothing waited.
-fn boundary_point(taken: Taken, sample: Option<pb::Sample>) -> Option<pb::Sample> {
+/// batch, and `gpu` on that end (the point itself where it is the end).
+/// None when nothing waited.
+fn boundary_point(
+    taken: Taken,
+    sample: Option<pb::Sample>,
+    gpu: Vec<pb::GpuProcess>,
+) -> Option<pb::Sample> {
     let empty = taken.readings.is_empty() && taken.thinned.thinned_requests == 0;
     if taken.dropped > 0 {
         tracing::debug!(
@@ -492,11 +524,17 @@ fn boundary_point(taken: Taken, sample: Option<pb::Sample>) -> Option<pb::Sample
     // nothing read but the host.
     let sample = sample.filter(|s| newest_end.as_ref().is_none_or(|e| s.time_ns > e.time_ns));
     let mut point = match (sample, newest_end) {
-        (Some(s), _) => s,
+        (Some(s), end) => {
+            if let Some(end) = end {
+                end.gpu_processes = gpu;
+            }
+            s
+        }
         (None, Some(end)) => pb::Sample {
             time_ns: end.time_ns,
             allocator: std::mem::take(&mut end.allocator),
             context: end.context.take(),
+            gpu_processes: gpu,
             ..Default::default()
         },
         (None, None) => pb::Sample {
@@ -516,6 +554,9 @@ struct AgentReaders {
     /// The cgroup levels of the newest periodic sample, which boundary
     /// messages carry with their usage read again.
     full_levels: Vec<pb::CgroupLevel>,
+    /// The newest periodic sample's NVML reading: the devices where a
+    /// boundary message reads this process's entries.
+    last_gpus: Vec<pb::GpuDevice>,
     pacing: Pacing,
 }
 
@@ -526,6 +567,7 @@ impl Readers for AgentReaders {
         let inner = &self.inner;
         let mut sample = self.reader.sample();
         self.full_levels = sample.cgroup.clone();
+        self.last_gpus = sample.gpus.clone();
         let a = inner.allocator_sample();
         sample.time_ns = a.time_ns;
         sample.allocator = a.allocator;
@@ -553,8 +595,7 @@ impl Readers for AgentReaders {
 
     fn poll(&mut self, _: &Reporter) -> Flow {
         if self.pacing.take_due() {
-            self.inner
-                .send_pending(self.reader.boundary_sample(&self.full_levels));
+            self.send_boundary();
         }
         Flow::Continue
     }
@@ -565,8 +606,17 @@ impl Readers for AgentReaders {
 
     fn stop(&mut self, _: &Reporter) {
         // The last requests are not lost to the spacing.
-        self.inner
-            .send_pending(self.reader.boundary_sample(&self.full_levels));
+        self.send_boundary();
+    }
+}
+
+impl AgentReaders {
+    /// One boundary message with its host reading and this process's
+    /// device memory as NVML lists it now.
+    fn send_boundary(&self) {
+        let host = self.reader.boundary_sample(&self.full_levels);
+        let gpu = self.reader.own_gpu_processes(&self.last_gpus);
+        self.inner.send_pending(host, gpu);
     }
 }
 
@@ -612,7 +662,7 @@ mod tests {
         let mut ring = BoundaryRing::default();
         end(&mut ring, "a", 10, 1);
         end(&mut ring, "b", 20, 2);
-        let p = boundary_point(ring.take(), Some(sample(15, "decode"))).unwrap();
+        let p = boundary_point(ring.take(), Some(sample(15, "decode")), Vec::new()).unwrap();
         // The end's own time, context and counters: the collector takes it
         // for that end's point; the older sample is superseded.
         assert_eq!(p.time_ns, 20);
@@ -625,17 +675,46 @@ mod tests {
     }
 
     #[test]
+    fn the_device_reading_goes_with_the_newest_end() {
+        let own = |used| {
+            vec![pb::GpuProcess {
+                pid: 7,
+                used_bytes: Some(used),
+                device_uuid: "GPU-1".into(),
+                ..Default::default()
+            }]
+        };
+        // The end is the point: the point carries it.
+        let mut ring = BoundaryRing::default();
+        end(&mut ring, "a", 10, 1);
+        end(&mut ring, "b", 20, 2);
+        let p = boundary_point(ring.take(), None, own(5)).unwrap();
+        assert_eq!(p.gpu_processes, own(5));
+        assert!(p.requests.unwrap().readings[0].gpu_processes.is_empty());
+        // A later sample is the point: the end, riding in it, carries it.
+        let mut ring = BoundaryRing::default();
+        end(&mut ring, "a", 10, 1);
+        let p = boundary_point(ring.take(), Some(sample(30, "decode")), own(6)).unwrap();
+        assert!(p.gpu_processes.is_empty());
+        assert_eq!(p.requests.unwrap().readings[0].gpu_processes, own(6));
+    }
+
+    #[test]
     fn a_sample_after_the_newest_end_is_the_message_and_the_ends_ride_in_it() {
         let mut ring = BoundaryRing::default();
         end(&mut ring, "a", 10, 1);
-        let p = boundary_point(ring.take(), Some(sample(30, "decode"))).unwrap();
+        let p = boundary_point(ring.take(), Some(sample(30, "decode")), Vec::new()).unwrap();
         assert_eq!(p.time_ns, 30);
         assert_eq!(p.context.unwrap().phase, "decode");
         let batch = p.requests.unwrap();
         assert_eq!(batch.readings[0].context.as_ref().unwrap().requests_done, 1);
         // Nothing waiting: no message; a sample alone: itself, no batch.
-        assert!(boundary_point(BoundaryRing::default().take(), None).is_none());
-        let alone = boundary_point(BoundaryRing::default().take(), Some(sample(5, "load")));
+        assert!(boundary_point(BoundaryRing::default().take(), None, Vec::new()).is_none());
+        let alone = boundary_point(
+            BoundaryRing::default().take(),
+            Some(sample(5, "load")),
+            Vec::new(),
+        );
         assert!(alone.unwrap().requests.is_none());
     }
 }

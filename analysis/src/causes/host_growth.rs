@@ -99,6 +99,15 @@ pub fn host_growth(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     let mut evidence = vec![first_line, t.rise_line(what)];
     if f.timeline.device().next().is_some() {
         evidence.push("device live bytes between requests stayed flat".to_string());
+    } else if let Some(nvml) = growth::nvml_baseline(&f.timeline) {
+        // No allocator read, but NVML's figure for the process was.
+        evidence.push(match nvml.leaks() {
+            true => format!(
+                "this process's device memory (NVML) grew too, {} per request (the leak)",
+                bytes_short(nvml.bytes_per_request().max(0.0).round() as u64)
+            ),
+            false => "this process's device memory (NVML) between requests stayed flat".to_string(),
+        });
     } else {
         evidence.push("no device allocator readings: no GPU memory grew".to_string());
     }

@@ -1,9 +1,12 @@
 //! A leak: the between-requests baseline of live bytes rises with completed
 //! requests, persistently, and no collection gives it back.
 //!
-//! Live bytes are the device allocator's where there is one. A process
-//! without one (a CPU server) has only its heap census: there the census's
-//! retained type is the live bytes, and the host readings prove the trend.
+//! Live bytes are the device allocator's where there is one. A process on a
+//! GPU whose allocator no agent reads (candle's tensors through cudarc) has
+//! NVML's figure for it, read at each request end and sample. A process
+//! without a device (a CPU server) has only its heap census: there the
+//! census's retained type is the live bytes, and the host readings prove
+//! the trend.
 
 use super::{cause, gc_retained};
 use crate::census::{self, HeapGrowth, HeapVerdict};
@@ -22,7 +25,11 @@ use oomscope_proto::CauseKind;
 
 pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     if f.timeline.device().next().is_some() {
-        return device_leak(f);
+        return device_leak(f, Live::Allocator);
+    }
+    // A device leak outside any allocator read; else the host's census.
+    if let Some(c) = device_leak(f, Live::Nvml) {
+        return Some(c);
     }
     match census::verdict(f)? {
         HeapVerdict::Growing(g) => Some(heap_leak(f, &g)),
@@ -30,20 +37,50 @@ pub fn leak(f: &Findings, _: &DomainVerdict) -> Option<pb::Cause> {
     }
 }
 
-/// Live tensors on the device, between requests.
-fn device_leak(f: &Findings) -> Option<pb::Cause> {
+/// Which reading of the device's memory a leak is read from.
+#[derive(Clone, Copy, PartialEq)]
+enum Live {
+    /// The device allocator's live (allocated) bytes.
+    Allocator,
+    /// NVML's figure for this process: no allocator reading, so what the
+    /// framework holds, its caches and the CUDA context included.
+    Nvml,
+}
+
+/// Live memory on the device, between requests.
+fn device_leak(f: &Findings, source: Live) -> Option<pb::Cause> {
     let window = Window::of(f.evidence, &f.timeline);
-    let live = growth::baseline_series(&f.timeline, |p| p.has_allocator.then_some(p.allocated));
-    // No warm-up window on the device's live bytes (see `warmup::assess`):
-    // a device leak is named with its runway from its first requests.
-    let Assessed { trend: t, stage } = warmup::assess(&live, None, Trend::leaks)?;
+    let (live, window_of, what) = match source {
+        // No warm-up window on the device's live bytes (see
+        // `warmup::assess`): a device leak is named with its runway from
+        // its first requests.
+        Live::Allocator => (
+            growth::baseline_series(&f.timeline, |p| p.has_allocator.then_some(p.allocated)),
+            None,
+            "live bytes (allocated)",
+        ),
+        // NVML's figure holds what a warm-up fills (workspaces, a caching
+        // pool's reserve): it gets the window host readings get.
+        Live::Nvml => (
+            growth::baseline_series(&f.timeline, |p| p.device_used),
+            Some(&window),
+            "this process's device memory (NVML)",
+        ),
+    };
+    let Assessed { trend: t, stage } = warmup::assess(&live, window_of, Trend::leaks)?;
     // Growth that a collection gave back is gc_retained, not a leak.
     if gc_retained::reclaim(f).is_some_and(|r| r.gave_back_growth()) {
         return None;
     }
     let per_request = t.bytes_per_request();
-    let last = f.timeline.baseline().last()?;
-    let mut evidence = vec![t.rise_line("live bytes (allocated)")];
+    let used = match source {
+        Live::Allocator => {
+            let last = f.timeline.baseline().last()?;
+            last.reserved.max(last.allocated)
+        }
+        Live::Nvml => live.last()?.1 as u64,
+    };
+    let mut evidence = vec![t.rise_line(what)];
     let mut metrics = vec![
         ("bytes_per_request", per_request.round()),
         ("p_value", t.p_value),
@@ -55,7 +92,7 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         let runway = Runway {
             limit: f.device_limit,
             limit_name: limit_name(f),
-            used: last.reserved.max(last.allocated),
+            used,
             per_request,
             rate: runway::serving_rate(&f.timeline),
         };
@@ -72,7 +109,17 @@ fn device_leak(f: &Findings) -> Option<pb::Cause> {
         evidence.push(line);
         metrics.push(("retained_type_bytes_per_request", type_bytes));
     }
-    evidence.push(runtime_kind::live_bytes_line(&runtime_kind::of(f.evidence)).to_string());
+    let rk = runtime_kind::of(f.evidence);
+    evidence.push(
+        match source {
+            Live::Allocator => runtime_kind::live_bytes_line(&rk),
+            Live::Nvml => runtime_kind::unread_device_line(&rk),
+        }
+        .to_string(),
+    );
+    if source == Live::Nvml {
+        metrics.push(("device_used_bytes", used as f64));
+    }
     let confidence = match stage {
         Stage::Growing if t.p_value < 1e-6 => 0.9,
         Stage::Growing => 0.75,

@@ -79,6 +79,7 @@ fn encode(s: &pb::Sample) -> Vec<u8> {
         numa_nodes: s.numa_nodes.clone(),
         dropped_before: s.dropped_before,
         requests: s.requests.clone(),
+        gpu_processes: s.gpu_processes.clone(),
     }
     .encode_to_vec()
 }

@@ -883,6 +883,14 @@ pub struct Sample {
     /// `request_readings::expand`).
     #[prost(message, optional, tag = "41")]
     pub requests: ::core::option::Option<RequestReadings>,
+    /// Field 42: far from the fields other work adds next. In a request
+    /// boundary's message (the Rust agent's): this process's entries in NVML's
+    /// compute process list, read on the agent's thread with the message (one
+    /// nvmlDeviceGetComputeRunningProcesses per device the latest periodic
+    /// reading listed the process on), when this sample is the boundary point
+    /// of a request end. Periodic samples carry the whole reading in `gpus`.
+    #[prost(message, repeated, tag = "42")]
+    pub gpu_processes: ::prost::alloc::vec::Vec<GpuProcess>,
 }
 /// Messages an agent let go of, unsent, while the collector was unreachable
 /// (agent-core's reporter/ledger.rs). Without a spool its memory bound thins
@@ -955,6 +963,13 @@ pub struct RequestReading {
     pub allocated_blocks: u64,
     #[prost(message, repeated, tag = "6")]
     pub allocator: ::prost::alloc::vec::Vec<AllocatorStats>,
+    /// Field 20: far from the fields other work adds next. At an end: this
+    /// process's device memory as NVML lists it (`Sample.gpu_processes`),
+    /// where the agent read it with the batch; only the batch's newest end
+    /// carries it (NVML is read once per message, never on the request's
+    /// thread).
+    #[prost(message, repeated, tag = "20")]
+    pub gpu_processes: ::prost::alloc::vec::Vec<GpuProcess>,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

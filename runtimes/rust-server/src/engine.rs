@@ -1,15 +1,15 @@
 //! The model: weights loaded layer by layer, sequences whose KV cache grows
 //! one page per decode step, and the scenario switches. Every device byte
-//! comes from the tracking pool; the agent sees each step.
+//! comes from the tracking pool; the agent sees each step. Requests and
+//! the load are marked with the agent's guards (`Agent::request`,
+//! `Agent::load`, `Agent::phase`), as a Rust program uses them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use oomscope_agent_core::lock;
-use oomscope_agent_cuda::{
-    pb, CudaAgent, DeviceMemory, PoolError, Tag, TrackedSlice, TrackingPool,
-};
+use oomscope_agent_cuda::{pb, Agent, DeviceMemory, PoolError, Tag, TrackedSlice, TrackingPool};
 
 use crate::config::Config;
 
@@ -24,12 +24,11 @@ struct Active {
     sequences: u64,
     tokens: u64,
     kv_bytes: u64,
-    requests_done: u64,
 }
 
 pub struct Engine<D: DeviceMemory> {
     pub pool: TrackingPool<D>,
-    pub agent: CudaAgent,
+    pub agent: Agent,
     cfg: Config,
     weights: Mutex<Vec<TrackedSlice<u8>>>,
     weight_bytes: AtomicU64,
@@ -50,7 +49,7 @@ pub struct Completion {
 }
 
 impl<D: DeviceMemory> Engine<D> {
-    pub fn new(pool: TrackingPool<D>, agent: CudaAgent, cfg: Config) -> Self {
+    pub fn new(pool: TrackingPool<D>, agent: Agent, cfg: Config) -> Self {
         Engine {
             pool,
             agent,
@@ -73,26 +72,25 @@ impl<D: DeviceMemory> Engine<D> {
         }
     }
 
-    /// Loads the weights layer by layer, with a `load` phase around it and
-    /// a sample after each layer.
+    /// Loads the weights layer by layer, inside the agent's `load` phase
+    /// (ended when its guard drops, failed with the pool's error), with a
+    /// sample after each layer.
     pub fn load(&self) -> Result<(), PoolError> {
         let layers = self.cfg.layers.max(1);
         let per_layer = self.cfg.model_bytes.div_ceil(layers);
+        let mut load = self.agent.load(self.model());
         self.agent.set_context(|c| {
-            c.phase = "load".into();
             c.loaded_bytes = 0;
             c.numbers
                 .insert("model_bytes".into(), self.cfg.model_bytes as f64);
         });
-        self.agent.phase_edge("load", true, Some(self.model()), "");
         self.agent.sample();
         for layer in 0..layers {
             let bytes = per_layer.min(self.cfg.model_bytes - layer * per_layer);
             match self.pool.alloc::<u8>(bytes as usize, Tag::Weights) {
                 Ok(w) => lock(&self.weights).push(w),
                 Err(e) => {
-                    self.agent
-                        .phase_edge("load", false, Some(self.model()), &e.to_string());
+                    load.fail(&e);
                     return Err(e);
                 }
             }
@@ -103,12 +101,9 @@ impl<D: DeviceMemory> Engine<D> {
             });
             self.agent.sample();
         }
-        self.agent.phase_edge("load", false, Some(self.model()), "");
+        drop(load);
         let weights = self.weight_bytes.load(Ordering::Relaxed);
-        self.agent.set_context(|c| {
-            c.phase = "weights_loaded".into();
-            c.weight_bytes = weights;
-        });
+        self.agent.set_context(|c| c.weight_bytes = weights);
         self.agent.sample();
         if self.cfg.fragment {
             self.warm_prefix_cache()?;
@@ -120,6 +115,7 @@ impl<D: DeviceMemory> Engine<D> {
     /// and keeps every other one. Live bytes stay flat afterwards (no
     /// leak); the free half is in holes too small for a workspace.
     fn warm_prefix_cache(&self) -> Result<(), PoolError> {
+        let _warm = self.agent.phase("prefix_cache_warm");
         let (free, _) = self.pool.device().mem_get_info()?;
         let segments = free / oomscope_agent_cuda::pool::LARGE_BUFFER;
         let mut entries = Vec::new();
@@ -132,28 +128,23 @@ impl<D: DeviceMemory> Engine<D> {
         let mut kept = lock(&self.kept_scratch);
         kept.extend(entries.into_iter().step_by(2));
         drop(kept);
-        self.agent
-            .set_context(|c| c.phase = "prefix_cache_warm".into());
         self.agent.sample();
         Ok(())
     }
 
-    /// Copies the shared counters into the agent's context and samples.
-    fn report(&self, phase: &str, request_id: u64) {
+    /// Copies the shared counters into the agent's context (the agent
+    /// counts the requests done itself, at each request guard's drop).
+    fn set_counters(&self, request_id: u64) {
         let a = lock(&self.active);
         let weights = self.weight_bytes.load(Ordering::Relaxed);
         self.agent.set_context(|c| {
-            c.phase = phase.into();
             c.request_id = request_id.to_string();
             c.active_sequences = a.sequences;
             c.active_tokens = a.tokens;
             c.kv_cache_bytes = a.kv_bytes;
-            c.requests_done = a.requests_done;
             c.weight_bytes = weights;
             c.loaded_bytes = weights;
         });
-        drop(a);
-        self.agent.sample();
     }
 
     pub fn next_id(&self) -> u64 {
@@ -162,19 +153,16 @@ impl<D: DeviceMemory> Engine<D> {
 
     /// One sequence: prefill, then one KV page per decode step until
     /// `prompt + max_tokens` tokens. Blocking (runs on a blocking thread).
+    /// The agent's request guard marks it: its drop is the request's end
+    /// reading, after the KV pages went back to the pool.
     pub fn generate(
         &self,
         id: u64,
         prompt_tokens: u64,
         max_tokens: u64,
     ) -> Result<Completion, PoolError> {
-        self.agent.request_boundary(pb::RequestBoundary {
-            request_id: id.to_string(),
-            start: true,
-            prompt_tokens,
-            max_tokens,
-            ..Default::default()
-        });
+        let mut request = self.agent.request(id, prompt_tokens);
+        request.set_max_tokens(max_tokens);
         lock(&self.active).sequences += 1;
         let mut seq = Sequence::default();
         let result = self.run(id, prompt_tokens, max_tokens, &mut seq);
@@ -183,9 +171,6 @@ impl<D: DeviceMemory> Engine<D> {
             a.sequences -= 1;
             a.tokens -= seq.tokens;
             a.kv_bytes -= seq.kv_bytes;
-            if result.is_ok() {
-                a.requests_done += 1;
-            }
         }
         let kv_bytes = seq.kv_bytes;
         drop(seq); // the KV pages go back to the pool's cache
@@ -197,20 +182,12 @@ impl<D: DeviceMemory> Engine<D> {
                 lock(&self.leaked).push(b);
             }
         }
-        self.report("after_request", id);
-        let output_tokens = result.as_ref().map_or(0, |t| *t);
-        self.agent.request_boundary(pb::RequestBoundary {
-            request_id: id.to_string(),
-            start: false,
-            prompt_tokens,
-            max_tokens,
-            output_tokens,
-            error: result
-                .as_ref()
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default(),
-        });
+        self.set_counters(id);
+        match &result {
+            Ok(output_tokens) => request.set_output_tokens(*output_tokens),
+            Err(e) => request.fail(e),
+        }
+        drop(request);
         result.map(|output_tokens| Completion {
             id,
             prompt_tokens,
@@ -248,7 +225,9 @@ impl<D: DeviceMemory> Engine<D> {
                 a.tokens += step;
                 a.kv_bytes += bytes;
             }
-            self.report("decode", id);
+            // A point inside the request (its sequences and tokens).
+            self.set_counters(id);
+            self.agent.sample();
             std::thread::sleep(Duration::from_millis(self.cfg.step_ms));
         }
         Ok(seq.tokens.saturating_sub(prompt_tokens))

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use oomscope_agent_cuda::{AgentConfig, Cuda, CudaAgent, DeviceMemory, Simulated, TrackingPool};
+use oomscope_agent_cuda::{Agent, AgentConfig, Cuda, DeviceMemory, Simulated, TrackingPool};
 use tokio::sync::Semaphore;
 
 use config::Config;
@@ -60,7 +60,7 @@ fn serve<D: DeviceMemory>(pool: TrackingPool<D>, cfg: Config) -> i32 {
         bytes: cfg.model_bytes,
         ..Default::default()
     }];
-    let agent = match CudaAgent::start_with_pool(acfg, &pool) {
+    let agent = match Agent::start_with_pool(acfg, &pool) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("error: {e}");

@@ -213,6 +213,35 @@ impl GpuReader {
             .collect()
     }
 
+    /// The compute processes on the devices named by `uuids` (a MIG
+    /// instance by its own): one NVML call per device and no memory
+    /// reading, the cheap reading of a request boundary. Devices NVML
+    /// refuses, or whose list it refuses now, give nothing. Pids are not
+    /// resolved here (`view` unspecified).
+    pub fn processes_on(&self, uuids: &[&str]) -> Vec<pb::GpuProcess> {
+        let Some(api) = &self.api else {
+            return Vec::new();
+        };
+        let mut calls = lock(&self.calls);
+        let mut out = Vec::new();
+        for d in self
+            .devices
+            .iter()
+            .filter(|d| uuids.contains(&d.uuid.as_str()))
+        {
+            let Some(handle) = d.handle else { continue };
+            let read = guarded(|| processes(api.as_ref(), &mut calls, handle).ok());
+            out.extend(read.into_iter().flatten().map(|p| pb::GpuProcess {
+                device: d.index as i32,
+                pid: p.pid,
+                used_bytes: p.used_bytes,
+                device_uuid: d.uuid.clone(),
+                ..Default::default()
+            }));
+        }
+        out
+    }
+
     /// The devices as a Hello's placement list, from the facts read at open
     /// (no NVML call). Devices NVML refused are left out: they have no
     /// identity to place.

@@ -74,7 +74,9 @@ pub enum Verb {
         /// Address to listen on.
         #[arg(long, default_value = oomscope_proto::DEFAULT_COLLECTOR_ADDR)]
         listen: std::net::SocketAddr,
-        /// The embedded SQLite store.
+        /// The store: an embedded SQLite file, or `postgres://user@host/db`
+        /// for a PostgreSQL database several collectors share (a Unix socket's
+        /// directory as a percent-encoded host: `postgres://user@%2Frun%2Fpostgresql/db`).
         #[arg(
             long,
             env = "OOMSCOPE_DB",

@@ -57,6 +57,15 @@ impl QueryService for QueryApi {
         &self,
         _request: Request<pb::ListAgentsRequest>,
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        if let Some(shared) = self.collector.shared_store() {
+            // The whole fleet from the store of record; each agent's latest
+            // load where this collector serves (or served) its stream.
+            let agents = shared_read(move || shared.list_agents()).await?;
+            let agents = self
+                .read(|s| latest_contexts(s, agents).map_err(internal))
+                .await?;
+            return Ok(Response::new(pb::ListAgentsResponse { agents }));
+        }
         let agents = self
             .read(|s| {
                 s.list_agents()
@@ -95,6 +104,14 @@ impl QueryService for QueryApi {
         request: Request<pb::IncidentsRequest>,
     ) -> Result<Response<pb::IncidentsResponse>, Status> {
         let agent = request.into_inner().agent;
+        if let Some(shared) = self.collector.shared_store() {
+            // Every collector's incidents, by agent id or name.
+            let mut incidents = shared_read(move || shared.incidents(None)).await?;
+            if !agent.is_empty() {
+                incidents.retain(|i| i.agent_id == agent || i.agent_name == agent);
+            }
+            return Ok(Response::new(pb::IncidentsResponse { incidents }));
+        }
         let incidents = self
             .read(move |s| {
                 let roots = if agent.is_empty() {
@@ -118,6 +135,16 @@ impl QueryService for QueryApi {
         let req = request.into_inner();
         let diagnosis = self.read(move |s| diagnose_request(s, &req)).await?;
         Ok(Response::new(diagnosis))
+    }
+}
+
+/// Reads the shared store of record on a blocking thread.
+async fn shared_read<R: Send + 'static>(
+    f: impl FnOnce() -> Result<R> + Send + 'static,
+) -> Result<R, Status> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(internal),
+        Err(e) => Err(Status::internal(format!("a store task failed: {e}"))),
     }
 }
 

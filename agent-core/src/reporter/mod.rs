@@ -140,7 +140,25 @@ impl ReporterConfig {
 /// port if any. The reporter takes any text and, on a bad one, only retries
 /// with a warning; an agent that starts from a user's setting checks it
 /// first so the mistake is an error at start, not a silent absence.
-pub fn check_collector_url(url: &str) -> Result<(), String> {
+pub fn check_collector_url(urls: &str) -> Result<(), String> {
+    let list = collector_urls(urls);
+    if list.is_empty() {
+        return Err(format!("collector URL {urls:?} names no collector"));
+    }
+    list.into_iter().try_for_each(check_one_url)
+}
+
+/// The collector URLs of a comma-separated list (`OOMSCOPE_COLLECTOR`,
+/// `--collector`), in order: the reporter dials the next once a session
+/// with one fails (several collectors sharing one PostgreSQL store).
+pub fn collector_urls(urls: &str) -> Vec<&str> {
+    urls.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
+fn check_one_url(url: &str) -> Result<(), String> {
     let uri: tonic::transport::Uri = url
         .parse()
         .map_err(|e| format!("collector URL {url:?} is not a URL: {e}"))?;

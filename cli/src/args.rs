@@ -39,7 +39,9 @@ pub struct Cli {
 /// Where the CLI and agents find the collector.
 #[derive(clap::Args, Clone)]
 pub struct CollectorArg {
-    /// The collector's URL.
+    /// The collector's URL. Agents (those `run` starts included) also take a
+    /// comma-separated list of collectors sharing one PostgreSQL store and
+    /// move to the next when a stream breaks; queries ask the first.
     #[arg(long, env = "OOMSCOPE_COLLECTOR", hide_env_values = true, default_value = oomscope_proto::DEFAULT_COLLECTOR_URL)]
     pub collector: String,
     /// The collector's token (a secret of its --token-file), sent with every

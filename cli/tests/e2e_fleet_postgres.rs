@@ -17,11 +17,11 @@ use oomscope_testkit::postgres::PgCluster;
 use oomscope_testkit::CollectorProcess;
 
 const MIB: u64 = 1024 * 1024;
-/// The collectors' lost grace: the agent must be back within it.
-const GRACE: Duration = Duration::from_secs(3);
+/// The lost grace CollectorProcess gives its collectors: the agent must be
+/// back within it.
+const GRACE: Duration = Duration::from_secs(1);
 
 fn collector(pg: &PgCluster) -> CollectorProcess {
-    let grace = format!("{}s", GRACE.as_secs());
     CollectorProcess::start_with(
         || {
             let mut c = Command::new(oomscope_bin());
@@ -29,7 +29,7 @@ fn collector(pg: &PgCluster) -> CollectorProcess {
             c
         },
         Path::new(pg.url()),
-        &["--lost-grace".as_ref(), grace.as_ref()],
+        &[],
         None,
     )
 }

@@ -143,7 +143,7 @@ impl ReporterConfig {
 pub fn check_collector_url(urls: &str) -> Result<(), String> {
     let list = collector_urls(urls);
     if list.is_empty() {
-        return Err(format!("collector URL {urls:?} names no collector"));
+        return check_one_url(urls);
     }
     list.into_iter().try_for_each(check_one_url)
 }
@@ -770,6 +770,7 @@ mod url_tests {
             "http://127.0.0.1:4317",
             "https://collector.example",
             "http://[::1]:9",
+            "http://10.0.0.1:4317,http://10.0.0.2:4317",
         ] {
             assert_eq!(check_collector_url(good), Ok(()), "{good}");
         }
@@ -780,6 +781,7 @@ mod url_tests {
             ("http://", "not a URL"),
             ("", "not a URL"),
             ("http://host:notaport", "not a URL"),
+            ("http://a:1,grpc://b:2", "grpc://b:2"),
         ] {
             let e = check_collector_url(bad).expect_err(bad);
             assert!(e.contains(says), "{bad}: {e}");

@@ -991,6 +991,17 @@ struct IngestOutcome {
     replies_delivered: bool,
 }
 
+/// A batch could not be stored: nothing of it is acked, and the stream
+/// ends so that the agent reconnects and resends.
+async fn store_failed(tx: &ReplyTx, agent_id: &str, e: &anyhow::Error) {
+    tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
+    let _ = tx
+        .send(Err(Status::unavailable(format!(
+            "the collector could not store your messages ({e:#}); reconnect and resend"
+        ))))
+        .await;
+}
+
 /// Stores one batch, records its incidents, then acks what is stored.
 async fn ingest(
     collector: &Collector,
@@ -1086,12 +1097,7 @@ async fn ingest(
             match shared {
                 Some(Ok(outcome)) => Some(outcome),
                 Some(Err(e)) => {
-                    tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
-                    let _ = tx
-                        .send(Err(Status::unavailable(format!(
-                            "the collector could not store your messages ({e:#}); reconnect and resend"
-                        ))))
-                        .await;
+                    store_failed(tx, &agent_id, &e).await;
                     return Err(());
                 }
                 None => None,
@@ -1173,12 +1179,7 @@ async fn ingest(
             }
         }
         Err(e) => {
-            tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
-            let _ = tx
-                .send(Err(Status::unavailable(format!(
-                    "the collector could not store your messages ({e:#}); reconnect and resend"
-                ))))
-                .await;
+            store_failed(tx, &agent_id, &e).await;
             return Err(());
         }
     };

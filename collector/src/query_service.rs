@@ -132,7 +132,37 @@ impl QueryService for QueryApi {
         &self,
         request: Request<pb::DiagnoseRequest>,
     ) -> Result<Response<pb::Diagnosis>, Status> {
-        let req = request.into_inner();
+        let mut req = request.into_inner();
+        if let (Some(shared), false) = (self.collector.shared_store(), req.incident.is_empty()) {
+            // The shared store numbers incidents; this collector's own
+            // store holds the evidence under its own numbers.
+            let id = req.incident.clone();
+            let recorded = shared_read(move || shared.incidents(None))
+                .await?
+                .into_iter()
+                .find(|i| i.id == id)
+                .ok_or_else(|| {
+                    Status::not_found(format!(
+                        "no incident {:?}; `oomscope incidents` lists them",
+                        req.incident
+                    ))
+                })?;
+            req.incident = self
+                .read(move |s| {
+                    let own = s.incidents(Some(&recorded.agent_id)).map_err(internal)?;
+                    own.into_iter()
+                        .find(|i| i.seq == recorded.seq && i.kind == recorded.kind)
+                        .map(|i| i.id)
+                        .ok_or_else(|| {
+                            Status::failed_precondition(format!(
+                                "incident {} of agent {} was recorded by another collector, which \
+                                 holds its evidence; diagnose it there",
+                                recorded.id, recorded.agent_id
+                            ))
+                        })
+                })
+                .await?;
+        }
         let diagnosis = self.read(move |s| diagnose_request(s, &req)).await?;
         Ok(Response::new(diagnosis))
     }

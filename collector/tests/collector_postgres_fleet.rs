@@ -98,6 +98,37 @@ async fn two_collectors_share_agents_incidents_and_lost_checks() {
         .map(|i| i.agent_id.as_str())
         .collect();
     assert_eq!(lost, ["quitter"]);
+    // A diagnosis by the shared id: from a collector that holds the
+    // evidence (both saw mover's OOM), not from one that never had the stream.
+    let oom_id = incidents(&b, "mover").await[0].id.clone();
+    for run in [&a, &b] {
+        let d = run
+            .query()
+            .await
+            .diagnose(oomscope_collector::pb::DiagnoseRequest {
+                incident: oom_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("a diagnosis of the OOM")
+            .into_inner();
+        assert_eq!(d.domain.as_deref(), Some("gpu_vram"), "{d:?}");
+    }
+    let lost_id = incidents(&b, "quitter").await[0].id.clone();
+    let refused = b
+        .query()
+        .await
+        .diagnose(oomscope_collector::pb::DiagnoseRequest {
+            incident: lost_id,
+            ..Default::default()
+        })
+        .await
+        .expect_err("B never had quitter's stream");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
     // mover's check ran beside quitter's (same grace, same break).
     let shared = PgStore::connect(pg.url(), 1).unwrap();
     assert_eq!(shared.state("quitter").unwrap().as_deref(), Some("lost"));

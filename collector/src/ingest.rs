@@ -545,8 +545,17 @@ impl Collector {
     }
 
     /// After `lost_grace`, records the agent as lost unless a newer stream of
-    /// it exists by then.
-    fn schedule_lost_check(&self, agent_id: String, generation: u64, broke_at_ns: i64) {
+    /// it exists by then: here, or (with a shared store) a Hello recorded
+    /// after `hello_ns`, this stream's own, through any collector. (Not
+    /// after the break: a reconnect may reach another collector before this
+    /// one notices the break. Collectors' clocks must be in step, as NTP keeps them.)
+    fn schedule_lost_check(
+        &self,
+        agent_id: String,
+        generation: u64,
+        broke_at_ns: i64,
+        hello_ns: i64,
+    ) {
         let collector = self.clone();
         let grace = self.inner.lost_grace;
         tokio::spawn(async move {
@@ -560,7 +569,7 @@ impl Collector {
             let elsewhere = collector
                 .on_shared({
                     let id = agent_id.clone();
-                    move |s| s.hello_since(&id, broke_at_ns)
+                    move |s| s.hello_since(&id, hello_ns)
                 })
                 .await;
             if let Some(Ok(true)) = elsewhere {
@@ -674,7 +683,8 @@ impl Collector {
                     generation,
                     directives: None,
                 });
-            self.schedule_lost_check(agent_id, generation, now_ns());
+            let now = now_ns();
+            self.schedule_lost_check(agent_id, generation, now, now);
         }
     }
 }
@@ -823,14 +833,15 @@ async fn session(
     let generation = (!recovery).then(|| collector.register(&agent_id, dtx));
     let stored_hello = hello.clone();
     let shared_hello = hello.clone();
+    let mut hello_ns = now_ns();
     let recorded = match collector
-        .on_shared(move |s| s.record_hello(&shared_hello, now_ns()))
+        .on_shared(move |s| s.record_hello(&shared_hello, hello_ns))
         .await
     {
         Some(Err(e)) => Err(e),
         _ => {
             collector
-                .with_store(move |s| s.record_hello(&stored_hello, now_ns()))
+                .with_store(move |s| s.record_hello(&stored_hello, hello_ns))
                 .await
         }
     };
@@ -886,6 +897,7 @@ async fn session(
                         said_goodbye |= outcome.goodbye;
                         goodbye_seq = outcome.goodbye_seq.or(goodbye_seq);
                         last_seq = last_seq.max(outcome.max_seq);
+                        hello_ns = outcome.rehello_ns.unwrap_or(hello_ns);
                         if !outcome.replies_delivered {
                             break End::Gone;
                         }
@@ -957,7 +969,7 @@ async fn session(
                 "stream ended without a Goodbye; waiting {:?} for a reconnect",
                 collector.inner.lost_grace
             );
-            collector.schedule_lost_check(agent_id, generation, now_ns());
+            collector.schedule_lost_check(agent_id, generation, now_ns(), hello_ns);
         }
     }
 }
@@ -989,6 +1001,9 @@ struct IngestOutcome {
     goodbye_seq: Option<u64>,
     max_seq: u64,
     replies_delivered: bool,
+    /// When a Hello the stream sent again was recorded (see
+    /// `Collector::schedule_lost_check`: a Hello after it is another stream's).
+    rehello_ns: Option<i64>,
 }
 
 /// A batch could not be stored: nothing of it is acked, and the stream
@@ -1076,6 +1091,7 @@ async fn ingest(
     let id = agent_id.clone();
     let fleet = collector.inner.fleet.clone();
     let writing = std::time::Instant::now();
+    let rehello_ns = rehello.is_some().then(now_ns);
     // A shared store of record judges and holds the batch first: what it
     // stored is what the agent is acked, whichever collector stored it before.
     let shared_outcome = match collector.inner.shared.is_some() {
@@ -1085,7 +1101,7 @@ async fn ingest(
             let shared = collector
                 .on_shared(move |s| {
                     if let Some(h) = &rehello {
-                        s.record_hello(h, now_ns())?;
+                        s.record_hello(h, rehello_ns.unwrap_or_else(now_ns))?;
                     }
                     let outcome = s.insert_batch(&id, &batch)?;
                     if has_goodbye {
@@ -1248,6 +1264,7 @@ async fn ingest(
         goodbye_seq,
         max_seq,
         replies_delivered: delivered,
+        rehello_ns,
     })
 }
 

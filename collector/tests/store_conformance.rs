@@ -130,6 +130,22 @@ async fn ingest_is_acked_once_stored_and_listed(engine: Engine) {
     assert!(incs[0].id.starts_with("inc-"), "{}", incs[0].id);
     // By name too.
     assert_eq!(incidents(&run, "llama-server").await, incs);
+    let tl = timeline(&run, "llama-server").await;
+    let got: Vec<(u64, u64)> = tl.samples.iter().map(|s| (s.seq, rss(s))).collect();
+    let want: Vec<(u64, u64)> = (1..=20).map(|seq| (seq, seq * MIB)).collect();
+    assert_eq!(got, want);
+    let d = run
+        .query()
+        .await
+        .diagnose(pb::DiagnoseRequest {
+            incident: incs[0].id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("Diagnose")
+        .into_inner();
+    assert_eq!(d.incident.as_deref(), Some(incs[0].id.as_str()));
+    assert_eq!(d.domain.as_deref(), Some("gpu_vram"), "{d:?}");
     run.stop().await;
 }
 

@@ -43,6 +43,12 @@ pub trait Backend: Send + Sync {
     /// through any collector: a stream that broke on one collector and
     /// resumed on another within the grace is no lost agent.
     fn hello_since(&self, agent_id: &str, since_ns: i64) -> Result<bool>;
+    /// A throwaway embedded store holding the agent's Hello, its newest
+    /// `max_messages` messages and its incidents (under their ids), for
+    /// queries that run the analysis (timeline, diagnose) on what any
+    /// collector stored; None for an unknown agent, or for a store that is
+    /// queried in place.
+    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>>;
 }
 
 /// The embedded store behind the interface: a lock around the one
@@ -79,6 +85,10 @@ impl Backend for parking_lot::Mutex<Store> {
     /// back (see `ingest.rs`), so the file keeps no Hello times.
     fn hello_since(&self, _agent_id: &str, _since_ns: i64) -> Result<bool> {
         Ok(false)
+    }
+    /// Queried in place: the collector reads the file itself.
+    fn snapshot(&self, _agent_id: &str, _max_messages: u32) -> Result<Option<Store>> {
+        Ok(None)
     }
     fn prune_before(&self, cutoff_ns: i64) -> Result<u64> {
         let mut total = 0;

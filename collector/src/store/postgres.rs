@@ -30,7 +30,9 @@ use parking_lot::Mutex;
 use prost::Message;
 use tokio_postgres::NoTls;
 
-use super::{classify, decode_hello, decode_message, seq_to_sql, Backend, BatchOutcome};
+use super::{
+    classify, decode_hello, decode_message, now_ns, seq_to_sql, Backend, BatchOutcome, Store,
+};
 use crate::pb;
 use crate::pb::agent_message::Body;
 
@@ -664,6 +666,43 @@ impl Backend for PgStore {
                 .await?
                 .is_some())
         })
+    }
+
+    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>> {
+        let (pool, id) = (self.pool.clone(), agent_id.to_string());
+        let found = self.run(async move {
+            let client = pool.get().await?;
+            let Some(hello) = client
+                .query_opt("SELECT hello FROM agents WHERE agent_id = $1", &[&id])
+                .await?
+            else {
+                return Ok(None);
+            };
+            let hello = decode_hello(&id, hello.get(0))?;
+            let rows = client
+                .query(
+                    "SELECT seq, body FROM messages WHERE agent_id = $1 ORDER BY seq DESC LIMIT $2",
+                    &[&id, &i64::from(max_messages)],
+                )
+                .await?;
+            let mut messages = rows
+                .iter()
+                .map(|r| decode_message(&id, r.get::<_, i64>(0) as u64, r.get(1)))
+                .collect::<Result<Vec<_>>>()?;
+            messages.reverse();
+            Ok(Some((hello, messages)))
+        })?;
+        let Some((hello, messages)) = found else {
+            return Ok(None);
+        };
+        let incidents = self.incidents(Some(agent_id))?;
+        let mut store = Store::open_in_memory()?;
+        store.upsert_agent(&hello, now_ns())?;
+        store.insert_batch(agent_id, &messages)?;
+        for inc in &incidents {
+            store.insert_incident(inc)?;
+        }
+        Ok(Some(store))
     }
 
     fn message_count(&self, agent_id: &str) -> Result<u64> {

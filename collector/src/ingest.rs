@@ -636,6 +636,23 @@ impl Collector {
                 Ok(unsent)
             })
             .await;
+        if let Ok(1..) = outcome {
+            let id = agent_id.clone();
+            let marked = self
+                .on_shared(move |s| match s.state(&id)?.as_deref() {
+                    Some("disconnected") => {
+                        s.set_state(&id, oomscope_proto::EVIDENCE_INCOMPLETE_STATE, now_ns())
+                    }
+                    _ => Ok(()),
+                })
+                .await;
+            if let Some(Err(e)) = marked {
+                tracing::error!(
+                    agent_id,
+                    "marking incomplete evidence in the shared store failed: {e:#}"
+                );
+            }
+        }
         match outcome {
             Ok(0) => {}
             Ok(unsent) => tracing::warn!(
@@ -650,10 +667,14 @@ impl Collector {
     /// A dead agent's spool was delivered: it died without a Goodbye.
     async fn recovered(&self, agent_id: String) {
         let id = agent_id.clone();
-        match self
+        let recorded = self
             .with_store(move |store| incidents::record_recovered(store, &id))
-            .await
-        {
+            .await;
+        let recorded = match recorded {
+            Ok(Some(inc)) => Ok(self.share_incidents(vec![inc]).await.pop()),
+            other => other,
+        };
+        match recorded {
             Ok(Some(inc)) => {
                 log_incident(&inc);
                 self.inner.metrics.incident(&inc);

@@ -62,6 +62,13 @@ pub const MAX_DECODED_MESSAGES: usize = 4096;
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
 
+/// What a collector with a shared store keeps of the streams it serves in
+/// its own (in-memory) store, for its detectors: the longest window one reads
+/// is 5 minutes (`FleetPolicy`'s crash-loop and baseline windows), so an
+/// hour keeps them whole with room, and bounds the memory by an hour of the
+/// streams this collector serves. Queries read the shared store.
+pub const DEFAULT_WORKING_WINDOW: Duration = Duration::from_secs(3600);
+
 /// How often retention looks for rows past the window: old rows appear as
 /// time passes, a few minutes' worth at a time.
 pub const RETENTION_INTERVAL: Duration = Duration::from_secs(5 * 60);
@@ -334,8 +341,19 @@ impl Collector {
     /// Deletes what is older than `window` now and every
     /// [`RETENTION_INTERVAL`], in batches of [`MAX_RETENTION_BATCH`] rows per
     /// table, each its own group part (ingest goes on between them), until
-    /// the collector stops.
+    /// the collector stops; from the shared store too, if any.
     pub fn retain(&self, window: Duration) {
+        self.prune_every_interval(window, true);
+    }
+
+    /// Keeps `window` of the streams this collector serves in its own store
+    /// when a shared store is the store of record (see
+    /// [`DEFAULT_WORKING_WINDOW`]): its memory stays bounded without `--retain`.
+    pub fn keep_own_for(&self, window: Duration) {
+        self.prune_every_interval(window, false);
+    }
+
+    fn prune_every_interval(&self, window: Duration, shared_too: bool) {
         let collector = self.clone();
         let stop = self.until_stopping();
         tokio::spawn(async move {
@@ -344,7 +362,11 @@ impl Collector {
                     let cutoff =
                         now_ns().saturating_sub(window.as_nanos().min(i64::MAX as u128) as i64);
                     let mut total = 0u64;
-                    if let Some(r) = collector.on_shared(move |s| s.prune_before(cutoff)).await {
+                    let shared = match shared_too {
+                        true => collector.on_shared(move |s| s.prune_before(cutoff)).await,
+                        false => None,
+                    };
+                    if let Some(r) = shared {
                         match r {
                             Ok(n) => total += n,
                             Err(e) => {

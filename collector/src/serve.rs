@@ -164,6 +164,7 @@ async fn bind_postgres(cfg: &ServeConfig, url: &str) -> Result<Collector> {
     .await
     .map_err(|e| anyhow!("opening the store: {e}"))??;
     let collector = Collector::new(own, cfg.lost_grace).with_shared_store(Arc::new(shared));
+    collector.keep_own_for(crate::ingest::DEFAULT_WORKING_WINDOW);
     secure(collector, cfg)
 }
 

@@ -141,3 +141,41 @@ async fn two_collectors_share_agents_incidents_and_lost_checks() {
     a.stop().await;
     b.stop().await;
 }
+
+/// The collector's own store keeps only its working window of the streams
+/// it serves (its memory stays bounded); the shared store keeps everything,
+/// and queries read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_own_store_keeps_its_working_window_and_queries_read_the_shared_one() {
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let dir = tempfile::tempdir().unwrap();
+    let run = collector_on(&pg, &dir).await;
+    let now = now_ns();
+    let two_hours = 2 * 3600 * 1_000_000_000;
+    let mut agent = run.agent(hello("agent-1", "svc")).await;
+    agent.send(sample(1, now - two_hours)).await;
+    agent.send(sample(2, now)).await;
+    agent.acks_covering(&[1, 2].into(), |_| {}).await;
+    run.collector.keep_own_for(Duration::from_secs(3600));
+    let own = eventually(Duration::from_secs(10), || async {
+        let n = run
+            .collector
+            .with_store(|s| s.message_count("agent-1"))
+            .await
+            .unwrap();
+        (n == 1).then_some(n)
+    })
+    .await;
+    assert_eq!(own, Some(1), "the two-hour-old sample left the own store");
+    let shared = PgStore::connect(pg.url(), 1).unwrap();
+    assert_eq!(shared.message_count("agent-1").unwrap(), 2);
+    let seqs: Vec<u64> = timeline(&run, "agent-1")
+        .await
+        .samples
+        .iter()
+        .map(|s| s.seq)
+        .collect();
+    assert_eq!(seqs, [1, 2]);
+    drop(agent);
+    run.stop().await;
+}

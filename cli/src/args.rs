@@ -39,7 +39,9 @@ pub struct Cli {
 /// Where the CLI and agents find the collector.
 #[derive(clap::Args, Clone)]
 pub struct CollectorArg {
-    /// The collector's URL.
+    /// The collector's URL. Agents (those `run` starts included) also take a
+    /// comma-separated list of collectors sharing one PostgreSQL store and
+    /// move to the next when a stream breaks; queries ask the first.
     #[arg(long, env = "OOMSCOPE_COLLECTOR", hide_env_values = true, default_value = oomscope_proto::DEFAULT_COLLECTOR_URL)]
     pub collector: String,
     /// The collector's token (a secret of its --token-file), sent with every
@@ -74,7 +76,9 @@ pub enum Verb {
         /// Address to listen on.
         #[arg(long, default_value = oomscope_proto::DEFAULT_COLLECTOR_ADDR)]
         listen: std::net::SocketAddr,
-        /// The embedded SQLite store.
+        /// The store: an embedded SQLite file, or `postgres://user@host/db`
+        /// for a PostgreSQL database several collectors share (a Unix socket's
+        /// directory as a percent-encoded host: `postgres://user@%2Frun%2Fpostgresql/db`).
         #[arg(
             long,
             env = "OOMSCOPE_DB",

@@ -1,4 +1,5 @@
-//! `oomscope collector`: serve both gRPC services on the embedded store.
+//! `oomscope collector`: serve both gRPC services on the embedded store, or on
+//! a PostgreSQL database that several collectors share (`--db postgres://...`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -89,7 +90,7 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
             "oomscope collector listening on {}{}, store {}",
             listener.local_addr()?,
             if collector.serves_tls() { " (TLS)" } else { "" },
-            cfg.db.display()
+            oomscope_collector::store::redact(&cfg.db.display().to_string())
         );
         let limits = cfg.limits.clone();
         serve_with_limits(listener, collector, limits, shutdown).await

@@ -73,6 +73,13 @@ impl Client {
 
     /// Connects with explicit deadlines for the connection and for each call.
     pub fn connect_with(url: &str, connect: Duration, call: Duration) -> Result<Client> {
+        // Agents' comma-separated list of collectors sharing one store: any
+        // of them answers for the whole fleet, so the first is asked.
+        let url = url
+            .split(',')
+            .map(str::trim)
+            .find(|u| !u.is_empty())
+            .unwrap_or(url);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;

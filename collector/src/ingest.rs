@@ -27,7 +27,7 @@ use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
 use crate::store::{
-    now_ns, FileWatch, ReaderPool, Store, WriterLock, MAX_RETENTION_BATCH, MAX_SEQ,
+    now_ns, Backend, FileWatch, ReaderPool, Store, WriterLock, MAX_RETENTION_BATCH, MAX_SEQ,
 };
 
 /// How long a new stream may take to send its Hello before it is closed: an
@@ -62,6 +62,13 @@ pub const MAX_DECODED_MESSAGES: usize = 4096;
 /// At most this many ready messages go into one transaction (and one ack run).
 const MAX_BATCH: usize = 256;
 
+/// What a collector with a shared store keeps of the streams it serves in
+/// its own (in-memory) store, for its detectors: the longest window one reads
+/// is 5 minutes (`FleetPolicy`'s crash-loop and baseline windows), so an
+/// hour keeps them whole with room, and bounds the memory by an hour of the
+/// streams this collector serves. Queries read the shared store.
+pub const DEFAULT_WORKING_WINDOW: Duration = Duration::from_secs(3600);
+
 /// How often retention looks for rows past the window: old rows appear as
 /// time passes, a few minutes' worth at a time.
 pub const RETENTION_INTERVAL: Duration = Duration::from_secs(5 * 60);
@@ -84,6 +91,9 @@ pub(crate) struct Inner {
     /// The store's files as opened: every write first checks that the path
     /// still names them (see [`FileWatch`]).
     file: Option<Mutex<FileWatch>>,
+    /// The store of record when it is not the embedded file: a PostgreSQL
+    /// shared by several collectors (see [`Collector::with_shared_store`]).
+    shared: Option<Arc<dyn Backend>>,
     /// The tokens calls must carry (None: no authentication).
     pub(crate) tokens: Option<crate::auth::Tokens>,
     /// Serve TLS with this (None: plaintext).
@@ -162,6 +172,7 @@ impl Collector {
                 store: Mutex::new(store),
                 writer: std::sync::OnceLock::new(),
                 readers: None,
+                shared: None,
                 file: None,
                 _writer_lock: None,
                 tokens: None,
@@ -199,6 +210,73 @@ impl Collector {
             None => tracing::warn!("the collector is already shared; its store is not watched"),
         }
         self
+    }
+
+    /// Makes `shared` the store of record (a PostgreSQL several collectors
+    /// share): a batch is acked once `shared` holds it, duplicates and
+    /// conflicts are judged there, token bindings, agents and incidents live
+    /// there, and agent and incident queries answer from it for the whole
+    /// fleet. The collector's own store (in memory) keeps the streams it
+    /// serves, for its incident and fleet detectors and for timelines and
+    /// diagnoses. Call before the collector is shared.
+    pub fn with_shared_store(mut self, shared: Arc<dyn Backend>) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.shared = Some(shared),
+            None => tracing::warn!("the collector is already shared; its store stays its own"),
+        }
+        self
+    }
+
+    /// The shared store of record, if any (see [`Collector::with_shared_store`]).
+    pub fn shared_store(&self) -> Option<Arc<dyn Backend>> {
+        self.inner.shared.clone()
+    }
+
+    /// Runs `f` on the shared store on a blocking thread; None without one.
+    async fn on_shared<R, F>(&self, f: F) -> Option<Result<R>>
+    where
+        F: FnOnce(&dyn Backend) -> Result<R> + Send + 'static,
+        R: Send + 'static,
+    {
+        let shared = self.inner.shared.clone()?;
+        Some(
+            tokio::task::spawn_blocking(move || f(&*shared))
+                .await
+                .map_err(|e| anyhow!("a shared-store task failed: {e}"))
+                .and_then(|r| r),
+        )
+    }
+
+    /// Records incidents this collector raised in the shared store, which
+    /// numbers them and keeps one per event whichever collector saw it;
+    /// returns those it recorded for the first time. Without a shared
+    /// store, `recorded` as it is.
+    async fn share_incidents(&self, recorded: Vec<pb::Incident>) -> Vec<pb::Incident> {
+        if recorded.is_empty() || self.inner.shared.is_none() {
+            return recorded;
+        }
+        let shared = self
+            .on_shared(move |s| {
+                let mut first = Vec::new();
+                for inc in recorded {
+                    let inc = pb::Incident {
+                        id: String::new(),
+                        parts: Vec::new(),
+                        ..inc
+                    };
+                    first.extend(s.insert_incident(&inc)?);
+                }
+                Ok(first)
+            })
+            .await;
+        match shared {
+            Some(Ok(first)) => first,
+            Some(Err(e)) => {
+                tracing::error!("recording incidents in the shared store failed: {e:#}");
+                Vec::new()
+            }
+            None => Vec::new(),
+        }
     }
 
     /// Every call must carry one of `tokens`, and an agent id stays with the
@@ -263,8 +341,19 @@ impl Collector {
     /// Deletes what is older than `window` now and every
     /// [`RETENTION_INTERVAL`], in batches of [`MAX_RETENTION_BATCH`] rows per
     /// table, each its own group part (ingest goes on between them), until
-    /// the collector stops.
+    /// the collector stops; from the shared store too, if any.
     pub fn retain(&self, window: Duration) {
+        self.prune_every_interval(window, true);
+    }
+
+    /// Keeps `window` of the streams this collector serves in its own store
+    /// when a shared store is the store of record (see
+    /// [`DEFAULT_WORKING_WINDOW`]): its memory stays bounded without `--retain`.
+    pub fn keep_own_for(&self, window: Duration) {
+        self.prune_every_interval(window, false);
+    }
+
+    fn prune_every_interval(&self, window: Duration, shared_too: bool) {
         let collector = self.clone();
         let stop = self.until_stopping();
         tokio::spawn(async move {
@@ -273,6 +362,18 @@ impl Collector {
                     let cutoff =
                         now_ns().saturating_sub(window.as_nanos().min(i64::MAX as u128) as i64);
                     let mut total = 0u64;
+                    let shared = match shared_too {
+                        true => collector.on_shared(move |s| s.prune_before(cutoff)).await,
+                        false => None,
+                    };
+                    if let Some(r) = shared {
+                        match r {
+                            Ok(n) => total += n,
+                            Err(e) => {
+                                tracing::error!("retention of the shared store failed: {e:#}")
+                            }
+                        }
+                    }
                     loop {
                         match collector
                             .write(move |s| s.prune_before(cutoff, MAX_RETENTION_BATCH))
@@ -466,8 +567,17 @@ impl Collector {
     }
 
     /// After `lost_grace`, records the agent as lost unless a newer stream of
-    /// it exists by then.
-    fn schedule_lost_check(&self, agent_id: String, generation: u64, broke_at_ns: i64) {
+    /// it exists by then: here, or (with a shared store) a Hello recorded
+    /// after `hello_ns`, this stream's own, through any collector. (Not
+    /// after the break: a reconnect may reach another collector before this
+    /// one notices the break. Collectors' clocks must be in step, as NTP keeps them.)
+    fn schedule_lost_check(
+        &self,
+        agent_id: String,
+        generation: u64,
+        broke_at_ns: i64,
+        hello_ns: i64,
+    ) {
         let collector = self.clone();
         let grace = self.inner.lost_grace;
         tokio::spawn(async move {
@@ -477,6 +587,21 @@ impl Collector {
             // The check runs under the store lock, and a reconnect registers
             // before it writes "connected": so either the check sees the new
             // stream, or its "lost" is overwritten by the reconnect.
+            // Back through another collector of the shared store.
+            let elsewhere = collector
+                .on_shared({
+                    let id = agent_id.clone();
+                    move |s| s.hello_since(&id, hello_ns)
+                })
+                .await;
+            if let Some(Ok(true)) = elsewhere {
+                tracing::info!(
+                    agent_id,
+                    "reconnected to another collector within the grace period"
+                );
+                collector.forget_link(&agent_id, generation);
+                return;
+            }
             let outcome = collector
                 .with_store(move |store| {
                     // Gone from the links, and not since settled by a
@@ -495,6 +620,16 @@ impl Collector {
                     Ok(lost)
                 })
                 .await;
+            if let (Ok(Some(_)), Some(shared)) = (&outcome, collector.inner.shared.clone()) {
+                let id = agent_id.clone();
+                let _ =
+                    tokio::task::spawn_blocking(move || shared.set_state(&id, "lost", now_ns()))
+                        .await;
+            }
+            let outcome = match outcome {
+                Ok(Some(inc)) => Ok(collector.share_incidents(vec![inc]).await.pop()),
+                other => other,
+            };
             match outcome {
                 Ok(Some(inc)) => {
                     log_incident(&inc);
@@ -523,6 +658,23 @@ impl Collector {
                 Ok(unsent)
             })
             .await;
+        if let Ok(1..) = outcome {
+            let id = agent_id.clone();
+            let marked = self
+                .on_shared(move |s| match s.state(&id)?.as_deref() {
+                    Some("disconnected") => {
+                        s.set_state(&id, oomscope_proto::EVIDENCE_INCOMPLETE_STATE, now_ns())
+                    }
+                    _ => Ok(()),
+                })
+                .await;
+            if let Some(Err(e)) = marked {
+                tracing::error!(
+                    agent_id,
+                    "marking incomplete evidence in the shared store failed: {e:#}"
+                );
+            }
+        }
         match outcome {
             Ok(0) => {}
             Ok(unsent) => tracing::warn!(
@@ -537,10 +689,14 @@ impl Collector {
     /// A dead agent's spool was delivered: it died without a Goodbye.
     async fn recovered(&self, agent_id: String) {
         let id = agent_id.clone();
-        match self
+        let recorded = self
             .with_store(move |store| incidents::record_recovered(store, &id))
-            .await
-        {
+            .await;
+        let recorded = match recorded {
+            Ok(Some(inc)) => Ok(self.share_incidents(vec![inc]).await.pop()),
+            other => other,
+        };
+        match recorded {
             Ok(Some(inc)) => {
                 log_incident(&inc);
                 self.inner.metrics.incident(&inc);
@@ -570,7 +726,8 @@ impl Collector {
                     generation,
                     directives: None,
                 });
-            self.schedule_lost_check(agent_id, generation, now_ns());
+            let now = now_ns();
+            self.schedule_lost_check(agent_id, generation, now, now);
         }
     }
 }
@@ -680,9 +837,20 @@ async fn session(
     // Before anything of the agent's is touched, its link included.
     if let Some(TokenName(token)) = token {
         let id = agent_id.clone();
-        let bound = collector
-            .with_store(move |s| Ok(s.bind_token(&id, &token)? == token))
-            .await;
+        let bound = match collector.inner.shared.is_some() {
+            true => {
+                let token = token.clone();
+                collector
+                    .on_shared(move |s| Ok(s.bind_token(&id, &token)? == token))
+                    .await
+                    .expect("a shared store")
+            }
+            false => {
+                collector
+                    .with_store(move |s| Ok(s.bind_token(&id, &token)? == token))
+                    .await
+            }
+        };
         let refusal = match bound {
             Ok(true) => None,
             // The holder's name is not told: names say who else sends here.
@@ -707,10 +875,20 @@ async fn session(
     // Register before writing "connected": see schedule_lost_check.
     let generation = (!recovery).then(|| collector.register(&agent_id, dtx));
     let stored_hello = hello.clone();
-    if let Err(e) = collector
-        .with_store(move |s| s.record_hello(&stored_hello, now_ns()))
+    let shared_hello = hello.clone();
+    let mut hello_ns = now_ns();
+    let recorded = match collector
+        .on_shared(move |s| s.record_hello(&shared_hello, hello_ns))
         .await
     {
+        Some(Err(e)) => Err(e),
+        _ => {
+            collector
+                .with_store(move |s| s.record_hello(&stored_hello, hello_ns))
+                .await
+        }
+    };
+    if let Err(e) = recorded {
         tracing::error!(agent_id, "storing the Hello failed: {e:#}");
         if let Some(generation) = generation {
             collector.unregister(&agent_id, generation);
@@ -762,6 +940,7 @@ async fn session(
                         said_goodbye |= outcome.goodbye;
                         goodbye_seq = outcome.goodbye_seq.or(goodbye_seq);
                         last_seq = last_seq.max(outcome.max_seq);
+                        hello_ns = outcome.rehello_ns.unwrap_or(hello_ns);
                         if !outcome.replies_delivered {
                             break End::Gone;
                         }
@@ -833,7 +1012,7 @@ async fn session(
                 "stream ended without a Goodbye; waiting {:?} for a reconnect",
                 collector.inner.lost_grace
             );
-            collector.schedule_lost_check(agent_id, generation, now_ns());
+            collector.schedule_lost_check(agent_id, generation, now_ns(), hello_ns);
         }
     }
 }
@@ -865,6 +1044,20 @@ struct IngestOutcome {
     goodbye_seq: Option<u64>,
     max_seq: u64,
     replies_delivered: bool,
+    /// When a Hello the stream sent again was recorded (see
+    /// `Collector::schedule_lost_check`: a Hello after it is another stream's).
+    rehello_ns: Option<i64>,
+}
+
+/// A batch could not be stored: nothing of it is acked, and the stream
+/// ends so that the agent reconnects and resends.
+async fn store_failed(tx: &ReplyTx, agent_id: &str, e: &anyhow::Error) {
+    tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
+    let _ = tx
+        .send(Err(Status::unavailable(format!(
+            "the collector could not store your messages ({e:#}); reconnect and resend"
+        ))))
+        .await;
 }
 
 /// Stores one batch, records its incidents, then acks what is stored.
@@ -940,8 +1133,45 @@ async fn ingest(
     let has_goodbye = goodbye.is_some();
     let id = agent_id.clone();
     let fleet = collector.inner.fleet.clone();
-    // Acked only once the group this batch joins is committed.
     let writing = std::time::Instant::now();
+    let rehello_ns = rehello.is_some().then(now_ns);
+    // A shared store of record judges and holds the batch first: what it
+    // stored is what the agent is acked, whichever collector stored it before.
+    let shared_outcome = match collector.inner.shared.is_some() {
+        false => None,
+        true => {
+            let (id, batch, rehello) = (id.clone(), storable.clone(), rehello.clone());
+            let shared = collector
+                .on_shared(move |s| {
+                    if let Some(h) = &rehello {
+                        s.record_hello(h, rehello_ns.unwrap_or_else(now_ns))?;
+                    }
+                    let outcome = s.insert_batch(&id, &batch)?;
+                    if has_goodbye {
+                        s.set_state(&id, "disconnected", now_ns())?;
+                    }
+                    Ok(outcome)
+                })
+                .await;
+            match shared {
+                Some(Ok(outcome)) => Some(outcome),
+                Some(Err(e)) => {
+                    store_failed(tx, &agent_id, &e).await;
+                    return Err(());
+                }
+                None => None,
+            }
+        }
+    };
+    // What the shared store refused stays out of this collector's own.
+    let storable: Vec<_> = match &shared_outcome {
+        Some(o) if !o.conflicting.is_empty() => storable
+            .into_iter()
+            .filter(|m| o.conflicting.binary_search(&m.seq).is_err())
+            .collect(),
+        _ => storable,
+    };
+    // Acked only once the group this batch joins is committed.
     let result = collector
         .write(move |store| {
             if let Some(h) = &rehello {
@@ -1002,15 +1232,13 @@ async fn ingest(
             if let Some(sample) = latest {
                 metrics.sample(&sampled_by, &sample, std::time::Instant::now());
             }
-            (outcome, recorded)
+            match shared_outcome {
+                Some(shared) => (shared, collector.share_incidents(recorded).await),
+                None => (outcome, recorded),
+            }
         }
         Err(e) => {
-            tracing::error!(agent_id, "storing a batch failed, nothing acked: {e:#}");
-            let _ = tx
-                .send(Err(Status::unavailable(format!(
-                    "the collector could not store your messages ({e:#}); reconnect and resend"
-                ))))
-                .await;
+            store_failed(tx, &agent_id, &e).await;
             return Err(());
         }
     };
@@ -1079,6 +1307,7 @@ async fn ingest(
         goodbye_seq,
         max_seq,
         replies_delivered: delivered,
+        rehello_ns,
     })
 }
 

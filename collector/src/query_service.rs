@@ -51,12 +51,94 @@ impl QueryApi {
     }
 }
 
+/// Whom a timeline or a diagnosis is about (see [`QueryApi::read_about`]).
+enum About {
+    /// An agent id, or the newest agent of a name.
+    Agent(String),
+    /// An incident id.
+    Incident(String),
+    /// The latest incident's agent.
+    Latest,
+}
+
+/// The most messages of one agent a query reads from a shared store into
+/// its snapshot: the diagnosis's own bound ([`DIAGNOSE_MAX_SAMPLES`]), so a
+/// query holds at most a few tens of MB however long the agent ran.
+pub const MAX_SNAPSHOT_MESSAGES: u32 = DIAGNOSE_MAX_SAMPLES;
+
+impl QueryApi {
+    /// Runs `f` on this collector's own store; with a shared store of
+    /// record, on a snapshot of the agent `about` names instead, built from
+    /// what every collector stored (an empty store when nothing matches, so
+    /// `f` answers "not found" as it does on its own store).
+    async fn read_about<R, F>(&self, about: About, f: F) -> Result<R, Status>
+    where
+        F: FnOnce(&mut Store) -> Result<R, Status> + Send + 'static,
+        R: Send + 'static,
+    {
+        let Some(shared) = self.collector.shared_store() else {
+            return self.read(f).await;
+        };
+        let snapshot = shared_read(move || {
+            let agent = match about {
+                About::Agent(x) => {
+                    let agents = shared.list_agents()?;
+                    let by_id = agents
+                        .iter()
+                        .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == x));
+                    let newest_by_name = agents
+                        .iter()
+                        .filter(|a| a.hello.as_ref().is_some_and(|h| h.name == x))
+                        .max_by_key(|a| (a.first_seen_ns, a.last_seen_ns));
+                    by_id
+                        .or(newest_by_name)
+                        .and_then(|a| a.hello.as_ref())
+                        .map(|h| h.agent_id.clone())
+                }
+                About::Incident(id) => shared
+                    .incidents(None)?
+                    .into_iter()
+                    .find(|i| i.id == id)
+                    .map(|i| i.agent_id),
+                About::Latest => shared.incidents(None)?.pop().map(|i| i.agent_id),
+            };
+            let snapshot = match agent {
+                Some(a) => shared.snapshot(&a, MAX_SNAPSHOT_MESSAGES)?,
+                None => None,
+            };
+            match snapshot {
+                Some(s) => Ok(s),
+                None => Store::open_in_memory(),
+            }
+        })
+        .await?;
+        match tokio::task::spawn_blocking(move || {
+            let mut snapshot = snapshot;
+            f(&mut snapshot)
+        })
+        .await
+        {
+            Ok(r) => r,
+            Err(e) => Err(Status::internal(format!("a store task failed: {e}"))),
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl QueryService for QueryApi {
     async fn list_agents(
         &self,
         _request: Request<pb::ListAgentsRequest>,
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        if let Some(shared) = self.collector.shared_store() {
+            // The whole fleet from the store of record; each agent's latest
+            // load where this collector serves (or served) its stream.
+            let agents = shared_read(move || shared.list_agents()).await?;
+            let agents = self
+                .read(|s| latest_contexts(s, agents).map_err(internal))
+                .await?;
+            return Ok(Response::new(pb::ListAgentsResponse { agents }));
+        }
         let agents = self
             .read(|s| {
                 s.list_agents()
@@ -76,7 +158,7 @@ impl QueryService for QueryApi {
             return Err(Status::invalid_argument("name an agent (its id or name)"));
         }
         let timeline = self
-            .read(move |s| {
+            .read_about(About::Agent(req.agent.clone()), move |s| {
                 let target = resolve(s, &req.agent)?;
                 let mut t = s
                     .timeline(target.main_agent(), req.from_ns, req.to_ns, req.max_points)
@@ -95,6 +177,14 @@ impl QueryService for QueryApi {
         request: Request<pb::IncidentsRequest>,
     ) -> Result<Response<pb::IncidentsResponse>, Status> {
         let agent = request.into_inner().agent;
+        if let Some(shared) = self.collector.shared_store() {
+            // Every collector's incidents, by agent id or name.
+            let mut incidents = shared_read(move || shared.incidents(None)).await?;
+            if !agent.is_empty() {
+                incidents.retain(|i| i.agent_id == agent || i.agent_name == agent);
+            }
+            return Ok(Response::new(pb::IncidentsResponse { incidents }));
+        }
         let incidents = self
             .read(move |s| {
                 let roots = if agent.is_empty() {
@@ -116,8 +206,25 @@ impl QueryService for QueryApi {
         request: Request<pb::DiagnoseRequest>,
     ) -> Result<Response<pb::Diagnosis>, Status> {
         let req = request.into_inner();
-        let diagnosis = self.read(move |s| diagnose_request(s, &req)).await?;
+        let about = match (req.incident.is_empty(), req.agent.is_empty()) {
+            (false, _) => About::Incident(req.incident.clone()),
+            (true, false) => About::Agent(req.agent.clone()),
+            (true, true) => About::Latest,
+        };
+        let diagnosis = self
+            .read_about(about, move |s| diagnose_request(s, &req))
+            .await?;
         Ok(Response::new(diagnosis))
+    }
+}
+
+/// Reads the shared store of record on a blocking thread.
+async fn shared_read<R: Send + 'static>(
+    f: impl FnOnce() -> Result<R> + Send + 'static,
+) -> Result<R, Status> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(internal),
+        Err(e) => Err(Status::internal(format!("a store task failed: {e}"))),
     }
 }
 

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
@@ -17,7 +18,7 @@ use crate::pb::agent_service_server::AgentServiceServer;
 use crate::pb::query_service_server::QueryServiceServer;
 use crate::query_service::QueryApi;
 use crate::store::{FileWatch, WriterLock};
-use crate::store::{ReaderPool, Store, DEFAULT_READERS};
+use crate::store::{PgStore, ReaderPool, Store, DEFAULT_PG_POOL, DEFAULT_READERS};
 
 pub struct ServeConfig {
     pub listen: SocketAddr,
@@ -130,6 +131,9 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    if let Some(url) = cfg.db.to_str().filter(|d| crate::store::is_postgres_url(d)) {
+        return Ok((listener, bind_postgres(cfg, url).await?));
+    }
     // Before the store opens: a second collector must not even migrate it.
     let lock = WriterLock::acquire(&cfg.db, &format!("a collector listening on {}", cfg.listen))?;
     let db = cfg.db.clone();
@@ -144,15 +148,35 @@ pub async fn bind(cfg: &ServeConfig) -> Result<(tokio::net::TcpListener, Collect
         .with_readers(reader)
         .with_file_watch(watch)
         .with_writer_lock(lock);
+    Ok((listener, secure(collector, cfg)?))
+}
+
+/// A collector of a PostgreSQL store that other collectors may share: it
+/// is the store of record, and this collector's own store (in memory) holds
+/// the streams it serves (see [`Collector::with_shared_store`]). No file
+/// lock: several collectors on one database is the point.
+async fn bind_postgres(cfg: &ServeConfig, url: &str) -> Result<Collector> {
+    let url = url.to_string();
+    let (shared, own) = tokio::task::spawn_blocking(move || {
+        let shared = PgStore::connect(&url, DEFAULT_PG_POOL)?;
+        Ok::<_, anyhow::Error>((shared, Store::open_in_memory()?))
+    })
+    .await
+    .map_err(|e| anyhow!("opening the store: {e}"))??;
+    let collector = Collector::new(own, cfg.lost_grace).with_shared_store(Arc::new(shared));
+    collector.keep_own_for(crate::ingest::DEFAULT_WORKING_WINDOW);
+    secure(collector, cfg)
+}
+
+fn secure(collector: Collector, cfg: &ServeConfig) -> Result<Collector> {
     let collector = match cfg.tokens.clone() {
         Some(tokens) => collector.with_tokens(tokens),
         None => collector,
     };
-    let collector = match &cfg.tls {
+    Ok(match &cfg.tls {
         Some(files) => collector.with_tls(files.server_config()?),
         None => collector,
-    };
-    Ok((listener, collector))
+    })
 }
 
 /// Serves both services on an already bound listener (tests bind port 0),

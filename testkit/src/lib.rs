@@ -10,6 +10,7 @@
 //! - [`torch_h200`]: the real H200 captures of `tests/fixtures/torch-h200`;
 //! - [`agent_stream`]: an agent's gRPC stream to a collector, by hand;
 //! - [`readings`]: a process's host reading at a request boundary;
+//! - [`postgres`]: a throwaway PostgreSQL cluster on a Unix socket;
 //! - [`cli`]: the `oomscope` binary beside the test, its queries as JSON.
 
 pub mod agent_stream;
@@ -18,6 +19,7 @@ pub mod cgroups;
 pub mod cli;
 pub mod collector_process;
 pub mod ports;
+pub mod postgres;
 pub mod readings;
 pub mod torch_h200;
 

@@ -140,7 +140,25 @@ impl ReporterConfig {
 /// port if any. The reporter takes any text and, on a bad one, only retries
 /// with a warning; an agent that starts from a user's setting checks it
 /// first so the mistake is an error at start, not a silent absence.
-pub fn check_collector_url(url: &str) -> Result<(), String> {
+pub fn check_collector_url(urls: &str) -> Result<(), String> {
+    let list = collector_urls(urls);
+    if list.is_empty() {
+        return check_one_url(urls);
+    }
+    list.into_iter().try_for_each(check_one_url)
+}
+
+/// The collector URLs of a comma-separated list (`OOMSCOPE_COLLECTOR`,
+/// `--collector`), in order: the reporter dials the next once a session
+/// with one fails (several collectors sharing one PostgreSQL store).
+pub fn collector_urls(urls: &str) -> Vec<&str> {
+    urls.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
+fn check_one_url(url: &str) -> Result<(), String> {
     let uri: tonic::transport::Uri = url
         .parse()
         .map_err(|e| format!("collector URL {url:?} is not a URL: {e}"))?;
@@ -752,6 +770,7 @@ mod url_tests {
             "http://127.0.0.1:4317",
             "https://collector.example",
             "http://[::1]:9",
+            "http://10.0.0.1:4317,http://10.0.0.2:4317",
         ] {
             assert_eq!(check_collector_url(good), Ok(()), "{good}");
         }
@@ -762,6 +781,7 @@ mod url_tests {
             ("http://", "not a URL"),
             ("", "not a URL"),
             ("http://host:notaport", "not a URL"),
+            ("http://a:1,grpc://b:2", "grpc://b:2"),
         ] {
             let e = check_collector_url(bad).expect_err(bad);
             assert!(e.contains(says), "{bad}: {e}");

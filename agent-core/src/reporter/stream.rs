@@ -66,6 +66,10 @@ pub(super) struct Worker {
     sessions: u64,
     /// Whether the last failure was already logged at warn level.
     failing: bool,
+    /// Which of the collector URLs (`collector_url` is a comma-separated
+    /// list) the next session dials: a failed session moves to the next, so
+    /// an agent whose collector died continues its seqs on another.
+    collector: usize,
 }
 
 enum SessionEnd {
@@ -91,6 +95,7 @@ impl Worker {
             reread: BTreeMap::new(),
             sessions: 0,
             failing: false,
+            collector: 0,
         }
     }
 
@@ -161,6 +166,14 @@ impl Worker {
         self.shared.set_error(error);
     }
 
+    /// The collector URL the next session dials.
+    fn url(&self) -> &str {
+        let urls = super::collector_urls(&self.cfg.collector_url);
+        urls.get(self.collector % urls.len().max(1))
+            .copied()
+            .unwrap_or_default()
+    }
+
     /// Sessions one after another, with a doubling delay between failures
     /// that starts over once a session got something acked.
     async fn serve(&mut self, inputs: &mut Inputs) {
@@ -173,6 +186,7 @@ impl Worker {
             match self.session(inputs).await {
                 SessionEnd::Stopped => return,
                 SessionEnd::Failed { acked, error } => {
+                    self.collector = self.collector.wrapping_add(1);
                     self.shared
                         .counters
                         .connected
@@ -231,21 +245,17 @@ impl Worker {
             acked: false,
             error,
         };
-        let endpoint = match Endpoint::from_shared(self.cfg.collector_url.clone()) {
+        let url = self.url().to_string();
+        let endpoint = match Endpoint::from_shared(url.clone()) {
             Ok(e) => e
                 .connect_timeout(self.cfg.connect_timeout)
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(KEEPALIVE_TIMEOUT)
                 .keep_alive_while_idle(true),
-            Err(e) => {
-                return failed(format!(
-                    "bad collector url {:?}: {e}",
-                    self.cfg.collector_url
-                ))
-            }
+            Err(e) => return failed(format!("bad collector url {url:?}: {e}")),
         };
         // https:// dials TLS (OOMSCOPE_CA and the client certificate, if set).
-        let endpoint = match oomscope_proto::tls::secure(endpoint, &self.cfg.collector_url) {
+        let endpoint = match oomscope_proto::tls::secure(endpoint, &url) {
             Ok(e) => e,
             Err(e) => return failed(e),
         };
@@ -289,8 +299,7 @@ impl Worker {
                     .connect_failed(format!("opening the stream timed out after {timeout:?}"))
             }
             Some(Ok(Err(status))) => {
-                let hint =
-                    oomscope_proto::tls::hint(&self.cfg.collector_url, &format!("{status:?}"));
+                let hint = oomscope_proto::tls::hint(&url, &format!("{status:?}"));
                 return self
                     .connect_failed(format!("collector refused the stream: {status}{hint}"));
             }
@@ -309,7 +318,7 @@ impl Worker {
             .connected
             .store(true, Ordering::Relaxed);
         if self.failing {
-            tracing::info!(collector = %self.cfg.collector_url, "oomscope reporter: connected again");
+            tracing::info!(collector = %url, "oomscope reporter: connected again");
             self.failing = false;
         }
         self.ledger.resend_all();

@@ -18,15 +18,18 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 
+mod backend;
 mod counters;
 mod figures;
 mod file;
 mod history;
 mod instances;
+mod postgres;
 mod readers;
 mod retention;
 mod rollups;
 
+pub use backend::Backend;
 pub use counters::KEYFRAME_INTERVAL;
 pub use file::{FileWatch, WriterLock, DB_FILE_MODE};
 pub use history::{
@@ -34,6 +37,7 @@ pub use history::{
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
 };
 pub use instances::{Instance, Member, Target};
+pub use postgres::{is_postgres_url, redact, PgStore, DEFAULT_PG_POOL};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 pub use retention::MAX_RETENTION_BATCH;
 
@@ -864,7 +868,9 @@ fn insert_incident_tx(tx: &Connection, inc: &pb::Incident) -> Result<Option<pb::
 }
 
 /// (kind, event_kind, time_ns) of a storable message; None for Hello or an empty body.
-fn classify(msg: &pb::AgentMessage) -> Option<(&'static str, Option<&'static str>, i64)> {
+pub(super) fn classify(
+    msg: &pb::AgentMessage,
+) -> Option<(&'static str, Option<&'static str>, i64)> {
     match msg.body.as_ref()? {
         // A sample carrying request readings is marked, so request starts
         // are found without decoding every sample (`request_starts_of`).
@@ -908,7 +914,7 @@ pub fn event_kind_name(event: &pb::Event) -> &'static str {
 /// a message above it on its own (see `ingest::ingest`).
 pub const MAX_SEQ: u64 = i64::MAX as u64;
 
-fn seq_to_sql(seq: u64) -> Result<i64> {
+pub(super) fn seq_to_sql(seq: u64) -> Result<i64> {
     i64::try_from(seq)
         .map_err(|_| anyhow!("seq {seq} is beyond what the store can hold ({MAX_SEQ})"))
 }
@@ -930,12 +936,12 @@ fn same_as_stored(
     Ok(stored == *msg)
 }
 
-fn decode_message(agent_id: &str, seq: u64, body: &[u8]) -> Result<pb::AgentMessage> {
+pub(super) fn decode_message(agent_id: &str, seq: u64, body: &[u8]) -> Result<pb::AgentMessage> {
     pb::AgentMessage::decode(body)
         .with_context(|| format!("stored message of agent {agent_id} seq {seq} does not decode"))
 }
 
-fn decode_hello(agent_id: &str, blob: &[u8]) -> Result<pb::Hello> {
+pub(super) fn decode_hello(agent_id: &str, blob: &[u8]) -> Result<pb::Hello> {
     pb::Hello::decode(blob)
         .with_context(|| format!("stored Hello of agent {agent_id} (seq 0) does not decode"))
 }

@@ -1,0 +1,789 @@
+//! The PostgreSQL store (`--db postgres://...`): one database shared by
+//! several collectors, so any collector takes any agent and answers for the
+//! whole fleet.
+//!
+//! - `message_keys` holds one row per stored `(agent, seq)`, its primary key
+//!   the one place that makes a duplicate impossible across collectors
+//!   (a partitioned table's unique keys must include its partition key, so
+//!   the key cannot live on `messages` itself).
+//! - `messages` holds each message complete (prost bytes, as the agent's
+//!   stream decoded it), partitioned by day of `time_ns`: retention drops a
+//!   day's partition instead of deleting its rows. Days far from now go to
+//!   the default partition (see [`MAX_PARTITION_DAYS_BACK`]).
+//! - A batch is one transaction of multi-row inserts (bound arrays through
+//!   `unnest`); it returns once committed, and PostgreSQL's commit is
+//!   durable (`synchronous_commit` on, its default), so an ack is a promise.
+//! - Migrations run at start-up in one transaction under an advisory lock:
+//!   collectors starting together on an empty database do not race.
+//!
+//! The interface is synchronous ([`Backend`]), as the embedded store's is;
+//! the store runs its async client on a runtime of its own and waits for it,
+//! so callers call it as they call SQLite: off the async workers.
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::str::FromStr;
+
+use anyhow::{anyhow, bail, Context, Result};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use parking_lot::Mutex;
+use prost::Message;
+use tokio_postgres::NoTls;
+
+use super::{
+    classify, decode_hello, decode_message, now_ns, seq_to_sql, Backend, BatchOutcome, Store,
+};
+use crate::pb;
+use crate::pb::agent_message::Body;
+
+/// Connections in one collector's pool: each agent stream's batch holds one
+/// for its transaction, so this bounds the batches in flight to the database
+/// at once; a dozen keeps a small PostgreSQL (max_connections 100) able to
+/// serve several collectors.
+pub const DEFAULT_PG_POOL: usize = 12;
+
+/// Bump when the schema changes, and add a step to `migrate`.
+const PG_SCHEMA_VERSION: i32 = 1;
+
+/// The advisory lock key migrations run under ("oomscope" in ASCII).
+const MIGRATION_LOCK: i64 = 0x6f6f_6d73_636f_7065;
+/// The advisory lock key partition creation runs under: two collectors
+/// creating the same day's partition would otherwise collide in the catalog.
+const PARTITION_LOCK: i64 = MIGRATION_LOCK + 1;
+
+const NS_PER_DAY: i64 = 86_400 * 1_000_000_000;
+
+/// Days before today that get their own partition: a year covers any
+/// retention window people set; rows older than that (a test's 1970 clock,
+/// a skewed agent) go to the default partition, which retention prunes by rows.
+pub const MAX_PARTITION_DAYS_BACK: i64 = 366;
+/// Days after today that get their own partition (agents' clocks run ahead).
+const MAX_PARTITION_DAYS_AHEAD: i64 = 1;
+
+const SCHEMA_V1: &str = "
+CREATE TABLE agents(
+    agent_id      text PRIMARY KEY,
+    name          text NOT NULL,
+    hello         bytea NOT NULL,
+    state         text NOT NULL,
+    instance      text NOT NULL,
+    first_seen_ns bigint NOT NULL,
+    last_seen_ns  bigint NOT NULL,
+    -- When its newest Hello came (collector clock): a lost check on one
+    -- collector sees that the agent came back on another.
+    last_hello_ns bigint NOT NULL,
+    last_seq      bigint NOT NULL DEFAULT 0,
+    samples       bigint NOT NULL DEFAULT 0,
+    events        bigint NOT NULL DEFAULT 0
+);
+CREATE INDEX agents_by_name ON agents(name, first_seen_ns);
+CREATE TABLE agent_tokens(
+    agent_id text PRIMARY KEY,
+    token    text NOT NULL           -- the token's name, never its secret
+);
+CREATE TABLE message_keys(
+    agent_id text NOT NULL,
+    seq      bigint NOT NULL,
+    time_ns  bigint NOT NULL,
+    PRIMARY KEY(agent_id, seq)
+);
+CREATE INDEX message_keys_by_time ON message_keys(time_ns);
+CREATE TABLE messages(
+    agent_id   text NOT NULL,
+    seq        bigint NOT NULL,
+    time_ns    bigint NOT NULL,
+    kind       text NOT NULL,        -- 'sample' | 'event' | 'goodbye'
+    event_kind text,
+    body       bytea NOT NULL        -- the whole AgentMessage, complete
+) PARTITION BY RANGE (time_ns);
+CREATE INDEX messages_by_seq ON messages(agent_id, seq);
+CREATE INDEX messages_by_time ON messages(agent_id, kind, time_ns);
+CREATE TABLE messages_default PARTITION OF messages DEFAULT;
+CREATE SEQUENCE incident_numbers;
+CREATE TABLE incidents(
+    n          bigint PRIMARY KEY,
+    id         text NOT NULL UNIQUE,
+    agent_id   text NOT NULL,
+    agent_name text NOT NULL,
+    kind       text NOT NULL,
+    time_ns    bigint NOT NULL,
+    domain     text NOT NULL,
+    summary    text NOT NULL,
+    seq        bigint NOT NULL
+);
+-- An event raises its incident once, whichever collectors see it.
+CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE seq > 0;
+CREATE INDEX incidents_by_time ON incidents(time_ns);
+";
+
+/// Whether `--db` names a PostgreSQL database rather than a SQLite file.
+pub fn is_postgres_url(db: &str) -> bool {
+    db.starts_with("postgres://") || db.starts_with("postgresql://")
+}
+
+/// A PostgreSQL database as the store of record.
+pub struct PgStore {
+    pool: Pool,
+    runtime: OwnRuntime,
+    /// Day partitions known to exist (or known to be impossible: their days
+    /// already have rows in the default partition).
+    partitions: Mutex<HashSet<i64>>,
+}
+
+/// The store's own runtime, shut down without waiting when the store goes
+/// (dropping a runtime from async code would panic).
+struct OwnRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for OwnRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl PgStore {
+    /// Connects to `url` (`postgres://user@host:port/db`; a Unix socket's
+    /// directory as a percent-encoded host) and brings the schema up to date.
+    pub fn connect(url: &str, pool_size: usize) -> Result<PgStore> {
+        let config = tokio_postgres::Config::from_str(url)
+            .with_context(|| format!("{}: not a PostgreSQL URL", redact(url)))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("oomscope-pg")
+            .enable_all()
+            .build()
+            .context("starting the PostgreSQL client's runtime")?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(pool_size.max(1))
+            .build()
+            .context("building the PostgreSQL pool")?;
+        let store = PgStore {
+            pool,
+            runtime: OwnRuntime(Some(runtime)),
+            partitions: Mutex::new(HashSet::new()),
+        };
+        let pool = store.pool.clone();
+        store
+            .run(migrate(pool))
+            .with_context(|| format!("preparing the PostgreSQL store {}", redact(url)))?;
+        Ok(store)
+    }
+
+    /// Runs `work` on the store's runtime and waits for it: callable from a
+    /// plain thread or a blocking task alike.
+    fn run<R: Send + 'static>(
+        &self,
+        work: impl Future<Output = Result<R>> + Send + 'static,
+    ) -> Result<R> {
+        let rt = self
+            .runtime
+            .0
+            .as_ref()
+            .expect("the runtime lives as long as the store");
+        futures::executor::block_on(rt.spawn(work))
+            .map_err(|e| anyhow!("a PostgreSQL task failed: {e}"))?
+    }
+
+    /// Creates the day partitions `time_ns` values fall in, once each.
+    fn ensure_partitions(&self, times: &[i64]) -> Result<()> {
+        let today = super::now_ns().div_euclid(NS_PER_DAY);
+        let wanted: Vec<i64> = {
+            let known = self.partitions.lock();
+            let mut days: Vec<i64> = times
+                .iter()
+                .map(|t| t.div_euclid(NS_PER_DAY))
+                .filter(|d| {
+                    (today - MAX_PARTITION_DAYS_BACK..=today + MAX_PARTITION_DAYS_AHEAD).contains(d)
+                })
+                .filter(|d| !known.contains(d))
+                .collect();
+            days.sort_unstable();
+            days.dedup();
+            days
+        };
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let pool = self.pool.clone();
+        let days = wanted.clone();
+        self.run(async move {
+            let mut client = pool.get().await?;
+            for day in days {
+                let tx = client.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PARTITION_LOCK])
+                    .await?;
+                let created = tx
+                    .batch_execute(&format!(
+                        "CREATE TABLE IF NOT EXISTS messages_d{day} PARTITION OF messages
+                         FOR VALUES FROM ({}) TO ({})",
+                        day * NS_PER_DAY,
+                        (day + 1) * NS_PER_DAY
+                    ))
+                    .await;
+                match created {
+                    Ok(()) => tx.commit().await?,
+                    // The default partition already holds rows of that day:
+                    // they and the day's next rows stay there.
+                    Err(e) => tracing::warn!(
+                        day,
+                        "no partition for this day ({e}); its rows go to the default partition"
+                    ),
+                }
+            }
+            Ok(())
+        })?;
+        self.partitions.lock().extend(wanted);
+        Ok(())
+    }
+
+    /// The day partitions that exist now (tests and retention).
+    pub fn partition_days(&self) -> Result<Vec<i64>> {
+        let pool = self.pool.clone();
+        self.run(async move { partition_days(&**pool.get().await?).await })
+    }
+}
+
+async fn migrate(pool: Pool) -> Result<()> {
+    let mut client = pool.get().await.context("connecting")?;
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS oomscope_schema(version integer NOT NULL)")
+        .await?;
+    let version: i32 = tx
+        .query_opt("SELECT version FROM oomscope_schema", &[])
+        .await?
+        .map_or(0, |r| r.get(0));
+    if version > PG_SCHEMA_VERSION {
+        bail!(
+            "the database has oomscope schema version {version}, newer than this oomscope \
+             understands ({PG_SCHEMA_VERSION}); use a newer oomscope"
+        );
+    }
+    if version < 1 {
+        tx.batch_execute(SCHEMA_V1).await?;
+        tx.execute("INSERT INTO oomscope_schema(version) VALUES (1)", &[])
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn partition_days(client: &impl tokio_postgres::GenericClient) -> Result<Vec<i64>> {
+    let rows = client
+        .query(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             WHERE i.inhparent = 'messages'::regclass",
+            &[],
+        )
+        .await?;
+    let mut days: Vec<i64> = rows
+        .iter()
+        .filter_map(|r| {
+            r.get::<_, String>(0)
+                .strip_prefix("messages_d")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    days.sort_unstable();
+    Ok(days)
+}
+
+/// A URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// One batch's rows, as bound arrays.
+struct Rows {
+    seqs: Vec<i64>,
+    times: Vec<i64>,
+    kinds: Vec<&'static str>,
+    event_kinds: Vec<Option<&'static str>>,
+    bodies: Vec<Vec<u8>>,
+    messages: Vec<pb::AgentMessage>,
+}
+
+async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchOutcome> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    // The key first: of two collectors storing one seq, the second waits for
+    // the first's commit here, then finds it stored.
+    let fresh_rows = tx
+        .query(
+            "INSERT INTO message_keys(agent_id, seq, time_ns)
+             SELECT $1, s, t FROM unnest($2::int8[], $3::int8[]) AS u(s, t)
+             ON CONFLICT DO NOTHING RETURNING seq",
+            &[&agent_id, &rows.seqs, &rows.times],
+        )
+        .await
+        .with_context(|| format!("storing the keys of agent {agent_id}'s batch"))?;
+    let fresh: HashSet<i64> = fresh_rows.iter().map(|r| r.get(0)).collect();
+    // The first message of each fresh seq is stored; any other is compared.
+    let mut stored_now = HashSet::new();
+    let mut new_rows = Vec::new();
+    let mut compare = Vec::new();
+    for (i, seq) in rows.seqs.iter().enumerate() {
+        if fresh.contains(seq) && stored_now.insert(*seq) {
+            new_rows.push(i);
+        } else {
+            compare.push(i);
+        }
+    }
+    let pick = |v: &dyn Fn(usize) -> i64| new_rows.iter().map(|&i| v(i)).collect::<Vec<i64>>();
+    let seqs = pick(&|i| rows.seqs[i]);
+    let times = pick(&|i| rows.times[i]);
+    let kinds: Vec<&str> = new_rows.iter().map(|&i| rows.kinds[i]).collect();
+    let event_kinds: Vec<Option<&str>> = new_rows.iter().map(|&i| rows.event_kinds[i]).collect();
+    let bodies: Vec<&[u8]> = new_rows
+        .iter()
+        .map(|&i| rows.bodies[i].as_slice())
+        .collect();
+    if !new_rows.is_empty() {
+        tx.execute(
+            "INSERT INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
+             SELECT $1, * FROM unnest($2::int8[], $3::int8[], $4::text[], $5::text[], $6::bytea[])",
+            &[&agent_id, &seqs, &times, &kinds, &event_kinds, &bodies],
+        )
+        .await
+        .with_context(|| format!("storing agent {agent_id}'s batch"))?;
+    }
+    let mut conflicting = Vec::new();
+    if !compare.is_empty() {
+        let resent: Vec<i64> = compare.iter().map(|&i| rows.seqs[i]).collect();
+        let stored: BTreeMap<i64, Vec<u8>> = tx
+            .query(
+                "SELECT seq, body FROM messages WHERE agent_id = $1 AND seq = ANY($2)",
+                &[&agent_id, &resent],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        for &i in &compare {
+            let seq = rows.seqs[i];
+            let same = match stored.get(&seq) {
+                Some(body) => decode_message(&agent_id, seq as u64, body)? == rows.messages[i],
+                // Its key is there and its row is not: retention took the
+                // row's partition first. Nothing to compare with: refused.
+                None => false,
+            };
+            if !same {
+                conflicting.push(seq as u64);
+            }
+        }
+    }
+    conflicting.sort_unstable();
+    conflicting.dedup();
+    let mut out = BatchOutcome::default();
+    let (mut samples, mut events) = (0i64, 0i64);
+    for &i in &new_rows {
+        out.fresh.push(rows.seqs[i] as u64);
+        samples += i64::from(rows.kinds[i] == "sample");
+        events += i64::from(rows.kinds[i] == "event");
+    }
+    for seq in &rows.seqs {
+        let seq = *seq as u64;
+        if conflicting.binary_search(&seq).is_err() {
+            out.stored.push(seq);
+        }
+    }
+    out.fresh.sort_unstable();
+    out.stored.sort_unstable();
+    out.stored.dedup();
+    out.conflicting = conflicting;
+    if let Some(&max_seq) = out.stored.last() {
+        let max_time = rows.times.iter().copied().max().unwrap_or(0);
+        tx.execute(
+            "UPDATE agents SET last_seq = GREATEST(last_seq, $2),
+               last_seen_ns = GREATEST(last_seen_ns, $3),
+               samples = samples + $4, events = events + $5
+             WHERE agent_id = $1",
+            &[&agent_id, &(max_seq as i64), &max_time, &samples, &events],
+        )
+        .await?;
+    }
+    tx.commit()
+        .await
+        .with_context(|| format!("committing agent {agent_id}'s batch"))?;
+    Ok(out)
+}
+
+const INCIDENT_COLUMNS: &str = "id, agent_id, agent_name, kind, time_ns, domain, summary, seq";
+
+fn incident_from(r: &tokio_postgres::Row) -> pb::Incident {
+    pb::Incident {
+        id: r.get(0),
+        agent_id: r.get(1),
+        agent_name: r.get(2),
+        kind: r.get(3),
+        time_ns: r.get(4),
+        domain: r.get(5),
+        summary: r.get(6),
+        seq: r.get::<_, i64>(7) as u64,
+        parts: Vec::new(),
+    }
+}
+
+impl Backend for PgStore {
+    fn bind_token(&self, agent_id: &str, token: &str) -> Result<String> {
+        let (pool, agent_id, token) = (self.pool.clone(), agent_id.to_string(), token.to_string());
+        self.run(async move {
+            let client = pool.get().await?;
+            client
+                .execute(
+                    "INSERT INTO agent_tokens(agent_id, token) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                    &[&agent_id, &token],
+                )
+                .await
+                .with_context(|| format!("binding agent {agent_id} to its token"))?;
+            let row = client
+                .query_one("SELECT token FROM agent_tokens WHERE agent_id = $1", &[&agent_id])
+                .await?;
+            Ok(row.get(0))
+        })
+    }
+
+    fn record_hello(&self, hello: &pb::Hello, now_ns: i64) -> Result<()> {
+        if hello.agent_id.is_empty() {
+            bail!("a Hello without an agent_id");
+        }
+        let recovery = hello.recovery;
+        let hello = pb::Hello {
+            recovery: false,
+            ..hello.clone()
+        };
+        let instance = match hello.instance.is_empty() {
+            true => hello.agent_id.clone(),
+            false => hello.instance.clone(),
+        };
+        let pool = self.pool.clone();
+        self.run(async move {
+            let client = pool.get().await?;
+            let blob = hello.encode_to_vec();
+            // A recovered spool's Hello is a dead agent's: it never replaces
+            // a live record, and a new one is stored as lost.
+            let sql = match recovery {
+                false => {
+                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns)
+                     VALUES ($1, $2, $3, 'connected', $4, $5, $5, $5)
+                     ON CONFLICT(agent_id) DO UPDATE SET
+                       name = excluded.name, hello = excluded.hello, state = 'connected',
+                       last_seen_ns = GREATEST(agents.last_seen_ns, excluded.last_seen_ns),
+                       last_hello_ns = excluded.last_hello_ns"
+                }
+                true => {
+                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns)
+                     VALUES ($1, $2, $3, 'lost', $4, $5, $5, $5) ON CONFLICT(agent_id) DO NOTHING"
+                }
+            };
+            client
+                .execute(sql, &[&hello.agent_id, &hello.name, &blob, &instance, &now_ns])
+                .await
+                .with_context(|| format!("storing the Hello of agent {}", hello.agent_id))?;
+            Ok(())
+        })
+    }
+
+    fn insert_batch(&self, agent_id: &str, messages: &[pb::AgentMessage]) -> Result<BatchOutcome> {
+        let mut rows = Rows {
+            seqs: Vec::with_capacity(messages.len()),
+            times: Vec::with_capacity(messages.len()),
+            kinds: Vec::with_capacity(messages.len()),
+            event_kinds: Vec::with_capacity(messages.len()),
+            bodies: Vec::with_capacity(messages.len()),
+            messages: Vec::with_capacity(messages.len()),
+        };
+        for msg in messages {
+            let Some((kind, event_kind, time_ns)) = classify(msg) else {
+                continue;
+            };
+            rows.seqs.push(seq_to_sql(msg.seq)?);
+            rows.times.push(time_ns);
+            rows.kinds.push(kind);
+            rows.event_kinds.push(event_kind);
+            rows.bodies.push(msg.encode_to_vec());
+            rows.messages.push(msg.clone());
+        }
+        if rows.seqs.is_empty() {
+            return Ok(BatchOutcome::default());
+        }
+        self.ensure_partitions(&rows.times)?;
+        self.run(insert_batch(self.pool.clone(), agent_id.to_string(), rows))
+    }
+
+    fn set_state(&self, agent_id: &str, state: &str, now_ns: i64) -> Result<()> {
+        let (pool, agent_id, state) = (self.pool.clone(), agent_id.to_string(), state.to_string());
+        self.run(async move {
+            let changed = pool
+                .get()
+                .await?
+                .execute(
+                    "UPDATE agents SET state = $2, last_seen_ns = GREATEST(last_seen_ns, $3)
+                     WHERE agent_id = $1",
+                    &[&agent_id, &state, &now_ns],
+                )
+                .await?;
+            if changed == 0 {
+                bail!("unknown agent {agent_id:?}");
+            }
+            Ok(())
+        })
+    }
+
+    fn state(&self, agent_id: &str) -> Result<Option<String>> {
+        let (pool, agent_id) = (self.pool.clone(), agent_id.to_string());
+        self.run(async move {
+            Ok(pool
+                .get()
+                .await?
+                .query_opt("SELECT state FROM agents WHERE agent_id = $1", &[&agent_id])
+                .await?
+                .map(|r| r.get(0)))
+        })
+    }
+
+    fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
+        let (pool, inc) = (self.pool.clone(), incident.clone());
+        self.run(async move {
+            let client = pool.get().await?;
+            // Numbered by the database: collectors share one series of ids.
+            let row = client
+                .query_opt(
+                    &format!(
+                        "WITH n AS (SELECT nextval('incident_numbers') AS n)
+                         INSERT INTO incidents(n, id, agent_id, agent_name, kind, time_ns, domain, summary, seq)
+                         SELECT n.n, 'inc-' || lpad(n.n::text, 6, '0'), $1, $2, $3, $4, $5, $6, $7 FROM n
+                         ON CONFLICT (agent_id, seq, kind) WHERE seq > 0 DO NOTHING
+                         RETURNING {INCIDENT_COLUMNS}"
+                    ),
+                    &[
+                        &inc.agent_id,
+                        &inc.agent_name,
+                        &inc.kind,
+                        &inc.time_ns,
+                        &inc.domain,
+                        &inc.summary,
+                        &seq_to_sql(inc.seq)?,
+                    ],
+                )
+                .await
+                .with_context(|| format!("storing a {} incident of agent {}", inc.kind, inc.agent_id))?;
+            Ok(row.as_ref().map(incident_from))
+        })
+    }
+
+    fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
+        let pool = self.pool.clone();
+        self.run(async move {
+            let client = pool.get().await?;
+            let rows = client
+                .query(
+                    "SELECT agent_id, hello, state, first_seen_ns, last_seen_ns, last_seq, samples, events,
+                            instance,
+                            (SELECT body FROM messages m WHERE m.agent_id = a.agent_id AND m.kind = 'goodbye'
+                             ORDER BY m.seq DESC LIMIT 1)
+                     FROM agents a ORDER BY first_seen_ns, agent_id",
+                    &[],
+                )
+                .await?;
+            let mut agents = Vec::with_capacity(rows.len());
+            for r in rows {
+                let agent_id: String = r.get(0);
+                let goodbye = match r.get::<_, Option<Vec<u8>>>(9) {
+                    Some(body) => match decode_message(&agent_id, 0, &body)?.body {
+                        Some(Body::Goodbye(g)) => Some(g),
+                        _ => None,
+                    },
+                    None => None,
+                };
+                let state: String = r.get(2);
+                let said_goodbye = state == "disconnected"
+                    || state == oomscope_proto::EVIDENCE_INCOMPLETE_STATE;
+                agents.push(pb::AgentSummary {
+                    hello: Some(decode_hello(&agent_id, r.get(1))?),
+                    state,
+                    first_seen_ns: r.get(3),
+                    last_seen_ns: r.get(4),
+                    last_seq: r.get::<_, i64>(5) as u64,
+                    samples: r.get::<_, i64>(6) as u64,
+                    events: r.get::<_, i64>(7) as u64,
+                    instance: r.get(8),
+                    goodbye: goodbye.filter(|_| said_goodbye),
+                    context: None,
+                });
+            }
+            Ok(agents)
+        })
+    }
+
+    fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>> {
+        let (pool, agent_id) = (self.pool.clone(), agent_id.map(str::to_string));
+        self.run(async move {
+            let rows = pool
+                .get()
+                .await?
+                .query(
+                    &format!(
+                        "SELECT {INCIDENT_COLUMNS} FROM incidents
+                         WHERE ($1::text IS NULL OR agent_id = $1) ORDER BY n"
+                    ),
+                    &[&agent_id],
+                )
+                .await?;
+            Ok(rows.iter().map(incident_from).collect())
+        })
+    }
+
+    fn hello_since(&self, agent_id: &str, since_ns: i64) -> Result<bool> {
+        let (pool, agent_id) = (self.pool.clone(), agent_id.to_string());
+        self.run(async move {
+            Ok(pool
+                .get()
+                .await?
+                .query_opt(
+                    "SELECT 1 FROM agents WHERE agent_id = $1 AND last_hello_ns > $2",
+                    &[&agent_id, &since_ns],
+                )
+                .await?
+                .is_some())
+        })
+    }
+
+    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>> {
+        let (pool, id) = (self.pool.clone(), agent_id.to_string());
+        let found = self.run(async move {
+            let client = pool.get().await?;
+            let Some(hello) = client
+                .query_opt("SELECT hello FROM agents WHERE agent_id = $1", &[&id])
+                .await?
+            else {
+                return Ok(None);
+            };
+            let hello = decode_hello(&id, hello.get(0))?;
+            let rows = client
+                .query(
+                    "SELECT seq, body FROM messages WHERE agent_id = $1 ORDER BY seq DESC LIMIT $2",
+                    &[&id, &i64::from(max_messages)],
+                )
+                .await?;
+            let mut messages = rows
+                .iter()
+                .map(|r| decode_message(&id, r.get::<_, i64>(0) as u64, r.get(1)))
+                .collect::<Result<Vec<_>>>()?;
+            messages.reverse();
+            Ok(Some((hello, messages)))
+        })?;
+        let Some((hello, messages)) = found else {
+            return Ok(None);
+        };
+        let incidents = self.incidents(Some(agent_id))?;
+        let mut store = Store::open_in_memory()?;
+        store.upsert_agent(&hello, now_ns())?;
+        store.insert_batch(agent_id, &messages)?;
+        for inc in &incidents {
+            store.insert_incident(inc)?;
+        }
+        Ok(Some(store))
+    }
+
+    fn message_count(&self, agent_id: &str) -> Result<u64> {
+        let (pool, agent_id) = (self.pool.clone(), agent_id.to_string());
+        self.run(async move {
+            let n: i64 = pool
+                .get()
+                .await?
+                .query_one(
+                    "SELECT count(*) FROM messages WHERE agent_id = $1",
+                    &[&agent_id],
+                )
+                .await?
+                .get(0);
+            Ok(n as u64)
+        })
+    }
+
+    /// Drops every day partition wholly before `cutoff_ns`, and deletes the
+    /// default partition's rows and the keys of those days; incidents go
+    /// by `cutoff_ns` itself. Messages go whole days at a time, so a key
+    /// never goes while its message stays (a resend would be stored twice).
+    fn prune_before(&self, cutoff_ns: i64) -> Result<u64> {
+        let pool = self.pool.clone();
+        let day_cutoff = cutoff_ns.div_euclid(NS_PER_DAY) * NS_PER_DAY;
+        let dropped = self.run(async move {
+            let mut client = pool.get().await?;
+            let tx = client.transaction().await?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PARTITION_LOCK])
+                .await?;
+            let mut gone = 0u64;
+            let mut dropped = Vec::new();
+            for day in partition_days(&*tx).await? {
+                if (day + 1) * NS_PER_DAY <= day_cutoff {
+                    let rows: i64 = tx
+                        .query_one(&format!("SELECT count(*) FROM messages_d{day}"), &[])
+                        .await?
+                        .get(0);
+                    tx.batch_execute(&format!("DROP TABLE messages_d{day}"))
+                        .await?;
+                    gone += rows as u64;
+                    dropped.push(day);
+                }
+            }
+            gone += tx
+                .execute(
+                    "DELETE FROM messages_default WHERE time_ns < $1",
+                    &[&day_cutoff],
+                )
+                .await?;
+            gone += tx
+                .execute(
+                    "DELETE FROM message_keys WHERE time_ns < $1",
+                    &[&day_cutoff],
+                )
+                .await?;
+            gone += tx
+                .execute("DELETE FROM incidents WHERE time_ns < $1", &[&cutoff_ns])
+                .await?;
+            tx.commit().await?;
+            Ok((gone, dropped))
+        })?;
+        let (gone, days) = dropped;
+        let mut known = self.partitions.lock();
+        for day in days {
+            known.remove(&day);
+        }
+        Ok(gone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_postgres_and_hide_passwords() {
+        assert!(is_postgres_url("postgres://u@h/db"));
+        assert!(is_postgres_url("postgresql://u@h/db"));
+        assert!(!is_postgres_url("oomscope.db"));
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+    }
+}

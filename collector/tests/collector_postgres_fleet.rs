@@ -1,0 +1,181 @@
+//! Two collectors on one PostgreSQL (a throwaway cluster of the test's own),
+//! over real gRPC on loopback: queries from either see the whole fleet; an
+//! event resent to the other collector raises no second incident; a stream
+//! that broke on one collector and resumed on the other within the grace is
+//! no lost agent, while one that never comes back is lost once; timelines
+//! and diagnoses read what either collector stored.
+
+#[path = "collector_support.rs"]
+mod support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use oomscope_collector::ingest::Collector;
+use oomscope_collector::store::{now_ns, Backend, PgStore, Store};
+use oomscope_testkit::postgres::PgCluster;
+use support::*;
+
+/// Short, so the test waits little past it.
+const GRACE: Duration = Duration::from_secs(2);
+
+async fn collector_on(pg: &PgCluster, dir: &tempfile::TempDir) -> Running {
+    let shared = PgStore::connect(pg.url(), 4).expect("connect to the test's PostgreSQL");
+    let collector =
+        Collector::new(Store::open_in_memory().unwrap(), GRACE).with_shared_store(Arc::new(shared));
+    serving(dir.path(), collector).await
+}
+
+fn listed(agents: &[oomscope_collector::pb::AgentSummary]) -> BTreeSet<String> {
+    agents
+        .iter()
+        .map(|a| a.hello.as_ref().unwrap().agent_id.clone())
+        .collect()
+}
+
+async fn list(run: &Running) -> Vec<oomscope_collector::pb::AgentSummary> {
+    run.query()
+        .await
+        .list_agents(oomscope_collector::pb::ListAgentsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .agents
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_collectors_share_agents_incidents_and_lost_checks() {
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let dir = tempfile::tempdir().unwrap();
+    let a = collector_on(&pg, &dir).await;
+    let b = collector_on(&pg, &dir).await;
+    let t0 = now_ns();
+    let seqs = |r: std::ops::RangeInclusive<u64>| r.collect::<BTreeSet<u64>>();
+
+    // mover streams to A, then (its ack of the OOM lost) to B, within the grace.
+    let mut mover = a.agent(hello("mover", "svc")).await;
+    mover.send(sample(1, t0)).await;
+    mover.send(oom(2, t0 + 1_000)).await;
+    mover.acks_covering(&seqs(1..=2), |_| {}).await;
+    // stays streams to B all along; quitter to A, and never comes back.
+    let mut stays = b.agent(hello("stays", "other")).await;
+    stays.send(sample(1, t0)).await;
+    stays.acks_covering(&seqs(1..=1), |_| {}).await;
+    let mut quitter = a.agent(hello("quitter", "gone")).await;
+    quitter.send(sample(1, t0)).await;
+    quitter.acks_covering(&seqs(1..=1), |_| {}).await;
+
+    let want: BTreeSet<String> = ["mover", "stays", "quitter"].map(String::from).into();
+    assert_eq!(listed(&list(&a).await), want, "A sees B's agent too");
+    assert_eq!(listed(&list(&b).await), want, "B sees A's agents too");
+
+    // Both streams to A break without a Goodbye; mover comes back on B.
+    mover.close();
+    drop(mover);
+    quitter.close();
+    drop(quitter);
+    let mut moved = b.agent(hello("mover", "svc")).await;
+    moved.send(oom(2, t0 + 1_000)).await;
+    moved.send(sample(3, t0 + 2_000)).await;
+    moved.acks_covering(&seqs(2..=3), |_| {}).await;
+
+    // The OOM once, from either collector, numbered by the shared store.
+    for run in [&a, &b] {
+        let incs = incidents(run, "mover").await;
+        let seen: Vec<(&str, u64)> = incs.iter().map(|i| (i.kind.as_str(), i.seq)).collect();
+        assert_eq!(seen, [("oom", 2)], "{incs:?}");
+    }
+    // quitter is lost once A's grace passes; mover is not.
+    let lost = eventually(GRACE * 5, || async {
+        let incs = incidents(&b, "").await;
+        incs.iter().any(|i| i.kind == "agent_lost").then_some(incs)
+    })
+    .await
+    .expect("quitter recorded as lost");
+    let lost: Vec<&str> = lost
+        .iter()
+        .filter(|i| i.kind == "agent_lost")
+        .map(|i| i.agent_id.as_str())
+        .collect();
+    assert_eq!(lost, ["quitter"]);
+    // Timelines and diagnoses from either collector read what every
+    // collector stored: A holds mover's seqs 1-2 itself, B quitter's none.
+    let seqs_of = |t: oomscope_collector::pb::TimelineResponse| -> Vec<u64> {
+        t.samples.iter().map(|s| s.seq).collect()
+    };
+    assert_eq!(seqs_of(timeline(&a, "mover").await), [1, 3]);
+    assert_eq!(seqs_of(timeline(&b, "quitter").await), [1]);
+    let oom_id = incidents(&b, "mover").await[0].id.clone();
+    let lost_id = incidents(&a, "quitter").await[0].id.clone();
+    for run in [&a, &b] {
+        let diagnose = |incident: String| async move {
+            run.query()
+                .await
+                .diagnose(oomscope_collector::pb::DiagnoseRequest {
+                    incident,
+                    ..Default::default()
+                })
+                .await
+                .expect("a diagnosis")
+                .into_inner()
+        };
+        let d = diagnose(oom_id.clone()).await;
+        assert_eq!(d.incident.as_deref(), Some(oom_id.as_str()), "{d:?}");
+        assert_eq!(d.domain.as_deref(), Some("gpu_vram"), "{d:?}");
+        let d = diagnose(lost_id.clone()).await;
+        assert_eq!(d.incident.as_deref(), Some(lost_id.as_str()), "{d:?}");
+    }
+    // mover's check ran beside quitter's (same grace, same break).
+    let shared = PgStore::connect(pg.url(), 1).unwrap();
+    assert_eq!(shared.state("quitter").unwrap().as_deref(), Some("lost"));
+    assert_eq!(shared.state("mover").unwrap().as_deref(), Some("connected"));
+    assert_eq!(shared.message_count("mover").unwrap(), 3, "each seq once");
+    let summary = list(&a).await;
+    let mover = summary
+        .iter()
+        .find(|s| s.hello.as_ref().unwrap().agent_id == "mover")
+        .unwrap();
+    assert_eq!((mover.samples, mover.events, mover.last_seq), (2, 1, 3));
+    drop((stays, moved));
+    a.stop().await;
+    b.stop().await;
+}
+
+/// The collector's own store keeps only its working window of the streams
+/// it serves (its memory stays bounded); the shared store keeps everything,
+/// and queries read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_own_store_keeps_its_working_window_and_queries_read_the_shared_one() {
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let dir = tempfile::tempdir().unwrap();
+    let run = collector_on(&pg, &dir).await;
+    let now = now_ns();
+    let two_hours = 2 * 3600 * 1_000_000_000;
+    let mut agent = run.agent(hello("agent-1", "svc")).await;
+    agent.send(sample(1, now - two_hours)).await;
+    agent.send(sample(2, now)).await;
+    agent.acks_covering(&[1, 2].into(), |_| {}).await;
+    run.collector.keep_own_for(Duration::from_secs(3600));
+    let own = eventually(Duration::from_secs(10), || async {
+        let n = run
+            .collector
+            .with_store(|s| s.message_count("agent-1"))
+            .await
+            .unwrap();
+        (n == 1).then_some(n)
+    })
+    .await;
+    assert_eq!(own, Some(1), "the two-hour-old sample left the own store");
+    let shared = PgStore::connect(pg.url(), 1).unwrap();
+    assert_eq!(shared.message_count("agent-1").unwrap(), 2);
+    let seqs: Vec<u64> = timeline(&run, "agent-1")
+        .await
+        .samples
+        .iter()
+        .map(|s| s.seq)
+        .collect();
+    assert_eq!(seqs, [1, 2]);
+    drop(agent);
+    run.stop().await;
+}

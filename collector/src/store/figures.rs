@@ -53,7 +53,7 @@ pub(super) fn insert(tx: &Connection, agent_id: &str, seq: i64, sample: &pb::Sam
         "INSERT OR IGNORE INTO figures(agent_id, time_ns, seq, sample) VALUES (?1, ?2, ?3, ?4)",
     )?;
     stmt.execute(params![agent_id, sample.time_ns, seq, encode(sample)])?;
-    Ok(())
+    super::marks::record(tx, agent_id, seq, sample)
 }
 
 /// The record's bytes: the sample without the `raw` dicts. Built field by

@@ -18,7 +18,7 @@ use oomscope_proto::MAX_MESSAGE_BYTES;
 use prost::Message;
 use rusqlite::{params, OptionalExtension};
 
-use super::{counters, decode_message, figures, rollups, Store};
+use super::{counters, decode_message, figures, marks, rollups, Store};
 use crate::pb;
 use crate::pb::agent_message::Body;
 
@@ -148,6 +148,7 @@ impl Store {
         };
         if thinned {
             samples = self.with_envelopes(agent_id, samples, DEFAULT_SAMPLE_REPLY_BYTES)?;
+            marks::fold_into(&self.conn, agent_id, &mut samples)?;
         }
         let (mut events, events_cut_ns) =
             self.newest_events(agent_id, from_ns, to_ns, DEFAULT_EVENT_REPLY_BYTES)?;
@@ -711,6 +712,71 @@ mod tests {
             .unwrap();
         assert_eq!(allocated(&t.samples), (901..=950).collect::<Vec<_>>());
         assert_eq!(t.events.len(), 5);
+    }
+
+    #[test]
+    fn a_thinned_timeline_states_every_drop_on_the_point_that_stands_for_it() {
+        let mut store = super::super::tests::store_with_a1();
+        // Samples 1..=100, 1 s apart; three carry a statement of drops.
+        let stated = |seq: u64| match seq {
+            10 => Some((4, 40, 2)),
+            30 => Some((6, 60, 4)),
+            51 => Some((1, 0, 1)),
+            _ => None,
+        };
+        let batch: Vec<pb::AgentMessage> = (1..=100)
+            .map(|seq| pb::AgentMessage {
+                seq,
+                body: Some(Body::Sample(pb::Sample {
+                    time_ns: seq as i64 * 1_000_000_000,
+                    dropped_before: stated(seq).map(|(samples, requests, stride)| {
+                        pb::DroppedBefore {
+                            samples,
+                            requests,
+                            stride,
+                            ..Default::default()
+                        }
+                    }),
+                    ..Default::default()
+                })),
+            })
+            .collect();
+        store.insert_batch("a1", &batch).unwrap();
+        let t = store.timeline("a1", 0, 0, 5).unwrap();
+        let marks: Vec<(u64, u64, u64, u32)> = t
+            .samples
+            .iter()
+            .filter_map(|p| {
+                let d = p.sample.as_ref()?.dropped_before?;
+                Some((p.seq, d.samples, d.requests, d.stride))
+            })
+            .collect();
+        let kept: Vec<u64> = t.samples.iter().map(|p| p.seq).collect();
+        assert_eq!(kept.len(), 5, "{kept:?}");
+        // Seqs 10 and 30 fall before the second kept point (26 s or 51 s
+        // on), 51 at or before the third: each total on the first kept
+        // point at or after it, none lost, none twice.
+        let first_after = |seq: u64| *kept.iter().find(|&&k| k >= seq).unwrap();
+        let mut expected: Vec<(u64, u64, u64, u32)> = Vec::new();
+        for seq in [10, 30, 51] {
+            let (s, r, k) = stated(seq).unwrap();
+            let at = first_after(seq);
+            match expected.iter_mut().find(|e| e.0 == at) {
+                Some(e) => (e.1, e.2, e.3) = (e.1 + s, e.2 + r, e.3.max(k)),
+                None => expected.push((at, s, r, k)),
+            }
+        }
+        assert_eq!(marks, expected, "kept {kept:?}");
+        assert_eq!(marks.iter().map(|m| m.1).sum::<u64>(), 11);
+        // Unthinned, each statement stays on its own sample.
+        let whole = store.timeline("a1", 0, 0, 0).unwrap();
+        let own: Vec<u64> = whole
+            .samples
+            .iter()
+            .filter(|p| p.sample.as_ref().unwrap().dropped_before.is_some())
+            .map(|p| p.seq)
+            .collect();
+        assert_eq!(own, [10, 30, 51]);
     }
 
     #[test]

@@ -24,6 +24,7 @@ mod figures;
 mod file;
 mod history;
 mod instances;
+mod marks;
 mod postgres;
 mod readers;
 mod retention;
@@ -42,7 +43,7 @@ pub use readers::{ReaderPool, DEFAULT_READERS};
 pub use retention::MAX_RETENTION_BATCH;
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 6;
+const SCHEMA_VERSION: i64 = 7;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -211,6 +212,12 @@ impl Store {
             let tx = self.conn.transaction()?;
             tx.execute_batch(SCHEMA_V6)?;
             tx.pragma_update(None, "user_version", 6)?;
+            tx.commit()?;
+        }
+        if version < 7 {
+            let tx = self.conn.transaction()?;
+            marks::migrate_v7(&tx)?;
+            tx.pragma_update(None, "user_version", 7)?;
             tx.commit()?;
         }
         Ok(())

@@ -37,6 +37,11 @@ impl Store {
             params![cutoff_ns, max],
         )?;
         gone += tx.execute(
+            "DELETE FROM dropped_marks WHERE (agent_id, time_ns, seq) IN (
+               SELECT agent_id, time_ns, seq FROM dropped_marks WHERE time_ns < ?1 LIMIT ?2)",
+            params![cutoff_ns, max],
+        )?;
+        gone += tx.execute(
             "DELETE FROM rollups WHERE (agent_id, width_s, bucket_ns) IN (
                SELECT agent_id, width_s, bucket_ns FROM rollups
                WHERE bucket_ns + width_s * 1000000000 <= ?1 LIMIT ?2)",

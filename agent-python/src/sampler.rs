@@ -113,7 +113,7 @@ impl PythonReaders {
         let Some(s) = self.suspicion.as_mut() else {
             return;
         };
-        s.observe(reading);
+        s.observe(reading, Instant::now());
         self.suspect();
     }
 

@@ -163,14 +163,15 @@ impl Suspicion {
         })
     }
 
-    /// One boundary's readings.
-    pub fn observe(&mut self, r: Reading) {
+    /// One boundary's readings, taken at `now` (the clock `due` is asked
+    /// with).
+    pub fn observe(&mut self, r: Reading, now: Instant) {
         if self.readings.len() >= MAX_READINGS {
             halve(&mut self.readings);
         }
         self.readings.push(r);
         self.untested += 1;
-        self.last_reading = Some(Instant::now());
+        self.last_reading = Some(now);
     }
 
     /// Whether a census is due now, and why.
@@ -246,12 +247,17 @@ mod tests {
     use super::*;
 
     fn feed(s: &mut Suspicion, from: u64, to: u64, blocks: impl Fn(u64) -> u64) {
+        // Stamped at the start: the tests' clock is what `due` is asked.
+        let at = s.started;
         for i in from..=to {
-            s.observe(Reading {
-                requests_done: i,
-                blocks: blocks(i),
-                rss: 500 << 20,
-            });
+            s.observe(
+                Reading {
+                    requests_done: i,
+                    blocks: blocks(i),
+                    rss: 500 << 20,
+                },
+                at,
+            );
         }
     }
 
@@ -382,9 +388,8 @@ mod tests {
         late.censused(10, Duration::from_millis(1), 0, t0);
         late.censused(95, Duration::from_millis(1), 20 << 20, t0);
         feed(&mut late, 96, 100, |_| TORCH_BLOCKS);
-        let after = Instant::now();
-        assert_eq!(late.due(after + secs(0.5)), None, "the burst may go on");
-        assert_eq!(late.due(after + secs(1.5)), Some(Reason::Census));
+        assert_eq!(late.due(t0 + secs(0.5)), None, "the burst may go on");
+        assert_eq!(late.due(t0 + secs(1.5)), Some(Reason::Census));
         // That census found nothing more: the signals decide again.
         s.censused(100, Duration::from_millis(100), 1 << 20, t0 + secs(2.6));
         feed(&mut s, 101, 200, |_| TORCH_BLOCKS);
@@ -401,11 +406,14 @@ mod tests {
         s.censused(10, Duration::from_millis(10), 0, t0);
         s.censused(50, Duration::from_millis(10), 0, t0);
         for i in 51..=400u64 {
-            s.observe(Reading {
-                requests_done: i,
-                blocks: TORCH_BLOCKS + 5 * i,
-                rss: (1 << 30) + i * 4096,
-            });
+            s.observe(
+                Reading {
+                    requests_done: i,
+                    blocks: TORCH_BLOCKS + 5 * i,
+                    rss: (1 << 30) + i * 4096,
+                },
+                t0,
+            );
             assert_eq!(s.due(t0 + secs(3600.0)), None, "request {i}");
         }
     }
@@ -415,19 +423,25 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Suspicion::new(DEFAULT_DUTY, t0);
         for i in 1..=10 {
-            s.observe(Reading {
-                requests_done: i,
-                blocks: 0,
-                rss: 1 << 30,
-            });
+            s.observe(
+                Reading {
+                    requests_done: i,
+                    blocks: 0,
+                    rss: 1 << 30,
+                },
+                t0,
+            );
         }
         s.censused(10, Duration::from_millis(10), 0, t0);
         for i in 11..=30 {
-            s.observe(Reading {
-                requests_done: i,
-                blocks: 0,
-                rss: (1 << 30) + i * 550_000,
-            });
+            s.observe(
+                Reading {
+                    requests_done: i,
+                    blocks: 0,
+                    rss: (1 << 30) + i * 550_000,
+                },
+                t0,
+            );
         }
         assert_eq!(s.due(t0 + Duration::from_secs(1)), Some(Reason::Rss));
     }

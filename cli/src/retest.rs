@@ -241,7 +241,11 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
                 let mut row = retest::measured(setting, value, runtime, &r);
                 row.outcome = Some(retest::outcome(&t.baseline, &row, &r));
                 match (&base_answers, answers) {
-                    (Ok(b), Ok(c)) => row.quality_drift = Some(quality::compare(b, &c)),
+                    (Ok(b), Ok(c)) => {
+                        let d = quality::compare(b, &c);
+                        row.quality_note = d.note();
+                        row.quality_drift = Some(d);
+                    }
                     (Err(why), _) => row.quality_note = Some(format!("baseline: {why}")),
                     (_, Err(why)) => row.quality_note = Some(why),
                 }

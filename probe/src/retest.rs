@@ -295,6 +295,52 @@ pub fn failed_start(setting: &str, value: &str, runtime: Option<Runtime>, why: S
     }
 }
 
+/// Whether an incident's domain is a memory one: a launch that died while
+/// starting with such an incident ran out of memory there (a KV cache
+/// reserved at start past a limit), which is a failure a fixture can
+/// reproduce; any other failed start is the candidate's own fault.
+pub fn memory_domain(domain: &str) -> bool {
+    !matches!(domain, "" | "unknown" | "external_kill")
+}
+
+/// A row for a launch that died before it was ready, in memory `domain`
+/// (`why`: its incident), with the fixture's `requests` unserved. For the
+/// baseline this is the failure reproduced at start; a candidate's outcome
+/// is [`start_outcome`].
+pub fn died_at_start(
+    setting: &str,
+    value: &str,
+    runtime: Option<Runtime>,
+    requests: usize,
+    domain: &str,
+    why: String,
+) -> Row {
+    Row {
+        setting: setting.into(),
+        value: value.into(),
+        domain: Some(domain.into()),
+        requests,
+        overload: "not run: the server died while starting".into(),
+        risk: if setting.is_empty() {
+            String::new()
+        } else {
+            risk(setting, runtime).into()
+        },
+        note: Some(why),
+        ..Default::default()
+    }
+}
+
+/// A candidate that died while starting, against the baseline: the same
+/// memory domain is the same failure; another is a moved one.
+pub fn start_outcome(baseline: &Row, row: &Row) -> Outcome {
+    if row.domain == baseline.domain {
+        Outcome::Same
+    } else {
+        Outcome::Moved
+    }
+}
+
 /// Marks the chosen row: the least risky that vanished with overload clean
 /// and quality within the threshold; the first such in order among equals.
 /// Returns why none qualifies where none does.
@@ -543,6 +589,27 @@ mod tests {
                 ("--max-total-tokens".to_string(), "4064".to_string())
             ]
         );
+    }
+
+    #[test]
+    fn a_start_that_dies_in_memory_is_the_failure_or_the_same_one() {
+        assert!(memory_domain("cgroup") && memory_domain("host_ram"));
+        assert!(!memory_domain("") && !memory_domain("unknown") && !memory_domain("external_kill"));
+        let vllm = Some(Runtime::Vllm);
+        let base = died_at_start("", "", vllm, 8, "cgroup", "killed".into());
+        assert_eq!(
+            (base.answered, base.requests, base.risk.as_str()),
+            (0, 8, "")
+        );
+        let seqs = died_at_start("--max-num-seqs", "4", vllm, 8, "cgroup", "killed".into());
+        assert_eq!(start_outcome(&base, &seqs), Outcome::Same);
+        assert_eq!(seqs.risk, "low");
+        let host = died_at_start("--max-num-seqs", "4", vllm, 8, "host_ram", "killed".into());
+        assert_eq!(start_outcome(&base, &host), Outcome::Moved);
+        // Never chosen: it did not vanish.
+        let mut rows = vec![seqs];
+        rows[0].outcome = Some(Outcome::Same);
+        assert!(choose(&mut rows).is_err());
     }
 
     #[test]

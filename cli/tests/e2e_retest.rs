@@ -229,10 +229,13 @@ fn a_chat_only_server_gets_the_quality_check_through_chat() {
     let rows = r["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{r:#}");
     let q = |i: usize| &rows[i]["quality_drift"];
-    for i in 0..2 {
-        assert_eq!(q(i)["via"], "/chat/completions", "row {i}: {r:#}");
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(
+            row["quality_drift"]["via"], "/chat/completions",
+            "row {i}: {r:#}"
+        );
         // The server returned chat logprobs, so nothing is left unmeasured.
-        assert!(rows[i]["quality_note"].is_null(), "row {i}: {r:#}");
+        assert!(row["quality_note"].is_null(), "row {i}: {r:#}");
     }
     // A change with no numeric effect: every answer and logprob the same.
     assert_eq!(q(0)["identical_share"], 1.0, "{r:#}");

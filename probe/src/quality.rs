@@ -309,7 +309,7 @@ mod tests {
         // A chat answer without logprobs: the text alone, and the drift says so.
         let bare = Api::Chat.answer(&json!({"choices": [{"message": {"content": "t1"}}]}));
         assert_eq!((&bare.tokens, &bare.token_logprobs), (&None, &None));
-        let d = compare(&[bare.clone()], &[bare]);
+        let d = compare(std::slice::from_ref(&bare), std::slice::from_ref(&bare));
         assert!(
             d.note().unwrap().contains("through /chat/completions"),
             "{d:?}"

@@ -9,7 +9,10 @@
 //! of the fixture away: a context or admission limit), `shrank` (same domain, but more of
 //! the fixture was answered first), `same`, or `failed_start` (the server
 //! never became ready) and `not_measured` (the replay did not run to an
-//! end). The chosen fix is the least risky row that vanished with its
+//! end). A launch that died in a memory domain while starting or before its
+//! replay (a KV cache reserved at start past a limit) is `same` in the
+//! baseline's domain and `moved` in another; a baseline that died so
+//! reproduced its failure. The chosen fix is the least risky row that vanished with its
 //! overload burst handled cleanly and no quality drift over the threshold.
 
 use serde::{Deserialize, Serialize};
@@ -243,6 +246,13 @@ pub fn measured(setting: &str, value: &str, runtime: Option<Runtime>, r: &ProbeR
             );
         }
     }
+    if fixture_suite(r).is_none() {
+        // Died before the replay: the death's domain, and what the collector said of it.
+        if let Some((domain, summary)) = memory_death(&r.deaths) {
+            row.domain = Some(domain.to_string());
+            row.note = Some(format!("died before the replay: {summary}"));
+        }
+    }
     row.overload = match r.suites.iter().find(|s| s.suite == "overload") {
         Some(o) if o.status == Status::Pass => "clean".into(),
         Some(o) if o.status == Status::Fail => format!(
@@ -259,10 +269,32 @@ pub fn measured(setting: &str, value: &str, runtime: Option<Runtime>, r: &ProbeR
     row
 }
 
+/// The first death the collector named a memory domain for: (domain, summary).
+fn memory_death(deaths: &[crate::report::Death]) -> Option<(&str, &str)> {
+    deaths.iter().find_map(|d| {
+        d.domain
+            .as_deref()
+            .filter(|dom| memory_domain(dom))
+            .map(|dom| (dom, d.summary.as_str()))
+    })
+}
+
+/// A launch that died in memory before its replay ran (during the smoke or
+/// the quality prompts): the same failure as the baseline's where the
+/// domain is the same, a moved one otherwise; None without such a death.
+pub fn died_before_replay(baseline: &Row, deaths: &[crate::report::Death]) -> Option<Outcome> {
+    let (domain, _) = memory_death(deaths)?;
+    Some(if baseline.domain.as_deref() == Some(domain) {
+        Outcome::Same
+    } else {
+        Outcome::Moved
+    })
+}
+
 /// `row`'s outcome against the baseline's.
 pub fn outcome(baseline: &Row, row: &Row, r: &ProbeReport) -> Outcome {
     let Some(f) = fixture_suite(r) else {
-        return Outcome::NotMeasured;
+        return died_before_replay(baseline, &r.deaths).unwrap_or(Outcome::NotMeasured);
     };
     match f.status {
         // Refused in part: the failure moved to a limit that turns the workload away.
@@ -610,6 +642,31 @@ mod tests {
         let mut rows = vec![seqs];
         rows[0].outcome = Some(Outcome::Same);
         assert!(choose(&mut rows).is_err());
+    }
+
+    #[test]
+    fn a_memory_death_before_the_replay_is_measured_against_the_baseline() {
+        let base = died_at_start("", "", Some(Runtime::Vllm), 8, "cgroup", "killed".into());
+        let death = |domain: Option<&str>| crate::report::Death {
+            suite: "smoke".into(),
+            domain: domain.map(str::to_string),
+            summary: "the kernel's OOM killer took pid 7 (VLLM::Worker)".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            died_before_replay(&base, &[death(Some("cgroup"))]),
+            Some(Outcome::Same)
+        );
+        assert_eq!(
+            died_before_replay(&base, &[death(Some("host_ram"))]),
+            Some(Outcome::Moved)
+        );
+        // A death with no memory domain (a stop from outside) says nothing: not measured.
+        assert_eq!(
+            died_before_replay(&base, &[death(Some("external_kill"))]),
+            None
+        );
+        assert_eq!(died_before_replay(&base, &[death(None)]), None);
     }
 
     #[test]

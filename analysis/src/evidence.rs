@@ -93,11 +93,27 @@ impl Evidence {
     /// (a kill from an earlier restart does not explain a later exit); the
     /// kernel's log may come a few seconds after the death.
     pub fn kernel_oom_kill(&self) -> Option<(i64, &pb::KernelOomKill)> {
-        // The victim the kernel chose, not the tasks memory.oom.group took with it.
-        let found = self
+        // The kernel's own record before a count of the same kill: a record
+        // that came after the counter's wait (`oomscope node`) sits beside
+        // the counted kill, within the log's lag of it.
+        let near = |t: i64| {
+            self.incident
+                .as_ref()
+                .is_none_or(|i| t.abs_diff(i.time_ns) <= KMSG_LAG_NS as u64)
+        };
+        let recorded = self
             .nearest(|k| match k {
-                Kind::KernelOomKill(x) if x.oom_group.is_empty() => Some(x),
+                Kind::KernelOomKill(x) if x.oom_group.is_empty() && !x.counted_only => Some(x),
                 _ => None,
+            })
+            .filter(|(t, _)| near(*t));
+        // The victim the kernel chose, not the tasks memory.oom.group took with it.
+        let found = recorded
+            .or_else(|| {
+                self.nearest(|k| match k {
+                    Kind::KernelOomKill(x) if x.oom_group.is_empty() => Some(x),
+                    _ => None,
+                })
             })
             .or_else(|| {
                 self.nearest(|k| match k {

@@ -480,6 +480,11 @@ pub struct RetestArgs {
     /// Requests of the overload burst (default: twice the fixture's concurrency, 8..=64).
     #[arg(long)]
     pub burst: Option<usize>,
+    /// Keep each launch's output (the server's and `oomscope run`'s) in
+    /// DIR/<launch>.log, the baseline's as baseline.log and each candidate's
+    /// as <n>.log in --try/--from order (default: discarded).
+    #[arg(long, value_name = "DIR")]
+    pub logs: Option<PathBuf>,
     /// Where the collector is (the launches report to it, and --from reads it).
     #[command(flatten)]
     pub collector: CollectorArg,

@@ -52,6 +52,7 @@ impl Launch {
     fn start(
         a: &RetestArgs,
         name: &str,
+        log: &str,
         command: &[String],
         env: &[(String, String)],
     ) -> anyhow::Result<Launch> {
@@ -63,9 +64,20 @@ impl Launch {
         }
         c.arg("--").args(command);
         c.envs(env.iter().map(|(k, v)| (k, v)));
-        c.stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0);
+        match &a.logs {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("making {}", dir.display()))?;
+                let path = dir.join(format!("{log}.log"));
+                let f = std::fs::File::create(&path)
+                    .with_context(|| format!("creating {}", path.display()))?;
+                c.stdout(f.try_clone()?).stderr(f);
+            }
+            None => {
+                c.stdout(Stdio::null()).stderr(Stdio::null());
+            }
+        }
+        c.process_group(0);
         Ok(Launch {
             child: c.spawn().context("launching oomscope run")?,
         })
@@ -111,6 +123,37 @@ impl Launch {
 /// A launch's probe report and its quality answers (or why there are none).
 type Checked = (ProbeReport, Result<Vec<quality::Answer>, String>);
 
+/// How long a launch that died while starting waits for its incident at
+/// the collector: `oomscope run` reports the death before it exits, so
+/// this only covers the collector's filing of it.
+const START_INCIDENT_WAIT: Duration = Duration::from_secs(5);
+
+/// A launch that never became ready: why, and its incident's memory domain
+/// and summary where the collector recorded one (a start-up OOM).
+struct Unready {
+    why: String,
+    memory: Option<(String, String)>,
+}
+
+/// The memory incident of launch `name`, once the collector has filed one.
+fn start_incident(a: &RetestArgs, name: &str) -> Option<(String, String)> {
+    let mut client = Client::connect(&a.collector.collector).ok()?;
+    let until = Instant::now() + START_INCIDENT_WAIT;
+    loop {
+        let found = client
+            .incidents(pb::IncidentsRequest { agent: name.into() })
+            .map(|r| r.incidents)
+            .unwrap_or_default();
+        if let Some(i) = found.iter().find(|i| retest::memory_domain(&i.domain)) {
+            return Some((i.domain.clone(), format!("{}: {}", i.id, i.summary)));
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        std::thread::sleep(READY_POLL);
+    }
+}
+
 /// One launch with `command` (and `env`) checked: its probe report, or why it did not start.
 fn check(
     a: &RetestArgs,
@@ -118,12 +161,14 @@ fn check(
     name: &str,
     command: &[String],
     env: &[(String, String)],
-) -> anyhow::Result<Result<Checked, String>> {
+) -> anyhow::Result<Result<Checked, Unready>> {
     let ep = Endpoint::parse(&a.endpoint)?;
-    let mut launch = Launch::start(a, name, command, env)?;
+    let log = name.rsplit('-').next().unwrap_or(name);
+    let mut launch = Launch::start(a, name, log, command, env)?;
     if let Err(why) = launch.await_ready(&ep, &a.ready_path, a.launch_timeout) {
         launch.stop();
-        return Ok(Err(why));
+        let memory = start_incident(a, name);
+        return Ok(Err(Unready { why, memory }));
     }
     // Before the fixture, which may kill it: the answers at a size that does not fail.
     let answers = quality::answers(&ep, None, a.launch_timeout);
@@ -210,19 +255,37 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
         ),
     };
     let tag = std::process::id();
+    let requests = fx.requests.len() * fx.repeats;
     let (base, base_answers) =
         match check(&a, &fx, &format!("retest-{tag}-baseline"), &a.command, &[])? {
-            Ok(r) => r,
-            Err(why) => {
+            Ok((r, answers)) => (Some(r), answers),
+            // Died in memory while starting: the failure, reproduced at start.
+            Err(Unready {
+                why,
+                memory: Some((domain, incident)),
+            }) => {
+                t.baseline = retest::died_at_start(
+                    "",
+                    "",
+                    runtime,
+                    requests,
+                    &domain,
+                    format!("{why}: {incident}"),
+                );
+                (None, Err("the baseline died while starting".to_string()))
+            }
+            Err(Unready { why, memory: None }) => {
                 t.why = Some(format!("the baseline did not start: {why}"));
                 return finish(&a, &t, 2);
             }
         };
-    t.baseline = retest::measured("", "", runtime, &base);
+    if let Some(base) = &base {
+        t.baseline = retest::measured("", "", runtime, base);
+    }
     if let Err(why) = &base_answers {
         t.baseline.quality_note = Some(why.clone());
     }
-    if !retest::reproduced(&base) {
+    if base.as_ref().is_some_and(|b| !retest::reproduced(b)) {
         t.why = Some(format!(
             "the fixture does not reproduce: the unchanged command answered {}/{} of its requests without a failure",
             t.baseline.answered, t.baseline.requests
@@ -241,13 +304,35 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
                 let mut row = retest::measured(setting, value, runtime, &r);
                 row.outcome = Some(retest::outcome(&t.baseline, &row, &r));
                 match (&base_answers, answers) {
-                    (Ok(b), Ok(c)) => row.quality_drift = Some(quality::compare(b, &c)),
+                    (Ok(b), Ok(c)) => {
+                        let d = quality::compare(b, &c);
+                        row.quality_note = d.note();
+                        row.quality_drift = Some(d);
+                    }
                     (Err(why), _) => row.quality_note = Some(format!("baseline: {why}")),
                     (_, Err(why)) => row.quality_note = Some(why),
                 }
                 row
             }
-            Err(why) => retest::failed_start(setting, value, runtime, why),
+            // Died in memory while starting, as the baseline may have.
+            Err(Unready {
+                why,
+                memory: Some((domain, incident)),
+            }) => {
+                let mut row = retest::died_at_start(
+                    setting,
+                    value,
+                    runtime,
+                    requests,
+                    &domain,
+                    format!("{why}: {incident}"),
+                );
+                row.outcome = Some(retest::start_outcome(&t.baseline, &row));
+                row
+            }
+            Err(Unready { why, memory: None }) => {
+                retest::failed_start(setting, value, runtime, why)
+            }
         };
         t.rows.push(row);
     }

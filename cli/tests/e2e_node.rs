@@ -34,7 +34,19 @@ impl Drop for Watcher {
 
 /// `oomscope node` on `root` reporting to `col`, its stderr in `log`.
 fn watcher(col: &Collector, root: &Path, log: &Path, extra: &[&str]) -> Watcher {
+    watcher_with(col, root, log, extra, &[])
+}
+
+/// `watcher` with `env` set for it.
+fn watcher_with(
+    col: &Collector,
+    root: &Path,
+    log: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Watcher {
     let child = oomscope()
+        .envs(env.iter().copied())
         .args(["node", "--collector", &col.url, "--interval", "200ms"])
         .arg("--cgroup-root")
         .arg(root)
@@ -229,6 +241,90 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
         !shielded,
         "{said}"
     );
+}
+
+/// The kernel's records of kills on `agent`'s timeline: (counted only, pid, anon-rss).
+fn kill_records(col: &Collector, agent: &str) -> Vec<(bool, u32, u64)> {
+    timeline(&col.url, agent)
+        .events
+        .iter()
+        .filter_map(|e| match e.event.as_ref()?.kind.as_ref()? {
+            oomscope_proto::v1::event::Kind::KernelOomKill(k) => {
+                Some((k.counted_only, k.pid, k.anon_rss_bytes))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_kernel_record_after_its_counted_kill_joins_that_incident() {
+    let _serial = serial();
+    let dir = tempdir();
+    let col = Collector::start(&dir.path().join("db"));
+    let parent = TestCgroup::create(None, "node-late-record", None);
+    let limited = TestCgroup::create(Some(&parent), "hog", Some(64 * MIB));
+    let log = dir.path().join("node.log");
+    // The watcher holds each kernel record it reads for 3 s, as a loaded
+    // host delays it: the counter's wait (1 s) runs out before the record.
+    let w = watcher_with(
+        &col,
+        &parent.dir,
+        &log,
+        &[],
+        &[(oomscope_supervisor::node::TEST_KMSG_DELAY_ENV, "3000")],
+    );
+    let agents = wait_agents(&col, 2);
+    let hog_agent = agent_of(&agents, &limited.path);
+    let victim = hog(&limited);
+
+    // First the counted kill: its incident, with no victim named yet.
+    let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    let id = found[0]["id"].as_str().unwrap().to_string();
+    assert_eq!(found[0]["agent_id"], hog_agent.as_str());
+    let records = kill_records(&col, &hog_agent);
+    assert_eq!(
+        records.iter().map(|r| r.0).collect::<Vec<_>>(),
+        [true],
+        "the counted kill came first, alone: {records:?}"
+    );
+
+    // Then the kernel's record of the same kill, on the same timeline.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let records = loop {
+        let r = kill_records(&col, &hog_agent);
+        if r.iter().any(|k| !k.0) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "no kernel record came: {r:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(records.len(), 2, "{records:?}");
+    let (_, pid, anon) = records.into_iter().find(|k| !k.0).unwrap();
+    assert_eq!(pid, victim);
+
+    // One kill, one incident: the record joined the counted one, and its
+    // diagnosis carries the kernel's figures.
+    let all = incidents(&col);
+    assert_eq!(all.len(), 1, "one incident for one kill: {all:#?}");
+    assert_eq!(all[0]["id"], id.as_str(), "{all:#?}");
+    let d = col.json(&["diagnose", &id]);
+    let k = &d["kernel_report"];
+    assert_eq!(k["pid"], victim, "the kernel's victim: {d:#}");
+    assert_eq!(k["anon_rss_bytes"], anon, "{d:#}");
+    assert!((40 * MIB..=64 * MIB).contains(&anon), "anon-rss {anon}");
+    assert!(
+        all[0]["summary"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("pid {victim}")),
+        "the incident names the victim now: {:#}",
+        all[0]
+    );
+    assert_eq!(d["domain"], "cgroup", "{d:#}");
+    stop(w, &log);
+    assert_eq!(incidents(&col).len(), 1, "still one incident");
 }
 
 #[test]

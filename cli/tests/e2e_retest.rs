@@ -69,6 +69,16 @@ fn server_args(port: u16) -> Vec<String> {
 }
 
 fn retest(col: &Collector, fixture: &Path, tries: &[String]) -> (i32, serde_json::Value) {
+    retest_with(col, fixture, tries, &[])
+}
+
+/// `retest` of the reference server started with `server_args` and `extra`.
+fn retest_with(
+    col: &Collector,
+    fixture: &Path,
+    tries: &[String],
+    extra: &[&str],
+) -> (i32, serde_json::Value) {
     let port = free_port();
     let mut c = oomscope();
     c.args([
@@ -91,7 +101,8 @@ fn retest(col: &Collector, fixture: &Path, tries: &[String]) -> (i32, serde_json
     c.arg("--")
         .arg(python())
         .arg(repo().join("runtimes/pytorch-server/server.py"))
-        .args(server_args(port));
+        .args(server_args(port))
+        .args(extra);
     let out = c.output().unwrap();
     let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
@@ -200,6 +211,44 @@ fn each_candidate_measures_what_the_memory_model_predicts() {
         r["regression"].as_str().unwrap().contains("--fixture"),
         "{r:#}"
     );
+}
+
+#[test]
+fn a_chat_only_server_gets_the_quality_check_through_chat() {
+    let _serial = serial();
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let fixture = write_fixture(tmp.path(), CONCURRENCY);
+    // No /v1/completions: the replay and the quality prompts go through chat.
+    let tries = [
+        "--max-active=3".to_string(),
+        "--kv-dtype=bfloat16".to_string(),
+    ];
+    let (_, r) = retest_with(&col, &fixture, &tries, &["--chat-only"]);
+    assert_eq!(r["baseline"]["domain"], "cgroup", "{r:#}");
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{r:#}");
+    let q = |i: usize| &rows[i]["quality_drift"];
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(
+            row["quality_drift"]["via"], "/chat/completions",
+            "row {i}: {r:#}"
+        );
+        // The server returned chat logprobs, so nothing is left unmeasured.
+        assert!(row["quality_note"].is_null(), "row {i}: {r:#}");
+    }
+    // A change with no numeric effect: every answer and logprob the same.
+    assert_eq!(q(0)["identical_share"], 1.0, "{r:#}");
+    assert_eq!(q(0)["mean_abs_logprob_delta"], 0.0, "{r:#}");
+    assert_eq!(q(0)["flagged"], false, "{r:#}");
+    // A bfloat16 KV moves the chat logprobs past the threshold: flagged.
+    assert!(
+        q(1)["mean_abs_logprob_delta"].as_f64().unwrap()
+            > oomscope_probe::quality::MAX_MEAN_LOGPROB_DELTA,
+        "{r:#}"
+    );
+    assert_eq!(q(1)["flagged"], true, "{r:#}");
+    assert_eq!(rows[0]["outcome"], predicted(3, 0), "{r:#}");
 }
 
 #[test]

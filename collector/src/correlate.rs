@@ -27,6 +27,22 @@ pub const MASS_DISCONNECT_WINDOW_NS: i64 = 3 * 1_000_000_000;
 /// At least this many agents lost together are one mass disconnect.
 pub const MASS_DISCONNECT_AGENTS: usize = 3;
 
+/// How the summary of a kernel OOM kill known only from its cgroup's
+/// counter begins (`oomscope node` reports one when the kernel's record did
+/// not come within its wait); the record, when it comes later, joins that
+/// incident and its summary replaces this one.
+pub const COUNTED_KILL_SUMMARY: &str = "an OOM kill counted by";
+
+/// Whether `new`, merging into `leader`, brings the kernel's own record of
+/// the kill that `leader` knew only from the counter: then its summary
+/// (the victim, its anon-rss) becomes the leader's.
+pub fn names_a_counted_kill(new: &pb::Incident, leader: &pb::Incident) -> bool {
+    new.kind == IncidentKind::KernelOomKill
+        && leader.kind == IncidentKind::KernelOomKill
+        && leader.summary.starts_with(COUNTED_KILL_SUMMARY)
+        && !new.summary.starts_with(COUNTED_KILL_SUMMARY)
+}
+
 /// How much an incident of `kind` says about the failure: the kernel's own
 /// record first, a process killed by a signal, a failed exit with an OOM
 /// text, then the crash loop and the streams that merely broke. Kinds that
@@ -273,6 +289,8 @@ pub fn settle(store: &mut Store, new: pb::Incident) -> Result<Option<pb::Inciden
                     let n = store.merged_count(&leader)? + 1;
                     let kind = IncidentKind::MassDisconnect.as_str();
                     store.update_incident(&leader, kind, &mass_summary(n as usize))?;
+                } else if names_a_counted_kill(&new, &l) {
+                    store.update_incident(&leader, &l.kind, &new.summary)?;
                 }
             }
             tracing::info!(

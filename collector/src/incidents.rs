@@ -297,7 +297,10 @@ fn kernel_kill_summary(k: &pb::KernelOomKill) -> String {
         other => other.to_string(),
     };
     if k.counted_only {
-        return format!("an OOM kill counted by {scope} (the kernel's record of it was not read)");
+        return format!(
+            "{} {scope} (the kernel's record of it was not read)",
+            correlate::COUNTED_KILL_SUMMARY
+        );
     }
     format!(
         "the kernel's OOM killer took pid {} ({}): {scope}; anon-rss {}",

@@ -5,7 +5,8 @@
 //! the server returns `logprobs`, as moved token log-probabilities even
 //! when the greedy tokens stay the same. Sent one at a time so that batch
 //! composition, which may legitimately change float sums, is the same in
-//! every launch.
+//! every launch. A server with no `/completions` answers through
+//! `/chat/completions` (the same prompts as one user message each).
 
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::http::{request, Endpoint};
+use crate::load::Api;
 use crate::tokens::Prompts;
 
 /// Prompts in the set: enough that one flipped token among them shows.
@@ -37,6 +39,9 @@ pub struct Answer {
     /// The generated tokens and their log-probabilities, where returned.
     pub tokens: Option<Vec<String>>,
     pub token_logprobs: Option<Vec<f64>>,
+    /// The path that answered (`/completions` or `/chat/completions`).
+    #[serde(default)]
+    pub via: String,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -51,6 +56,23 @@ pub struct Drift {
     pub mean_abs_logprob_delta: Option<f64>,
     /// Over the threshold: the model's own accuracy suite must be rerun.
     pub flagged: bool,
+    /// The path the candidate answered through (`/completions`, or
+    /// `/chat/completions` on a server that offers only chat).
+    #[serde(default)]
+    pub via: String,
+}
+
+impl Drift {
+    /// What the check could not measure, where it could not: a server that
+    /// returned no log-probabilities leaves the drift to the text alone.
+    pub fn note(&self) -> Option<String> {
+        self.mean_abs_logprob_delta.is_none().then(|| {
+            format!(
+                "no logprobs from the server (through {}): drift from the completions' text alone",
+                self.via
+            )
+        })
+    }
 }
 
 fn pieces(a: &Answer) -> Vec<String> {
@@ -91,11 +113,99 @@ pub fn compare(base: &[Answer], cand: &[Answer]) -> Drift {
         mean_first_difference: mean(&firsts),
         mean_abs_logprob_delta,
         flagged: same < n || mean_abs_logprob_delta.is_some_and(|d| d > MAX_MEAN_LOGPROB_DELTA),
+        via: cand[0].via.clone(),
     }
 }
 
-/// The fixed prompt set's greedy answers from the server at `ep`
-/// (`/completions`), one at a time. Err: why not (one failed request fails the set).
+/// Request fields a server may refuse (400/422: FastAPI servers reject what
+/// they do not know), dropped in this order before the first answer: the
+/// check then runs on the text alone, and says so.
+const OPTIONAL_FIELDS: [&str; 2] = ["logprobs", "seed"];
+
+/// The quality prompts' requests and answers through either API: on a
+/// server that offers only chat (`transformers serve`, many vLLM
+/// deployments), the prompt is one user message.
+trait Greedy {
+    fn body(self, prompt: &str, model: Option<&str>, dropped: usize) -> serde_json::Value;
+    fn answer(self, v: &serde_json::Value) -> Answer;
+}
+
+impl Greedy for Api {
+    /// The greedy request for `prompt`, without the `dropped` optional fields.
+    fn body(self, prompt: &str, model: Option<&str>, dropped: usize) -> serde_json::Value {
+        let mut body = match self {
+            Api::Completions => json!({"prompt": prompt, "logprobs": 1}),
+            Api::Chat => {
+                json!({"messages": [{"role": "user", "content": prompt}], "logprobs": true})
+            }
+        };
+        body["max_tokens"] = json!(QUALITY_TOKENS);
+        body["temperature"] = json!(0);
+        body["seed"] = json!(0);
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        for f in &OPTIONAL_FIELDS[..dropped] {
+            body.as_object_mut().map(|o| o.remove(*f));
+        }
+        body
+    }
+
+    /// The answer in a 200's JSON (pure): the text and, where returned, the
+    /// tokens and their log-probabilities (`/completions`: `logprobs.tokens`
+    /// and `.token_logprobs`; chat: `logprobs.content[].token`/`.logprob`).
+    fn answer(self, v: &serde_json::Value) -> Answer {
+        let c = &v["choices"][0];
+        let strings = |a: Option<&Vec<serde_json::Value>>, key: Option<&str>| {
+            a.map(|t| {
+                t.iter()
+                    .map(|x| {
+                        key.map_or(x, |k| &x[k])
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_string()
+                    })
+                    .collect::<Vec<_>>()
+            })
+        };
+        let floats = |a: Option<&Vec<serde_json::Value>>, key: Option<&str>| {
+            a.map(|t| {
+                t.iter()
+                    .map(|x| key.map_or(x, |k| &x[k]).as_f64().unwrap_or(f64::NAN))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let (text, tokens, token_logprobs) = match self {
+            Api::Completions => {
+                let lp = &c["logprobs"];
+                (
+                    c["text"].as_str(),
+                    strings(lp["tokens"].as_array(), None),
+                    floats(lp["token_logprobs"].as_array(), None),
+                )
+            }
+            Api::Chat => {
+                let content = c["logprobs"]["content"].as_array();
+                (
+                    c["message"]["content"].as_str(),
+                    strings(content, Some("token")),
+                    floats(content, Some("logprob")),
+                )
+            }
+        };
+        Answer {
+            text: text.unwrap_or_default().to_string(),
+            tokens,
+            token_logprobs,
+            via: self.path().to_string(),
+        }
+    }
+}
+
+/// The fixed prompt set's greedy answers from the server at `ep`, one at a
+/// time: through `/completions`, or `/chat/completions` where the server
+/// has no `/completions` (404/405 to the first prompt). Err: why not (one
+/// failed request fails the set).
 pub fn answers(
     ep: &Endpoint,
     model: Option<&str>,
@@ -103,32 +213,31 @@ pub fn answers(
 ) -> Result<Vec<Answer>, String> {
     let mut prompts = Prompts::new(QUALITY_SEED);
     let mut out = Vec::with_capacity(QUALITY_PROMPTS);
+    let mut api = Api::Completions;
+    let mut dropped = 0;
     for _ in 0..QUALITY_PROMPTS {
-        let mut body = json!({"prompt": prompts.next(QUALITY_WORDS), "max_tokens": QUALITY_TOKENS,
-            "temperature": 0, "seed": 0, "logprobs": 1});
-        if let Some(m) = model {
-            body["model"] = json!(m);
-        }
-        let r = request(ep, "POST", "/completions", Some(&body), &[], timeout)
+        let prompt = prompts.next(QUALITY_WORDS);
+        let v = loop {
+            let r = request(
+                ep,
+                "POST",
+                api.path(),
+                Some(&api.body(&prompt, model, dropped)),
+                &[],
+                timeout,
+            )
             .map_err(|e| format!("quality prompt: {}", e.text))?;
-        if r.status != 200 {
-            return Err(format!("quality prompt: HTTP {}", r.status));
-        }
-        let v: serde_json::Value =
-            serde_json::from_slice(&r.body).map_err(|e| format!("quality prompt: {e}"))?;
-        let c = &v["choices"][0];
-        let lp = &c["logprobs"];
-        out.push(Answer {
-            text: c["text"].as_str().unwrap_or_default().to_string(),
-            tokens: lp["tokens"].as_array().map(|t| {
-                t.iter()
-                    .map(|x| x.as_str().unwrap_or_default().to_string())
-                    .collect()
-            }),
-            token_logprobs: lp["token_logprobs"]
-                .as_array()
-                .map(|t| t.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect()),
-        });
+            match r.status {
+                200 => {
+                    break serde_json::from_slice::<serde_json::Value>(&r.body)
+                        .map_err(|e| format!("quality prompt: {e}"))?
+                }
+                404 | 405 if out.is_empty() && api == Api::Completions => api = Api::Chat,
+                400 | 422 if out.is_empty() && dropped < OPTIONAL_FIELDS.len() => dropped += 1,
+                s => return Err(format!("quality prompt ({}): HTTP {s}", api.path())),
+            }
+        };
+        out.push(api.answer(&v));
     }
     Ok(out)
 }
@@ -142,6 +251,7 @@ mod tests {
             text: text.into(),
             tokens: lps.map(|_| text.split(' ').map(str::to_string).collect()),
             token_logprobs: lps.map(<[f64]>::to_vec),
+            via: "/completions".into(),
         }
     }
 
@@ -179,5 +289,39 @@ mod tests {
         assert_eq!(d.identical_share, 0.5);
         assert_eq!(d.mean_first_difference, Some(2.0));
         assert!(d.flagged);
+    }
+
+    #[test]
+    fn both_apis_answers_are_read_with_their_logprobs() {
+        let chat = json!({"choices": [{"message": {"role": "assistant", "content": "t1 t2"},
+            "logprobs": {"content": [{"token": "t1", "logprob": -0.5}, {"token": "t2", "logprob": -1.5}]}}]});
+        let a = Api::Chat.answer(&chat);
+        assert_eq!(a.text, "t1 t2");
+        assert_eq!(a.tokens, Some(vec!["t1".to_string(), "t2".to_string()]));
+        assert_eq!(a.token_logprobs, Some(vec![-0.5, -1.5]));
+        assert_eq!(a.via, "/chat/completions");
+        let plain = json!({"choices": [{"text": " x", "logprobs": {"tokens": [" x"], "token_logprobs": [-2.0]}}]});
+        let b = Api::Completions.answer(&plain);
+        assert_eq!(
+            (b.text.as_str(), b.token_logprobs),
+            (" x", Some(vec![-2.0]))
+        );
+        // A chat answer without logprobs: the text alone, and the drift says so.
+        let bare = Api::Chat.answer(&json!({"choices": [{"message": {"content": "t1"}}]}));
+        assert_eq!((&bare.tokens, &bare.token_logprobs), (&None, &None));
+        let d = compare(std::slice::from_ref(&bare), std::slice::from_ref(&bare));
+        assert!(
+            d.note().unwrap().contains("through /chat/completions"),
+            "{d:?}"
+        );
+        // The bodies: greedy either way; a refused field dropped in order.
+        let body = Api::Chat.body("p", None, 0);
+        assert_eq!(
+            (body["logprobs"].clone(), body["temperature"].clone()),
+            (json!(true), json!(0))
+        );
+        assert_eq!(body["messages"][0]["content"], "p");
+        let body = Api::Completions.body("p", Some("m"), 1);
+        assert!(body.get("logprobs").is_none() && body["seed"] == 0 && body["model"] == "m");
     }
 }

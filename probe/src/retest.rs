@@ -9,7 +9,10 @@
 //! of the fixture away: a context or admission limit), `shrank` (same domain, but more of
 //! the fixture was answered first), `same`, or `failed_start` (the server
 //! never became ready) and `not_measured` (the replay did not run to an
-//! end). The chosen fix is the least risky row that vanished with its
+//! end). A launch that died in a memory domain while starting or before its
+//! replay (a KV cache reserved at start past a limit) is `same` in the
+//! baseline's domain and `moved` in another; a baseline that died so
+//! reproduced its failure. The chosen fix is the least risky row that vanished with its
 //! overload burst handled cleanly and no quality drift over the threshold.
 
 use serde::{Deserialize, Serialize};
@@ -243,6 +246,13 @@ pub fn measured(setting: &str, value: &str, runtime: Option<Runtime>, r: &ProbeR
             );
         }
     }
+    if fixture_suite(r).is_none() {
+        // Died before the replay: the death's domain, and what the collector said of it.
+        if let Some((domain, summary)) = memory_death(&r.deaths) {
+            row.domain = Some(domain.to_string());
+            row.note = Some(format!("died before the replay: {summary}"));
+        }
+    }
     row.overload = match r.suites.iter().find(|s| s.suite == "overload") {
         Some(o) if o.status == Status::Pass => "clean".into(),
         Some(o) if o.status == Status::Fail => format!(
@@ -259,10 +269,32 @@ pub fn measured(setting: &str, value: &str, runtime: Option<Runtime>, r: &ProbeR
     row
 }
 
+/// The first death the collector named a memory domain for: (domain, summary).
+fn memory_death(deaths: &[crate::report::Death]) -> Option<(&str, &str)> {
+    deaths.iter().find_map(|d| {
+        d.domain
+            .as_deref()
+            .filter(|dom| memory_domain(dom))
+            .map(|dom| (dom, d.summary.as_str()))
+    })
+}
+
+/// A launch that died in memory before its replay ran (during the smoke or
+/// the quality prompts): the same failure as the baseline's where the
+/// domain is the same, a moved one otherwise; None without such a death.
+pub fn died_before_replay(baseline: &Row, deaths: &[crate::report::Death]) -> Option<Outcome> {
+    let (domain, _) = memory_death(deaths)?;
+    Some(if baseline.domain.as_deref() == Some(domain) {
+        Outcome::Same
+    } else {
+        Outcome::Moved
+    })
+}
+
 /// `row`'s outcome against the baseline's.
 pub fn outcome(baseline: &Row, row: &Row, r: &ProbeReport) -> Outcome {
     let Some(f) = fixture_suite(r) else {
-        return Outcome::NotMeasured;
+        return died_before_replay(baseline, &r.deaths).unwrap_or(Outcome::NotMeasured);
     };
     match f.status {
         // Refused in part: the failure moved to a limit that turns the workload away.
@@ -292,6 +324,52 @@ pub fn failed_start(setting: &str, value: &str, runtime: Option<Runtime>, why: S
         risk: risk(setting, runtime).into(),
         note: Some(why),
         ..Default::default()
+    }
+}
+
+/// Whether an incident's domain is a memory one: a launch that died while
+/// starting with such an incident ran out of memory there (a KV cache
+/// reserved at start past a limit), which is a failure a fixture can
+/// reproduce; any other failed start is the candidate's own fault.
+pub fn memory_domain(domain: &str) -> bool {
+    !matches!(domain, "" | "unknown" | "external_kill")
+}
+
+/// A row for a launch that died before it was ready, in memory `domain`
+/// (`why`: its incident), with the fixture's `requests` unserved. For the
+/// baseline this is the failure reproduced at start; a candidate's outcome
+/// is [`start_outcome`].
+pub fn died_at_start(
+    setting: &str,
+    value: &str,
+    runtime: Option<Runtime>,
+    requests: usize,
+    domain: &str,
+    why: String,
+) -> Row {
+    Row {
+        setting: setting.into(),
+        value: value.into(),
+        domain: Some(domain.into()),
+        requests,
+        overload: "not run: the server died while starting".into(),
+        risk: if setting.is_empty() {
+            String::new()
+        } else {
+            risk(setting, runtime).into()
+        },
+        note: Some(why),
+        ..Default::default()
+    }
+}
+
+/// A candidate that died while starting, against the baseline: the same
+/// memory domain is the same failure; another is a moved one.
+pub fn start_outcome(baseline: &Row, row: &Row) -> Outcome {
+    if row.domain == baseline.domain {
+        Outcome::Same
+    } else {
+        Outcome::Moved
     }
 }
 
@@ -543,6 +621,52 @@ mod tests {
                 ("--max-total-tokens".to_string(), "4064".to_string())
             ]
         );
+    }
+
+    #[test]
+    fn a_start_that_dies_in_memory_is_the_failure_or_the_same_one() {
+        assert!(memory_domain("cgroup") && memory_domain("host_ram"));
+        assert!(!memory_domain("") && !memory_domain("unknown") && !memory_domain("external_kill"));
+        let vllm = Some(Runtime::Vllm);
+        let base = died_at_start("", "", vllm, 8, "cgroup", "killed".into());
+        assert_eq!(
+            (base.answered, base.requests, base.risk.as_str()),
+            (0, 8, "")
+        );
+        let seqs = died_at_start("--max-num-seqs", "4", vllm, 8, "cgroup", "killed".into());
+        assert_eq!(start_outcome(&base, &seqs), Outcome::Same);
+        assert_eq!(seqs.risk, "low");
+        let host = died_at_start("--max-num-seqs", "4", vllm, 8, "host_ram", "killed".into());
+        assert_eq!(start_outcome(&base, &host), Outcome::Moved);
+        // Never chosen: it did not vanish.
+        let mut rows = vec![seqs];
+        rows[0].outcome = Some(Outcome::Same);
+        assert!(choose(&mut rows).is_err());
+    }
+
+    #[test]
+    fn a_memory_death_before_the_replay_is_measured_against_the_baseline() {
+        let base = died_at_start("", "", Some(Runtime::Vllm), 8, "cgroup", "killed".into());
+        let death = |domain: Option<&str>| crate::report::Death {
+            suite: "smoke".into(),
+            domain: domain.map(str::to_string),
+            summary: "the kernel's OOM killer took pid 7 (VLLM::Worker)".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            died_before_replay(&base, &[death(Some("cgroup"))]),
+            Some(Outcome::Same)
+        );
+        assert_eq!(
+            died_before_replay(&base, &[death(Some("host_ram"))]),
+            Some(Outcome::Moved)
+        );
+        // A death with no memory domain (a stop from outside) says nothing: not measured.
+        assert_eq!(
+            died_before_replay(&base, &[death(Some("external_kill"))]),
+            None
+        );
+        assert_eq!(died_before_replay(&base, &[death(None)]), None);
     }
 
     #[test]

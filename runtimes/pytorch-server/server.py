@@ -99,7 +99,9 @@ request; with workers also "worker": the rank to serve it, else round
 robin, and "hold_mb": that worker first holds this much more host memory);
 OpenAI-compatible GET /v1/models and POST /v1/completions {"model",
 "prompt", "max_tokens", "stream"} (one word of the prompt is one token, or
---tokens-per-word; 500 with the error text on out-of-memory); POST /tokenize
+--tokens-per-word; 500 with the error text on out-of-memory) and POST
+/v1/chat/completions {"messages", ...} (the contents joined are the prompt;
+with --chat-only the only one); POST /tokenize
 {"prompt"} -> {"count", "tokens"} (vLLM's shape); GET /health (200 once ready, else 503);
 GET /admin/stats (with workers, "workers": each one's rank and pid; with
 --layout forked-api, "shared": the Manager's dict); POST /admin/gc;
@@ -280,6 +282,9 @@ class Engine:
 #: The /v1/completions request fields a strict server (--fastapi-shapes) knows.
 OPENAI_FIELDS = {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n",
                  "stop", "seed", "user", "echo", "logprobs", "presence_penalty", "frequency_penalty"}
+#: The /v1/chat/completions fields it knows: `messages` for `prompt`, and
+#: `logprobs` a boolean with `top_logprobs`, as OpenAI's chat API has them.
+CHAT_FIELDS = (OPENAI_FIELDS - {"prompt", "echo"}) | {"messages", "top_logprobs"}
 
 
 def make_handler(state, args):
@@ -346,8 +351,10 @@ def make_handler(state, args):
                 return self._reply(400, {"error": "bad JSON: %s" % e})
             if self.path == "/generate":
                 return self._generate(body)
-            if self.path in ("/v1/completions", "/v1/completions/"):
+            if self.path in ("/v1/completions", "/v1/completions/") and not args.chat_only:
                 return self._completions(body)
+            if self.path in ("/v1/chat/completions", "/v1/chat/completions/"):
+                return self._completions(body, chat=True)
             if self.path == "/tokenize" and not args.no_tokenize:
                 # vLLM's shape: {"prompt"} -> {"count", "tokens"}.
                 ids = tokenize(body.get("prompt", ""), state["vocab"], args.tokens_per_word)
@@ -405,10 +412,13 @@ def make_handler(state, args):
             self.token_logprobs = getattr(seq, "token_logprobs", None)
             return list(seq.out), None
 
-        def _completions(self, body):
+        def _completions(self, body, chat=False):
+            """/v1/completions, or with `chat` /v1/chat/completions: the
+            messages' contents, joined, are the prompt (no chat template: a
+            tokenizer of words has none) and the answer is a message."""
             if args.fastapi_shapes:
                 # A strict schema, as FastAPI + pydantic with extra="forbid" answers.
-                extra = sorted(set(body) - OPENAI_FIELDS)
+                extra = sorted(set(body) - (CHAT_FIELDS if chat else OPENAI_FIELDS))
                 if extra:
                     return self._reply(422, {"detail": [
                         {"type": "extra_forbidden", "loc": ["body", k], "msg": "Extra inputs are not permitted",
@@ -418,7 +428,11 @@ def make_handler(state, args):
                 return self._reply(404, {"error": {"message": "model %r not found; this server serves %r" % (
                     model, state["model_name"]), "type": "not_found", "code": 404}})
             prompt = body.get("prompt", "")
-            stream = bool(body.get("stream")) and args.streams
+            if chat:
+                prompt = " ".join(str(m.get("content") or "") for m in body.get("messages") or []
+                                  if isinstance(m, dict))
+            # Chat answers are never streamed here.
+            stream = bool(body.get("stream")) and args.streams and not chat
             try:
                 max_tokens = int(body.get("max_tokens") or 16)
             except (TypeError, ValueError):
@@ -472,7 +486,15 @@ def make_handler(state, args):
                                          "logprobs": None}],
                             "usage": usage}
                 lps = getattr(self, "token_logprobs", None)
-                if body.get("logprobs") is not None and lps is not None and len(lps) == len(out):
+                if chat:
+                    text = response["choices"][0].pop("text")
+                    response.update(id="chatcmpl-" + rid[5:], object="chat.completion")
+                    response["choices"][0]["message"] = {"role": "assistant", "content": text}
+                    if body.get("logprobs") is True and lps is not None and len(lps) == len(out):
+                        response["choices"][0]["logprobs"] = {"content": [
+                            {"token": "t%d" % t, "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(out, lps)]}
+                elif body.get("logprobs") is not None and lps is not None and len(lps) == len(out):
                     response["choices"][0]["logprobs"] = {"tokens": ["t%d" % t for t in out], "token_logprobs": lps}
                 if args.no_usage:
                     del response["usage"]
@@ -577,6 +599,8 @@ def parse_args(argv=None):
     p.add_argument("--fastapi-shapes", action="store_true",
                    help="FastAPI-shaped errors ({\"detail\": ...}), unknown request fields refused (422), "
                         "streams without data: [DONE]")
+    p.add_argument("--chat-only", action="store_true",
+                   help="serve /v1/chat/completions but not /v1/completions (as many deployments do)")
     p.add_argument("--no-usage", action="store_true", help="no usage in any answer (with --no-tokenize: no count at all)")
     p.add_argument("--refusal-counts", action="store_true",
                    help="over-context refusals state the prompt's count, as llama-cpp-python's do")

@@ -104,3 +104,139 @@ impl Drop for LimitCgroup {
         }
     }
 }
+
+/// The v2 writes on a directory shaped like the GPU machine's cgroup v2
+/// (tests/fixtures/host-v2): this CI machine's memory controller is v1, so
+/// the test plays the kernel's part (the process's /proc cgroup line after
+/// a move, the interface files that vanish with a cgroup) and checks what
+/// `--memory-limit` and the placement write, and where.
+#[cfg(test)]
+mod v2_tests {
+    use std::fs;
+    use std::path::Path;
+
+    use super::*;
+    use crate::place::Placement;
+
+    const MIB: u64 = 1 << 20;
+
+    fn write(path: &Path, text: &str) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, text).unwrap();
+    }
+
+    fn read(path: &Path) -> String {
+        fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    /// The fixture's cgroup files and mounts, with this process in `own` (a v2 path).
+    fn v2_tree(own: &str) -> (tempfile::TempDir, HostPaths) {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/host-v2/host_cgroup_v2.json"
+        );
+        let fx: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let paths = HostPaths {
+            proc_root: tmp.path().join("proc"),
+            cgroup_root: tmp.path().join("sys/fs/cgroup"),
+        };
+        for (name, text) in fx["files"].as_object().unwrap() {
+            let text = text.as_str().unwrap();
+            if text.starts_with("ERROR ") {
+                continue; // write-only (memory.reclaim): the capture's read error
+            }
+            let rel = name.strip_prefix("/sys/fs/cgroup/").unwrap();
+            write(&paths.cgroup_root.join(rel), text);
+        }
+        let pid = std::process::id();
+        set_cgroup(&paths, own);
+        let mounts: String = fx["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m.as_str().unwrap())
+            .collect();
+        write(&paths.pid_file(pid, "mounts"), &mounts);
+        (tmp, paths)
+    }
+
+    /// What the kernel shows once this process moved to `path`.
+    fn set_cgroup(paths: &HostPaths, path: &str) {
+        write(
+            &paths.pid_file(std::process::id(), "cgroup"),
+            &format!("0::{path}\n"),
+        );
+    }
+
+    /// What the kernel removes with a cgroup: its interface files.
+    fn clear_interface(dir: &Path) {
+        for e in fs::read_dir(dir).unwrap().flatten() {
+            if e.file_type().unwrap().is_file() {
+                fs::remove_file(e.path()).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn a_limit_on_cgroup_v2_is_memory_max_beside_the_own_level_with_no_swap() {
+        let (_tmp, paths) = v2_tree("/app.slice/inference-server");
+        let pid = std::process::id();
+        let root = paths.cgroup_root.clone();
+        let limit = LimitCgroup::create(&paths, 512 * MIB).unwrap();
+        // The own level hands nothing down (its subtree_control is empty and
+        // it holds processes): the limit's cgroup is its sibling.
+        let made = root.join(format!("app.slice/{RUN_CGROUP_PREFIX}{pid}"));
+        assert_eq!(limit.dir, made);
+        assert_eq!(read(&made.join("memory.max")), (512 * MIB).to_string());
+        assert_eq!(read(&made.join("memory.swap.max")), "0");
+        assert_eq!(read(&made.join("cgroup.procs")), pid.to_string());
+        // v1's files are never written on v2.
+        assert!(!made.join("memory.limit_in_bytes").exists());
+
+        // The kernel's view after the move: the new cgroup has the controller
+        // and the limit on it.
+        set_cgroup(&paths, &format!("/app.slice/{RUN_CGROUP_PREFIX}{pid}"));
+        write(&made.join("cgroup.controllers"), "memory\n");
+        let placement = Placement::engage(&paths);
+        // The supervisor then leaves the limit for a leaf beside it. Here the
+        // kernel's part is missing (a new cgroup's cgroup.procs, which the
+        // move opens without creating), so it stays and says where it went
+        // for: beside the limit's cgroup, never inside it (v2 has no
+        // processes in a level that hands the controller down).
+        let own = root.join(format!("app.slice/oomscope-supervisor-{pid}"));
+        assert!(
+            placement.description.contains(&format!(
+                "stayed in /app.slice/{RUN_CGROUP_PREFIX}{pid}, the cgroup it watches: cannot move into {}",
+                own.display()
+            )),
+            "{}",
+            placement.description
+        );
+        assert!(!own.exists(), "the failed move's cgroup was removed");
+        drop(placement);
+
+        // The end: home, and the limit's cgroup removed.
+        clear_interface(&made);
+        drop(limit);
+        assert!(!made.exists());
+        assert_eq!(
+            read(&root.join("app.slice/inference-server/cgroup.procs")),
+            pid.to_string()
+        );
+    }
+
+    #[test]
+    fn a_v2_level_that_hands_memory_down_holds_the_limit_inside() {
+        // A container's namespaced root: it hands the controller down.
+        let (_tmp, paths) = v2_tree("/");
+        let limit = LimitCgroup::create(&paths, 64 * MIB).unwrap();
+        let made = paths
+            .cgroup_root
+            .join(format!("{RUN_CGROUP_PREFIX}{}", std::process::id()));
+        assert_eq!(limit.dir, made);
+        assert_eq!(read(&made.join("memory.max")), (64 * MIB).to_string());
+        clear_interface(&made);
+    }
+}

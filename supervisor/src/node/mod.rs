@@ -67,6 +67,11 @@ pub const FULL_READ_EVERY: u64 = 10;
 /// a counted kill within the 2 s the issue allows when the counter is read
 /// within 1 s of the kill.
 const KERNEL_RECORD_WAIT: Duration = Duration::from_secs(1);
+/// Test only: holds each kernel record read for this many milliseconds
+/// before it is routed, as a loaded host delays the watcher, so that a
+/// test can make a real kill's record come after its counted kill was
+/// reported. Never set it in production.
+pub const TEST_KMSG_DELAY_ENV: &str = "OOMSCOPE_TEST_KMSG_DELAY_MS";
 /// The longest wait, at the end, for each stream's collector to ack.
 pub const DEFAULT_NODE_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -132,11 +137,15 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
     let check = interval.min(MAX_COUNT_DELAY);
     let mut next_check = Instant::now() + check;
     let mut next_sample = Instant::now();
+    let delay = test_kmsg_delay();
+    // Records read, each with when it is routed (at once but under the test hook).
+    let mut held: std::collections::VecDeque<(Instant, pb::KernelOomKill)> = Default::default();
     while !stop_requested() {
         let now = Instant::now();
-        let kills = kmsg.read_new();
-        if !kills.is_empty() {
-            node.route_kills(kills, now);
+        held.extend(kmsg.read_new().into_iter().map(|k| (now + delay, k)));
+        let due = held.iter().take_while(|(at, _)| *at <= now).count();
+        if due > 0 {
+            node.route_kills(held.drain(..due).map(|(_, k)| k).collect(), now);
         }
         if now >= next_sample || now >= next_check {
             let sample = now >= next_sample;
@@ -337,6 +346,14 @@ impl Node<'_> {
             );
         }
     }
+}
+
+/// The test hook's delay ([`TEST_KMSG_DELAY_ENV`]); zero when unset.
+fn test_kmsg_delay() -> Duration {
+    std::env::var(TEST_KMSG_DELAY_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::ZERO, Duration::from_millis)
 }
 
 /// "/a/b" -> "/a", "/a" -> "/".

@@ -201,10 +201,12 @@ pub fn assess(
         });
     };
     if last <= window.requests as f64 {
-        return whole.map(|trend| Assessed {
-            trend,
-            stage: Stage::PossibleWarmUp,
-        });
+        return whole
+            .or_else(|| held_since(series, &accept))
+            .map(|trend| Assessed {
+                trend,
+                stage: Stage::PossibleWarmUp,
+            });
     }
     if let Some((before, stop)) = plateau(series, &accept) {
         let upto: Vec<(f64, f64)> = series
@@ -224,6 +226,24 @@ pub fn assess(
         Stage::PossibleWarmUp
     };
     Some(Assessed { trend, stage })
+}
+
+/// A growth `accept` took over an earlier part of `series` whose level the
+/// readings since have kept: a step leak's flat stretch between two steps
+/// (nine requests of a 1-in-10 leak) weakens the whole trend, but takes
+/// nothing back, so the growth said at request 27 is still said at 28.
+/// Readings that fell back below it (memory given back) end it.
+fn held_since(series: &[(f64, f64)], accept: &impl Fn(&Trend) -> bool) -> Option<Trend> {
+    let series = growth::thin(series, MAX_FIT_POINTS);
+    (MIN_TREND_POINTS..series.len()).rev().find_map(|end| {
+        let trend = growth::trend(&series[..end]).filter(accept)?;
+        let reached: Vec<f64> = series[end.saturating_sub(MIN_TREND_POINTS)..end]
+            .iter()
+            .map(|p| p.1)
+            .collect();
+        let since: Vec<f64> = series[end..].iter().map(|p| p.1).collect();
+        (stats::median(&since)? >= stats::median(&reached)?).then_some(trend)
+    })
 }
 
 /// A plateau over the recent requests after a growth `accept` takes: the

@@ -246,6 +246,19 @@ fn a_one_in_ten_leak_is_judged_over_requests_not_per_request() {
         assert!((c.metrics["seconds_to_limit"] - left / c.metrics["requests_per_s"]).abs() < 1e-6);
     }
     // Before it, inside the window: the same kind, as possible warm-up.
+    // Once said, it stays said: the flat stretch between two steps takes
+    // nothing back (it once went quiet at requests 28 and 29).
+    let said = polls
+        .iter()
+        .position(|(_, d)| !growth(d).is_empty())
+        .expect("said inside the window");
+    let quiet: Vec<u64> = polls[said..]
+        .iter()
+        .filter(|(_, d)| growth(d).is_empty())
+        .map(|(n, _)| *n)
+        .collect();
+    assert!(quiet.is_empty(), "quiet again at requests {quiet:?}");
+    assert!(polls[said].0 <= 30, "first said at {}", polls[said].0);
     for (done, d) in &polls[..past_warm_up] {
         assert!(
             growth(d)

@@ -12,7 +12,6 @@ use anyhow::Result;
 use prost::Message;
 use rusqlite::{params, Connection, Transaction};
 
-use super::figures;
 use crate::pb;
 
 pub(super) fn migrate_v7(tx: &Transaction<'_>) -> Result<()> {
@@ -33,7 +32,7 @@ pub(super) fn migrate_v7(tx: &Transaction<'_>) -> Result<()> {
         let seq: i64 = row.get(1)?;
         let blob: Vec<u8> = row.get(2)?;
         // A record that does not decode is left to the readers to report.
-        if let Ok(s) = figures::decode(&agent_id, seq as u64, &blob) {
+        if let Ok(s) = pb::Sample::decode(blob.as_slice()) {
             record(tx, &agent_id, seq, &s)?;
         }
     }

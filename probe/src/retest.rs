@@ -18,6 +18,7 @@
 use serde::{Deserialize, Serialize};
 
 use oomscope_analysis::settings::Runtime;
+use oomscope_analysis::Domain;
 use oomscope_proto::IncidentKind;
 
 use crate::report::{ProbeReport, Status, SuiteReport};
@@ -332,7 +333,10 @@ pub fn failed_start(setting: &str, value: &str, runtime: Option<Runtime>, why: S
 /// reserved at start past a limit), which is a failure a fixture can
 /// reproduce; any other failed start is the candidate's own fault.
 pub fn memory_domain(domain: &str) -> bool {
-    !matches!(domain, "" | "unknown" | "external_kill")
+    !matches!(
+        Domain::from_wire(domain),
+        Domain::Unknown | Domain::ExternalKill
+    )
 }
 
 /// A row for a launch that died before it was ready, in memory `domain`

@@ -137,8 +137,8 @@ impl Drop for PgCluster {
             &[
                 "-D".as_ref(),
                 data.as_os_str(),
-                "-m".as_ref(),
-                "immediate".as_ref(),
+                // pg_ctl's shutdown mode (no checkpoint: a throwaway cluster).
+                "--mode=immediate".as_ref(),
                 "-w".as_ref(),
                 "stop".as_ref(),
             ],

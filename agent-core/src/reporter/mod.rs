@@ -73,6 +73,10 @@ use crate::priority::ThreadPriority;
 /// the newest and thins the older), not by this queue (which would refuse
 /// the newest).
 pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
+/// How often a flush with nothing sent yet looks whether a collector has
+/// taken the stream.
+const FLUSH_POLL: Duration = Duration::from_millis(10);
+
 /// First reconnect delay: short, so a collector restart costs little.
 pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(100);
 /// The delay stops doubling here, so a collector that comes back is found
@@ -612,13 +616,26 @@ impl Reporter {
     /// Waits until every message sent so far is acked (or was dropped or
     /// rejected, see [`ReporterStats`]): true, or false when `timeout` passes
     /// first or the worker has stopped. Blocks for up to `timeout`; a held
-    /// reporter delivers nothing, so it returns false at once.
+    /// reporter delivers nothing, so it returns false at once. With nothing
+    /// sent yet, true once a collector has taken the stream: a collector that
+    /// refuses it (a missing token) is not "everything delivered".
     pub fn flush(&self, timeout: Duration) -> bool {
         if self.held() {
             return false;
         }
+        let deadline = Instant::now() + timeout;
         let target = lock(&self.inner.intake).next_seq - 1;
-        self.wait_done(target, Instant::now() + timeout)
+        if target == 0 {
+            let connected = &self.inner.shared.counters.connected;
+            while !connected.load(Ordering::Relaxed) {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(FLUSH_POLL);
+            }
+            return true;
+        }
+        self.wait_done(target, deadline)
     }
 
     fn wait_done(&self, target: u64, deadline: Instant) -> bool {

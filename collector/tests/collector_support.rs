@@ -196,6 +196,7 @@ pub async fn incidents(run: &Running, agent: &str) -> Vec<pb::Incident> {
         .await
         .incidents(pb::IncidentsRequest {
             agent: agent.into(),
+            ..Default::default()
         })
         .await
         .expect("Incidents")
@@ -229,7 +230,7 @@ pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
     let agents = run
         .query()
         .await
-        .list_agents(pb::ListAgentsRequest {})
+        .list_agents(pb::ListAgentsRequest::default())
         .await
         .expect("ListAgents")
         .into_inner()

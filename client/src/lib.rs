@@ -102,7 +102,7 @@ impl Client {
             })?
             .map_err(|e| Error::Unreachable {
                 url: url.to_string(),
-                reason: e.to_string(),
+                reason: oomscope_proto::tls::error_chain(&e),
             })?;
         let bearer = Bearer::from_env().map_err(Error::BadToken)?;
         let inner = QueryServiceClient::with_interceptor(channel, bearer)

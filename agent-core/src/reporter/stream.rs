@@ -25,6 +25,7 @@ use crate::pb::agent_message::Body;
 use crate::pb::collector_message::Body as Reply;
 use crate::spool::{Origin, Spool};
 use crate::sync::lock;
+use oomscope_proto::tls::error_chain;
 
 /// Messages buffered between the worker and the HTTP/2 stream; more only
 /// adds latency to acks, the stream itself does flow control.
@@ -661,17 +662,4 @@ async fn released(inputs: &mut Inputs) -> bool {
             }
         }
     }
-}
-
-/// An error with its sources, since tonic's transport errors say little at
-/// the top level ("transport error").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

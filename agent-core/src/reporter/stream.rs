@@ -415,8 +415,13 @@ impl Worker {
     }
 
     /// Accepts one message from the caller: spool it (unless the caller
-    /// did), keep it until acked, and owe it to the current stream.
-    fn take(&mut self, message: pb::AgentMessage, urgent: bool, spooled: Option<Vec<u64>>) {
+    /// did), keep it until acked, and owe it to the current stream. A
+    /// sample carries the backlog before it, stamped here, before it is
+    /// spooled, so every resend of it is the same message.
+    fn take(&mut self, mut message: pb::AgentMessage, urgent: bool, spooled: Option<Vec<u64>>) {
+        if let (None, Some(Body::Sample(sample))) = (&spooled, message.body.as_mut()) {
+            sample.backlog = Some(self.ledger.backlog());
+        }
         let on_disk = match spooled {
             Some(pushed_out) => {
                 self.spool_dropped(&pushed_out);

@@ -139,7 +139,12 @@ impl Client {
 
     /// Every agent the collector knows.
     pub fn agents(&mut self) -> Result<pb::ListAgentsResponse> {
-        self.call(|mut c| async move { c.list_agents(pb::ListAgentsRequest {}).await })
+        self.agents_where(pb::ListAgentsRequest::default())
+    }
+
+    /// The agents the request's filters admit (the collector filters).
+    pub fn agents_where(&mut self, req: pb::ListAgentsRequest) -> Result<pb::ListAgentsResponse> {
+        self.call(|mut c| async move { c.list_agents(req).await })
     }
 
     /// Incidents, all or one agent's.

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use oomscope_agent_core::pb;
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
+use oomscope_testkit::store_rows::stored_seqs;
 
 const AGENTS: [&str; 2] = ["term-a", "term-b"];
 
@@ -48,17 +49,6 @@ fn streaming(
         }
         (reporter, step)
     })
-}
-
-fn stored_seqs(db: &Path, agent_id: &str) -> Vec<u64> {
-    let conn = rusqlite::Connection::open(db).unwrap();
-    let mut stmt = conn
-        .prepare("SELECT seq FROM messages WHERE agent_id = ?1 ORDER BY seq")
-        .unwrap();
-    stmt.query_map([agent_id], |r| r.get::<_, i64>(0))
-        .unwrap()
-        .map(|s| s.unwrap() as u64)
-        .collect()
 }
 
 fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {

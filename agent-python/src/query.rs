@@ -63,6 +63,7 @@ fn query_incidents<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let req = pb::IncidentsRequest {
         agent: agent.to_string(),
+        ..Default::default()
     };
     let r = fetch(py, collector, timeout(timeout_s), |c| c.incidents(req))?;
     Ok(pythonize(py, &r.incidents)?)

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use oomscope_client::Client;
+use oomscope_proto::v1 as pb;
 use oomscope_report::format;
 
 use crate::output::show;
@@ -15,13 +16,10 @@ pub fn run(
     since: Option<Duration>,
     host: Option<String>,
 ) -> anyhow::Result<i32> {
-    let mut resp = Client::connect(url)?.agents()?;
-    let from = since_ns(since);
-    resp.agents.retain(|a| {
-        a.last_seen_ns >= from
-            && host
-                .as_deref()
-                .is_none_or(|h| a.hello.as_ref().is_some_and(|hello| hello.host == h))
-    });
+    // The collector filters: a fleet's answer carries only what matched.
+    let resp = Client::connect(url)?.agents_where(pb::ListAgentsRequest {
+        since_ns: since_ns(since),
+        host: host.unwrap_or_default(),
+    })?;
     show(json, &resp.agents, || format::agents(&resp.agents))
 }

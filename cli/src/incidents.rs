@@ -1,7 +1,6 @@
 //! `oomscope incidents`: the incidents, each with the parts joined to it.
 //! `--json` is a bare array of `Incident` in its serde form.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use oomscope_client::Client;
@@ -20,31 +19,14 @@ pub struct Filter {
 }
 
 pub fn run(url: &str, agent: Option<String>, filter: Filter, json: bool) -> anyhow::Result<i32> {
+    // The collector filters: a fleet's answer carries only what matched.
     let req = pb::IncidentsRequest {
         agent: agent.unwrap_or_default(),
+        since_ns: since_ns(filter.since),
+        domain: filter.domain.unwrap_or_default(),
+        cause: filter.cause.unwrap_or_default(),
+        host: filter.host.unwrap_or_default(),
     };
-    let mut client = Client::connect(url)?;
-    let mut resp = client.incidents(req)?;
-    // Hosts are the agents': asked only when filtered by one.
-    let hosts: HashMap<String, String> = match &filter.host {
-        None => HashMap::new(),
-        Some(_) => client
-            .agents()?
-            .agents
-            .into_iter()
-            .filter_map(|a| a.hello.map(|h| (h.agent_id, h.host)))
-            .collect(),
-    };
-    let from = since_ns(filter.since);
-    let is = |want: &Option<String>, have: &str| want.as_deref().is_none_or(|w| w == have);
-    resp.incidents.retain(|i| {
-        i.time_ns >= from
-            && is(&filter.domain, &i.domain)
-            && is(&filter.cause, &i.kind)
-            && is(
-                &filter.host,
-                hosts.get(&i.agent_id).map(String::as_str).unwrap_or(""),
-            )
-    });
+    let resp = Client::connect(url)?.incidents(req)?;
     show(json, &resp.incidents, || format::incidents(&resp.incidents))
 }

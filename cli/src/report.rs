@@ -80,6 +80,7 @@ pub fn fetch(c: &mut Client, which: Which) -> anyhow::Result<Run> {
         None => latest(
             c.incidents(pb::IncidentsRequest {
                 agent: agent_id.clone(),
+                ..Default::default()
             })?
             .incidents,
         ),

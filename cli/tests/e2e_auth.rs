@@ -159,3 +159,38 @@ fn tls_and_a_token_together_from_run_and_the_query_verbs() {
         stderr(&out)
     );
 }
+
+/// A collector whose certificate expired (made now, signed by the CA the
+/// client trusts): `agents` is refused and says the certificate expired.
+#[test]
+fn an_expired_collector_certificate_is_refused_by_the_query_verbs() {
+    let tmp = tempdir();
+    let pki = oomscope_testkit::certs::TestPki::create(tmp.path());
+    let col = CollectorProcess::start_with(
+        oomscope,
+        &tmp.path().join("db"),
+        &[
+            "--tls-cert".as_ref(),
+            pki.expired_server_cert.as_os_str(),
+            "--tls-key".as_ref(),
+            pki.expired_server_key.as_os_str(),
+        ],
+        None,
+    );
+    let out = oomscope()
+        .args([
+            "agents",
+            "--collector",
+            &format!("https://localhost:{}", col.port),
+            "--ca",
+        ])
+        .arg(&pki.ca)
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        stderr(&out).contains("certificate expired"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -102,7 +102,7 @@ impl Client {
             })?
             .map_err(|e| Error::Unreachable {
                 url: url.to_string(),
-                reason: e.to_string(),
+                reason: oomscope_proto::tls::error_chain(&e),
             })?;
         let bearer = Bearer::from_env().map_err(Error::BadToken)?;
         let inner = QueryServiceClient::with_interceptor(channel, bearer)
@@ -139,7 +139,12 @@ impl Client {
 
     /// Every agent the collector knows.
     pub fn agents(&mut self) -> Result<pb::ListAgentsResponse> {
-        self.call(|mut c| async move { c.list_agents(pb::ListAgentsRequest {}).await })
+        self.agents_where(pb::ListAgentsRequest::default())
+    }
+
+    /// The agents the request's filters admit (the collector filters).
+    pub fn agents_where(&mut self, req: pb::ListAgentsRequest) -> Result<pb::ListAgentsResponse> {
+        self.call(|mut c| async move { c.list_agents(req).await })
     }
 
     /// Incidents, all or one agent's.

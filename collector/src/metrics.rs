@@ -40,6 +40,22 @@ pub struct AgentFigure {
     pub device: String,
 }
 
+/// One agent, for the series that have one value per agent.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AgentLabels {
+    pub agent: String,
+    pub name: String,
+    pub host: String,
+}
+
+/// What `/metrics` shows of one agent, and when it last sent a sample.
+struct AgentSeries {
+    seen: Instant,
+    figures: Vec<AgentFigure>,
+    /// Set while its newest sample carried its backlog.
+    backlog: Option<AgentLabels>,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct IncidentLabels {
     domain: String,
@@ -56,8 +72,10 @@ pub struct Metrics {
     connected: Gauge,
     store_write: Histogram,
     agent_bytes: Family<AgentFigure, Gauge<f64, AtomicU64>>,
+    backlog_bytes: Family<AgentLabels, Gauge>,
+    backlog_messages: Family<AgentLabels, Gauge>,
     /// Each agent's series and when it last sent a sample.
-    agents: Mutex<HashMap<String, (Instant, Vec<AgentFigure>)>>,
+    agents: Mutex<HashMap<String, AgentSeries>>,
 }
 
 impl Default for Metrics {
@@ -115,6 +133,19 @@ impl Metrics {
             Unit::Bytes,
             agent_bytes.clone(),
         );
+        let backlog_bytes = Family::<AgentLabels, Gauge>::default();
+        registry.register_with_unit(
+            "agent_spool_backlog",
+            "Each agent's unacked messages (in memory and in its spool) when it took its newest sample, encoded",
+            Unit::Bytes,
+            backlog_bytes.clone(),
+        );
+        let backlog_messages = Family::<AgentLabels, Gauge>::default();
+        registry.register(
+            "agent_spool_backlog_messages",
+            "Each agent's unacked messages (in memory and in its spool) when it took its newest sample",
+            backlog_messages.clone(),
+        );
         Metrics {
             registry,
             ingest_messages,
@@ -124,6 +155,8 @@ impl Metrics {
             connected,
             store_write,
             agent_bytes,
+            backlog_bytes,
+            backlog_messages,
             agents: Mutex::new(HashMap::new()),
         }
     }
@@ -157,7 +190,11 @@ impl Metrics {
         let mut agents = self.agents.lock();
         let entry = agents
             .entry(hello.agent_id.clone())
-            .or_insert_with(|| (now, Vec::new()));
+            .or_insert_with(|| AgentSeries {
+                seen: now,
+                figures: Vec::new(),
+                backlog: None,
+            });
         let mut kept = Vec::with_capacity(figures.len());
         for (domain, figure, device, value) in figures {
             let labels = AgentFigure {
@@ -172,21 +209,51 @@ impl Metrics {
             kept.push(labels);
         }
         // A figure the agent no longer reports goes now.
-        for old in &entry.1 {
+        for old in &entry.figures {
             if !kept.contains(old) {
                 self.agent_bytes.remove(old);
             }
         }
-        *entry = (now, kept);
+        let labels = AgentLabels {
+            agent: hello.agent_id.clone(),
+            name: hello.name.clone(),
+            host: hello.host.clone(),
+        };
+        if let Some(old) = entry.backlog.take().filter(|old| *old != labels) {
+            self.remove_backlog(&old);
+        }
+        match &sample.backlog {
+            Some(b) => {
+                let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+                self.backlog_bytes
+                    .get_or_create(&labels)
+                    .set(clamp(b.bytes));
+                self.backlog_messages
+                    .get_or_create(&labels)
+                    .set(clamp(b.messages));
+                entry.backlog = Some(labels);
+            }
+            None => self.remove_backlog(&labels),
+        }
+        entry.seen = now;
+        entry.figures = kept;
+    }
+
+    fn remove_backlog(&self, labels: &AgentLabels) {
+        self.backlog_bytes.remove(labels);
+        self.backlog_messages.remove(labels);
     }
 
     /// Drops the series of agents silent for longer than `ttl`.
     pub fn expire(&self, now: Instant, ttl: Duration) {
-        self.agents.lock().retain(|_, (seen, series)| {
-            let keep = now.saturating_duration_since(*seen) <= ttl;
+        self.agents.lock().retain(|_, series| {
+            let keep = now.saturating_duration_since(series.seen) <= ttl;
             if !keep {
-                for s in series.iter() {
+                for s in series.figures.iter() {
                     self.agent_bytes.remove(s);
+                }
+                if let Some(b) = &series.backlog {
+                    self.remove_backlog(b);
                 }
             }
             keep
@@ -348,6 +415,29 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("oomscope_connected_agents 1"), "{text}");
+        assert!(
+            !text.contains("agent_spool_backlog_bytes{"),
+            "no backlog sent: {text}"
+        );
+        let mut with_backlog = sample(64 << 20, 20 << 20);
+        with_backlog.backlog = Some(pb::Backlog {
+            messages: 7,
+            bytes: 3000,
+        });
+        m.sample(&hello("a1"), &with_backlog, t0);
+        let text = m.render(1);
+        assert!(
+            text.contains(
+                "oomscope_agent_spool_backlog_bytes{agent=\"a1\",name=\"svc\",host=\"h\"} 3000"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "oomscope_agent_spool_backlog_messages{agent=\"a1\",name=\"svc\",host=\"h\"} 7"
+            ),
+            "{text}"
+        );
         m.expire(t0 + AGENT_SERIES_TTL, AGENT_SERIES_TTL);
         assert!(m.render(0).contains("agent=\"a1\""));
         m.expire(
@@ -355,5 +445,31 @@ mod tests {
             AGENT_SERIES_TTL,
         );
         assert!(!m.render(0).contains("agent=\"a1\""));
+    }
+
+    #[test]
+    fn a_sample_without_a_backlog_removes_the_agents_backlog_series() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        let mut s = sample(64 << 20, 1 << 20);
+        s.backlog = Some(pb::Backlog {
+            messages: 2,
+            bytes: 100,
+        });
+        m.sample(&hello("a2"), &s, t0);
+        assert!(m
+            .render(1)
+            .contains("oomscope_agent_spool_backlog_messages{"));
+        s.backlog = None;
+        m.sample(&hello("a2"), &s, t0);
+        let text = m.render(1);
+        assert!(
+            !text.contains("oomscope_agent_spool_backlog_messages{"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("oomscope_agent_spool_backlog_bytes{"),
+            "{text}"
+        );
     }
 }

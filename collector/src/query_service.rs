@@ -12,7 +12,7 @@ use tonic::{Request, Response, Status};
 use crate::ingest::Collector;
 use crate::pb;
 use crate::pb::query_service_server::QueryService;
-use crate::store::{Instance, Store, Target};
+use crate::store::{AgentFilter, IncidentFilter, Instance, Store, Target};
 use crate::verdict::{diagnose, incident_ref};
 use oomscope_analysis::join::{join_context, join_tree, TREE_JOIN_MAX_AGE_NS};
 use oomscope_proto::{IncidentKind, Role};
@@ -128,20 +128,21 @@ impl QueryApi {
 impl QueryService for QueryApi {
     async fn list_agents(
         &self,
-        _request: Request<pb::ListAgentsRequest>,
+        request: Request<pb::ListAgentsRequest>,
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        let filter = AgentFilter::from(request.get_ref());
         if let Some(shared) = self.collector.shared_store() {
             // The whole fleet from the store of record; each agent's latest
             // load where this collector serves (or served) its stream.
-            let agents = shared_read(move || shared.list_agents()).await?;
+            let agents = shared_read(move || shared.agents_where(&filter)).await?;
             let agents = self
                 .read(|s| latest_contexts(s, agents).map_err(internal))
                 .await?;
             return Ok(Response::new(pb::ListAgentsResponse { agents }));
         }
         let agents = self
-            .read(|s| {
-                s.list_agents()
+            .read(move |s| {
+                s.agents_where(&filter)
                     .and_then(|a| latest_contexts(s, a))
                     .map_err(internal)
             })
@@ -176,10 +177,11 @@ impl QueryService for QueryApi {
         &self,
         request: Request<pb::IncidentsRequest>,
     ) -> Result<Response<pb::IncidentsResponse>, Status> {
+        let filter = IncidentFilter::from(request.get_ref());
         let agent = request.into_inner().agent;
         if let Some(shared) = self.collector.shared_store() {
             // Every collector's incidents, by agent id or name.
-            let mut incidents = shared_read(move || shared.incidents(None)).await?;
+            let mut incidents = shared_read(move || shared.incidents_where(None, &filter)).await?;
             if !agent.is_empty() {
                 incidents.retain(|i| i.agent_id == agent || i.agent_name == agent);
             }
@@ -188,11 +190,11 @@ impl QueryService for QueryApi {
         let incidents = self
             .read(move |s| {
                 let roots = if agent.is_empty() {
-                    s.incidents(None)
+                    s.incidents_where(None, &filter)
                 } else {
                     match resolve(s, &agent)? {
-                        Target::Agent(a) => s.incidents(Some(&a)),
-                        Target::Instance(i) => s.incidents_of_instance(&i.id, i64::MIN, i64::MAX),
+                        Target::Agent(a) => s.incidents_where(Some(&a), &filter),
+                        Target::Instance(i) => instance_incidents(s, &i.id, &filter),
                     }
                 };
                 with_parts(s, roots.map_err(internal)?).map_err(internal)
@@ -216,6 +218,28 @@ impl QueryService for QueryApi {
             .await?;
         Ok(Response::new(diagnosis))
     }
+}
+
+/// An instance's incidents that `filter` admits (gathered across its
+/// members, so filtered here rather than in one query).
+fn instance_incidents(
+    s: &Store,
+    instance: &str,
+    filter: &IncidentFilter,
+) -> Result<Vec<pb::Incident>> {
+    let all = s.incidents_of_instance(instance, i64::MIN, i64::MAX)?;
+    if filter == &IncidentFilter::default() {
+        return Ok(all);
+    }
+    let on_host: std::collections::HashSet<String> = s
+        .agents_where(&filter.agents())?
+        .into_iter()
+        .filter_map(|a| a.hello.map(|h| h.agent_id))
+        .collect();
+    Ok(all
+        .into_iter()
+        .filter(|i| filter.admits(i, |id| on_host.contains(id)))
+        .collect())
 }
 
 /// Reads the shared store of record on a blocking thread.

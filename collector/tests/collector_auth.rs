@@ -123,7 +123,10 @@ async fn calls_without_a_known_token_are_unauthenticated_and_write_nothing() {
             run.channel().await,
             Bearer::new(token).unwrap(),
         );
-        let status = q.list_agents(pb::ListAgentsRequest {}).await.unwrap_err();
+        let status = q
+            .list_agents(pb::ListAgentsRequest::default())
+            .await
+            .unwrap_err();
         assert_eq!(
             status.code(),
             Code::Unauthenticated,
@@ -141,7 +144,10 @@ async fn calls_without_a_known_token_are_unauthenticated_and_write_nothing() {
 
 async fn status_message_names_the_fix(run: &Running) -> bool {
     let mut q = pb::query_service_client::QueryServiceClient::new(run.channel().await);
-    let status = q.list_agents(pb::ListAgentsRequest {}).await.unwrap_err();
+    let status = q
+        .list_agents(pb::ListAgentsRequest::default())
+        .await
+        .unwrap_err();
     status.message().contains("OOMSCOPE_TOKEN")
 }
 
@@ -194,7 +200,10 @@ async fn an_agent_id_stays_with_the_token_that_first_used_it() {
         run.channel().await,
         Bearer::new(Some(TEAM_B)).unwrap(),
     );
-    let listed = q.list_agents(pb::ListAgentsRequest {}).await.unwrap();
+    let listed = q
+        .list_agents(pb::ListAgentsRequest::default())
+        .await
+        .unwrap();
     assert_eq!(listed.into_inner().agents.len(), 2);
     run.stop().await;
 }

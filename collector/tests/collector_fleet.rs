@@ -54,16 +54,14 @@ async fn replicas(run: &Running, name: &str, n: usize) -> Vec<AgentStream> {
 
 async fn incidents_of(run: &Running, name: &str) -> Vec<pb::Incident> {
     let mut q = run.query().await;
-    q.incidents(pb::IncidentsRequest {
-        agent: String::new(),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .incidents
-    .into_iter()
-    .filter(|i| i.agent_name == name)
-    .collect()
+    q.incidents(pb::IncidentsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .incidents
+        .into_iter()
+        .filter(|i| i.agent_name == name)
+        .collect()
 }
 
 /// An agent that says Hello, sends one sample (acked), then vanishes without a Goodbye.

@@ -298,7 +298,7 @@ async fn first_message_must_be_hello() {
     assert!(run
         .query()
         .await
-        .list_agents(pb::ListAgentsRequest {})
+        .list_agents(pb::ListAgentsRequest::default())
         .await
         .unwrap()
         .into_inner()

@@ -106,7 +106,7 @@ async fn a_name_means_its_newest_instance_with_every_process_in_it() {
     let agents = run
         .query()
         .await
-        .list_agents(pb::ListAgentsRequest {})
+        .list_agents(pb::ListAgentsRequest::default())
         .await
         .unwrap()
         .into_inner()

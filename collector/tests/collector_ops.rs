@@ -172,3 +172,129 @@ async fn retention_removes_old_data_and_keeps_young_incidents() {
     assert_eq!(tl.samples.len(), 3);
     run.stop().await;
 }
+
+/// The agents' backlog through the real `/metrics` text: an agent-core
+/// reporter whose collector is not up yet holds what it takes; the sample
+/// it takes next says how many messages it held and their encoded bytes;
+/// once everything is acked, the next sample says none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_each_agents_backlog_from_its_newest_sample() {
+    use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
+    use prost::Message;
+
+    let dir = tempfile::tempdir().unwrap();
+    let port = oomscope_testkit::free_port();
+    let mut cfg = ReporterConfig::new(format!("http://127.0.0.1:{port}"));
+    cfg.spool_dir = Some(dir.path().join("spool"));
+    cfg.backoff_max = Duration::from_millis(200);
+    let reporter = Reporter::start(cfg, hello("agent-b", "svc"));
+    let reading = |step: u64| pb::Sample {
+        time_ns: T0 + step as i64,
+        step,
+        process: Some(pb::ProcessMemory {
+            pid: 4242,
+            vm_rss_bytes: step * MIB,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let spooled = |n: u64, r: &Reporter| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while r.stats().spooled < n {
+            assert!(std::time::Instant::now() < deadline, "{:?}", r.stats());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    for step in 1..=6 {
+        assert!(reporter.send_sample(reading(step)));
+    }
+    spooled(6, &reporter);
+    assert!(reporter.send_sample(reading(7)));
+    spooled(7, &reporter);
+    // What the six held weigh as the agent holds them: each carries the
+    // backlog before it (seq 1 none), encoded.
+    let mut held = pb::Backlog::default();
+    for step in 1..=6u64 {
+        let mut s = reading(step);
+        s.backlog = Some(held);
+        let m = pb::AgentMessage {
+            seq: step,
+            body: Some(Body::Sample(s)),
+        };
+        held.messages += 1;
+        held.bytes += m.encoded_len() as u64;
+    }
+
+    let db = dir.path().join("c.db");
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let collector = oomscope_collector::ingest::Collector::new(
+        oomscope_collector::store::Store::open(&db).unwrap(),
+        Duration::from_secs(5),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(oomscope_collector::serve::serve_with_listener(
+        listener,
+        collector.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let metrics = oomscope_collector::metrics::bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let metrics_addr = metrics.local_addr().unwrap();
+    let c = collector.clone();
+    tokio::spawn(oomscope_collector::metrics::serve(
+        metrics,
+        move || c.render_metrics(),
+        collector.until_stopping(),
+    ));
+    let backlog = move || {
+        let text = scrape(metrics_addr);
+        let of = |name: &str| {
+            let series = format!("{name}{{agent=\"agent-b\",name=\"svc\",host=\"testhost\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str()))
+                .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+                .parse::<u64>()
+                .unwrap()
+        };
+        pb::Backlog {
+            messages: of("oomscope_agent_spool_backlog_messages"),
+            bytes: of("oomscope_agent_spool_backlog_bytes"),
+        }
+    };
+
+    let (reporter, seen) = tokio::task::spawn_blocking(move || {
+        assert!(
+            reporter.flush(Duration::from_secs(20)),
+            "{:?}",
+            reporter.stats()
+        );
+        (reporter, backlog())
+    })
+    .await
+    .unwrap();
+    assert_eq!(seen, held, "sample 7 held seqs 1..=6");
+
+    let seen = tokio::task::spawn_blocking(move || {
+        assert!(reporter.send_sample(reading(8)));
+        assert!(
+            reporter.flush(Duration::from_secs(20)),
+            "{:?}",
+            reporter.stats()
+        );
+        backlog()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        seen,
+        pb::Backlog::default(),
+        "sample 8 came after every ack"
+    );
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(10), serving).await;
+}

@@ -37,7 +37,7 @@ fn listed(agents: &[oomscope_collector::pb::AgentSummary]) -> BTreeSet<String> {
 async fn list(run: &Running) -> Vec<oomscope_collector::pb::AgentSummary> {
     run.query()
         .await
-        .list_agents(oomscope_collector::pb::ListAgentsRequest {})
+        .list_agents(oomscope_collector::pb::ListAgentsRequest::default())
         .await
         .unwrap()
         .into_inner()

@@ -196,6 +196,7 @@ pub async fn incidents(run: &Running, agent: &str) -> Vec<pb::Incident> {
         .await
         .incidents(pb::IncidentsRequest {
             agent: agent.into(),
+            ..Default::default()
         })
         .await
         .expect("Incidents")
@@ -229,7 +230,7 @@ pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
     let agents = run
         .query()
         .await
-        .list_agents(pb::ListAgentsRequest {})
+        .list_agents(pb::ListAgentsRequest::default())
         .await
         .expect("ListAgents")
         .into_inner()
@@ -259,16 +260,8 @@ where
 }
 
 /// Rows stored for an agent, read through a separate SQLite connection.
-pub fn stored_seqs(db: &Path, agent_id: &str) -> Vec<u64> {
-    let conn = rusqlite::Connection::open(db).unwrap();
-    let mut stmt = conn
-        .prepare("SELECT seq FROM messages WHERE agent_id = ?1 ORDER BY seq")
-        .unwrap();
-    stmt.query_map([agent_id], |r| r.get::<_, i64>(0))
-        .unwrap()
-        .map(|s| s.unwrap() as u64)
-        .collect()
-}
+#[allow(unused_imports)] // Not every test file that includes this reads rows.
+pub use oomscope_testkit::store_rows::stored_seqs;
 
 /// The request that opens an agent stream (`AgentService.Connect`), for a
 /// test that speaks HTTP/2 by hand.

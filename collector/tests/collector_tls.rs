@@ -1,6 +1,7 @@
 //! TLS over real loopback connections, with certificates made at test time:
 //! an https client that trusts the test CA is served; a plaintext client
-//! on the TLS port is not; with client verification on, a client without a
+//! on the TLS port is not; a client refuses a collector whose certificate
+//! expired, saying so; with client verification on, a client without a
 //! certificate or with an expired one is refused.
 
 #[path = "collector_support.rs"]
@@ -17,12 +18,16 @@ use support::*;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 async fn start_tls(dir: &tempfile::TempDir, pki: &TestPki, verify_clients: bool) -> Running {
-    let db = dir.path().join("c.db");
     let files = TlsFiles {
         cert: pki.server_cert.clone(),
         key: pki.server_key.clone(),
         client_ca: verify_clients.then(|| pki.ca.clone()),
     };
+    start_tls_with(dir, files).await
+}
+
+async fn start_tls_with(dir: &tempfile::TempDir, files: TlsFiles) -> Running {
+    let db = dir.path().join("c.db");
     let collector = Collector::new(Store::open(&db).unwrap(), Duration::from_secs(5))
         .with_tls(files.server_config().unwrap());
     serving(&db, collector).await
@@ -51,11 +56,11 @@ async fn list_over_tls(
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await
-        .map_err(|e| format!("connect: {e:?}"))?;
+        .map_err(|e| format!("connect: {}", oomscope_proto::tls::error_chain(&e)))?;
     let mut q = pb::query_service_client::QueryServiceClient::new(channel);
     tokio::time::timeout(
         Duration::from_secs(10),
-        q.list_agents(pb::ListAgentsRequest {}),
+        q.list_agents(pb::ListAgentsRequest::default()),
     )
     .await
     .map_err(|_| "no answer within 10 s".to_string())?
@@ -79,7 +84,7 @@ async fn an_https_client_is_served_and_a_plaintext_one_is_not() {
             .connect()
             .await?;
         pb::query_service_client::QueryServiceClient::new(channel)
-            .list_agents(pb::ListAgentsRequest {})
+            .list_agents(pb::ListAgentsRequest::default())
             .await
             .map_err(Into::<Box<dyn std::error::Error + Send + Sync>>::into)
     };
@@ -113,5 +118,25 @@ async fn with_client_verification_only_a_valid_client_certificate_passes() {
     // flight, so how it surfaces varies (an alert, a closed connection);
     // that the call fails is what is certain.
     assert!(!none.is_empty() && !expired.is_empty());
+    run.stop().await;
+}
+
+/// A collector serving a certificate that expired (signed by the CA the
+/// client trusts): the handshake fails, nothing is served, and the client's
+/// error names the expiry rather than only "transport error".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_server_certificate_is_refused_and_the_client_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::create(dir.path());
+    let files = TlsFiles {
+        cert: pki.expired_server_cert.clone(),
+        key: pki.expired_server_key.clone(),
+        client_ca: None,
+    };
+    let run = start_tls_with(&dir, files).await;
+    let err = list_over_tls(&run, &pki, None)
+        .await
+        .expect_err("a client accepted an expired server certificate");
+    assert!(err.contains("certificate expired"), "{err}");
     run.stop().await;
 }

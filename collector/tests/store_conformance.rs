@@ -86,6 +86,7 @@ on_both_engines!(
     a_goodbye_is_listed_with_its_state,
     agent_ids_stay_with_their_first_token,
     retention_removes_old_messages_and_incidents_and_keeps_young_ones,
+    agents_and_incidents_are_filtered_by_the_store,
 );
 
 /// Collector clock now: test messages carry today's times, so PostgreSQL
@@ -296,4 +297,121 @@ async fn retention_removes_old_messages_and_incidents_and_keeps_young_ones(engin
         let days = pg.partition_days().unwrap();
         assert!(!days.contains(&(old / NS_PER_DAY)), "{days:?}");
     }
+}
+
+/// `--since`, `--host`, `--domain` and `--cause` travel in the request and
+/// the store filters: each filter leaves out what it should, alone and
+/// together, on agents and on incidents.
+async fn agents_and_incidents_are_filtered_by_the_store(engine: Engine) {
+    const HOUR: i64 = 3_600_000_000_000;
+    let run = engine.serve().await;
+    let now = now_ns();
+    let on = |id: &str, host: &str| pb::Hello {
+        host: host.into(),
+        ..hello(id, id)
+    };
+    let store = &engine.check;
+    store
+        .record_hello(&on("old-a", "h1"), now - 3 * HOUR)
+        .unwrap();
+    store
+        .record_hello(&on("new-b", "h2"), now - 60_000_000_000)
+        .unwrap();
+    store
+        .record_hello(&on("new-c", "h1"), now - 60_000_000_000)
+        .unwrap();
+    for (agent, kind, domain, time_ns) in [
+        ("old-a", "oom", "gpu_vram", now - 3 * HOUR),
+        ("new-b", "signal", "host_rss", now - 60_000_000_000),
+        ("new-c", "oom", "gpu_vram", now - 60_000_000_000),
+    ] {
+        let inc = pb::Incident {
+            agent_id: agent.into(),
+            agent_name: agent.into(),
+            kind: kind.into(),
+            domain: domain.into(),
+            time_ns,
+            seq: 1,
+            summary: format!("{kind} of {agent}"),
+            ..Default::default()
+        };
+        assert!(store.insert_incident(&inc).unwrap().is_some());
+    }
+    let q = run.query().await;
+    let agents = |req: pb::ListAgentsRequest| {
+        let mut q = q.clone();
+        async move {
+            let listed = q.list_agents(req).await.unwrap().into_inner().agents;
+            listed
+                .into_iter()
+                .map(|a| a.hello.unwrap().agent_id)
+                .collect::<Vec<_>>()
+        }
+    };
+    let since = now - HOUR;
+    assert_eq!(
+        agents(pb::ListAgentsRequest::default()).await,
+        ["old-a", "new-b", "new-c"]
+    );
+    let by_since = pb::ListAgentsRequest {
+        since_ns: since,
+        ..Default::default()
+    };
+    assert_eq!(agents(by_since).await, ["new-b", "new-c"]);
+    let by_host = pb::ListAgentsRequest {
+        host: "h1".into(),
+        ..Default::default()
+    };
+    assert_eq!(agents(by_host).await, ["old-a", "new-c"]);
+    let both = pb::ListAgentsRequest {
+        since_ns: since,
+        host: "h1".into(),
+    };
+    assert_eq!(agents(both).await, ["new-c"]);
+
+    let incidents = |req: pb::IncidentsRequest| {
+        let mut q = q.clone();
+        async move {
+            let found = q.incidents(req).await.unwrap().into_inner().incidents;
+            found.into_iter().map(|i| i.agent_id).collect::<Vec<_>>()
+        }
+    };
+    let all = incidents(pb::IncidentsRequest::default()).await;
+    assert_eq!(all, ["old-a", "new-b", "new-c"]);
+    let req = |f: fn(&mut pb::IncidentsRequest)| {
+        let mut r = pb::IncidentsRequest::default();
+        f(&mut r);
+        r
+    };
+    let since_req = pb::IncidentsRequest {
+        since_ns: since,
+        ..Default::default()
+    };
+    assert_eq!(incidents(since_req).await, ["new-b", "new-c"]);
+    assert_eq!(
+        incidents(req(|r| r.domain = "gpu_vram".into())).await,
+        ["old-a", "new-c"]
+    );
+    assert_eq!(
+        incidents(req(|r| r.cause = "signal".into())).await,
+        ["new-b"]
+    );
+    assert_eq!(
+        incidents(req(|r| r.host = "h1".into())).await,
+        ["old-a", "new-c"]
+    );
+    let together = pb::IncidentsRequest {
+        since_ns: since,
+        cause: "oom".into(),
+        host: "h1".into(),
+        ..Default::default()
+    };
+    assert_eq!(incidents(together).await, ["new-c"]);
+    let nothing = pb::IncidentsRequest {
+        agent: "old-a".into(),
+        since_ns: since,
+        ..Default::default()
+    };
+    assert!(incidents(nothing).await.is_empty());
+    run.stop().await;
 }

@@ -74,6 +74,20 @@ pub fn hint(url: &str, error: &str) -> &'static str {
     }
 }
 
+/// An error with its sources, since tonic's transport errors say little at
+/// the top level ("transport error"): a refused TLS handshake says why
+/// (an expired or untrusted certificate) only in a source.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -1,6 +1,6 @@
 //! TLS certificates made at test time (never committed): a CA, a server
 //! certificate for `localhost` and 127.0.0.1 signed by it, a client
-//! certificate, and an expired client certificate, as PEM files.
+//! certificate, and expired server and client certificates, as PEM files.
 
 use std::path::{Path, PathBuf};
 
@@ -11,6 +11,9 @@ pub struct TestPki {
     pub ca: PathBuf,
     pub server_cert: PathBuf,
     pub server_key: PathBuf,
+    /// A server certificate for the same names that expired in 2021.
+    pub expired_server_cert: PathBuf,
+    pub expired_server_key: PathBuf,
     pub client_cert: PathBuf,
     pub client_key: PathBuf,
     /// A client certificate that expired in 2021.
@@ -42,12 +45,15 @@ impl TestPki {
             (cert.pem(), key.serialize_pem())
         };
         let (server_cert, server_key) = leaf(&["localhost", "127.0.0.1"], false);
+        let (expired_server_cert, expired_server_key) = leaf(&["localhost", "127.0.0.1"], true);
         let (client_cert, client_key) = leaf(&["client.test"], false);
         let (expired_cert, expired_key) = leaf(&["client.test"], true);
         TestPki {
             ca: write("ca.pem", ca.pem()),
             server_cert: write("server.pem", server_cert),
             server_key: write("server.key", server_key),
+            expired_server_cert: write("expired-server.pem", expired_server_cert),
+            expired_server_key: write("expired-server.key", expired_server_key),
             client_cert: write("client.pem", client_cert),
             client_key: write("client.key", client_key),
             expired_cert: write("expired.pem", expired_cert),

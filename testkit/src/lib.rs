@@ -11,7 +11,8 @@
 //! - [`agent_stream`]: an agent's gRPC stream to a collector, by hand;
 //! - [`readings`]: a process's host reading at a request boundary;
 //! - [`postgres`]: a throwaway PostgreSQL cluster on a Unix socket;
-//! - [`cli`]: the `oomscope` binary beside the test, its queries as JSON.
+//! - [`cli`]: the `oomscope` binary beside the test, its queries as JSON;
+//! - [`store_rows`]: what a collector's SQLite file holds, read directly.
 
 pub mod agent_stream;
 pub mod certs;
@@ -21,6 +22,7 @@ pub mod collector_process;
 pub mod ports;
 pub mod postgres;
 pub mod readings;
+pub mod store_rows;
 pub mod torch_h200;
 
 pub use cgroups::TestCgroup;

@@ -8,6 +8,33 @@ pub(crate) fn read_opt(path: &Path) -> Option<String> {
     std::fs::read_to_string(path).ok()
 }
 
+/// [`read_opt`] of `name` in the open directory `dir`: opened relative to
+/// it, so the kernel walks one path component, not the whole path (for a
+/// small cgroup file the walk is most of the read), and read without the
+/// size query `fs::read_to_string` makes (a pseudo-file's size says nothing).
+pub(crate) fn read_at(dir: &std::fs::File, name: &str) -> Option<String> {
+    use std::io::Read;
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let name = std::ffi::CString::new(name).ok()?;
+    // SAFETY: a valid directory fd and a NUL-terminated name; the fd
+    // returned is owned by the File from here on.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut text = String::new();
+    // Through `Take`: its read_to_string asks no size of the file.
+    (&file).take(u64::MAX).read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
 /// The first whitespace-separated token of `text` as u64.
 pub(crate) fn first_u64(text: &str) -> Option<u64> {
     text.split_whitespace().next()?.parse().ok()

@@ -150,6 +150,8 @@ pub(super) struct Ledger {
     open: BTreeMap<u64, Entry>,
     /// Bytes of the messages `open` holds in memory (encoded).
     memory_bytes: usize,
+    /// Bytes of every message in `open`, in memory or only on disk (encoded).
+    open_bytes: usize,
     /// Seqs held in memory that the spool holds too: the first to leave
     /// memory, oldest first.
     evictable: BTreeSet<u64>,
@@ -176,6 +178,7 @@ impl Ledger {
             max_bytes,
             open: BTreeMap::new(),
             memory_bytes: 0,
+            open_bytes: 0,
             evictable: BTreeSet::new(),
             taken_upto: next_seq.saturating_sub(1),
             taken_above: BTreeSet::new(),
@@ -223,6 +226,7 @@ impl Ledger {
         let message = message.encode_to_vec();
         let bytes = message.len();
         self.memory_bytes += bytes;
+        self.open_bytes += bytes;
         let dropped_before = match class {
             Class::Sample => self.unstated.take(),
             _ => None,
@@ -255,6 +259,7 @@ impl Ledger {
             if old.message.is_some() {
                 self.memory_bytes -= old.bytes;
             }
+            self.open_bytes -= old.bytes;
         }
     }
 
@@ -469,6 +474,7 @@ impl Ledger {
         if entry.message.is_some() {
             self.memory_bytes -= entry.bytes;
         }
+        self.open_bytes -= entry.bytes;
         self.evictable.remove(&seq);
         self.to_send.remove(&seq);
         Some(Released {
@@ -491,6 +497,15 @@ impl Ledger {
     /// Encoded bytes of the open messages held in memory.
     pub(super) fn memory_bytes(&self) -> usize {
         self.memory_bytes
+    }
+
+    /// The backlog: messages taken and not yet acked, rejected or dropped
+    /// (in memory or only in the spool), and their encoded bytes.
+    pub(super) fn backlog(&self) -> pb::Backlog {
+        pb::Backlog {
+            messages: self.open.len() as u64,
+            bytes: self.open_bytes as u64,
+        }
     }
 
     /// What thinning has dropped so far, and the stride in force.
@@ -859,6 +874,39 @@ mod tests {
         assert_eq!(l.memory_bytes(), before);
         l.ack(8, 10);
         assert_eq!(l.memory_bytes(), 0);
+    }
+
+    #[test]
+    fn the_backlog_counts_every_open_message_in_memory_or_on_disk_only() {
+        let one = msg(10).encoded_len();
+        let mut l = Ledger::new(one * 3, 1);
+        let mut bytes = 0;
+        for seq in 1..=10 {
+            bytes += msg(seq).encoded_len();
+            l.take(msg(seq), true, false);
+        }
+        assert!(l.on_disk_only(1), "the memory bound left 1 on disk only");
+        assert_eq!(
+            l.backlog(),
+            pb::Backlog {
+                messages: 10,
+                bytes: bytes as u64
+            }
+        );
+        let acked: usize = (1..=7).map(|s| msg(s).encoded_len()).sum();
+        l.ack(1, 7);
+        assert_eq!(l.backlog().messages, 3);
+        assert_eq!(l.backlog().bytes, (bytes - acked) as u64);
+        l.forget(9);
+        l.ack(8, 10);
+        assert_eq!(l.backlog(), pb::Backlog::default());
+        // Without a spool, what the bound drops leaves the backlog too.
+        let mut l = Ledger::new(one * 3, 1);
+        for seq in 1..=10 {
+            l.take(oom(seq), false, false);
+        }
+        assert_eq!(l.backlog().messages, l.len() as u64);
+        assert!(l.backlog().messages < 10, "the bound dropped the oldest");
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::pb::agent_message::Body;
 use crate::pb::collector_message::Body as Reply;
 use crate::spool::{Origin, Spool};
 use crate::sync::lock;
+use oomscope_proto::tls::error_chain;
 
 /// Messages buffered between the worker and the HTTP/2 stream; more only
 /// adds latency to acks, the stream itself does flow control.
@@ -414,8 +415,13 @@ impl Worker {
     }
 
     /// Accepts one message from the caller: spool it (unless the caller
-    /// did), keep it until acked, and owe it to the current stream.
-    fn take(&mut self, message: pb::AgentMessage, urgent: bool, spooled: Option<Vec<u64>>) {
+    /// did), keep it until acked, and owe it to the current stream. A
+    /// sample carries the backlog before it, stamped here, before it is
+    /// spooled, so every resend of it is the same message.
+    fn take(&mut self, mut message: pb::AgentMessage, urgent: bool, spooled: Option<Vec<u64>>) {
+        if let (None, Some(Body::Sample(sample))) = (&spooled, message.body.as_mut()) {
+            sample.backlog = Some(self.ledger.backlog());
+        }
         let on_disk = match spooled {
             Some(pushed_out) => {
                 self.spool_dropped(&pushed_out);
@@ -661,17 +667,4 @@ async fn released(inputs: &mut Inputs) -> bool {
             }
         }
     }
-}
-
-/// An error with its sources, since tonic's transport errors say little at
-/// the top level ("transport error").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

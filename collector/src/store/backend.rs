@@ -10,7 +10,7 @@
 
 use anyhow::Result;
 
-use super::{BatchOutcome, Store, MAX_RETENTION_BATCH};
+use super::{AgentFilter, BatchOutcome, IncidentFilter, Store, MAX_RETENTION_BATCH};
 use crate::pb;
 
 /// A store of record: agents, their numbered messages, incidents.
@@ -32,9 +32,23 @@ pub trait Backend: Send + Sync {
     /// when that event already raised one. The store gives it its id.
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>>;
     /// Every agent, oldest first.
-    fn list_agents(&self) -> Result<Vec<pb::AgentSummary>>;
+    fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
+        self.agents_where(&AgentFilter::default())
+    }
+    /// The agents `filter` admits, oldest first, filtered in the store's
+    /// own query.
+    fn agents_where(&self, filter: &AgentFilter) -> Result<Vec<pb::AgentSummary>>;
     /// All incidents (or one agent's), oldest first.
-    fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>>;
+    fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>> {
+        self.incidents_where(agent_id, &IncidentFilter::default())
+    }
+    /// The incidents (of one agent, or of any) that `filter` admits, oldest
+    /// first, filtered in the store's own query.
+    fn incidents_where(
+        &self,
+        agent_id: Option<&str>,
+        filter: &IncidentFilter,
+    ) -> Result<Vec<pb::Incident>>;
     /// How many messages of the agent are stored (each seq once).
     fn message_count(&self, agent_id: &str) -> Result<u64>;
     /// Deletes what is older than `cutoff_ns`; returns how many rows went.
@@ -72,11 +86,15 @@ impl Backend for parking_lot::Mutex<Store> {
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
         self.lock().insert_incident(incident)
     }
-    fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
-        self.lock().list_agents()
+    fn agents_where(&self, filter: &AgentFilter) -> Result<Vec<pb::AgentSummary>> {
+        self.lock().agents_where(filter)
     }
-    fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>> {
-        self.lock().incidents(agent_id)
+    fn incidents_where(
+        &self,
+        agent_id: Option<&str>,
+        filter: &IncidentFilter,
+    ) -> Result<Vec<pb::Incident>> {
+        self.lock().incidents_where(agent_id, filter)
     }
     fn message_count(&self, agent_id: &str) -> Result<u64> {
         self.lock().message_count(agent_id)

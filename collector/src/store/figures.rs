@@ -80,6 +80,7 @@ fn encode(s: &pb::Sample) -> Vec<u8> {
         dropped_before: s.dropped_before,
         requests: s.requests.clone(),
         gpu_processes: s.gpu_processes.clone(),
+        backlog: s.backlog,
     }
     .encode_to_vec()
 }

@@ -22,6 +22,7 @@ mod backend;
 mod counters;
 mod figures;
 mod file;
+mod filters;
 mod history;
 mod instances;
 mod marks;
@@ -33,6 +34,7 @@ mod rollups;
 pub use backend::Backend;
 pub use counters::KEYFRAME_INTERVAL;
 pub use file::{FileWatch, WriterLock, DB_FILE_MODE};
+pub use filters::{AgentFilter, IncidentFilter};
 pub use history::{
     AgentHistory, DEFAULT_ANALYSIS_EVENT_BYTES, DEFAULT_EVENT_REPLY_BYTES,
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
@@ -564,22 +566,32 @@ impl Store {
     /// Every agent, oldest first. The counts are the writer's (see
     /// `figures.rs`): listing counts no rows.
     pub fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
-        self.summaries(None)
+        self.agents_where(&AgentFilter::default())
+    }
+
+    /// The agents `filter` admits, oldest first.
+    pub fn agents_where(&self, filter: &AgentFilter) -> Result<Vec<pb::AgentSummary>> {
+        self.summaries(None, filter)
     }
 
     /// The agents of one instance, oldest first.
     pub fn agents_of_instance(&self, instance: &str) -> Result<Vec<pb::AgentSummary>> {
-        self.summaries(Some(instance))
+        self.summaries(Some(instance), &AgentFilter::default())
     }
 
-    fn summaries(&self, instance: Option<&str>) -> Result<Vec<pb::AgentSummary>> {
+    fn summaries(
+        &self,
+        instance: Option<&str>,
+        filter: &AgentFilter,
+    ) -> Result<Vec<pb::AgentSummary>> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT a.agent_id, a.hello, a.state, a.first_seen_ns, a.last_seen_ns, a.last_seq,
                     a.samples, a.events, a.instance
-             FROM agents a WHERE (?1 IS NULL OR a.instance = ?1)
+             FROM agents a WHERE (?1 IS NULL OR a.instance = ?1) AND a.last_seen_ns >= ?2
+               AND (?3 = '' OR a.host = ?3)
              ORDER BY a.first_seen_ns, a.agent_id",
         )?;
-        let rows = stmt.query_map([instance], |r| {
+        let rows = stmt.query_map(params![instance, filter.since_ns, filter.host], |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, Vec<u8>>(1)?,
@@ -650,10 +662,31 @@ impl Store {
 
     /// All incidents (or one agent's), oldest first.
     pub fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>> {
+        self.incidents_where(agent_id, &IncidentFilter::default())
+    }
+
+    /// The incidents (of one agent, or of any) that `filter` admits, oldest first.
+    pub fn incidents_where(
+        &self,
+        agent_id: Option<&str>,
+        filter: &IncidentFilter,
+    ) -> Result<Vec<pb::Incident>> {
         let mut stmt = self.conn.prepare(&format!(
-            "{INCIDENT_SELECT} WHERE (?1 IS NULL OR i.agent_id = ?1) AND i.merged_into IS NULL ORDER BY i.n"
+            "{INCIDENT_SELECT} WHERE (?1 IS NULL OR i.agent_id = ?1) AND i.merged_into IS NULL
+               AND i.time_ns >= ?2 AND (?3 = '' OR i.domain = ?3) AND (?4 = '' OR i.kind = ?4)
+               AND (?5 = '' OR i.agent_id IN (SELECT agent_id FROM agents WHERE host = ?5))
+             ORDER BY i.n"
         ))?;
-        let rows = stmt.query_map([agent_id], incident_row)?;
+        let rows = stmt.query_map(
+            params![
+                agent_id,
+                filter.since_ns,
+                filter.domain,
+                filter.cause,
+                filter.host
+            ],
+            incident_row,
+        )?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 

@@ -31,7 +31,8 @@ use prost::Message;
 use tokio_postgres::NoTls;
 
 use super::{
-    classify, decode_hello, decode_message, now_ns, seq_to_sql, Backend, BatchOutcome, Store,
+    classify, decode_hello, decode_message, now_ns, seq_to_sql, AgentFilter, Backend, BatchOutcome,
+    IncidentFilter, Store,
 };
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -591,8 +592,8 @@ impl Backend for PgStore {
         })
     }
 
-    fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
-        let pool = self.pool.clone();
+    fn agents_where(&self, filter: &AgentFilter) -> Result<Vec<pb::AgentSummary>> {
+        let (pool, filter) = (self.pool.clone(), filter.clone());
         self.run(async move {
             let client = pool.get().await?;
             let rows = client
@@ -601,8 +602,8 @@ impl Backend for PgStore {
                             instance,
                             (SELECT body FROM messages m WHERE m.agent_id = a.agent_id AND m.kind = 'goodbye'
                              ORDER BY m.seq DESC LIMIT 1)
-                     FROM agents a ORDER BY first_seen_ns, agent_id",
-                    &[],
+                     FROM agents a WHERE last_seen_ns >= $1 ORDER BY first_seen_ns, agent_id",
+                    &[&filter.since_ns],
                 )
                 .await?;
             let mut agents = Vec::with_capacity(rows.len());
@@ -618,8 +619,13 @@ impl Backend for PgStore {
                 let state: String = r.get(2);
                 let said_goodbye = state == "disconnected"
                     || state == oomscope_proto::EVIDENCE_INCOMPLETE_STATE;
+                // The host is in the Hello: checked once it is decoded.
+                let hello = decode_hello(&agent_id, r.get(1))?;
+                if !filter.admits_host(&hello) {
+                    continue;
+                }
                 agents.push(pb::AgentSummary {
-                    hello: Some(decode_hello(&agent_id, r.get(1))?),
+                    hello: Some(hello),
                     state,
                     first_seen_ns: r.get(3),
                     last_seen_ns: r.get(4),
@@ -635,8 +641,26 @@ impl Backend for PgStore {
         })
     }
 
-    fn incidents(&self, agent_id: Option<&str>) -> Result<Vec<pb::Incident>> {
-        let (pool, agent_id) = (self.pool.clone(), agent_id.map(str::to_string));
+    fn incidents_where(
+        &self,
+        agent_id: Option<&str>,
+        filter: &IncidentFilter,
+    ) -> Result<Vec<pb::Incident>> {
+        // The host is in each agent's Hello: its agents first.
+        let on_host: Option<Vec<String>> = match filter.host.is_empty() {
+            true => None,
+            false => Some(
+                self.agents_where(&filter.agents())?
+                    .into_iter()
+                    .filter_map(|a| a.hello.map(|h| h.agent_id))
+                    .collect(),
+            ),
+        };
+        let (pool, agent_id, f) = (
+            self.pool.clone(),
+            agent_id.map(str::to_string),
+            filter.clone(),
+        );
         self.run(async move {
             let rows = pool
                 .get()
@@ -644,9 +668,12 @@ impl Backend for PgStore {
                 .query(
                     &format!(
                         "SELECT {INCIDENT_COLUMNS} FROM incidents
-                         WHERE ($1::text IS NULL OR agent_id = $1) ORDER BY n"
+                         WHERE ($1::text IS NULL OR agent_id = $1) AND time_ns >= $2
+                           AND ($3 = '' OR domain = $3) AND ($4 = '' OR kind = $4)
+                           AND ($5::text[] IS NULL OR agent_id = ANY($5))
+                         ORDER BY n"
                     ),
-                    &[&agent_id],
+                    &[&agent_id, &f.since_ns, &f.domain, &f.cause, &on_host],
                 )
                 .await?;
             Ok(rows.iter().map(incident_from).collect())

@@ -891,6 +891,24 @@ pub struct Sample {
     /// of a request end. Periodic samples carry the whole reading in `gpus`.
     #[prost(message, repeated, tag = "42")]
     pub gpu_processes: ::prost::alloc::vec::Vec<GpuProcess>,
+    /// Field 50: far from the fields other work adds next. What the agent held
+    /// unacked when it took this sample (`/metrics`
+    /// oomscope_agent_spool_backlog\_\*); absent from agents that do not count it.
+    #[prost(message, optional, tag = "50")]
+    pub backlog: ::core::option::Option<Backlog>,
+}
+/// The messages an agent had taken and the collector had not yet acked, in
+/// its memory and its spool (agent-core's reporter ledger), and their encoded
+/// bytes. Stamped once, when the agent takes the sample, so that a resend is
+/// the same message.
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Backlog {
+    #[prost(uint64, tag = "1")]
+    pub messages: u64,
+    #[prost(uint64, tag = "2")]
+    pub bytes: u64,
 }
 /// Messages an agent let go of, unsent, while the collector was unreachable
 /// (agent-core's reporter/ledger.rs). Without a spool its memory bound thins
@@ -1778,10 +1796,18 @@ pub mod agent_service_server {
         const NAME: &'static str = SERVICE_NAME;
     }
 }
+/// Filters are applied by the collector, on either store; unset = all.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
-pub struct ListAgentsRequest {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ListAgentsRequest {
+    /// Agents last seen at or after this time (0 = any).
+    #[prost(int64, tag = "1")]
+    pub since_ns: i64,
+    /// Agents whose Hello names this host (empty = any).
+    #[prost(string, tag = "2")]
+    pub host: ::prost::alloc::string::String,
+}
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -1896,6 +1922,7 @@ pub struct TimedEvent {
     #[prost(string, tag = "3")]
     pub agent_id: ::prost::alloc::string::String,
 }
+/// Filters are applied by the collector, on either store; unset = all.
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -1903,6 +1930,18 @@ pub struct IncidentsRequest {
     /// Restrict to one agent (id or name); empty = all.
     #[prost(string, tag = "1")]
     pub agent: ::prost::alloc::string::String,
+    /// Incidents at or after this time (0 = any).
+    #[prost(int64, tag = "2")]
+    pub since_ns: i64,
+    /// Incident.domain equals this (empty = any).
+    #[prost(string, tag = "3")]
+    pub domain: ::prost::alloc::string::String,
+    /// Incident.kind equals this (empty = any).
+    #[prost(string, tag = "4")]
+    pub cause: ::prost::alloc::string::String,
+    /// The incident's agent's Hello names this host (empty = any).
+    #[prost(string, tag = "5")]
+    pub host: ::prost::alloc::string::String,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::agent_id;
 use oomscope_agent_core::pb;
-use oomscope_agent_core::readers::cgroup::{read_level, refresh_counters, Version};
+use oomscope_agent_core::readers::cgroup::{read_level_in, refresh_counters_in, LevelDir, Version};
 use oomscope_agent_core::reporter::{Reporter, ReporterConfig};
 use oomscope_agent_core::{hostname, now_ns};
 
@@ -38,6 +38,9 @@ struct Unexplained {
 
 pub(super) struct Watched {
     pub found: Found,
+    /// `found.dir` held open (one descriptor a cgroup): its files are
+    /// opened relative to it.
+    dir: LevelDir,
     pub version: Version,
     reporter: Reporter,
     /// The counters at the last reading.
@@ -61,7 +64,8 @@ impl Watched {
         kernel_log: &str,
         baseline: bool,
     ) -> Watched {
-        let level = read_level(&found.dir, &found.path, version);
+        let dir = LevelDir::open(&found.dir);
+        let level = read_level_in(&dir, &found.path, version);
         let identity = identify(&found.path);
         let count = if baseline {
             kills(&level)
@@ -75,6 +79,7 @@ impl Watched {
         let reporter = Reporter::start(ReporterConfig::new(collector_url), hello);
         Watched {
             found,
+            dir,
             version,
             reporter,
             count,
@@ -93,16 +98,27 @@ impl Watched {
     /// and the OOM counters over the last whole reading); None once it is
     /// gone.
     pub fn read(&mut self, whole: bool) -> Option<pb::CgroupLevel> {
-        if !self.found.dir.exists() {
-            return None;
+        let mut level = self.read_files(whole);
+        if level.partial {
+            // Gone, or a new cgroup at the same path (the held directory is
+            // the old one's): the path says which. Asked only then, not on
+            // every sweep: a stat of the whole path per cgroup was a sixth
+            // of a sweep's path walks.
+            if !self.found.dir.exists() {
+                return None;
+            }
+            self.dir = LevelDir::open(&self.found.dir);
+            level = self.read_files(whole);
         }
-        let level = if whole {
-            read_level(&self.found.dir, &self.found.path, self.version)
-        } else {
-            refresh_counters(&self.found.dir, &self.last_level, self.version)
-        };
         self.last_level = level.clone();
         Some(level)
+    }
+
+    fn read_files(&self, whole: bool) -> pb::CgroupLevel {
+        match whole {
+            true => read_level_in(&self.dir, &self.found.path, self.version),
+            false => refresh_counters_in(&self.dir, &self.last_level, self.version),
+        }
     }
 
     /// The memory reading on the cgroup's timeline, with the GPU devices

@@ -5,7 +5,7 @@ use std::path::Path;
 use super::Version;
 use crate::pb;
 use crate::readers::system::parse_pressure;
-use crate::readers::text::{first_u64, key_values, read_opt};
+use crate::readers::text::{first_u64, key_values, read_at, read_opt};
 
 /// v1 writes PAGE_COUNTER_MAX rounded to pages (9223372036854771712) for
 /// "no limit"; anything this large cannot be a real limit.
@@ -15,10 +15,53 @@ const V1_UNLIMITED_FLOOR: u64 = 1 << 60;
 /// fields 0 and sets `partial`; optional files (peak, swap, memsw, PSI) that
 /// kernels may lack leave fields 0 silently.
 pub fn read_level(dir: &Path, path: &str, version: Version) -> pb::CgroupLevel {
-    let mut files = LevelFiles {
-        dir,
-        partial: false,
-    };
+    read_level_files(
+        LevelFiles {
+            dir,
+            handle: None,
+            partial: false,
+        },
+        path,
+        version,
+    )
+}
+
+/// A cgroup directory held open, for a watcher that reads it every sweep:
+/// its files are opened relative to it (see `text::read_at`).
+#[derive(Debug)]
+pub struct LevelDir {
+    path: std::path::PathBuf,
+    /// None when it could not be opened: its files are read by path.
+    handle: Option<std::fs::File>,
+}
+
+impl LevelDir {
+    pub fn open(path: &Path) -> LevelDir {
+        LevelDir {
+            path: path.to_path_buf(),
+            handle: std::fs::File::open(path).ok(),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn files(&self) -> LevelFiles<'_> {
+        LevelFiles {
+            dir: &self.path,
+            handle: self.handle.as_ref(),
+            partial: false,
+        }
+    }
+}
+
+/// [`read_level`] of a directory held open.
+pub fn read_level_in(dir: &LevelDir, path: &str, version: Version) -> pb::CgroupLevel {
+    read_level_files(dir.files(), path, version)
+}
+
+fn read_level_files(mut files: LevelFiles, path: &str, version: Version) -> pb::CgroupLevel {
     let mut level = pb::CgroupLevel {
         path: path.to_string(),
         version: version.as_str().to_string(),
@@ -39,10 +82,31 @@ pub fn read_level(dir: &Path, path: &str, version: Version) -> pb::CgroupLevel {
 /// reads them whole only every so often: limits, peaks and the stat
 /// breakdown change slowly, and a kill is seen by these.
 pub fn refresh_counters(dir: &Path, last: &pb::CgroupLevel, version: Version) -> pb::CgroupLevel {
-    let mut files = LevelFiles {
-        dir,
-        partial: false,
-    };
+    refresh_files(
+        LevelFiles {
+            dir,
+            handle: None,
+            partial: false,
+        },
+        last,
+        version,
+    )
+}
+
+/// [`refresh_counters`] of a directory held open.
+pub fn refresh_counters_in(
+    dir: &LevelDir,
+    last: &pb::CgroupLevel,
+    version: Version,
+) -> pb::CgroupLevel {
+    refresh_files(dir.files(), last, version)
+}
+
+fn refresh_files(
+    mut files: LevelFiles,
+    last: &pb::CgroupLevel,
+    version: Version,
+) -> pb::CgroupLevel {
     let mut level = last.clone();
     level.usage_bytes = files.number(version.usage_file(), first_u64);
     match version {
@@ -67,18 +131,23 @@ pub fn refresh_counters(dir: &Path, last: &pb::CgroupLevel, version: Version) ->
 
 struct LevelFiles<'a> {
     dir: &'a Path,
+    /// `dir` held open: files are opened relative to it.
+    handle: Option<&'a std::fs::File>,
     partial: bool,
 }
 
 impl LevelFiles<'_> {
     fn required(&mut self, name: &str) -> Option<String> {
-        let text = read_opt(&self.dir.join(name));
+        let text = self.optional(name);
         self.partial |= text.is_none();
         text
     }
 
     fn optional(&self, name: &str) -> Option<String> {
-        read_opt(&self.dir.join(name))
+        match self.handle {
+            Some(dir) => read_at(dir, name),
+            None => read_opt(&self.dir.join(name)),
+        }
     }
 
     /// A required single-number file, parsed by `parse`; garbled counts as missing.

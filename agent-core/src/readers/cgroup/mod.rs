@@ -7,7 +7,8 @@ mod locate;
 
 pub use level::{
     parse_v1_oom_control, parse_v1_stat, parse_v2_events, parse_v2_events_local, parse_v2_max,
-    parse_v2_stat, read_level, refresh_counters, v1_limit,
+    parse_v2_stat, read_level, read_level_in, refresh_counters, refresh_counters_in, v1_limit,
+    LevelDir,
 };
 pub use locate::{
     locate, parse_mountinfo, parse_mounts, parse_proc_cgroup, CgroupLine, CgroupMount,

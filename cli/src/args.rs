@@ -360,6 +360,12 @@ pub enum BenchVerb {
         /// sample where smaller, as the agents' reporter sends them).
         #[arg(long)]
         complete_counters: bool,
+        /// Pace each stream at this many samples per second, as an agent's
+        /// sampler sends (4 at the default 250 ms interval), instead of as
+        /// fast as acks allow; the ack latency then counts from when each
+        /// sample was due.
+        #[arg(long)]
+        rate: Option<f64>,
         /// Print JSON: {acked_samples_per_s, p50_ack_ms, p99_ack_ms,
         /// collector_cpu_us_per_sample (null when unknown), agents, samples,
         /// wire_bytes_per_sample}.

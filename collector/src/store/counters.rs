@@ -182,7 +182,11 @@ impl Chains {
                 key_seq: None,
                 whole_len: None,
             },
+            // Complete as it came (an agent sends complete counters until
+            // its stream's first ack, and an older agent always): encoded
+            // here against the chain, as any complete message.
             (true, None) => self.encode_complete(agent_id, seq, msg),
+            (true, Some(_)) if !has_changes(msg) => self.encode_complete(agent_id, seq, msg),
             (true, Some(place)) => self.encode_received(agent_id, seq, msg, place),
         }
     }

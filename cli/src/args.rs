@@ -339,7 +339,7 @@ pub enum BenchVerb {
     /// Drive a collector with N agent streams of real-size samples (the
     /// allocator counters and host readings of an H200 capture, encoded as
     /// the agent encodes them, before the clock starts), each sent as fast
-    /// as acks allow. Prints acked samples/s, p50/p99 ack latency, and the
+    /// as acks allow (or paced, with --rate). Prints acked samples/s, p50/p99 ack latency, and the
     /// collector's CPU per sample when it runs on this host. The samples are
     /// really stored, under agents named bench-ingest.
     Ingest {

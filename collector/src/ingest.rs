@@ -1099,7 +1099,7 @@ impl StreamCounters {
         }
         let counters = self.decoder.follow(&msg)?;
         Ok(Received {
-            place: follows.then(|| StreamPlace {
+            place: follows.then_some(StreamPlace {
                 stream: self.stream,
                 n: self.decoded,
                 complete: counters,

@@ -339,7 +339,7 @@ pub enum BenchVerb {
     /// Drive a collector with N agent streams of real-size samples (the
     /// allocator counters and host readings of an H200 capture, encoded as
     /// the agent encodes them, before the clock starts), each sent as fast
-    /// as acks allow. Prints acked samples/s, p50/p99 ack latency, and the
+    /// as acks allow (or paced, with --rate). Prints acked samples/s, p50/p99 ack latency, and the
     /// collector's CPU per sample when it runs on this host. The samples are
     /// really stored, under agents named bench-ingest.
     Ingest {
@@ -360,6 +360,12 @@ pub enum BenchVerb {
         /// sample where smaller, as the agents' reporter sends them).
         #[arg(long)]
         complete_counters: bool,
+        /// Pace each stream at this many samples per second, as an agent's
+        /// sampler sends (4 at the default 250 ms interval), instead of as
+        /// fast as acks allow; the ack latency then counts from when each
+        /// sample was due.
+        #[arg(long)]
+        rate: Option<f64>,
         /// Print JSON: {acked_samples_per_s, p50_ack_ms, p99_ack_ms,
         /// collector_cpu_us_per_sample (null when unknown), agents, samples,
         /// wire_bytes_per_sample}.

@@ -175,6 +175,7 @@ pub fn main() -> i32 {
             samples,
             window,
             complete_counters,
+            rate,
             json,
         }) => bench_ingest::run(
             &collector.collector,
@@ -183,6 +184,7 @@ pub fn main() -> i32 {
                 samples,
                 window,
                 complete_counters,
+                rate,
             },
             json,
         ),

@@ -27,7 +27,8 @@ use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
 use crate::store::{
-    now_ns, Backend, FileWatch, ReaderPool, Store, WriterLock, MAX_RETENTION_BATCH, MAX_SEQ,
+    now_ns, Backend, FileWatch, ReaderPool, Received, Store, StreamPlace, WriterLock,
+    MAX_RETENTION_BATCH, MAX_SEQ,
 };
 
 /// How long a new stream may take to send its Hello before it is closed: an
@@ -916,8 +917,8 @@ async fn session(
     let mut goodbye_seq = None;
     let mut last_seq = 0u64;
     // Samples may carry their allocator counters as changes against the
-    // previous sample of this stream: rebuilt here, stored complete.
-    let mut delta = oomscope_proto::delta::Decoder::new();
+    // previous sample of this stream: followed here, stored as they came.
+    let mut counters = StreamCounters::new();
     let end = loop {
         tokio::select! {
             biased;
@@ -935,7 +936,7 @@ async fn session(
                     Err(status) => break End::Failed(status),
                 };
                 let (batch, pending_end) = drain_ready(&mut inbound, first);
-                match ingest(&collector, &hello, &mut delta, batch, &tx).await {
+                match ingest(&collector, &hello, &mut counters, batch, &tx).await {
                     Ok(outcome) => {
                         said_goodbye |= outcome.goodbye;
                         goodbye_seq = outcome.goodbye_seq.or(goodbye_seq);
@@ -1060,11 +1061,59 @@ async fn store_failed(tx: &ReplyTx, agent_id: &str, e: &anyhow::Error) {
         .await;
 }
 
+/// One stream's allocator counters as its samples arrive: each sample's
+/// changes rest on the stream's previous sample (`oomscope_proto::delta`).
+struct StreamCounters {
+    decoder: oomscope_proto::delta::Decoder,
+    stream: u64,
+    /// Samples with allocator stats decoded so far, stored or not.
+    decoded: u64,
+}
+
+impl StreamCounters {
+    fn new() -> StreamCounters {
+        StreamCounters {
+            decoder: Default::default(),
+            stream: crate::store::new_stream(),
+            decoded: 0,
+        }
+    }
+
+    /// `msg` ready for the store: as it came, with its place in the stream
+    /// and its complete counters beside it (the writer stores its changes
+    /// as they are where they continue a chain); with `complete`, rebuilt
+    /// whole (a shared store of record takes only complete messages).
+    fn take(
+        &mut self,
+        mut msg: pb::AgentMessage,
+        complete: bool,
+    ) -> Result<Received, oomscope_proto::delta::DeltaError> {
+        let follows = matches!(&msg.body, Some(Body::Sample(s)) if !s.allocator.is_empty());
+        // Counted even when it fails: it may have moved the stream's
+        // counters, so the next sample does not continue a chain from the
+        // one before it.
+        self.decoded += u64::from(follows);
+        if complete {
+            self.decoder.decode(&mut msg)?;
+            return Ok(Received { msg, place: None });
+        }
+        let counters = self.decoder.follow(&msg)?;
+        Ok(Received {
+            place: follows.then_some(StreamPlace {
+                stream: self.stream,
+                n: self.decoded,
+                complete: counters,
+            }),
+            msg,
+        })
+    }
+}
+
 /// Stores one batch, records its incidents, then acks what is stored.
 async fn ingest(
     collector: &Collector,
     hello: &pb::Hello,
-    delta: &mut oomscope_proto::delta::Decoder,
+    counters: &mut StreamCounters,
     batch: Vec<pb::AgentMessage>,
     tx: &ReplyTx,
 ) -> Result<IngestOutcome, ()> {
@@ -1085,12 +1134,18 @@ async fn ingest(
     let mut goodbye = None;
     let mut goodbye_seq = None;
     let mut rehello = None;
-    for mut msg in batch {
+    let complete = collector.inner.shared.is_some();
+    for msg in batch {
         // In stream order, every message: the next one's changes rest on it.
-        if let Err(e) = delta.decode(&mut msg) {
-            rejects.push(reject(msg.seq, &e.to_string()));
-            continue;
-        }
+        let seq = msg.seq;
+        let received = match counters.take(msg, complete) {
+            Ok(received) => received,
+            Err(e) => {
+                rejects.push(reject(seq, &e.to_string()));
+                continue;
+            }
+        };
+        let msg = &received.msg;
         match &msg.body {
             Some(Body::Hello(h)) if h.agent_id == agent_id => rehello = Some(h.clone()),
             Some(Body::Hello(h)) => rejects.push(reject(
@@ -1108,7 +1163,7 @@ async fn ingest(
                     seq if seq > MAX_SEQ => rejects.push(seq_too_large(seq)),
                     seq => {
                         goodbye_seq = Some(seq);
-                        storable.push(msg)
+                        storable.push(received)
                     }
                 }
             }
@@ -1117,16 +1172,16 @@ async fn ingest(
             }
             // Alone: one bad seq must not cost the batch its acks.
             Some(_) if msg.seq > MAX_SEQ => rejects.push(seq_too_large(msg.seq)),
-            Some(_) => storable.push(msg),
+            Some(_) => storable.push(received),
         }
     }
-    let max_seq = storable.iter().map(|m| m.seq).max().unwrap_or(0);
+    let max_seq = storable.iter().map(|r| r.msg.seq).max().unwrap_or(0);
     let metrics = collector.inner.metrics.clone();
     metrics.received(
         storable.len() as u64,
         storable
             .iter()
-            .map(|m| prost::Message::encoded_len(m) as u64)
+            .map(|r| prost::Message::encoded_len(&r.msg) as u64)
             .sum(),
     );
     let sampled_by = hello.clone();
@@ -1140,7 +1195,8 @@ async fn ingest(
     let shared_outcome = match collector.inner.shared.is_some() {
         false => None,
         true => {
-            let (id, batch, rehello) = (id.clone(), storable.clone(), rehello.clone());
+            let batch: Vec<pb::AgentMessage> = storable.iter().map(|r| r.msg.clone()).collect();
+            let (id, rehello) = (id.clone(), rehello.clone());
             let shared = collector
                 .on_shared(move |s| {
                     if let Some(h) = &rehello {
@@ -1167,7 +1223,7 @@ async fn ingest(
     let storable: Vec<_> = match &shared_outcome {
         Some(o) if !o.conflicting.is_empty() => storable
             .into_iter()
-            .filter(|m| o.conflicting.binary_search(&m.seq).is_err())
+            .filter(|r| o.conflicting.binary_search(&r.msg.seq).is_err())
             .collect(),
         _ => storable,
     };
@@ -1182,6 +1238,7 @@ async fn ingest(
             // into /metrics after the write, off the writer's thread.
             let latest = storable
                 .iter()
+                .map(|r| &r.msg)
                 .filter(|m| outcome.fresh.binary_search(&m.seq).is_ok())
                 .filter_map(|m| match &m.body {
                     Some(Body::Sample(s)) => Some((m.seq, s)),
@@ -1194,24 +1251,29 @@ async fn ingest(
                 true => storable,
                 false => storable
                     .into_iter()
-                    .filter(|m| outcome.conflicting.binary_search(&m.seq).is_err())
+                    .filter(|r| outcome.conflicting.binary_search(&r.msg.seq).is_err())
                     .collect(),
             };
             // An incident that fails to record must not cost the agent its
             // ack: the messages are stored, and a resend would retry it.
             // Only events start incidents: a batch of samples skips the check.
-            let mut recorded = match storable.iter().any(is_event) {
-                true => incidents::record(store, &id, &storable).unwrap_or_else(|e| {
+            let events: Vec<pb::AgentMessage> = storable
+                .iter()
+                .filter(|r| is_event(&r.msg))
+                .map(|r| r.msg.clone())
+                .collect();
+            let mut recorded = match events.is_empty() {
+                false => incidents::record(store, &id, &events).unwrap_or_else(|e| {
                     tracing::error!(agent_id = id, "recording incidents failed: {e:#}");
                     Vec::new()
                 }),
-                false => Vec::new(),
+                true => Vec::new(),
             };
             // A death or a request may complete a fleet pattern (crash loop, restart storm).
             if recorded
                 .iter()
                 .any(|i| i.kind != oomscope_proto::IncidentKind::Oom)
-                || storable.iter().any(is_request_event)
+                || storable.iter().any(|r| is_request_event(&r.msg))
             {
                 match incidents::check_fleet(store, &id, &fleet, now_ns()) {
                     Ok(found) => recorded.extend(found),

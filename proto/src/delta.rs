@@ -10,6 +10,7 @@
 //! stored, replayed, captured or queried always has full values.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use prost::Message;
 
@@ -17,13 +18,96 @@ use crate::v1::agent_message::Body;
 use crate::v1::{AgentMessage, AllocatorStats, RawChanges};
 
 /// One device's counters, sorted by key: positions in it are what
-/// `RawChanges.index` names.
-type Counters = Vec<(String, i64)>;
+/// `RawChanges.index` names. The keys are shared, so that a copy of a
+/// stream's counters at one sample ([`Complete`]) copies only the values.
+#[derive(Clone, Debug, PartialEq)]
+struct Counters {
+    keys: Arc<[String]>,
+    values: Vec<i64>,
+}
 
-fn sorted(raw: &HashMap<String, i64>) -> Counters {
-    let mut v: Counters = raw.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    v.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    v
+impl Counters {
+    fn of(raw: &HashMap<String, i64>) -> Counters {
+        let mut v: Vec<(&String, i64)> = raw.iter().map(|(k, v)| (k, *v)).collect();
+        v.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        Counters {
+            keys: v.iter().map(|(k, _)| (*k).clone()).collect(),
+            values: v.into_iter().map(|(_, v)| v).collect(),
+        }
+    }
+
+    fn to_raw(&self) -> HashMap<String, i64> {
+        self.keys
+            .iter()
+            .cloned()
+            .zip(self.values.iter().copied())
+            .collect()
+    }
+
+    /// What `raw_len` says of the same counters as a map, entry by entry
+    /// as prost encodes a map (a default key or value is left out).
+    fn raw_len(&self) -> usize {
+        use prost::encoding::{encoded_len_varint, key_len};
+        let entries: usize = self
+            .keys
+            .iter()
+            .zip(&self.values)
+            .map(|(k, &v)| {
+                let key = match k.is_empty() {
+                    true => 0,
+                    false => 1 + encoded_len_varint(k.len() as u64) + k.len(),
+                };
+                let value = match v {
+                    0 => 0,
+                    v => 1 + encoded_len_varint(v as u64),
+                };
+                encoded_len_varint((key + value) as u64) + key + value
+            })
+            .sum();
+        key_len(RAW_TAG) * self.keys.len() + entries
+    }
+}
+
+/// `AllocatorStats.raw`'s field number.
+const RAW_TAG: u32 = 22;
+/// `AllocatorStats.raw_changes`'s field number.
+const RAW_CHANGES_TAG: u32 = 23;
+/// One device's complete counters at one sample of a stream, as the
+/// [`Decoder`] held them after it (see [`Decoder::follow`]): the keys are
+/// shared with the decoder, the values copied.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Complete {
+    counters: Counters,
+}
+
+impl Complete {
+    /// The counters as `AllocatorStats.raw` holds them.
+    pub fn to_raw(&self) -> HashMap<String, i64> {
+        self.counters.to_raw()
+    }
+}
+
+/// The encoded length of `message` had its counters been complete:
+/// `complete` is what [`Decoder::follow`] returned for it. This is
+/// `message.encoded_len()` after [`Decoder::decode`], without building the maps.
+pub fn complete_len(message: &AgentMessage, complete: &[Complete]) -> usize {
+    let Some(Body::Sample(sample)) = &message.body else {
+        return message.encoded_len();
+    };
+    // A length-delimited field's key is the same whatever its length: only
+    // the lengths and their varints change.
+    let delimited = |len: usize| prost::encoding::encoded_len_varint(len as u64) + len;
+    let mut sample_len = sample.encoded_len();
+    for (stats, c) in sample.allocator.iter().zip(complete) {
+        let Some(changes) = &stats.raw_changes else {
+            continue;
+        };
+        let wire = stats.encoded_len();
+        let whole = wire - prost::encoding::message::encoded_len(RAW_CHANGES_TAG, changes)
+            + c.counters.raw_len();
+        sample_len = sample_len - delimited(wire) + delimited(whole);
+    }
+    message.encoded_len() - delimited(sample.encoded_len()) + delimited(sample_len)
 }
 
 /// The bytes `raw` takes in its message (field 22, one entry per counter).
@@ -31,7 +115,7 @@ fn raw_len(raw: &HashMap<String, i64>) -> usize {
     prost::encoding::hash_map::encoded_len(
         prost::encoding::string::encoded_len,
         prost::encoding::int64::encoded_len,
-        22,
+        RAW_TAG,
         raw,
     )
 }
@@ -81,12 +165,12 @@ fn remember(
 ) -> Option<RawChanges> {
     if let Some(before) = previous.get_mut(&device) {
         // The same length and every old key present: the same keys.
-        let values: Option<Vec<i64>> = (before.len() == raw.len())
-            .then(|| before.iter().map(|(k, _)| raw.get(k).copied()).collect())
+        let values: Option<Vec<i64>> = (before.keys.len() == raw.len())
+            .then(|| before.keys.iter().map(|k| raw.get(k).copied()).collect())
             .flatten();
         if let Some(values) = values {
             let mut out = RawChanges::default();
-            for (i, ((_, old), new)) in before.iter_mut().zip(values).enumerate() {
+            for (i, (old, new)) in before.values.iter_mut().zip(values).enumerate() {
                 if *old != new {
                     // Positions fit: a map with 2^32 keys is over any message limit.
                     out.index.push(i as u32);
@@ -97,7 +181,7 @@ fn remember(
             return Some(out);
         }
     }
-    previous.insert(device, sorted(raw));
+    previous.insert(device, Counters::of(raw));
     None
 }
 
@@ -132,18 +216,43 @@ impl Decoder {
     pub fn decode(&mut self, message: &mut AgentMessage) -> Result<(), DeltaError> {
         if let Some(Body::Sample(sample)) = &mut message.body {
             for stats in &mut sample.allocator {
-                self.decode_stats(stats)?;
+                if stats.raw_changes.is_none() {
+                    remember(&mut self.previous, stats.device, &stats.raw);
+                    continue;
+                }
+                let raw = self.apply(stats)?.to_raw();
+                stats.raw_changes = None;
+                stats.raw = raw;
             }
         }
         Ok(())
     }
 
-    fn decode_stats(&mut self, stats: &mut AllocatorStats) -> Result<(), DeltaError> {
-        let Some(changes) = stats.raw_changes.take() else {
-            remember(&mut self.previous, stats.device, &stats.raw);
-            return Ok(());
+    /// Follows the stream through `message` as [`Decoder::decode`] does, but
+    /// leaves its changes as they came (the collector stores them so): returns
+    /// each `AllocatorStats`' complete counters after it, in the message's
+    /// order (empty for any other message). Errors as `decode`'s.
+    pub fn follow(&mut self, message: &AgentMessage) -> Result<Vec<Complete>, DeltaError> {
+        let Some(Body::Sample(sample)) = &message.body else {
+            return Ok(Vec::new());
         };
+        let mut out = Vec::with_capacity(sample.allocator.len());
+        for stats in &sample.allocator {
+            out.push(Complete {
+                counters: self.apply(stats)?.clone(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Takes `stats` (complete, or changes) into the device's counters and
+    /// returns them.
+    fn apply(&mut self, stats: &AllocatorStats) -> Result<&Counters, DeltaError> {
         let device = stats.device;
+        let Some(changes) = &stats.raw_changes else {
+            remember(&mut self.previous, device, &stats.raw);
+            return Ok(&self.previous[&device]);
+        };
         let counters = self.previous.get_mut(&device).ok_or_else(|| {
             DeltaError(format!(
                 "allocator counters of device {device} sent as changes, but no earlier sample of this stream had them (the first sample of a stream must be complete)"
@@ -160,11 +269,11 @@ impl Decoder {
         if let Some(i) = changes
             .index
             .iter()
-            .find(|&&i| i as usize >= counters.len())
+            .find(|&&i| i as usize >= counters.values.len())
         {
             return Err(DeltaError(format!(
                 "device {device}: changed position {i} beyond the {} counters of the previous sample",
-                counters.len()
+                counters.values.len()
             )));
         }
         if !stats.raw.is_empty() {
@@ -173,11 +282,10 @@ impl Decoder {
             )));
         }
         for (&i, &change) in changes.index.iter().zip(&changes.change) {
-            let value = &mut counters[i as usize].1;
+            let value = &mut counters.values[i as usize];
             *value = value.wrapping_add(change);
         }
-        stats.raw = counters.iter().cloned().collect();
-        Ok(())
+        Ok(counters)
     }
 }
 
@@ -240,6 +348,77 @@ mod tests {
             dec.decode(&mut wire).unwrap();
             assert_eq!(&wire, original);
         }
+    }
+
+    /// Two devices; device 1's keys change at the fourth sample (it goes
+    /// complete mid-stream); values include zeros (left out of a map entry),
+    /// negatives and an empty key.
+    fn two_devices(seq: u64) -> AgentMessage {
+        let stats = |device: i32| {
+            let n = if device == 1 && seq >= 4 { 90 } else { 120 };
+            let mut raw: HashMap<String, i64> = (0..n)
+                .map(|i: i64| {
+                    let v = match i % 5 {
+                        0 => 0,
+                        1 => -(seq as i64) * 1_000_003,
+                        _ => i * 1000 + (seq as i64 % (i + 1)) * (1 << 40),
+                    };
+                    (format!("counter.{i}.current"), v)
+                })
+                .collect();
+            raw.insert(String::new(), seq as i64);
+            AllocatorStats {
+                device,
+                allocated_bytes: seq * 7,
+                raw,
+                ..Default::default()
+            }
+        };
+        AgentMessage {
+            seq,
+            body: Some(Body::Sample(Sample {
+                time_ns: seq as i64,
+                allocator: vec![stats(0), stats(1)],
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn follow_leaves_the_changes_and_gives_what_decode_rebuilds() {
+        let mut enc = Encoder::new();
+        let (mut decoding, mut following) = (Decoder::new(), Decoder::new());
+        for seq in 1..=8 {
+            let original = two_devices(seq);
+            let wire = enc.encode(original.clone());
+            let complete = following.follow(&wire).unwrap();
+            let mut decoded = wire.clone();
+            decoding.decode(&mut decoded).unwrap();
+            assert_eq!(decoded, original, "seq {seq}");
+            let Some(Body::Sample(s)) = &original.body else {
+                unreachable!()
+            };
+            assert_eq!(complete.len(), 2);
+            for (c, stats) in complete.iter().zip(&s.allocator) {
+                assert_eq!(c.to_raw(), stats.raw, "seq {seq} device {}", stats.device);
+            }
+            // Byte for byte the length of the complete message, changes or not.
+            assert_eq!(
+                complete_len(&wire, &complete),
+                original.encoded_len(),
+                "seq {seq}"
+            );
+            if seq > 1 {
+                assert!(stats(&wire).raw_changes.is_some(), "seq {seq}");
+            }
+        }
+        // Not a sample: nothing to follow, and its own length.
+        let goodbye = AgentMessage {
+            seq: 9,
+            body: Some(Body::Goodbye(Default::default())),
+        };
+        assert!(following.follow(&goodbye).unwrap().is_empty());
+        assert_eq!(complete_len(&goodbye, &[]), goodbye.encoded_len());
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The load generator behind `oomscope bench ingest`, for sizing a collector. N agent
 //! streams each send M real-size samples (the allocator counters and host
 //! readings of a shipped H200 capture, encoded as the agent's reporter
-//! encodes them) as fast as acks allow, and the figures are the collector's:
-//! every frame is encoded before the clock starts.
+//! encodes them) as fast as acks allow, or paced as real agents send them,
+//! and the figures are the collector's: every frame is encoded before the
+//! clock starts.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
@@ -67,6 +68,11 @@ pub struct Load {
     /// Every sample's counters complete, as agents without delta encoding
     /// send them.
     pub complete_counters: bool,
+    /// Samples per second each stream sends, paced as an agent's sampler
+    /// sends them (the streams' starts spread over one interval); None: as
+    /// fast as acks allow. Paced, a sample's ack latency counts from when it
+    /// was due, so a window that holds it back shows in the figures.
+    pub rate: Option<f64>,
 }
 
 /// Puts `load` on the collector at `collector_url` and measures it; blocks
@@ -75,6 +81,9 @@ pub struct Load {
 pub fn measure(collector_url: &str, load: Load) -> Result<Figures> {
     if load.agents == 0 || load.samples == 0 || load.window == 0 {
         bail!("--agents, --samples and --window must each be at least 1");
+    }
+    if load.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+        bail!("--rate must be a positive number of samples per second");
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -216,13 +225,29 @@ async fn open(endpoint: &Endpoint, hello: PreEncoded, window: usize) -> Result<S
     })
 }
 
-/// Sends every sample with at most `window` unacked, then the Goodbye, and
-/// returns each sample's ack latency.
+/// When a paced stream's samples are due: sample `i` (from 0) at `first +
+/// i / rate`.
+#[derive(Clone, Copy)]
+struct Pace {
+    first: Instant,
+    interval: Duration,
+}
+
+impl Pace {
+    fn due(&self, i: usize) -> Instant {
+        self.first + self.interval.mul_f64(i as f64)
+    }
+}
+
+/// Sends every sample with at most `window` unacked (and, with `pace`, none
+/// before it is due), then the Goodbye, and returns each sample's ack
+/// latency.
 async fn drive(
     mut stream: Stream,
     frames: Vec<PreEncoded>,
     goodbye: PreEncoded,
     window: usize,
+    pace: Option<Pace>,
 ) -> Result<Vec<Duration>> {
     let total = frames.len();
     let mut sent_at: Vec<Option<Instant>> = vec![None; total + 1];
@@ -234,13 +259,17 @@ async fn drive(
     let mut goodbye = Some(goodbye);
     while !goodbye_acked {
         while next < total && next - acked < window {
+            let due = pace.map(|p| p.due(next));
+            if due.is_some_and(|d| d > Instant::now()) {
+                break;
+            }
             let frame = frames.next().expect("one frame per sample");
             stream
                 .out
                 .try_send(frame)
                 .map_err(|_| anyhow!("the stream closed"))?;
             next += 1;
-            sent_at[next] = Some(Instant::now());
+            sent_at[next] = Some(due.unwrap_or_else(Instant::now));
         }
         if acked == total {
             if let Some(g) = goodbye.take() {
@@ -250,9 +279,15 @@ async fn drive(
                     .map_err(|_| anyhow!("the stream closed"))?;
             }
         }
-        let reply = tokio::time::timeout(ACK_TIMEOUT, stream.inbound.message())
-            .await
-            .map_err(|_| anyhow!("no ack for {} s", ACK_TIMEOUT.as_secs()))??;
+        // The next paced sample, if only its time holds it back.
+        let due = pace
+            .filter(|_| next < total && next - acked < window)
+            .map(|p| p.due(next));
+        let reply = tokio::select! {
+            reply = tokio::time::timeout(ACK_TIMEOUT, stream.inbound.message()) => reply,
+            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now).into()), if due.is_some() => continue,
+        };
+        let reply = reply.map_err(|_| anyhow!("no ack for {} s", ACK_TIMEOUT.as_secs()))??;
         let now = Instant::now();
         match reply.and_then(|r| r.body) {
             Some(Reply::Ack(a)) => {
@@ -314,7 +349,19 @@ async fn run(url: &str, load: Load) -> Result<Figures> {
     let tasks: Vec<_> = streams
         .into_iter()
         .zip(all)
-        .map(|(s, f)| tokio::spawn(drive(s, f.samples, f.goodbye, window)))
+        .enumerate()
+        .map(|(i, (s, f))| {
+            // Stream i starts i/agents of an interval in, as agents started
+            // at different times would.
+            let pace = load.rate.map(|rate| {
+                let interval = Duration::from_secs_f64(1.0 / rate);
+                Pace {
+                    first: started + interval.mul_f64(i as f64 / agents as f64),
+                    interval,
+                }
+            });
+            tokio::spawn(drive(s, f.samples, f.goodbye, window, pace))
+        })
         .collect();
     let mut latencies = Vec::with_capacity(agents * samples);
     for t in tasks {
@@ -478,6 +525,7 @@ mod tests {
             samples: 3,
             window: 1,
             complete_counters: false,
+            rate: None,
         };
         let f = frames("a", &source, load, 1);
         let seqs: Vec<u64> = f

@@ -134,9 +134,21 @@ fn bad_arguments_are_errors_before_any_connection() {
         samples: 0,
         window: 1,
         complete_counters: false,
+        rate: None,
     };
     let err = ingest_load::measure("http://127.0.0.1:9", load)
         .unwrap_err()
         .to_string();
     assert!(err.contains("at least 1"), "{err}");
+    for rate in [0.0, -1.0, f64::NAN] {
+        let load = ingest_load::Load {
+            samples: 1,
+            rate: Some(rate),
+            ..load
+        };
+        let err = ingest_load::measure("http://127.0.0.1:9", load)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--rate"), "{rate}: {err}");
+    }
 }

@@ -16,8 +16,16 @@
 //!   budget is still measured from row headers without decoding.
 //! - Every read of a whole sample goes through [`Rebuilder`]: what a query
 //!   returns always has complete counters.
+//! - Ingest hands the writer a stream's samples as they came ([`Received`]):
+//!   when a chain's previous sample is the stream's previous one, a sample's
+//!   changes are the chain's changes, and it is stored as it came, without
+//!   building its counters' map (the usual case, and most of what ingest
+//!   cost). Otherwise (a new chain, a device the chain lacks) the complete
+//!   counters [`delta::Decoder::follow`] kept beside it are stored.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{bail, Context, Result};
 use oomscope_proto::delta;
@@ -44,7 +52,20 @@ struct Chain {
     key_seq: i64,
     last_seq: i64,
     len: u32,
-    encoder: delta::Encoder,
+    via: Via,
+}
+
+/// How a chain's samples came to the writer.
+enum Via {
+    /// Complete, encoded here against the chain's previous sample.
+    Encoder(delta::Encoder),
+    /// From one stream, stored as they came: the chain holds every sample
+    /// of stream `stream` up to its `n`th, and counters of `devices`.
+    Stream {
+        stream: u64,
+        n: u64,
+        devices: Vec<i32>,
+    },
 }
 
 /// The writer's open chains, one per agent with a live stream.
@@ -62,23 +83,118 @@ pub(super) struct Stored {
     pub whole_len: Option<i64>,
 }
 
+/// A message as its stream delivered it: a Sample's allocator counters may
+/// be changes against the stream's previous sample (see `ingest.rs`).
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub msg: pb::AgentMessage,
+    /// For a sample with allocator stats: where it stands in its stream.
+    pub place: Option<StreamPlace>,
+}
+
+/// Where a sample with allocator stats stands in its stream, and its
+/// complete counters.
+#[derive(Debug, Clone)]
+pub struct StreamPlace {
+    /// The stream, unique in this process (see [`new_stream`]).
+    pub stream: u64,
+    /// Counts the stream's samples with allocator stats, each one decoded
+    /// (stored or not): this sample's changes rest on number `n - 1`.
+    pub n: u64,
+    /// Each `AllocatorStats`' complete counters, in order
+    /// ([`delta::Decoder::follow`]).
+    pub complete: Vec<delta::Complete>,
+}
+
+/// A number for a new stream, never given before in this process.
+pub fn new_stream() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What the writer stores: a complete message, or one as its stream
+/// delivered it.
+pub trait Incoming {
+    fn message(&self) -> &pb::AgentMessage;
+    /// Its place in its stream, when its counters may be changes.
+    fn place(&self) -> Option<&StreamPlace> {
+        None
+    }
+    /// The message with complete counters.
+    fn complete(&self) -> Cow<'_, pb::AgentMessage> {
+        match self.place() {
+            None => Cow::Borrowed(self.message()),
+            Some(p) => Cow::Owned(with_complete(self.message(), p, |_| true)),
+        }
+    }
+}
+
+impl Incoming for pb::AgentMessage {
+    fn message(&self) -> &pb::AgentMessage {
+        self
+    }
+}
+
+impl Incoming for Received {
+    fn message(&self) -> &pb::AgentMessage {
+        &self.msg
+    }
+    fn place(&self) -> Option<&StreamPlace> {
+        self.place.as_ref()
+    }
+}
+
+/// `msg` with the counters of each allocator that `which` picks (among
+/// those sent as changes) complete, from `place`.
+fn with_complete(
+    msg: &pb::AgentMessage,
+    place: &StreamPlace,
+    which: impl Fn(&pb::AllocatorStats) -> bool,
+) -> pb::AgentMessage {
+    let mut msg = msg.clone();
+    if let Some(Body::Sample(s)) = &mut msg.body {
+        for (stats, complete) in s.allocator.iter_mut().zip(&place.complete) {
+            if stats.raw_changes.is_some() && which(stats) {
+                stats.raw_changes = None;
+                stats.raw = complete.to_raw();
+            }
+        }
+    }
+    msg
+}
+
 impl Chains {
-    /// `msg` (a complete sample of `agent_id` at `seq`) as it is stored, its
-    /// counters as changes when it continues the agent's chain.
-    pub fn encode(&mut self, agent_id: &str, seq: i64, msg: &pb::AgentMessage) -> Stored {
+    /// `msg` (a sample of `agent_id` at `seq`: complete without `place`, as
+    /// its stream delivered it with one) as it is stored, its counters as
+    /// changes when it continues the agent's chain.
+    pub fn encode(
+        &mut self,
+        agent_id: &str,
+        seq: i64,
+        msg: &pb::AgentMessage,
+        place: Option<&StreamPlace>,
+    ) -> Stored {
         let has_counters = matches!(&msg.body, Some(Body::Sample(s))
-            if s.allocator.iter().any(|a| !a.raw.is_empty()));
-        if !has_counters {
-            return Stored {
+            if s.allocator.iter().any(|a| !a.raw.is_empty() || a.raw_changes.is_some()));
+        match (has_counters, place) {
+            (false, _) => Stored {
                 body: msg.encode_to_vec(),
                 key_seq: None,
                 whole_len: None,
-            };
+            },
+            // Complete as it came (an agent sends complete counters until
+            // its stream's first ack, and an older agent always): encoded
+            // here against the chain, as any complete message.
+            (true, None) => self.encode_complete(agent_id, seq, msg),
+            (true, Some(_)) if !has_changes(msg) => self.encode_complete(agent_id, seq, msg),
+            (true, Some(place)) => self.encode_received(agent_id, seq, msg, place),
         }
-        let continues = self
-            .open
-            .get(agent_id)
-            .is_some_and(|c| c.last_seq < seq && c.len < KEYFRAME_INTERVAL);
+    }
+
+    fn encode_complete(&mut self, agent_id: &str, seq: i64, msg: &pb::AgentMessage) -> Stored {
+        let continues = self.open.get(agent_id).is_some_and(|c| {
+            c.last_seq < seq && c.len < KEYFRAME_INTERVAL && matches!(c.via, Via::Encoder(_))
+        });
         if !continues {
             let mut encoder = delta::Encoder::new();
             // Remembers its counters; a fresh encoder leaves them complete.
@@ -89,7 +205,7 @@ impl Chains {
                     key_seq: seq,
                     last_seq: seq,
                     len: 1,
-                    encoder,
+                    via: Via::Encoder(encoder),
                 },
             );
             return Stored {
@@ -99,10 +215,83 @@ impl Chains {
             };
         }
         let chain = self.open.get_mut(agent_id).expect("checked above");
+        let Via::Encoder(encoder) = &mut chain.via else {
+            unreachable!("checked above")
+        };
         let whole_len = msg.encoded_len() as i64;
-        let body = chain.encoder.encode(msg.clone()).encode_to_vec();
+        let body = encoder.encode(msg.clone()).encode_to_vec();
         chain.last_seq = seq;
         chain.len += 1;
+        Stored {
+            whole_len: (body.len() as i64 != whole_len).then_some(whole_len),
+            body,
+            key_seq: Some(chain.key_seq),
+        }
+    }
+
+    /// A sample as its stream delivered it: stored as it came when it is
+    /// the next of the stream the chain follows, so its changes rest on the
+    /// chain's previous sample; else it starts a chain, complete.
+    fn encode_received(
+        &mut self,
+        agent_id: &str,
+        seq: i64,
+        msg: &pb::AgentMessage,
+        place: &StreamPlace,
+    ) -> Stored {
+        let Some(Body::Sample(sample)) = &msg.body else {
+            unreachable!("only samples have counters")
+        };
+        let chain = self.open.get_mut(agent_id).filter(|c| {
+            c.last_seq < seq
+                && c.len < KEYFRAME_INTERVAL
+                && matches!(c.via, Via::Stream { stream, n, .. }
+                    if stream == place.stream && n + 1 == place.n)
+        });
+        let Some(chain) = chain else {
+            let body = with_complete(msg, place, |_| true).encode_to_vec();
+            self.open.insert(
+                agent_id.to_string(),
+                Chain {
+                    key_seq: seq,
+                    last_seq: seq,
+                    len: 1,
+                    via: Via::Stream {
+                        stream: place.stream,
+                        n: place.n,
+                        devices: sample.allocator.iter().map(|a| a.device).collect(),
+                    },
+                },
+            );
+            return Stored {
+                body,
+                key_seq: Some(seq),
+                whole_len: None,
+            };
+        };
+        let Via::Stream { n, devices, .. } = &mut chain.via else {
+            unreachable!("checked above")
+        };
+        // Changes of a device no sample of the chain had rest on a sample
+        // before it: that device's counters go complete.
+        let lacking = |a: &pb::AllocatorStats| !devices.contains(&a.device);
+        let body = match sample
+            .allocator
+            .iter()
+            .any(|a| a.raw_changes.is_some() && lacking(a))
+        {
+            true => with_complete(msg, place, lacking).encode_to_vec(),
+            false => msg.encode_to_vec(),
+        };
+        for a in &sample.allocator {
+            if !devices.contains(&a.device) {
+                devices.push(a.device);
+            }
+        }
+        *n = place.n;
+        chain.last_seq = seq;
+        chain.len += 1;
+        let whole_len = delta::complete_len(msg, &place.complete) as i64;
         Stored {
             whole_len: (body.len() as i64 != whole_len).then_some(whole_len),
             body,
@@ -244,7 +433,7 @@ pub(super) fn migrate_v5(tx: &Transaction<'_>) -> Result<()> {
                 agent.clone_from(&agent_id);
             }
             let msg = decode_message(&agent_id, seq as u64, &body)?;
-            let stored = chains.encode(&agent_id, seq, &msg);
+            let stored = chains.encode(&agent_id, seq, &msg, None);
             if stored.key_seq.is_some() {
                 write
                     .execute(params![
@@ -376,6 +565,118 @@ mod tests {
                 .unwrap();
             assert_eq!(got.body, Some(Body::Sample(want)), "seq {seq}");
         }
+    }
+
+    /// `sample(seq)` without device 1 for seqs in `gone`.
+    fn sample_without(seq: u64, gone: std::ops::RangeInclusive<u64>) -> pb::AgentMessage {
+        let mut m = sample(seq);
+        if let Some(Body::Sample(s)) = &mut m.body {
+            if gone.contains(&seq) {
+                s.allocator.retain(|a| a.device != 1);
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn samples_stored_as_their_stream_delivered_them_read_back_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = super::super::tests::store_at(&dir.path().join("c.db"));
+        // Device 1 leaves the stream for seqs 20..=45, so when it comes back
+        // its changes rest on seq 19, before the chain that holds seq 46.
+        let originals: Vec<_> = (1..=130).map(|s| sample_without(s, 20..=45)).collect();
+        let (mut sender, mut follower) = (delta::Encoder::new(), delta::Decoder::new());
+        let stream = new_stream();
+        let received: Vec<Received> = originals
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let msg = sender.encode(m.clone());
+                let complete = follower.follow(&msg).unwrap();
+                Received {
+                    msg,
+                    place: Some(StreamPlace {
+                        stream,
+                        n: i as u64 + 1,
+                        complete,
+                    }),
+                }
+            })
+            .collect();
+        // Batches of uneven sizes; seq 60 decoded but never stored (as a
+        // message ingest rejects), so seq 61 cannot rest on the chain.
+        let mut at = 0;
+        for size in [1, 7, 30, 21, 2, 256].into_iter().cycle() {
+            let end = (at + size).min(received.len());
+            let batch: Vec<Received> = received[at..end]
+                .iter()
+                .filter(|r| r.msg.seq != 60)
+                .cloned()
+                .collect();
+            store.insert_batch("a1", &batch).unwrap();
+            at = end;
+            if at == received.len() {
+                break;
+            }
+        }
+        // A resend of what is stored (a new stream: complete first) is the
+        // same content, so it is acked and changes nothing.
+        let (mut sender, mut follower, stream) =
+            (delta::Encoder::new(), delta::Decoder::new(), new_stream());
+        let resent: Vec<Received> = originals[99..110]
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let msg = sender.encode(m.clone());
+                let complete = follower.follow(&msg).unwrap();
+                let place = Some(StreamPlace {
+                    stream,
+                    n: i as u64 + 1,
+                    complete,
+                });
+                Received { msg, place }
+            })
+            .collect();
+        let outcome = store.insert_batch("a1", &resent).unwrap();
+        assert_eq!(outcome.stored, (100..=110).collect::<Vec<_>>());
+        assert!(outcome.fresh.is_empty() && outcome.conflicting.is_empty());
+
+        let seqs: Vec<u64> = (1..=130).filter(|&s| s != 60).collect();
+        let want: Vec<(u64, pb::Sample)> = seqs
+            .iter()
+            .map(|&s| match sample_without(s, 20..=45).body {
+                Some(Body::Sample(x)) => (s, x),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(read_back(&store), want);
+        // Stored as they came: most rows are the wire's bytes, and every
+        // row states the complete message's size.
+        let rows: Vec<(i64, Vec<u8>, i64, Option<i64>)> = store
+            .conn
+            .prepare("SELECT seq, body, key_seq, whole_len FROM messages ORDER BY seq")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        let mut as_sent = 0;
+        for (seq, body, key_seq, whole_len) in &rows {
+            let i = *seq as usize - 1;
+            let whole = originals[i].encoded_len() as i64;
+            assert_eq!(whole_len.unwrap_or(body.len() as i64), whole, "seq {seq}");
+            as_sent += usize::from(*body == received[i].msg.encode_to_vec() && seq != key_seq);
+        }
+        assert!(as_sent >= 110, "{as_sent} of {} stored as sent", rows.len());
+        // Chains no longer than the interval; new ones at seq 61 (after the
+        // gap) and where device 1 came back complete inside a chain.
+        let keyframes: Vec<i64> = rows.iter().filter(|r| r.0 == r.2).map(|r| r.0).collect();
+        assert!(keyframes.contains(&61), "{keyframes:?}");
+        let longest = column_count(
+            &store,
+            "SELECT max(n) FROM (SELECT count(*) AS n FROM messages GROUP BY key_seq)",
+        );
+        assert!(longest <= KEYFRAME_INTERVAL as i64, "a chain of {longest}");
     }
 
     #[test]

@@ -56,11 +56,15 @@ pub(super) fn insert(tx: &Connection, agent_id: &str, seq: i64, sample: &pb::Sam
     super::marks::record(tx, agent_id, seq, sample)
 }
 
-/// The record's bytes: the sample without the `raw` dicts. Built field by
+/// The record's bytes: the sample without the `raw` dicts (complete or as
+/// changes). Built field by
 /// field rather than cloned and cleared: a clone would copy each dict's
 /// hundred keys on the ingest path only to drop them.
 fn encode(s: &pb::Sample) -> Vec<u8> {
-    if s.allocator.iter().all(|a| a.raw.is_empty()) {
+    if s.allocator
+        .iter()
+        .all(|a| a.raw.is_empty() && a.raw_changes.is_none())
+    {
         return s.encode_to_vec();
     }
     pb::Sample {

@@ -32,7 +32,7 @@ mod retention;
 mod rollups;
 
 pub use backend::Backend;
-pub use counters::KEYFRAME_INTERVAL;
+pub use counters::{new_stream, Incoming, Received, StreamPlace, KEYFRAME_INTERVAL};
 pub use file::{FileWatch, WriterLock, DB_FILE_MODE};
 pub use filters::{AgentFilter, IncidentFilter};
 pub use history::{
@@ -260,10 +260,14 @@ impl Store {
     /// complete, not as bytes: counters travel and are stored as changes, so
     /// a resend encodes differently, and maps encode in any order. Hello
     /// messages carry no seq and are skipped: use `upsert_agent`.
-    pub fn insert_batch(
+    ///
+    /// `messages` are complete ([`pb::AgentMessage`]) or as their stream
+    /// delivered them ([`Received`]: counters as changes are stored as they
+    /// came where they continue the agent's chain).
+    pub fn insert_batch<M: Incoming>(
         &mut self,
         agent_id: &str,
-        messages: &[pb::AgentMessage],
+        messages: &[M],
     ) -> Result<BatchOutcome> {
         let stored = self.insert_batch_once(agent_id, messages);
         if stored.is_err() {
@@ -323,10 +327,10 @@ impl Store {
         self.rollups.forget_agent(agent_id);
     }
 
-    fn insert_batch_once(
+    fn insert_batch_once<M: Incoming>(
         &mut self,
         agent_id: &str,
-        messages: &[pb::AgentMessage],
+        messages: &[M],
     ) -> Result<BatchOutcome> {
         let mut out = BatchOutcome::default();
         // A savepoint: its own transaction alone, a part of the writer's
@@ -339,12 +343,13 @@ impl Store {
                 "INSERT OR IGNORE INTO messages(agent_id, seq, time_ns, kind, event_kind, body, key_seq, whole_len)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
-            for msg in messages {
+            for incoming in messages {
+                let msg = incoming.message();
                 let Some((kind, event_kind, time_ns)) = classify(msg) else {
                     continue;
                 };
                 let seq = seq_to_sql(msg.seq)?;
-                let stored = self.chains.encode(agent_id, seq, msg);
+                let stored = self.chains.encode(agent_id, seq, msg, incoming.place());
                 let added = insert
                     .execute(params![
                         agent_id,
@@ -360,7 +365,7 @@ impl Store {
                 if added == 0 && stored.key_seq.is_some() {
                     self.chains.not_stored(agent_id);
                 }
-                if added == 0 && !same_as_stored(&tx, agent_id, seq, msg)? {
+                if added == 0 && !same_as_stored(&tx, agent_id, seq, &incoming.complete())? {
                     out.conflicting.push(msg.seq);
                     continue;
                 }

@@ -141,7 +141,10 @@ fn start_incident(a: &RetestArgs, name: &str) -> Option<(String, String)> {
     let until = Instant::now() + START_INCIDENT_WAIT;
     loop {
         let found = client
-            .incidents(pb::IncidentsRequest { agent: name.into() })
+            .incidents(pb::IncidentsRequest {
+                agent: name.into(),
+                ..Default::default()
+            })
             .map(|r| r.incidents)
             .unwrap_or_default();
         if let Some(i) = found.iter().find(|i| retest::memory_domain(&i.domain)) {

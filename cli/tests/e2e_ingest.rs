@@ -73,8 +73,17 @@ fn bench_ingest_stores_every_sample_once_and_reports_every_field() {
 
 /// A stored sample as the capture has it: the collector keeps the agent's
 /// clock, the replay rebases it, so times are left out.
-fn untimed(mut s: pb::Sample) -> pb::Sample {
-    s.time_ns = 0;
+fn untimed(s: pb::Sample) -> pb::Sample {
+    pb::Sample {
+        time_ns: 0,
+        ..as_sent(s)
+    }
+}
+
+/// A stored sample as its sender gave it: less the backlog the reporter
+/// stamps on the samples it takes (`Sample.backlog`).
+fn as_sent(mut s: pb::Sample) -> pb::Sample {
+    s.backlog = None;
     s
 }
 
@@ -246,6 +255,11 @@ fn a_sample_after_a_reconnect_is_complete() {
         .into_iter()
         .map(|t| t.sample.unwrap())
         .collect();
+    assert!(
+        stored.iter().all(|s| s.backlog.is_some()),
+        "the reporter states its backlog on each sample"
+    );
+    let stored: Vec<pb::Sample> = stored.into_iter().map(as_sent).collect();
     assert_eq!(stored, samples);
 }
 

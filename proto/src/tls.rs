@@ -63,6 +63,8 @@ pub fn hint(url: &str, error: &str) -> &'static str {
         "FRAME_SIZE_ERROR",
         "transport error",
         "broken pipe",
+        // hyper's `Canceled`: the server closed the connection mid-call.
+        "connection closed",
     ]
     .iter()
     .any(|s| error.contains(s));
@@ -95,6 +97,9 @@ mod tests {
         assert!(
             super::hint("http://c:7433", "h2 protocol error: http2 error").contains("https://")
         );
+        // The other timing: the TLS port closed the connection under the call.
+        let closed = r#"Status { code: Cancelled, message: "operation was canceled", source: Some(tonic::transport::Error(Transport, hyper::Error(Canceled, "connection closed"))) }"#;
+        assert!(super::hint("http://c:7433", closed).contains("https://"));
         assert_eq!(super::hint("https://c:7433", "h2 protocol error"), "");
         assert_eq!(super::hint("http://c:7433", "connection refused"), "");
     }

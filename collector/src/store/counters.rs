@@ -199,20 +199,7 @@ impl Chains {
             let mut encoder = delta::Encoder::new();
             // Remembers its counters; a fresh encoder leaves them complete.
             let body = encoder.encode(msg.clone()).encode_to_vec();
-            self.open.insert(
-                agent_id.to_string(),
-                Chain {
-                    key_seq: seq,
-                    last_seq: seq,
-                    len: 1,
-                    via: Via::Encoder(encoder),
-                },
-            );
-            return Stored {
-                body,
-                key_seq: Some(seq),
-                whole_len: None,
-            };
+            return self.start_chain(agent_id, seq, Via::Encoder(encoder), body);
         }
         let chain = self.open.get_mut(agent_id).expect("checked above");
         let Via::Encoder(encoder) = &mut chain.via else {
@@ -226,6 +213,25 @@ impl Chains {
             whole_len: (body.len() as i64 != whole_len).then_some(whole_len),
             body,
             key_seq: Some(chain.key_seq),
+        }
+    }
+
+    /// Opens `agent_id`'s chain at `seq`, whose `body` is complete: the
+    /// chain's key.
+    fn start_chain(&mut self, agent_id: &str, seq: i64, via: Via, body: Vec<u8>) -> Stored {
+        self.open.insert(
+            agent_id.to_string(),
+            Chain {
+                key_seq: seq,
+                last_seq: seq,
+                len: 1,
+                via,
+            },
+        );
+        Stored {
+            body,
+            key_seq: Some(seq),
+            whole_len: None,
         }
     }
 
@@ -250,24 +256,12 @@ impl Chains {
         });
         let Some(chain) = chain else {
             let body = with_complete(msg, place, |_| true).encode_to_vec();
-            self.open.insert(
-                agent_id.to_string(),
-                Chain {
-                    key_seq: seq,
-                    last_seq: seq,
-                    len: 1,
-                    via: Via::Stream {
-                        stream: place.stream,
-                        n: place.n,
-                        devices: sample.allocator.iter().map(|a| a.device).collect(),
-                    },
-                },
-            );
-            return Stored {
-                body,
-                key_seq: Some(seq),
-                whole_len: None,
+            let via = Via::Stream {
+                stream: place.stream,
+                n: place.n,
+                devices: sample.allocator.iter().map(|a| a.device).collect(),
             };
+            return self.start_chain(agent_id, seq, via, body);
         };
         let Via::Stream { n, devices, .. } = &mut chain.via else {
             unreachable!("checked above")

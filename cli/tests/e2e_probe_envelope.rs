@@ -745,14 +745,24 @@ fn a_server_with_no_agent_gets_a_size_dependent_trigger_from_the_probes_requests
         .filter_map(|s| s["prompt_tokens"].as_u64())
         .max()
         .unwrap();
-    let numbers: Vec<u64> = why
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    let failed_at = *numbers.last().unwrap();
+    // "…serving the probe's prompt of N tokens …; before it the server had
+    // answered …, prompts of up to M tokens, …": N is the fatal prompt, M
+    // the longest one served.
+    let after = |phrase: &str| -> u64 {
+        let rest = &why[why
+            .find(phrase)
+            .unwrap_or_else(|| panic!("no {phrase:?} in {why}"))
+            + phrase.len()..];
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits
+            .parse()
+            .unwrap_or_else(|_| panic!("no number after {phrase:?} in {why}"))
+    };
+    let failed_at = after("the probe's prompt of ");
+    let served = after("prompts of up to ");
     assert!(
-        failed_at as f64 >= 0.9 * longest as f64,
-        "{why}: the failure came at {failed_at} tokens, the longest prompt sent was {longest}"
+        failed_at > served && failed_at as f64 >= 0.9 * longest as f64,
+        "{why}: the failure came at {failed_at} tokens, after prompts of up to {served}; the longest prompt the suite sent was {longest}"
     );
     let steps_mem: Vec<u64> = steps
         .iter()

@@ -430,12 +430,14 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
 
         def chained():
             cs = api_censuses()
-            return cs if len(cs) >= 3 and cs[-1]["referrer_chain"] else None
-        # Censuses keep to their CPU budget: on a loaded machine (CI runs
-        # vLLM's three processes on 2 cores) the third comes later.
+            return cs if len(cs) >= 2 and cs[-1]["referrer_chain"] else None
+        # Two censuses compare; censuses keep to their CPU budget, so on a
+        # loaded machine (CI runs vLLM's three processes on 2 cores) the
+        # second may come only after the burst, and then no third follows
+        # (no request came since it).
         censuses = harness.wait_for(chained, 150)
         got = api_censuses()
-        assert censuses, "%d censuses (3 needed), the last with chain %s; each %s" % (
+        assert censuses, "%d censuses (2 needed), the last with chain %s; each %s" % (
             len(got), got[-1]["referrer_chain"] if got else None,
             [(c.get("objects_scanned"), c.get("duration_ns", 0) // 10**6, len(c.get("types", [])))
              for c in got])
@@ -446,6 +448,10 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
             return d if any(c["kind"] == "leak" for c in d.get("causes", [])) else None
         d = harness.wait_for(leak, 30, every=1.0)
         assert d, collector.cli("diagnose", "--agent", "vllm-leak", "--json", check=False)
+        # A census after the first chained one is judged too, if it chained.
+        latest = api_censuses()
+        if latest[-1]["referrer_chain"]:
+            censuses = latest
     finally:
         v.stop()
         collector.stop()

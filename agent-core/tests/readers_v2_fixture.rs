@@ -2,73 +2,41 @@
 //! as a fake /proc and /sys/fs/cgroup tree and read through the real readers.
 
 use std::fs;
-use std::path::Path;
 
 use oomscope_agent_core::readers::cgroup::{self, Version};
 use oomscope_agent_core::readers::gpu::GpuReader;
 use oomscope_agent_core::readers::{process, system, HostPaths, HostReader};
+use oomscope_testkit::host_v2::{fixture, write, HostV2};
 use serde_json::Value;
 
 const PID: u32 = 422;
 const KIB: u64 = 1024;
 
-fn fixture() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/host-v2/host_cgroup_v2.json"
-    );
-    serde_json::from_str(&fs::read_to_string(path).expect("fixture present"))
-        .expect("fixture is JSON")
-}
-
-fn write(path: &Path, text: &str) {
-    fs::create_dir_all(path.parent().unwrap()).unwrap();
-    fs::write(path, text).unwrap();
-}
-
-/// Materialises the fixture; returns the tempdir guard and the paths.
+/// Materialises the fixture with this test's process files; returns the
+/// tempdir guard and the paths.
 fn fake_tree(fx: &Value) -> (tempfile::TempDir, HostPaths) {
-    let tmp = tempfile::tempdir().unwrap();
-    let paths = HostPaths {
-        proc_root: tmp.path().join("proc"),
-        cgroup_root: tmp.path().join("sys/fs/cgroup"),
-    };
-    for (name, text) in fx["files"].as_object().unwrap() {
-        let text = text.as_str().unwrap();
-        // memory.reclaim is write-only: the capture recorded the read error.
-        if text.starts_with("ERROR ") {
-            continue;
-        }
-        let rel = name.strip_prefix("/sys/fs/cgroup/").expect("cgroup file");
-        write(&paths.cgroup_root.join(rel), text);
-    }
-    let pid_dir = paths.proc_root.join(PID.to_string());
+    let tree = HostV2::materialise(PID);
     write(
-        &pid_dir.join("cgroup"),
+        &tree.pid_file(PID, "cgroup"),
         fx["proc_self_cgroup"].as_str().unwrap(),
     );
-    let mounts: String = fx["mounts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m.as_str().unwrap())
-        .collect();
-    write(&pid_dir.join("mounts"), &mounts);
-    write(
-        &pid_dir.join("status"),
-        fx["/proc/self/status"].as_str().unwrap(),
-    );
-    write(
-        &pid_dir.join("limits"),
-        fx["/proc/self/limits"].as_str().unwrap(),
-    );
+    for name in ["status", "limits"] {
+        write(
+            &tree.pid_file(PID, name),
+            fx[format!("/proc/self/{name}").as_str()].as_str().unwrap(),
+        );
+    }
     for name in ["meminfo", "vmstat", "pressure/memory"] {
         write(
-            &paths.proc_root.join(name),
+            &tree.proc_root.join(name),
             fx[format!("/proc/{name}").as_str()].as_str().unwrap(),
         );
     }
-    (tmp, paths)
+    let paths = HostPaths {
+        proc_root: tree.proc_root,
+        cgroup_root: tree.cgroup_root,
+    };
+    (tree.dir, paths)
 }
 
 /// The value of `key` in a `key value` file of the fixture, read independently of the reader.

@@ -115,51 +115,25 @@ mod v2_tests {
     use std::fs;
     use std::path::Path;
 
+    use oomscope_testkit::host_v2::{write, HostV2};
+
     use super::*;
     use crate::place::Placement;
 
     const MIB: u64 = 1 << 20;
 
-    fn write(path: &Path, text: &str) {
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        fs::write(path, text).unwrap();
-    }
-
     fn read(path: &Path) -> String {
         fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     }
 
-    /// The fixture's cgroup files and mounts, with this process in `own` (a v2 path).
     fn v2_tree(own: &str) -> (tempfile::TempDir, HostPaths) {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../tests/fixtures/host-v2/host_cgroup_v2.json"
-        );
-        let fx: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
-        let tmp = tempfile::tempdir().unwrap();
+        let tree = HostV2::materialise(std::process::id());
         let paths = HostPaths {
-            proc_root: tmp.path().join("proc"),
-            cgroup_root: tmp.path().join("sys/fs/cgroup"),
+            proc_root: tree.proc_root,
+            cgroup_root: tree.cgroup_root,
         };
-        for (name, text) in fx["files"].as_object().unwrap() {
-            let text = text.as_str().unwrap();
-            if text.starts_with("ERROR ") {
-                continue; // write-only (memory.reclaim): the capture's read error
-            }
-            let rel = name.strip_prefix("/sys/fs/cgroup/").unwrap();
-            write(&paths.cgroup_root.join(rel), text);
-        }
-        let pid = std::process::id();
         set_cgroup(&paths, own);
-        let mounts: String = fx["mounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m.as_str().unwrap())
-            .collect();
-        write(&paths.pid_file(pid, "mounts"), &mounts);
-        (tmp, paths)
+        (tree.dir, paths)
     }
 
     /// What the kernel shows once this process moved to `path`.

@@ -12,6 +12,7 @@
 //! - [`readings`]: a process's host reading at a request boundary;
 //! - [`postgres`]: a throwaway PostgreSQL cluster on a Unix socket;
 //! - [`cli`]: the `oomscope` binary beside the test, its queries as JSON;
+//! - [`host_v2`]: the GPU machine's cgroup-v2 files as a fake tree;
 //! - [`store_rows`]: what a collector's SQLite file holds, read directly.
 
 pub mod agent_stream;
@@ -19,6 +20,7 @@ pub mod certs;
 pub mod cgroups;
 pub mod cli;
 pub mod collector_process;
+pub mod host_v2;
 pub mod ports;
 pub mod postgres;
 pub mod readings;

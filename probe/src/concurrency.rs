@@ -48,15 +48,36 @@ pub fn max_overlap(intervals: &[(f64, f64)]) -> usize {
     most as usize
 }
 
+/// Overlaps of decoding spans shorter than this share of the shortest span
+/// are the stream's tail, not two requests served together: a server that
+/// serializes starts the next request's prefill as soon as the last token is
+/// made, while the finished request's final chunks are still on their way
+/// (transformers serve without continuous batching, under load, showed 2 of
+/// 4 "at once" this way). Requests served together overlap for most of
+/// their spans.
+pub const STREAM_TAIL_SHARE: f64 = 0.1;
+
 /// With streaming: a request is decoding from its first token to its end,
-/// so the most such intervals open at once were served together. None
-/// unless every call streamed.
+/// so the most such intervals open at once (less each one's stream tail,
+/// [`STREAM_TAIL_SHARE`]) were served together. None unless every call
+/// streamed.
 pub fn from_first_tokens(calls: &[Timing]) -> Option<usize> {
     let iv: Option<Vec<(f64, f64)>> = calls
         .iter()
         .map(|c| c.first_token_ms.map(|f| (f, c.end_ms)))
         .collect();
     let iv = iv?;
+    let shortest = iv
+        .iter()
+        .map(|(f, e)| e - f)
+        .filter(|d| *d > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let tail = if shortest.is_finite() {
+        STREAM_TAIL_SHARE * shortest
+    } else {
+        0.0
+    };
+    let iv: Vec<(f64, f64)> = iv.iter().map(|&(f, e)| (f, (e - tail).max(f))).collect();
     (!iv.is_empty()).then(|| max_overlap(&iv).max(1))
 }
 
@@ -281,12 +302,31 @@ mod tests {
     }
 
     #[test]
+    fn requests_decoding_together_for_most_of_their_spans_count_together() {
+        // 4 batched: first tokens 10-40 ms, ends 100-130 ms.
+        let calls: Vec<Timing> = (0..4)
+            .map(|i| t(0.0, Some(10.0 + 10.0 * i as f64), 100.0 + 10.0 * i as f64))
+            .collect();
+        assert_eq!(from_first_tokens(&calls), Some(4));
+        // Two that overlap for 20 ms of 80: together.
+        let two = [t(0.0, Some(20.0), 100.0), t(0.0, Some(80.0), 160.0)];
+        assert_eq!(from_first_tokens(&two), Some(2));
+    }
+
+    #[test]
     fn a_serializing_server_is_one_by_first_tokens_and_by_scaling() {
         // 8 sent at once, served one after another, 100 ms each.
         let calls: Vec<Timing> = (0..8)
             .map(|i| t(0.0, Some(i as f64 * 100.0 + 20.0), (i + 1) as f64 * 100.0))
             .collect();
         assert_eq!(from_first_tokens(&calls), Some(1));
+        // The next request's first token 5 ms before the last one's final
+        // chunk (its stream tail): still one at a time.
+        let tails: Vec<Timing> = calls
+            .iter()
+            .map(|c| t(0.0, c.first_token_ms.map(|f| f - 5.0), c.end_ms))
+            .collect();
+        assert_eq!(from_first_tokens(&tails), Some(1));
         let plain: Vec<Timing> = calls
             .iter()
             .map(|c| Timing {

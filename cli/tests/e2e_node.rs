@@ -172,6 +172,8 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
     let parent = TestCgroup::create(None, "node-kernel", None);
     let limited = TestCgroup::create(Some(&parent), "hog", Some(64 * MIB));
     let calm = TestCgroup::create(Some(&parent), "calm", None);
+    // A kill the kernel logged before the watcher started: not an incident.
+    let before = hog(&limited);
     let log = dir.path().join("node.log");
     let w = watcher(&col, &parent.dir, &log, &[]);
     let agents = wait_agents(&col, 3);
@@ -190,14 +192,21 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
         .command(&["python3", "-c", "import time; b = bytearray(16 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(4)"])
         .spawn()
         .unwrap();
-    let killed_at = Instant::now();
+    wait_samples(&col, &hog_agent, 2);
+    assert_eq!(
+        incidents(&col).len(),
+        0,
+        "the kill of {before} before the start"
+    );
     let victim = hog(&limited);
+    let killed_at = Instant::now();
 
     let found = wait_incidents(&col, 1, Duration::from_secs(5));
     let within = killed_at.elapsed();
     assert_eq!(found.len(), 1, "exactly one incident: {found:#?}");
     let inc = &found[0];
-    assert!(within < Duration::from_secs(5), "incident after {within:?}");
+    // The bound: an incident within 2 s of the kill.
+    assert!(within < Duration::from_secs(2), "incident after {within:?}");
     assert_eq!(inc["kind"], "kernel_oom_kill");
     assert_eq!(
         inc["agent_id"],
@@ -382,8 +391,11 @@ fn kills_before_the_start_are_the_baseline_and_without_the_kernel_log_the_counte
     assert_eq!(incidents(&col).len(), 0, "a kill from before the start");
 
     let victim = hog(&limited);
+    let killed_at = Instant::now();
     let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    let within = killed_at.elapsed();
     assert_eq!(found.len(), 1, "exactly one incident: {found:#?}");
+    assert!(within < Duration::from_secs(2), "incident after {within:?}");
     assert_eq!(found[0]["agent_id"], hog_agent.as_str());
     let d = col.json(&["diagnose", found[0]["id"].as_str().unwrap()]);
     // No record to name the victim: the cgroup's counter, and it says so.

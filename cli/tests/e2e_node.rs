@@ -232,6 +232,17 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
         "the files read after the kill no longer show the victim's memory"
     );
     assert_eq!(d["domain"], "cgroup", "{d:#}");
+    // The "done when": the cgroup, the name its identity gives the
+    // stream, and the fixes.
+    let hog_name = agents
+        .iter()
+        .find(|a| a["hello"]["agent_id"] == hog_agent.as_str())
+        .unwrap()["hello"]["name"]
+        .clone();
+    assert!(hog_name.as_str().unwrap().starts_with("hog-"), "{hog_name}");
+    assert_eq!(d["agent"], hog_name, "{d:#}");
+    assert_eq!(d["cgroup"]["path"], limited.path.as_str(), "{d:#}");
+    assert!(!d["fixes"].as_array().is_none_or(|f| f.is_empty()), "{d:#}");
 
     // The neighbour: a timeline with its memory, no incident, not signalled.
     let t = wait_samples(&col, &calm_agent, 3);

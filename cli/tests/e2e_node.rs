@@ -4,12 +4,14 @@
 //! that cgroup, with the kernel's record (anon-rss at the kill, which no
 //! file read afterwards still shows); the other cgroup has a timeline and
 //! no incident; kills from before the start are not incidents; without the
-//! kernel's log the kill is still recorded, from the cgroup's counter.
+//! kernel's log the kill is still recorded, from the cgroup's counter;
+//! under an open-file limit that holds fewer cgroups than there are, it
+//! watches what the limit holds, says so once, and does not spin.
 
 mod common;
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -45,16 +47,19 @@ fn watcher_with(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Watcher {
-    let child = oomscope()
-        .envs(env.iter().copied())
-        .args(["node", "--collector", &col.url, "--interval", "200ms"])
+    let mut cmd = watcher_command(col, root, log, extra);
+    Watcher(Some(cmd.envs(env.iter().copied()).spawn().unwrap()))
+}
+
+/// The command `watcher` spawns.
+fn watcher_command(col: &Collector, root: &Path, log: &Path, extra: &[&str]) -> Command {
+    let mut cmd = oomscope();
+    cmd.args(["node", "--collector", &col.url, "--interval", "200ms"])
         .arg("--cgroup-root")
         .arg(root)
         .args(extra)
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap();
-    Watcher(Some(child))
+        .stderr(std::fs::File::create(log).unwrap());
+    cmd
 }
 
 /// The node's agents, once `n` are connected (at most 10 s).
@@ -167,6 +172,8 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
     let parent = TestCgroup::create(None, "node-kernel", None);
     let limited = TestCgroup::create(Some(&parent), "hog", Some(64 * MIB));
     let calm = TestCgroup::create(Some(&parent), "calm", None);
+    // A kill the kernel logged before the watcher started: not an incident.
+    let before = hog(&limited);
     let log = dir.path().join("node.log");
     let w = watcher(&col, &parent.dir, &log, &[]);
     let agents = wait_agents(&col, 3);
@@ -185,14 +192,21 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
         .command(&["python3", "-c", "import time; b = bytearray(16 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(4)"])
         .spawn()
         .unwrap();
-    let killed_at = Instant::now();
+    wait_samples(&col, &hog_agent, 2);
+    assert_eq!(
+        incidents(&col).len(),
+        0,
+        "the kill of {before} before the start"
+    );
     let victim = hog(&limited);
+    let killed_at = Instant::now();
 
     let found = wait_incidents(&col, 1, Duration::from_secs(5));
     let within = killed_at.elapsed();
     assert_eq!(found.len(), 1, "exactly one incident: {found:#?}");
     let inc = &found[0];
-    assert!(within < Duration::from_secs(5), "incident after {within:?}");
+    // The bound: an incident within 2 s of the kill.
+    assert!(within < Duration::from_secs(2), "incident after {within:?}");
     assert_eq!(inc["kind"], "kernel_oom_kill");
     assert_eq!(
         inc["agent_id"],
@@ -218,6 +232,17 @@ fn a_kill_in_a_watched_cgroup_is_one_incident_with_the_kernels_record() {
         "the files read after the kill no longer show the victim's memory"
     );
     assert_eq!(d["domain"], "cgroup", "{d:#}");
+    // The "done when": the cgroup, the name its identity gives the
+    // stream, and the fixes.
+    let hog_name = agents
+        .iter()
+        .find(|a| a["hello"]["agent_id"] == hog_agent.as_str())
+        .unwrap()["hello"]["name"]
+        .clone();
+    assert!(hog_name.as_str().unwrap().starts_with("hog-"), "{hog_name}");
+    assert_eq!(d["agent"], hog_name, "{d:#}");
+    assert_eq!(d["cgroup"]["path"], limited.path.as_str(), "{d:#}");
+    assert!(!d["fixes"].as_array().is_none_or(|f| f.is_empty()), "{d:#}");
 
     // The neighbour: a timeline with its memory, no incident, not signalled.
     let t = wait_samples(&col, &calm_agent, 3);
@@ -377,8 +402,11 @@ fn kills_before_the_start_are_the_baseline_and_without_the_kernel_log_the_counte
     assert_eq!(incidents(&col).len(), 0, "a kill from before the start");
 
     let victim = hog(&limited);
+    let killed_at = Instant::now();
     let found = wait_incidents(&col, 1, Duration::from_secs(5));
+    let within = killed_at.elapsed();
     assert_eq!(found.len(), 1, "exactly one incident: {found:#?}");
+    assert!(within < Duration::from_secs(2), "incident after {within:?}");
     assert_eq!(found[0]["agent_id"], hog_agent.as_str());
     let d = col.json(&["diagnose", found[0]["id"].as_str().unwrap()]);
     // No record to name the victim: the cgroup's counter, and it says so.
@@ -416,6 +444,128 @@ fn kills_before_the_start_are_the_baseline_and_without_the_kernel_log_the_counte
     assert!(
         label.as_str().unwrap().starts_with("unreadable: "),
         "{label}"
+    );
+}
+
+/// The user and system CPU ticks of `pid` so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // After the command's closing parenthesis: utime and stime are the 12th and 13th fields.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn under_a_low_open_file_limit_the_watcher_watches_what_it_holds_and_says_so() {
+    use oomscope_agent_core::readers::cgroup::LEVEL_DIR_DESCRIPTORS;
+    use oomscope_supervisor::node::{
+        CGROUP_CAP_LABEL, DESCRIPTORS_PER_CGROUP, RESERVED_DESCRIPTORS,
+    };
+    use std::os::unix::process::CommandExt;
+    let _serial = serial();
+    let dir = tempdir();
+    let col = Collector::start(&dir.path().join("db"));
+    let parent = TestCgroup::create(None, "node-nofile", None);
+    let _kids: Vec<TestCgroup> = (0..11)
+        .map(|i| TestCgroup::create(Some(&parent), &format!("c{i}"), None))
+        .collect();
+    // A hard limit that holds three cgroups (and a few spare descriptors),
+    // the soft one below it: the watcher raises the soft one to the hard.
+    let holds = 3;
+    let hard = (RESERVED_DESCRIPTORS + holds * DESCRIPTORS_PER_CGROUP + 4) as libc::rlim_t;
+    let soft = (RESERVED_DESCRIPTORS / 2) as libc::rlim_t;
+    let log = dir.path().join("node.log");
+    let mut cmd = watcher_command(&col, &parent.dir, &log, &[]);
+    // SAFETY: setrlimit in the child between fork and exec (async-signal-safe).
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &lim) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let w = Watcher(Some(cmd.spawn().unwrap()));
+    let pid = w.0.as_ref().unwrap().id();
+    let agents = wait_agents(&col, holds);
+
+    // Three discovery periods (2 s each) at the cap: the CPU it takes, and
+    // that no fourth stream starts.
+    let ticks = cpu_ticks(pid);
+    let window = Instant::now();
+    std::thread::sleep(Duration::from_secs(6));
+    let spent = cpu_ticks(pid) - ticks;
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    assert!(
+        spent * 10 < hz * window.elapsed().as_secs(),
+        "not spinning at the cap: {spent} ticks in {:?}",
+        window.elapsed()
+    );
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let numbers: Vec<u64> = open_files
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(numbers, [hard, hard], "soft raised to hard: {open_files}");
+    let fds: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .collect();
+    assert!(
+        fds.len() as u64 <= hard,
+        "{} descriptors under a limit of {hard}",
+        fds.len()
+    );
+    // Each watched cgroup's directory and three counter files, held open
+    // (a whole reading may hold one more for a moment).
+    let in_cgroups = fds.iter().filter(|p| p.starts_with(&parent.dir)).count();
+    assert!(
+        (holds * LEVEL_DIR_DESCRIPTORS..=holds * LEVEL_DIR_DESCRIPTORS + 1).contains(&in_cgroups),
+        "{in_cgroups} cgroup files held: {fds:#?}"
+    );
+
+    let now = wait_agents(&col, holds);
+    assert_eq!(
+        now.len(),
+        holds,
+        "watching only what the limit holds: {now:#?}"
+    );
+    assert_eq!(
+        agents.len(),
+        holds,
+        "no more at the start either: {agents:#?}"
+    );
+    for a in &now {
+        let cap = a["hello"]["labels"][CGROUP_CAP_LABEL]
+            .as_str()
+            .unwrap_or("");
+        assert!(
+            cap.starts_with(&format!("at most {holds} cgroups, not --max-cgroups 512"))
+                && cap.contains(&format!("open-file limit {hard}")),
+            "the stream's Hello says the cap: {a:#}"
+        );
+    }
+    let said = stop(w, &log);
+    assert_eq!(
+        said.matches("the open-file limit").count(),
+        2,
+        "the cap, once, and that it left cgroups out, once: {said}"
+    );
+    assert!(
+        said.contains(&format!(
+            "watching at most {holds} cgroups, not --max-cgroups 512"
+        )) && said.contains(&format!("more than {holds} memory cgroups under"))
+            && said.contains(&format!("watching {holds} memory cgroup(s)")),
+        "{said}"
     );
 }
 

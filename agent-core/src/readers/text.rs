@@ -14,6 +14,15 @@ pub(crate) fn read_opt(path: &Path) -> Option<String> {
 /// size query `fs::read_to_string` makes (a pseudo-file's size says nothing).
 pub(crate) fn read_at(dir: &std::fs::File, name: &str) -> Option<String> {
     use std::io::Read;
+    let file = open_at(dir, name)?;
+    let mut text = String::new();
+    // Through `Take`: its read_to_string asks no size of the file.
+    (&file).take(u64::MAX).read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// `name` in the open directory `dir`, opened read-only relative to it.
+pub(crate) fn open_at(dir: &std::fs::File, name: &str) -> Option<std::fs::File> {
     use std::os::fd::{AsRawFd, FromRawFd};
     let name = std::ffi::CString::new(name).ok()?;
     // SAFETY: a valid directory fd and a NUL-terminated name; the fd
@@ -25,14 +34,32 @@ pub(crate) fn read_at(dir: &std::fs::File, name: &str) -> Option<String> {
             libc::O_RDONLY | libc::O_CLOEXEC,
         )
     };
-    if fd < 0 {
-        return None;
+    (fd >= 0).then(|| unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// The first read of a file held open: room for any counter file (the
+/// largest, v2 `memory.events`, is under 100 bytes); a longer text grows it.
+const PREAD_START: usize = 512;
+
+/// The whole text of `file`, held open, read from offset 0: one `pread` for
+/// a small file. A cgroup file (kernfs' seq_file) makes its text afresh for
+/// each read from its start, so a watcher keeps the file open instead of
+/// opening and closing it at every reading. A short read is the end: a
+/// seq_file gives all it has up to the size asked.
+pub(crate) fn pread_text(file: &std::fs::File) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; PREAD_START];
+    let mut len = 0;
+    loop {
+        let n = file.read_at(&mut buf[len..], len as u64).ok()?;
+        len += n;
+        if n == 0 || len < buf.len() {
+            break;
+        }
+        buf.resize(buf.len() * 2, 0);
     }
-    let file = unsafe { std::fs::File::from_raw_fd(fd) };
-    let mut text = String::new();
-    // Through `Take`: its read_to_string asks no size of the file.
-    (&file).take(u64::MAX).read_to_string(&mut text).ok()?;
-    Some(text)
+    buf.truncate(len);
+    String::from_utf8(buf).ok()
 }
 
 /// The first whitespace-separated token of `text` as u64.

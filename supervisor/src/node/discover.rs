@@ -3,6 +3,7 @@
 //! kernel names it (relative to its mount, as in the OOM record's
 //! `task_memcg=`), bounded by a cap.
 
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -65,8 +66,24 @@ impl Hierarchy {
 
     /// The memory cgroups from the top down (breadth first, so a cap keeps
     /// the upper levels), at most `max`; the second value is true when the
-    /// cap left some out.
+    /// cap left some out. Every directory is listed.
     pub fn discover(&self, max: usize) -> (Vec<Found>, bool) {
+        self.discover_with(max, &mut Listings::default(), &HashMap::new())
+    }
+
+    /// [`discover`](Self::discover) that lists again only what may have
+    /// changed: `links` holds the link count, read now, of each watched
+    /// cgroup's directory (held open), and a directory whose count is the
+    /// one it had when `listings` took its subdirectories, all of them
+    /// still watched, has the same subdirectories (a cgroup filesystem
+    /// counts them in its links). A walk of 200 unchanged cgroups is then
+    /// 200 `fstat`s, not 200 directory listings and marker lookups.
+    pub fn discover_with(
+        &self,
+        max: usize,
+        listings: &mut Listings,
+        links: &HashMap<PathBuf, u64>,
+    ) -> (Vec<Found>, bool) {
         let marker = match self.version {
             Version::V1 => V1_MARKER,
             Version::V2 => V2_MARKER,
@@ -74,8 +91,11 @@ impl Hierarchy {
         let mut found = Vec::new();
         let mut queue = std::collections::VecDeque::from([self.top.clone()]);
         let mut capped = false;
+        let mut walked = HashMap::new();
         while let Some(dir) = queue.pop_front() {
-            if dir.join(marker).exists() {
+            let now = links.get(&dir).copied();
+            // A watched directory is a memory cgroup; any other is asked.
+            if now.is_some() || dir.join(marker).exists() {
                 if found.len() >= max {
                     capped = true;
                     break;
@@ -85,19 +105,52 @@ impl Hierarchy {
                     dir: dir.clone(),
                 });
             }
-            let Ok(entries) = std::fs::read_dir(&dir) else {
-                continue;
+            let kept = listings.0.remove(&dir).filter(|l| {
+                now.is_some_and(|n| n == l.links) && l.subdirs.iter().all(|d| links.contains_key(d))
+            });
+            let listing = match kept {
+                Some(l) => l,
+                None => match list_subdirs(&dir) {
+                    Some(subdirs) => Listing {
+                        // Unheld (not watched): listed at every walk.
+                        links: now.unwrap_or(0),
+                        subdirs,
+                    },
+                    None => continue,
+                },
             };
-            let mut subdirs: Vec<PathBuf> = entries
-                .filter_map(Result::ok)
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.path())
-                .collect();
-            subdirs.sort();
-            queue.extend(subdirs);
+            queue.extend(listing.subdirs.iter().cloned());
+            if now.is_some() {
+                walked.insert(dir, listing);
+            }
         }
+        // Only the directories of this walk: the cache stays as large as the tree.
+        listings.0 = walked;
         (found, capped)
     }
+}
+
+/// The subdirectories of the directories a walk listed, by directory, with
+/// the link count each had then: what the next walk may reuse.
+#[derive(Debug, Default)]
+pub struct Listings(HashMap<PathBuf, Listing>);
+
+#[derive(Debug)]
+struct Listing {
+    links: u64,
+    subdirs: Vec<PathBuf>,
+}
+
+/// `dir`'s subdirectories, sorted; None when it cannot be listed.
+fn list_subdirs(dir: &Path) -> Option<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    let mut subdirs: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.path())
+        .collect();
+    subdirs.sort();
+    Some(subdirs)
 }
 
 /// The cgroup path of `dir` on the mount at `mount`: "/" + the rest.

@@ -14,18 +14,22 @@
 //! (`identity`), which kills are a level's own (`oom_count`), one cgroup's
 //! stream (`watched`); the loop is here.
 
+mod descriptors;
 mod discover;
 mod gpus;
 mod identity;
 mod oom_count;
 mod watched;
 
-pub use discover::{path_under, Found, Hierarchy};
+pub use descriptors::{cgroups_within, DESCRIPTORS_PER_CGROUP, RESERVED_DESCRIPTORS};
+pub use discover::{path_under, Found, Hierarchy, Listings};
 pub use identity::{identify, ContainerIdentity};
-pub use watched::CGROUP_PATH_LABEL;
+pub use watched::{CGROUP_CAP_LABEL, CGROUP_PATH_LABEL};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use oomscope_agent_core::agent::check_interval;
@@ -33,6 +37,7 @@ use oomscope_agent_core::pb;
 use oomscope_agent_core::readers::gpu::GpuReader;
 use oomscope_agent_core::readers::kmsg::KmsgReader;
 
+use crate::hello::KERNEL_LOG_LABEL;
 use crate::shield::OomShield;
 use crate::signals::{install_forwarding, stop_requested};
 use oom_count::{increase, kills, own_increase};
@@ -43,7 +48,10 @@ use watched::Watched;
 /// (BENCHMARKS.md).
 pub const DEFAULT_NODE_INTERVAL: Duration = Duration::from_secs(1);
 /// Watched cgroups at most: each has its own stream; a node runs a few
-/// hundred containers, and past the cap the upper levels are kept.
+/// hundred containers, and past the cap the upper levels are kept. Each
+/// holds [`DESCRIPTORS_PER_CGROUP`] open files: 512 need an open-file limit
+/// of about 4,700, which the usual hard limit allows (the soft one is raised
+/// to it at the start).
 pub const DEFAULT_MAX_CGROUPS: usize = 512;
 /// How often the kernel's log is read: a kill's record is in the timeline
 /// well within the 2 s the issue asks of an incident.
@@ -97,6 +105,23 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
             cfg.cgroup_root.display()
         )
     })?;
+    // Before anything is opened: the cap is what the descriptors hold.
+    let budget = descriptors::raise_to_hard();
+    let short = budget.cgroups < cfg.max_cgroups;
+    let cap = cfg.max_cgroups.min(budget.cgroups);
+    let mut status = Vec::new();
+    if short {
+        let why = format!(
+            "at most {cap} cgroups, not --max-cgroups {}: the open-file limit {} holds \
+             {cap} at {DESCRIPTORS_PER_CGROUP} descriptors a cgroup ({RESERVED_DESCRIPTORS} kept \
+             for the rest)",
+            cfg.max_cgroups, budget.soft
+        );
+        eprintln!("oomscope: watching {why}; raise the hard open-file limit (ulimit -Hn, LimitNOFILE=) to watch more");
+        status.push((CGROUP_CAP_LABEL, why));
+    } else if let Some(from) = budget.raised_from {
+        tracing::debug!("open-file limit raised from {from} to {}", budget.soft);
+    }
     // Never the victim: it holds every container's evidence.
     let _shield = OomShield::engage_as("the node watcher", "");
     // From its end: kills logged before the start are not incidents.
@@ -108,14 +133,20 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
         );
     }
     let kernel_log = kmsg.describe();
+    status.push((KERNEL_LOG_LABEL, kernel_log.clone()));
     // Absent (never an error) without a GPU, its driver or NVML.
     let gpu = GpuReader::open();
     install_forwarding();
     let mut node = Node {
         hierarchy,
         cfg: &cfg,
+        cap,
+        fd_capped: short,
         kernel_log,
+        status,
         watched: HashMap::new(),
+        listings: Listings::default(),
+        finishing: Arc::new(AtomicUsize::new(0)),
         gpu,
         capped_said: false,
         next_discovery: Instant::now() + DISCOVERY_PERIOD,
@@ -168,9 +199,20 @@ pub fn watch(cfg: NodeConfig) -> anyhow::Result<i32> {
 struct Node<'a> {
     hierarchy: Hierarchy,
     cfg: &'a NodeConfig,
+    /// Watched cgroups at most: `--max-cgroups`, or fewer where the
+    /// open-file limit holds fewer (`fd_capped`).
+    cap: usize,
+    fd_capped: bool,
     kernel_log: String,
+    /// The watcher's state on each stream's Hello (its labels).
+    status: Vec<(&'static str, String)>,
     /// By cgroup path.
     watched: HashMap<String, Watched>,
+    /// What the last discovery listed, for the next to reuse.
+    listings: Listings,
+    /// Streams of removed cgroups still flushing, off the loop: their
+    /// descriptors count against the cap until they end.
+    finishing: Arc<AtomicUsize>,
     /// NVML: each sample carries its cgroup's GPU processes.
     gpu: GpuReader,
     capped_said: bool,
@@ -183,26 +225,38 @@ impl Node<'_> {
     /// Starts streams for cgroups not watched yet; `at_start`: their
     /// counters are the baseline.
     fn discover(&mut self, at_start: bool) {
-        let (found, capped) = self.hierarchy.discover(self.cfg.max_cgroups);
+        let links: HashMap<PathBuf, u64> = self
+            .watched
+            .values()
+            .filter_map(|w| Some((w.found.dir.clone(), w.links()?)))
+            .collect();
+        let room = self
+            .cap
+            .saturating_sub(self.finishing.load(Ordering::Relaxed));
+        let (found, capped) = self
+            .hierarchy
+            .discover_with(room, &mut self.listings, &links);
         if capped && !self.capped_said {
             eprintln!(
-                "oomscope: more than {} memory cgroups under {}; watching the first {} \
-                 (raise --max-cgroups)",
-                self.cfg.max_cgroups,
+                "oomscope: more than {room} memory cgroups under {}; watching the first {room} ({})",
                 self.hierarchy.top.display(),
-                self.cfg.max_cgroups
+                if self.fd_capped {
+                    "the open-file limit holds no more"
+                } else {
+                    "raise --max-cgroups"
+                }
             );
             self.capped_said = true;
         }
         for f in found {
-            if self.watched.contains_key(&f.path) || self.watched.len() >= self.cfg.max_cgroups {
+            if self.watched.contains_key(&f.path) || self.watched.len() >= room {
                 continue;
             }
             let w = Watched::start(
                 f.clone(),
                 self.hierarchy.version,
                 &self.cfg.collector_url,
-                &self.kernel_log,
+                &self.status,
                 at_start,
             );
             tracing::debug!("watching {} as {}", f.path, w.agent_id());
@@ -316,8 +370,13 @@ impl Node<'_> {
                 // A kill counted just before it went still gets its incident.
                 w.report_unexplained(now + KERNEL_RECORD_WAIT, &self.kernel_log);
                 let timeout = self.cfg.flush_timeout;
+                let finishing = self.finishing.clone();
+                finishing.fetch_add(1, Ordering::Relaxed);
                 // Off this loop: the collector may be slow to ack.
-                std::thread::spawn(move || w.finish("cgroup removed", timeout));
+                std::thread::spawn(move || {
+                    w.finish("cgroup removed", timeout);
+                    finishing.fetch_sub(1, Ordering::Relaxed);
+                });
             }
         }
     }

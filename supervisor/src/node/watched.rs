@@ -14,7 +14,6 @@ use oomscope_agent_core::{hostname, now_ns};
 use super::discover::Found;
 use super::identity::{identify, ContainerIdentity};
 use super::oom_count::{kills, Count};
-use crate::hello::KERNEL_LOG_LABEL;
 use crate::kill_event;
 
 /// How long a kernel record read before the counter moved waits for it: the
@@ -27,6 +26,9 @@ const MAX_KERNEL_CREDITS: usize = 16;
 const MAX_UNEXPLAINED: usize = 16;
 /// The Hello label naming the cgroup the stream watches.
 pub const CGROUP_PATH_LABEL: &str = "container.cgroup";
+/// The Hello label, on every stream, saying the open-file limit holds
+/// fewer cgroups than `--max-cgroups` asks (absent when it does not).
+pub const CGROUP_CAP_LABEL: &str = "node.cgroup_cap";
 
 /// A counted kill whose kernel record has not come (yet).
 struct Unexplained {
@@ -38,8 +40,8 @@ struct Unexplained {
 
 pub(super) struct Watched {
     pub found: Found,
-    /// `found.dir` held open (one descriptor a cgroup): its files are
-    /// opened relative to it.
+    /// `found.dir` held open, with its counter files: its files are
+    /// opened relative to it, the counters read in place.
     dir: LevelDir,
     pub version: Version,
     reporter: Reporter,
@@ -61,10 +63,10 @@ impl Watched {
         found: Found,
         version: Version,
         collector_url: &str,
-        kernel_log: &str,
+        status: &[(&str, String)],
         baseline: bool,
     ) -> Watched {
-        let dir = LevelDir::open(&found.dir);
+        let dir = LevelDir::open(&found.dir, version);
         let level = read_level_in(&dir, &found.path, version);
         let identity = identify(&found.path);
         let count = if baseline {
@@ -75,7 +77,7 @@ impl Watched {
                 total: 0,
             }
         };
-        let hello = hello(&found, &identity, &level, kernel_log);
+        let hello = hello(&found, &identity, &level, status);
         let reporter = Reporter::start(ReporterConfig::new(collector_url), hello);
         Watched {
             found,
@@ -88,6 +90,12 @@ impl Watched {
             last_level: level,
             last_sent: None,
         }
+    }
+
+    /// Its directory's link count (2 + its subdirectories), read from the
+    /// directory held open: None when it is not held.
+    pub fn links(&self) -> Option<u64> {
+        self.dir.links()
     }
 
     pub fn agent_id(&self) -> &str {
@@ -107,7 +115,7 @@ impl Watched {
             if !self.found.dir.exists() {
                 return None;
             }
-            self.dir = LevelDir::open(&self.found.dir);
+            self.dir = LevelDir::open(&self.found.dir, self.version);
             level = self.read_files(whole);
         }
         self.last_level = level.clone();
@@ -237,7 +245,7 @@ fn hello(
     found: &Found,
     identity: &ContainerIdentity,
     level: &pb::CgroupLevel,
-    kernel_log: &str,
+    status: &[(&str, String)],
 ) -> pb::Hello {
     let host = hostname().unwrap_or_else(|| "localhost".into());
     let pid = std::process::id();
@@ -249,7 +257,7 @@ fn hello(
     let mut labels: std::collections::HashMap<String, String> =
         identity.labels().into_iter().collect();
     labels.insert(CGROUP_PATH_LABEL.into(), found.path.clone());
-    labels.insert(KERNEL_LOG_LABEL.into(), kernel_log.to_string());
+    labels.extend(status.iter().map(|(k, v)| (k.to_string(), v.clone())));
     pb::Hello {
         agent_id: agent_id("node", &id_name, &host, pid, start),
         name,

@@ -5,7 +5,7 @@ use std::path::Path;
 use super::Version;
 use crate::pb;
 use crate::readers::system::parse_pressure;
-use crate::readers::text::{first_u64, key_values, read_at, read_opt};
+use crate::readers::text::{first_u64, key_values, open_at, pread_text, read_at, read_opt};
 
 /// v1 writes PAGE_COUNTER_MAX rounded to pages (9223372036854771712) for
 /// "no limit"; anything this large cannot be a real limit.
@@ -19,6 +19,7 @@ pub fn read_level(dir: &Path, path: &str, version: Version) -> pb::CgroupLevel {
         LevelFiles {
             dir,
             handle: None,
+            held: &[],
             partial: false,
         },
         path,
@@ -27,19 +28,37 @@ pub fn read_level(dir: &Path, path: &str, version: Version) -> pb::CgroupLevel {
 }
 
 /// A cgroup directory held open, for a watcher that reads it every sweep:
-/// its files are opened relative to it (see `text::read_at`).
+/// its files are opened relative to it (see `text::read_at`), and the
+/// counter files [`refresh_counters_in`] reads are held open themselves and
+/// read from offset 0 (see `text::pread_text`): a sweep's reading of a
+/// cgroup is three `pread`s, with no open or close.
 #[derive(Debug)]
 pub struct LevelDir {
     path: std::path::PathBuf,
     /// None when it could not be opened: its files are read by path.
     handle: Option<std::fs::File>,
+    /// The counter files by name; one that could not be opened is read by
+    /// name like any other.
+    held: Vec<(&'static str, std::fs::File)>,
 }
 
+/// The descriptors a [`LevelDir`] holds at most: the directory and its
+/// three counter files.
+pub const LEVEL_DIR_DESCRIPTORS: usize = 1 + 3;
+
 impl LevelDir {
-    pub fn open(path: &Path) -> LevelDir {
+    pub fn open(path: &Path, version: Version) -> LevelDir {
+        let handle = std::fs::File::open(path).ok();
+        let held = handle.as_ref().map_or_else(Vec::new, |dir| {
+            counter_files(version)
+                .into_iter()
+                .filter_map(|name| Some((name, open_at(dir, name)?)))
+                .collect()
+        });
         LevelDir {
             path: path.to_path_buf(),
-            handle: std::fs::File::open(path).ok(),
+            handle,
+            held,
         }
     }
 
@@ -47,12 +66,38 @@ impl LevelDir {
         &self.path
     }
 
+    /// The directory's link count: on a cgroup filesystem (kernfs), as on
+    /// tmpfs, 2 plus its subdirectories, so an unchanged count says no child
+    /// cgroup was made or removed (without listing the directory). None
+    /// when it is not held.
+    pub fn links(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        Some(self.handle.as_ref()?.metadata().ok()?.nlink())
+    }
+
     fn files(&self) -> LevelFiles<'_> {
         LevelFiles {
             dir: &self.path,
             handle: self.handle.as_ref(),
+            held: &self.held,
             partial: false,
         }
+    }
+}
+
+/// The files that move with a kill, in the order [`refresh_counters`] reads them.
+fn counter_files(version: Version) -> [&'static str; 3] {
+    match version {
+        Version::V1 => [
+            Version::V1.usage_file(),
+            "memory.failcnt",
+            "memory.oom_control",
+        ],
+        Version::V2 => [
+            Version::V2.usage_file(),
+            "memory.events",
+            "memory.events.local",
+        ],
     }
 }
 
@@ -86,6 +131,7 @@ pub fn refresh_counters(dir: &Path, last: &pb::CgroupLevel, version: Version) ->
         LevelFiles {
             dir,
             handle: None,
+            held: &[],
             partial: false,
         },
         last,
@@ -108,19 +154,20 @@ fn refresh_files(
     version: Version,
 ) -> pb::CgroupLevel {
     let mut level = last.clone();
-    level.usage_bytes = files.number(version.usage_file(), first_u64);
+    let [usage, second, third] = counter_files(version);
+    level.usage_bytes = files.number(usage, first_u64);
     match version {
         Version::V1 => {
-            level.failcnt = files.number("memory.failcnt", first_u64);
-            if let Some(t) = files.required("memory.oom_control") {
+            level.failcnt = files.number(second, first_u64);
+            if let Some(t) = files.required(third) {
                 parse_v1_oom_control(&t, &mut level);
             }
         }
         Version::V2 => {
-            if let Some(t) = files.required("memory.events") {
+            if let Some(t) = files.required(second) {
                 parse_v2_events(&t, &mut level);
             }
-            if let Some(t) = files.required("memory.events.local") {
+            if let Some(t) = files.required(third) {
                 parse_v2_events_local(&t, &mut level);
             }
         }
@@ -133,6 +180,8 @@ struct LevelFiles<'a> {
     dir: &'a Path,
     /// `dir` held open: files are opened relative to it.
     handle: Option<&'a std::fs::File>,
+    /// Files held open, read from offset 0.
+    held: &'a [(&'static str, std::fs::File)],
     partial: bool,
 }
 
@@ -144,6 +193,9 @@ impl LevelFiles<'_> {
     }
 
     fn optional(&self, name: &str) -> Option<String> {
+        if let Some((_, file)) = self.held.iter().find(|(held, _)| *held == name) {
+            return pread_text(file);
+        }
         match self.handle {
             Some(dir) => read_at(dir, name),
             None => read_opt(&self.dir.join(name)),
@@ -264,7 +316,11 @@ pub fn parse_v1_oom_control(text: &str, level: &mut pb::CgroupLevel) {
 /// v1 calls anonymous memory `rss` and page cache `cache`.
 pub fn parse_v1_stat(text: &str, level: &mut pb::CgroupLevel) {
     let mut saw_total = std::collections::HashSet::new();
-    for (key, value) in key_values(text) {
+    // The key first: seven of its fifty-odd lines are used, and only their
+    // values are parsed.
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let Some(key) = it.next() else { continue };
         let (name, is_total) = match key.strip_prefix("total_") {
             Some(name) => (name, true),
             None => (key, false),
@@ -278,6 +334,9 @@ pub fn parse_v1_stat(text: &str, level: &mut pb::CgroupLevel) {
             "workingset_refault_file" => &mut level.workingset_refault_file,
             "pgmajfault" => &mut level.pgmajfault,
             _ => continue,
+        };
+        let Some(value) = it.next().and_then(|v| v.parse().ok()) else {
+            continue;
         };
         if is_total {
             saw_total.insert(name);

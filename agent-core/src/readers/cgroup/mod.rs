@@ -8,7 +8,7 @@ mod locate;
 pub use level::{
     parse_v1_oom_control, parse_v1_stat, parse_v2_events, parse_v2_events_local, parse_v2_max,
     parse_v2_stat, read_level, read_level_in, refresh_counters, refresh_counters_in, v1_limit,
-    LevelDir,
+    LevelDir, LEVEL_DIR_DESCRIPTORS,
 };
 pub use locate::{
     locate, parse_mountinfo, parse_mounts, parse_proc_cgroup, CgroupLine, CgroupMount,

@@ -25,7 +25,7 @@ use crate::growth::{self, Trend};
 use crate::pb;
 use crate::runtime_kind;
 use crate::runway::{RUNWAY_PREFIX, RUNWAY_UNKNOWN};
-use crate::time_growth::PER_SECOND_METRIC;
+use crate::time_growth::{self, PER_SECOND_METRIC};
 use crate::units::bytes_short;
 use oomscope_proto::CauseKind;
 
@@ -200,6 +200,10 @@ pub fn causes(
     // of theirs), where the tree reads the same process against the
     // instance's work: the work fit is the verdict, this its support.
     let mut over_time: Vec<(u32, String)> = Vec::new();
+    // A member's rise against time while the instance died starting is its
+    // loading (a worker filling its KV pool), not growth: the instance's
+    // own cause (the reservation) explains it (`time_growth::died_starting`).
+    let loading = time_growth::died_starting(f);
     // Members with an agent of their own: their verdicts' growth causes.
     for (hello, theirs) in theirs {
         let died = victim == Some(hello.pid);
@@ -209,6 +213,9 @@ pub fn causes(
             MEMBER_GROWTH_KINDS.iter().any(|k| c.kind == *k)
                 && !c.metrics.contains_key(CGROUP_SERIES_METRIC)
         }) {
+            if loading && c.metrics.contains_key(PER_SECOND_METRIC) {
+                continue;
+            }
             if let Some(per_s) = c.metrics.get(PER_SECOND_METRIC) {
                 if tree.iter().any(|g| g.process.pid == hello.pid) {
                     over_time.push((

@@ -174,6 +174,44 @@ pub fn has_request_marks(f: &Findings) -> bool {
         })
 }
 
+/// A server that died while starting: the failure came before the
+/// instance served anything, in a known serving runtime (vLLM, SGLang, ...)
+/// whose in-process agent reports its work (a request context in its
+/// samples or its members'), and nothing counted a request, a running
+/// sequence or an engine step before it. Its whole life was its start
+/// (imports, weights, a KV pool being filled), the span [`WARMUP_NS`]
+/// leaves out of a fit; with nothing after it, its rise is loading, not
+/// growth, and stands as no `host_growth` (a member's neither: `members`).
+/// A process with no agent that counts (a C++ server under `oomscope run`)
+/// is never read so: its serving cannot be told from its start.
+pub fn died_starting(f: &Findings) -> bool {
+    if !f.failed || f.runtime().is_none() {
+        return false;
+    }
+    let e = f.evidence;
+    let Some(end) = f
+        .kernel
+        .map(|(t, _)| t)
+        .or(f.exit.map(|(t, _)| t))
+        .or_else(|| e.death_time())
+    else {
+        return false;
+    };
+    let instance = || std::iter::once(e).chain(&e.members);
+    let reports = instance().any(|m| m.samples.iter().any(|s| s.context.is_some()));
+    let worked = instance().any(|m| {
+        crate::kv_pool_figures::served_before(m, end)
+            || m.samples.iter().filter(|s| s.time_ns < end).any(|s| {
+                s.context.as_ref().is_some_and(|c| {
+                    c.numbers
+                        .get(crate::evidence::ENGINE_STEPS)
+                        .is_some_and(|&n| n > 0.0)
+                })
+            })
+    });
+    reports && !worked
+}
+
 /// The growth against time that stands as `host_growth`, or None: the
 /// process has request marks (growth is then per request), no series grows
 /// for certain past the host's grain, or it is slow.
@@ -189,7 +227,7 @@ pub fn slow(f: &Findings) -> Option<TimeGrowth> {
 
 /// The certain growth against time of a process with no request marks.
 fn fit(f: &Findings) -> Option<TimeGrowth> {
-    if has_request_marks(f) {
+    if has_request_marks(f) || died_starting(f) {
         return None;
     }
     let points: Vec<&Point> = f.timeline.points.iter().collect();

@@ -276,7 +276,9 @@ pub enum Verb {
     Retest(Box<RetestArgs>),
     /// The `oomscope.fixture/v1` of an incident, from its load at the failure
     /// (its sequences at once, each its share of the active tokens; a leak's
-    /// requests repeated): request sizes only, for `probe --fixture` and `retest`.
+    /// requests repeated), or, for a failure while starting, one that
+    /// reproduces at launch (`at_start`, with a small default load): request
+    /// sizes only, for `probe --fixture` and `retest`.
     Fixture {
         /// The incident id (inc-000042, from `oomscope incidents`).
         incident: String,

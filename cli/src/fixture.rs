@@ -1,5 +1,6 @@
 //! `oomscope fixture INCIDENT`: the incident's diagnosis, its load at the
-//! failure, becomes an `oomscope.fixture/v1` (see `oomscope_probe::fixture`).
+//! failure, becomes an `oomscope.fixture/v1` (see `oomscope_probe::fixture`);
+//! a failure while starting, a fixture that reproduces at launch.
 
 use std::path::Path;
 
@@ -16,15 +17,18 @@ pub fn run(url: &str, incident: &str, out: Option<&Path>) -> anyhow::Result<i32>
         incident: incident.to_string(),
         ..Default::default()
     })?;
-    let failure = d.failure.unwrap_or_default();
-    let fx = fixture::from_failure(
-        incident,
-        d.trigger
-            .as_deref()
-            .unwrap_or(oomscope_proto::TriggerKind::Unknown.as_str()),
-        &failure,
-    )
-    .map_err(anyhow::Error::msg)?;
+    // A failure while starting reproduces at launch: no load to derive.
+    let fx = match fixture::startup_reason(&d) {
+        Some(why) => fixture::startup_load(incident, &why),
+        None => fixture::from_failure(
+            incident,
+            d.trigger
+                .as_deref()
+                .unwrap_or(oomscope_proto::TriggerKind::Unknown.as_str()),
+            &d.failure.unwrap_or_default(),
+        )
+        .map_err(anyhow::Error::msg)?,
+    };
     let text = serde_json::to_string_pretty(&fx)? + "\n";
     match out {
         Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?,

@@ -55,6 +55,7 @@ impl Launch {
         log: &str,
         command: &[String],
         env: &[(String, String)],
+        unset: &[&str],
     ) -> anyhow::Result<Launch> {
         let exe = std::env::current_exe().context("finding oomscope itself")?;
         let mut c = Command::new(exe);
@@ -64,6 +65,9 @@ impl Launch {
         }
         c.arg("--").args(command);
         c.envs(env.iter().map(|(k, v)| (k, v)));
+        for k in unset {
+            c.env_remove(k);
+        }
         match &a.logs {
             Some(dir) => {
                 std::fs::create_dir_all(dir)
@@ -164,10 +168,11 @@ fn check(
     name: &str,
     command: &[String],
     env: &[(String, String)],
+    unset: &[&str],
 ) -> anyhow::Result<Result<Checked, Unready>> {
     let ep = Endpoint::parse(&a.endpoint)?;
     let log = name.rsplit('-').next().unwrap_or(name);
-    let mut launch = Launch::start(a, name, log, command, env)?;
+    let mut launch = Launch::start(a, name, log, command, env, unset)?;
     if let Err(why) = launch.await_ready(&ep, &a.ready_path, a.launch_timeout) {
         launch.stop();
         let memory = start_incident(a, name);
@@ -259,31 +264,44 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
     };
     let tag = std::process::id();
     let requests = fx.requests.len() * fx.repeats;
-    let (base, base_answers) =
-        match check(&a, &fx, &format!("retest-{tag}-baseline"), &a.command, &[])? {
-            Ok((r, answers)) => (Some(r), answers),
-            // Died in memory while starting: the failure, reproduced at start.
-            Err(Unready {
-                why,
-                memory: Some((domain, incident)),
-            }) => {
-                t.baseline = retest::died_at_start(
-                    "",
-                    "",
-                    runtime,
-                    requests,
-                    &domain,
-                    format!("{why}: {incident}"),
-                );
-                (None, Err("the baseline died while starting".to_string()))
-            }
-            Err(Unready { why, memory: None }) => {
-                t.why = Some(format!("the baseline did not start: {why}"));
-                return finish(&a, &t, 2);
-            }
-        };
+    let (base, base_answers) = match check(
+        &a,
+        &fx,
+        &format!("retest-{tag}-baseline"),
+        &a.command,
+        &[],
+        &[],
+    )? {
+        Ok((r, answers)) => (Some(r), answers),
+        // Died in memory while starting: the failure, reproduced at start.
+        Err(Unready {
+            why,
+            memory: Some((domain, incident)),
+        }) => {
+            t.baseline = retest::died_at_start(
+                "",
+                "",
+                runtime,
+                requests,
+                &domain,
+                format!("{why}: {incident}"),
+            );
+            (None, Err("the baseline died while starting".to_string()))
+        }
+        Err(Unready { why, memory: None }) => {
+            t.why = Some(format!("the baseline did not start: {why}"));
+            return finish(&a, &t, 2);
+        }
+    };
     if let Some(base) = &base {
         t.baseline = retest::measured("", "", runtime, base);
+    }
+    if let (Some(why), Some(_)) = (&fx.at_start, &base) {
+        // Its failure is at launch, and the unchanged command started.
+        t.why = Some(format!(
+            "the fixture does not reproduce: its failure is at launch ({why}), and the unchanged command started"
+        ));
+        return finish(&a, &t, 2);
     }
     if let Err(why) = &base_answers {
         t.baseline.quality_note = Some(why.clone());
@@ -301,8 +319,13 @@ pub fn run(a: RetestArgs) -> anyhow::Result<i32> {
         } else {
             (a.command.clone(), vec![(setting.clone(), value.clone())])
         };
+        // A flag for the knob a variable also sets: the variable would win.
+        let unset: Vec<&str> = retest::displaced(setting, runtime)
+            .into_iter()
+            .filter(|v| std::env::var_os(v).is_some())
+            .collect();
         let name = format!("retest-{tag}-{}", i + 1);
-        let row = match check(&a, &fx, &name, &command, &env)? {
+        let row = match check(&a, &fx, &name, &command, &env, &unset)? {
             Ok((r, answers)) => {
                 let mut row = retest::measured(setting, value, runtime, &r);
                 row.outcome = Some(retest::outcome(&t.baseline, &row, &r));

@@ -52,3 +52,45 @@ fn a_kv_concurrency_incident_becomes_its_concurrency_and_tokens() {
     assert!(!run.status.success());
     assert!(!missing.exists());
 }
+
+/// A server that fails while starting (its model path is wrong) reproduces
+/// at launch: its fixture says why (`at_start`) and carries the default
+/// load a fixed launch must serve (`oomscope_probe::fixture::startup_load`).
+#[test]
+fn a_failure_while_starting_becomes_a_fixture_that_reproduces_at_launch() {
+    use oomscope_probe::fixture::{STARTUP_PROMPT_TOKENS, STARTUP_REQUESTS};
+    let tmp = tempdir();
+    let col = Collector::start(&tmp.path().join("db"));
+    let server = "import os\nif not os.path.exists('/nonexistent/model'):\n    raise ValueError('Model path does not exist: /nonexistent/model')\n";
+    let out = run(&col.url, "fx-start", &[], &["python3", "-c", server]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let incs = col.incidents_of("fx-start", 1, Duration::from_secs(10));
+    let id = incs[0]["id"].as_str().unwrap();
+    let path = tmp.path().join("fixture.json");
+    let run = oomscope()
+        .args(["fixture", id, "--collector", &col.url, "--out"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{run:?}");
+    let f: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(f["schema"], "oomscope.fixture/v1");
+    assert!(
+        f["at_start"]
+            .as_str()
+            .unwrap()
+            .contains("ValueError: Model path does not exist"),
+        "{f:#}"
+    );
+    assert_eq!(f["concurrency"], STARTUP_REQUESTS, "{f:#}");
+    let reqs = f["requests"].as_array().unwrap();
+    assert_eq!(reqs.len(), STARTUP_REQUESTS);
+    assert!(reqs
+        .iter()
+        .all(|q| q["prompt_tokens"] == STARTUP_PROMPT_TOKENS));
+    // It is a fixture `probe --fixture` and retest read.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let read = oomscope_probe::fixture::Fixture::parse(&text).unwrap();
+    assert!(read.at_start.is_some());
+}

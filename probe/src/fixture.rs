@@ -12,9 +12,17 @@
 //! ```
 //! A replay sends `requests` in order, `concurrency` at a time (each group
 //! a burst that starts together), and the whole list `repeats` times.
+//!
+//! A failure at start-up (a server killed while it reserved its KV cache,
+//! before any request) reproduces at launch, not by a load: its fixture
+//! carries `"at_start": "why"` (an optional field added within v1: a
+//! reader of an older file gets None, and the shapes stay as they were), and
+//! its `requests` are [`startup_load`], the small load a launch that starts
+//! must then serve. The unchanged server reproduces it by dying while
+//! starting; a fixed one must start, answer that load, and not be killed.
 //! Pure: what to replay, from a probe report or a list of shapes.
 
-use oomscope_proto::TriggerKind;
+use oomscope_proto::{CauseKind, TriggerKind};
 use serde::{Deserialize, Serialize};
 
 use crate::report::{ProbeReport, Step};
@@ -43,6 +51,10 @@ pub struct Fixture {
     pub concurrency: usize,
     /// How many times the whole list is sent.
     pub repeats: usize,
+    /// The failure reproduces at launch: why the unchanged server died
+    /// while starting (the incident's verdict). None: the replay reproduces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_start: Option<String>,
 }
 
 impl Fixture {
@@ -121,9 +133,65 @@ pub fn from_failure(
         ],
         concurrency,
         repeats,
+        at_start: None,
     };
     // The same bounds a reader applies.
     Fixture::parse(&serde_json::to_string(&fx).map_err(|e| e.to_string())?)
+}
+
+/// The load a start-up failure's fixture replays on a launch that starts:
+/// a few requests at once, enough that the KV pool a fix leaves serves
+/// concurrent sequences (a pool too small to hold them preempts or refuses,
+/// which the replay sees), small enough for a CPU server to answer within
+/// seconds and to fit any context a fix would set (a prompt of 256 tokens
+/// plus its answer under a 1024-token `--max-model-len`).
+pub const STARTUP_REQUESTS: usize = 4;
+pub const STARTUP_PROMPT_TOKENS: u64 = 256;
+
+/// The fixture of an incident that failed while starting, before any
+/// request (`why`: the verdict's reading of it): the failure reproduces at
+/// launch, and [`STARTUP_REQUESTS`] of [`STARTUP_PROMPT_TOKENS`] (plus
+/// [`INCIDENT_OUTPUT_TOKENS`]) at once are what a fixed launch must serve.
+pub fn startup_load(incident: &str, why: &str) -> Fixture {
+    Fixture {
+        schema: SCHEMA.into(),
+        source: format!(
+            "incident {incident}: failed while starting, before any request (reproduces at launch); {STARTUP_REQUESTS} requests of {STARTUP_PROMPT_TOKENS} tokens at once for a launch that starts"
+        ),
+        requests: vec![
+            Request {
+                prompt_tokens: STARTUP_PROMPT_TOKENS,
+                output_tokens: INCIDENT_OUTPUT_TOKENS,
+            };
+            STARTUP_REQUESTS
+        ],
+        concurrency: STARTUP_REQUESTS,
+        repeats: 1,
+        at_start: Some(why.to_string()),
+    }
+}
+
+/// Why an incident failed while starting, before any request, where its
+/// diagnosis says so: its leading cause is a reservation that did not fit
+/// at start (`kv_reservation`) or a start-up failure (`startup_failure`),
+/// and its failure counted no request done and none running. That cause's
+/// first evidence line is the reason; None for a failure under load.
+pub fn startup_reason(d: &crate::pb::Diagnosis) -> Option<String> {
+    let f = d.failure.clone().unwrap_or_default();
+    if f.requests_done.unwrap_or(0) > 0 || f.active_sequences.unwrap_or(0) > 0 {
+        return None;
+    }
+    let lead = d.causes.first()?;
+    let at_start = matches!(
+        lead.kind.parse(),
+        Ok(CauseKind::KvReservation | CauseKind::StartupFailure)
+    );
+    at_start.then(|| {
+        lead.evidence
+            .first()
+            .cloned()
+            .unwrap_or_else(|| lead.kind.clone())
+    })
 }
 
 /// The suites whose steps are request shapes at a size and a concurrency.
@@ -163,6 +231,7 @@ pub fn from_report(r: &ProbeReport, output_tokens: u64) -> Option<Fixture> {
                 ],
                 concurrency,
                 repeats: (st.calls / concurrency).max(1),
+                at_start: None,
             })
         })
 }
@@ -257,6 +326,72 @@ mod tests {
     }
 
     #[test]
+    fn a_start_up_failure_reproduces_at_launch_with_a_small_default_load() {
+        let fx = startup_load(
+            "inc-4",
+            "the kernel killed VLLM::Worker while vLLM was starting",
+        );
+        assert_eq!(
+            fx.at_start.as_deref(),
+            Some("the kernel killed VLLM::Worker while vLLM was starting")
+        );
+        assert_eq!((fx.concurrency, fx.repeats), (STARTUP_REQUESTS, 1));
+        assert!(fx
+            .requests
+            .iter()
+            .all(|q| q.prompt_tokens == STARTUP_PROMPT_TOKENS
+                && q.output_tokens == INCIDENT_OUTPUT_TOKENS));
+        // Written and read back as v1, the field kept...
+        let text = serde_json::to_string(&fx).unwrap();
+        assert!(text.contains("\"at_start\""), "{text}");
+        assert_eq!(Fixture::parse(&text).unwrap(), fx);
+        // ...and a v1 file without it (an older writer's) is a replay fixture.
+        let old = serde_json::json!({"schema": SCHEMA, "source": "", "concurrency": 1, "repeats": 1,
+            "requests": [{"prompt_tokens": 8, "output_tokens": 2}]});
+        assert_eq!(Fixture::parse(&old.to_string()).unwrap().at_start, None);
+        // A replay fixture writes no such field.
+        let replay = from_failure(
+            "inc-5",
+            "",
+            &crate::pb::Failure {
+                active_sequences: Some(2),
+                active_tokens: Some(100),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(!serde_json::to_string(&replay).unwrap().contains("at_start"));
+    }
+
+    #[test]
+    fn a_start_up_reservation_or_failure_is_read_as_failing_at_start() {
+        let cause = |kind: &str| crate::pb::Cause {
+            kind: kind.into(),
+            evidence: vec![format!("{kind}: the first line")],
+            ..Default::default()
+        };
+        let d = |kinds: &[&str], failure: crate::pb::Failure| crate::pb::Diagnosis {
+            causes: kinds.iter().map(|k| cause(k)).collect(),
+            failure: Some(failure),
+            ..Default::default()
+        };
+        let none = crate::pb::Failure::default();
+        assert_eq!(
+            startup_reason(&d(&["kv_reservation", "cgroup_limit"], none.clone())).as_deref(),
+            Some("kv_reservation: the first line")
+        );
+        assert!(startup_reason(&d(&["startup_failure"], none.clone())).is_some());
+        // Another lead, or a failure that had served, is no start-up failure.
+        assert!(startup_reason(&d(&["host_growth", "kv_reservation"], none.clone())).is_none());
+        let served = crate::pb::Failure {
+            requests_done: Some(3),
+            ..Default::default()
+        };
+        assert!(startup_reason(&d(&["kv_reservation"], served)).is_none());
+        assert!(startup_reason(&d(&[], none)).is_none());
+    }
+
+    #[test]
     fn a_fixture_is_sent_in_waves_of_its_concurrency_repeats_times() {
         let q = |t| Request {
             prompt_tokens: t,
@@ -268,6 +403,7 @@ mod tests {
             requests: vec![q(1), q(2), q(3)],
             concurrency: 2,
             repeats: 2,
+            at_start: None,
         };
         let waves: Vec<Vec<u64>> = f
             .waves()

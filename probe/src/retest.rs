@@ -4,7 +4,8 @@
 //! choice, and the table as text and Markdown. The launches are the cli's.
 //!
 //! Outcome of a candidate against the baseline (which must have failed):
-//! `vanished` (every request of the fixture answered and the server lived),
+//! `vanished` (every request of the fixture answered, none preempted where
+//! the runtime counts preemptions, and the server lived),
 //! `moved` (it failed, bounded by another domain, or the server turned part
 //! of the fixture away: a context or admission limit), `shrank` (same domain, but more of
 //! the fixture was answered first), `same`, or `failed_start` (the server
@@ -69,6 +70,11 @@ pub struct Row {
     pub peak_memory: Option<String>,
     /// The most requests of the fixture's shape answered in one wave.
     pub capacity: Option<usize>,
+    /// Running sequences the runtime preempted during the replay (its
+    /// metrics' counter), where it exposes one: a load served so did not
+    /// fit the KV pool, and is no `vanished`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemptions: Option<u64>,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
     /// Answered requests a second over the replay.
@@ -87,6 +93,9 @@ pub struct Row {
     /// Why the row is what it is, where that needs saying (a failed start).
     pub note: Option<String>,
 }
+
+/// The domain of a replay served in full with sequences preempted.
+pub const PREEMPTED: &str = "kv_preemption";
 
 /// A change at most this risky that altered no numerics needs no accuracy rerun.
 pub const RISK_ORDER: [&str; 3] = ["low", "medium", "high"];
@@ -137,14 +146,38 @@ pub fn with_setting(command: &[String], setting: &str, value: &str) -> Vec<Strin
     out
 }
 
+/// The environment variables a flag candidate replaces: the runtime's
+/// variables for the same knob, which would otherwise still set it (vLLM's
+/// CPU backend sizes its KV cache from `VLLM_CPU_KVCACHE_SPACE` over
+/// `--kv-cache-memory-bytes`). The launch with the flag unsets them: the
+/// one change is the knob's value, however it was set. None for a variable.
+pub fn displaced(setting: &str, runtime: Option<Runtime>) -> Vec<&'static str> {
+    use oomscope_analysis::settings::SETTINGS;
+    if !setting.starts_with('-') {
+        return Vec::new();
+    }
+    let Some(flag) = SETTINGS
+        .iter()
+        .find(|s| s.name == setting && (runtime.is_none() || Some(s.runtime) == runtime))
+    else {
+        return Vec::new();
+    };
+    SETTINGS
+        .iter()
+        .filter(|s| s.runtime == flag.runtime && s.knob == flag.knob && !s.name.starts_with('-'))
+        .map(|s| s.name)
+        .collect()
+}
+
 /// The changes a diagnosis proposes, as (setting, value): every
 /// `` `SETTING VALUE` `` or `` `SETTING=VALUE` `` in its fixes' actions that
 /// names a known setting of the settings map (the form `setting_fixes`
 /// writes computed proposals in), each once, in the fixes' order (least
 /// risky first). A setting named with no value gets one from the fixture
 /// where its knob has a basis there: sequences at once halved from the
-/// fixture's concurrency, tokens in flight halved from its first wave's;
-/// others (a context, a pool) need the diagnosis's figures and are left out.
+/// fixture's concurrency, tokens in flight halved from its first wave's, a
+/// context cut to the power of two that still holds its longest request;
+/// others (a pool) need the diagnosis's figures and are left out.
 pub fn candidates_from_fixes<'a>(
     actions: impl IntoIterator<Item = &'a str>,
     runtime: Option<Runtime>,
@@ -164,6 +197,13 @@ pub fn candidates_from_fixes<'a>(
         .take(fx.concurrency)
         .map(|q| q.prompt_tokens + q.output_tokens)
         .sum();
+    // The shortest context (a power of two) that still holds every request.
+    let longest = fx
+        .requests
+        .iter()
+        .map(|q| q.prompt_tokens + q.output_tokens)
+        .max()
+        .unwrap_or(0);
     let mut out: Vec<(String, String)> = Vec::new();
     for action in actions {
         for (i, span) in action.split('`').enumerate() {
@@ -184,6 +224,7 @@ pub fn candidates_from_fixes<'a>(
                 match knob {
                     Knob::MaxSequences if fx.concurrency > 1 => (fx.concurrency / 2).to_string(),
                     Knob::MaxBatchTokens if wave_tokens > 1 => (wave_tokens / 2).to_string(),
+                    Knob::MaxContext if longest > 0 => longest.next_power_of_two().to_string(),
                     _ => continue,
                 }
             };
@@ -229,11 +270,14 @@ pub fn measured(setting: &str, value: &str, runtime: Option<Runtime>, r: &ProbeR
             .iter()
             .rev()
             .find_map(|s| s.memory.as_ref().and_then(|m| m.shown()));
+        row.preemptions = f.findings["preemptions"].as_f64().map(|p| p as u64);
         if f.status == Status::Fail {
             row.domain = f
                 .reason
                 .as_deref()
                 .map(|r| r.split(':').next().unwrap_or(r).trim().to_string());
+        } else if f.status == Status::Pass && row.preemptions.unwrap_or(0) > 0 {
+            row.domain = Some(PREEMPTED.into());
         } else if f.status == Status::Pass && row.answered < row.requests {
             // Served without a failure, but not all of it: the server refused the rest.
             let rejected: usize = f.steps.iter().map(|s| s.rejected + s.empty).sum();
@@ -300,6 +344,8 @@ pub fn outcome(baseline: &Row, row: &Row, r: &ProbeReport) -> Outcome {
     match f.status {
         // Refused in part: the failure moved to a limit that turns the workload away.
         Status::Pass if r.deaths.is_empty() && row.answered < row.requests => Outcome::Moved,
+        // Served, by evicting running sequences: the pool, not a kill, bounded it.
+        Status::Pass if r.deaths.is_empty() && row.preemptions.unwrap_or(0) > 0 => Outcome::Moved,
         Status::Pass if r.deaths.is_empty() => Outcome::Vanished,
         Status::Fail => {
             if row.domain != baseline.domain {
@@ -603,6 +649,7 @@ mod tests {
             ],
             concurrency: 8,
             repeats: 1,
+            at_start: None,
         };
         let actions = [
             "Admit fewer requests at once: lower `--max-num-seqs 8` (now 64)",
@@ -613,16 +660,19 @@ mod tests {
             candidates_from_fixes(actions, Some(Runtime::Vllm), &fx),
             vec![
                 ("--max-num-seqs".to_string(), "8".to_string()),
-                ("VLLM_CPU_KVCACHE_SPACE".to_string(), "2".to_string())
+                ("VLLM_CPU_KVCACHE_SPACE".to_string(), "2".to_string()),
+                // 1000 + 16 tokens, in the next power of two.
+                ("--max-model-len".to_string(), "1024".to_string())
             ]
         );
-        // Named without a value: halved from the fixture where the knob has a basis there.
+        // Named without a value: from the fixture where the knob has a basis there.
         let named = ["Cap concurrency: `--max-active` (not set), `--max-total-tokens` (not set), `--max-context` (not set)"];
         assert_eq!(
             candidates_from_fixes(named, Some(Runtime::ReferencePytorch), &fx),
             vec![
                 ("--max-active".to_string(), "4".to_string()),
-                ("--max-total-tokens".to_string(), "4064".to_string())
+                ("--max-total-tokens".to_string(), "4064".to_string()),
+                ("--max-context".to_string(), "1024".to_string())
             ]
         );
     }
@@ -671,6 +721,63 @@ mod tests {
             None
         );
         assert_eq!(died_before_replay(&base, &[death(None)]), None);
+    }
+
+    #[test]
+    fn a_replay_served_by_preempting_sequences_did_not_vanish() {
+        let base = died_at_start("", "", Some(Runtime::Vllm), 4, "cgroup", "killed".into());
+        let report = |preemptions: serde_json::Value| ProbeReport {
+            suites: vec![SuiteReport {
+                suite: "fixture".into(),
+                status: Status::Pass,
+                verdict: String::new(),
+                reason: None,
+                steps: vec![crate::report::Step {
+                    ok: 4,
+                    calls: 4,
+                    ..Default::default()
+                }],
+                findings: serde_json::json!({"requests": 4, "preemptions": preemptions}),
+                duration_s: 1.0,
+                budget_s: None,
+            }],
+            schema: String::new(),
+            endpoint: String::new(),
+            model: None,
+            agent: None,
+            started_ns: 0,
+            duration_s: 1.0,
+            settings: Default::default(),
+            verdict: String::new(),
+            envelope: None,
+            server: Default::default(),
+            prompts: Default::default(),
+            deaths: Vec::new(),
+            warnings: Vec::new(),
+        };
+        for (counted, want, domain) in [
+            (serde_json::json!(0.0), Outcome::Vanished, None),
+            // No counter exposed: the answers alone decide.
+            (serde_json::Value::Null, Outcome::Vanished, None),
+            (serde_json::json!(3.0), Outcome::Moved, Some(PREEMPTED)),
+        ] {
+            let r = report(counted);
+            let row = measured("VLLM_CPU_KVCACHE_SPACE", "1", Some(Runtime::Vllm), &r);
+            assert_eq!((row.answered, row.requests), (4, 4));
+            assert_eq!(row.domain.as_deref(), domain);
+            assert_eq!(outcome(&base, &row, &r), want, "{row:?}");
+        }
+    }
+
+    #[test]
+    fn a_kv_size_flag_replaces_the_variable_that_would_override_it() {
+        let vllm = Some(Runtime::Vllm);
+        assert_eq!(
+            displaced("--kv-cache-memory-bytes", vllm),
+            vec!["VLLM_CPU_KVCACHE_SPACE"]
+        );
+        assert!(displaced("--max-num-seqs", vllm).is_empty());
+        assert!(displaced("VLLM_CPU_KVCACHE_SPACE", vllm).is_empty());
     }
 
     #[test]

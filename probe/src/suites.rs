@@ -1040,6 +1040,10 @@ impl Probe {
             "fixture: {total} requests, {} at a time ({})",
             f.concurrency, f.source
         ));
+        // The runtime's preemption counter around the replay (where it
+        // exposes one): a load served by evicting running sequences did not
+        // fit the KV pool, though every request was answered.
+        let preempted_before = self.preemptions();
         let mut words_for: std::collections::BTreeMap<u64, usize> = Default::default();
         let mut steps: Vec<Step> = Vec::new();
         let mut failed: Option<String> = None;
@@ -1101,16 +1105,27 @@ impl Probe {
                 None,
             ),
         };
+        let preemptions = preempted_before
+            .zip(self.preemptions())
+            .map(|(a, b)| (b - a).max(0.0));
         SuiteReport {
             suite: "fixture".into(),
             status,
             verdict,
             reason,
             steps,
-            findings: json!({"source": f.source, "requests": total, "concurrency": f.concurrency}),
+            findings: json!({"source": f.source, "requests": total, "concurrency": f.concurrency,
+                "preemptions": preemptions}),
             duration_s: t.elapsed().as_secs_f64(),
             budget_s: None,
         }
+    }
+
+    /// The runtime's preemptions counter since it started, where its
+    /// metrics expose one (vLLM's `num_preemptions`, SGLang's retractions).
+    fn preemptions(&self) -> Option<f64> {
+        let src = self.server.load.as_ref()?;
+        src.read(&self.ep, DISCOVERY_TIMEOUT)?.preemptions
     }
 
     /// A burst above capacity. A well-run server answers 429/503 quickly,

@@ -59,6 +59,12 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
     )];
     let mut metrics = vec![("limit_bytes", limit as f64)];
     let request = kv_pool_figures::kv_request(&f.settings);
+    // The pool the runtime stated it made (vLLM's worker plugin reads its
+    // own, in that member's samples): the size where no setting says it.
+    let stated = std::iter::once(e)
+        .chain(&e.members)
+        .filter_map(kv_pool_figures::pool_bytes)
+        .max();
     if let Some((s, b)) = request {
         evidence.push(format!(
             "{}={} asks for a KV pool of {}",
@@ -67,7 +73,14 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
             bytes_short(b)
         ));
         metrics.push(("kv_pool_bytes", b as f64));
+    } else if let Some(b) = stated {
+        evidence.push(format!(
+            "{runtime} stated a KV pool of {} before the kill",
+            bytes_short(b)
+        ));
+        metrics.push(("kv_pool_bytes", b as f64));
     }
+    let pool = request.map(|(_, b)| b).or(stated);
     match kv_pool_figures::final_climb(&series) {
         Some(c) => {
             let warmup = kv_pool_figures::after_pool_allowance(c.rest_bytes);
@@ -87,7 +100,7 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
                 bytes_short(room.max(0.0) as u64),
                 bytes_short(limit)
             ));
-            if let Some((_, b)) = request.filter(|(_, b)| c.rest_bytes + b > limit) {
+            if let Some(b) = pool.filter(|b| c.rest_bytes + b > limit) {
                 evidence.push(format!(
                     "{} + the {} pool = {}, over the {} limit",
                     bytes_short(c.rest_bytes),

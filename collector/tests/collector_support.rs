@@ -181,6 +181,41 @@ pub fn oom(seq: u64, time_ns: i64) -> pb::AgentMessage {
     )
 }
 
+/// A process of a multi-process server: its own agent, in `instance`.
+pub fn member(agent_id: &str, name: &str, instance: &str, pid: u32, role: &str) -> pb::Hello {
+    pb::Hello {
+        pid,
+        role: role.into(),
+        instance: instance.into(),
+        ..hello(agent_id, name)
+    }
+}
+
+pub fn supervisor(agent_id: &str, name: &str) -> pb::Hello {
+    pb::Hello {
+        pid: 100,
+        role: "supervisor".into(),
+        runtime: "supervisor".into(),
+        instance: agent_id.into(),
+        ..hello(agent_id, name)
+    }
+}
+
+pub fn child_start(seq: u64, time_ns: i64, pid: u32) -> pb::AgentMessage {
+    event(
+        seq,
+        time_ns,
+        pb::event::Kind::ChildStart(pb::ChildStart {
+            pid,
+            ..Default::default()
+        }),
+    )
+}
+
+pub fn child_exit(seq: u64, time_ns: i64, x: pb::ChildExit) -> pb::AgentMessage {
+    event(seq, time_ns, pb::event::Kind::ChildExit(x))
+}
+
 pub fn goodbye(seq: u64) -> pb::AgentMessage {
     pb::AgentMessage {
         seq,

@@ -31,8 +31,8 @@ use prost::Message;
 use tokio_postgres::NoTls;
 
 use super::{
-    classify, decode_hello, decode_message, now_ns, seq_to_sql, AgentFilter, Backend, BatchOutcome,
-    IncidentFilter, Store,
+    classify, decode_hello, decode_message, seq_to_sql, AgentFilter, Backend, BatchOutcome,
+    Correlation, IncidentFilter, Store,
 };
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -44,10 +44,10 @@ use crate::pb::agent_message::Body;
 pub const DEFAULT_PG_POOL: usize = 12;
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const PG_SCHEMA_VERSION: i32 = 1;
+const PG_SCHEMA_VERSION: i32 = 2;
 
 /// The advisory lock key migrations run under ("oomscope" in ASCII).
-const MIGRATION_LOCK: i64 = 0x6f6f_6d73_636f_7065;
+pub(super) const MIGRATION_LOCK: i64 = 0x6f6f_6d73_636f_7065;
 /// The advisory lock key partition creation runs under: two collectors
 /// creating the same day's partition would otherwise collide in the catalog.
 const PARTITION_LOCK: i64 = MIGRATION_LOCK + 1;
@@ -117,6 +117,20 @@ CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE 
 CREATE INDEX incidents_by_time ON incidents(time_ns);
 ";
 
+/// Schema v2, as the embedded store's instances (`instances.rs`): the host
+/// and pid that find a parent's instance, allocator samples per agent (which
+/// member speaks for an instance), and merged incidents (the parts of one
+/// failure, correlated in the store: see `pg_views.rs`).
+const SCHEMA_V2: &str = "
+ALTER TABLE agents ADD COLUMN host text NOT NULL DEFAULT '';
+ALTER TABLE agents ADD COLUMN pid bigint NOT NULL DEFAULT 0;
+ALTER TABLE agents ADD COLUMN allocator_samples bigint NOT NULL DEFAULT 0;
+CREATE INDEX agents_by_instance ON agents(instance, first_seen_ns);
+CREATE INDEX agents_by_host_pid ON agents(host, pid);
+ALTER TABLE incidents ADD COLUMN merged_into text;
+CREATE INDEX incidents_by_leader ON incidents(merged_into);
+";
+
 /// Whether `--db` names a PostgreSQL database rather than a SQLite file.
 pub fn is_postgres_url(db: &str) -> bool {
     db.starts_with("postgres://") || db.starts_with("postgresql://")
@@ -124,7 +138,7 @@ pub fn is_postgres_url(db: &str) -> bool {
 
 /// A PostgreSQL database as the store of record.
 pub struct PgStore {
-    pool: Pool,
+    pub(super) pool: Pool,
     runtime: OwnRuntime,
     /// Day partitions known to exist (or known to be impossible: their days
     /// already have rows in the default partition).
@@ -180,7 +194,7 @@ impl PgStore {
 
     /// Runs `work` on the store's runtime and waits for it: callable from a
     /// plain thread or a blocking task alike.
-    fn run<R: Send + 'static>(
+    pub(super) fn run<R: Send + 'static>(
         &self,
         work: impl Future<Output = Result<R>> + Send + 'static,
     ) -> Result<R> {
@@ -274,6 +288,11 @@ async fn migrate(pool: Pool) -> Result<()> {
         tx.execute("INSERT INTO oomscope_schema(version) VALUES (1)", &[])
             .await?;
     }
+    if version < 2 {
+        tx.batch_execute(SCHEMA_V2).await?;
+        tx.execute("UPDATE oomscope_schema SET version = 2", &[])
+            .await?;
+    }
     tx.commit().await?;
     Ok(())
 }
@@ -321,6 +340,8 @@ struct Rows {
     event_kinds: Vec<Option<&'static str>>,
     bodies: Vec<Vec<u8>>,
     messages: Vec<pb::AgentMessage>,
+    /// Whether each is a sample with allocator readings (see `Member`).
+    allocator: Vec<bool>,
 }
 
 async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchOutcome> {
@@ -395,11 +416,12 @@ async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchO
     conflicting.sort_unstable();
     conflicting.dedup();
     let mut out = BatchOutcome::default();
-    let (mut samples, mut events) = (0i64, 0i64);
+    let (mut samples, mut events, mut allocator) = (0i64, 0i64, 0i64);
     for &i in &new_rows {
         out.fresh.push(rows.seqs[i] as u64);
         samples += i64::from(rows.kinds[i] == "sample");
         events += i64::from(rows.kinds[i] == "event");
+        allocator += i64::from(rows.allocator[i]);
     }
     for seq in &rows.seqs {
         let seq = *seq as u64;
@@ -416,9 +438,17 @@ async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchO
         tx.execute(
             "UPDATE agents SET last_seq = GREATEST(last_seq, $2),
                last_seen_ns = GREATEST(last_seen_ns, $3),
-               samples = samples + $4, events = events + $5
+               samples = samples + $4, events = events + $5,
+               allocator_samples = allocator_samples + $6
              WHERE agent_id = $1",
-            &[&agent_id, &(max_seq as i64), &max_time, &samples, &events],
+            &[
+                &agent_id,
+                &(max_seq as i64),
+                &max_time,
+                &samples,
+                &events,
+                &allocator,
+            ],
         )
         .await?;
     }
@@ -428,9 +458,10 @@ async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchO
     Ok(out)
 }
 
-const INCIDENT_COLUMNS: &str = "id, agent_id, agent_name, kind, time_ns, domain, summary, seq";
+pub(super) const INCIDENT_COLUMNS: &str =
+    "id, agent_id, agent_name, kind, time_ns, domain, summary, seq";
 
-fn incident_from(r: &tokio_postgres::Row) -> pb::Incident {
+pub(super) fn incident_from(r: &tokio_postgres::Row) -> pb::Incident {
     pb::Incident {
         id: r.get(0),
         agent_id: r.get(1),
@@ -472,32 +503,63 @@ impl Backend for PgStore {
             recovery: false,
             ..hello.clone()
         };
-        let instance = match hello.instance.is_empty() {
-            true => hello.agent_id.clone(),
-            false => hello.instance.clone(),
-        };
         let pool = self.pool.clone();
         self.run(async move {
             let client = pool.get().await?;
             let blob = hello.encode_to_vec();
+            // The instance as the embedded store finds it (`instances.rs`):
+            // the one the Hello names, else the parent process's agent's,
+            // else a live agent's of the same name on the same host, else
+            // its own id. An agent already known keeps its instance (the
+            // conflict below leaves it).
+            let instance: String = client
+                .query_one(
+                    "SELECT COALESCE(
+                       NULLIF($1, ''),
+                       (SELECT instance FROM agents WHERE $4::bigint <> 0 AND host = $3 AND pid = $4
+                          AND state = 'connected' ORDER BY first_seen_ns DESC LIMIT 1),
+                       (SELECT instance FROM agents WHERE host = $3 AND name = $5
+                          AND state = 'connected' ORDER BY first_seen_ns LIMIT 1),
+                       $2)",
+                    &[
+                        &hello.instance,
+                        &hello.agent_id,
+                        &hello.host,
+                        &i64::from(hello.parent_pid),
+                        &hello.name,
+                    ],
+                )
+                .await?
+                .get(0);
             // A recovered spool's Hello is a dead agent's: it never replaces
             // a live record, and a new one is stored as lost.
             let sql = match recovery {
                 false => {
-                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns)
-                     VALUES ($1, $2, $3, 'connected', $4, $5, $5, $5)
+                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns, host, pid)
+                     VALUES ($1, $2, $3, 'connected', $4, $5, $5, $5, $6, $7)
                      ON CONFLICT(agent_id) DO UPDATE SET
                        name = excluded.name, hello = excluded.hello, state = 'connected',
                        last_seen_ns = GREATEST(agents.last_seen_ns, excluded.last_seen_ns),
                        last_hello_ns = excluded.last_hello_ns"
                 }
                 true => {
-                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns)
-                     VALUES ($1, $2, $3, 'lost', $4, $5, $5, $5) ON CONFLICT(agent_id) DO NOTHING"
+                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns, host, pid)
+                     VALUES ($1, $2, $3, 'lost', $4, $5, $5, $5, $6, $7) ON CONFLICT(agent_id) DO NOTHING"
                 }
             };
             client
-                .execute(sql, &[&hello.agent_id, &hello.name, &blob, &instance, &now_ns])
+                .execute(
+                    sql,
+                    &[
+                        &hello.agent_id,
+                        &hello.name,
+                        &blob,
+                        &instance,
+                        &now_ns,
+                        &hello.host,
+                        &i64::from(hello.pid),
+                    ],
+                )
                 .await
                 .with_context(|| format!("storing the Hello of agent {}", hello.agent_id))?;
             Ok(())
@@ -512,6 +574,7 @@ impl Backend for PgStore {
             event_kinds: Vec::with_capacity(messages.len()),
             bodies: Vec::with_capacity(messages.len()),
             messages: Vec::with_capacity(messages.len()),
+            allocator: Vec::with_capacity(messages.len()),
         };
         for msg in messages {
             let Some((kind, event_kind, time_ns)) = classify(msg) else {
@@ -523,6 +586,8 @@ impl Backend for PgStore {
             rows.event_kinds.push(event_kind);
             rows.bodies.push(msg.encode_to_vec());
             rows.messages.push(msg.clone());
+            rows.allocator
+                .push(matches!(&msg.body, Some(Body::Sample(s)) if !s.allocator.is_empty()));
         }
         if rows.seqs.is_empty() {
             return Ok(BatchOutcome::default());
@@ -564,31 +629,47 @@ impl Backend for PgStore {
 
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
         let (pool, inc) = (self.pool.clone(), incident.clone());
+        let seq = seq_to_sql(inc.seq)?;
+        self.run(
+            async move { super::pg_views::insert_incident(&**pool.get().await?, &inc, seq).await },
+        )
+    }
+
+    fn file_incident(
+        &self,
+        incident: &pb::Incident,
+        correlation: Correlation,
+    ) -> Result<Option<pb::Incident>> {
+        PgStore::file_incident(self, incident, correlation)
+    }
+
+    fn incident_agent(&self, id: &str) -> Result<Option<String>> {
+        let (pool, id) = (self.pool.clone(), id.to_string());
         self.run(async move {
-            let client = pool.get().await?;
-            // Numbered by the database: collectors share one series of ids.
-            let row = client
-                .query_opt(
+            Ok(pool
+                .get()
+                .await?
+                .query_opt("SELECT agent_id FROM incidents WHERE id = $1", &[&id])
+                .await?
+                .map(|r| r.get(0)))
+        })
+    }
+
+    fn parts_of(&self, leaders: &[String]) -> Result<Vec<(String, pb::Incident)>> {
+        let (pool, leaders) = (self.pool.clone(), leaders.to_vec());
+        self.run(async move {
+            let rows = pool
+                .get()
+                .await?
+                .query(
                     &format!(
-                        "WITH n AS (SELECT nextval('incident_numbers') AS n)
-                         INSERT INTO incidents(n, id, agent_id, agent_name, kind, time_ns, domain, summary, seq)
-                         SELECT n.n, 'inc-' || lpad(n.n::text, 6, '0'), $1, $2, $3, $4, $5, $6, $7 FROM n
-                         ON CONFLICT (agent_id, seq, kind) WHERE seq > 0 DO NOTHING
-                         RETURNING {INCIDENT_COLUMNS}"
+                        "SELECT {INCIDENT_COLUMNS}, merged_into FROM incidents
+                         WHERE merged_into = ANY($1) ORDER BY n"
                     ),
-                    &[
-                        &inc.agent_id,
-                        &inc.agent_name,
-                        &inc.kind,
-                        &inc.time_ns,
-                        &inc.domain,
-                        &inc.summary,
-                        &seq_to_sql(inc.seq)?,
-                    ],
+                    &[&leaders],
                 )
-                .await
-                .with_context(|| format!("storing a {} incident of agent {}", inc.kind, inc.agent_id))?;
-            Ok(row.as_ref().map(incident_from))
+                .await?;
+            Ok(rows.iter().map(|r| (r.get(8), incident_from(r))).collect())
         })
     }
 
@@ -668,7 +749,8 @@ impl Backend for PgStore {
                 .query(
                     &format!(
                         "SELECT {INCIDENT_COLUMNS} FROM incidents
-                         WHERE ($1::text IS NULL OR agent_id = $1) AND time_ns >= $2
+                         WHERE ($1::text IS NULL OR agent_id = $1) AND merged_into IS NULL
+                           AND time_ns >= $2
                            AND ($3 = '' OR domain = $3) AND ($4 = '' OR kind = $4)
                            AND ($5::text[] IS NULL OR agent_id = ANY($5))
                          ORDER BY n"
@@ -696,40 +778,7 @@ impl Backend for PgStore {
     }
 
     fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>> {
-        let (pool, id) = (self.pool.clone(), agent_id.to_string());
-        let found = self.run(async move {
-            let client = pool.get().await?;
-            let Some(hello) = client
-                .query_opt("SELECT hello FROM agents WHERE agent_id = $1", &[&id])
-                .await?
-            else {
-                return Ok(None);
-            };
-            let hello = decode_hello(&id, hello.get(0))?;
-            let rows = client
-                .query(
-                    "SELECT seq, body FROM messages WHERE agent_id = $1 ORDER BY seq DESC LIMIT $2",
-                    &[&id, &i64::from(max_messages)],
-                )
-                .await?;
-            let mut messages = rows
-                .iter()
-                .map(|r| decode_message(&id, r.get::<_, i64>(0) as u64, r.get(1)))
-                .collect::<Result<Vec<_>>>()?;
-            messages.reverse();
-            Ok(Some((hello, messages)))
-        })?;
-        let Some((hello, messages)) = found else {
-            return Ok(None);
-        };
-        let incidents = self.incidents(Some(agent_id))?;
-        let mut store = Store::open_in_memory()?;
-        store.upsert_agent(&hello, now_ns())?;
-        store.insert_batch(agent_id, &messages)?;
-        for inc in &incidents {
-            store.insert_incident(inc)?;
-        }
-        Ok(Some(store))
+        self.instance_view(agent_id, max_messages)
     }
 
     fn message_count(&self, agent_id: &str) -> Result<u64> {

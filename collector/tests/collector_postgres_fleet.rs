@@ -3,7 +3,8 @@
 //! event resent to the other collector raises no second incident; a stream
 //! that broke on one collector and resumed on the other within the grace is
 //! no lost agent, while one that never comes back is lost once; timelines
-//! and diagnoses read what either collector stored.
+//! and diagnoses read what either collector stored; parts of one failure
+//! that reach different collectors are one incident.
 
 #[path = "collector_support.rs"]
 mod support;
@@ -178,4 +179,73 @@ async fn the_own_store_keeps_its_working_window_and_queries_read_the_shared_one(
     assert_eq!(seqs, [1, 2]);
     drop(agent);
     run.stop().await;
+}
+
+/// One failure seen in parts by two collectors (a GPU worker's OOM streams to
+/// one, its supervisor's record of the worker's failed exit to the other, in
+/// either order) is one incident in the shared store, led by the OOM with
+/// the exit as its part: correlation runs in the store, not in either
+/// collector's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_seen_by_two_collectors_is_one_incident() {
+    for oom_first in [true, false] {
+        let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+        let dir = tempfile::tempdir().unwrap();
+        let a = collector_on(&pg, &dir).await;
+        let b = collector_on(&pg, &dir).await;
+        let t = now_ns();
+        let one = |s: u64| BTreeSet::from([s]);
+        let mut sup = b.agent(supervisor("sup", "gpu")).await;
+        sup.send(child_start(1, t, 400)).await;
+        sup.acks_covering(&one(1), |_| {}).await;
+        let mut worker = a
+            .agent(member("gpu-worker-0", "gpu", "sup", 401, "worker"))
+            .await;
+        worker.send(sample(1, t + 1_000_000)).await;
+        worker.acks_covering(&one(1), |_| {}).await;
+        let failed_exit = child_exit(
+            2,
+            t + 1_500_000_000,
+            oomscope_collector::pb::ChildExit {
+                pid: 401,
+                exit_code: Some(1),
+                member: true,
+                title: "GpuWorker-0".into(),
+                ..Default::default()
+            },
+        );
+        if oom_first {
+            worker.send(oom(2, t + 1_000_000_000)).await;
+            worker.acks_covering(&one(2), |_| {}).await;
+            sup.send(failed_exit).await;
+            sup.acks_covering(&one(2), |_| {}).await;
+        } else {
+            sup.send(failed_exit).await;
+            sup.acks_covering(&one(2), |_| {}).await;
+            worker.send(oom(2, t + 1_000_000_000)).await;
+            worker.acks_covering(&one(2), |_| {}).await;
+        }
+        for run in [&a, &b] {
+            let incs = incidents(run, "").await;
+            let got: Vec<(&str, &str, Vec<(&str, &str)>)> = incs
+                .iter()
+                .map(|i| {
+                    let parts = i
+                        .parts
+                        .iter()
+                        .map(|p| (p.kind.as_str(), p.agent_id.as_str()))
+                        .collect();
+                    (i.kind.as_str(), i.agent_id.as_str(), parts)
+                })
+                .collect();
+            assert_eq!(
+                got,
+                [("oom", "gpu-worker-0", vec![("member_failed", "sup")])],
+                "oom first: {oom_first}"
+            );
+        }
+        drop((sup, worker));
+        a.stop().await;
+        b.stop().await;
+    }
 }

@@ -249,3 +249,60 @@ async fn a_failure_seen_by_two_collectors_is_one_incident() {
         b.stop().await;
     }
 }
+
+/// Batches of many agents at once go into shared group transactions (fewer
+/// commits than batches), and each comes back with its own outcome: its
+/// seqs stored and counted once, a resend with other content refused in
+/// its own batch only.
+#[test]
+fn batches_of_many_agents_share_group_commits_with_their_own_outcomes() {
+    const AGENTS: usize = 16;
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let store = Arc::new(PgStore::connect(pg.url(), 4).unwrap());
+    let t0 = now_ns();
+    for a in 0..AGENTS {
+        store
+            .record_hello(&hello(&format!("a{a}"), "svc"), t0)
+            .unwrap();
+    }
+    let batch = |from: u64| {
+        (from..from + 50)
+            .map(|s| sample(s, t0 + s as i64))
+            .collect::<Vec<_>>()
+    };
+    // a0's seq 10 is stored first; the group below resends it changed.
+    store.insert_batch("a0", &batch(10)[..1]).unwrap();
+    let start = Arc::new(std::sync::Barrier::new(AGENTS));
+    let threads: Vec<_> = (0..AGENTS)
+        .map(|a| {
+            let (store, start) = (store.clone(), start.clone());
+            let mut msgs = batch(1);
+            if a == 0 {
+                msgs[9] = sample(10, t0 + 999);
+            }
+            std::thread::spawn(move || {
+                start.wait();
+                store.insert_batch(&format!("a{a}"), &msgs).unwrap()
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    for (a, out) in outcomes.iter().enumerate() {
+        let want: Vec<u64> = (1..=50).filter(|&s| a != 0 || s != 10).collect();
+        assert_eq!(out.stored, want, "a{a}");
+        assert_eq!(out.fresh, want, "a{a}");
+        let refused: &[u64] = if a == 0 { &[10] } else { &[] };
+        assert_eq!(out.conflicting, refused, "a{a}");
+        assert_eq!(store.message_count(&format!("a{a}")).unwrap(), 50, "a{a}");
+    }
+    let counted: Vec<(u64, u64)> = store
+        .list_agents()
+        .unwrap()
+        .iter()
+        .map(|a| (a.samples, a.last_seq))
+        .collect();
+    assert_eq!(counted, vec![(50, 50); AGENTS]);
+    let (groups, batches) = store.group_counts();
+    assert_eq!(batches, AGENTS as u64 + 1);
+    assert!(groups < batches, "{groups} groups for {batches} batches");
+}

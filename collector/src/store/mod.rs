@@ -27,6 +27,7 @@ mod history;
 mod instances;
 mod marks;
 mod pg_views;
+mod pg_writer;
 mod postgres;
 mod readers;
 mod retention;

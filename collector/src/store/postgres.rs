@@ -20,7 +20,7 @@
 //! the store runs its async client on a runtime of its own and waits for it,
 //! so callers call it as they call SQLite: off the async workers.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::future::Future;
 use std::str::FromStr;
 
@@ -30,9 +30,10 @@ use parking_lot::Mutex;
 use prost::Message;
 use tokio_postgres::NoTls;
 
+use super::pg_writer::{Batch, GroupWriter};
 use super::{
-    classify, decode_hello, decode_message, seq_to_sql, AgentFilter, Backend, BatchOutcome,
-    Correlation, IncidentFilter, Store,
+    decode_hello, decode_message, seq_to_sql, AgentFilter, Backend, BatchOutcome, Correlation,
+    IncidentFilter, Store,
 };
 use crate::pb;
 use crate::pb::agent_message::Body;
@@ -143,6 +144,8 @@ pub struct PgStore {
     /// Day partitions known to exist (or known to be impossible: their days
     /// already have rows in the default partition).
     partitions: Mutex<HashSet<i64>>,
+    /// Group commit of the agents' batches.
+    writer: GroupWriter,
 }
 
 /// The store's own runtime, shut down without waiting when the store goes
@@ -180,10 +183,12 @@ impl PgStore {
             .max_size(pool_size.max(1))
             .build()
             .context("building the PostgreSQL pool")?;
+        let writer = GroupWriter::start(pool.clone(), runtime.handle());
         let store = PgStore {
             pool,
             runtime: OwnRuntime(Some(runtime)),
             partitions: Mutex::new(HashSet::new()),
+            writer,
         };
         let pool = store.pool.clone();
         store
@@ -260,6 +265,11 @@ impl PgStore {
     }
 
     /// The day partitions that exist now (tests and retention).
+    /// (group transactions committed, batches in them) so far.
+    pub fn group_counts(&self) -> (u64, u64) {
+        self.writer.counts()
+    }
+
     pub fn partition_days(&self) -> Result<Vec<i64>> {
         let pool = self.pool.clone();
         self.run(async move { partition_days(&**pool.get().await?).await })
@@ -330,132 +340,6 @@ pub fn redact(url: &str) -> String {
         }
         _ => url.to_string(),
     }
-}
-
-/// One batch's rows, as bound arrays.
-struct Rows {
-    seqs: Vec<i64>,
-    times: Vec<i64>,
-    kinds: Vec<&'static str>,
-    event_kinds: Vec<Option<&'static str>>,
-    bodies: Vec<Vec<u8>>,
-    messages: Vec<pb::AgentMessage>,
-    /// Whether each is a sample with allocator readings (see `Member`).
-    allocator: Vec<bool>,
-}
-
-async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchOutcome> {
-    let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    // The key first: of two collectors storing one seq, the second waits for
-    // the first's commit here, then finds it stored.
-    let fresh_rows = tx
-        .query(
-            "INSERT INTO message_keys(agent_id, seq, time_ns)
-             SELECT $1, s, t FROM unnest($2::int8[], $3::int8[]) AS u(s, t)
-             ON CONFLICT DO NOTHING RETURNING seq",
-            &[&agent_id, &rows.seqs, &rows.times],
-        )
-        .await
-        .with_context(|| format!("storing the keys of agent {agent_id}'s batch"))?;
-    let fresh: HashSet<i64> = fresh_rows.iter().map(|r| r.get(0)).collect();
-    // The first message of each fresh seq is stored; any other is compared.
-    let mut stored_now = HashSet::new();
-    let mut new_rows = Vec::new();
-    let mut compare = Vec::new();
-    for (i, seq) in rows.seqs.iter().enumerate() {
-        if fresh.contains(seq) && stored_now.insert(*seq) {
-            new_rows.push(i);
-        } else {
-            compare.push(i);
-        }
-    }
-    let pick = |v: &dyn Fn(usize) -> i64| new_rows.iter().map(|&i| v(i)).collect::<Vec<i64>>();
-    let seqs = pick(&|i| rows.seqs[i]);
-    let times = pick(&|i| rows.times[i]);
-    let kinds: Vec<&str> = new_rows.iter().map(|&i| rows.kinds[i]).collect();
-    let event_kinds: Vec<Option<&str>> = new_rows.iter().map(|&i| rows.event_kinds[i]).collect();
-    let bodies: Vec<&[u8]> = new_rows
-        .iter()
-        .map(|&i| rows.bodies[i].as_slice())
-        .collect();
-    if !new_rows.is_empty() {
-        tx.execute(
-            "INSERT INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
-             SELECT $1, * FROM unnest($2::int8[], $3::int8[], $4::text[], $5::text[], $6::bytea[])",
-            &[&agent_id, &seqs, &times, &kinds, &event_kinds, &bodies],
-        )
-        .await
-        .with_context(|| format!("storing agent {agent_id}'s batch"))?;
-    }
-    let mut conflicting = Vec::new();
-    if !compare.is_empty() {
-        let resent: Vec<i64> = compare.iter().map(|&i| rows.seqs[i]).collect();
-        let stored: BTreeMap<i64, Vec<u8>> = tx
-            .query(
-                "SELECT seq, body FROM messages WHERE agent_id = $1 AND seq = ANY($2)",
-                &[&agent_id, &resent],
-            )
-            .await?
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect();
-        for &i in &compare {
-            let seq = rows.seqs[i];
-            let same = match stored.get(&seq) {
-                Some(body) => decode_message(&agent_id, seq as u64, body)? == rows.messages[i],
-                // Its key is there and its row is not: retention took the
-                // row's partition first. Nothing to compare with: refused.
-                None => false,
-            };
-            if !same {
-                conflicting.push(seq as u64);
-            }
-        }
-    }
-    conflicting.sort_unstable();
-    conflicting.dedup();
-    let mut out = BatchOutcome::default();
-    let (mut samples, mut events, mut allocator) = (0i64, 0i64, 0i64);
-    for &i in &new_rows {
-        out.fresh.push(rows.seqs[i] as u64);
-        samples += i64::from(rows.kinds[i] == "sample");
-        events += i64::from(rows.kinds[i] == "event");
-        allocator += i64::from(rows.allocator[i]);
-    }
-    for seq in &rows.seqs {
-        let seq = *seq as u64;
-        if conflicting.binary_search(&seq).is_err() {
-            out.stored.push(seq);
-        }
-    }
-    out.fresh.sort_unstable();
-    out.stored.sort_unstable();
-    out.stored.dedup();
-    out.conflicting = conflicting;
-    if let Some(&max_seq) = out.stored.last() {
-        let max_time = rows.times.iter().copied().max().unwrap_or(0);
-        tx.execute(
-            "UPDATE agents SET last_seq = GREATEST(last_seq, $2),
-               last_seen_ns = GREATEST(last_seen_ns, $3),
-               samples = samples + $4, events = events + $5,
-               allocator_samples = allocator_samples + $6
-             WHERE agent_id = $1",
-            &[
-                &agent_id,
-                &(max_seq as i64),
-                &max_time,
-                &samples,
-                &events,
-                &allocator,
-            ],
-        )
-        .await?;
-    }
-    tx.commit()
-        .await
-        .with_context(|| format!("committing agent {agent_id}'s batch"))?;
-    Ok(out)
 }
 
 pub(super) const INCIDENT_COLUMNS: &str =
@@ -566,34 +450,14 @@ impl Backend for PgStore {
         })
     }
 
+    /// Into the next group transaction (see `pg_writer.rs`).
     fn insert_batch(&self, agent_id: &str, messages: &[pb::AgentMessage]) -> Result<BatchOutcome> {
-        let mut rows = Rows {
-            seqs: Vec::with_capacity(messages.len()),
-            times: Vec::with_capacity(messages.len()),
-            kinds: Vec::with_capacity(messages.len()),
-            event_kinds: Vec::with_capacity(messages.len()),
-            bodies: Vec::with_capacity(messages.len()),
-            messages: Vec::with_capacity(messages.len()),
-            allocator: Vec::with_capacity(messages.len()),
-        };
-        for msg in messages {
-            let Some((kind, event_kind, time_ns)) = classify(msg) else {
-                continue;
-            };
-            rows.seqs.push(seq_to_sql(msg.seq)?);
-            rows.times.push(time_ns);
-            rows.kinds.push(kind);
-            rows.event_kinds.push(event_kind);
-            rows.bodies.push(msg.encode_to_vec());
-            rows.messages.push(msg.clone());
-            rows.allocator
-                .push(matches!(&msg.body, Some(Body::Sample(s)) if !s.allocator.is_empty()));
-        }
-        if rows.seqs.is_empty() {
+        let batch = Batch::of(agent_id, messages)?;
+        if batch.is_empty() {
             return Ok(BatchOutcome::default());
         }
-        self.ensure_partitions(&rows.times)?;
-        self.run(insert_batch(self.pool.clone(), agent_id.to_string(), rows))
+        self.ensure_partitions(&batch.times())?;
+        self.writer.write(batch)
     }
 
     fn set_state(&self, agent_id: &str, state: &str, now_ns: i64) -> Result<()> {

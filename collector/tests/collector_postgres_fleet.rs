@@ -227,20 +227,20 @@ async fn a_failure_seen_by_two_collectors_is_one_incident() {
         }
         for run in [&a, &b] {
             let incs = incidents(run, "").await;
-            let got: Vec<(&str, &str, Vec<(&str, &str)>)> = incs
+            let got: Vec<String> = incs
                 .iter()
                 .map(|i| {
-                    let parts = i
+                    let parts: Vec<String> = i
                         .parts
                         .iter()
-                        .map(|p| (p.kind.as_str(), p.agent_id.as_str()))
+                        .map(|p| format!("{} of {}", p.kind, p.agent_id))
                         .collect();
-                    (i.kind.as_str(), i.agent_id.as_str(), parts)
+                    format!("{} of {} [{}]", i.kind, i.agent_id, parts.join(", "))
                 })
                 .collect();
             assert_eq!(
                 got,
-                [("oom", "gpu-worker-0", vec![("member_failed", "sup")])],
+                ["oom of gpu-worker-0 [member_failed of sup]"],
                 "oom first: {oom_first}"
             );
         }

@@ -266,7 +266,7 @@ impl PgStore {
                 agents: agents_where(
                     &*tx,
                     "instance = (SELECT instance FROM agents WHERE agent_id = ($1::text[])[1])",
-                    &[inc.agent_id.clone()],
+                    std::slice::from_ref(&inc.agent_id),
                 )
                 .await?
                 .into_iter()

@@ -76,12 +76,20 @@ impl QueryApi {
         F: FnOnce(&mut Store) -> Result<R, Status> + Send + 'static,
         R: Send + 'static,
     {
-        self.read_about_with(about, MAX_SNAPSHOT_MESSAGES, f).await
+        self.read_about_with(about, MAX_SNAPSHOT_MESSAGES, DIAGNOSE_OLDER_SAMPLES, f)
+            .await
     }
 
     /// [`QueryApi::read_about`] with a snapshot of at most `messages`
-    /// messages per member (none for a question about incidents only).
-    async fn read_about_with<R, F>(&self, about: About, messages: u32, f: F) -> Result<R, Status>
+    /// messages and `older` samples before them per member (none for a
+    /// question about incidents only).
+    async fn read_about_with<R, F>(
+        &self,
+        about: About,
+        messages: u32,
+        older: u32,
+        f: F,
+    ) -> Result<R, Status>
     where
         F: FnOnce(&mut Store) -> Result<R, Status> + Send + 'static,
         R: Send + 'static,
@@ -96,7 +104,7 @@ impl QueryApi {
                 About::Latest => shared.incidents(None)?.pop().map(|i| i.agent_id),
             };
             let snapshot = match agent {
-                Some(a) => shared.snapshot(&a, messages)?,
+                Some(a) => shared.snapshot(&a, messages, older)?,
                 None => None,
             };
             match snapshot {
@@ -226,7 +234,7 @@ impl QueryService for QueryApi {
         // embedded store answers.
         let about = About::Agent(agent.clone());
         let incidents = self
-            .read_about_with(about, 0, move |s| {
+            .read_about_with(about, 0, 0, move |s| {
                 let roots = if agent.is_empty() {
                     s.incidents_where(None, &filter)
                 } else {

@@ -306,3 +306,35 @@ fn batches_of_many_agents_share_group_commits_with_their_own_outcomes() {
     assert_eq!(batches, AGENTS as u64 + 1);
     assert!(groups < batches, "{groups} groups for {batches} batches");
 }
+
+/// A history longer than a query's window: the snapshot holds the newest
+/// messages and older samples spread in time, and the drop statements of
+/// the older samples it left out, so a thinned timeline still states every
+/// drop (as the file store's, which thins the whole history).
+#[test]
+fn a_long_historys_snapshot_keeps_the_drop_statements_it_thins() {
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let store = PgStore::connect(pg.url(), 2).unwrap();
+    let t0 = now_ns();
+    store.record_hello(&hello("a1", "svc"), t0).unwrap();
+    store
+        .insert_batch("a1", &samples_stating_drops(t0))
+        .unwrap();
+    // The newest 40 (seqs 61..=100) and 10 of the 60 before: the samples
+    // stating drops (10, 30, 51) may all be left out.
+    let view = store
+        .snapshot("a1", 40, 10)
+        .unwrap()
+        .expect("a known agent");
+    let t = view.timeline("a1", 0, 0, 5).unwrap();
+    assert_eq!(t.samples.len(), 5);
+    assert_eq!(t.samples.first().map(|p| p.seq), Some(1), "the oldest kept");
+    let (got, want) = folded_drops(&t.samples);
+    assert_eq!(got, want);
+    assert_eq!(got.iter().map(|d| d.1).sum::<u64>(), 11);
+    // Without the older history: only what the window holds.
+    let newest = store.snapshot("a1", 40, 0).unwrap().unwrap();
+    let t = newest.timeline("a1", 0, 0, 5).unwrap();
+    assert_eq!(t.samples.first().map(|p| p.seq), Some(61));
+    assert!(folded_drops(&t.samples).0.is_empty());
+}

@@ -216,6 +216,58 @@ pub fn child_exit(seq: u64, time_ns: i64, x: pb::ChildExit) -> pb::AgentMessage 
     event(seq, time_ns, pb::event::Kind::ChildExit(x))
 }
 
+/// Samples 1..=100, 1 ms apart from `t0`; seqs 10, 30 and 51 state drops
+/// before them: (samples, requests, stride) of [`DROPS_STATED`].
+pub fn samples_stating_drops(t0: i64) -> Vec<pb::AgentMessage> {
+    (1..=100u64)
+        .map(|seq| {
+            let mut m = sample(seq, t0 + seq as i64 * 1_000_000);
+            if let (Some(Body::Sample(s)), Some((_, samples, requests, stride))) =
+                (m.body.as_mut(), DROPS_STATED.iter().find(|d| d.0 == seq))
+            {
+                s.dropped_before = Some(pb::DroppedBefore {
+                    samples: *samples,
+                    requests: *requests,
+                    stride: *stride,
+                    ..Default::default()
+                });
+            }
+            m
+        })
+        .collect()
+}
+
+/// (seq, samples, requests, stride) that [`samples_stating_drops`] states.
+pub const DROPS_STATED: [(u64, u64, u64, u32); 3] = [(10, 4, 40, 2), (30, 6, 60, 4), (51, 1, 0, 1)];
+
+/// Each drop statement of a thinned timeline's points, as (seq, samples,
+/// requests, stride), and what [`DROPS_STATED`] folds to on those points:
+/// each statement on the first kept point at or after it, summed.
+pub fn folded_drops(
+    samples: &[pb::TimedSample],
+) -> (Vec<(u64, u64, u64, u32)>, Vec<(u64, u64, u64, u32)>) {
+    let got = samples
+        .iter()
+        .filter_map(|p| {
+            let d = p.sample.as_ref()?.dropped_before?;
+            Some((p.seq, d.samples, d.requests, d.stride))
+        })
+        .collect();
+    let kept: Vec<u64> = samples.iter().map(|p| p.seq).collect();
+    let mut want: Vec<(u64, u64, u64, u32)> = Vec::new();
+    for (seq, s, r, k) in DROPS_STATED {
+        let at = *kept
+            .iter()
+            .find(|&&p| p >= seq)
+            .expect("a point after each drop");
+        match want.iter_mut().find(|e| e.0 == at) {
+            Some(e) => (e.1, e.2, e.3) = (e.1 + s, e.2 + r, e.3.max(k)),
+            None => want.push((at, s, r, k)),
+        }
+    }
+    (got, want)
+}
+
 pub fn goodbye(seq: u64) -> pb::AgentMessage {
     pb::AgentMessage {
         seq,

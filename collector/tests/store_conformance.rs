@@ -88,6 +88,7 @@ on_both_engines!(
     retention_removes_old_messages_and_incidents_and_keeps_young_ones,
     agents_and_incidents_are_filtered_by_the_store,
     an_instance_is_queried_whole_with_its_merged_incident,
+    a_thinned_timeline_folds_every_drop_statement,
 );
 
 /// Collector clock now: test messages carry today's times, so PostgreSQL
@@ -561,5 +562,42 @@ async fn an_instance_is_queried_whole_with_its_merged_incident(engine: Engine) {
     );
     assert_eq!(by_part, by_name, "the leader's verdict");
     drop((sup, worker, helper));
+    run.stop().await;
+}
+
+/// Samples stating drops (an agent's memory bound during an outage): a
+/// timeline thinned to 5 points puts each statement on the first kept point
+/// at or after it, none lost, none twice; unthinned, each stays on its own.
+async fn a_thinned_timeline_folds_every_drop_statement(engine: Engine) {
+    let run = engine.serve().await;
+    let mut agent = run.agent(hello("agent-1", "svc")).await;
+    for m in samples_stating_drops(t0()) {
+        agent.send(m).await;
+    }
+    agent.acks_covering(&seqs(1..=100), |_| {}).await;
+    let thinned = run
+        .query()
+        .await
+        .timeline(pb::TimelineRequest {
+            agent: "agent-1".into(),
+            max_points: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(thinned.samples.len(), 5);
+    let (got, want) = folded_drops(&thinned.samples);
+    assert_eq!(got, want);
+    assert_eq!(got.iter().map(|d| d.1).sum::<u64>(), 11);
+    let whole = timeline(&run, "agent-1").await;
+    let own: Vec<u64> = whole
+        .samples
+        .iter()
+        .filter(|p| p.sample.as_ref().unwrap().dropped_before.is_some())
+        .map(|p| p.seq)
+        .collect();
+    assert_eq!(own, [10, 30, 51]);
+    drop(agent);
     run.stop().await;
 }

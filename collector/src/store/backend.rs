@@ -72,12 +72,19 @@ pub trait Backend: Send + Sync {
     /// resumed on another within the grace is no lost agent.
     fn hello_since(&self, agent_id: &str, since_ns: i64) -> Result<bool>;
     /// A throwaway embedded store holding the agent's instance: each
-    /// member's Hello, newest `max_messages` messages and figures, their
+    /// member's Hello, newest `max_messages` messages and figures (and, from
+    /// the history before those, `older_samples` samples spread evenly in
+    /// time with every statement of dropped messages there), their
     /// incidents and the parts merged into them (under their ids), for
     /// queries that run the embedded store's code (timeline, diagnose,
     /// incidents) on what any collector stored; None for an unknown agent,
     /// or for a store that is queried in place.
-    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>>;
+    fn snapshot(
+        &self,
+        agent_id: &str,
+        max_messages: u32,
+        older_samples: u32,
+    ) -> Result<Option<Store>>;
 }
 
 /// The embedded store behind the interface: a lock around the one
@@ -144,7 +151,7 @@ impl Backend for parking_lot::Mutex<Store> {
         Ok(false)
     }
     /// Queried in place: the collector reads the file itself.
-    fn snapshot(&self, _agent_id: &str, _max_messages: u32) -> Result<Option<Store>> {
+    fn snapshot(&self, _agent_id: &str, _messages: u32, _older: u32) -> Result<Option<Store>> {
         Ok(None)
     }
     fn prune_before(&self, cutoff_ns: i64) -> Result<u64> {

@@ -83,19 +83,29 @@ fn incident_row(r: &tokio_postgres::Row) -> IncidentRow {
     (incident_from(r), r.get(8))
 }
 
+/// A statement of dropped messages as stored: (time_ns, seq, DroppedBefore).
+type Mark = (i64, i64, Vec<u8>);
+
+/// The most statements of dropped messages one member's view reads from
+/// the history before its window: an agent states a drop once per
+/// collector outage it outlived, so this is years of outages, and bounds a
+/// query's memory (a few MB) whatever an agent sent.
+const MAX_VIEW_MARKS: i64 = 50_000;
+
 /// What a view holds, read in one go and built into a [`Store`] off the
-/// store's runtime.
+/// store's runtime: each agent with its messages (the newest, then a thinned
+/// selection of older samples) and the drop statements older than those.
 #[derive(Default)]
 struct View {
-    agents: Vec<(AgentRow, Vec<pb::AgentMessage>)>,
+    agents: Vec<(AgentRow, Vec<pb::AgentMessage>, Vec<Mark>)>,
     incidents: Vec<IncidentRow>,
 }
 
 impl View {
     fn build(&self) -> Result<Store> {
         let mut store = Store::open_in_memory()?;
-        for (agent, messages) in &self.agents {
-            store.restore_agent(agent, messages)?;
+        for (agent, messages, marks) in &self.agents {
+            store.restore_agent(agent, messages, marks)?;
         }
         store.restore_incidents(&self.incidents)?;
         Ok(store)
@@ -140,6 +150,63 @@ async fn newest_messages(
     Ok(messages)
 }
 
+/// Up to `k` of `agent_id`'s samples before seq `before`, spread evenly
+/// in time (the first of each of `k` equal stretches), oldest first.
+async fn older_samples_of(
+    client: &impl GenericClient,
+    agent_id: &str,
+    before: i64,
+    k: u32,
+) -> Result<Vec<pb::AgentMessage>> {
+    let picked: Vec<i64> = client
+        .query(
+            "WITH older AS (
+               SELECT seq, time_ns FROM messages
+               WHERE agent_id = $1 AND kind = 'sample' AND seq < $2),
+             span AS (SELECT min(time_ns) AS lo, max(time_ns) + 1 AS hi FROM older)
+             SELECT DISTINCT ON (b) seq FROM (
+               SELECT seq, time_ns,
+                      width_bucket(time_ns::numeric, lo::numeric, hi::numeric, $3::int4) AS b
+               FROM older, span) o
+             ORDER BY b, time_ns, seq",
+            &[&agent_id, &before, &(k.min(i32::MAX as u32) as i32)],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if picked.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = client
+        .query(
+            "SELECT seq, body FROM messages WHERE agent_id = $1 AND seq = ANY($2) ORDER BY seq",
+            &[&agent_id, &picked],
+        )
+        .await?;
+    rows.iter()
+        .map(|r| decode_message(agent_id, r.get::<_, i64>(0) as u64, r.get(1)))
+        .collect()
+}
+
+/// `agent_id`'s drop statements before seq `before` (see [`MAX_VIEW_MARKS`]).
+async fn marks_before(
+    client: &impl GenericClient,
+    agent_id: &str,
+    before: i64,
+) -> Result<Vec<Mark>> {
+    Ok(client
+        .query(
+            "SELECT time_ns, seq, statement FROM dropped_marks
+             WHERE agent_id = $1 AND seq < $2 ORDER BY time_ns DESC, seq DESC LIMIT $3",
+            &[&agent_id, &before, &MAX_VIEW_MARKS],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect())
+}
+
 /// The incidents `clause` picks (binding `$1` to ids), oldest first.
 async fn incidents_picked(
     client: &impl GenericClient,
@@ -165,7 +232,7 @@ async fn add_incident_agents(client: &impl GenericClient, view: &mut View) -> Re
     let known: BTreeSet<&str> = view
         .agents
         .iter()
-        .map(|(a, _)| a.agent_id.as_str())
+        .map(|(a, _, _)| a.agent_id.as_str())
         .collect();
     let missing: Vec<String> = view
         .incidents
@@ -178,7 +245,7 @@ async fn add_incident_agents(client: &impl GenericClient, view: &mut View) -> Re
         .collect();
     if !missing.is_empty() {
         for a in agents_where(client, "agent_id = ANY($1)", &missing).await? {
-            view.agents.push((a, Vec::new()));
+            view.agents.push((a, Vec::new(), Vec::new()));
         }
     }
     Ok(())
@@ -189,7 +256,12 @@ impl PgStore {
     /// its newest `max_messages` messages, the members' incidents and the
     /// parts merged into them (with those parts' agents); None for an
     /// unknown agent.
-    pub(super) fn instance_view(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>> {
+    pub(super) fn instance_view(
+        &self,
+        agent_id: &str,
+        max_messages: u32,
+        older_samples: u32,
+    ) -> Result<Option<Store>> {
         let (pool, id) = (self.pool.clone(), agent_id.to_string());
         let view = self.run(async move {
             let client = pool.get().await?;
@@ -204,13 +276,24 @@ impl PgStore {
             }
             let mut view = View::default();
             for m in members {
-                let messages = newest_messages(&**client, &m.agent_id, max_messages).await?;
-                view.agents.push((m, messages));
+                let mut messages = newest_messages(&**client, &m.agent_id, max_messages).await?;
+                let mut marks = Vec::new();
+                // A history longer than the window: its older part thinned,
+                // with every drop statement there.
+                if messages.len() as u64 == u64::from(max_messages) && older_samples > 0 {
+                    let before = messages.first().map_or(0, |m| m.seq as i64);
+                    let mut older =
+                        older_samples_of(&**client, &m.agent_id, before, older_samples).await?;
+                    older.append(&mut messages);
+                    messages = older;
+                    marks = marks_before(&**client, &m.agent_id, before).await?;
+                }
+                view.agents.push((m, messages, marks));
             }
             let ids: Vec<String> = view
                 .agents
                 .iter()
-                .map(|(a, _)| a.agent_id.clone())
+                .map(|(a, _, _)| a.agent_id.clone())
                 .collect();
             view.incidents = incidents_picked(
                 &**client,
@@ -270,12 +353,12 @@ impl PgStore {
                 )
                 .await?
                 .into_iter()
-                .map(|a| (a, Vec::new()))
+                .map(|a| (a, Vec::new(), Vec::new()))
                 .collect(),
             };
             add_incident_agents(&*tx, &mut view).await?;
             // Which run of its supervisor each incident falls in.
-            for (agent, messages) in &mut view.agents {
+            for (agent, messages, _) in &mut view.agents {
                 if agent.hello.role == Role::Supervisor {
                     *messages = run_starts(&*tx, &agent.agent_id, to).await?;
                 }
@@ -377,7 +460,12 @@ async fn run_starts(
 impl Store {
     /// Adds an agent of a view with `messages`, then its figures as the
     /// store of record counts them (the view holds only the newest messages).
-    fn restore_agent(&mut self, a: &AgentRow, messages: &[pb::AgentMessage]) -> Result<()> {
+    fn restore_agent(
+        &mut self,
+        a: &AgentRow,
+        messages: &[pb::AgentMessage],
+        marks: &[Mark],
+    ) -> Result<()> {
         use prost::Message;
         self.conn.execute(
             "INSERT INTO agents(agent_id, name, hello, state, first_seen_ns, last_seen_ns, instance, host, pid)
@@ -396,6 +484,14 @@ impl Store {
         )?;
         if !messages.is_empty() {
             self.insert_batch(&a.agent_id, messages)?;
+        }
+        // Those of samples the view left out too (its own samples' are in).
+        for (time_ns, seq, statement) in marks {
+            self.conn.execute(
+                "INSERT OR IGNORE INTO dropped_marks(agent_id, time_ns, seq, statement)
+                 VALUES (?1, ?2, ?3, ?4)",
+                params![a.agent_id, time_ns, seq, statement],
+            )?;
         }
         self.conn.execute(
             "UPDATE agents SET state = ?2, last_seen_ns = ?3, last_seq = ?4, samples = ?5,

@@ -38,6 +38,8 @@ struct Row {
     message: pb::AgentMessage,
     /// A sample with allocator readings (see `instances::Member`).
     allocator: bool,
+    /// A sample's statement of messages dropped before it, encoded.
+    dropped_before: Option<Vec<u8>>,
 }
 
 /// One agent's batch, ready to store.
@@ -61,6 +63,10 @@ impl Batch {
                 event_kind,
                 body: msg.encode_to_vec(),
                 allocator: matches!(&msg.body, Some(Body::Sample(s)) if !s.allocator.is_empty()),
+                dropped_before: match &msg.body {
+                    Some(Body::Sample(s)) => s.dropped_before.map(|d| d.encode_to_vec()),
+                    _ => None,
+                },
                 message: msg.clone(),
             });
         }
@@ -222,6 +228,27 @@ async fn write_group(pool: &Pool, batches: &[Batch]) -> Result<Vec<BatchOutcome>
         )
         .await
         .context("storing a group's messages")?;
+        let marked: Vec<&(usize, usize)> = new_rows
+            .iter()
+            .filter(|x| row(x).dropped_before.is_some())
+            .collect();
+        if !marked.is_empty() {
+            let a: Vec<&str> = marked.iter().map(|x| agent_of(x)).collect();
+            let t: Vec<i64> = marked.iter().map(|x| row(x).time_ns).collect();
+            let s: Vec<i64> = marked.iter().map(|x| row(x).seq).collect();
+            let d: Vec<&[u8]> = marked
+                .iter()
+                .filter_map(|x| row(x).dropped_before.as_deref())
+                .collect();
+            tx.execute(
+                "INSERT INTO dropped_marks(agent_id, time_ns, seq, statement)
+                 SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bytea[])
+                 ON CONFLICT DO NOTHING",
+                &[&a, &t, &s, &d],
+            )
+            .await
+            .context("storing a group's drop statements")?;
+        }
     }
     let mut conflicting: HashSet<(usize, i64)> = HashSet::new();
     if !compare.is_empty() {

@@ -121,7 +121,8 @@ CREATE INDEX incidents_by_time ON incidents(time_ns);
 /// Schema v2, as the embedded store's instances (`instances.rs`): the host
 /// and pid that find a parent's instance, allocator samples per agent (which
 /// member speaks for an instance), and merged incidents (the parts of one
-/// failure, correlated in the store: see `pg_views.rs`).
+/// failure, correlated in the store: see `pg_views.rs`); and statements of
+/// dropped messages.
 const SCHEMA_V2: &str = "
 ALTER TABLE agents ADD COLUMN host text NOT NULL DEFAULT '';
 ALTER TABLE agents ADD COLUMN pid bigint NOT NULL DEFAULT 0;
@@ -130,6 +131,17 @@ CREATE INDEX agents_by_instance ON agents(instance, first_seen_ns);
 CREATE INDEX agents_by_host_pid ON agents(host, pid);
 ALTER TABLE incidents ADD COLUMN merged_into text;
 CREATE INDEX incidents_by_leader ON incidents(merged_into);
+-- As the embedded store's (schema v7, `marks.rs`): each sample's statement
+-- of messages its agent dropped unsent, so that a timeline read from a
+-- window of the history still folds the statements of what it thinned.
+-- (Samples stored under v1 keep theirs in their bodies only.)
+CREATE TABLE dropped_marks(
+    agent_id  text NOT NULL,
+    time_ns   bigint NOT NULL,
+    seq       bigint NOT NULL,
+    statement bytea NOT NULL,      -- the DroppedBefore the sample carried
+    PRIMARY KEY(agent_id, time_ns, seq)
+);
 ";
 
 /// Whether `--db` names a PostgreSQL database rather than a SQLite file.
@@ -641,8 +653,13 @@ impl Backend for PgStore {
         })
     }
 
-    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>> {
-        self.instance_view(agent_id, max_messages)
+    fn snapshot(
+        &self,
+        agent_id: &str,
+        max_messages: u32,
+        older_samples: u32,
+    ) -> Result<Option<Store>> {
+        self.instance_view(agent_id, max_messages, older_samples)
     }
 
     fn message_count(&self, agent_id: &str) -> Result<u64> {
@@ -699,6 +716,11 @@ impl Backend for PgStore {
                     &[&day_cutoff],
                 )
                 .await?;
+            tx.execute(
+                "DELETE FROM dropped_marks WHERE time_ns < $1",
+                &[&day_cutoff],
+            )
+            .await?;
             gone += tx
                 .execute("DELETE FROM incidents WHERE time_ns < $1", &[&cutoff_ns])
                 .await?;

@@ -1295,7 +1295,12 @@ async fn ingest(
                 .filter(|r| is_event(&r.msg))
                 .map(|r| r.msg.clone())
                 .collect();
-            let mark = store.incident_mark()?;
+            // What this batch files here, for the shared store (see
+            // `share_incidents`); nothing to read without one.
+            let mark = match sharing {
+                true => store.incident_mark()?,
+                false => 0,
+            };
             let mut recorded = match events.is_empty() {
                 false => incidents::record(store, &id, &events).unwrap_or_else(|e| {
                     tracing::error!(agent_id = id, "recording incidents failed: {e:#}");

@@ -370,18 +370,7 @@ async fn a_workers_device_oom_and_its_failed_exit_are_one_incident() {
         let mut worker = run
             .agent(member("gpu-worker-0", "gpu", "sup", 401, "worker"))
             .await;
-        let failed_exit = child_exit(
-            2,
-            t + 1_500_000_000,
-            pb::ChildExit {
-                pid: 401,
-                exit_code: Some(1),
-                member: true,
-                title: "GpuWorker-0".into(),
-                status_from: "proc_events".into(),
-                ..Default::default()
-            },
-        );
+        let failed_exit = worker_failed(2, t + 1_500_000_000);
         if oom_stored_first {
             worker.send(oom(1, t + 1_000_000_000)).await;
             worker.acks_covering(&[1].into(), |_| {}).await;

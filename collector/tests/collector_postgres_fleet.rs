@@ -203,17 +203,7 @@ async fn a_failure_seen_by_two_collectors_is_one_incident() {
             .await;
         worker.send(sample(1, t + 1_000_000)).await;
         worker.acks_covering(&one(1), |_| {}).await;
-        let failed_exit = child_exit(
-            2,
-            t + 1_500_000_000,
-            oomscope_collector::pb::ChildExit {
-                pid: 401,
-                exit_code: Some(1),
-                member: true,
-                title: "GpuWorker-0".into(),
-                ..Default::default()
-            },
-        );
+        let failed_exit = worker_failed(2, t + 1_500_000_000);
         if oom_first {
             worker.send(oom(2, t + 1_000_000_000)).await;
             worker.acks_covering(&one(2), |_| {}).await;

@@ -216,6 +216,23 @@ pub fn child_exit(seq: u64, time_ns: i64, x: pb::ChildExit) -> pb::AgentMessage 
     event(seq, time_ns, pb::event::Kind::ChildExit(x))
 }
 
+/// The supervisor's record of its GPU worker (pid 401) exiting 1: a
+/// `member_failed`.
+pub fn worker_failed(seq: u64, time_ns: i64) -> pb::AgentMessage {
+    child_exit(
+        seq,
+        time_ns,
+        pb::ChildExit {
+            pid: 401,
+            exit_code: Some(1),
+            member: true,
+            title: "GpuWorker-0".into(),
+            status_from: "proc_events".into(),
+            ..Default::default()
+        },
+    )
+}
+
 /// Samples 1..=100, 1 ms apart from `t0`; seqs 10, 30 and 51 state drops
 /// before them: (samples, requests, stride) of [`DROPS_STATED`].
 pub fn samples_stating_drops(t0: i64) -> Vec<pb::AgentMessage> {
@@ -237,15 +254,16 @@ pub fn samples_stating_drops(t0: i64) -> Vec<pb::AgentMessage> {
         .collect()
 }
 
+/// A drop statement on a sample: (seq, samples, requests, stride).
+pub type DropStated = (u64, u64, u64, u32);
+
 /// (seq, samples, requests, stride) that [`samples_stating_drops`] states.
-pub const DROPS_STATED: [(u64, u64, u64, u32); 3] = [(10, 4, 40, 2), (30, 6, 60, 4), (51, 1, 0, 1)];
+pub const DROPS_STATED: [DropStated; 3] = [(10, 4, 40, 2), (30, 6, 60, 4), (51, 1, 0, 1)];
 
 /// Each drop statement of a thinned timeline's points, as (seq, samples,
 /// requests, stride), and what [`DROPS_STATED`] folds to on those points:
 /// each statement on the first kept point at or after it, summed.
-pub fn folded_drops(
-    samples: &[pb::TimedSample],
-) -> (Vec<(u64, u64, u64, u32)>, Vec<(u64, u64, u64, u32)>) {
+pub fn folded_drops(samples: &[pb::TimedSample]) -> (Vec<DropStated>, Vec<DropStated>) {
     let got = samples
         .iter()
         .filter_map(|p| {
@@ -254,7 +272,7 @@ pub fn folded_drops(
         })
         .collect();
     let kept: Vec<u64> = samples.iter().map(|p| p.seq).collect();
-    let mut want: Vec<(u64, u64, u64, u32)> = Vec::new();
+    let mut want: Vec<DropStated> = Vec::new();
     for (seq, s, r, k) in DROPS_STATED {
         let at = *kept
             .iter()

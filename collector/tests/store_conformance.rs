@@ -445,19 +445,7 @@ async fn an_instance_is_queried_whole_with_its_merged_incident(engine: Engine) {
         .await;
     helper.send(goodbye(1)).await;
     helper.acks_covering(&seqs(1..=1), |_| {}).await;
-    sup.send(child_exit(
-        2,
-        t + 1_500_000_000,
-        pb::ChildExit {
-            pid: 401,
-            exit_code: Some(1),
-            member: true,
-            title: "GpuWorker-0".into(),
-            status_from: "proc_events".into(),
-            ..Default::default()
-        },
-    ))
-    .await;
+    sup.send(worker_failed(2, t + 1_500_000_000)).await;
     sup.acks_covering(&seqs(2..=2), |_| {}).await;
 
     let agents = run

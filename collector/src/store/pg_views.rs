@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use rusqlite::params;
 use tokio_postgres::GenericClient;
 
-use super::postgres::{incident_from, PgStore, INCIDENT_COLUMNS, MIGRATION_LOCK};
+use super::postgres::{incident_from, insert_incident, PgStore, INCIDENT_COLUMNS, MIGRATION_LOCK};
 use super::{decode_hello, decode_message, insert_incident_tx, seq_to_sql, Store};
 use crate::pb;
 use oomscope_proto::Role;
@@ -402,37 +402,6 @@ impl PgStore {
         })?;
         Ok(neighbourhood)
     }
-}
-
-/// Inserts `inc`, numbered by the database (collectors share one series of
-/// ids); None when its event raised one already.
-pub(super) async fn insert_incident(
-    client: &impl GenericClient,
-    inc: &pb::Incident,
-    seq: i64,
-) -> Result<Option<pb::Incident>> {
-    let row = client
-        .query_opt(
-            &format!(
-                "WITH n AS (SELECT nextval('incident_numbers') AS n)
-                 INSERT INTO incidents(n, id, agent_id, agent_name, kind, time_ns, domain, summary, seq)
-                 SELECT n.n, 'inc-' || lpad(n.n::text, 6, '0'), $1, $2, $3, $4, $5, $6, $7 FROM n
-                 ON CONFLICT (agent_id, seq, kind) WHERE seq > 0 DO NOTHING
-                 RETURNING {INCIDENT_COLUMNS}"
-            ),
-            &[
-                &inc.agent_id,
-                &inc.agent_name,
-                &inc.kind,
-                &inc.time_ns,
-                &inc.domain,
-                &inc.summary,
-                &seq,
-            ],
-        )
-        .await
-        .with_context(|| format!("storing a {} incident of agent {}", inc.kind, inc.agent_id))?;
-    Ok(row.as_ref().map(incident_from))
 }
 
 /// A supervisor's newest run starts up to `to_ns`.

@@ -83,6 +83,9 @@ impl Client {
             .filter(|u| !u.is_empty())
             .collect();
         let urls = if urls.is_empty() { vec![url] } else { urls };
+        if let [one] = urls[..] {
+            return Client::connect_one(one, connect, call);
+        }
         let mut unreachable = Vec::new();
         for u in &urls {
             match Client::connect_one(u, connect, call) {

@@ -641,17 +641,21 @@ impl Collector {
                             c.inner.metrics.incident(inc);
                         }
                     }
-                    Ok(Some((lost, store.incidents_after(mark)?)))
+                    // "lost", or "ended" (a probe, or with its instance).
+                    let state = store.state(&id)?.unwrap_or_else(|| "lost".into());
+                    Ok(Some((lost, store.incidents_after(mark)?, state)))
                 })
                 .await;
-            if let (Ok(Some(_)), Some(shared)) = (&outcome, collector.inner.shared.clone()) {
-                let id = agent_id.clone();
+            if let (Ok(Some((_, _, state))), Some(shared)) =
+                (&outcome, collector.inner.shared.clone())
+            {
+                let (id, state) = (agent_id.clone(), state.clone());
                 let _ =
-                    tokio::task::spawn_blocking(move || shared.set_state(&id, "lost", now_ns()))
+                    tokio::task::spawn_blocking(move || shared.set_state(&id, &state, now_ns()))
                         .await;
             }
             let outcome = match outcome {
-                Ok(Some((lost, filed))) => Ok(Some(
+                Ok(Some((lost, filed, _))) => Ok(Some(
                     collector.share_incidents(Vec::from_iter(lost), filed).await,
                 )),
                 Ok(None) => Ok(None),

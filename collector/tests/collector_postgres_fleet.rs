@@ -328,3 +328,59 @@ fn a_long_historys_snapshot_keeps_the_drop_statements_it_thins() {
     assert_eq!(t.samples.first().map(|p| p.seq), Some(61));
     assert!(folded_drops(&t.samples).0.is_empty());
 }
+
+/// A batch the database refuses (an agent id PostgreSQL cannot hold as
+/// text) fails alone: the batches that shared its group are stored and
+/// answered as if it had not been there.
+#[test]
+fn a_refused_batch_costs_the_rest_of_its_group_nothing() {
+    const AGENTS: usize = 8;
+    /// Bursts: the bad batch shares a group with good ones in most.
+    const ROUNDS: u64 = 3;
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let store = Arc::new(PgStore::connect(pg.url(), 4).unwrap());
+    let t0 = now_ns();
+    for a in 0..AGENTS {
+        store
+            .record_hello(&hello(&format!("a{a}"), "svc"), t0)
+            .unwrap();
+    }
+    for round in 0..ROUNDS {
+        let seqs = round * 20 + 1..=round * 20 + 20;
+        let msgs: Vec<_> = seqs.clone().map(|s| sample(s, t0 + s as i64)).collect();
+        let start = Arc::new(std::sync::Barrier::new(AGENTS + 1));
+        let threads: Vec<_> = (0..=AGENTS)
+            .map(|a| {
+                let (store, start, msgs) = (store.clone(), start.clone(), msgs.clone());
+                // The last one: a NUL byte, which no PostgreSQL text holds.
+                let id = match a {
+                    AGENTS => "bad\0agent".to_string(),
+                    a => format!("a{a}"),
+                };
+                std::thread::spawn(move || {
+                    start.wait();
+                    store.insert_batch(&id, &msgs)
+                })
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let (bad, good) = results.split_last().unwrap();
+        assert!(bad.is_err(), "{bad:?}");
+        for (a, r) in good.iter().enumerate() {
+            let out = r
+                .as_ref()
+                .unwrap_or_else(|e| panic!("round {round}, a{a}: {e:#}"));
+            assert_eq!(out.stored, seqs.clone().collect::<Vec<u64>>(), "a{a}");
+        }
+    }
+    for a in 0..AGENTS {
+        let n = store.message_count(&format!("a{a}")).unwrap();
+        assert_eq!(n, ROUNDS * 20, "a{a}");
+    }
+    let (_, batches) = store.group_counts();
+    assert_eq!(
+        batches,
+        ROUNDS * AGENTS as u64,
+        "each good batch counted once"
+    );
+}

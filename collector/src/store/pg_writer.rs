@@ -145,22 +145,51 @@ async fn run(pool: Pool, mut queue: mpsc::Receiver<Job>, counts: Arc<GroupCounts
         let (batches, answers): (Vec<Batch>, Vec<_>) = group.into_iter().unzip();
         match write_group(&pool, &batches).await {
             Ok(outcomes) => {
-                counts.groups.fetch_add(1, Ordering::Relaxed);
-                counts
-                    .batches
-                    .fetch_add(outcomes.len() as u64, Ordering::Relaxed);
+                counts.count(outcomes.len());
                 for (answer, outcome) in answers.into_iter().zip(outcomes) {
                     let _ = answer.send(Ok(outcome));
                 }
             }
+            // One batch the database refuses must not cost the others their
+            // acks (the SQLite writer runs each in a savepoint): each again
+            // alone.
+            Err(e) if batches.len() > 1 => {
+                tracing::warn!(
+                    "a group of {} batches failed ({e:#}); storing each alone",
+                    batches.len()
+                );
+                for (batch, answer) in batches.iter().zip(answers) {
+                    let alone = write_group(&pool, std::slice::from_ref(batch)).await;
+                    if alone.is_ok() {
+                        counts.count(1);
+                    }
+                    let _ = answer.send(match alone {
+                        Ok(mut outcome) => Ok(outcome.remove(0)),
+                        Err(e) => {
+                            tracing::error!(
+                                "{e:#}; a batch of agent {} is not acked",
+                                batch.agent_id
+                            );
+                            Err(format!("{e:#}"))
+                        }
+                    });
+                }
+            }
             Err(e) => {
                 let e = format!("{e:#}");
-                tracing::error!("{e}; {} batches are not acked", answers.len());
+                tracing::error!("{e}; a batch of agent {} is not acked", batches[0].agent_id);
                 for answer in answers {
                     let _ = answer.send(Err(e.clone()));
                 }
             }
         }
+    }
+}
+
+impl GroupCounts {
+    fn count(&self, batches: usize) {
+        self.groups.fetch_add(1, Ordering::Relaxed);
+        self.batches.fetch_add(batches as u64, Ordering::Relaxed);
     }
 }
 

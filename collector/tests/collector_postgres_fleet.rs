@@ -247,14 +247,7 @@ async fn a_failure_seen_by_two_collectors_is_one_incident() {
 #[test]
 fn batches_of_many_agents_share_group_commits_with_their_own_outcomes() {
     const AGENTS: usize = 16;
-    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
-    let store = Arc::new(PgStore::connect(pg.url(), 4).unwrap());
-    let t0 = now_ns();
-    for a in 0..AGENTS {
-        store
-            .record_hello(&hello(&format!("a{a}"), "svc"), t0)
-            .unwrap();
-    }
+    let (_pg, store, t0) = agents_a0_to(AGENTS);
     let batch = |from: u64| {
         (from..from + 50)
             .map(|s| sample(s, t0 + s as i64))
@@ -337,14 +330,7 @@ fn a_refused_batch_costs_the_rest_of_its_group_nothing() {
     const AGENTS: usize = 8;
     /// Bursts: the bad batch shares a group with good ones in most.
     const ROUNDS: u64 = 3;
-    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
-    let store = Arc::new(PgStore::connect(pg.url(), 4).unwrap());
-    let t0 = now_ns();
-    for a in 0..AGENTS {
-        store
-            .record_hello(&hello(&format!("a{a}"), "svc"), t0)
-            .unwrap();
-    }
+    let (_pg, store, t0) = agents_a0_to(AGENTS);
     for round in 0..ROUNDS {
         let seqs = round * 20 + 1..=round * 20 + 20;
         let msgs: Vec<_> = seqs.clone().map(|s| sample(s, t0 + s as i64)).collect();
@@ -383,4 +369,18 @@ fn a_refused_batch_costs_the_rest_of_its_group_nothing() {
         ROUNDS * AGENTS as u64,
         "each good batch counted once"
     );
+}
+
+/// A cluster of the test's own and a store on it where agents a0.. (`n`
+/// of them) said Hello at the returned time.
+fn agents_a0_to(n: usize) -> (PgCluster, Arc<PgStore>, i64) {
+    let pg = PgCluster::start().expect("a PostgreSQL cluster for the test");
+    let store = Arc::new(PgStore::connect(pg.url(), 4).unwrap());
+    let t0 = now_ns();
+    for a in 0..n {
+        store
+            .record_hello(&hello(&format!("a{a}"), "svc"), t0)
+            .unwrap();
+    }
+    (pg, store, t0)
 }

@@ -331,16 +331,20 @@ pub fn rss(s: &pb::TimedSample) -> u64 {
         .vm_rss_bytes
 }
 
-pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
-    let agents = run
-        .query()
+/// Every agent the collector lists, oldest first.
+pub async fn all_agents(run: &Running) -> Vec<pb::AgentSummary> {
+    run.query()
         .await
         .list_agents(pb::ListAgentsRequest::default())
         .await
         .expect("ListAgents")
         .into_inner()
-        .agents;
-    agents
+        .agents
+}
+
+pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
+    all_agents(run)
+        .await
         .into_iter()
         .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == agent_id))
         .unwrap_or_else(|| panic!("agent {agent_id} not listed"))

@@ -448,14 +448,7 @@ async fn an_instance_is_queried_whole_with_its_merged_incident(engine: Engine) {
     sup.send(worker_failed(2, t + 1_500_000_000)).await;
     sup.acks_covering(&seqs(2..=2), |_| {}).await;
 
-    let agents = run
-        .query()
-        .await
-        .list_agents(pb::ListAgentsRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .agents;
+    let agents = all_agents(&run).await;
     let instances: Vec<(String, String)> = agents
         .iter()
         .map(|a| {

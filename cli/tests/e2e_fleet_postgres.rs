@@ -2,8 +2,9 @@
 //! of the test's own): an agent given both URLs streams to the first; the
 //! test SIGKILLs it, and the agent continues its seqs on the second. Every
 //! seq is stored exactly once, no agent_lost is recorded, the incident the
-//! first collector recorded is listed once by the second, and queries of
-//! either collector see the whole fleet.
+//! first collector recorded is listed once by the second, queries of
+//! either collector see the whole fleet, and a query verb given both URLs
+//! asks the second once the first is gone.
 
 use std::path::Path;
 use std::process::Command;
@@ -116,7 +117,9 @@ fn an_agent_continues_on_the_second_collector_when_its_own_is_killed() {
     // Every seq once: 40 rows, 39 samples and the OOM, seqs 1..=40.
     let store = PgStore::connect(pg.url(), 1).unwrap();
     assert_eq!(store.message_count(&id).unwrap(), 40);
-    let agents = query_json(&second.url, &["agents"]);
+    // Query verbs given both URLs: the first is dead, the second answers.
+    let both = format!("{},{}", first.url, second.url);
+    let agents = query_json(&both, &["agents"]);
     let row = agent_row(&agents, &id);
     assert_eq!(
         (&row["samples"], &row["events"], &row["last_seq"]),
@@ -124,7 +127,7 @@ fn an_agent_continues_on_the_second_collector_when_its_own_is_killed() {
         "{row}"
     );
     // The OOM the first collector recorded, listed once by the second.
-    let incidents = query_json(&second.url, &["incidents"]);
+    let incidents = query_json(&both, &["incidents"]);
     let kinds: Vec<&str> = incidents
         .as_array()
         .unwrap()

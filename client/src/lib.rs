@@ -72,14 +72,36 @@ impl Client {
     }
 
     /// Connects with explicit deadlines for the connection and for each call.
+    ///
+    /// `url` may be the agents' comma-separated list of collectors sharing
+    /// one store: any of them answers for the whole fleet, so they are
+    /// tried in order and the first that accepts the connection is asked.
     pub fn connect_with(url: &str, connect: Duration, call: Duration) -> Result<Client> {
-        // Agents' comma-separated list of collectors sharing one store: any
-        // of them answers for the whole fleet, so the first is asked.
-        let url = url
+        let urls: Vec<&str> = url
             .split(',')
             .map(str::trim)
-            .find(|u| !u.is_empty())
-            .unwrap_or(url);
+            .filter(|u| !u.is_empty())
+            .collect();
+        let urls = if urls.is_empty() { vec![url] } else { urls };
+        if let [one] = urls[..] {
+            return Client::connect_one(one, connect, call);
+        }
+        let mut unreachable = Vec::new();
+        for u in &urls {
+            match Client::connect_one(u, connect, call) {
+                Err(Error::Unreachable { url, reason }) => {
+                    unreachable.push(format!("{url}: {reason}"))
+                }
+                other => return other,
+            }
+        }
+        Err(Error::Unreachable {
+            url: urls.join(", "),
+            reason: unreachable.join("; "),
+        })
+    }
+
+    fn connect_one(url: &str, connect: Duration, call: Duration) -> Result<Client> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -181,6 +203,26 @@ mod tests {
             e.to_string().contains("is `oomscope collector` running?"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_list_of_collectors_is_tried_in_order_and_each_is_named() {
+        let dead = || {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let url = format!("http://{}", l.local_addr().unwrap());
+            drop(l);
+            url
+        };
+        let (a, b) = (dead(), dead());
+        let e = Client::connect(&format!("{a}, {b}"))
+            .err()
+            .expect("refused");
+        let Error::Unreachable { url, reason } = &e else {
+            panic!("{e}");
+        };
+        assert_eq!(url, &format!("{a}, {b}"));
+        assert!(reason.contains(&format!("{a}: ")), "{reason}");
+        assert!(reason.contains(&format!("; {b}: ")), "{reason}");
     }
 
     #[test]

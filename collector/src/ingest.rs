@@ -21,13 +21,14 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::auth::TokenName;
+use crate::correlate;
 use crate::incidents;
 use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::agent_service_server::AgentService;
 use crate::pb::collector_message::Body as Reply;
 use crate::store::{
-    now_ns, Backend, FileWatch, ReaderPool, Received, Store, StreamPlace, WriterLock,
+    now_ns, Backend, Correlation, FileWatch, ReaderPool, Received, Store, StreamPlace, WriterLock,
     MAX_RETENTION_BATCH, MAX_SEQ,
 };
 
@@ -69,6 +70,14 @@ const MAX_BATCH: usize = 256;
 /// hour keeps them whole with room, and bounds the memory by an hour of the
 /// streams this collector serves. Queries read the shared store.
 pub const DEFAULT_WORKING_WINDOW: Duration = Duration::from_secs(3600);
+
+/// How a shared store correlates the incidents collectors file: the rule
+/// the embedded store runs, over the longest span it relates incidents
+/// across (a crash loop gathers its service's failed starts that far back).
+const SHARED_CORRELATION: Correlation = Correlation {
+    settle: correlate::settle,
+    window_ns: correlate::CRASH_LOOP_FOLD_NS,
+};
 
 /// How often retention looks for rows past the window: old rows appear as
 /// time passes, a few minutes' worth at a time.
@@ -248,30 +257,40 @@ impl Collector {
         )
     }
 
-    /// Records incidents this collector raised in the shared store, which
-    /// numbers them and keeps one per event whichever collector saw it;
-    /// returns those it recorded for the first time. Without a shared
-    /// store, `recorded` as it is.
-    async fn share_incidents(&self, recorded: Vec<pb::Incident>) -> Vec<pb::Incident> {
-        if recorded.is_empty() || self.inner.shared.is_none() {
+    /// Files in the shared store the incidents this collector just stored
+    /// in its own (`filed`, leaders and parts alike, see
+    /// [`Store::incidents_after`]): the shared store keeps one per event
+    /// whichever collector saw it, numbers them, and correlates each with
+    /// what every collector filed near it (see [`Backend::file_incident`]).
+    /// Returns those that stand on their own there. Without a shared store,
+    /// `recorded` (this store's own leaders) as it is.
+    async fn share_incidents(
+        &self,
+        recorded: Vec<pb::Incident>,
+        filed: Vec<pb::Incident>,
+    ) -> Vec<pb::Incident> {
+        if self.inner.shared.is_none() {
             return recorded;
+        }
+        if filed.is_empty() {
+            return Vec::new();
         }
         let shared = self
             .on_shared(move |s| {
-                let mut first = Vec::new();
-                for inc in recorded {
+                let mut own = Vec::new();
+                for inc in filed {
                     let inc = pb::Incident {
                         id: String::new(),
                         parts: Vec::new(),
                         ..inc
                     };
-                    first.extend(s.insert_incident(&inc)?);
+                    own.extend(s.file_incident(&inc, SHARED_CORRELATION)?);
                 }
-                Ok(first)
+                Ok(own)
             })
             .await;
         match shared {
-            Some(Ok(first)) => first,
+            Some(Ok(own)) => own,
             Some(Err(e)) => {
                 tracing::error!("recording incidents in the shared store failed: {e:#}");
                 Vec::new()
@@ -613,28 +632,41 @@ impl Collector {
                         return Ok(None);
                     }
                     store.set_state(&id, "lost", now_ns())?;
+                    let mark = store.incident_mark()?;
                     let lost = incidents::record_lost(store, &id, broke_at_ns, grace)?;
-                    for inc in incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())? {
-                        log_incident(&inc);
-                        c.inner.metrics.incident(&inc);
+                    let fleet = incidents::check_fleet(store, &id, &c.inner.fleet, now_ns())?;
+                    if c.inner.shared.is_none() {
+                        for inc in &fleet {
+                            log_incident(inc);
+                            c.inner.metrics.incident(inc);
+                        }
                     }
-                    Ok(lost)
+                    // "lost", or "ended" (a probe, or with its instance).
+                    let state = store.state(&id)?.unwrap_or_else(|| "lost".into());
+                    Ok(Some((lost, store.incidents_after(mark)?, state)))
                 })
                 .await;
-            if let (Ok(Some(_)), Some(shared)) = (&outcome, collector.inner.shared.clone()) {
-                let id = agent_id.clone();
+            if let (Ok(Some((_, _, state))), Some(shared)) =
+                (&outcome, collector.inner.shared.clone())
+            {
+                let (id, state) = (agent_id.clone(), state.clone());
                 let _ =
-                    tokio::task::spawn_blocking(move || shared.set_state(&id, "lost", now_ns()))
+                    tokio::task::spawn_blocking(move || shared.set_state(&id, &state, now_ns()))
                         .await;
             }
             let outcome = match outcome {
-                Ok(Some(inc)) => Ok(collector.share_incidents(vec![inc]).await.pop()),
-                other => other,
+                Ok(Some((lost, filed, _))) => Ok(Some(
+                    collector.share_incidents(Vec::from_iter(lost), filed).await,
+                )),
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
             };
             match outcome {
-                Ok(Some(inc)) => {
-                    log_incident(&inc);
-                    collector.inner.metrics.incident(&inc);
+                Ok(Some(own)) => {
+                    for inc in &own {
+                        log_incident(inc);
+                        collector.inner.metrics.incident(inc);
+                    }
                 }
                 Ok(None) => tracing::debug!(agent_id, "reconnected within the grace period"),
                 Err(e) => tracing::error!(agent_id, "recording a lost agent failed: {e:#}"),
@@ -691,11 +723,15 @@ impl Collector {
     async fn recovered(&self, agent_id: String) {
         let id = agent_id.clone();
         let recorded = self
-            .with_store(move |store| incidents::record_recovered(store, &id))
+            .with_store(move |store| {
+                let mark = store.incident_mark()?;
+                let inc = incidents::record_recovered(store, &id)?;
+                Ok((inc, store.incidents_after(mark)?))
+            })
             .await;
         let recorded = match recorded {
-            Ok(Some(inc)) => Ok(self.share_incidents(vec![inc]).await.pop()),
-            other => other,
+            Ok((inc, filed)) => Ok(self.share_incidents(Vec::from_iter(inc), filed).await.pop()),
+            Err(e) => Err(e),
         };
         match recorded {
             Ok(Some(inc)) => {
@@ -1227,6 +1263,7 @@ async fn ingest(
             .collect(),
         _ => storable,
     };
+    let sharing = shared_outcome.is_some();
     // Acked only once the group this batch joins is committed.
     let result = collector
         .write(move |store| {
@@ -1262,6 +1299,12 @@ async fn ingest(
                 .filter(|r| is_event(&r.msg))
                 .map(|r| r.msg.clone())
                 .collect();
+            // What this batch files here, for the shared store (see
+            // `share_incidents`); nothing to read without one.
+            let mark = match sharing {
+                true => store.incident_mark()?,
+                false => 0,
+            };
             let mut recorded = match events.is_empty() {
                 false => incidents::record(store, &id, &events).unwrap_or_else(|e| {
                     tracing::error!(agent_id = id, "recording incidents failed: {e:#}");
@@ -1285,17 +1328,21 @@ async fn ingest(
             if has_goodbye {
                 store.set_state(&id, "disconnected", now_ns())?;
             }
-            Ok((outcome, recorded, latest))
+            let filed = match sharing {
+                true => store.incidents_after(mark)?,
+                false => Vec::new(),
+            };
+            Ok((outcome, recorded, latest, filed))
         })
         .await;
     collector.inner.metrics.store_write(writing.elapsed());
     let (outcome, recorded) = match result {
-        Ok((outcome, recorded, latest)) => {
+        Ok((outcome, recorded, latest, filed)) => {
             if let Some(sample) = latest {
                 metrics.sample(&sampled_by, &sample, std::time::Instant::now());
             }
             match shared_outcome {
-                Some(shared) => (shared, collector.share_incidents(recorded).await),
+                Some(shared) => (shared, collector.share_incidents(recorded, filed).await),
                 None => (outcome, recorded),
             }
         }

@@ -76,34 +76,35 @@ impl QueryApi {
         F: FnOnce(&mut Store) -> Result<R, Status> + Send + 'static,
         R: Send + 'static,
     {
+        self.read_about_with(about, MAX_SNAPSHOT_MESSAGES, DIAGNOSE_OLDER_SAMPLES, f)
+            .await
+    }
+
+    /// [`QueryApi::read_about`] with a snapshot of at most `messages`
+    /// messages and `older` samples before them per member (none for a
+    /// question about incidents only).
+    async fn read_about_with<R, F>(
+        &self,
+        about: About,
+        messages: u32,
+        older: u32,
+        f: F,
+    ) -> Result<R, Status>
+    where
+        F: FnOnce(&mut Store) -> Result<R, Status> + Send + 'static,
+        R: Send + 'static,
+    {
         let Some(shared) = self.collector.shared_store() else {
             return self.read(f).await;
         };
         let snapshot = shared_read(move || {
             let agent = match about {
-                About::Agent(x) => {
-                    let agents = shared.list_agents()?;
-                    let by_id = agents
-                        .iter()
-                        .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == x));
-                    let newest_by_name = agents
-                        .iter()
-                        .filter(|a| a.hello.as_ref().is_some_and(|h| h.name == x))
-                        .max_by_key(|a| (a.first_seen_ns, a.last_seen_ns));
-                    by_id
-                        .or(newest_by_name)
-                        .and_then(|a| a.hello.as_ref())
-                        .map(|h| h.agent_id.clone())
-                }
-                About::Incident(id) => shared
-                    .incidents(None)?
-                    .into_iter()
-                    .find(|i| i.id == id)
-                    .map(|i| i.agent_id),
+                About::Agent(x) => member_named(&shared.list_agents()?, &x),
+                About::Incident(id) => shared.incident_agent(&id)?,
                 About::Latest => shared.incidents(None)?.pop().map(|i| i.agent_id),
             };
             let snapshot = match agent {
-                Some(a) => shared.snapshot(&a, MAX_SNAPSHOT_MESSAGES)?,
+                Some(a) => shared.snapshot(&a, messages, older)?,
                 None => None,
             };
             match snapshot {
@@ -122,6 +123,38 @@ impl QueryApi {
             Err(e) => Err(Status::internal(format!("a store task failed: {e}"))),
         }
     }
+}
+
+/// An agent of what `x` names among `agents` (see `Store::resolve`): the
+/// agent of that id, else a member of the instance of that id, else a
+/// member of the newest instance (the one whose first process started
+/// last) with an agent of that name. Its instance's snapshot then resolves
+/// `x` as the embedded store does.
+fn member_named(agents: &[pb::AgentSummary], x: &str) -> Option<String> {
+    let id = |a: &pb::AgentSummary| a.hello.as_ref().map(|h| h.agent_id.clone());
+    if let Some(a) = agents
+        .iter()
+        .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == x))
+    {
+        return id(a);
+    }
+    if let Some(a) = agents.iter().find(|a| a.instance == x) {
+        return id(a);
+    }
+    let named: std::collections::BTreeSet<&str> = agents
+        .iter()
+        .filter(|a| a.hello.as_ref().is_some_and(|h| h.name == x))
+        .map(|a| a.instance.as_str())
+        .collect();
+    let started = |instance: &str| {
+        agents
+            .iter()
+            .filter(|a| a.instance == instance)
+            .map(|a| a.first_seen_ns)
+            .min()
+    };
+    let newest = named.into_iter().max_by_key(|i| started(i))?;
+    agents.iter().find(|a| a.instance == newest).and_then(id)
 }
 
 #[tonic::async_trait]
@@ -179,16 +212,29 @@ impl QueryService for QueryApi {
     ) -> Result<Response<pb::IncidentsResponse>, Status> {
         let filter = IncidentFilter::from(request.get_ref());
         let agent = request.into_inner().agent;
-        if let Some(shared) = self.collector.shared_store() {
-            // Every collector's incidents, by agent id or name.
-            let mut incidents = shared_read(move || shared.incidents_where(None, &filter)).await?;
-            if !agent.is_empty() {
-                incidents.retain(|i| i.agent_id == agent || i.agent_name == agent);
-            }
+        if let (Some(shared), true) = (self.collector.shared_store(), agent.is_empty()) {
+            // Every collector's incidents, with their parts.
+            let incidents = shared_read(move || {
+                let mut roots = shared.incidents_where(None, &filter)?;
+                let ids: Vec<String> = roots.iter().map(|i| i.id.clone()).collect();
+                let mut parts: std::collections::HashMap<String, Vec<pb::Incident>> =
+                    std::collections::HashMap::new();
+                for (leader, part) in shared.parts_of(&ids)? {
+                    parts.entry(leader).or_default().push(part);
+                }
+                for i in &mut roots {
+                    i.parts = parts.remove(&i.id).unwrap_or_default();
+                }
+                Ok(roots)
+            })
+            .await?;
             return Ok(Response::new(pb::IncidentsResponse { incidents }));
         }
+        // A shared store's: from a snapshot of the instance named, as the
+        // embedded store answers.
+        let about = About::Agent(agent.clone());
         let incidents = self
-            .read(move |s| {
+            .read_about_with(about, 0, 0, move |s| {
                 let roots = if agent.is_empty() {
                     s.incidents_where(None, &filter)
                 } else {

@@ -19,37 +19,6 @@ fn now() -> i64 {
     oomscope_collector::store::now_ns()
 }
 
-/// A process of a multi-process server: its own agent, in `instance`.
-fn member(agent_id: &str, name: &str, instance: &str, pid: u32, role: &str) -> pb::Hello {
-    pb::Hello {
-        pid,
-        role: role.into(),
-        instance: instance.into(),
-        ..hello(agent_id, name)
-    }
-}
-
-fn supervisor(agent_id: &str, name: &str) -> pb::Hello {
-    pb::Hello {
-        pid: 100,
-        role: "supervisor".into(),
-        runtime: "supervisor".into(),
-        instance: agent_id.into(),
-        ..hello(agent_id, name)
-    }
-}
-
-fn child_start(seq: u64, time_ns: i64, pid: u32) -> pb::AgentMessage {
-    event(
-        seq,
-        time_ns,
-        Kind::ChildStart(pb::ChildStart {
-            pid,
-            ..Default::default()
-        }),
-    )
-}
-
 fn kernel_kill(seq: u64, time_ns: i64, pid: u32) -> pb::AgentMessage {
     event(
         seq,
@@ -63,10 +32,6 @@ fn kernel_kill(seq: u64, time_ns: i64, pid: u32) -> pb::AgentMessage {
             ..Default::default()
         }),
     )
-}
-
-fn child_exit(seq: u64, time_ns: i64, x: pb::ChildExit) -> pb::AgentMessage {
-    event(seq, time_ns, Kind::ChildExit(x))
 }
 
 async fn all_incidents(run: &Running) -> Vec<pb::Incident> {
@@ -405,18 +370,7 @@ async fn a_workers_device_oom_and_its_failed_exit_are_one_incident() {
         let mut worker = run
             .agent(member("gpu-worker-0", "gpu", "sup", 401, "worker"))
             .await;
-        let failed_exit = child_exit(
-            2,
-            t + 1_500_000_000,
-            pb::ChildExit {
-                pid: 401,
-                exit_code: Some(1),
-                member: true,
-                title: "GpuWorker-0".into(),
-                status_from: "proc_events".into(),
-                ..Default::default()
-            },
-        );
+        let failed_exit = worker_failed(2, t + 1_500_000_000);
         if oom_stored_first {
             worker.send(oom(1, t + 1_000_000_000)).await;
             worker.acks_covering(&[1].into(), |_| {}).await;

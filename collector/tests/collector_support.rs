@@ -181,6 +181,111 @@ pub fn oom(seq: u64, time_ns: i64) -> pb::AgentMessage {
     )
 }
 
+/// A process of a multi-process server: its own agent, in `instance`.
+pub fn member(agent_id: &str, name: &str, instance: &str, pid: u32, role: &str) -> pb::Hello {
+    pb::Hello {
+        pid,
+        role: role.into(),
+        instance: instance.into(),
+        ..hello(agent_id, name)
+    }
+}
+
+pub fn supervisor(agent_id: &str, name: &str) -> pb::Hello {
+    pb::Hello {
+        pid: 100,
+        role: "supervisor".into(),
+        runtime: "supervisor".into(),
+        instance: agent_id.into(),
+        ..hello(agent_id, name)
+    }
+}
+
+pub fn child_start(seq: u64, time_ns: i64, pid: u32) -> pb::AgentMessage {
+    event(
+        seq,
+        time_ns,
+        pb::event::Kind::ChildStart(pb::ChildStart {
+            pid,
+            ..Default::default()
+        }),
+    )
+}
+
+pub fn child_exit(seq: u64, time_ns: i64, x: pb::ChildExit) -> pb::AgentMessage {
+    event(seq, time_ns, pb::event::Kind::ChildExit(x))
+}
+
+/// The supervisor's record of its GPU worker (pid 401) exiting 1: a
+/// `member_failed`.
+pub fn worker_failed(seq: u64, time_ns: i64) -> pb::AgentMessage {
+    child_exit(
+        seq,
+        time_ns,
+        pb::ChildExit {
+            pid: 401,
+            exit_code: Some(1),
+            member: true,
+            title: "GpuWorker-0".into(),
+            status_from: "proc_events".into(),
+            ..Default::default()
+        },
+    )
+}
+
+/// Samples 1..=100, 1 ms apart from `t0`; seqs 10, 30 and 51 state drops
+/// before them: (samples, requests, stride) of [`DROPS_STATED`].
+pub fn samples_stating_drops(t0: i64) -> Vec<pb::AgentMessage> {
+    (1..=100u64)
+        .map(|seq| {
+            let mut m = sample(seq, t0 + seq as i64 * 1_000_000);
+            if let (Some(Body::Sample(s)), Some((_, samples, requests, stride))) =
+                (m.body.as_mut(), DROPS_STATED.iter().find(|d| d.0 == seq))
+            {
+                s.dropped_before = Some(pb::DroppedBefore {
+                    samples: *samples,
+                    requests: *requests,
+                    stride: *stride,
+                    ..Default::default()
+                });
+            }
+            m
+        })
+        .collect()
+}
+
+/// A drop statement on a sample: (seq, samples, requests, stride).
+pub type DropStated = (u64, u64, u64, u32);
+
+/// (seq, samples, requests, stride) that [`samples_stating_drops`] states.
+pub const DROPS_STATED: [DropStated; 3] = [(10, 4, 40, 2), (30, 6, 60, 4), (51, 1, 0, 1)];
+
+/// Each drop statement of a thinned timeline's points, as (seq, samples,
+/// requests, stride), and what [`DROPS_STATED`] folds to on those points:
+/// each statement on the first kept point at or after it, summed.
+pub fn folded_drops(samples: &[pb::TimedSample]) -> (Vec<DropStated>, Vec<DropStated>) {
+    let got = samples
+        .iter()
+        .filter_map(|p| {
+            let d = p.sample.as_ref()?.dropped_before?;
+            Some((p.seq, d.samples, d.requests, d.stride))
+        })
+        .collect();
+    let kept: Vec<u64> = samples.iter().map(|p| p.seq).collect();
+    let mut want: Vec<DropStated> = Vec::new();
+    for (seq, s, r, k) in DROPS_STATED {
+        let at = *kept
+            .iter()
+            .find(|&&p| p >= seq)
+            .expect("a point after each drop");
+        match want.iter_mut().find(|e| e.0 == at) {
+            Some(e) => (e.1, e.2, e.3) = (e.1 + s, e.2 + r, e.3.max(k)),
+            None => want.push((at, s, r, k)),
+        }
+    }
+    (got, want)
+}
+
 pub fn goodbye(seq: u64) -> pb::AgentMessage {
     pb::AgentMessage {
         seq,
@@ -226,16 +331,20 @@ pub fn rss(s: &pb::TimedSample) -> u64 {
         .vm_rss_bytes
 }
 
-pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
-    let agents = run
-        .query()
+/// Every agent the collector lists, oldest first.
+pub async fn all_agents(run: &Running) -> Vec<pb::AgentSummary> {
+    run.query()
         .await
         .list_agents(pb::ListAgentsRequest::default())
         .await
         .expect("ListAgents")
         .into_inner()
-        .agents;
-    agents
+        .agents
+}
+
+pub async fn agent_summary(run: &Running, agent_id: &str) -> pb::AgentSummary {
+    all_agents(run)
+        .await
         .into_iter()
         .find(|a| a.hello.as_ref().is_some_and(|h| h.agent_id == agent_id))
         .unwrap_or_else(|| panic!("agent {agent_id} not listed"))

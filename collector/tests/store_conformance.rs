@@ -87,6 +87,8 @@ on_both_engines!(
     agent_ids_stay_with_their_first_token,
     retention_removes_old_messages_and_incidents_and_keeps_young_ones,
     agents_and_incidents_are_filtered_by_the_store,
+    an_instance_is_queried_whole_with_its_merged_incident,
+    a_thinned_timeline_folds_every_drop_statement,
 );
 
 /// Collector clock now: test messages carry today's times, so PostgreSQL
@@ -413,5 +415,170 @@ async fn agents_and_incidents_are_filtered_by_the_store(engine: Engine) {
         ..Default::default()
     };
     assert!(incidents(nothing).await.is_empty());
+    run.stop().await;
+}
+
+/// A supervisor, its child's agent (a GPU worker) and a helper that names no
+/// instance (it joins through its parent's pid): one instance on both
+/// engines. The worker's device OOM and the supervisor's record of its
+/// failed exit are one incident with the exit as its part; a name, the
+/// instance id and the part's id all answer with that instance.
+async fn an_instance_is_queried_whole_with_its_merged_incident(engine: Engine) {
+    let run = engine.serve().await;
+    let t = t0();
+    let mut sup = run.agent(supervisor("sup", "gpu")).await;
+    sup.send(child_start(1, t, 400)).await;
+    sup.acks_covering(&seqs(1..=1), |_| {}).await;
+    let mut worker = run
+        .agent(member("gpu-worker-0", "gpu", "sup", 401, "worker"))
+        .await;
+    for seq in 1..=5u64 {
+        worker.send(sample(seq, t + seq as i64 * 1_000_000)).await;
+    }
+    worker.send(oom(6, t + 1_000_000_000)).await;
+    worker.acks_covering(&seqs(1..=6), |_| {}).await;
+    let mut helper = run
+        .agent(pb::Hello {
+            parent_pid: 401,
+            ..hello("compile-helper", "gpu-helper")
+        })
+        .await;
+    helper.send(goodbye(1)).await;
+    helper.acks_covering(&seqs(1..=1), |_| {}).await;
+    sup.send(worker_failed(2, t + 1_500_000_000)).await;
+    sup.acks_covering(&seqs(2..=2), |_| {}).await;
+
+    let agents = all_agents(&run).await;
+    let instances: Vec<(String, String)> = agents
+        .iter()
+        .map(|a| {
+            (
+                a.hello.as_ref().unwrap().agent_id.clone(),
+                a.instance.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        instances,
+        [
+            ("sup", "sup"),
+            ("gpu-worker-0", "sup"),
+            ("compile-helper", "sup")
+        ]
+        .map(|(a, i)| (a.to_string(), i.to_string())),
+    );
+
+    // One incident, led by the OOM, the failed exit its part.
+    let all = incidents(&run, "").await;
+    assert_eq!(all.len(), 1, "{all:#?}");
+    let inc = &all[0];
+    assert_eq!(
+        (
+            inc.kind.as_str(),
+            inc.agent_id.as_str(),
+            inc.seq,
+            inc.domain.as_str()
+        ),
+        ("oom", "gpu-worker-0", 6, "gpu_vram")
+    );
+    let parts: Vec<(&str, &str, u64)> = inc
+        .parts
+        .iter()
+        .map(|p| (p.kind.as_str(), p.agent_id.as_str(), p.seq))
+        .collect();
+    assert_eq!(parts, [("member_failed", "sup", 2)], "{inc:#?}");
+    // The name, the instance id and the worker's id name the same.
+    assert_eq!(incidents(&run, "gpu").await, all);
+    assert_eq!(incidents(&run, "sup").await, all);
+    assert_eq!(incidents(&run, "gpu-worker-0").await, all);
+
+    // The name's timeline: the worker's samples (it has the allocator's
+    // view), every member, and the supervisor's record of the exit.
+    let tl = timeline(&run, "gpu").await;
+    assert_eq!(tl.hello.as_ref().unwrap().agent_id, "gpu-worker-0");
+    let got: Vec<(u64, u64)> = tl.samples.iter().map(|s| (s.seq, rss(s))).collect();
+    assert_eq!(got, (1..=5).map(|seq| (seq, seq * MIB)).collect::<Vec<_>>());
+    let members: BTreeSet<String> = tl
+        .members
+        .iter()
+        .map(|m| m.hello.as_ref().unwrap().agent_id.clone())
+        .collect();
+    assert_eq!(
+        members,
+        ["sup", "gpu-worker-0", "compile-helper"]
+            .map(String::from)
+            .into()
+    );
+    let events: Vec<(String, u64)> = tl
+        .events
+        .iter()
+        .map(|e| (e.agent_id.clone(), e.seq))
+        .collect();
+    assert!(events.contains(&("sup".to_string(), 2)), "{events:?}");
+    // The worker's own, untagged: it is the timeline's agent.
+    assert!(events.contains(&(String::new(), 6)), "{events:?}");
+
+    // A diagnosis by name is the instance's latest incident; by the part's
+    // id, its leader's.
+    let diagnose = |agent: &str, incident: &str| pb::DiagnoseRequest {
+        agent: agent.into(),
+        incident: incident.into(),
+        ..Default::default()
+    };
+    let mut q = run.query().await;
+    let by_name = q.diagnose(diagnose("gpu", "")).await.unwrap().into_inner();
+    assert_eq!(by_name.incident.as_deref(), Some(inc.id.as_str()));
+    assert_eq!(by_name.domain.as_deref(), Some("gpu_vram"), "{by_name:?}");
+    let by_part = q
+        .diagnose(diagnose("", &inc.parts[0].id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(by_part.incident.as_deref(), Some(inc.id.as_str()));
+    let mut by_part = by_part;
+    let said = by_part.evidence.remove(0);
+    assert!(
+        said.contains(&format!("is part of incident {}", inc.id)),
+        "{said}"
+    );
+    assert_eq!(by_part, by_name, "the leader's verdict");
+    drop((sup, worker, helper));
+    run.stop().await;
+}
+
+/// Samples stating drops (an agent's memory bound during an outage): a
+/// timeline thinned to 5 points puts each statement on the first kept point
+/// at or after it, none lost, none twice; unthinned, each stays on its own.
+async fn a_thinned_timeline_folds_every_drop_statement(engine: Engine) {
+    let run = engine.serve().await;
+    let mut agent = run.agent(hello("agent-1", "svc")).await;
+    for m in samples_stating_drops(t0()) {
+        agent.send(m).await;
+    }
+    agent.acks_covering(&seqs(1..=100), |_| {}).await;
+    let thinned = run
+        .query()
+        .await
+        .timeline(pb::TimelineRequest {
+            agent: "agent-1".into(),
+            max_points: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(thinned.samples.len(), 5);
+    let (got, want) = folded_drops(&thinned.samples);
+    assert_eq!(got, want);
+    assert_eq!(got.iter().map(|d| d.1).sum::<u64>(), 11);
+    let whole = timeline(&run, "agent-1").await;
+    let own: Vec<u64> = whole
+        .samples
+        .iter()
+        .filter(|p| p.sample.as_ref().unwrap().dropped_before.is_some())
+        .map(|p| p.seq)
+        .collect();
+    assert_eq!(own, [10, 30, 51]);
+    drop(agent);
     run.stop().await;
 }

@@ -10,7 +10,7 @@
 
 use anyhow::Result;
 
-use super::{AgentFilter, BatchOutcome, IncidentFilter, Store, MAX_RETENTION_BATCH};
+use super::{AgentFilter, BatchOutcome, Correlation, IncidentFilter, Store, MAX_RETENTION_BATCH};
 use crate::pb;
 
 /// A store of record: agents, their numbered messages, incidents.
@@ -31,6 +31,20 @@ pub trait Backend: Send + Sync {
     /// Records an incident once per (agent, seq, kind) when seq > 0; None
     /// when that event already raised one. The store gives it its id.
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>>;
+    /// Records an incident as [`Backend::insert_incident`] does and
+    /// correlates it with what the store holds near it (any collector's),
+    /// atomically: Some when it stands on its own, None when it was stored
+    /// already or merged into another (it is then that one's part).
+    fn file_incident(
+        &self,
+        incident: &pb::Incident,
+        correlation: Correlation,
+    ) -> Result<Option<pb::Incident>>;
+    /// The agent of incident `id` (a part's too), None if unknown.
+    fn incident_agent(&self, id: &str) -> Result<Option<String>>;
+    /// The incidents merged into each of `leaders`, as (leader, part),
+    /// oldest first.
+    fn parts_of(&self, leaders: &[String]) -> Result<Vec<(String, pb::Incident)>>;
     /// Every agent, oldest first.
     fn list_agents(&self) -> Result<Vec<pb::AgentSummary>> {
         self.agents_where(&AgentFilter::default())
@@ -57,12 +71,20 @@ pub trait Backend: Send + Sync {
     /// through any collector: a stream that broke on one collector and
     /// resumed on another within the grace is no lost agent.
     fn hello_since(&self, agent_id: &str, since_ns: i64) -> Result<bool>;
-    /// A throwaway embedded store holding the agent's Hello, its newest
-    /// `max_messages` messages and its incidents (under their ids), for
-    /// queries that run the analysis (timeline, diagnose) on what any
-    /// collector stored; None for an unknown agent, or for a store that is
-    /// queried in place.
-    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>>;
+    /// A throwaway embedded store holding the agent's instance: each
+    /// member's Hello, newest `max_messages` messages and figures (and, from
+    /// the history before those, `older_samples` samples spread evenly in
+    /// time with every statement of dropped messages there), their
+    /// incidents and the parts merged into them (under their ids), for
+    /// queries that run the embedded store's code (timeline, diagnose,
+    /// incidents) on what any collector stored; None for an unknown agent,
+    /// or for a store that is queried in place.
+    fn snapshot(
+        &self,
+        agent_id: &str,
+        max_messages: u32,
+        older_samples: u32,
+    ) -> Result<Option<Store>>;
 }
 
 /// The embedded store behind the interface: a lock around the one
@@ -86,6 +108,30 @@ impl Backend for parking_lot::Mutex<Store> {
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
         self.lock().insert_incident(incident)
     }
+    fn file_incident(
+        &self,
+        incident: &pb::Incident,
+        correlation: Correlation,
+    ) -> Result<Option<pb::Incident>> {
+        let mut store = self.lock();
+        match store.insert_incident(incident)? {
+            Some(stored) => (correlation.settle)(&mut store, stored),
+            None => Ok(None),
+        }
+    }
+    fn incident_agent(&self, id: &str) -> Result<Option<String>> {
+        Ok(self.lock().incident(id)?.map(|i| i.agent_id))
+    }
+    fn parts_of(&self, leaders: &[String]) -> Result<Vec<(String, pb::Incident)>> {
+        let store = self.lock();
+        let mut parts = Vec::new();
+        for leader in leaders {
+            for part in store.merged_into(leader)? {
+                parts.push((leader.clone(), part));
+            }
+        }
+        Ok(parts)
+    }
     fn agents_where(&self, filter: &AgentFilter) -> Result<Vec<pb::AgentSummary>> {
         self.lock().agents_where(filter)
     }
@@ -105,7 +151,7 @@ impl Backend for parking_lot::Mutex<Store> {
         Ok(false)
     }
     /// Queried in place: the collector reads the file itself.
-    fn snapshot(&self, _agent_id: &str, _max_messages: u32) -> Result<Option<Store>> {
+    fn snapshot(&self, _agent_id: &str, _messages: u32, _older: u32) -> Result<Option<Store>> {
         Ok(None)
     }
     fn prune_before(&self, cutoff_ns: i64) -> Result<u64> {

@@ -26,6 +26,8 @@ mod filters;
 mod history;
 mod instances;
 mod marks;
+mod pg_views;
+mod pg_writer;
 mod postgres;
 mod readers;
 mod retention;
@@ -40,6 +42,7 @@ pub use history::{
     DEFAULT_MAX_TIMELINE_SAMPLES, DEFAULT_SAMPLE_REPLY_BYTES,
 };
 pub use instances::{Instance, Member, Target};
+pub use pg_views::{Correlation, Settle};
 pub use postgres::{is_postgres_url, redact, PgStore, DEFAULT_PG_POOL};
 pub use readers::{ReaderPool, DEFAULT_READERS};
 pub use retention::MAX_RETENTION_BATCH;
@@ -553,6 +556,25 @@ impl Store {
         let stored = insert_incident_tx(&tx, incident)?;
         tx.commit()?;
         Ok(stored)
+    }
+
+    /// Where the incidents stored so far end: [`Store::incidents_after`]
+    /// it reads those stored since.
+    pub fn incident_mark(&self) -> Result<i64> {
+        Ok(self
+            .conn
+            .query_row("SELECT coalesce(max(n), 0) FROM incidents", [], |r| {
+                r.get(0)
+            })?)
+    }
+
+    /// Every incident stored after `mark`, merged or not, oldest first.
+    pub fn incidents_after(&self, mark: i64) -> Result<Vec<pb::Incident>> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(&format!("{INCIDENT_SELECT} WHERE i.n > ?1 ORDER BY i.n"))?;
+        let rows = stmt.query_map([mark], incident_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// True when the event at `seq` already raised an incident of `kind`.

@@ -20,7 +20,7 @@
 //! the store runs its async client on a runtime of its own and waits for it,
 //! so callers call it as they call SQLite: off the async workers.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::future::Future;
 use std::str::FromStr;
 
@@ -30,8 +30,9 @@ use parking_lot::Mutex;
 use prost::Message;
 use tokio_postgres::NoTls;
 
+use super::pg_writer::{Batch, GroupWriter};
 use super::{
-    classify, decode_hello, decode_message, now_ns, seq_to_sql, AgentFilter, Backend, BatchOutcome,
+    decode_hello, decode_message, seq_to_sql, AgentFilter, Backend, BatchOutcome, Correlation,
     IncidentFilter, Store,
 };
 use crate::pb;
@@ -44,10 +45,10 @@ use crate::pb::agent_message::Body;
 pub const DEFAULT_PG_POOL: usize = 12;
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const PG_SCHEMA_VERSION: i32 = 1;
+const PG_SCHEMA_VERSION: i32 = 2;
 
 /// The advisory lock key migrations run under ("oomscope" in ASCII).
-const MIGRATION_LOCK: i64 = 0x6f6f_6d73_636f_7065;
+pub(super) const MIGRATION_LOCK: i64 = 0x6f6f_6d73_636f_7065;
 /// The advisory lock key partition creation runs under: two collectors
 /// creating the same day's partition would otherwise collide in the catalog.
 const PARTITION_LOCK: i64 = MIGRATION_LOCK + 1;
@@ -117,6 +118,32 @@ CREATE UNIQUE INDEX incidents_by_source ON incidents(agent_id, seq, kind) WHERE 
 CREATE INDEX incidents_by_time ON incidents(time_ns);
 ";
 
+/// Schema v2, as the embedded store's instances (`instances.rs`): the host
+/// and pid that find a parent's instance, allocator samples per agent (which
+/// member speaks for an instance), and merged incidents (the parts of one
+/// failure, correlated in the store: see `pg_views.rs`); and statements of
+/// dropped messages.
+const SCHEMA_V2: &str = "
+ALTER TABLE agents ADD COLUMN host text NOT NULL DEFAULT '';
+ALTER TABLE agents ADD COLUMN pid bigint NOT NULL DEFAULT 0;
+ALTER TABLE agents ADD COLUMN allocator_samples bigint NOT NULL DEFAULT 0;
+CREATE INDEX agents_by_instance ON agents(instance, first_seen_ns);
+CREATE INDEX agents_by_host_pid ON agents(host, pid);
+ALTER TABLE incidents ADD COLUMN merged_into text;
+CREATE INDEX incidents_by_leader ON incidents(merged_into);
+-- As the embedded store's (schema v7, `marks.rs`): each sample's statement
+-- of messages its agent dropped unsent, so that a timeline read from a
+-- window of the history still folds the statements of what it thinned.
+-- (Samples stored under v1 keep theirs in their bodies only.)
+CREATE TABLE dropped_marks(
+    agent_id  text NOT NULL,
+    time_ns   bigint NOT NULL,
+    seq       bigint NOT NULL,
+    statement bytea NOT NULL,      -- the DroppedBefore the sample carried
+    PRIMARY KEY(agent_id, time_ns, seq)
+);
+";
+
 /// Whether `--db` names a PostgreSQL database rather than a SQLite file.
 pub fn is_postgres_url(db: &str) -> bool {
     db.starts_with("postgres://") || db.starts_with("postgresql://")
@@ -124,11 +151,13 @@ pub fn is_postgres_url(db: &str) -> bool {
 
 /// A PostgreSQL database as the store of record.
 pub struct PgStore {
-    pool: Pool,
+    pub(super) pool: Pool,
     runtime: OwnRuntime,
     /// Day partitions known to exist (or known to be impossible: their days
     /// already have rows in the default partition).
     partitions: Mutex<HashSet<i64>>,
+    /// Group commit of the agents' batches.
+    writer: GroupWriter,
 }
 
 /// The store's own runtime, shut down without waiting when the store goes
@@ -166,10 +195,12 @@ impl PgStore {
             .max_size(pool_size.max(1))
             .build()
             .context("building the PostgreSQL pool")?;
+        let writer = GroupWriter::start(pool.clone(), runtime.handle());
         let store = PgStore {
             pool,
             runtime: OwnRuntime(Some(runtime)),
             partitions: Mutex::new(HashSet::new()),
+            writer,
         };
         let pool = store.pool.clone();
         store
@@ -180,7 +211,7 @@ impl PgStore {
 
     /// Runs `work` on the store's runtime and waits for it: callable from a
     /// plain thread or a blocking task alike.
-    fn run<R: Send + 'static>(
+    pub(super) fn run<R: Send + 'static>(
         &self,
         work: impl Future<Output = Result<R>> + Send + 'static,
     ) -> Result<R> {
@@ -246,6 +277,11 @@ impl PgStore {
     }
 
     /// The day partitions that exist now (tests and retention).
+    /// (group transactions committed, batches in them) so far.
+    pub fn group_counts(&self) -> (u64, u64) {
+        self.writer.counts()
+    }
+
     pub fn partition_days(&self) -> Result<Vec<i64>> {
         let pool = self.pool.clone();
         self.run(async move { partition_days(&**pool.get().await?).await })
@@ -272,6 +308,11 @@ async fn migrate(pool: Pool) -> Result<()> {
     if version < 1 {
         tx.batch_execute(SCHEMA_V1).await?;
         tx.execute("INSERT INTO oomscope_schema(version) VALUES (1)", &[])
+            .await?;
+    }
+    if version < 2 {
+        tx.batch_execute(SCHEMA_V2).await?;
+        tx.execute("UPDATE oomscope_schema SET version = 2", &[])
             .await?;
     }
     tx.commit().await?;
@@ -313,124 +354,10 @@ pub fn redact(url: &str) -> String {
     }
 }
 
-/// One batch's rows, as bound arrays.
-struct Rows {
-    seqs: Vec<i64>,
-    times: Vec<i64>,
-    kinds: Vec<&'static str>,
-    event_kinds: Vec<Option<&'static str>>,
-    bodies: Vec<Vec<u8>>,
-    messages: Vec<pb::AgentMessage>,
-}
+pub(super) const INCIDENT_COLUMNS: &str =
+    "id, agent_id, agent_name, kind, time_ns, domain, summary, seq";
 
-async fn insert_batch(pool: Pool, agent_id: String, rows: Rows) -> Result<BatchOutcome> {
-    let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    // The key first: of two collectors storing one seq, the second waits for
-    // the first's commit here, then finds it stored.
-    let fresh_rows = tx
-        .query(
-            "INSERT INTO message_keys(agent_id, seq, time_ns)
-             SELECT $1, s, t FROM unnest($2::int8[], $3::int8[]) AS u(s, t)
-             ON CONFLICT DO NOTHING RETURNING seq",
-            &[&agent_id, &rows.seqs, &rows.times],
-        )
-        .await
-        .with_context(|| format!("storing the keys of agent {agent_id}'s batch"))?;
-    let fresh: HashSet<i64> = fresh_rows.iter().map(|r| r.get(0)).collect();
-    // The first message of each fresh seq is stored; any other is compared.
-    let mut stored_now = HashSet::new();
-    let mut new_rows = Vec::new();
-    let mut compare = Vec::new();
-    for (i, seq) in rows.seqs.iter().enumerate() {
-        if fresh.contains(seq) && stored_now.insert(*seq) {
-            new_rows.push(i);
-        } else {
-            compare.push(i);
-        }
-    }
-    let pick = |v: &dyn Fn(usize) -> i64| new_rows.iter().map(|&i| v(i)).collect::<Vec<i64>>();
-    let seqs = pick(&|i| rows.seqs[i]);
-    let times = pick(&|i| rows.times[i]);
-    let kinds: Vec<&str> = new_rows.iter().map(|&i| rows.kinds[i]).collect();
-    let event_kinds: Vec<Option<&str>> = new_rows.iter().map(|&i| rows.event_kinds[i]).collect();
-    let bodies: Vec<&[u8]> = new_rows
-        .iter()
-        .map(|&i| rows.bodies[i].as_slice())
-        .collect();
-    if !new_rows.is_empty() {
-        tx.execute(
-            "INSERT INTO messages(agent_id, seq, time_ns, kind, event_kind, body)
-             SELECT $1, * FROM unnest($2::int8[], $3::int8[], $4::text[], $5::text[], $6::bytea[])",
-            &[&agent_id, &seqs, &times, &kinds, &event_kinds, &bodies],
-        )
-        .await
-        .with_context(|| format!("storing agent {agent_id}'s batch"))?;
-    }
-    let mut conflicting = Vec::new();
-    if !compare.is_empty() {
-        let resent: Vec<i64> = compare.iter().map(|&i| rows.seqs[i]).collect();
-        let stored: BTreeMap<i64, Vec<u8>> = tx
-            .query(
-                "SELECT seq, body FROM messages WHERE agent_id = $1 AND seq = ANY($2)",
-                &[&agent_id, &resent],
-            )
-            .await?
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect();
-        for &i in &compare {
-            let seq = rows.seqs[i];
-            let same = match stored.get(&seq) {
-                Some(body) => decode_message(&agent_id, seq as u64, body)? == rows.messages[i],
-                // Its key is there and its row is not: retention took the
-                // row's partition first. Nothing to compare with: refused.
-                None => false,
-            };
-            if !same {
-                conflicting.push(seq as u64);
-            }
-        }
-    }
-    conflicting.sort_unstable();
-    conflicting.dedup();
-    let mut out = BatchOutcome::default();
-    let (mut samples, mut events) = (0i64, 0i64);
-    for &i in &new_rows {
-        out.fresh.push(rows.seqs[i] as u64);
-        samples += i64::from(rows.kinds[i] == "sample");
-        events += i64::from(rows.kinds[i] == "event");
-    }
-    for seq in &rows.seqs {
-        let seq = *seq as u64;
-        if conflicting.binary_search(&seq).is_err() {
-            out.stored.push(seq);
-        }
-    }
-    out.fresh.sort_unstable();
-    out.stored.sort_unstable();
-    out.stored.dedup();
-    out.conflicting = conflicting;
-    if let Some(&max_seq) = out.stored.last() {
-        let max_time = rows.times.iter().copied().max().unwrap_or(0);
-        tx.execute(
-            "UPDATE agents SET last_seq = GREATEST(last_seq, $2),
-               last_seen_ns = GREATEST(last_seen_ns, $3),
-               samples = samples + $4, events = events + $5
-             WHERE agent_id = $1",
-            &[&agent_id, &(max_seq as i64), &max_time, &samples, &events],
-        )
-        .await?;
-    }
-    tx.commit()
-        .await
-        .with_context(|| format!("committing agent {agent_id}'s batch"))?;
-    Ok(out)
-}
-
-const INCIDENT_COLUMNS: &str = "id, agent_id, agent_name, kind, time_ns, domain, summary, seq";
-
-fn incident_from(r: &tokio_postgres::Row) -> pb::Incident {
+pub(super) fn incident_from(r: &tokio_postgres::Row) -> pb::Incident {
     pb::Incident {
         id: r.get(0),
         agent_id: r.get(1),
@@ -442,6 +369,37 @@ fn incident_from(r: &tokio_postgres::Row) -> pb::Incident {
         seq: r.get::<_, i64>(7) as u64,
         parts: Vec::new(),
     }
+}
+
+/// Inserts `inc`, numbered by the database (collectors share one series of
+/// ids); None when its event raised one already.
+pub(super) async fn insert_incident(
+    client: &impl tokio_postgres::GenericClient,
+    inc: &pb::Incident,
+    seq: i64,
+) -> Result<Option<pb::Incident>> {
+    let row = client
+        .query_opt(
+            &format!(
+                "WITH n AS (SELECT nextval('incident_numbers') AS n)
+                 INSERT INTO incidents(n, id, agent_id, agent_name, kind, time_ns, domain, summary, seq)
+                 SELECT n.n, 'inc-' || lpad(n.n::text, 6, '0'), $1, $2, $3, $4, $5, $6, $7 FROM n
+                 ON CONFLICT (agent_id, seq, kind) WHERE seq > 0 DO NOTHING
+                 RETURNING {INCIDENT_COLUMNS}"
+            ),
+            &[
+                &inc.agent_id,
+                &inc.agent_name,
+                &inc.kind,
+                &inc.time_ns,
+                &inc.domain,
+                &inc.summary,
+                &seq,
+            ],
+        )
+        .await
+        .with_context(|| format!("storing a {} incident of agent {}", inc.kind, inc.agent_id))?;
+    Ok(row.as_ref().map(incident_from))
 }
 
 impl Backend for PgStore {
@@ -472,63 +430,77 @@ impl Backend for PgStore {
             recovery: false,
             ..hello.clone()
         };
-        let instance = match hello.instance.is_empty() {
-            true => hello.agent_id.clone(),
-            false => hello.instance.clone(),
-        };
         let pool = self.pool.clone();
         self.run(async move {
             let client = pool.get().await?;
             let blob = hello.encode_to_vec();
+            // The instance as the embedded store finds it (`instances.rs`):
+            // the one the Hello names, else the parent process's agent's,
+            // else a live agent's of the same name on the same host, else
+            // its own id. An agent already known keeps its instance (the
+            // conflict below leaves it).
+            let instance: String = client
+                .query_one(
+                    "SELECT COALESCE(
+                       NULLIF($1, ''),
+                       (SELECT instance FROM agents WHERE $4::bigint <> 0 AND host = $3 AND pid = $4
+                          AND state = 'connected' ORDER BY first_seen_ns DESC LIMIT 1),
+                       (SELECT instance FROM agents WHERE host = $3 AND name = $5
+                          AND state = 'connected' ORDER BY first_seen_ns LIMIT 1),
+                       $2)",
+                    &[
+                        &hello.instance,
+                        &hello.agent_id,
+                        &hello.host,
+                        &i64::from(hello.parent_pid),
+                        &hello.name,
+                    ],
+                )
+                .await?
+                .get(0);
             // A recovered spool's Hello is a dead agent's: it never replaces
             // a live record, and a new one is stored as lost.
             let sql = match recovery {
                 false => {
-                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns)
-                     VALUES ($1, $2, $3, 'connected', $4, $5, $5, $5)
+                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns, host, pid)
+                     VALUES ($1, $2, $3, 'connected', $4, $5, $5, $5, $6, $7)
                      ON CONFLICT(agent_id) DO UPDATE SET
                        name = excluded.name, hello = excluded.hello, state = 'connected',
                        last_seen_ns = GREATEST(agents.last_seen_ns, excluded.last_seen_ns),
                        last_hello_ns = excluded.last_hello_ns"
                 }
                 true => {
-                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns)
-                     VALUES ($1, $2, $3, 'lost', $4, $5, $5, $5) ON CONFLICT(agent_id) DO NOTHING"
+                    "INSERT INTO agents(agent_id, name, hello, state, instance, first_seen_ns, last_seen_ns, last_hello_ns, host, pid)
+                     VALUES ($1, $2, $3, 'lost', $4, $5, $5, $5, $6, $7) ON CONFLICT(agent_id) DO NOTHING"
                 }
             };
             client
-                .execute(sql, &[&hello.agent_id, &hello.name, &blob, &instance, &now_ns])
+                .execute(
+                    sql,
+                    &[
+                        &hello.agent_id,
+                        &hello.name,
+                        &blob,
+                        &instance,
+                        &now_ns,
+                        &hello.host,
+                        &i64::from(hello.pid),
+                    ],
+                )
                 .await
                 .with_context(|| format!("storing the Hello of agent {}", hello.agent_id))?;
             Ok(())
         })
     }
 
+    /// Into the next group transaction (see `pg_writer.rs`).
     fn insert_batch(&self, agent_id: &str, messages: &[pb::AgentMessage]) -> Result<BatchOutcome> {
-        let mut rows = Rows {
-            seqs: Vec::with_capacity(messages.len()),
-            times: Vec::with_capacity(messages.len()),
-            kinds: Vec::with_capacity(messages.len()),
-            event_kinds: Vec::with_capacity(messages.len()),
-            bodies: Vec::with_capacity(messages.len()),
-            messages: Vec::with_capacity(messages.len()),
-        };
-        for msg in messages {
-            let Some((kind, event_kind, time_ns)) = classify(msg) else {
-                continue;
-            };
-            rows.seqs.push(seq_to_sql(msg.seq)?);
-            rows.times.push(time_ns);
-            rows.kinds.push(kind);
-            rows.event_kinds.push(event_kind);
-            rows.bodies.push(msg.encode_to_vec());
-            rows.messages.push(msg.clone());
-        }
-        if rows.seqs.is_empty() {
+        let batch = Batch::of(agent_id, messages)?;
+        if batch.is_empty() {
             return Ok(BatchOutcome::default());
         }
-        self.ensure_partitions(&rows.times)?;
-        self.run(insert_batch(self.pool.clone(), agent_id.to_string(), rows))
+        self.ensure_partitions(&batch.times())?;
+        self.writer.write(batch)
     }
 
     fn set_state(&self, agent_id: &str, state: &str, now_ns: i64) -> Result<()> {
@@ -564,31 +536,45 @@ impl Backend for PgStore {
 
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
         let (pool, inc) = (self.pool.clone(), incident.clone());
+        let seq = seq_to_sql(inc.seq)?;
+        self.run(async move { insert_incident(&**pool.get().await?, &inc, seq).await })
+    }
+
+    fn file_incident(
+        &self,
+        incident: &pb::Incident,
+        correlation: Correlation,
+    ) -> Result<Option<pb::Incident>> {
+        PgStore::file_incident(self, incident, correlation)
+    }
+
+    fn incident_agent(&self, id: &str) -> Result<Option<String>> {
+        let (pool, id) = (self.pool.clone(), id.to_string());
         self.run(async move {
-            let client = pool.get().await?;
-            // Numbered by the database: collectors share one series of ids.
-            let row = client
-                .query_opt(
+            Ok(pool
+                .get()
+                .await?
+                .query_opt("SELECT agent_id FROM incidents WHERE id = $1", &[&id])
+                .await?
+                .map(|r| r.get(0)))
+        })
+    }
+
+    fn parts_of(&self, leaders: &[String]) -> Result<Vec<(String, pb::Incident)>> {
+        let (pool, leaders) = (self.pool.clone(), leaders.to_vec());
+        self.run(async move {
+            let rows = pool
+                .get()
+                .await?
+                .query(
                     &format!(
-                        "WITH n AS (SELECT nextval('incident_numbers') AS n)
-                         INSERT INTO incidents(n, id, agent_id, agent_name, kind, time_ns, domain, summary, seq)
-                         SELECT n.n, 'inc-' || lpad(n.n::text, 6, '0'), $1, $2, $3, $4, $5, $6, $7 FROM n
-                         ON CONFLICT (agent_id, seq, kind) WHERE seq > 0 DO NOTHING
-                         RETURNING {INCIDENT_COLUMNS}"
+                        "SELECT {INCIDENT_COLUMNS}, merged_into FROM incidents
+                         WHERE merged_into = ANY($1) ORDER BY n"
                     ),
-                    &[
-                        &inc.agent_id,
-                        &inc.agent_name,
-                        &inc.kind,
-                        &inc.time_ns,
-                        &inc.domain,
-                        &inc.summary,
-                        &seq_to_sql(inc.seq)?,
-                    ],
+                    &[&leaders],
                 )
-                .await
-                .with_context(|| format!("storing a {} incident of agent {}", inc.kind, inc.agent_id))?;
-            Ok(row.as_ref().map(incident_from))
+                .await?;
+            Ok(rows.iter().map(|r| (r.get(8), incident_from(r))).collect())
         })
     }
 
@@ -668,7 +654,8 @@ impl Backend for PgStore {
                 .query(
                     &format!(
                         "SELECT {INCIDENT_COLUMNS} FROM incidents
-                         WHERE ($1::text IS NULL OR agent_id = $1) AND time_ns >= $2
+                         WHERE ($1::text IS NULL OR agent_id = $1) AND merged_into IS NULL
+                           AND time_ns >= $2
                            AND ($3 = '' OR domain = $3) AND ($4 = '' OR kind = $4)
                            AND ($5::text[] IS NULL OR agent_id = ANY($5))
                          ORDER BY n"
@@ -695,41 +682,13 @@ impl Backend for PgStore {
         })
     }
 
-    fn snapshot(&self, agent_id: &str, max_messages: u32) -> Result<Option<Store>> {
-        let (pool, id) = (self.pool.clone(), agent_id.to_string());
-        let found = self.run(async move {
-            let client = pool.get().await?;
-            let Some(hello) = client
-                .query_opt("SELECT hello FROM agents WHERE agent_id = $1", &[&id])
-                .await?
-            else {
-                return Ok(None);
-            };
-            let hello = decode_hello(&id, hello.get(0))?;
-            let rows = client
-                .query(
-                    "SELECT seq, body FROM messages WHERE agent_id = $1 ORDER BY seq DESC LIMIT $2",
-                    &[&id, &i64::from(max_messages)],
-                )
-                .await?;
-            let mut messages = rows
-                .iter()
-                .map(|r| decode_message(&id, r.get::<_, i64>(0) as u64, r.get(1)))
-                .collect::<Result<Vec<_>>>()?;
-            messages.reverse();
-            Ok(Some((hello, messages)))
-        })?;
-        let Some((hello, messages)) = found else {
-            return Ok(None);
-        };
-        let incidents = self.incidents(Some(agent_id))?;
-        let mut store = Store::open_in_memory()?;
-        store.upsert_agent(&hello, now_ns())?;
-        store.insert_batch(agent_id, &messages)?;
-        for inc in &incidents {
-            store.insert_incident(inc)?;
-        }
-        Ok(Some(store))
+    fn snapshot(
+        &self,
+        agent_id: &str,
+        max_messages: u32,
+        older_samples: u32,
+    ) -> Result<Option<Store>> {
+        self.instance_view(agent_id, max_messages, older_samples)
     }
 
     fn message_count(&self, agent_id: &str) -> Result<u64> {
@@ -786,6 +745,11 @@ impl Backend for PgStore {
                     &[&day_cutoff],
                 )
                 .await?;
+            tx.execute(
+                "DELETE FROM dropped_marks WHERE time_ns < $1",
+                &[&day_cutoff],
+            )
+            .await?;
             gone += tx
                 .execute("DELETE FROM incidents WHERE time_ns < $1", &[&cutoff_ns])
                 .await?;

@@ -593,6 +593,7 @@ impl Agent {
         py: Python<'_>,
         budget: Duration,
         why: census::Why,
+        sizing: census::Sizing,
         between_requests: bool,
     ) -> PyResult<pb::HeapCensus> {
         let (done, context) = {
@@ -609,7 +610,7 @@ impl Agent {
         let mut baseline = lock(&self.baseline).take();
         let idle = || lock(&self.context).in_flight.is_empty();
         let between = between_requests.then_some((&idle as census::Idle, CENSUS_IDLE_WAIT));
-        let result = census::run(py, budget, done, &mut baseline, between).map(|mut c| {
+        let result = census::run(py, budget, done, &mut baseline, sizing, between).map(|mut c| {
             // Its slices let requests run: one that ended after the sample
             // above may have left its objects in the counts, or not.
             c.requests_ended_during = lock(&self.context).requests_done.saturating_sub(done);

@@ -332,11 +332,22 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Option<Bound<'_, Py
     Ok(summary.map(|s| pythonize(py, &s)).transpose()?)
 }
 
-/// A heap census now (dict). Holds the GIL up to the budget.
+/// A heap census now (dict). Holds the GIL up to the budget. `sizing`:
+/// "all" sizes every object; "growers" sizes as a census on suspicion does
+/// (`census::Sizing`).
 #[pyfunction(name = "census")]
-#[pyo3(signature = (budget_s = None))]
-fn run_census(py: Python<'_>, budget_s: Option<f64>) -> PyResult<Bound<'_, PyAny>> {
+#[pyo3(signature = (budget_s = None, sizing = "all"))]
+fn run_census<'py>(
+    py: Python<'py>,
+    budget_s: Option<f64>,
+    sizing: &str,
+) -> PyResult<Bound<'py, PyAny>> {
     let a = current();
+    let sizing = census::Sizing::parse(sizing).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "oomscope.census: sizing must be \"all\" or \"growers\", not {sizing:?}"
+        ))
+    })?;
     let budget = match budget_s {
         Some(b) if b.is_finite() && b > 0.0 => Duration::from_secs_f64(b),
         Some(b) => {
@@ -349,8 +360,8 @@ fn run_census(py: Python<'_>, budget_s: Option<f64>) -> PyResult<Bound<'_, PyAny
             .map_or(config::DEFAULT_CENSUS_BUDGET, |a| a.config.census_budget),
     };
     let c = match a {
-        Some(a) => a.census(py, budget, census::Why::Call, false)?,
-        None => census::run(py, budget, 0, &mut None, None)?,
+        Some(a) => a.census(py, budget, census::Why::Call, sizing, false)?,
+        None => census::run(py, budget, 0, &mut None, sizing, None)?,
     };
     Ok(pythonize(py, &c)?)
 }
@@ -478,6 +489,7 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
     let Some(a) = current() else { return Ok(None) };
     let s = a.reporter.stats();
     let longest_hold = *lock(&a.census_longest_hold);
+    let phases = census::last_phases();
     let (reasons, recent) = {
         let r = lock(&a.census_reasons);
         let recent: Vec<serde_json::Value> = r
@@ -501,6 +513,11 @@ fn stats(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
         "censuses": a.censuses.load(Ordering::Relaxed),
         "census_longest_hold_ms": longest_hold.0 as f64 / 1e6,
         "census_longest_hold_cpu_ms": longest_hold.1 as f64 / 1e6,
+        "census_last_cpu_ms": {
+            "walk": phases.walk.as_secs_f64() * 1e3,
+            "size_growers": phases.size_growers.as_secs_f64() * 1e3,
+            "chain": phases.chain.as_secs_f64() * 1e3,
+        },
         "census_reasons": reasons, "census_recent": recent,
         "torch_hooks_missing": lock(&a.hooks_missing).clone(),
     });

@@ -170,7 +170,7 @@ impl PythonReaders {
             // ms of CPU measured at load 5 on 2 cores, 4x at load 11), and
             // that wait would space the censuses out for nothing.
             let cpu = census::thread_cpu();
-            match agent.census(py, budget, why, idle_only) {
+            match agent.census(py, budget, why, census::Sizing::of(why), idle_only) {
                 Ok(_) => Attempt::Taken {
                     done,
                     cost: census::thread_cpu().saturating_sub(cpu),

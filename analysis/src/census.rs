@@ -153,6 +153,9 @@ pub struct TypeGrowth {
     /// The slowest and fastest growth between consecutive censuses, bytes
     /// per request.
     pub steps: (f64, f64),
+    /// A census counted some of its objects without sizing them
+    /// (`TypeCount.bytes_estimated`): its bytes there are estimated.
+    pub estimated: bool,
 }
 
 impl TypeGrowth {
@@ -224,6 +227,7 @@ pub fn type_growths(pts: &[CensusPoint]) -> Vec<TypeGrowth> {
                 tau: tau(&bytes),
                 objects_tau: tau(&count),
                 steps: steps(&bytes),
+                estimated: listed.iter().any(|(_, t)| t.bytes_estimated),
             })
         })
         .collect();
@@ -284,7 +288,8 @@ impl HeapGrowth<'_> {
         self.top.censuses
     }
 
-    /// "torch.Tensor[cpu] +1.0 objects per request; also retained: __main__.Completion +1.0 per request"
+    /// "torch.Tensor[cpu] +1.0 objects per request; also retained: __main__.Completion +1.0 per request",
+    /// and whether the top type's bytes were estimated.
     pub fn objects_line(&self) -> String {
         let mut line = format!(
             "{} +{:.1} objects per request",
@@ -302,7 +307,7 @@ impl HeapGrowth<'_> {
                 others.join(", ")
             ));
         }
-        line
+        line + estimated_note(self.top.estimated)
     }
 
     /// "between requests the Python heap's torch.Tensor[cpu] rose from ..."
@@ -446,6 +451,17 @@ pub struct NamedGrowth<'a> {
     pub to: CensusPoint<'a>,
     /// The latest chain whose leaf is this type, outermost first.
     pub chain: &'a [String],
+    /// Either census estimated its bytes (`TypeCount.bytes_estimated`).
+    pub estimated: bool,
+}
+
+/// Said after a growth whose bytes a census estimated.
+fn estimated_note(estimated: bool) -> &'static str {
+    if estimated {
+        "; its bytes partly estimated (a census on suspicion counted some of its objects without sizing them, at the type's last measured mean size)"
+    } else {
+        ""
+    }
 }
 
 impl NamedGrowth<'_> {
@@ -467,7 +483,7 @@ impl NamedGrowth<'_> {
             " between censuses at requests {} and {}",
             self.from.requests_done, self.to.requests_done
         ));
-        line
+        line + estimated_note(self.estimated)
     }
 
     /// "held by a -> b -> c", when the agent found a chain.
@@ -490,7 +506,7 @@ pub fn named_growth<'a>(pts: &[CensusPoint<'a>]) -> Option<NamedGrowth<'a>> {
     if requests < 1.0 {
         return None;
     }
-    let (name, db, dc) = to
+    let (name, db, dc, estimated) = to
         .census
         .types
         .iter()
@@ -500,7 +516,8 @@ pub fn named_growth<'a>(pts: &[CensusPoint<'a>]) -> Option<NamedGrowth<'a>> {
             let before = from.get(&t.type_name)?;
             let db = t.bytes as f64 - before.bytes as f64;
             let dc = t.count as f64 - before.count as f64;
-            (db > 0.0).then_some((t.type_name.as_str(), db, dc))
+            let estimated = t.bytes_estimated || before.bytes_estimated;
+            (db > 0.0).then_some((t.type_name.as_str(), db, dc, estimated))
         })
         .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(a.0)))?;
     let chain = pts
@@ -519,6 +536,7 @@ pub fn named_growth<'a>(pts: &[CensusPoint<'a>]) -> Option<NamedGrowth<'a>> {
         from,
         to,
         chain,
+        estimated,
     })
 }
 
@@ -619,6 +637,7 @@ mod tests {
                     type_name: n.to_string(),
                     count: *c,
                     bytes: *b,
+                    ..Default::default()
                 })
                 .collect(),
             referrer_chain: chain.iter().map(|s| s.to_string()).collect(),
@@ -660,6 +679,27 @@ mod tests {
             "held by module __main__ global payloads -> dict['r0'] (90 items) -> bytes"
         );
         assert!(n.line(368_640.0).contains("bytes +360.0 KiB (+1.8 objects) per request (100% of the host growth) between censuses at requests 10 and 60"), "{}", n.line(368_640.0));
+    }
+
+    #[test]
+    fn estimated_bytes_are_said_so() {
+        // A census on suspicion counted the dicts without sizing them all.
+        let a = census(&[("dict", 5000, 1_160_000)], &[]);
+        let mut b = census(&[("dict", 8000, 1_856_000)], &[]);
+        let n = named_growth(&[at(10, &a), at(20, &b)]).unwrap();
+        assert!(!n.estimated && !n.line(0.0).contains("estimated"));
+        b.types[0].bytes_estimated = true;
+        let n = named_growth(&[at(10, &a), at(20, &b)]).unwrap();
+        assert_eq!(n.bytes_per_request, 69_600.0);
+        assert!(n.estimated);
+        assert!(
+            n.line(0.0).contains("its bytes partly estimated"),
+            "{}",
+            n.line(0.0)
+        );
+        let c = census(&[("dict", 11000, 2_552_000)], &[]);
+        let growths = type_growths(&[at(10, &a), at(20, &b), at(30, &c)]);
+        assert!(growths[0].estimated, "{growths:?}");
     }
 
     #[test]

@@ -115,6 +115,7 @@ fn tc(name: &str, count: u64, bytes: u64) -> pb::TypeCount {
         type_name: name.into(),
         count,
         bytes,
+        ..Default::default()
     }
 }
 

@@ -95,11 +95,13 @@ fn census(t: i64, tensors: u64, dicts: u64) -> pb::Event {
                     type_name: "torch.Tensor[cuda:0]".into(),
                     count: tensors,
                     bytes: tensors * 8 * MIB,
+                    ..Default::default()
                 },
                 pb::TypeCount {
                     type_name: "dict".into(),
                     count: dicts,
                     bytes: dicts * 1024,
+                    ..Default::default()
                 },
             ],
             referrer_chain: vec!["app.history".into(), "list".into()],

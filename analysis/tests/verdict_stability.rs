@@ -389,6 +389,7 @@ fn census_leak(requests: u64) -> Evidence {
                     type_name: "torch.Tensor[cpu]".into(),
                     count: 18 + done,
                     bytes: 9_768_960 + per_request * done,
+                    ..Default::default()
                 }],
                 referrer_chain: vec!["module __main__ global keep".into(), "list".into()],
                 ..Default::default()

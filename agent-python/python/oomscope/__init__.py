@@ -120,10 +120,14 @@ def stop(reason: str = "stop") -> bool:
     return _native.stop(reason)
 
 
-def census(budget_s: float | None = None) -> dict[str, Any]:
+def census(budget_s: float | None = None, sizing: str = "all") -> dict[str, Any]:
     """Runs a Python heap census now (holds the GIL up to ``budget_s``) and
-    returns it: ``{"types": [{"type_name", "count", "bytes"}], ...}``."""
-    return _native.census(budget_s)
+    returns it: ``{"types": [{"type_name", "count", "bytes"}], ...}``.
+    ``sizing="growers"`` counts every object but sizes only tensors, arrays,
+    buffers and the types grown most in count since the previous census, as
+    a census on suspicion does; the others' bytes are estimated from their
+    last measured mean size (``"bytes_estimated": True``)."""
+    return _native.census(budget_s, sizing)
 
 
 class phase:

@@ -26,7 +26,7 @@ use super::slices::Slices;
 /// `gc.get_referents` takes this many objects per call.
 pub(super) const REFERENTS_CHUNK: usize = 2048;
 /// Referents looked at between two looks at the clock.
-const CLOCK_EVERY: usize = 256;
+pub(super) const CLOCK_EVERY: usize = 256;
 
 /// Every container the walk reached, in the order reached (roots first).
 pub(super) struct Listing<'py> {

@@ -3,7 +3,9 @@
 //! tracked or not, and the bytes/arrays they hold; once a start-up heap is
 //! frozen, what was made since), under a time
 //! budget, with growth per completed request against the previous census
-//! and one referrer chain for the top grower.
+//! and one referrer chain for the top grower. Every object is counted; a
+//! census on suspicion sizes only some (`sizing`: the growers by count, and
+//! tensors, arrays and buffers), the others' bytes estimated and said so.
 //!
 //! It holds the GIL in slices of at most [`SLICE`] and lets it go between
 //! them, so a request thread waits one slice at most, never the whole scan;
@@ -12,6 +14,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use oomscope_agent_core::pb;
@@ -23,6 +26,7 @@ mod chain;
 mod listing;
 mod names;
 mod reasons;
+mod sizing;
 mod slices;
 
 use addr::AddrMap;
@@ -31,16 +35,47 @@ use chain::referrer_chain;
 pub use chain::MAX_CHAIN;
 pub use names::type_name;
 pub use reasons::{Reasons, Why};
+pub use sizing::Sizing;
 pub use slices::{thread_cpu, Idle, Slices, SLICE};
 
 /// (count, bytes) by type name.
 type Counts = HashMap<String, (u64, u64)>;
+
+/// One census's counts by type name, which of them have estimated bytes,
+/// and one instance of each type.
+struct Finished<'py> {
+    by_type: Counts,
+    estimated: HashSet<String>,
+    sample: HashMap<String, Bound<'py, PyAny>>,
+}
 
 /// Types reported by bytes, by count and by growth (each up to this many):
 /// a torch process has thousands of types, the interesting ones are few.
 pub const TOP_TYPES: usize = 64;
 /// The share of the budget the scan may use; the referrer chain has the rest.
 const SCAN_SHARE: f64 = 0.75;
+
+/// This thread's CPU time in each part of a census: the walk (counting, and
+/// sizing what is sized as counted), the growers sized after it, and the
+/// rest (the growth, the referrer chain). `stats()` shows the latest.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseCpu {
+    pub walk: Duration,
+    pub size_growers: Duration,
+    pub chain: Duration,
+}
+
+/// The latest census's [`PhaseCpu`] (censuses run one at a time).
+static LAST_PHASES: Mutex<PhaseCpu> = Mutex::new(PhaseCpu {
+    walk: Duration::ZERO,
+    size_growers: Duration::ZERO,
+    chain: Duration::ZERO,
+});
+
+/// The latest census's [`PhaseCpu`].
+pub fn last_phases() -> PhaseCpu {
+    *LAST_PHASES.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The counts of one census, kept to measure the next one's growth.
 #[derive(Debug, Default, Clone)]
@@ -57,6 +92,13 @@ pub struct Baseline {
     /// Whether it kept outside a frozen heap: a census that walked the
     /// whole heap is no baseline for one that did not (or the other way).
     pub outside_frozen: bool,
+    /// Each type's mean bytes an object when last sized (by this census or
+    /// an earlier one): what a type left unsized is estimated at.
+    pub mean_bytes: HashMap<String, f64>,
+    /// The types grown most in count since the census before
+    /// ([`sizing::count_growers`]): the next census on suspicion sizes them
+    /// as it counts them.
+    pub count_growers: HashSet<String>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -74,13 +116,16 @@ struct TypeInfo {
     name: String,
     kind: Kind,
     basicsize: u64,
+    /// Among the previous census's growers by count: sized as counted.
+    grew: bool,
 }
 
-/// One type's count and bytes, and the instance its referrer chain would
-/// start at.
+/// One type's count and bytes (of the `sized` objects sized), and the
+/// instance its referrer chain would start at.
 #[derive(Default)]
 struct Tally<'py> {
     count: u64,
+    sized: u64,
     bytes: u64,
     /// The first instance reached that the previous census did not see.
     new: Option<Bound<'py, PyAny>>,
@@ -91,15 +136,23 @@ struct Tally<'py> {
 }
 
 impl<'py> Tally<'py> {
-    fn add(&mut self, bytes: u64, obj: &Bound<'py, PyAny>, new: bool) {
+    /// Counts `obj`, sized at `bytes` where it was.
+    fn add(&mut self, bytes: Option<u64>, obj: &Bound<'py, PyAny>, new: bool) {
         self.count += 1;
-        self.bytes = self.bytes.saturating_add(bytes);
+        if let Some(bytes) = bytes {
+            self.size(bytes);
+        }
         if new && self.new.is_none() {
             self.new = Some(obj.clone());
         }
         if self.first.is_none() {
             self.first = Some(obj.clone());
         }
+    }
+
+    fn size(&mut self, bytes: u64) {
+        self.sized += 1;
+        self.bytes = self.bytes.saturating_add(bytes);
     }
 
     /// A new instance where there is one, else the first reached.
@@ -121,6 +174,9 @@ struct Scanner<'py> {
     scanned: u64,
     previous: Option<AddrSet>,
     addresses: AddrSet,
+    sizing: Sizing,
+    /// The previous census's growers by count ([`Baseline::count_growers`]).
+    grew: HashSet<String>,
 }
 
 impl<'py> Scanner<'py> {
@@ -151,10 +207,12 @@ impl<'py> Scanner<'py> {
                 .getattr("__basicsize__")
                 .and_then(|b| b.extract::<u64>())
                 .unwrap_or(0);
+            let name = type_name(&ty);
             self.types.insert(
                 key,
                 TypeInfo {
-                    name: type_name(&ty),
+                    grew: self.grew.contains(&name),
+                    name,
                     kind,
                     basicsize,
                 },
@@ -175,9 +233,9 @@ impl<'py> Scanner<'py> {
     /// once), a buffer or array once however many hold it, nothing else.
     fn count(&mut self, obj: &Bound<'py, PyAny>, container: bool) {
         let key = obj.get_type().as_ptr() as usize;
-        let (kind, basicsize) = {
+        let (kind, basicsize, grew) = {
             let i = self.info(obj);
-            (i.kind, i.basicsize)
+            (i.kind, i.basicsize, i.grew)
         };
         if !container && !matches!(kind, Kind::Buffer | Kind::Ndarray) {
             return;
@@ -187,10 +245,20 @@ impl<'py> Scanner<'py> {
         }
         let new = self.is_new(obj);
         self.scanned += 1;
+        // A list's or dict's `__sizeof__` is a call: on suspicion, only the
+        // growers' are made, as counted where they grew before, else after
+        // the walk (`size_growers`).
+        if kind == Kind::Container && self.sizing == Sizing::Growers && !grew {
+            self.plain.entry(key).or_default().add(None, obj, new);
+            return;
+        }
         let bytes = match kind {
             Kind::Tensor => {
                 let (name, bytes) = self.tensor_bytes(obj);
-                self.tensors.entry(name).or_default().add(bytes, obj, new);
+                self.tensors
+                    .entry(name)
+                    .or_default()
+                    .add(Some(bytes), obj, new);
                 return;
             }
             Kind::Ndarray => {
@@ -205,33 +273,115 @@ impl<'py> Scanner<'py> {
                 }
             }
             Kind::Buffer => obj.len().map(|n| n as u64).unwrap_or(0),
-            Kind::Container => obj
-                .call_method0("__sizeof__")
-                .and_then(|n| n.extract::<u64>())
-                .unwrap_or(basicsize),
+            Kind::Container => container_bytes(obj, basicsize),
             Kind::Plain => basicsize,
         };
-        self.plain.entry(key).or_default().add(bytes, obj, new);
+        self.plain
+            .entry(key)
+            .or_default()
+            .add(Some(bytes), obj, new);
     }
 
-    /// Counts by type name, with one instance of each type.
-    fn finish(self) -> (Counts, HashMap<String, Bound<'py, PyAny>>) {
-        let mut by_type: HashMap<String, (u64, u64)> = HashMap::new();
-        let mut sample = HashMap::new();
+    /// Sizes, after the walk, the containers of the types
+    /// [`sizing::growers_to_size`] picks (grown most in count since
+    /// `before`), in the census's slices; what the budget leaves unsized is
+    /// estimated in [`Scanner::finish`].
+    fn size_growers(
+        &mut self,
+        slices: &mut Slices<'py>,
+        objects: &listing::Listing<'py>,
+        before: Option<&Baseline>,
+    ) {
+        let mut now: HashMap<String, u64> = HashMap::new();
+        let mut unmeasured = HashSet::new();
+        for (key, tally) in &self.plain {
+            let name = &self.types[key].name;
+            *now.entry(name.clone()).or_default() += tally.count;
+            if tally.sized < tally.count {
+                unmeasured.insert(name.clone());
+            }
+        }
+        for (name, tally) in &self.tensors {
+            *now.entry(name.clone()).or_default() += tally.count;
+        }
+        let (no_counts, no_means) = (HashMap::new(), HashMap::new());
+        let picked = sizing::growers_to_size(
+            &now,
+            &unmeasured,
+            before.map_or(&no_counts, |b| &b.by_type),
+            before.map_or(&no_means, |b| &b.mean_bytes),
+        );
+        // A few type objects (list, dict): a scan of a short list beats a
+        // hash per object.
+        let keys: Vec<usize> = self
+            .plain
+            .iter()
+            .filter(|(k, t)| t.sized < t.count && picked.contains(&self.types[*k].name))
+            .map(|(k, _)| *k)
+            .collect();
+        if keys.is_empty() {
+            return;
+        }
+        for (j, obj) in objects.objects.iter().enumerate() {
+            if j % listing::CLOCK_EVERY == listing::CLOCK_EVERY - 1 && !slices.step() {
+                return;
+            }
+            // SAFETY: a live object, the GIL held.
+            let key = unsafe { pyo3::ffi::Py_TYPE(obj.as_ptr()) } as usize;
+            if keys.contains(&key) {
+                let bytes = container_bytes(obj, self.types[&key].basicsize);
+                if let Some(t) = self.plain.get_mut(&key) {
+                    t.size(bytes);
+                }
+            }
+        }
+    }
+
+    /// Counts by type name, with one instance of each type; a type some of
+    /// whose objects were left unsized has them at its mean size (of those
+    /// sized, else as last measured in `means`), marked estimated. Updates
+    /// `means` with what was sized.
+    fn finish(self, means: &mut HashMap<String, f64>) -> Finished<'py> {
+        let mut f = Finished {
+            by_type: HashMap::new(),
+            estimated: HashSet::new(),
+            sample: HashMap::new(),
+        };
+        let types = &self.types;
         let named = self
             .plain
             .into_iter()
-            .map(|(k, v)| (self.types[&k].name.clone(), v));
-        for (name, tally) in named.chain(self.tensors) {
+            .map(|(k, v)| (types[&k].name.clone(), types[&k].basicsize, v));
+        let tensors = self.tensors.into_iter().map(|(n, v)| (n, 0, v));
+        let mut sized: HashMap<String, (u64, u64)> = HashMap::new();
+        for (name, basicsize, tally) in named.chain(tensors) {
+            let (bytes, estimated) = sizing::with_unsized(
+                tally.count,
+                tally.sized,
+                tally.bytes,
+                means.get(&name).copied(),
+                basicsize,
+            );
+            if estimated {
+                f.estimated.insert(name.clone());
+            }
+            let s = sized.entry(name.clone()).or_default();
+            s.0 += tally.sized;
+            s.1 = s.1.saturating_add(tally.bytes);
             // Two type objects may share a name (a class defined twice).
-            let e = by_type.entry(name.clone()).or_default();
+            let e = f.by_type.entry(name.clone()).or_default();
             e.0 += tally.count;
-            e.1 = e.1.saturating_add(tally.bytes);
+            e.1 = e.1.saturating_add(bytes);
             if let Some(obj) = tally.instance() {
-                sample.insert(name, obj);
+                f.sample.insert(name, obj);
             }
         }
-        (by_type, sample)
+        for (name, (n, bytes)) in sized {
+            if n > 0 {
+                means.insert(name, bytes as f64 / n as f64);
+            }
+        }
+        f
     }
 
     /// `torch.Tensor[<device>]` and the bytes of its storage, counted once
@@ -259,6 +409,13 @@ impl<'py> Scanner<'py> {
     }
 }
 
+/// A list's or dict's own bytes, its tables included (`__sizeof__`).
+fn container_bytes(obj: &Bound<'_, PyAny>, basicsize: u64) -> u64 {
+    obj.call_method0(pyo3::intern!(obj.py(), "__sizeof__"))
+        .and_then(|n| n.extract::<u64>())
+        .unwrap_or(basicsize)
+}
+
 fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'py, PyAny>> {
     let modules = py.import("sys").ok()?.getattr("modules").ok()?;
     modules
@@ -271,7 +428,8 @@ fn module_attr<'py>(py: Python<'py>, module: &str, attr: &str) -> Option<Bound<'
 }
 
 /// Runs a census now. `baseline` is the previous census (updated here);
-/// growth is per completed request since it. `between_requests`: a census
+/// growth is per completed request since it. `sizing`: which objects it
+/// sizes ([`Sizing`]). `between_requests`: a census
 /// begun with no request in flight resumes each slice with none, waiting up
 /// to the given time in all ([`Slices::between_requests`]).
 pub fn run(
@@ -279,6 +437,7 @@ pub fn run(
     budget: Duration,
     requests_done: u64,
     baseline: &mut Option<Baseline>,
+    sizing: Sizing,
     between_requests: Option<(Idle<'_>, Duration)>,
 ) -> PyResult<pb::HeapCensus> {
     // The scan gets most of the budget; the referrer chain what is left.
@@ -309,17 +468,42 @@ pub fn run(
         scanned: 0,
         previous: baseline.as_mut().map(|b| std::mem::take(&mut b.addresses)),
         addresses: AddrSet::default(),
+        sizing,
+        grew: baseline
+            .as_mut()
+            .map(|b| std::mem::take(&mut b.count_growers))
+            .unwrap_or_default(),
     };
+    let walk_start = thread_cpu();
     let (objects, ended) = listing::walk(&mut slices, &gc, reach, |obj, container| {
         s.count(obj, container);
         ControlFlow::Continue(())
     })?;
+    let walked = thread_cpu();
+    if sizing == Sizing::Growers && ended == listing::Ended::Complete {
+        s.size_growers(&mut slices, &objects, baseline.as_ref());
+    }
+    let sized = thread_cpu();
     let scanned = s.scanned;
     let addresses = std::mem::take(&mut s.addresses);
     s.previous = None;
-    let (by_type, sample) = s.finish();
+    let mut mean_bytes = baseline
+        .as_mut()
+        .map(|b| std::mem::take(&mut b.mean_bytes))
+        .unwrap_or_default();
+    let Finished {
+        by_type,
+        estimated,
+        sample,
+    } = s.finish(&mut mean_bytes);
 
     let growth = growth_per_request(&by_type, baseline.as_ref(), requests_done);
+    let count_growers = baseline.as_ref().map_or_else(HashSet::new, |b| {
+        sizing::count_growers(by_type.iter().map(|(n, c)| (n, c.0)), &b.by_type)
+            .into_iter()
+            .cloned()
+            .collect()
+    });
     let top_grown_bytes = match (growth.first(), baseline.as_ref()) {
         (Some((_, per_request, _)), Some(b)) => {
             (per_request * requests_done.saturating_sub(b.requests_done) as f64) as u64
@@ -343,9 +527,14 @@ pub fn run(
         )
         .unwrap_or_default();
     }
+    *LAST_PHASES.lock().unwrap_or_else(|e| e.into_inner()) = PhaseCpu {
+        walk: walked.saturating_sub(walk_start),
+        size_growers: sized.saturating_sub(walked),
+        chain: thread_cpu().saturating_sub(sized),
+    };
     drop(objects);
     let mut census = pb::HeapCensus {
-        types: select_types(&by_type, &growth),
+        types: select_types(&by_type, &growth, &estimated),
         gc_gen0: counts.0,
         gc_gen1: counts.1,
         gc_gen2: counts.2,
@@ -376,6 +565,8 @@ pub fn run(
         addresses,
         top_grown_bytes,
         outside_frozen,
+        mean_bytes,
+        count_growers,
     });
     Ok(census)
 }
@@ -418,10 +609,12 @@ pub fn growth_per_request(
 }
 
 /// The largest types by bytes, by count, and the top growers (each up to
-/// [`TOP_TYPES`]), largest bytes first.
+/// [`TOP_TYPES`]), largest bytes first; those in `estimated` say their
+/// bytes are.
 pub fn select_types(
     by_type: &HashMap<String, (u64, u64)>,
     growth: &[(String, f64, f64)],
+    estimated: &HashSet<String>,
 ) -> Vec<pb::TypeCount> {
     let mut all: Vec<(&String, &(u64, u64))> = by_type.iter().collect();
     let mut keep: HashSet<&str> = HashSet::new();
@@ -442,6 +635,7 @@ pub fn select_types(
             type_name: n.to_string(),
             count: by_type[n].0,
             bytes: by_type[n].1,
+            bytes_estimated: estimated.contains(n),
         })
         .collect();
     out.sort_by(|a, b| {
@@ -476,6 +670,8 @@ mod tests {
             addresses: AddrSet::default(),
             top_grown_bytes: 0,
             outside_frozen: false,
+            mean_bytes: HashMap::new(),
+            count_growers: HashSet::new(),
         };
         let now = counts(&[
             ("torch.Tensor[cpu]", 30, 41_000),
@@ -501,6 +697,8 @@ mod tests {
             addresses: AddrSet::default(),
             top_grown_bytes: 0,
             outside_frozen: true,
+            mean_bytes: HashMap::new(),
+            count_growers: HashSet::new(),
         };
         let now = counts(&[("bytes", 806, 26_244_940), ("dict", 10_034, 8_790_888)]);
         let g = growth_per_request(&now, Some(&base), 100);
@@ -522,6 +720,8 @@ mod tests {
             addresses: AddrSet::default(),
             top_grown_bytes: 0,
             outside_frozen: false,
+            mean_bytes: HashMap::new(),
+            count_growers: HashSet::new(),
         };
         assert!(growth_per_request(&now, Some(&base), 10).is_empty());
     }
@@ -533,8 +733,15 @@ mod tests {
             .collect();
         by.insert("small_grower".into(), (3, 30));
         let growth = vec![("small_grower".to_string(), 10.0, 1.0)];
-        let sel = select_types(&by, &growth);
+        let estimated: HashSet<String> = ["t299".to_string()].into();
+        let sel = select_types(&by, &growth, &estimated);
         assert!(sel.iter().any(|t| t.type_name == "small_grower"));
+        assert!(sel
+            .iter()
+            .any(|t| t.type_name == "t299" && t.bytes_estimated));
+        assert!(sel
+            .iter()
+            .all(|t| t.bytes_estimated == (t.type_name == "t299")));
         assert!(sel.len() <= 3 * TOP_TYPES + 1);
         assert!(sel.windows(2).all(|w| w[0].bytes >= w[1].bytes));
     }

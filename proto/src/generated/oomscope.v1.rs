@@ -1395,6 +1395,12 @@ pub struct TypeCount {
     pub count: u64,
     #[prost(uint64, tag = "3")]
     pub bytes: u64,
+    /// Some or all of its objects were counted, not sized (a census on
+    /// suspicion sizes its growers, tensors, arrays and buffers): `bytes`
+    /// takes those at the type's mean size as last measured. False from older
+    /// agents, whose censuses sized every object.
+    #[prost(bool, tag = "4")]
+    pub bytes_estimated: bool,
 }
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(default))]

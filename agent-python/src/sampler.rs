@@ -219,7 +219,11 @@ impl Readers for PythonReaders {
     fn tick(&mut self, _: &Reporter) {
         let agent = self.agent.clone();
         self.open_nvml_once_released();
+        // One of the agent's messages under the cap (at most 50 ms on this
+        // thread, never a request's).
+        std::thread::sleep(self.boundaries.wait_left());
         self.full_levels = tick(&agent, &self.reader);
+        self.boundaries.sent();
         if self.census.is_none() {
             self.suspect();
         }

@@ -127,6 +127,22 @@ impl Pacing {
         )
     }
 
+    /// What is left of the spacing since the last message: the periodic
+    /// sample waits it out too, so that every message of the agent (the
+    /// ring's and the periodic ones) is at least the spacing apart, and
+    /// the cap holds for all of them, not for the ring's alone.
+    pub fn wait_left(&self) -> Duration {
+        self.last.map_or(Duration::ZERO, |t| {
+            (t + self.min_interval).saturating_duration_since(Instant::now())
+        })
+    }
+
+    /// Another message (the periodic sample) went now: the ring's next
+    /// waits the spacing from it.
+    pub fn sent(&mut self) {
+        self.last = Some(Instant::now());
+    }
+
     /// Whether the ring is due now; if so it counts as taken now.
     pub fn take_due(&mut self) -> bool {
         if self.due().is_none_or(|t| t > Instant::now()) {
@@ -491,6 +507,25 @@ mod tests {
         p.signal();
         let due = p.due().unwrap();
         assert!(due > Instant::now() + MIN_BATCH_SPACING / 2, "spaced");
+        assert!(!p.take_due());
+    }
+
+    #[test]
+    fn a_periodic_message_keeps_the_spacing_with_the_rings() {
+        let mut p = Pacing::new(Duration::ZERO);
+        assert_eq!(p.wait_left(), Duration::ZERO, "nothing sent yet");
+        p.signal();
+        assert!(p.take_due());
+        let left = p.wait_left();
+        assert!(
+            left > MIN_BATCH_SPACING / 2 && left <= MIN_BATCH_SPACING,
+            "{left:?}"
+        );
+        // The periodic sample went: the ring's next waits the spacing from it,
+        // and what it holds is still due then.
+        p.signal();
+        p.sent();
+        assert!(p.due().unwrap() > Instant::now() + MIN_BATCH_SPACING / 2);
         assert!(!p.take_due());
     }
 

@@ -565,6 +565,8 @@ impl Readers for AgentReaders {
 
     fn tick(&mut self, reporter: &Reporter) {
         let inner = &self.inner;
+        // One of the agent's messages under the cap (see `Pacing::wait_left`).
+        std::thread::sleep(self.pacing.wait_left());
         let mut sample = self.reader.sample();
         self.full_levels = sample.cgroup.clone();
         self.last_gpus = sample.gpus.clone();
@@ -573,6 +575,7 @@ impl Readers for AgentReaders {
         sample.allocator = a.allocator;
         sample.context = a.context;
         reporter.send_sample(sample);
+        self.pacing.sent();
     }
 
     fn job(&mut self, job: Job, _: &Reporter) {

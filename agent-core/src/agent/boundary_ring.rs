@@ -93,11 +93,17 @@ fn statm_resident(text: &[u8]) -> u64 {
 /// least [`MIN_BATCH_SPACING`]), and at once when the last take is older
 /// than that, so any rate of requests costs at most that many host
 /// readings and messages a second, each carrying every request since the
-/// last. The sampler's own state: the request path only signals.
+/// last. The periodic sample keeps [`MIN_BATCH_SPACING`] from the ring's
+/// messages too (and they from it), so the cap holds for every message of
+/// the agent, not for the ring's alone. The sampler's own state: the
+/// request path only signals.
 #[derive(Debug)]
 pub struct Pacing {
     min_interval: Duration,
+    /// The ring's last take.
     last: Option<Instant>,
+    /// The last message of either kind.
+    last_any: Option<Instant>,
     /// The request path said the ring holds something.
     signalled: bool,
 }
@@ -107,6 +113,7 @@ impl Pacing {
         Pacing {
             min_interval: min_interval.max(MIN_BATCH_SPACING),
             last: None,
+            last_any: None,
             signalled: false,
         }
     }
@@ -121,26 +128,25 @@ impl Pacing {
         if !self.signalled {
             return None;
         }
-        Some(
-            self.last
-                .map_or_else(Instant::now, |t| t + self.min_interval),
-        )
+        let ring = self
+            .last
+            .map_or_else(Instant::now, |t| t + self.min_interval);
+        let any = self.last_any.map(|t| t + MIN_BATCH_SPACING);
+        Some(any.map_or(ring, |a| a.max(ring)))
     }
 
-    /// What is left of the spacing since the last message: the periodic
-    /// sample waits it out too, so that every message of the agent (the
-    /// ring's and the periodic ones) is at least the spacing apart, and
-    /// the cap holds for all of them, not for the ring's alone.
+    /// What is left of [`MIN_BATCH_SPACING`] since the last message: what
+    /// the periodic sample waits out before it goes.
     pub fn wait_left(&self) -> Duration {
-        self.last.map_or(Duration::ZERO, |t| {
-            (t + self.min_interval).saturating_duration_since(Instant::now())
+        self.last_any.map_or(Duration::ZERO, |t| {
+            (t + MIN_BATCH_SPACING).saturating_duration_since(Instant::now())
         })
     }
 
-    /// Another message (the periodic sample) went now: the ring's next
-    /// waits the spacing from it.
+    /// The periodic sample went now: the ring's next message keeps the
+    /// spacing from it.
     pub fn sent(&mut self) {
-        self.last = Some(Instant::now());
+        self.last_any = Some(Instant::now());
     }
 
     /// Whether the ring is due now; if so it counts as taken now.
@@ -148,7 +154,9 @@ impl Pacing {
         if self.due().is_none_or(|t| t > Instant::now()) {
             return false;
         }
-        self.last = Some(Instant::now());
+        let now = Instant::now();
+        self.last = Some(now);
+        self.last_any = Some(now);
         self.signalled = false;
         true
     }
@@ -512,6 +520,16 @@ mod tests {
 
     #[test]
     fn a_periodic_message_keeps_the_spacing_with_the_rings() {
+        // A ring paced at 1 s: the periodic sample keeps the cap's spacing
+        // from it, not the ring's second.
+        let mut p = Pacing::new(Duration::from_secs(1));
+        p.signal();
+        assert!(p.take_due());
+        let left = p.wait_left();
+        assert!(
+            left > MIN_BATCH_SPACING / 2 && left <= MIN_BATCH_SPACING,
+            "{left:?}"
+        );
         let mut p = Pacing::new(Duration::ZERO);
         assert_eq!(p.wait_left(), Duration::ZERO, "nothing sent yet");
         p.signal();

@@ -370,7 +370,9 @@ pub enum BenchVerb {
         rate: Option<f64>,
         /// Print JSON: {acked_samples_per_s, p50_ack_ms, p99_ack_ms,
         /// collector_cpu_us_per_sample (null when unknown), agents, samples,
-        /// wire_bytes_per_sample}.
+        /// wire_bytes_per_sample, p99_send_late_ms (paced: how late this
+        /// generator sent, counted in the ack latency; null unpaced),
+        /// generator_cpu_us_per_sample}.
         #[arg(long)]
         json: bool,
     },

@@ -26,6 +26,8 @@ fn to_json(f: &Figures) -> serde_json::Value {
         "agents": f.agents,
         "samples": f.samples,
         "wire_bytes_per_sample": f.wire_bytes_per_sample,
+        "p99_send_late_ms": f.p99_send_late_ms,
+        "generator_cpu_us_per_sample": f.generator_cpu_us_per_sample,
     })
 }
 
@@ -34,9 +36,16 @@ fn text(f: &Figures, url: &str) -> String {
         Some(us) => format!("{us:.1} µs of collector CPU per sample"),
         None => "collector CPU unknown (not a process on this host)".to_string(),
     };
+    let generator = match (f.generator_cpu_us_per_sample, f.p99_send_late_ms) {
+        (Some(us), Some(late)) => {
+            format!("\nthis generator: {us:.1} µs of CPU per sample, p99 {late:.2} ms late sending")
+        }
+        (Some(us), None) => format!("\nthis generator: {us:.1} µs of CPU per sample"),
+        _ => String::new(),
+    };
     format!(
         "{url}: {} agents x {} samples ({:.0} bytes each on the wire)\n\
-         {:.0} acked samples/s; ack latency p50 {:.2} ms, p99 {:.2} ms; {cpu}\n",
+         {:.0} acked samples/s; ack latency p50 {:.2} ms, p99 {:.2} ms; {cpu}{generator}\n",
         f.agents,
         f.samples,
         f.wire_bytes_per_sample,

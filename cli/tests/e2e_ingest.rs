@@ -38,9 +38,12 @@ fn bench_ingest_stores_every_sample_once_and_reports_every_field() {
         "collector_cpu_us_per_sample",
         "agents",
         "samples",
+        "generator_cpu_us_per_sample",
     ] {
         assert!(figures.get(field).is_some(), "{field} missing: {figures}");
     }
+    // Unpaced, no sample has a time it was due.
+    assert!(figures["p99_send_late_ms"].is_null(), "{figures}");
     assert_eq!(figures["agents"], 2);
     assert_eq!(figures["samples"], 2000);
     assert!(figures["acked_samples_per_s"].as_f64().unwrap() > 0.0);

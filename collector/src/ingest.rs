@@ -43,6 +43,10 @@ pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// seconds.
 pub const TRIM_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How many times a trim waits another [`TRIM_INTERVAL`] for streams to
+/// stop ending: RSS follows a fleet that leaves over a minute, too.
+pub const MAX_TRIM_DELAYS: usize = 10;
+
 /// Gives the allocator's free memory back to the system (glibc only; a
 /// no-op elsewhere).
 fn release_free_memory() {
@@ -114,6 +118,10 @@ pub(crate) struct Inner {
     pub(crate) fatal: Mutex<Option<String>>,
     lost_grace: Duration,
     hello_timeout: Duration,
+    /// How long the writer holds a group for more streams' batches.
+    gather_wait: Duration,
+    /// Agent streams past their Hello now (what the writer gathers from).
+    streams: std::sync::atomic::AtomicUsize,
     fleet: crate::fleet::FleetPolicy,
     links: Mutex<HashMap<String, Link>>,
     next_generation: AtomicU64,
@@ -121,6 +129,8 @@ pub(crate) struct Inner {
     decoded: Arc<tokio::sync::Semaphore>,
     /// A memory trim is scheduled (see `Collector::schedule_trim`).
     trim_pending: std::sync::atomic::AtomicBool,
+    /// Streams ended so far: a scheduled trim waits until they stop.
+    stream_ends: AtomicU64,
     /// Resent seqs refused because their content differs from the stored.
     conflicts: AtomicU64,
     /// What `/metrics` shows.
@@ -157,6 +167,14 @@ impl crate::writer::StoreOwner for Inner {
         let store = self.store.lock();
         self.check_file().is_ok().then_some(store)
     }
+
+    fn streams(&self) -> usize {
+        self.streams.load(Ordering::Relaxed)
+    }
+
+    fn gather_wait(&self) -> Duration {
+        self.gather_wait
+    }
 }
 
 /// The newest stream of one agent. `directives` is None once it ended; the
@@ -190,11 +208,14 @@ impl Collector {
                 fatal: Mutex::new(None),
                 lost_grace,
                 hello_timeout: DEFAULT_HELLO_TIMEOUT,
+                gather_wait: crate::writer::DEFAULT_GATHER_WAIT,
+                streams: std::sync::atomic::AtomicUsize::new(0),
                 fleet,
                 links: Mutex::new(HashMap::new()),
                 next_generation: AtomicU64::new(1),
                 decoded: Arc::new(tokio::sync::Semaphore::new(MAX_DECODED_MESSAGES)),
                 trim_pending: std::sync::atomic::AtomicBool::new(false),
+                stream_ends: AtomicU64::new(0),
                 conflicts: AtomicU64::new(0),
                 metrics: Arc::new(crate::metrics::Metrics::new()),
                 stopping: watch::channel(false).0,
@@ -339,6 +360,17 @@ impl Collector {
         match Arc::get_mut(&mut self.inner) {
             Some(inner) => inner.hello_timeout = timeout,
             None => tracing::warn!("the collector is already shared; the Hello timeout stays"),
+        }
+        self
+    }
+
+    /// Holds each group transaction open up to `wait` for other streams'
+    /// batches (default [`crate::writer::DEFAULT_GATHER_WAIT`]; zero
+    /// commits what is ready at once); call before the collector is shared.
+    pub fn with_gather_wait(mut self, wait: Duration) -> Collector {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.gather_wait = wait,
+            None => tracing::warn!("the collector is already shared; the gather wait stays"),
         }
         self
     }
@@ -565,13 +597,25 @@ impl Collector {
     /// Returns the memory of streams that ended to the system, at most once
     /// per [`TRIM_INTERVAL`]: glibc keeps freed memory in its arenas, so
     /// 2,000 agents' buffers stayed resident (421 MiB) after they all left.
+    ///
+    /// The trim runs once no stream has ended for a whole interval (or
+    /// after [`MAX_TRIM_DELAYS`] of them): a trim in the middle of a herd
+    /// leaving returns only what the streams before it freed.
     fn schedule_trim(&self) {
+        self.inner.stream_ends.fetch_add(1, Ordering::AcqRel);
         if self.inner.trim_pending.swap(true, Ordering::AcqRel) {
             return;
         }
         let inner = self.inner.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(TRIM_INTERVAL).await;
+            // Streams that keep ending (a fleet restarting) still get a trim.
+            for _ in 0..MAX_TRIM_DELAYS {
+                let ends = inner.stream_ends.load(Ordering::Acquire);
+                tokio::time::sleep(TRIM_INTERVAL).await;
+                if inner.stream_ends.load(Ordering::Acquire) == ends {
+                    break;
+                }
+            }
             inner.trim_pending.store(false, Ordering::Release);
             let _ = tokio::task::spawn_blocking(release_free_memory).await;
         });
@@ -909,6 +953,8 @@ async fn session(
     // directives, no reconnect to wait for).
     let recovery = hello.recovery;
     let (dtx, mut directives) = mpsc::channel(16);
+    // Counted before it can send a batch (and before `connected` lists it).
+    let live = LiveStream::count(&collector.inner.streams);
     // Register before writing "connected": see schedule_lost_check.
     let generation = (!recovery).then(|| collector.register(&agent_id, dtx));
     let stored_hello = hello.clone();
@@ -990,6 +1036,7 @@ async fn session(
             }
         }
     };
+    drop(live);
     if let Some(generation) = generation {
         collector.unregister(&agent_id, generation);
     }
@@ -1051,6 +1098,22 @@ async fn session(
             );
             collector.schedule_lost_check(agent_id, generation, now_ns(), hello_ns);
         }
+    }
+}
+
+/// Counts a stream in [`Inner::streams`] while it lives.
+struct LiveStream<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl LiveStream<'_> {
+    fn count(streams: &std::sync::atomic::AtomicUsize) -> LiveStream<'_> {
+        streams.fetch_add(1, Ordering::Relaxed);
+        LiveStream(streams)
+    }
+}
+
+impl Drop for LiveStream<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -258,6 +258,12 @@ pub async fn serve_with_limits(
         .serve_with_incoming_shutdown(Incoming::new(listener, limits.idle_connection), shutdown)
         .await
         .context("the gRPC server failed")?;
+    let (groups, batches) = collector.group_commits();
+    tracing::info!(
+        groups,
+        batches,
+        "stopped: the writer committed {batches} batches in {groups} group transactions"
+    );
     match collector.inner.fatal.lock().take() {
         Some(why) => Err(anyhow!("stopped serving: {why}")),
         None => Ok(()),

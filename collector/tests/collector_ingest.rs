@@ -434,3 +434,74 @@ async fn many_agents_share_commits_and_acks_follow_them() {
     }
     run.stop().await;
 }
+
+/// Gathering: a group waits for the batches of the other streams (up to the
+/// gather wait) so paced agents share a commit, stops waiting once every
+/// stream's batch is in, and never holds a lone stream's batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_gathers_every_streams_batch_and_no_longer() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    // Far longer than any ack may take (10 s): an ack that comes at all
+    // came without waiting the gather out.
+    let collector = oomscope_collector::ingest::Collector::new(
+        oomscope_collector::store::Store::open(&db).unwrap(),
+        Duration::from_secs(5),
+    )
+    .with_gather_wait(Duration::from_secs(60));
+    let run = serving(&db, collector).await;
+    let mut lone = run.agent(hello("agent-lone", "gathered")).await;
+    lone.send(sample(1, T0)).await;
+    lone.acks_covering(&BTreeSet::from([1]), |_| {}).await;
+    assert_eq!(run.collector.group_commits(), (1, 1));
+
+    let mut others = Vec::new();
+    for a in 0..3 {
+        others.push(run.agent(hello(&format!("agent-o{a}"), "gathered")).await);
+    }
+    eventually(Duration::from_secs(10), || async {
+        (run.collector.connected().len() == 4).then_some(())
+    })
+    .await
+    .expect("four streams connected");
+    // Spread out: without the gather each would commit alone.
+    lone.send(sample(2, T0 + 1_000_000)).await;
+    for (a, agent) in others.iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        agent.send(sample(1, T0 + a as i64)).await;
+    }
+    lone.acks_covering(&BTreeSet::from([2]), |_| {}).await;
+    for agent in &mut others {
+        agent.acks_covering(&BTreeSet::from([1]), |_| {}).await;
+    }
+    assert_eq!(
+        run.collector.group_commits(),
+        (2, 5),
+        "the four streams' batches in one group"
+    );
+    run.stop().await;
+
+    // A stream that sends nothing holds a group for the gather wait only.
+    let db = dir.path().join("bounded.db");
+    let wait = Duration::from_millis(400);
+    let collector = oomscope_collector::ingest::Collector::new(
+        oomscope_collector::store::Store::open(&db).unwrap(),
+        Duration::from_secs(5),
+    )
+    .with_gather_wait(wait);
+    let run = serving(&db, collector).await;
+    let mut sender = run.agent(hello("agent-s", "gathered")).await;
+    let _silent = run.agent(hello("agent-q", "gathered")).await;
+    eventually(Duration::from_secs(10), || async {
+        (run.collector.connected().len() == 2).then_some(())
+    })
+    .await
+    .expect("two streams connected");
+    let sent = std::time::Instant::now();
+    sender.send(sample(1, T0)).await;
+    sender.acks_covering(&BTreeSet::from([1]), |_| {}).await;
+    let took = sent.elapsed();
+    assert!(took >= wait, "acked after {took:?}, before the gather wait");
+    assert_eq!(run.collector.group_commits(), (1, 1));
+    run.stop().await;
+}

@@ -55,6 +55,14 @@ pub struct Figures {
     pub samples: usize,
     /// Mean bytes of a sample message on the wire.
     pub wire_bytes_per_sample: f64,
+    /// Paced: how late the generator itself sent its samples (p99, ms after
+    /// each was due; None unpaced). A late send counts in the ack latency
+    /// (measured from when the sample was due) but is the generator's, not
+    /// the collector's: one thread drives every stream.
+    pub p99_send_late_ms: Option<f64>,
+    /// This generator's own CPU per acked sample: it shares the host with
+    /// the collector it measures.
+    pub generator_cpu_us_per_sample: Option<f64>,
 }
 
 /// The load one run puts on a collector.
@@ -239,19 +247,28 @@ impl Pace {
     }
 }
 
+/// What one stream measured: each sample's ack latency and, paced, how late
+/// each was sent.
+#[derive(Default)]
+struct Timings {
+    acks: Vec<Duration>,
+    late: Vec<Duration>,
+}
+
 /// Sends every sample with at most `window` unacked (and, with `pace`, none
 /// before it is due), then the Goodbye, and returns each sample's ack
-/// latency.
+/// latency (and, paced, its send lateness).
 async fn drive(
     mut stream: Stream,
     frames: Vec<PreEncoded>,
     goodbye: PreEncoded,
     window: usize,
     pace: Option<Pace>,
-) -> Result<Vec<Duration>> {
+) -> Result<Timings> {
     let total = frames.len();
     let mut sent_at: Vec<Option<Instant>> = vec![None; total + 1];
     let mut latencies = Vec::with_capacity(total);
+    let mut late = Vec::with_capacity(if pace.is_some() { total } else { 0 });
     let mut frames = frames.into_iter();
     let (mut next, mut acked) = (0usize, 0usize);
     let goodbye_seq = total as u64 + 1;
@@ -269,7 +286,11 @@ async fn drive(
                 .try_send(frame)
                 .map_err(|_| anyhow!("the stream closed"))?;
             next += 1;
-            sent_at[next] = Some(due.unwrap_or_else(Instant::now));
+            let now = Instant::now();
+            if let Some(due) = due {
+                late.push(now - due);
+            }
+            sent_at[next] = Some(due.unwrap_or(now));
         }
         if acked == total {
             if let Some(g) = goodbye.take() {
@@ -310,7 +331,10 @@ async fn drive(
             Some(Reply::Directive(_)) | None => {}
         }
     }
-    Ok(latencies)
+    Ok(Timings {
+        acks: latencies,
+        late,
+    })
 }
 
 async fn run(url: &str, load: Load) -> Result<Figures> {
@@ -363,31 +387,43 @@ async fn run(url: &str, load: Load) -> Result<Figures> {
             tokio::spawn(drive(s, f.samples, f.goodbye, window, pace))
         })
         .collect();
+    let own_cpu_before = cpu_time(std::process::id());
     let mut latencies = Vec::with_capacity(agents * samples);
+    let mut late = Vec::new();
     for t in tasks {
-        latencies.extend(
-            t.await
-                .map_err(|e| anyhow!("an agent task failed: {e}"))??,
-        );
+        let timings = t
+            .await
+            .map_err(|e| anyhow!("an agent task failed: {e}"))??;
+        latencies.extend(timings.acks);
+        late.extend(timings.late);
     }
     let elapsed = started.elapsed();
     let cpu_after = pid.and_then(cpu_time);
+    let own_cpu_after = cpu_time(std::process::id());
     let total = latencies.len();
     if total != agents * samples {
         bail!("{total} of {} samples acked", agents * samples);
     }
     let ms: Vec<f64> = latencies.iter().map(|d| d.as_secs_f64() * 1e3).collect();
     let quantile = |q| oomscope_analysis::stats::quantile(&ms, q).unwrap_or(0.0);
+    let late_ms: Vec<f64> = late.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    let per_sample = |before: Option<Duration>, after: Option<Duration>| {
+        before
+            .zip(after)
+            .map(|(b, a)| a.saturating_sub(b).as_secs_f64() * 1e6 / total as f64)
+    };
     Ok(Figures {
         acked_samples_per_s: total as f64 / elapsed.as_secs_f64(),
         p50_ack_ms: quantile(0.5),
         p99_ack_ms: quantile(0.99),
-        collector_cpu_us_per_sample: cpu_before
-            .zip(cpu_after)
-            .map(|(b, a)| a.saturating_sub(b).as_secs_f64() * 1e6 / total as f64),
+        collector_cpu_us_per_sample: per_sample(cpu_before, cpu_after),
         agents,
         samples,
         wire_bytes_per_sample: wire as f64 / total as f64,
+        p99_send_late_ms: load
+            .rate
+            .and_then(|_| oomscope_analysis::stats::quantile(&late_ms, 0.99)),
+        generator_cpu_us_per_sample: per_sample(own_cpu_before, own_cpu_after),
     })
 }
 

@@ -261,8 +261,23 @@ impl Open {
         Ok(())
     }
 
+    /// Writes `agent_id`'s buckets changed since its last flush: a batch
+    /// folds one agent's samples, so only its buckets can be dirty at the
+    /// batch's end. (Walking every open bucket instead cost each batch
+    /// 4,000 map entries with 2,000 agents connected: with one-sample
+    /// batches, more than the sample's own rows.)
+    pub(super) fn flush_agent(&mut self, tx: &Connection, agent_id: &str) -> Result<()> {
+        for width_s in WIDTHS_S {
+            if let Some(open) = self.buckets.get_mut(&(agent_id.to_string(), width_s)) {
+                write(tx, agent_id, width_s, open)?;
+                open.dirty = false;
+            }
+        }
+        Ok(())
+    }
+
     /// Writes every bucket changed since the last flush.
-    pub(super) fn flush(&mut self, tx: &Connection) -> Result<()> {
+    fn flush(&mut self, tx: &Connection) -> Result<()> {
         for ((agent_id, width_s), open) in self.buckets.iter_mut() {
             if open.dirty {
                 write(tx, agent_id, *width_s, open)?;

@@ -224,6 +224,19 @@ impl PgStore {
             .map_err(|e| anyhow!("a PostgreSQL task failed: {e}"))?
     }
 
+    /// The one text column `sql` selects for the row of `key` (its `$1`).
+    fn text_by_key(&self, sql: &'static str, key: &str) -> Result<Option<String>> {
+        let (pool, key) = (self.pool.clone(), key.to_string());
+        self.run(async move {
+            Ok(pool
+                .get()
+                .await?
+                .query_opt(sql, &[&key])
+                .await?
+                .map(|r| r.get(0)))
+        })
+    }
+
     /// Creates the day partitions `time_ns` values fall in, once each.
     fn ensure_partitions(&self, times: &[i64]) -> Result<()> {
         let today = super::now_ns().div_euclid(NS_PER_DAY);
@@ -523,15 +536,7 @@ impl Backend for PgStore {
     }
 
     fn state(&self, agent_id: &str) -> Result<Option<String>> {
-        let (pool, agent_id) = (self.pool.clone(), agent_id.to_string());
-        self.run(async move {
-            Ok(pool
-                .get()
-                .await?
-                .query_opt("SELECT state FROM agents WHERE agent_id = $1", &[&agent_id])
-                .await?
-                .map(|r| r.get(0)))
-        })
+        self.text_by_key("SELECT state FROM agents WHERE agent_id = $1", agent_id)
     }
 
     fn insert_incident(&self, incident: &pb::Incident) -> Result<Option<pb::Incident>> {
@@ -549,15 +554,7 @@ impl Backend for PgStore {
     }
 
     fn incident_agent(&self, id: &str) -> Result<Option<String>> {
-        let (pool, id) = (self.pool.clone(), id.to_string());
-        self.run(async move {
-            Ok(pool
-                .get()
-                .await?
-                .query_opt("SELECT agent_id FROM incidents WHERE id = $1", &[&id])
-                .await?
-                .map(|r| r.get(0)))
-        })
+        self.text_by_key("SELECT agent_id FROM incidents WHERE id = $1", id)
     }
 
     fn parts_of(&self, leaders: &[String]) -> Result<Vec<(String, pb::Incident)>> {

@@ -89,4 +89,7 @@ def test_messages_stay_under_the_cap_and_every_request_reaches_the_timeline(coll
     span_s = (points[-1]["time_ns"] - points[0]["time_ns"]) / 1e9
     # At most one per 50 ms over the span, plus the flushes' (warm-up, end).
     assert len(messages) <= span_s * MAX_BATCHES_PER_S + 3, (len(messages), span_s)
-    assert len(messages) < len(points) / 3, (len(messages), len(points))
+    # Each message carries several requests: whole below 4,000 a second, and
+    # past that a thinned batch keeps its extremes (~3 points) and counts
+    # the rest, so the requests, not the points kept, are what it carried.
+    assert len(messages) < n / 3, (len(messages), len(points), n)

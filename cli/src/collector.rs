@@ -41,7 +41,7 @@ pub fn run(opts: Options) -> anyhow::Result<i32> {
         );
     }
     let tokens = token_file.as_deref().map(Tokens::read).transpose()?;
-    let rt = tokio::runtime::Runtime::new()?;
+    let rt = oomscope_collector::serve::runtime()?;
     rt.block_on(async move {
         let shutdown = async {
             let mut term =

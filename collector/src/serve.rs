@@ -20,6 +20,27 @@ use crate::query_service::QueryApi;
 use crate::store::{FileWatch, WriterLock};
 use crate::store::{PgStore, ReaderPool, Store, DEFAULT_PG_POOL, DEFAULT_READERS};
 
+/// Blocking threads the collector's runtime keeps at most (tokio's default
+/// is 512). Its blocking work is the store's (one writer lock, a few
+/// reader connections, the shared store's pool), so more threads only
+/// wait; with 2,000 agents connecting at once the default spawned hundreds,
+/// whose stacks and allocator arenas outlived the agents.
+pub const DEFAULT_BLOCKING_THREADS: usize = 32;
+/// How long an idle blocking thread lives (tokio's default is 10 s), so the
+/// memory of a burst is returned soon after it.
+pub const DEFAULT_BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(2);
+
+/// The runtime a collector process serves on: tokio's multi-threaded one,
+/// its blocking pool bounded by [`DEFAULT_BLOCKING_THREADS`].
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(DEFAULT_BLOCKING_THREADS)
+        .thread_keep_alive(DEFAULT_BLOCKING_KEEP_ALIVE)
+        .thread_name("oomscope-collector")
+        .build()
+}
+
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub db: PathBuf,

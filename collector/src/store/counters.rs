@@ -355,19 +355,25 @@ impl Rebuilder {
                 key_seq
             }
         };
-        let mut chain = conn.prepare_cached(
-            "SELECT seq, body FROM messages
-             WHERE agent_id = ?1 AND seq >= ?2 AND seq < ?3 AND key_seq = ?4 ORDER BY seq",
-        )?;
-        let mut rows = chain.query(params![agent_id, from, seq, key_seq])?;
         let mut decoded = 0;
-        while let Some(row) = rows.next()? {
-            let s: i64 = row.get(0)?;
-            let mut m = decode_message(agent_id, s as u64, row.get_ref(1)?.as_blob()?)?;
-            self.decoder.decode(&mut m).map_err(|e| {
-                anyhow::anyhow!("stored sample of agent {agent_id} seq {s} (chain {key_seq}): {e}")
-            })?;
-            decoded += 1;
+        // The chain's samples from the last decoded one up to this one;
+        // none when samples are read in seq order (no query then).
+        if from < seq {
+            let mut chain = conn.prepare_cached(
+                "SELECT seq, body FROM messages
+                 WHERE agent_id = ?1 AND seq >= ?2 AND seq < ?3 AND key_seq = ?4 ORDER BY seq",
+            )?;
+            let mut rows = chain.query(params![agent_id, from, seq, key_seq])?;
+            while let Some(row) = rows.next()? {
+                let s: i64 = row.get(0)?;
+                let mut m = decode_message(agent_id, s as u64, row.get_ref(1)?.as_blob()?)?;
+                self.decoder.decode(&mut m).map_err(|e| {
+                    anyhow::anyhow!(
+                        "stored sample of agent {agent_id} seq {s} (chain {key_seq}): {e}"
+                    )
+                })?;
+                decoded += 1;
+            }
         }
         if from == key_seq && decoded == 0 {
             self.at = None;

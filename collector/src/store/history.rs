@@ -684,7 +684,7 @@ mod tests {
             assert!(
                 plan.contains(
                     "INDEX messages_by_time (agent_id=? AND kind=? AND time_ns>? AND time_ns<?)"
-                ) || plan.contains("PRIMARY KEY (agent_id=? AND time_ns>? AND time_ns<?)"),
+                ) || plan.contains("INDEX figures_by_key (agent_id=? AND time_ns>? AND time_ns<?)"),
                 "{sql}: {plan}"
             );
         }

@@ -18,6 +18,7 @@ use crate::pb;
 use crate::pb::agent_message::Body;
 use crate::pb::event::Kind as EventKind;
 
+mod arrival;
 mod backend;
 mod counters;
 mod figures;
@@ -33,6 +34,7 @@ mod readers;
 mod retention;
 mod rollups;
 
+pub use arrival::BACK_TO_V7;
 pub use backend::Backend;
 pub use counters::{new_stream, Incoming, Received, StreamPlace, KEYFRAME_INTERVAL};
 pub use file::{FileWatch, WriterLock, DB_FILE_MODE};
@@ -48,7 +50,7 @@ pub use readers::{ReaderPool, DEFAULT_READERS};
 pub use retention::MAX_RETENTION_BATCH;
 
 /// Bump when the schema changes, and add a step to `migrate`.
-const SCHEMA_VERSION: i64 = 7;
+const SCHEMA_VERSION: i64 = 8;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE agents(
@@ -223,6 +225,12 @@ impl Store {
             let tx = self.conn.transaction()?;
             marks::migrate_v7(&tx)?;
             tx.pragma_update(None, "user_version", 7)?;
+            tx.commit()?;
+        }
+        if version < 8 {
+            let tx = self.conn.transaction()?;
+            arrival::migrate_v8(&tx)?;
+            tx.pragma_update(None, "user_version", 8)?;
             tx.commit()?;
         }
         Ok(())

@@ -108,21 +108,29 @@ fn state_of(a: &pb::AgentSummary) -> String {
 /// every text it prints through it, behind the escaping of each
 /// agent-supplied field here (which also shows their newlines).
 pub fn terminal_text(s: &str) -> String {
-    s.split('\n').map(terminal).collect::<Vec<_>>().join("\n")
+    shown(s, |c| c != '\n' && c.is_control())
 }
 
 /// An agent-supplied string as a terminal should see it: control
 /// characters (escapes, bells, newlines) shown visibly, never acted on.
 pub fn terminal(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| -> Vec<char> {
-            if c.is_control() {
-                c.escape_default().collect()
-            } else {
-                vec![c]
-            }
-        })
-        .collect()
+    shown(s, char::is_control)
+}
+
+/// `s` with each character `hide` picks written as its escape. One pass
+/// and one allocation: a 13 MB `timeline --json` goes through it.
+fn shown(s: &str, hide: impl Fn(char) -> bool) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut plain = 0;
+    for (i, c) in s.char_indices() {
+        if hide(c) {
+            out.push_str(&s[plain..i]);
+            out.extend(c.escape_default());
+            plain = i + c.len_utf8();
+        }
+    }
+    out.push_str(&s[plain..]);
+    out
 }
 
 pub fn incidents(list: &[pb::Incident]) -> String {

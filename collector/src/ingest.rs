@@ -622,7 +622,14 @@ impl Collector {
                 }
             }
             inner.trim_pending.store(false, Ordering::Release);
-            let _ = tokio::task::spawn_blocking(release_free_memory).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                // The writer's page cache first, so the trim returns it too.
+                if let Err(e) = inner.store.lock().release_cache() {
+                    tracing::debug!("releasing the store's page cache: {e:#}");
+                }
+                release_free_memory();
+            })
+            .await;
         });
     }
 

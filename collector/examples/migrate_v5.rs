@@ -5,8 +5,9 @@
 //!
 //!     cargo run --release -p oomscope-collector --example migrate_v5 -- [N] [DIR]
 
-use std::collections::HashMap;
 use std::time::Instant;
+
+mod common;
 
 use oomscope_collector::pb;
 use oomscope_collector::pb::agent_message::Body;
@@ -14,39 +15,10 @@ use oomscope_collector::store::Store;
 use prost::Message;
 use rusqlite::params;
 
-fn sample(seq: u64) -> pb::AgentMessage {
-    let raw: HashMap<String, i64> = (0..122)
-        .map(|k: i64| {
-            let moving = if k % 8 == 0 { seq as i64 * 4096 } else { 0 };
-            (
-                format!("allocated_bytes.small_pool.counter_{k}"),
-                k * 1_000_003 + moving,
-            )
-        })
-        .collect();
-    pb::AgentMessage {
-        seq,
-        body: Some(Body::Sample(pb::Sample {
-            time_ns: 1_700_000_000_000_000_000 + seq as i64 * 250_000_000,
-            allocator: vec![pb::AllocatorStats {
-                device: 0,
-                allocated_bytes: seq * 4096,
-                reserved_bytes: seq * 8192,
-                raw,
-                ..Default::default()
-            }],
-            ..Default::default()
-        })),
-    }
-}
-
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let n: u64 = args.get(1).map_or(Ok(200_000), |a| a.parse())?;
-    let dir = match args.get(2) {
-        Some(d) => std::path::PathBuf::from(d),
-        None => std::env::temp_dir(),
-    };
+    let dir = common::store_dir(args.get(2));
     let path = dir.join(format!("migrate-v5-{}.db", std::process::id()));
     let started = Instant::now();
     {
@@ -67,7 +39,7 @@ fn main() -> anyhow::Result<()> {
                 "INSERT INTO messages(agent_id, seq, time_ns, kind, body) VALUES ('a1', ?1, ?2, 'sample', ?3)",
             )?;
             for seq in 1..=n {
-                let m = sample(seq);
+                let m = common::torch_sample(seq);
                 let Some(Body::Sample(s)) = &m.body else {
                     unreachable!()
                 };

@@ -6,44 +6,18 @@
 //!
 //!     cargo run --release -p oomscope-collector --example migrate_v8 -- [N] [A] [DIR]
 
-use std::collections::HashMap;
 use std::time::Instant;
 
-use oomscope_collector::pb;
-use oomscope_collector::pb::agent_message::Body;
-use oomscope_collector::store::{Store, BACK_TO_V7};
+mod common;
 
-fn sample(seq: u64) -> pb::AgentMessage {
-    let raw: HashMap<String, i64> = (0..122)
-        .map(|k: i64| {
-            let moving = if k % 8 == 0 { seq as i64 * 4096 } else { 0 };
-            (format!("allocated_bytes.small_pool.counter_{k}"), k * 1_000_003 + moving)
-        })
-        .collect();
-    pb::AgentMessage {
-        seq,
-        body: Some(Body::Sample(pb::Sample {
-            time_ns: 1_700_000_000_000_000_000 + seq as i64 * 250_000_000,
-            allocator: vec![pb::AllocatorStats {
-                device: 0,
-                allocated_bytes: seq * 4096,
-                reserved_bytes: seq * 8192,
-                raw,
-                ..Default::default()
-            }],
-            ..Default::default()
-        })),
-    }
-}
+use oomscope_collector::pb;
+use oomscope_collector::store::{Store, BACK_TO_V7};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let n: u64 = args.get(1).map_or(Ok(200_000), |a| a.parse())?;
     let agents: u64 = args.get(2).map_or(Ok(16), |a| a.parse())?;
-    let dir = match args.get(3) {
-        Some(d) => std::path::PathBuf::from(d),
-        None => std::env::temp_dir(),
-    };
+    let dir = common::store_dir(args.get(3));
     let path = dir.join(format!("migrate-v8-{}.db", std::process::id()));
     let started = Instant::now();
     {
@@ -62,7 +36,7 @@ fn main() -> anyhow::Result<()> {
         store.begin_group()?;
         for seq in 1..=per_agent {
             for id in &ids {
-                store.insert_batch(id, &[sample(seq)])?;
+                store.insert_batch(id, &[common::torch_sample(seq)])?;
             }
             if seq % (1_000 / agents.max(1)).max(1) == 0 {
                 store.commit_group()?;
@@ -87,7 +61,10 @@ fn main() -> anyhow::Result<()> {
     let store = Store::open(&path)?;
     let took = started.elapsed();
     drop(store);
-    println!("migrated {n} samples to schema v8 in {took:.1?} ({} MB after)", size(&path) / 1_000_000);
+    println!(
+        "migrated {n} samples to schema v8 in {took:.1?} ({} MB after)",
+        size(&path) / 1_000_000
+    );
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }

@@ -28,7 +28,7 @@ pub(super) fn migrate_v8(tx: &Transaction<'_>) -> Result<()> {
              seq        INTEGER NOT NULL,
              time_ns    INTEGER NOT NULL,
              kind       TEXT NOT NULL,      -- 'sample' | 'event' | 'goodbye'
-             event_kind TEXT,               -- the Event oneof's field name, e.g. 'oom'
+             event_kind TEXT,               -- the Event oneof's field name
              body       BLOB NOT NULL,      -- the AgentMessage, counters as changes (counters.rs)
              key_seq    INTEGER,            -- the chain's keyframe (counters.rs)
              whole_len  INTEGER             -- the complete message's bytes, if not body's
@@ -109,7 +109,13 @@ mod tests {
                     Body::Sample(testkit_sample(seq))
                 };
                 store
-                    .insert_batch(agent, &[pb::AgentMessage { seq, body: Some(body) }])
+                    .insert_batch(
+                        agent,
+                        &[pb::AgentMessage {
+                            seq,
+                            body: Some(body),
+                        }],
+                    )
                     .unwrap();
             }
         }
@@ -117,7 +123,10 @@ mod tests {
 
     fn testkit_sample(seq: u64) -> pb::Sample {
         let mut raw = std::collections::HashMap::new();
-        raw.insert("allocated_bytes.all.current".to_string(), (seq * 4096) as i64);
+        raw.insert(
+            "allocated_bytes.all.current".to_string(),
+            (seq * 4096) as i64,
+        );
         raw.insert("num_alloc_retries".to_string(), 0);
         pb::Sample {
             time_ns: seq as i64 * 1_000,
@@ -148,7 +157,9 @@ mod tests {
     fn clustered(path: &Path) -> Vec<String> {
         let conn = rusqlite::Connection::open(path).unwrap();
         let mut stmt = conn
-            .prepare("SELECT name FROM sqlite_schema WHERE sql LIKE '%WITHOUT ROWID%' ORDER BY name")
+            .prepare(
+                "SELECT name FROM sqlite_schema WHERE sql LIKE '%WITHOUT ROWID%' ORDER BY name",
+            )
             .unwrap();
         let names = stmt.query_map([], |r| r.get(0)).unwrap();
         names.map(Result::unwrap).collect()
@@ -179,7 +190,9 @@ mod tests {
 
         let store = Store::open(&path).unwrap();
         assert!(
-            !clustered(&path).iter().any(|t| t == "messages" || t == "figures"),
+            !clustered(&path)
+                .iter()
+                .any(|t| t == "messages" || t == "figures"),
             "{:?}",
             clustered(&path)
         );
@@ -188,12 +201,21 @@ mod tests {
             assert_eq!(&now, was, "agent {agent}");
             // The complete counters, rebuilt across keyframes after the move.
             let last = now.samples.last().unwrap().sample.as_ref().unwrap();
-            assert_eq!(last.allocator[0].raw["allocated_bytes.all.current"], 79 * 4096);
+            assert_eq!(
+                last.allocator[0].raw["allocated_bytes.all.current"],
+                79 * 4096
+            );
         }
         // A resent message is still a duplicate, not a second row.
         let mut store = store;
         let again = store
-            .insert_batch("a1", &[pb::AgentMessage { seq: 5, body: Some(Body::Sample(testkit_sample(5))) }])
+            .insert_batch(
+                "a1",
+                &[pb::AgentMessage {
+                    seq: 5,
+                    body: Some(Body::Sample(testkit_sample(5))),
+                }],
+            )
             .unwrap();
         assert_eq!((again.stored, again.fresh), (vec![5], vec![]));
     }

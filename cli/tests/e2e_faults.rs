@@ -353,6 +353,7 @@ fn a_store_with_corrupt_pages_is_refused_at_start() {
             .collect();
         store.insert_batch("damaged-1", &batch).unwrap();
     } // closed: SQLite checkpoints the WAL into the file
+
     // The schema's own pages (the first, and those its text overflows
     // into), which must stay valid for SQLite to get as far as checking.
     let schema: Vec<usize> = {
@@ -368,9 +369,13 @@ fn a_store_with_corrupt_pages_is_refused_at_start() {
     let pages = bytes.len() / page;
     assert!(pages >= 8, "a store of {pages} pages");
     // Every other page: the header and schema stay valid.
-    let damaged = (1..pages).filter(|p| !schema.contains(&(p + 1))).count();
-    assert!(damaged >= pages / 2, "{damaged} of {pages} pages damaged");
-    for p in (1..pages).filter(|p| !schema.contains(&(p + 1))) {
+    let damaged: Vec<usize> = (1..pages).filter(|p| !schema.contains(&(p + 1))).collect();
+    assert!(
+        damaged.len() >= pages / 2,
+        "{} of {pages} pages damaged",
+        damaged.len()
+    );
+    for p in damaged {
         bytes[p * page..(p + 1) * page].fill(0xA5);
     }
     std::fs::write(&db, &bytes).unwrap();

@@ -1236,7 +1236,7 @@ async fn ingest(
     counters: &mut StreamCounters,
     batch: Vec<pb::AgentMessage>,
     // Held until the batch is stored: bounds what every stream together
-    // holds decoded (see `drain_ready`).
+    // holds decoded (see MAX_DECODED_MESSAGES).
     _decoded: tokio::sync::OwnedSemaphorePermit,
     tx: &ReplyTx,
 ) -> Result<IngestOutcome, ()> {

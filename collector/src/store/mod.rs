@@ -55,7 +55,7 @@ pub use retention::MAX_RETENTION_BATCH;
 /// index, so at 1,000 every commit also checkpointed: each page written
 /// twice and a second fsync. At 16,000 (a 64 MiB WAL) a checkpoint comes
 /// every few commits and writes each page once for all of them: the paced
-/// 2,000-agent run's p99 ack fell from 0.9-1.5 s to 0.3-0.45 s
+/// 2,000-agent run's p99 ack fell from 1.31-1.48 s to 0.32-0.79 s
 /// (BENCHMARKS.md).
 pub const WAL_CHECKPOINT_PAGES: i64 = 16_000;
 

@@ -448,6 +448,8 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
             return d if any(c["kind"] == "leak" for c in d.get("causes", [])) else None
         d = harness.wait_for(leak, 30, every=1.0)
         newest = collector.cli("diagnose", "--agent", "vllm-leak", "--json", check=False)
+        # The verdict that carries the leak: the heap's own once it came.
+        kind = "leak" if d else "host_growth"
         if not d and any(c["kind"] == "host_growth" and "retained_type_bytes_per_request" in c["metrics"]
                          for c in newest.get("causes", [])):
             # Two censuses (the second after the burst, on a loaded machine)
@@ -486,10 +488,11 @@ def test_a_leak_in_the_api_server_is_chained_through_vllms_frozen_heap(tmp_path)
     # server, held by the list, with its runway first.
     assert d["domain"] is None, d
     leak = d["causes"][0]
-    assert leak["kind"] in ("leak", "host_growth"), d["causes"]
+    assert leak["kind"] == kind, d["causes"]
     text = "\n".join(leak["evidence"])
     assert "in the api_server" in text and "module sitecustomize global KEPT" in text, text
     m = leak["metrics"]
     assert abs(m["retained_type_bytes_per_request"] - 256 * 1024) <= 0.05 * 256 * 1024, m
-    assert m.get("requests_seen", 0) <= 100, m
+    if kind == "leak":  # the heap's verdict counts the requests it judged; host_growth has none
+        assert m["requests_seen"] <= 100, m
     assert leak["evidence"][0].startswith("runway: at ") and d["evidence"][0] == leak["evidence"][0], d

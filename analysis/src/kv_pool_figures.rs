@@ -365,7 +365,7 @@ pub fn parse_size(v: &str) -> Option<f64> {
 }
 
 /// The final climb to a limit: from the last reading back while each
-/// reading rose more than `CLIMB_MIN_STEP_BYTES` over the one before.
+/// reading rose steeply over the one before (see `final_climb`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Climb {
     /// Usage just before the climb: what the rest of the process tree held.
@@ -378,21 +378,41 @@ pub struct Climb {
     pub to_ns: i64,
 }
 
+/// A step of the final climb rises at least this share of the steepest step
+/// after it. Start-up rises too (imports, weights, a worker's runtime: tens of
+/// MiB per reading for seconds), and with no pause before the pool it joined
+/// the climb: vLLM's CPU worker went 548 MiB -> 1711 MiB in 12 s of such steps,
+/// then 1711 -> 1798 -> 2249 MiB filling the pool.
+pub const CLIMB_STEEP_SHARE: f64 = 0.1;
+
 /// The climb at the end of `series` (time, usage), oldest first. Readings
 /// that fell at the very end (taken as the kill freed memory) are left out.
+/// Walking back, a reading belongs to the climb while it rose more than
+/// `CLIMB_MIN_STEP_BYTES` and at least `CLIMB_STEEP_SHARE` of the steepest
+/// step after it. Where the pool's size is known, the climb (its filling)
+/// rose no more than the pool: it starts no earlier than `top - pool`.
 /// None without at least one rising step: the samples missed the climb.
-pub fn final_climb(series: &[(i64, u64)]) -> Option<Climb> {
+pub fn final_climb(series: &[(i64, u64)], pool_bytes: Option<u64>) -> Option<Climb> {
     let mut end = series.len().checked_sub(1)?;
     while end > 0 && series[end].1 < series[end - 1].1 {
         end -= 1;
     }
+    let top = series[end].1;
     let mut start = end;
-    while start > 0 && series[start].1 > series[start - 1].1 + CLIMB_MIN_STEP_BYTES {
+    let mut steepest = 0u64;
+    while start > 0 {
+        let step = series[start].1.saturating_sub(series[start - 1].1);
+        let floor = CLIMB_MIN_STEP_BYTES.max((steepest as f64 * CLIMB_STEEP_SHARE) as u64);
+        let within_pool = pool_bytes.is_none_or(|p| top - series[start - 1].1 <= p);
+        if step <= floor || !within_pool {
+            break;
+        }
+        steepest = steepest.max(step);
         start -= 1;
     }
     (start < end).then(|| Climb {
         rest_bytes: series[start].1,
-        top_bytes: series[end].1,
+        top_bytes: top,
         steps: end - start,
         from_ns: series[start].0,
         to_ns: series[end].0,
@@ -599,7 +619,7 @@ mod tests {
             (6, g(2.0)),
             (7, g(2.2)),
         ];
-        let c = final_climb(&series).unwrap();
+        let c = final_climb(&series, None).unwrap();
         assert_eq!(
             (c.rest_bytes, c.top_bytes, c.steps),
             (g(1.6) + 100_000, g(2.2), 3)
@@ -607,9 +627,40 @@ mod tests {
         // A reading after the kill freed memory is not the top.
         let mut after = series.clone();
         after.push((8, g(0.9)));
-        assert_eq!(final_climb(&after), Some(c));
+        assert_eq!(final_climb(&after, None), Some(c));
         // Flat to the end: no climb caught.
-        assert_eq!(final_climb(&[(1, g(1.0)), (2, g(1.0) + MIB_F)]), None);
+        assert_eq!(final_climb(&[(1, g(1.0)), (2, g(1.0) + MIB_F)], None), None);
+    }
+
+    /// vLLM 0.32's CPU worker under a 2,250 MiB limit with a 1 GiB pool, as
+    /// its supervisor read the cgroup every 250 ms (MiB): start-up rose by
+    /// 5-186 MiB a reading for 12 s without a pause, then the pool.
+    const VLLM_START_THEN_POOL_MIB: [u64; 48] = [
+        571, 740, 820, 855, 875, 908, 930, 946, 966, 978, 999, 1015, 1020, 1027, 1031, 1048, 1062,
+        1077, 1100, 1114, 1125, 1137, 1323, 1368, 1391, 1409, 1442, 1466, 1479, 1497, 1508, 1529,
+        1544, 1549, 1555, 1559, 1574, 1591, 1597, 1621, 1636, 1651, 1656, 1668, 1706, 1711, 1798,
+        2249,
+    ];
+
+    #[test]
+    fn start_up_rising_right_before_the_pool_is_not_the_pool() {
+        let series: Vec<(i64, u64)> = VLLM_START_THEN_POOL_MIB
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (i as i64 * 250_000_000, m * MIB))
+            .collect();
+        let c = final_climb(&series, None).unwrap();
+        assert_eq!(
+            (c.rest_bytes, c.top_bytes, c.steps),
+            (1711 * MIB, 2249 * MIB, 2)
+        );
+        // Evenly rising to the end (start-up as steep as the fill): the
+        // known pool bounds the climb.
+        let even: Vec<(i64, u64)> = (0..40).map(|i| (i, (500 + 50 * i as u64) * MIB)).collect();
+        assert_eq!(final_climb(&even, None).unwrap().rest_bytes, 500 * MIB);
+        let bounded = final_climb(&even, Some(1024 * MIB)).unwrap();
+        assert_eq!((bounded.rest_bytes, bounded.steps), (1450 * MIB, 20));
+        assert!(bounded.top_bytes - bounded.rest_bytes <= 1024 * MIB);
     }
 
     #[test]

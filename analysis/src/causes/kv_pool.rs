@@ -81,7 +81,7 @@ pub fn kv_reservation_kill(f: &Findings, v: &DomainVerdict) -> Option<pb::Cause>
         metrics.push(("kv_pool_bytes", b as f64));
     }
     let pool = request.map(|(_, b)| b).or(stated);
-    match kv_pool_figures::final_climb(&series) {
+    match kv_pool_figures::final_climb(&series, pool) {
         Some(c) => {
             let warmup = kv_pool_figures::after_pool_allowance(c.rest_bytes);
             let room = limit as f64 - c.rest_bytes as f64 - warmup as f64;

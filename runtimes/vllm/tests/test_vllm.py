@@ -369,7 +369,7 @@ def test_a_cgroup_oom_kill_of_the_worker_names_the_victim_and_the_vllm_fix(tmp_p
         assert d["victim"]["title"] == "VLLM::Worker", d["victim"]
         assert any("Killed process %d" % d["victim"]["pid"] in e for e in d["evidence"]), d["evidence"]
         kv = [f for f in d["fixes"] if "--kv-cache-memory-bytes" in f["action"]]
-        assert kv and "VLLM_CPU_KVCACHE_SPACE" in kv[0]["action"], d["fixes"]
+        assert kv and "VLLM_CPU_KVCACHE_SPACE" in kv[0]["action"], (d["fixes"], d["evidence"])
         # Under 1 GiB: said in bytes, since VLLM_CPU_KVCACHE_SPACE takes whole GiB.
         proposed = int(kv[0]["action"].split("--kv-cache-memory-bytes ")[1].split("`")[0])
         assert 0 < proposed < 1 << 30, kv[0]

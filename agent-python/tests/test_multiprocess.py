@@ -74,7 +74,10 @@ def test_a_forked_child_keeps_no_connection_and_a_killed_parent_is_lost_at_once(
     try:
         agent_id, child = parent.stdout.readline().split()
         child = int(child)
-        assert state_of(collector, agent_id) == "connected"
+        # The agent's "connected" is its stream opening; the collector lists
+        # it once the Hello on that stream is stored, a moment later.
+        assert wait_for(lambda: state_of(collector, agent_id) == "connected", 10, 0.05), \
+            state_of(collector, agent_id)
         # The parent's stream is a socket to the collector's port that the
         # parent holds; the child must not hold it too (its own agent's
         # connection is another socket).

@@ -12,12 +12,16 @@ import torch
 import oomscope
 
 
-def rss():
+def status(field="VmRSS"):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss():
+    return status()
 
 
 def main():
@@ -44,16 +48,20 @@ def main():
     heap_before = heap()
     server_before = rss() - heap_before
     scanned = []
+    # The server's RSS after each census (and its anonymous part), for a
+    # failure's message: a step at one census, or a creep over all.
+    steps = []
     for _ in range(a.censuses):
         scanned.append(oomscope.census(10.0)["objects_scanned"])
         serve(20)
+        steps.append((rss() - heap(), status("RssAnon") - heap()))
     heap_after = heap()
     server_after = rss() - heap_after
     oomscope.flush(10.0)
     print(json.dumps({
         "heap_before": heap_before, "heap_after": heap_after,
         "server_before": server_before, "server_after": server_after,
-        "objects_scanned": scanned,
+        "objects_scanned": scanned, "server_after_each": steps,
     }), flush=True)
     oomscope.stop()
 

@@ -122,13 +122,22 @@ fn the_readme_cgroup_example_ten_times_is_always_a_cgroup_oom() {
             );
         }
         seen = incs.len();
-        // The supervisor cleaned up the cgroup it made beside /demo.
-        let left: Vec<String> = std::fs::read_dir(&own_dir)
+        // The supervisor cleaned up the cgroup it made beside /demo, named
+        // after its pid. Only this example's supervisors are looked for: the
+        // other tests here run theirs beside their own cgroups at the same time.
+        let agents = col.json(&["agents"]);
+        let ours: Vec<PathBuf> = agents
+            .as_array()
             .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("oomscope-supervisor-"))
+            .iter()
+            .filter(|a| a["hello"]["name"] == "demo" && a["hello"]["role"] == "supervisor")
+            .map(|a| own_dir.join(format!("oomscope-supervisor-{}", a["hello"]["pid"])))
             .collect();
+        assert!(
+            ours.len() > run,
+            "run {run}: its supervisor is not listed: {agents:#}"
+        );
+        let left: Vec<&PathBuf> = ours.iter().filter(|d| d.exists()).collect();
         assert!(left.is_empty(), "run {run}: left behind: {left:?}");
         drop(cg);
     }

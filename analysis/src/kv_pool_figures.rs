@@ -401,10 +401,12 @@ pub fn final_climb(series: &[(i64, u64)], pool_bytes: Option<u64>) -> Option<Cli
     let mut start = end;
     let mut steepest = 0u64;
     while start > 0 {
-        let step = series[start].1.saturating_sub(series[start - 1].1);
+        let before = series[start - 1].1;
+        let step = series[start].1.saturating_sub(before);
         let floor = CLIMB_MIN_STEP_BYTES.max((steepest as f64 * CLIMB_STEEP_SHARE) as u64);
-        let within_pool = pool_bytes.is_none_or(|p| top - series[start - 1].1 <= p);
-        if step <= floor || !within_pool {
+        // An earlier reading may stand above the top (memory freed before the climb).
+        let past_pool = pool_bytes.is_some_and(|p| top.saturating_sub(before) > p);
+        if step <= floor || past_pool {
             break;
         }
         steepest = steepest.max(step);
@@ -661,6 +663,13 @@ mod tests {
         let bounded = final_climb(&even, Some(1024 * MIB)).unwrap();
         assert_eq!((bounded.rest_bytes, bounded.steps), (1450 * MIB, 20));
         assert!(bounded.top_bytes - bounded.rest_bytes <= 1024 * MIB);
+        // A reading above the top before the climb (memory freed, then the
+        // pool): the climb starts after it, with or without a known pool.
+        let freed = [(0, 3000 * MIB), (1, 1700 * MIB), (2, 2200 * MIB)];
+        for pool in [None, Some(1024 * MIB)] {
+            let c = final_climb(&freed, pool).unwrap();
+            assert_eq!((c.rest_bytes, c.steps), (1700 * MIB, 1), "{pool:?}");
+        }
     }
 
     #[test]

@@ -368,7 +368,7 @@ fn a_store_with_corrupt_pages_is_refused_at_start() {
     let page = 4096;
     let pages = bytes.len() / page;
     assert!(pages >= 8, "a store of {pages} pages");
-    // Every other page: the header and schema stay valid.
+    // Every page but the schema's: the header and schema stay valid.
     let damaged: Vec<usize> = (1..pages).filter(|p| !schema.contains(&(p + 1))).collect();
     assert!(
         damaged.len() >= pages / 2,

@@ -131,7 +131,10 @@ fn the_readme_cgroup_example_ten_times_is_always_a_cgroup_oom() {
             .unwrap()
             .iter()
             .filter(|a| a["hello"]["name"] == "demo" && a["hello"]["role"] == "supervisor")
-            .map(|a| own_dir.join(format!("oomscope-supervisor-{}", a["hello"]["pid"])))
+            .map(|a| {
+                let pid = a["hello"]["pid"].as_u64().expect("a supervisor's pid");
+                own_dir.join(format!("oomscope-supervisor-{pid}"))
+            })
             .collect();
         assert!(
             ours.len() > run,
